@@ -1,0 +1,164 @@
+"""Frozen configuration objects: every numerics-relevant choice of every family.
+
+The same objects drive the float64 reference (``sagecupy.reference``) and the GPU
+kernels, so a test can run the reference with exactly the kernel's choices.
+
+Tile sizes that change numbers are fields here, because the SageBwd forward
+quantizes P per token *per KV tile* and the backward quantizes P, dS per
+``(bwd_block_q x bwd_block_kv)`` tile: the reference mirrors those tiles.
+
+SageBwd granularities (SPEC §2-4); every product is an integer matmul whose
+scales factor out of the contraction:
+
+=================  ==========================================================
+field              meaning
+=================  ==========================================================
+q_granularity      ``"token"``: one scale per query row; ``"block"``: one per
+                   ``block_q`` rows (all of D).
+k_granularity      ``"token"`` / ``"block"`` (``block_kv`` rows).
+v_granularity      ``"channel"``: one scale per head-dim column over the whole
+                   sequence; ``"block"``: one per ``block_kv`` rows x D.
+p_unsigned         P (non-negative) on ``[0, 255]`` (``True``, u8 x s8 mma) or
+                   ``[0, 127]`` (``False``, the paper).
+p_bwd_granularity  P feeding ``dV = P^T dO`` (contraction over query rows):
+                   ``"column"``: one scale per key column of the backward tile;
+                   ``"block"``: one per backward tile.
+do_granularity     dO feeding ``dV``: ``"channel"``: one scale per head-dim
+                   column of each ``bwd_block_q`` row block; ``"block"``: one
+                   per ``bwd_block_q`` rows x D.
+ds_granularity     ``"rowcol"``: ``dS diag(s_K)`` quantized per query row for
+                   dQ and ``diag(s_Q) dS`` per key column for dK (two
+                   quantizations); ``"block"``: one scale per backward tile
+                   (still of the folded tensors).
+=================  ==========================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["SageBwdConfig", "NVFP4Config", "QATConfig", "PAPER", "DEFAULT", "get_config"]
+
+_CHOICES = {
+    "q_granularity": ("token", "block"),
+    "k_granularity": ("token", "block"),
+    "v_granularity": ("channel", "block"),
+    "p_bwd_granularity": ("column", "block"),
+    "do_granularity": ("channel", "block"),
+    "ds_granularity": ("rowcol", "block"),
+}
+
+
+@dataclass(frozen=True)
+class SageBwdConfig:
+    """INT8 trainable attention (SageBwd). See the module docstring for the fields."""
+
+    name: str = "default"
+    block_q: int = 128
+    block_kv: int = 64
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 64
+    q_granularity: Literal["token", "block"] = "token"
+    k_granularity: Literal["token", "block"] = "token"
+    v_granularity: Literal["channel", "block"] = "channel"
+    p_unsigned: bool = True
+    p_bwd_granularity: Literal["column", "block"] = "column"
+    do_granularity: Literal["channel", "block"] = "channel"
+    ds_granularity: Literal["rowcol", "block"] = "rowcol"
+    k_smoothing: bool = True
+    q_smoothing: bool = False
+    ds_rowsum_correction: bool = False
+    quantize: bool = True  # False: every quantizer is the identity (tests: equals exact attention)
+
+    def __post_init__(self):
+        for field, allowed in _CHOICES.items():
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"SageBwdConfig.{field}={value!r} is not supported; supported: {allowed}")
+        for field in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 16 or value % 16:
+                raise ValueError(f"SageBwdConfig.{field}={value!r} must be a positive multiple of 16")
+        for field in ("p_unsigned", "k_smoothing", "q_smoothing", "ds_rowsum_correction", "quantize"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"SageBwdConfig.{field} must be a bool, got {getattr(self, field)!r}")
+
+    @property
+    def p_max(self) -> int:
+        """Largest code of quantized P: 255 (unsigned) or 127 (paper)."""
+        return 255 if self.p_unsigned else 127
+
+    def replace(self, **changes) -> "SageBwdConfig":
+        return dataclasses.replace(self, **changes)
+
+
+#: The published SageBwd: per-block Q, K, V, P (backward), dO, dS; P forward per token on [0, 127].
+PAPER = SageBwdConfig(
+    name="paper",
+    q_granularity="block",
+    k_granularity="block",
+    v_granularity="block",
+    p_unsigned=False,
+    p_bwd_granularity="block",
+    do_granularity="block",
+    ds_granularity="block",
+)
+
+#: The project default: the finest granularities integer matmuls allow.
+DEFAULT = SageBwdConfig()
+
+
+@dataclass(frozen=True)
+class NVFP4Config:
+    """NVFP4 attention (SPEC §5): 1x16 E2M1 blocks with E4M3 scales.
+
+    ``two_level_p``: scale each P row to a tile max of 448*6 before the block
+    quantization. ``tensor_scale``: the optional fp32 per-tensor second level for
+    Q, K, V. ``block_kv``: the KV tile over which the two-level row max is taken.
+    """
+
+    name: str = "nvfp4"
+    block_q: int = 128
+    block_kv: int = 64
+    two_level_p: bool = True
+    k_smoothing: bool = True
+    q_smoothing: bool = False
+    tensor_scale: bool = False
+    quantize: bool = True
+
+    def __post_init__(self):
+        for field in ("block_q", "block_kv"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 16 or value % 16:
+                raise ValueError(f"NVFP4Config.{field}={value!r} must be a positive multiple of 16")
+
+    def replace(self, **changes) -> "NVFP4Config":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class QATConfig:
+    """FP4 quantization-aware training (SPEC §6): NVFP4 fake quantization of Q, K, V, P."""
+
+    name: str = "qat"
+    block_kv: int = 64
+    two_level_p: bool = True
+    quantize: bool = True
+
+    def replace(self, **changes) -> "QATConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_NAMED = {"default": DEFAULT, "paper": PAPER}
+
+
+def get_config(name_or_config=None) -> SageBwdConfig:
+    """``None`` -> DEFAULT; ``"paper"``/``"default"`` -> the preset; a SageBwdConfig passes through."""
+    if name_or_config is None:
+        return DEFAULT
+    if isinstance(name_or_config, SageBwdConfig):
+        return name_or_config
+    if isinstance(name_or_config, str) and name_or_config in _NAMED:
+        return _NAMED[name_or_config]
+    raise ValueError(f"config={name_or_config!r} is not supported; supported: 'default', 'paper' or a SageBwdConfig")
