@@ -1,0 +1,484 @@
+"""SageBwd — INT8 trainable attention — simulated in float64: SPEC §3-4 in code.
+
+This is the function the GPU kernels (``sagecupy.int8``) are held to: the same
+quantized operands (codes and scales, bit for bit), the same integer products,
+the same tiles, the same softmax bookkeeping. Only the accumulators differ:
+here everything is float64 (integer products of int8 codes are exact in
+float64), on the GPU int32 / fp32. Every choice is read from a
+:class:`~sagecupy.config.SageBwdConfig` (``PAPER`` or ``DEFAULT`` or your own).
+
+Public API
+----------
+``quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT)``
+    The forward's quantized operands (smoothing included), HND.
+``forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, return_intermediates=False)``
+    ``(o, residuals)`` (``+ intermediates``), ``o`` float64 in ``layout``.
+``backward(residuals, do, *, return_intermediates=False)``
+    ``(dq, dk, dv)`` float64 in the forward's ``layout`` (``+ intermediates``).
+``run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT)``
+    Forward + backward; one dict of everything, HND (for the analysis CLI).
+
+Shapes (HND; ``nqb = ceil(Nq / block_q)``, ``nkb = ceil(Nk / block_kv)``)
+------------------------------------------------------------------------
+=============  =====================  =========================================
+key            shape                  meaning
+=============  =====================  =========================================
+q_codes        (B, Hq, Nq, D) int16   ``Q̂`` of ``sm_scale · (Q − μ_Q)``
+q_scale        (B, Hq, Nq)            ``s_Q`` per row (a block scale repeated
+                                      on its ``block_q`` rows); carries sm_scale
+k_codes        (B, Hkv, Nk, D) int16  ``K̂`` of ``K − μ_K``
+k_scale        (B, Hkv, Nk)           ``s_K`` per row (block scale repeated)
+v_codes        (B, Hkv, Nk, D) int16  ``V̂``
+v_scale        (B, Hkv, nv, D)        ``"channel"``: ``nv = 1``, one scale per
+                                      column; ``"block"``: ``nv = nkb``, row
+                                      ``t`` is block ``t``'s scale repeated on D
+mu_k           (B, Hkv, D)            K mean over all Nk tokens (0 if off)
+mu_q           (B, Hq, nqb, D)        Q mean of each ``block_q`` block (0 if off)
+bias           (B, Hq, nqb, Nk)       ``sm_scale · μ_Qi · (K_j − μ_K)`` (0 if off)
+sm_scale       float                  the resolved softmax scale
+=============  =====================  =========================================
+
+With ``config.quantize=False`` every ψ is the identity: the "codes" are the
+float64 values themselves and the scales are 1 (same shapes), and the
+simulator computes exact attention (tests check 1e-12).
+
+Forward (per batch ``b``, query head ``h``, kv head ``h // (Hq / Hkv)``)
+-----------------------------------------------------------------------
+1. Smoothing. ``μ_K`` = mean of K over its Nk tokens (``config.k_smoothing``),
+   ``Ks = K − μ_K``. With ``config.q_smoothing``: for each block ``i`` of
+   ``block_q`` query rows (from row 0, last partial) ``μ_Qi`` = mean of its
+   rows, ``Qs = Q − μ_Qi`` and ``bias_i[j] = sm_scale · μ_Qi · Ks_jᵀ``.
+2. ``Q̂, s_Q = ψ(sm_scale · Qs)`` per token or per ``block_q`` rows;
+   ``K̂, s_K = ψ(Ks)`` per token or per ``block_kv`` rows; ``V̂, s_V = ψ(V)``
+   per channel over all Nk or per ``block_kv`` rows × D.
+3. ``S_ij = ((Q̂ K̂ᵀ)_ij · s_Q[i]) · s_K[j] + bias_i[j]``, ``−inf`` where
+   query ``i`` may not see key ``j`` (bottom-right causal mask)::
+
+       Nq=3, Nk=5, causal      1 1 1 0 0
+       (1 = visible)           1 1 1 1 0
+                               1 1 1 1 1
+
+4. Online softmax over KV tiles ``t`` (keys ``[t·block_kv, (t+1)·block_kv)``,
+   aligned at key 0), ``r_t = rowmax`` of the visible ``S`` in tile ``t``
+   (a tile with no visible key in a row contributes nothing to it)::
+
+       m_t  = max(m_{t−1}, r_t)
+       l_t  = e^{m_{t−1} − m_t} l_{t−1} + Σ_j e^{S_j − m_t}           (unquantized P̃)
+       P̂_t  = rint(p_max · e^{S − r_t})                                (per token per tile)
+       s_P  = e^{r_t − m_t} / p_max
+       O_t  = e^{m_{t−1} − m_t} O_{t−1} + (P̂_t V̂_t) · s_P · s_V
+       O    = O_last / l_last,   lse_internal = m_last + log l_last
+
+   ``p_max`` is ``config.p_max`` (255 unsigned, 127 paper).
+
+   **Implemented non-tiled.** ``P̂_t`` depends only on ``S`` and ``r_t``, not on
+   the running max, so it is the same whichever order the tiles are visited
+   in. Unrolling the recurrence with ``M = m_last = max_t r_t`` (the row max),
+   the rescale factors telescope, ``Π_{u>t} e^{m_{u−1} − m_u} = e^{m_t − M}``::
+
+       O_last = Σ_t e^{m_t − M} · e^{r_t − m_t} / p_max · (P̂_t V̂_t) s_V
+              = Σ_t (e^{r_t − M} / p_max) · (P̂_t V̂_t) s_V
+       l_last = Σ_t e^{m_t − M} Σ_{j∈t} e^{S_j − m_t} = Σ_j e^{S_j − M}
+
+   so ``O = [Σ_t w_t P̂_t (V̂_t s_V)] / Σ_j e^{S_j − M}`` with the per-(row, tile)
+   weight ``w_t = e^{r_t − M} / p_max`` and ``lse_internal = M + log l``: the
+   online algorithm and this closed form are the same function up to float
+   rounding. The code forms the matrix ``A_ij = P̂_ij · w_{t(j)}`` and does one
+   matmul ``A · (V̂ ⊙ s_V)``. (A test checks it against a literal tile loop.)
+   Fully masked rows (``M = −inf``): ``O = 0``, ``lse = −inf``, no NaN.
+
+5. The public LSE is that of the *unsmoothed* logits ``sm_scale · q_i · k_j``:
+   since ``S_ij ≈ sm_scale · q_i · (k_j − μ_K)`` (the Q-smoothing bias restores
+   ``q_i`` exactly), ``lse = lse_internal + sm_scale · q_i · μ_K`` with the
+   unsmoothed ``q_i``. The backward uses ``lse_internal``.
+
+Backward (tiles of ``bwd_block_q`` query rows × ``bwd_block_kv`` keys, aligned at 0)
+-----------------------------------------------------------------------------------
+1. ``δ_i = rowsum(dO ∘ O)`` with the forward's ``O``. ``dÔ, s_dO = ψ(dO)``:
+   ``do_granularity="block"`` one scale per ``bwd_block_q`` rows × D,
+   ``"channel"`` one per (row block, column).
+2. Per tile: ``S`` recomputed exactly as in the forward; ``P = exp(S − lse_internal)``
+   (0 where invisible or in a fully masked row). ``P̂, s_P = ψ(P, qmax=p_max,
+   unsigned=p_unsigned)``: ``p_bwd_granularity="column"`` one scale per key
+   column over the tile's rows, ``"block"`` one per tile.
+   ``dV_j += (P̂ᵀ dÔ_i) · s_P[col] · s_dO[i, d]``. ``dP = dO Vᵀ`` (exact,
+   never quantized), ``dS = P ∘ (dP − δ)``.
+   dQ: ``X = dS · diag(s_K)``, ``X̂, s_X = ψ(X)`` per query row over the tile's
+   columns (``ds_granularity="rowcol"``) or per tile (``"block"``);
+   ``dQ_i += sm_scale · (X̂ K̂_j) · s_X``.
+   dK: ``Y = diag(s_Q) · dS``, ``Ŷ, s_Y = ψ(Y)`` per key column over the tile's
+   rows (``"rowcol"``) or per tile (``"block"``); ``dK_j += (Ŷᵀ Q̂_i) · s_Y``.
+3. ``q_smoothing``: ``dK_j += sm_scale · Σ_i colsum(dS_ij)ᵀ ⊗ μ_Qi`` (computed
+   as ``sm_scale · dSᵀ M_Q`` with ``M_Q`` the per-row block means).
+   ``ds_rowsum_correction``: ``dQ_i += sm_scale · rowsum(dS_i) · μ_K``.
+   GQA: dK, dV summed over the query heads of each kv head.
+
+Every scale is constant along the contraction of the product it multiplies,
+so a tile sum ``Σ_tiles (Â_t B̂_t) s_t`` equals ``(Â ⊙ s_A)(B̂ ⊙ s_B)`` of the
+dequantized operands; the code uses that form (one matmul per product and
+head), which again differs from the kernels only in accumulation order.
+
+The simulator loops over (batch, query head) and holds whole ``(Nq, Nk)``
+matrices per head; the memory limit of the kernels does not apply here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sagecupy.config import DEFAULT, SageBwdConfig, get_config
+
+from .attention import (
+    as_float64,
+    check_qkv,
+    from_hnd,
+    kv_head_index,
+    resolve_sm_scale,
+    sum_kv_groups,
+    to_hnd,
+    visible_mask,
+)
+from .quant import INT8_QMAX, quantize_tiles
+
+__all__ = ["quantize_inputs", "forward", "backward", "run", "RESIDUAL_KEYS"]
+
+#: Keys of the ``residuals`` dict returned by :func:`forward` (SPEC §3.5).
+RESIDUAL_KEYS = (
+    "q_codes",       # (B, Hq, Nq, D) int16
+    "q_scale",       # (B, Hq, Nq)
+    "k_codes",       # (B, Hkv, Nk, D) int16
+    "k_scale",       # (B, Hkv, Nk)
+    "v",             # (B, Hkv, Nk, D) float64, the unquantized V (dP = dO Vᵀ)
+    "o",             # (B, Hq, Nq, D) float64, the forward output
+    "lse_internal",  # (B, Hq, Nq), LSE of the smoothed quantized logits S (backward's P)
+    "lse",           # (B, Hq, Nq), public LSE of the unsmoothed logits
+    "mu_k",          # (B, Hkv, D)
+    "mu_q",          # (B, Hq, nqb, D)
+    "bias",          # (B, Hq, nqb, Nk)
+    "causal",        # bool
+    "sm_scale",      # float
+    "layout",        # "HND" | "NHD" (the layout of the caller's arrays)
+    "config",        # SageBwdConfig
+)
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+
+
+def _quant(cfg: SageBwdConfig, x, tile_rows, tile_cols, *, qmax=INT8_QMAX, unsigned=False):
+    """:func:`quantize_tiles`, or the identity (values, unit scales of the same shape) if not ``cfg.quantize``."""
+    if cfg.quantize:
+        return quantize_tiles(x, tile_rows, tile_cols, qmax=qmax, unsigned=unsigned)
+    N, D = x.shape[-2:]
+    shape = (*x.shape[:-2], 1 if tile_rows is None else N, 1 if tile_cols is None else D)
+    return np.array(x, dtype=np.float64), np.ones(shape)
+
+
+def _rows(blocks: np.ndarray, block: int, n: int) -> np.ndarray:
+    """Repeat per-block rows ``(..., nblocks, X)`` on their ``block`` rows -> ``(..., n, X)``."""
+    return np.repeat(blocks, block, axis=-2)[..., :n, :]
+
+
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _logits(qc, qs, kc, ks, bias_rows, mask) -> np.ndarray:
+    """``S = ((Q̂ K̂ᵀ) · s_Q[i]) · s_K[j] + bias``, ``−inf`` where ``mask`` is False.
+
+    ``qc (Nq, D)``, ``kc (Nk, D)`` codes; ``qs (Nq,)``, ``ks (Nk,)`` per-row
+    scales; ``bias_rows (Nq, Nk)``. The code product is computed in float64,
+    which is exact for int8 codes (|Σ| <= 255·127·D << 2^53).
+    """
+    s = (np.asarray(qc, np.float64) @ np.asarray(kc, np.float64).T) * qs[:, None] * ks[None, :]
+    return np.where(mask, s + bias_rows, -np.inf)
+
+
+def _forward_head(S, pv_rhs, cfg: SageBwdConfig):
+    """The closed form of the online softmax (module docstring, step 4) for one head.
+
+    ``S (Nq, Nk)`` logits (``−inf`` = invisible), ``pv_rhs = V̂ ⊙ s_V`` per row
+    ``(Nk, D)``. Returns ``o, lse_internal, tile_max (Nq, T), m (Nq,), l (Nq,),
+    p_codes (Nq, Nk), p_weight (Nq, T)``. "No visible key" is tested as
+    ``== −inf`` (not ``isfinite``) so that a NaN input propagates into ``O``.
+    """
+    Nq, Nk = S.shape
+    bkv = cfg.block_kv
+    T = -(-Nk // bkv)
+    padded = np.full((Nq, T * bkv), -np.inf)
+    padded[:, :Nk] = S
+    tiles = padded.reshape(Nq, T, bkv)
+    tile_max = tiles.max(axis=-1)                       # r_t, −inf for a tile with no visible key
+    tile_seen = tile_max != -np.inf
+    r_safe = np.where(tile_seen, tile_max, 0.0)         # avoids −inf − (−inf)
+    p_tilde = np.exp(tiles - r_safe[..., None])         # e^{S − r_t} in [0, 1], 0 where invisible
+    p_codes = p_tilde * cfg.p_max
+    if cfg.quantize:
+        p_codes = np.rint(p_codes)                      # P̂ = rint(p_max · e^{S − r_t})
+    m = tile_max.max(axis=-1)                           # M, the row max
+    row_seen = m != -np.inf
+    m_safe = np.where(row_seen, m, 0.0)
+    p_weight = np.where(tile_seen, np.exp(r_safe - m_safe[:, None]), 0.0) / cfg.p_max   # w_t
+    a = (p_codes * p_weight[..., None]).reshape(Nq, T * bkv)[:, :Nk]
+    o_num = a @ pv_rhs
+    l = np.exp(S - m_safe[:, None]).sum(axis=-1)        # unquantized row sum
+    l_safe = np.where(row_seen, l, 1.0)
+    o = np.where(row_seen[:, None], o_num / l_safe[:, None], 0.0)
+    lse = np.where(row_seen, m_safe + np.log(l_safe), -np.inf)
+    p_codes = p_codes.reshape(Nq, T * bkv)[:, :Nk]
+    return o, lse, tile_max, m, l, p_codes, p_weight
+
+
+def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, cfg: SageBwdConfig):
+    """SPEC §4 for one head; returns ``(dq, dk, dv, intermediates)`` (module docstring, Backward)."""
+    bq, bkv = cfg.bwd_block_q, cfg.bwd_block_kv
+    delta = np.sum(do * o, axis=-1)
+    do_codes, do_scale = _quant(cfg, do, bq, None if cfg.do_granularity == "block" else 1)
+    row_ok = lse != -np.inf
+    lse_safe = np.where(row_ok, lse, 0.0)
+    p = np.where(row_ok[:, None], np.exp(S - lse_safe[:, None]), 0.0)   # 0 where S = −inf
+    p_codes, p_scale = _quant(
+        cfg, p, bq, 1 if cfg.p_bwd_granularity == "column" else bkv, qmax=cfg.p_max, unsigned=cfg.p_unsigned
+    )
+    dv = (p_codes * p_scale).T @ (do_codes * do_scale)
+    dp = do @ v.T
+    ds = p * (dp - delta[:, None])
+    x = ds * ks[None, :]                                 # fold s_K into dS (dQ path)
+    x_codes, x_scale = _quant(cfg, x, 1 if cfg.ds_granularity == "rowcol" else bq, bkv)
+    dq = sm_scale * ((x_codes * x_scale) @ np.asarray(kc, np.float64))
+    y = qs[:, None] * ds                                 # fold s_Q into dS (dK path)
+    y_codes, y_scale = _quant(cfg, y, bq, 1 if cfg.ds_granularity == "rowcol" else bkv)
+    dk = (y_codes * y_scale).T @ np.asarray(qc, np.float64)
+    if cfg.q_smoothing:
+        dk = dk + sm_scale * (ds.T @ mu_q_rows)
+    if cfg.ds_rowsum_correction:
+        dq = dq + sm_scale * ds.sum(axis=-1)[:, None] * mu_k[None, :]
+    inter = {
+        "delta": delta, "P": p, "dP": dp, "dS": ds,
+        "dO_codes": do_codes, "dO_scale": do_scale,
+        "P_bwd_codes": p_codes, "P_bwd_scale": p_scale,
+        "X_codes": x_codes, "X_scale": x_scale,
+        "Y_codes": y_codes, "Y_scale": y_scale,
+    }
+    return dq, dk, dv, inter
+
+
+# ----------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------
+
+
+def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT) -> dict:
+    """Smoothing and quantization of the forward's operands (steps 1-2); a dict of HND arrays.
+
+    Keys and shapes are in the module docstring's table: ``q_codes, q_scale,
+    k_codes, k_scale, v_codes, v_scale, mu_k, mu_q, bias, sm_scale``.
+    """
+    cfg = get_config(config)
+    B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
+    scale = resolve_sm_scale(sm_scale, D)
+    qh = as_float64(to_hnd(q, layout), "q")
+    kh = as_float64(to_hnd(k, layout), "k")
+    vh = as_float64(to_hnd(v, layout), "v")
+
+    mu_k = kh.mean(axis=-2) if cfg.k_smoothing else np.zeros((B, Hkv, D))
+    ks = kh - mu_k[..., None, :]
+    nqb = -(-Nq // cfg.block_q)
+    if cfg.q_smoothing:
+        padded = np.zeros((B, Hq, nqb * cfg.block_q, D))
+        padded[..., :Nq, :] = qh
+        sums = padded.reshape(B, Hq, nqb, cfg.block_q, D).sum(axis=-2)
+        counts = np.minimum(cfg.block_q, Nq - cfg.block_q * np.arange(nqb))   # last block partial
+        mu_q = sums / counts[:, None]
+        ks_q = ks[:, kv_head_index(Hq, Hkv)]                                  # (B, Hq, Nk, D)
+        bias = scale * (mu_q @ np.swapaxes(ks_q, -1, -2))                     # (B, Hq, nqb, Nk)
+    else:
+        mu_q = np.zeros((B, Hq, nqb, D))
+        bias = np.zeros((B, Hq, nqb, Nk))
+    qs = qh - _rows(mu_q, cfg.block_q, Nq)
+
+    q_rows = 1 if cfg.q_granularity == "token" else cfg.block_q
+    k_rows = 1 if cfg.k_granularity == "token" else cfg.block_kv
+    q_codes, q_scale = _quant(cfg, scale * qs, q_rows, None)
+    k_codes, k_scale = _quant(cfg, ks, k_rows, None)
+    if cfg.v_granularity == "channel":
+        v_codes, v_scale = _quant(cfg, vh, None, 1)                           # (B, Hkv, 1, D)
+    else:
+        v_codes, v_scale = _quant(cfg, vh, cfg.block_kv, None)                # per row (B, Hkv, Nk, 1)
+        v_scale = np.ascontiguousarray(np.broadcast_to(v_scale[..., :: cfg.block_kv, :],
+                                                       (B, Hkv, -(-Nk // cfg.block_kv), D)))
+    return {
+        "q_codes": q_codes, "q_scale": q_scale[..., 0],
+        "k_codes": k_codes, "k_scale": k_scale[..., 0],
+        "v_codes": v_codes, "v_scale": v_scale,
+        "mu_k": mu_k, "mu_q": mu_q, "bias": bias, "sm_scale": scale,
+    }
+
+
+def _v_rows(v_scale: np.ndarray, cfg: SageBwdConfig, Nk: int) -> np.ndarray:
+    """One head's ``v_scale (nv, D)`` as per-row scales ``(Nk, D)`` or ``(1, D)``."""
+    if cfg.v_granularity == "channel":
+        return v_scale
+    return _rows(v_scale, cfg.block_kv, Nk)
+
+
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, return_intermediates=False):
+    """SageBwd forward. Returns ``(o, residuals)`` or ``(o, residuals, intermediates)``.
+
+    ``o``: float64 in ``layout``. ``residuals``: dict with :data:`RESIDUAL_KEYS`
+    (HND arrays, see the module docstring). ``intermediates`` (HND float64):
+
+    * ``"S"`` ``(B, Hq, Nq, Nk)``: the smoothed quantized logits (``−inf`` invisible);
+    * ``"tile_max"`` ``(B, Hq, Nq, T)``, ``T = ceil(Nk / block_kv)``: ``r_t``
+      (``−inf`` where a row sees no key of tile ``t``);
+    * ``"m"``, ``"l"`` ``(B, Hq, Nq)``: the row max ``M`` and ``Σ_j e^{S_j − M}``;
+    * ``"P_fwd_codes"`` ``(B, Hq, Nq, Nk)``: ``P̂`` (int16; float64 if not
+      quantizing); ``"P_fwd_weight"`` ``(B, Hq, Nq, T)``: ``w_t = e^{r_t − M}/p_max``,
+      the online ``s_P`` of tile ``t`` rescaled to the final max;
+    * ``"P"`` ``(B, Hq, Nq, Nk)``: ``exp(S − lse_internal)``, the softmax of ``S``.
+    """
+    cfg = get_config(config)
+    causal = _check_bool(causal, "causal")
+    return_intermediates = _check_bool(return_intermediates, "return_intermediates")
+    B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
+    qi = quantize_inputs(q, k, v, sm_scale=sm_scale, layout=layout, config=cfg)
+    scale = qi["sm_scale"]
+    qh = as_float64(to_hnd(q, layout), "q")
+    vh = as_float64(to_hnd(v, layout), "v")
+    mask = visible_mask(Nq, Nk, causal)
+    kv_of = kv_head_index(Hq, Hkv)
+    T = -(-Nk // cfg.block_kv)
+
+    o = np.zeros((B, Hq, Nq, D))
+    lse_int = np.zeros((B, Hq, Nq))
+    if return_intermediates:
+        inter = {
+            "S": np.zeros((B, Hq, Nq, Nk)), "tile_max": np.zeros((B, Hq, Nq, T)),
+            "m": np.zeros((B, Hq, Nq)), "l": np.zeros((B, Hq, Nq)),
+            "P_fwd_codes": np.zeros((B, Hq, Nq, Nk), dtype=np.int16 if cfg.quantize else np.float64),
+            "P_fwd_weight": np.zeros((B, Hq, Nq, T)), "P": np.zeros((B, Hq, Nq, Nk)),
+        }
+    for b in range(B):
+        for h in range(Hq):
+            g = kv_of[h]
+            S = _logits(qi["q_codes"][b, h], qi["q_scale"][b, h], qi["k_codes"][b, g], qi["k_scale"][b, g],
+                        _rows(qi["bias"][b, h], cfg.block_q, Nq), mask)
+            pv_rhs = qi["v_codes"][b, g] * _v_rows(qi["v_scale"][b, g], cfg, Nk)
+            o[b, h], lse_int[b, h], tmax, m, l, pc, pw = _forward_head(S, pv_rhs, cfg)
+            if return_intermediates:
+                inter["S"][b, h], inter["tile_max"][b, h], inter["m"][b, h], inter["l"][b, h] = S, tmax, m, l
+                inter["P_fwd_codes"][b, h], inter["P_fwd_weight"][b, h] = pc, pw
+                seen = lse_int[b, h] != -np.inf
+                lse_safe = np.where(seen, lse_int[b, h], 0.0)
+                inter["P"][b, h] = np.where(seen[:, None], np.exp(S - lse_safe[:, None]), 0.0)
+
+    # Public LSE: add back sm_scale · q_i · μ_K with the unsmoothed q (step 5).
+    q_dot_mu = np.einsum("bhnd,bhd->bhn", qh, qi["mu_k"][:, kv_of])
+    lse = np.where(lse_int != -np.inf, lse_int + scale * q_dot_mu, -np.inf)
+    residuals = {
+        "q_codes": qi["q_codes"], "q_scale": qi["q_scale"],
+        "k_codes": qi["k_codes"], "k_scale": qi["k_scale"],
+        "v": vh, "o": o, "lse_internal": lse_int, "lse": lse,
+        "mu_k": qi["mu_k"], "mu_q": qi["mu_q"], "bias": qi["bias"],
+        "causal": causal, "sm_scale": scale, "layout": layout, "config": cfg,
+    }
+    out = from_hnd(o, layout)
+    if return_intermediates:
+        return out, residuals, inter
+    return out, residuals
+
+
+def _check_residuals(residuals) -> None:
+    if not isinstance(residuals, dict):
+        raise TypeError(f"residuals must be the dict returned by forward(), got {type(residuals).__name__}")
+    missing = [key for key in RESIDUAL_KEYS if key not in residuals]
+    if missing:
+        raise ValueError(f"residuals is missing keys {missing}; pass the dict returned by forward()")
+    if not isinstance(residuals["config"], SageBwdConfig):
+        raise TypeError(f"residuals['config'] must be a SageBwdConfig, got {type(residuals['config']).__name__}")
+
+
+def backward(residuals, do, *, return_intermediates=False):
+    """SageBwd backward. Returns ``(dq, dk, dv)`` float64 in the forward's layout (``+ intermediates``).
+
+    ``do`` has the shape of the forward output (in the forward's ``layout``).
+    ``intermediates`` (HND float64 unless noted):
+
+    * ``"delta"`` ``(B, Hq, Nq)``; ``"P"``, ``"dP"``, ``"dS"`` ``(B, Hq, Nq, Nk)``
+      (``dS`` in exact arithmetic from the simulated ``P``; the tensor that is
+      then folded and quantized);
+    * ``"dO_codes"`` ``(B, Hq, Nq, D)`` int16, ``"dO_scale"`` ``(B, Hq, Nq, 1)``
+      (``"block"``: a row block's scale repeated on its rows) or
+      ``(B, Hq, Nq, D)`` (``"channel"``);
+    * ``"P_bwd_codes"``, ``"X_codes"`` (``dS·diag(s_K)``), ``"Y_codes"``
+      (``diag(s_Q)·dS``) ``(B, Hq, Nq, Nk)`` int16 and their ``*_scale``
+      ``(B, Hq, Nq, Nk)`` (each tile's scale repeated over the entries it covers).
+
+    With ``config.quantize=False`` the codes are float64 values and scales 1.
+    """
+    _check_residuals(residuals)
+    return_intermediates = _check_bool(return_intermediates, "return_intermediates")
+    cfg: SageBwdConfig = residuals["config"]
+    layout = residuals["layout"]
+    scale = residuals["sm_scale"]
+    B, Hq, Nq, D = residuals["o"].shape
+    Hkv, Nk = residuals["k_codes"].shape[1:3]
+    if not hasattr(do, "ndim") or not hasattr(do, "shape"):
+        raise TypeError(f"do must be a NumPy array, got {type(do).__name__}")
+    if do.ndim != 4 or tuple(to_hnd(do, layout).shape) != (B, Hq, Nq, D):
+        raise ValueError(f"do must have the output's HND shape {(B, Hq, Nq, D)} ({layout=}), got shape {tuple(do.shape)}")
+    doh = as_float64(to_hnd(do, layout), "do")
+    mask = visible_mask(Nq, Nk, residuals["causal"])
+    kv_of = kv_head_index(Hq, Hkv)
+
+    dq = np.zeros((B, Hq, Nq, D))
+    dk = np.zeros((B, Hq, Nk, D))   # per query head; summed over GQA groups at the end
+    dv = np.zeros((B, Hq, Nk, D))
+    inter = {}
+    for b in range(B):
+        for h in range(Hq):
+            g = kv_of[h]
+            qc, qs = residuals["q_codes"][b, h], residuals["q_scale"][b, h]
+            kc, ks = residuals["k_codes"][b, g], residuals["k_scale"][b, g]
+            S = _logits(qc, qs, kc, ks, _rows(residuals["bias"][b, h], cfg.block_q, Nq), mask)
+            dq[b, h], dk[b, h], dv[b, h], head = _backward_head(
+                S, residuals["lse_internal"][b, h], residuals["o"][b, h], doh[b, h], residuals["v"][b, g],
+                qc, qs, kc, ks, _rows(residuals["mu_q"][b, h], cfg.block_q, Nq), residuals["mu_k"][b, g],
+                scale, cfg,
+            )
+            if return_intermediates:
+                for key, value in head.items():
+                    if key not in inter:
+                        inter[key] = np.zeros((B, Hq, *value.shape), dtype=value.dtype)
+                    inter[key][b, h] = value
+    grads = (dq, sum_kv_groups(dk, Hkv), sum_kv_groups(dv, Hkv))
+    grads = tuple(from_hnd(x, layout) for x in grads)
+    if return_intermediates:
+        return (*grads, inter)
+    return grads
+
+
+def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT) -> dict:
+    """Forward and backward with every intermediate, as one dict of HND float64 arrays.
+
+    The keys shared with :func:`sagecupy.reference.attention.attention_intermediates`
+    mean the same thing: ``"O"``, ``"lse"`` (public), ``"dQ"``, ``"dK"``, ``"dV"``
+    (HND whatever ``layout`` the inputs use), ``"S"``, ``"P"``, ``"dP"``,
+    ``"dS"`` ``(B, Hq, Nq, Nk)``, ``"delta"`` ``(B, Hq, Nq)``. Also
+    ``"lse_internal"`` and the forward's and backward's other intermediates
+    (see :func:`forward` and :func:`backward`; the backward's ``"P"`` is
+    reported, which equals the forward's).
+    """
+    o, residuals, fwd = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
+                                return_intermediates=True)
+    dq, dk, dv, bwd = backward(residuals, do, return_intermediates=True)
+    out = dict(fwd)
+    out.update(bwd)
+    out.update({
+        "O": residuals["o"], "lse": residuals["lse"], "lse_internal": residuals["lse_internal"],
+        "dQ": to_hnd(dq, layout), "dK": to_hnd(dk, layout), "dV": to_hnd(dv, layout),
+    })
+    return out
