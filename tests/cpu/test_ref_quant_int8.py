@@ -197,7 +197,7 @@ def test_block_boundaries_partial_last_block():
     np.testing.assert_array_equal(scale[16:32, 0], 2.0)
     np.testing.assert_array_equal(scale[32:, 0], 0.5)
     assert codes[3, 0] == 127 and codes[20, 1] == -127 and codes[36, 2] == 127
-    assert codes[0, 0] == 127 and codes[16, 0] == 0 and codes[32, 0] == 2  # 1/2 = 0.5 -> 0 (tie to even)
+    assert codes[0, 0] == 1 and codes[16, 0] == 0 and codes[32, 0] == 2  # 1/2 = 0.5 -> 0 (tie to even)
     # a block larger than N is one block
     codes, scale = quantize_per_block(x, 64)
     np.testing.assert_array_equal(scale, 2.0)
