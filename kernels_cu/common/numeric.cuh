@@ -1,0 +1,84 @@
+// Conversions and small numeric helpers shared by the kernels.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace sage {
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Two floats -> packed pair of T (low half = a).
+template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// int32 -> float exactly for |x| < 2^22, on the FP32/INT pipes instead of the slower I2F:
+// 0x4B400000 is 1.5 * 2^23; adding x to its bit pattern puts x in the mantissa.
+__device__ __forceinline__ float i2f_small(int x) {
+  return __int_as_float(x + 0x4B400000) - 12582912.0f;
+}
+
+// round-half-even(a * b) for results in [0, 2^22), returned as its low byte in a uint:
+// fma(a, b, 1.5 * 2^23) rounds to nearest even at the integer position.
+__device__ __forceinline__ unsigned f2u8_rn_fma(float a, float b) {
+  return __float_as_uint(fmaf(a, b, 12582912.0f)) & 0xFFu;
+}
+
+// Signed variant: round-half-even(a * b) for |result| < 2^22 -> int8 code in the low byte.
+__device__ __forceinline__ unsigned f2s8_rn_fma(float a, float b) {
+  return static_cast<unsigned>(__float_as_int(fmaf(a, b, 12582912.0f)) - 0x4B400000) & 0xFFu;
+}
+
+__device__ __forceinline__ unsigned pack4_u8(unsigned b0, unsigned b1, unsigned b2, unsigned b3) {
+  return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+}
+
+// 2^x on the special-function unit (flush-to-zero; exp2(-inf) = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float warp_max_xor(float v, int lanemask_from, int lanemask_to) {
+  for (int m = lanemask_from; m <= lanemask_to; m <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Position of key j inside its 32-key group in the "mma-permuted" order: the order in which an
+// m16n8 accumulator tile pair, re-packed as the A operand of m16n8k32, presents its columns.
+// Thread t of a quad holds columns {2t, 2t+1, 8+2t, 9+2t} of a 16-column half and packs them as
+// k = 4t..4t+3, so operands that meet a re-packed accumulator along k are stored in this order.
+__host__ __device__ __forceinline__ int mma_perm32(int j) {
+  int half16 = (j >> 4) & 1, jj = j & 15;
+  int t = (jj & 7) >> 1, q = ((jj >> 3) << 1) | (jj & 1);
+  return (half16 << 4) | (t << 2) | q;
+}
+
+// Inverse of mma_perm32: the key stored at position p of a 32-key group.
+__host__ __device__ __forceinline__ int mma_perm32_inv(int p) {
+  int half16 = (p >> 4) & 1, t = (p & 15) >> 2, q = p & 3;
+  return (half16 << 4) | ((q >> 1) << 3) | (t << 1) | (q & 1);
+}
+
+}  // namespace sage

@@ -1,0 +1,61 @@
+// Shared-memory tile helpers: XOR-swizzled addressing of int8/fp16 tiles whose rows are 64 or
+// 128 (or 256) bytes, so that ldmatrix over 8 consecutive rows of one 16-byte column is
+// bank-conflict free, and cp.async loaders for such tiles.
+#pragma once
+#include "mma.cuh"
+
+namespace sage {
+
+// Byte offset of 16-byte chunk `c` of row `r` in a tile whose rows are ROW_BYTES long.
+template <int ROW_BYTES>
+__device__ __forceinline__ int swz(int r, int c) {
+  constexpr int CPR = ROW_BYTES / 16;  // chunks per row
+  static_assert(CPR == 4 || CPR == 8 || CPR == 16, "row of 64, 128 or 256 bytes");
+  const int pc = (CPR == 4) ? (c ^ ((r >> 1) & 3)) : (c ^ (r & 7));
+  return r * ROW_BYTES + pc * 16;
+}
+
+// Copy ROWS x ROW_BYTES from global (row stride `gstride` bytes) into a swizzled shared tile.
+template <int ROWS, int ROW_BYTES, int NTHREADS>
+__device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, long long gstride, int tid) {
+  constexpr int CPR = ROW_BYTES / 16;
+  constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+  for (int i = tid; i < TOTAL; i += NTHREADS) {
+    const int r = i / CPR, c = i % CPR;
+    cp_async_16(smem_u32(smem + swz<ROW_BYTES>(r, c)), gmem + r * gstride + c * 16);
+  }
+}
+
+// As load_tile_async, for rows of a strided tensor: rows >= valid_rows are zero-filled.
+template <int ROWS, int ROW_BYTES, int NTHREADS>
+__device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, long long gstride, int valid_rows, int tid) {
+  constexpr int CPR = ROW_BYTES / 16;
+  constexpr int TOTAL = ROWS * CPR;
+#pragma unroll
+  for (int i = tid; i < TOTAL; i += NTHREADS) {
+    const int r = i / CPR, c = i % CPR;
+    const bool ok = r < valid_rows;
+    cp_async_16_zfill(smem_u32(smem + swz<ROW_BYTES>(r, c)), gmem + (ok ? r * gstride + c * 16 : 0), ok);
+  }
+}
+
+// ldmatrix.x4 over a swizzled tile: matrices (rows r0..r0+7, chunk c0), (r0..+7, c0+1),
+// (r0+8..+15, c0), (r0+8..+15, c0+1) when ROW_MAJOR_K is false (the B-operand / "n" order:
+// results b0,b1 of n-tile r0/8 then b0,b1 of n-tile r0/8+1), or (r0..+7, c0), (r0+8..+15, c0),
+// (r0..+7, c0+1), (r0+8..+15, c0+1) when true (the A-operand order a0..a3).
+template <int ROW_BYTES, bool A_ORDER>
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const char* smem, int r0, int c0, int lane) {
+  const int mi = lane >> 3, ri = lane & 7;
+  int row, chunk;
+  if (A_ORDER) {
+    row = r0 + ri + (mi & 1) * 8;
+    chunk = c0 + (mi >> 1);
+  } else {
+    row = r0 + ri + (mi >> 1) * 8;
+    chunk = c0 + (mi & 1);
+  }
+  ldmatrix_x4(r, smem_u32(smem + swz<ROW_BYTES>(row, chunk)));
+}
+
+}  // namespace sage

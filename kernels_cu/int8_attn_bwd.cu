@@ -1,0 +1,356 @@
+// SageBwd backward (SPEC §4). One CTA = one KV block of 64 keys, 4 warps x 16 keys; it loops over
+// the query heads of its kv head (GQA: dK, dV summed in registers, no atomics) and over the query
+// tiles of 64 rows that can see its keys. Everything is computed transposed (keys as the mma M
+// dimension), so P^T and dS^T re-pack from accumulators into A operands for dV and dK directly:
+//   S^T  = K^ Q^^T                  INT8 (s8 x s8)
+//   P^T  = exp2(S^T - lse2)         fp32;  P^ = psi(P) per key (P_COL) or per tile, on [0, p_max]
+//   dV  += P^^T dO^                 INT8 (u8 x s8), dO^ transposed + mma-permuted (int8_quant.cu)
+//   dP^T = V dO^T                   fp16/bf16 mma, fp32 accumulation (never quantized)
+//   dS^T = P^T o (dP^T - delta)     fp32
+//   dK  += Y^^T Q^ ,  Y = diag(s_Q) dS quantized per key (DS_ROWCOL) or per tile     INT8
+//   dQ  += X^ K^   ,  X = dS diag(s_K) quantized per query (DS_ROWCOL) or per tile    INT8,
+//          X^ goes through shared memory (transposed), dQ accumulates with fp32 atomics.
+// Kernel units: qs carries sm_scale * log2(e), so dK is multiplied by ln 2 at the end.
+#include "common/mma.cuh"
+#include "common/numeric.cuh"
+#include "common/tile.cuh"
+
+using namespace sage;
+
+constexpr int BWD_BQ = 64, BWD_BKV = 64, BWD_THREADS = 128;
+
+// Max over the CTA (4 warps) of v; every thread gets the result. Uses scratch[4]; two barriers.
+__device__ __forceinline__ float cta_max4(float v, float* scratch, int warp, int lane) {
+  v = warp_max_xor(v, 1, 16);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const float r = fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]));
+  __syncthreads();
+  return r;
+}
+
+template <typename T, int D, bool CAUSAL, bool P_COL, bool DS_ROWCOL>
+__global__ void __launch_bounds__(BWD_THREADS)
+int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
+              const signed char* __restrict__ kc, const float* __restrict__ ks, const signed char* __restrict__ kt,
+              const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
+              const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+              const signed char* __restrict__ dot, const float* __restrict__ dos,
+              const float* __restrict__ lse2, const float* __restrict__ delta,
+              float* __restrict__ dq_acc,
+              T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
+              T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, float sm_scale) {
+  extern __shared__ __align__(128) char smem[];
+  char* sK = smem;                          // 64 keys x D        int8
+  char* sKt = sK + BWD_BKV * D;             // D x 64 keys        int8 (natural key order)
+  char* sV = sKt + D * BWD_BKV;             // 64 keys x D        T
+  char* sQ = sV + BWD_BKV * D * 2;          // 64 queries x D     int8
+  char* sQt = sQ + BWD_BQ * D;              // D x 64 queries     int8 (mma-permuted)
+  char* sdO = sQt + D * BWD_BQ;             // 64 queries x D     T
+  char* sdOt = sdO + BWD_BQ * D * 2;        // D x 64 queries     int8 (mma-permuted)
+  char* sX = sdOt + D * BWD_BQ;             // 64 queries x 64 keys int8 (dQ's A operand)
+  float* sCol = reinterpret_cast<float*>(sX + BWD_BQ * BWD_BKV);  // 4 x 64 column partial maxima
+  float* sQs = sCol + 4 * 64;               // per-query: q scale, lse2, delta, X scale
+  float* sL = sQs + 64;
+  float* sDel = sL + 64;
+  float* sXs = sDel + 64;
+  float* sRed = sXs + 64;                   // 4 floats of scratch
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = Hq / Hkv;
+  const long long bhk = static_cast<long long>(b) * Hkv + hk;
+  const int k0 = kb * BWD_BKV;
+  const int shift = nk - nq;
+
+  // Per-CTA operands: K^ (A of S^T), K^^T (B of dQ), V (A of dP^T).
+  load_tile_async<BWD_BKV, D, BWD_THREADS>(sK, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);
+  {
+    const char* src = reinterpret_cast<const char*>(kt + bhk * D * nk_pad + k0);
+    load_tile_async<D, BWD_BKV, BWD_THREADS>(sKt, src, nk_pad, tid);
+  }
+  load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(sV, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn),
+                                              vsn * 2, nk - k0, tid);
+  cp_async_commit();
+
+  const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
+  const float sk[2] = {ks[bhk * nk_pad + key_lo], ks[bhk * nk_pad + key_lo + 8]};
+
+  float acc_dv[D / 8][4], acc_dk[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
+
+  const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
+  const int first_qt = first_row / BWD_BQ, n_qt = (nq + BWD_BQ - 1) / BWD_BQ;
+  const int last_key = min(k0 + BWD_BKV, nk) - 1;
+
+  for (int hg = 0; hg < group; ++hg) {
+    const int h = hk * group + hg;
+    const long long bh = static_cast<long long>(b) * Hq + h;
+    for (int qtile = first_qt; qtile < n_qt; ++qtile) {
+      const int q0 = qtile * BWD_BQ;
+      __syncthreads();  // previous tile's shared operands are no longer read
+      load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
+      load_tile_async<D, BWD_BQ, BWD_THREADS>(sQt, reinterpret_cast<const char*>(qt + bh * D * nq_pad + q0), nq_pad, tid);
+      load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(
+          sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0, tid);
+      load_tile_async<D, BWD_BQ, BWD_THREADS>(sdOt, reinterpret_cast<const char*>(dot + bh * D * nq_pad + q0), nq_pad, tid);
+      cp_async_commit();
+      if (tid < 64) {
+        const int qrow = q0 + tid;
+        sQs[tid] = qs[bh * nq_pad + qrow];
+        sL[tid] = qrow < nq ? lse2[bh * nq_pad + qrow] : INFINITY;
+        sDel[tid] = delta[bh * nq_pad + qrow];
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+      const bool need_mask = (CAUSAL && k0 + BWD_BKV - 1 > q0 + shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
+
+      // S^T (16 keys x 64 queries per warp).
+      int acc_s[8][4];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0;
+#pragma unroll
+      for (int kstep = 0; kstep < D / 32; ++kstep) {
+        unsigned a[4];
+        ldsm_x4<D, true>(a, sK, warp * 16, 2 * kstep, lane);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          unsigned bq[4];
+          ldsm_x4<D, false>(bq, sQ, np * 16, 2 * kstep, lane);
+          const unsigned b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+          mma_s8s8(acc_s[2 * np], a, b0);
+          mma_s8s8(acc_s[2 * np + 1], a, b1);
+        }
+      }
+      // P^T = exp2(S^T - lse2[query]), masked to 0.
+      float p[8][4];
+      float pmax[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int qc0 = nt * 8 + 2 * t4;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = qc0 + (e & 1), key = key_lo + 8 * (e >> 1);
+          float val = fast_exp2(i2f_small(acc_s[nt][e]) * sk[e >> 1] * sQs[qi] - sL[qi]);
+          if (need_mask) {
+            const int qrow = q0 + qi;
+            if (key >= nk || qrow >= nq || (CAUSAL && key > qrow + shift)) val = 0.f;
+          }
+          p[nt][e] = val;
+          pmax[e >> 1] = fmaxf(pmax[e >> 1], val);
+        }
+      }
+      // P^ per key (row of P^T) or per tile; packed as the A operand of dV (k = queries, mma-permuted).
+      float s_p[2];
+      if (P_COL) {
+        s_p[0] = quad_max(pmax[0]) / p_max;
+        s_p[1] = quad_max(pmax[1]) / p_max;
+      } else {
+        const float mt = cta_max4(fmaxf(pmax[0], pmax[1]), sRed, warp, lane) / p_max;
+        s_p[0] = s_p[1] = mt;
+      }
+      {
+        const float inv[2] = {s_p[0] > 0.f ? 1.f / s_p[0] : 0.f, s_p[1] > 0.f ? 1.f / s_p[1] : 0.f};
+        unsigned pa[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          unsigned c[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[e] = f2u8_rn_fma(p[nt][e], inv[e >> 1]);
+          const int kst = nt >> 2, half = (nt >> 1) & 1, hi = nt & 1;
+          const unsigned lo_row = (c[0] | (c[1] << 8)) << (16 * hi), hi_row = (c[2] | (c[3] << 8)) << (16 * hi);
+          if (hi == 0) { pa[kst][2 * half] = lo_row; pa[kst][2 * half + 1] = hi_row; }
+          else { pa[kst][2 * half] |= lo_row; pa[kst][2 * half + 1] |= hi_row; }
+        }
+        // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
+        const float* dos_t = dos + (bh * (nq_pad / BWD_BQ) + qtile) * D;
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+          for (int kst = 0; kst < 2; ++kst) {
+            unsigned bv[4];
+            ldsm_x4<BWD_BQ, false>(bv, sdOt, dp * 16, 2 * kst, lane);
+            const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
+            mma_u8s8(acc[0], pa[kst], b0);
+            mma_u8s8(acc[1], pa[kst], b1);
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = (2 * dp + j) * 8 + 2 * t4;
+            const float2 sd = *reinterpret_cast<const float2*>(dos_t + col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc_dv[2 * dp + j][e] += i2f_small(acc[j][e]) * s_p[e >> 1] * ((e & 1) ? sd.y : sd.x);
+          }
+        }
+      }
+      // dP^T = V dO^T (fp16/bf16, fp32 accumulation), then dS^T = P^T o (dP^T - delta) in place.
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kstep = 0; kstep < D / 16; ++kstep) {
+          unsigned a[4], bo[4];
+          ldsm_x4<2 * D, true>(a, sV, warp * 16, 2 * kstep, lane);
+          ldsm_x4<2 * D, false>(bo, sdO, np * 16, 2 * kstep, lane);
+          const unsigned b0[2] = {bo[0], bo[1]}, b1[2] = {bo[2], bo[3]};
+          mma_f16<T>(acc[0], a, b0);
+          mma_f16<T>(acc[1], a, b1);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = (2 * np + j) * 8 + 2 * t4 + (e & 1);
+            p[2 * np + j][e] *= acc[j][e] - sDel[qi];
+          }
+      }
+      // dK path: Y = diag(s_Q) dS, quantized per key (row here) or per tile.
+      {
+        float ymax[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ymax[e >> 1] = fmaxf(ymax[e >> 1], fabsf(p[nt][e] * sQs[nt * 8 + 2 * t4 + (e & 1)]));
+        float s_y[2];
+        if (DS_ROWCOL) {
+          s_y[0] = quad_max(ymax[0]) / 127.f;
+          s_y[1] = quad_max(ymax[1]) / 127.f;
+        } else {
+          s_y[0] = s_y[1] = cta_max4(fmaxf(ymax[0], ymax[1]), sRed, warp, lane) / 127.f;
+        }
+        const float inv[2] = {s_y[0] > 0.f ? 1.f / s_y[0] : 0.f, s_y[1] > 0.f ? 1.f / s_y[1] : 0.f};
+        unsigned ya[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          unsigned c[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[e] = f2s8_rn_fma(p[nt][e] * sQs[nt * 8 + 2 * t4 + (e & 1)], inv[e >> 1]);
+          const int kst = nt >> 2, half = (nt >> 1) & 1, hi = nt & 1;
+          const unsigned lo_row = (c[0] | (c[1] << 8)) << (16 * hi), hi_row = (c[2] | (c[3] << 8)) << (16 * hi);
+          if (hi == 0) { ya[kst][2 * half] = lo_row; ya[kst][2 * half + 1] = hi_row; }
+          else { ya[kst][2 * half] |= lo_row; ya[kst][2 * half + 1] |= hi_row; }
+        }
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+          for (int kst = 0; kst < 2; ++kst) {
+            unsigned bq[4];
+            ldsm_x4<BWD_BQ, false>(bq, sQt, dp * 16, 2 * kst, lane);
+            const unsigned b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+            mma_s8s8(acc[0], ya[kst], b0);
+            mma_s8s8(acc[1], ya[kst], b1);
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[2 * dp + j][e] += i2f_small(acc[j][e]) * s_y[e >> 1];
+        }
+      }
+      // dQ path: X = dS diag(s_K), quantized per query (column here, reduced over the 4 warps) or per tile.
+      {
+        float xmax[8][2];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            float m2 = fmaxf(fabsf(p[nt][j] * sk[0]), fabsf(p[nt][2 + j] * sk[1]));
+            m2 = fmaxf(m2, __shfl_xor_sync(0xffffffffu, m2, 4));
+            m2 = fmaxf(m2, __shfl_xor_sync(0xffffffffu, m2, 8));
+            xmax[nt][j] = fmaxf(m2, __shfl_xor_sync(0xffffffffu, m2, 16));
+          }
+        if (g == 0) {
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            sCol[warp * 64 + nt * 8 + 2 * t4] = xmax[nt][0];
+            sCol[warp * 64 + nt * 8 + 2 * t4 + 1] = xmax[nt][1];
+          }
+        }
+        __syncthreads();
+        if (tid < 64) {
+          float mcol = fmaxf(fmaxf(sCol[tid], sCol[64 + tid]), fmaxf(sCol[128 + tid], sCol[192 + tid]));
+          if (!DS_ROWCOL) {
+            mcol = warp_max_xor(mcol, 1, 16);
+            if (lane == 0) sRed[warp] = mcol;
+          }
+          sXs[tid] = mcol;
+        }
+        __syncthreads();
+        if (!DS_ROWCOL && tid < 64) sXs[tid] = fmaxf(sRed[0], sRed[1]);
+        if (!DS_ROWCOL) __syncthreads();
+        // Write X^ transposed: sX[query][key].
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = nt * 8 + 2 * t4 + (e & 1), kl = warp * 16 + g + 8 * (e >> 1);
+            const float sx = sXs[qi] / 127.f;
+            const unsigned c = f2s8_rn_fma(p[nt][e] * sk[e >> 1], sx > 0.f ? 1.f / sx : 0.f);
+            sX[swz<BWD_BKV>(qi, kl >> 4) + (kl & 15)] = static_cast<signed char>(c);
+          }
+        __syncthreads();
+        // dQ[q0 + 16w .. +15, :] += X^ K^ * s_X[query] * sm_scale.
+        unsigned xa[2][4];
+        ldsm_x4<BWD_BKV, true>(xa[0], sX, warp * 16, 0, lane);
+        ldsm_x4<BWD_BKV, true>(xa[1], sX, warp * 16, 2, lane);
+        const int qr = warp * 16 + g;
+        const float fx[2] = {sXs[qr] / 127.f * sm_scale, sXs[qr + 8] / 127.f * sm_scale};
+        float* dq_rows = dq_acc + (bh * nq_pad + q0 + qr) * D;
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+          for (int kst = 0; kst < 2; ++kst) {
+            unsigned bk[4];
+            ldsm_x4<BWD_BKV, false>(bk, sKt, dp * 16, 2 * kst, lane);
+            const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+            mma_s8s8(acc[0], xa[kst], b0);
+            mma_s8s8(acc[1], xa[kst], b1);
+          }
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = (2 * dp + j) * 8 + 2 * t4;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float val = i2f_small(acc[j][e]) * fx[e >> 1];
+              if (val != 0.f) atomicAdd(dq_rows + (e >> 1) * 8 * D + col + (e & 1), val);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int col = nt * 8 + 2 * t4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = key_lo + 8 * r;
+      if (key < nk) {
+        *reinterpret_cast<unsigned*>(dv + b * vvb + hk * vvh + key * vvn + col) =
+            pack2<T>(acc_dv[nt][2 * r], acc_dv[nt][2 * r + 1]);
+        *reinterpret_cast<unsigned*>(dk + b * ksb + hk * ksh + key * ksn + col) =
+            pack2<T>(acc_dk[nt][2 * r] * 0.6931471805599453f, acc_dk[nt][2 * r + 1] * 0.6931471805599453f);
+      }
+    }
+  }
+  (void)last_key;
+}
+
+// dq[b, h, r, :] (T, caller strides) = dq_acc[b, h, r, :] for r < nq. grid (ceil(nq / 8), Hq, B), block 256.
+template <typename T>
+__global__ void finish_dq(const float* __restrict__ dq_acc, int nq, int nq_pad, int d,
+                          T* __restrict__ dq, long long sb, long long sh, long long sn) {
+  const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y, b = blockIdx.z;
+  if (row >= nq) return;
+  const long long bh = static_cast<long long>(b) * gridDim.y + h;
+  for (int i = lane; i < d; i += 32) dq[b * sb + h * sh + row * sn + i] = from_float<T>(dq_acc[(bh * nq_pad + row) * d + i]);
+}

@@ -1,0 +1,417 @@
+"""The ``sagecupy`` command line: a thin click layer over :mod:`sagecupy.analysis`.
+
+Commands: ``info``, ``accuracy`` (SPEC §7 σ-sweep), ``intermediates`` and
+``smoothing`` (the ablation). Every analysis command shares the options of
+:func:`analysis_options`, resolves the backend with :func:`_prepare`, runs an
+:mod:`sagecupy.analysis` function under a stderr progress bar and writes the
+records with :func:`emit` (``table``, ``json`` lines or ``csv``, to stdout or
+``--out``). A new command (``bench``, ``plot``) follows the same pattern.
+
+Errors a user can cause (a bad option value, a missing file, ``--backend gpu``
+on a machine without a device) end in one ``Error: ...`` line on stderr and
+exit status 1 (2 for a malformed command line), never a traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import errno
+import io
+import json
+import math
+import sys
+
+import click
+
+from . import analysis
+
+__all__ = ["main", "emit", "format_table", "analysis_options"]
+
+FORMATS = ("table", "json", "csv")
+
+
+# ----------------------------------------------------------------------------
+# one-line errors
+# ----------------------------------------------------------------------------
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+class _Group(click.Group):
+    """A click group whose errors are one line on stderr (no usage block, no traceback)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            click.echo(f"Error: {_one_line(exc.format_message())}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"Error: {_one_line(exc.format_message())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:  # `sagecupy accuracy | head`
+                sys.exit(1)
+            raise
+        sys.exit(0)
+
+
+@contextlib.contextmanager
+def _library_errors():
+    """Turn the library's argument errors (ValueError / TypeError) into one-line click errors."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise click.ClickException(_one_line(str(exc))) from None
+
+
+# ----------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------
+
+
+def _fmt_value(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.6f}" if 0.01 <= abs(value) < 10 else f"{value:.3e}"
+    return "-" if value is None else str(value)
+
+
+def _fmt_cos(value) -> str:
+    return f"{value:.6f}" if isinstance(value, float) and math.isfinite(value) else _fmt_value(value)
+
+
+def _fmt_sigma(value) -> str:
+    return f"{value:g}"
+
+
+# The columns of each record type in a table: (key, label, formatter).
+_COLUMNS = {
+    "accuracy": [("sigma", "sigma", _fmt_sigma), ("tensor", "tensor", str), ("cos", "cos", _fmt_cos),
+                 ("rel_l2", "rel_l2", _fmt_value), ("rel_l1", "rel_l1", _fmt_value), ("rmse", "rmse", _fmt_value)],
+    "smoothing": [("smoothing", "smoothing", str), ("sigma", "sigma", _fmt_sigma), ("tensor", "tensor", str),
+                  ("cos", "cos", _fmt_cos), ("rel_l2", "rel_l2", _fmt_value), ("rel_l1", "rel_l1", _fmt_value),
+                  ("rmse", "rmse", _fmt_value)],
+    "intermediate": [("tensor", "tensor", str), ("source", "source", str), ("cos", "cos", _fmt_cos),
+                     ("rel_l2", "rel_l2", _fmt_value), ("rel_l1", "rel_l1", _fmt_value),
+                     ("rms", "rms", _fmt_value), ("rms_exact", "rms exact", _fmt_value)],
+    "ds_bound": [("tensor", "tensor", str), ("ds_row_rms_mean", "row RMS mean", _fmt_value),
+                 ("ds_row_rms_max", "row RMS max", _fmt_value), ("bound_mean", "bound mean", _fmt_value),
+                 ("bound_max", "bound max", _fmt_value), ("tightness_mean", "RMS/bound mean", _fmt_value),
+                 ("bound_holds", "holds", _fmt_value), ("dp_rms", "RMS dP", _fmt_value)],
+}
+
+_TITLES = {
+    "ds_bound": "dS RMS bound (SPEC §4), exact computation, per row: RMS(dS_i) <= max_j |dP_ij - delta_i| / sqrt(n_i)",
+}
+
+
+def format_table(rows: list[dict], columns) -> str:
+    """An aligned plain-text table: numbers right-aligned, text left-aligned."""
+    cells = [[fmt(row.get(key)) for key, _, fmt in columns] for row in rows]
+    labels = [label for _, label, _ in columns]
+    widths = [max([len(label)] + [len(r[i]) for r in cells]) for i, label in enumerate(labels)]
+    numeric = [all(_looks_numeric(r[i]) for r in cells) for i in range(len(labels))]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(labels), line(["-" * w for w in widths])]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _describe(head: dict) -> list[str]:
+    """The table format's header lines: what was run, where, on what."""
+    shape = f"B={head['batch']} H={head['heads']}"
+    if head["heads_kv"] != head["heads"]:
+        shape += f" Hkv={head['heads_kv']}"
+    shape += f" N={head['n_q']}" if head["n_q"] == head["n_k"] else f" Nq={head['n_q']} Nk={head['n_k']}"
+    shape += f" D={head['d']}"
+    lines = [
+        f"# sagecupy {head['command']}: family {head['family']}, config {head['config']}, "
+        f"backend {head['backend']}",
+        f"# shape {shape} ({head['layout']}), dtype {head['dtype']}, causal {str(head['causal']).lower()}, "
+        f"seed {head['seed']}, sm_scale 1/sqrt(D)"
+        + (f", sigma {head['sigma']:g}" if head.get("sigma") is not None else ""),
+        f"# inputs {head['inputs']}; errors vs float64 exact attention on the same {head['dtype']}-rounded inputs",
+        f"# gpu {head['gpu'] or 'none'}; sagecupy {head['sagecupy']}"
+        + (f" ({head['git_commit'][:12]})" if head.get("git_commit") else ""),
+    ]
+    return lines
+
+
+def _json_safe(value):
+    """Non-finite floats as the strings 'nan' / 'inf' / '-inf' (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def render(records: list[dict], head: dict, fmt: str) -> str:
+    """The text of ``records`` in ``fmt`` (see :func:`emit`)."""
+    if fmt == "json":
+        lines = [json.dumps(_json_safe(head), allow_nan=False)]
+        lines += [json.dumps(_json_safe(rec), allow_nan=False) for rec in records]
+        return "\n".join(lines) + "\n"
+    if fmt == "csv":
+        fields = []
+        for rec in records:
+            fields += [key for key in rec if key not in fields]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        for rec in records:
+            writer.writerow(rec)
+        return buf.getvalue()
+    blocks = ["\n".join(_describe(head))]
+    for kind in _COLUMNS:
+        rows = [rec for rec in records if rec.get("type") == kind]
+        if rows:
+            title = _TITLES.get(kind)
+            blocks.append((f"{title}\n" if title else "") + format_table(rows, _COLUMNS[kind]))
+    return "\n\n".join(blocks) + "\n"
+
+
+def emit(records: list[dict], head: dict, fmt: str, out) -> None:
+    """Write ``records`` with the environment header ``head``.
+
+    ``table``: header lines starting with ``#``, then aligned tables.
+    ``json``: JSON lines, the header object (``"type": "env"``) first, then one
+    object per record. ``csv``: a header row and one row per record (the
+    environment is not in the CSV; use JSON to keep it).
+    ``out``: a path, or ``None`` for stdout.
+    """
+    text = render(records, head, fmt)
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        with open(out, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out}: {exc.strerror or exc}") from None
+    click.echo(f"sagecupy: wrote {len(records)} records to {out}", err=True)
+
+
+@contextlib.contextmanager
+def _progress(length: int, label: str):
+    """A progress bar on stderr; yields ``step(n)``."""
+    with click.progressbar(length=length, label=label, file=sys.stderr, show_eta=True) as bar:
+        yield bar.update
+
+
+# ----------------------------------------------------------------------------
+# shared options
+# ----------------------------------------------------------------------------
+
+
+def _parse_sigmas(ctx, param, value):
+    if value is None:
+        return analysis.SIGMAS
+    try:
+        sigmas = tuple(float(s) for s in value.split(",") if s.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers, e.g. 1,3,5") from None
+    if not sigmas or not all(math.isfinite(s) and s > 0 for s in sigmas):
+        raise click.BadParameter(f"{value!r}: every sigma must be a positive finite number")
+    return sigmas
+
+
+_POSITIVE = click.IntRange(min=1)
+
+
+def analysis_options(*, sigmas: bool = False, sigma: bool = False, load: bool = False):
+    """The options every analysis command takes (plus ``--sigmas`` / ``--sigma`` / ``--load``)."""
+
+    def decorate(fn):
+        opts = [
+            click.option("--backend", type=click.Choice(analysis.BACKENDS), default="auto", show_default=True,
+                         help="auto: the GPU kernels when a device and kernels exist, else the float64 reference."),
+            click.option("--family", type=click.Choice(analysis.FAMILIES), default="int8", show_default=True,
+                         help="int8: SageBwd; nvfp4: NVFP4 forward; qat: FP4 QAT."),
+            click.option("--config", "config_name", type=click.Choice(analysis.CONFIG_NAMES), default="default",
+                         show_default=True, help="SageBwd preset (int8); nvfp4 and qat have one preset each."),
+            click.option("--n", type=_POSITIVE, default=None,
+                         help=f"Sequence length (Nq = Nk). Default {analysis.GPU_DEFAULT_N} on the GPU, "
+                              f"{analysis.CPU_DEFAULT_N} on the reference."),
+            click.option("--d", type=_POSITIVE, default=None, help=f"Head dim [default: {analysis.DEFAULT_D}]."),
+            click.option("--heads", type=_POSITIVE, default=None,
+                         help=f"Number of heads [default: {analysis.DEFAULT_HEADS}]."),
+            click.option("--batch", type=_POSITIVE, default=None,
+                         help=f"Batch size [default: {analysis.DEFAULT_BATCH}]."),
+            click.option("--dtype", type=click.Choice(analysis.DTYPES), default="fp16", show_default=True,
+                         help="Input dtype the float64 inputs are rounded to."),
+            click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
+            click.option("--causal/--no-causal", default=False, show_default=True,
+                         help="Bottom-right aligned causal mask."),
+            click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True),
+            click.option("--out", type=click.Path(dir_okay=False, writable=True), default=None,
+                         help="Write to FILE instead of stdout."),
+        ]
+        if sigmas:
+            opts.append(click.option("--sigmas", callback=_parse_sigmas, default=None, metavar="S1,S2,...",
+                                     help="Comma-separated σ of Q and K [default: 1,3,5,8,10]."))
+        if sigma:
+            opts.append(click.option("--sigma", type=click.FloatRange(min=0, min_open=True), default=1.0,
+                                     show_default=True, help="σ of the random Q and K."))
+        if load:
+            opts.append(click.option("--load", "load_path", type=click.Path(exists=True, dir_okay=False),
+                                     default=None, metavar="FILE.npz",
+                                     help="Study these inputs: an .npz with arrays q, k, v, do (4-D, --layout), "
+                                          "instead of random ones."))
+            opts.append(click.option("--layout", type=click.Choice(("HND", "NHD")), default="HND",
+                                     show_default=True, help="Layout of the arrays in --load."))
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+
+    return decorate
+
+
+def _prepare(opts: dict, *, loaded_shape: bool = False) -> tuple[analysis.RunSpec, str]:
+    """Resolve the backend (one stderr line for auto) and the default N; returns (RunSpec, backend reason)."""
+    with _library_errors():
+        try:
+            backend, reason = analysis.resolve_backend(opts["backend"], opts["family"])
+        except analysis.BackendUnavailable as exc:
+            raise click.ClickException(_one_line(str(exc))) from None
+        if opts["backend"] == "auto":
+            click.echo(f"sagecupy: --backend auto -> {backend}: {reason}", err=True)
+        n = opts["n"]
+        if n is None and not loaded_shape:
+            n = analysis.default_n(backend)
+            click.echo(f"sagecupy: N={n} (the {backend} backend's default; set it with --n)", err=True)
+        shape = analysis.Shape(
+            batch=opts["batch"] or analysis.DEFAULT_BATCH,
+            heads=opts["heads"] or analysis.DEFAULT_HEADS,
+            n=n or analysis.default_n(backend),
+            d=opts["d"] or analysis.DEFAULT_D,
+        )
+        spec = analysis.RunSpec(family=opts["family"], config=opts["config_name"], backend=backend, shape=shape,
+                                dtype=opts["dtype"], seed=opts["seed"], causal=opts["causal"])
+        return spec, reason
+
+
+# ----------------------------------------------------------------------------
+# commands
+# ----------------------------------------------------------------------------
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sagecupy", prog_name="sagecupy")
+def main():
+    """sagecupy: low-bit trainable attention (INT8 SageBwd, NVFP4, FP4 QAT), measured against float64.
+
+    The analysis commands run on the GPU kernels when a device is available
+    and on the float64 reference simulators otherwise (--backend).
+    """
+
+
+@main.command()
+@click.option("--format", "fmt", type=click.Choice(("table", "json")), default="table", show_default=True)
+def info(fmt):
+    """Versions, GPU (or none) and which kernel families can run here."""
+    from ._env import environment
+
+    env = environment()
+    families = [analysis.family_status(name) for name in analysis.FAMILIES]
+    if fmt == "json":
+        click.echo(json.dumps(_json_safe(dict(type="env", **env))))
+        for status in families:
+            click.echo(json.dumps(dict(type="family", **status)))
+        return
+    width = max(len(key) for key in env)
+    for key, value in env.items():
+        click.echo(f"{key.ljust(width)}  {'-' if value is None else value}")
+    gpu_ok, gpu_reason = analysis.gpu_status()
+    click.echo(f"{'gpu_kernels'.ljust(width)}  {'usable' if gpu_ok else 'not usable'}: {gpu_reason}")
+    click.echo()
+    rows = [dict(family=s["family"], what=s["title"],
+                 reference="yes" if s["reference"] else "no (not built)",
+                 gpu="yes" if s["gpu"] else f"no ({s['gpu_short']})") for s in families]
+    columns = [("family", "family", str), ("what", "computes", str), ("reference", "float64 reference", str),
+               ("gpu", "GPU kernels here", str)]
+    click.echo(format_table(rows, columns))
+
+
+@main.command()
+@analysis_options(sigmas=True)
+def accuracy(**opts):
+    """σ-sweep (SPEC §7): O, dQ, dK, dV vs float64 exact for Q, K ~ N(0, σ²)."""
+    spec, reason = _prepare(opts)
+    sigmas = opts["sigmas"]
+    with _library_errors(), _progress(len(sigmas), "sigma sweep") as step:
+        records = analysis.accuracy_sweep(spec, sigmas, progress=step)
+    head = analysis.header("accuracy", spec, backend_requested=opts["backend"], backend_reason=reason,
+                           sigmas=sigmas)
+    emit(records, head, opts["fmt"], opts["out"])
+
+
+@main.command()
+@analysis_options(sigmas=True)
+def smoothing(**opts):
+    """Smoothing ablation (SPEC §7): the σ-sweep without smoothing, with K-, with Q+K-smoothing."""
+    spec, reason = _prepare(opts)
+    sigmas = opts["sigmas"]
+    with _library_errors():
+        analysis.check_smoothing(spec)
+    with _library_errors(), _progress(len(sigmas) * len(analysis.SMOOTHING_VARIANTS), "smoothing") as step:
+        records = analysis.smoothing_ablation(spec, sigmas, progress=step)
+    head = analysis.header("smoothing", spec, backend_requested=opts["backend"], backend_reason=reason,
+                           sigmas=sigmas)
+    emit(records, head, opts["fmt"], opts["out"])
+
+
+@main.command()
+@analysis_options(sigma=True, load=True)
+def intermediates(**opts):
+    """Error and RMS of δ, P, dP, dS, O, dQ, dK, dV vs float64 exact, and the dS RMS bound (SPEC §4, §7).
+
+    Random inputs (--sigma) by default; --load FILE.npz studies real activations
+    (arrays q, k, v, do; the shape comes from the file, so --n, --d, --heads,
+    --batch and --sigma do not apply).
+    """
+    path = opts["load_path"]
+    if path is not None:
+        given = [f"--{name}" for name in ("n", "d", "heads", "batch") if opts[name] is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} cannot be combined with --load (the file gives the shape)")
+    spec, reason = _prepare(opts, loaded_shape=path is not None)
+    inputs = None
+    if path is not None:
+        with _library_errors():
+            inputs = analysis.load_inputs(path, dtype=opts["dtype"], layout=opts["layout"])
+    with _library_errors(), _progress(2, "intermediates") as step:
+        records = analysis.intermediates(spec, sigma=opts["sigma"], inputs=inputs, progress=step)
+    head = analysis.header("intermediates", spec, backend_requested=opts["backend"], backend_reason=reason,
+                           inputs=inputs,
+                           sigma=None if path else opts["sigma"], source=f"file {path}" if path else "random")
+    emit(records, head, opts["fmt"], opts["out"])
+
+
+if __name__ == "__main__":  # python -m sagecupy.cli
+    main()

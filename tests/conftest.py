@@ -1,0 +1,44 @@
+"""Shared pytest setup.
+
+Tests marked ``gpu`` need CuPy and a CUDA device. Without one they are skipped
+(CI has no GPU); ``--require-gpu`` turns those skips into failures so a run on a
+GPU machine cannot pass by skipping.
+"""
+import functools
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=False,
+        help="fail (instead of skip) the gpu-marked tests when no CUDA device is usable",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_status():
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        return False, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, f"no CUDA device ({type(exc).__name__}: {exc})"
+    if n < 1:
+        return False, "no CUDA device"
+    return True, ""
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is None:
+        return
+    ok, reason = _gpu_status()
+    if ok:
+        return
+    if item.config.getoption("--require-gpu"):
+        pytest.fail(f"--require-gpu given but {reason}", pytrace=False)
+    pytest.skip(f"gpu test: {reason}")
