@@ -29,7 +29,7 @@ __device__ __forceinline__ float cta_max4(float v, float* scratch, int warp, int
   return r;
 }
 
-template <typename T, int D, bool CAUSAL, bool P_COL, bool DS_ROWCOL>
+template <typename T, int D>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
               const signed char* __restrict__ kc, const float* __restrict__ ks, const signed char* __restrict__ kt,
@@ -40,7 +40,9 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               float* __restrict__ dq_acc,
               T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
               T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
-              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, float sm_scale) {
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, float sm_scale,
+              int causal, int p_col, int ds_rowcol) {
+  const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
   extern __shared__ __align__(128) char smem[];
   char* sK = smem;                          // 64 keys x D        int8
   char* sKt = sK + BWD_BKV * D;             // D x 64 keys        int8 (natural key order)

@@ -19,7 +19,7 @@ using namespace sage;
 
 constexpr int FWD_BQ = 128, FWD_BKV = 64, FWD_THREADS = 256;
 
-template <typename T, int D, bool CAUSAL, bool V_BLOCK>
+template <typename T, int D>
 __global__ void __launch_bounds__(FWD_THREADS)
 int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -27,7 +27,8 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const float* __restrict__ qmk,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
-              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max) {
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
+  const bool CAUSAL = causal != 0, V_BLOCK = v_block != 0;
   extern __shared__ __align__(128) char smem[];
   char* sQ = smem;                               // FWD_BQ x D
   char* sK = sQ + FWD_BQ * D;                    // 2 stages x FWD_BKV x D

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install, run the whole GPU test suite, run the key benchmarks,
+# print a short table last. Logs go to $OUT (the device tool brings them back).
+#   bash bench/gpu_check.sh [quick|full|tests|bench]
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
+what=${1:-quick}
+export PYTHONUNBUFFERED=1
+python3 -m pip install -e . --no-deps --no-build-isolation -q >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+python3 - <<'PY'
+import cupy, sagecupy
+from sagecupy._loader import gpu_status, cuda_include_dir
+print("cupy", cupy.__version__, "bfloat16:", hasattr(cupy, "bfloat16"), "gpu:", gpu_status(), "inc:", cuda_include_dir())
+PY
+status=0
+if [ "$what" != bench ]; then
+  timeout 420 python3 -m pytest tests/gpu --require-gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" != tests ]; then
+  flag=--quick; [ "$what" = full ] && flag=
+  timeout 400 python3 bench/run_bench.py $flag --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
+  tail -5 "$OUT/bench.err"
+fi
+echo "== pytest summary:"; tail -1 "$OUT/pytest_gpu.log" 2>/dev/null
+exit $status

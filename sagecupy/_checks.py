@@ -1,0 +1,100 @@
+"""Argument validation shared by every GPU family: arrays, dtypes, shapes, layouts, GQA.
+
+Every failure is a ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, unsupported
+value) whose message names the argument, the value, and what is supported.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Problem", "as_cupy", "check_attention_args", "SUPPORTED_HEAD_DIMS", "dtype_name"]
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_LAYOUTS = ("HND", "NHD")
+
+
+def dtype_name(dtype) -> str:
+    return getattr(dtype, "name", str(dtype))
+
+
+def as_cupy(x, name: str):
+    """A CuPy view of ``x`` (CuPy array, or any CUDA array with ``__dlpack__``), zero-copy."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return cupy.from_dlpack(x)
+        except Exception as exc:
+            raise TypeError(f"{name}: cannot import the array through DLPack ({exc}); pass a CUDA array") from exc
+    raise TypeError(f"{name} must be a CuPy array or a CUDA array with __dlpack__, got {type(x).__name__}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Shapes of one attention call, in HND terms."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    nq: int
+    nk: int
+    head_dim: int
+    dtype: str
+    layout: str
+    causal: bool
+    sm_scale: float
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+
+def _hnd_shape(x, layout):
+    b, a1, a2, d = x.shape
+    return (b, a1, a2, d) if layout == "HND" else (b, a2, a1, d)
+
+
+def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16", "bfloat16"),
+                         head_dims=SUPPORTED_HEAD_DIMS) -> Problem:
+    """Validate q, k, v (array-likes with .shape/.dtype) and the keyword arguments."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS}")
+    if not isinstance(causal, (bool,)) and type(causal).__name__ != "bool_":
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D ({'(B, H, N, D)' if layout == 'HND' else '(B, N, H, D)'} for "
+                             f"layout={layout!r}), got shape {tuple(x.shape)}")
+        if dtype_name(x.dtype) not in dtypes:
+            raise TypeError(f"{name}.dtype={dtype_name(x.dtype)} is not supported; supported: {dtypes}")
+    if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
+        raise TypeError(f"q, k, v must share one dtype, got {dtype_name(q.dtype)}, {dtype_name(k.dtype)}, "
+                        f"{dtype_name(v.dtype)}")
+    B, Hq, Nq, D = _hnd_shape(q, layout)
+    Bk, Hk, Nk, Dk = _hnd_shape(k, layout)
+    Bv, Hv, Nv, Dv = _hnd_shape(v, layout)
+    if D not in head_dims:
+        raise ValueError(f"head_dim={D} is not supported; supported: {head_dims}")
+    if (Bk, Hk, Nk, Dk) != (Bv, Hv, Nv, Dv):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if Bk != B:
+        raise ValueError(f"batch mismatch: q has {B}, k/v have {Bk}")
+    if Dk != D:
+        raise ValueError(f"head_dim mismatch: q has {D}, k/v have {Dk}")
+    if Hk < 1 or Hq % Hk:
+        raise ValueError(f"heads: q has {Hq}, k/v have {Hk}; q heads must be a multiple of kv heads (GQA/MQA)")
+    if min(B, Hq, Nq, Nk) < 1:
+        raise ValueError(f"empty input: q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    else:
+        try:
+            sm_scale = float(sm_scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}") from None
+        if not math.isfinite(sm_scale) or sm_scale <= 0:
+            raise ValueError(f"sm_scale={sm_scale} must be finite and > 0")
+    return Problem(B, Hq, Hk, Nq, Nk, D, dtype_name(q.dtype), layout, bool(causal), sm_scale)

@@ -1,0 +1,158 @@
+"""The one place that turns ``kernels_cu/*.cu`` into cached CuPy modules.
+
+* Sources are read as text; every ``#include "common/..."`` is inlined (once per file, honouring
+  ``#pragma once``), so the string CuPy compiles holds every header it uses. CuPy's disk cache
+  hashes that string and the options, so an edited ``.cuh`` can never reuse a stale binary; the
+  source also starts with a comment holding a SHA-256 of the inlined text, which names the
+  build in debug dumps.
+* Template variants are instantiated through ``name_expressions``.
+* Modules are cached in memory per (device, source hash, options, name expressions).
+* ``SAGECUPY_JIT_DEBUG=1`` writes the generated source and compiler options to a temporary
+  folder (and prints where) for every compile; a compile failure always says how to get them.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["gpu_status", "kernel_dir", "kernel_source", "get_function", "cuda_include_dir"]
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def kernel_dir() -> Path:
+    """Folder of the CUDA sources (``sagecupy/kernels_cu`` when installed, ``kernels_cu/`` in a checkout)."""
+    try:
+        base = resources.files("sagecupy.kernels_cu")
+        path = Path(str(base))
+        if (path / "int8_attn_fwd.cu").is_file():
+            return path
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parent.parent / "kernels_cu"
+
+
+def _inline(path: Path, seen: set) -> str:
+    text = path.read_text()
+    if "#pragma once" in text:
+        if path in seen:
+            return ""
+        seen.add(path)
+        text = text.replace("#pragma once", "")
+
+    def repl(m):
+        inc = (path.parent / m.group(1)).resolve()
+        if not inc.is_file():
+            inc = (kernel_dir() / m.group(1)).resolve()
+        return f"// ---- begin {m.group(1)}\n{_inline(inc, seen)}\n// ---- end {m.group(1)}"
+
+    return _INCLUDE_RE.sub(repl, text)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(filename: str) -> str:
+    """The self-contained source of ``kernels_cu/<filename>`` with a content hash on its first line."""
+    body = _inline((kernel_dir() / filename).resolve(), set())
+    digest = hashlib.sha256(body.encode()).hexdigest()[:16]
+    return f"// sagecupy {filename} sha256:{digest}\n{body}"
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_dir() -> str | None:
+    """A folder holding ``cuda_fp16.h`` for NVRTC, or None (then NVRTC's own search path is used)."""
+    candidates = []
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    try:
+        import cupy
+
+        candidates.append(Path(cupy.cuda.get_cuda_path() or "") / "include")
+    except Exception:
+        pass
+    candidates += [Path("/usr/local/cuda/include")]
+    for site in sys.path:
+        nv = Path(site) / "nvidia"
+        if nv.is_dir():
+            candidates += sorted(nv.glob("*/include"))
+    for c in candidates:
+        if (c / "cuda_fp16.h").is_file():
+            return str(c)
+    return None
+
+
+def gpu_status() -> tuple[bool, str]:
+    """(True, device name) when CuPy imports and a CUDA device answers, else (False, why)."""
+    try:
+        import cupy
+    except Exception as exc:
+        return False, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+        if n < 1:
+            return False, "no CUDA device"
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        return True, f"{name} (sm_{props['major']}{props['minor']})"
+    except Exception as exc:
+        return False, f"no usable CUDA device ({type(exc).__name__}: {exc})"
+
+
+def _options() -> tuple:
+    opts = ["--std=c++17"]
+    inc = cuda_include_dir()
+    if inc:
+        opts.append(f"-I{inc}")
+    return tuple(opts)
+
+
+_modules: dict = {}
+
+
+def _dump(source: str, options: tuple, names: tuple, error: str | None = None) -> str:
+    folder = Path(tempfile.mkdtemp(prefix="sagecupy_jit_"))
+    (folder / "source.cu").write_text(source)
+    (folder / "options.txt").write_text("\n".join(options) + "\n\nname_expressions:\n" + "\n".join(names) + "\n")
+    if error:
+        (folder / "error.txt").write_text(error)
+    return str(folder)
+
+
+def _module(filename: str, names: tuple):
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    source = kernel_source(filename)
+    options = _options()
+    key = (dev, source.splitlines()[0], options, names)
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    debug = os.environ.get("SAGECUPY_JIT_DEBUG", "") not in ("", "0")
+    if debug:
+        print(f"sagecupy: JIT {filename} -> {_dump(source, options, names)}", file=sys.stderr)
+    try:
+        mod = cupy.RawModule(code=source, options=options, name_expressions=names)
+        mod.compile()
+    except Exception as exc:
+        where = _dump(source, options, names, error=str(exc)) if debug else "set SAGECUPY_JIT_DEBUG=1 to dump it"
+        raise RuntimeError(f"sagecupy: compiling {filename} failed ({where}):\n{exc}") from exc
+    _modules[key] = mod
+    return mod
+
+
+def get_function(filename: str, name: str, *, all_names: tuple | None = None):
+    """The compiled kernel ``name`` (a template instantiation such as ``"f<__half, 128>"``) of ``filename``.
+
+    ``all_names``: instantiate these together in one module (one compile for several variants).
+    """
+    names = tuple(all_names) if all_names else (name,)
+    if name not in names:
+        names = names + (name,)
+    return _module(filename, names).get_function(name)

@@ -1,0 +1,164 @@
+"""Speed measurements: sagecupy kernels beside PyTorch SDPA (flash, cuDNN) in the same process.
+
+Everything is timed with CUDA events on the current stream after warm-up; the median of
+``rep`` runs is reported in milliseconds (``ms``). FLOPs follow SPEC §8 (FlashAttention's
+convention): forward ``4 B Hq Nq Nk D``, halved for causal with ``Nq == Nk``; backward 2.5x,
+forward+backward 3.5x. INT8 rates are TOPS, the others TFLOPS; the ``tops`` field holds either.
+
+Modes: ``fwd`` / ``bwd`` / ``fwdbwd``; ``scope``: ``kernel`` (the attention kernel alone, inputs
+already quantized) or ``e2e`` (what a user calls: validation, smoothing, quantization, kernel).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+__all__ = ["flops", "time_ms", "bench_int8", "bench_sdpa", "default_cases", "run_suite"]
+
+
+def flops(B, Hq, Nq, Nk, D, causal, mode="fwd") -> float:
+    f = 4.0 * B * Hq * Nq * Nk * D
+    if causal and Nq == Nk:
+        f /= 2
+    return f * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
+
+
+def time_ms(fn, warmup=3, rep=10) -> float:
+    """Median wall time of ``fn()`` on the device, in milliseconds (CUDA events)."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(rep):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def default_cases(quick=False):
+    """(D, N, causal) with batch * N = 16K tokens and H * D = 2048 (the issue's sweep)."""
+    ns = (4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384, 32768)
+    return [(d, n, c) for d in (64, 128) for n in ns for c in (False, True)]
+
+
+def _shape(D, N):
+    return max(1, 16384 // N), 2048 // D
+
+
+def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
+    """Rows for the SageBwd kernels, kernel-only and end-to-end."""
+    import cupy
+
+    from . import int8
+
+    B, H = _shape(D, N)
+    rng = cupy.random.default_rng(0)
+    dt = cupy.float16 if dtype == "float16" else getattr(cupy, "bfloat16")
+
+    def mk():
+        return rng.standard_normal((B, H, N, D), dtype=cupy.float32).astype(dt)
+
+    q, k, v, do = mk(), mk(), mk(), mk()
+    rows = []
+
+    def row(mode, scope, ms):
+        rows.append(dict(impl="sagecupy-int8", config=(config or "default") if isinstance(config, (str, type(None)))
+                         else config.name, mode=mode, scope=scope, D=D, N=N, B=B, H=H, causal=causal, dtype=dtype,
+                         ms=ms, tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
+
+    p, cfg, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config)
+    if "fwd" in modes:
+        row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
+        row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
+    o, res = int8.forward(q, k, v, causal=causal, config=config)
+    if "bwd" in modes:
+        bpre = int8._preprocess_backward(res, do)
+        row("bwd", "kernel", time_ms(lambda: int8._launch_backward(res, bpre), warmup, rep))
+        row("bwd", "e2e", time_ms(lambda: int8.backward(res, do), warmup, rep))
+    if "fwdbwd" in modes:
+        def fb():
+            _, r = int8.forward(q, k, v, causal=causal, config=config)
+            int8.backward(r, do)
+        row("fwdbwd", "e2e", time_ms(fb, warmup, rep))
+    return rows
+
+
+def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
+    """Rows for torch.nn.functional.scaled_dot_product_attention with one backend (flash | cudnn)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H = _shape(D, N)
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn((B, H, N, D), device="cuda", dtype=dt, generator=g) for _ in range(4))
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    F = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+
+    def timed(fn):
+        import cupy
+
+        with sdpa_kernel([be]):
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(rep):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                ts.append(s.elapsed_time(e))
+        return statistics.median(ts)
+
+    def row(mode, ms):
+        rows.append(dict(impl=f"sdpa-{backend}", config="", mode=mode, scope="e2e", D=D, N=N, B=B, H=H,
+                         causal=causal, dtype=dtype, ms=ms, tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
+
+    try:
+        if "fwd" in modes:
+            with torch.no_grad():
+                row("fwd", timed(lambda: F(q, k, v, is_causal=causal)))
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        if "bwd" in modes:
+            with sdpa_kernel([be]):
+                out = F(qg, kg, vg, is_causal=causal)
+            row("bwd", timed(lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)))
+        if "fwdbwd" in modes:
+            def fb():
+                out = F(qg, kg, vg, is_causal=causal)
+                torch.autograd.grad(out, (qg, kg, vg), do)
+            row("fwdbwd", timed(fb))
+    except RuntimeError as exc:  # backend unavailable for this shape
+        rows.append(dict(impl=f"sdpa-{backend}", mode="error", D=D, N=N, causal=causal, error=str(exc)[:200]))
+    return rows
+
+
+def run_suite(cases, *, configs=("default",), baselines=("flash", "cudnn"), out=None, warmup=3, rep=10, log=None):
+    """Every case for every config and baseline; JSON lines to ``out`` (a file object) as they come."""
+    rows = []
+    for D, N, causal in cases:
+        batch = []
+        for cfg in configs:
+            batch += bench_int8(D, N, causal, config=cfg, warmup=warmup, rep=rep)
+        for be in baselines:
+            try:
+                batch += bench_sdpa(D, N, causal, be, warmup=warmup, rep=rep)
+            except ImportError:
+                pass
+        for r in batch:
+            if out is not None:
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+            if log is not None:
+                log(r)
+        rows += batch
+    return rows

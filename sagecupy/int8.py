@@ -1,0 +1,316 @@
+"""SageBwd on the GPU: INT8 attention forward and backward (SPEC §2-4).
+
+Data flow: validate -> pre-process (K-smoothing mean, INT8 quantization of Q, K, V) -> attention
+kernel -> (O, LSE, residuals). The backward pre-processes dO (delta = rowsum(dO * O), INT8 dO^T)
+and transposes the saved codes, then runs one kernel per 64-key block.
+
+Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
+
+* ``causal=True`` is bottom-right aligned: query row ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``::
+
+      Nq=3, Nk=5      keys ->  0 1 2 3 4
+                row 0          x x x . .
+                row 1          x x x x .
+                row 2          x x x x x
+
+  A row that sees no key gives ``O = 0``, ``LSE = -inf`` and zero gradients.
+* ``sm_scale=None`` means ``1/sqrt(D)``; the LSE is float32, natural log, of the *unsmoothed* logits.
+* Granularities come from a :class:`~sagecupy.config.SageBwdConfig` (``"default"`` or ``"paper"``).
+  The kernels implement ``block_q=128, block_kv=64, bwd_block_q=64, bwd_block_kv=64``.
+* Inputs are never modified.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import _checks
+from ._loader import get_function
+from .config import SageBwdConfig, get_config
+
+__all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
+
+LOG2E = 1.4426950408889634
+_FWD_BQ, _FWD_BKV = 128, 64
+_T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+def _unsupported_config(cfg: SageBwdConfig) -> str | None:
+    if (cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv) != (128, 64, 64, 64):
+        return (f"tile sizes (block_q, block_kv, bwd_block_q, bwd_block_kv)="
+                f"{(cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv)} are not supported by the "
+                f"kernels; supported: (128, 64, 64, 64)")
+    if cfg.q_smoothing:
+        return "q_smoothing=True is not implemented in the GPU kernels yet (reference only)"
+    if cfg.ds_rowsum_correction:
+        return "ds_rowsum_correction=True is not implemented in the GPU kernels yet (reference only)"
+    if not cfg.quantize:
+        return "quantize=False is a reference-only switch"
+    return None
+
+
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
+    """(True, "") if :func:`forward` accepts these arguments, else (False, the reason). Never raises."""
+    try:
+        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+        cfg = get_config(config)
+    except (TypeError, ValueError) as exc:
+        return False, str(exc)
+    why = _unsupported_config(cfg)
+    return (False, why) if why else (True, "")
+
+
+def _strides(x, layout):
+    """Element strides (batch, head, token) of a 4-D array in `layout`."""
+    s = [st // x.itemsize for st in x.strides]
+    return (s[0], s[1], s[2]) if layout == "HND" else (s[0], s[2], s[1])
+
+
+def _prepare(x, name, layout, need_aligned):
+    """x as a CuPy array whose last dim is contiguous (16-byte aligned rows when needed); never the caller's
+    buffer modified."""
+    import cupy
+
+    x = _checks.as_cupy(x, name)
+    ok = x.strides[3] == x.itemsize
+    if ok and need_aligned:
+        ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:3])
+    return x if ok else cupy.ascontiguousarray(x)
+
+
+def _roundup(n, m):
+    return (n + m - 1) // m * m
+
+
+def _empty(shape, layout, dtype):
+    import cupy
+
+    b, h, n, d = shape
+    return cupy.empty((b, h, n, d) if layout == "HND" else (b, n, h, d), dtype=dtype)
+
+
+def _quant_names(T, D):
+    return (
+        f"mean_tokens<{T}>", f"channel_scale<{T}>", f"rowdot<{T}>",
+        f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
+        f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
+        f"quant_transpose_perm<{T}, {D}, 2>",
+        f"transpose_i8<{D}, true>", f"transpose_i8<{D}, false>",
+    )
+
+
+def _qfn(name, T, D):
+    return get_function("int8_quant.cu", name, all_names=_quant_names(T, D))
+
+
+@dataclass
+class Residuals:
+    """What :func:`backward` needs, all on the device (SPEC §3.5). Treat as opaque."""
+
+    problem: _checks.Problem
+    config: SageBwdConfig
+    q_codes: object  # (B, Hq, nq_pad, D) int8 of psi(sm_scale * log2e * Q)
+    q_scale: object  # (B, Hq, nq_pad) float32, per row
+    k_codes: object  # (B, Hkv, nk_pad, D) int8 of psi(K - mu_K)
+    k_scale: object  # (B, Hkv, nk_pad) float32, per row
+    v: object        # caller's V (prepared view)
+    o: object        # forward output (caller layout)
+    lse2: object     # (B, Hq, nq_pad) float32, base-2 LSE of the kernel's logits; +inf where no key is seen
+    mu_k: object     # (B, Hkv, D) float32 or None
+
+    @property
+    def nq_pad(self):
+        return self.q_codes.shape[2]
+
+    @property
+    def nk_pad(self):
+        return self.k_codes.shape[2]
+
+
+def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
+    """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state)."""
+    import cupy
+
+    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+    cfg = get_config(config)
+    why = _unsupported_config(cfg)
+    if why:
+        raise ValueError(f"config: {why}")
+    q = _prepare(q, "q", layout, False)
+    k = _prepare(k, "k", layout, False)
+    v = _prepare(v, "v", layout, True)
+    T, D = _T[p.dtype], p.head_dim
+    B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
+    nq_pad, nk_pad = _roundup(nq, _FWD_BQ), _roundup(nk, _FWD_BKV)
+    qsb, qsh, qsn = _strides(q, layout)
+    ksb, ksh, ksn = _strides(k, layout)
+    vsb, vsh, vsn = _strides(v, layout)
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+
+    mu_k = None
+    if cfg.k_smoothing:
+        mu_k = cupy.empty((B, Hkv, D), dtype=f32)
+        _qfn(f"mean_tokens<{T}>", T, D)((Hkv, B), (256,), (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu_k),
+                                         shared_mem=256 * 4)
+    # Q: psi(sm_scale * log2e * Q) per token or per 128-row block; qmk = sm_scale * q . mu_K for the LSE.
+    q_codes = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.int8)
+    q_scale = cupy.empty((B, Hq, nq_pad), dtype=f32)
+    qmk = cupy.empty((B, Hq, nq_pad), dtype=f32) if mu_k is not None else None
+    rpw, grouped = (4, "false") if cfg.q_granularity == "token" else (16, "true")
+    _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
+        (nq_pad // (8 * rpw), Hq, B), (256,),
+        (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale * LOG2E),
+         q_codes, q_scale, mu_k, i32(p.group), f32(p.sm_scale), qmk))
+    # K: psi(K - mu_K) per token or per 64-row block.
+    k_codes = cupy.empty((B, Hkv, nk_pad, D), dtype=cupy.int8)
+    k_scale = cupy.empty((B, Hkv, nk_pad), dtype=f32)
+    rpw, grouped = (4, "false") if cfg.k_granularity == "token" else (8, "true")
+    _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
+        (nk_pad // (8 * rpw), Hkv, B), (256,),
+        (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
+         k_codes, k_scale, None, i32(1), f32(0.0), None))
+    # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted.
+    v_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
+    if cfg.v_granularity == "channel":
+        v_scale = cupy.empty((B, Hkv, D), dtype=f32)
+        _qfn(f"channel_scale<{T}>", T, D)((Hkv, B), (256,), (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), v_scale),
+                                           shared_mem=256 * 4)
+        mode = 0
+    else:
+        v_scale = cupy.empty((B, Hkv, nk_pad // 64, D), dtype=f32)
+        mode = 2
+    _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
+        (nk_pad // 64, Hkv, B), (256,),
+        (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t))
+
+    pre = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale, v_t=v_t, v_scale=v_scale,
+               qmk=qmk, mu_k=mu_k, v=v, dtype=q.dtype)
+    return p, cfg, pre
+
+
+def _launch_forward(p, cfg, pre):
+    """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2)."""
+    import cupy
+
+    T, D = _T[p.dtype], p.head_dim
+    B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
+    nq_pad, nk_pad = pre["q_codes"].shape[2], pre["k_codes"].shape[2]
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    o = _empty((B, Hq, nq, D), layout, pre["dtype"])
+    osb, osh, osn = _strides(o, layout)
+    lse = cupy.empty((B, Hq, nq), dtype=f32)
+    lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
+    fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}>")
+    smem = (_FWD_BQ + 4 * _FWD_BKV) * D
+    fn((nq_pad // _FWD_BQ, Hq, B), (256,),
+       (pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v_t"], pre["v_scale"], pre["qmk"],
+        o, i64(osb), i64(osh), i64(osn), lse, lse2,
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
+        i32(int(p.causal)), i32(int(cfg.v_granularity == "block"))),
+       shared_mem=smem)
+    return o, lse, lse2
+
+
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+    """SageBwd forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
+
+    q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
+    fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
+    float32 ``(B, Hq, Nq)``.
+    """
+    p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config)
+    o, lse, lse2 = _launch_forward(p, cfg, pre)
+    res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
+                    pre["mu_k"])
+    return (o, lse, res) if return_lse else (o, res)
+
+
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
+    """Inference entry point: INT8 attention forward; ``o`` or ``(o, lse)``."""
+    out = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, return_lse=True)
+    return (out[0], out[1]) if return_lse else out[0]
+
+
+_BWD_SMEM_EXTRA = 64 * 64 + (4 * 64 + 4 * 64 + 4) * 4
+
+
+def _preprocess_backward(residuals, do):
+    """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed Q/K codes."""
+    import cupy
+
+    if not isinstance(residuals, Residuals):
+        raise TypeError(f"residuals must be the Residuals returned by sagecupy.int8.forward, got "
+                        f"{type(residuals).__name__}")
+    r, p, cfg = residuals, residuals.problem, residuals.config
+    do = _checks.as_cupy(do, "do")
+    if tuple(do.shape) != tuple(r.o.shape):
+        raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {tuple(r.o.shape)}")
+    if _checks.dtype_name(do.dtype) != p.dtype:
+        raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
+    do = _prepare(do, "do", p.layout, True)
+    T, D = _T[p.dtype], p.head_dim
+    B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
+    nq_pad, nk_pad = r.nq_pad, r.nk_pad
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    dsb, dsh, dsn = _strides(do, p.layout)
+    osb, osh, osn = _strides(r.o, p.layout)
+
+    delta = cupy.empty((B, Hq, nq_pad), dtype=f32)
+    _qfn(f"rowdot<{T}>", T, D)((nq_pad // 8, Hq, B), (256,),
+                              (do, i64(dsb), i64(dsh), i64(dsn), r.o, i64(osb), i64(osh), i64(osn),
+                               i32(nq), i32(nq_pad), i32(D), delta))
+    do_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
+    do_scale = cupy.empty((B, Hq, nq_pad // 64, D), dtype=f32)
+    mode = 1 if cfg.do_granularity == "channel" else 2
+    _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
+        (nq_pad // 64, Hq, B), (256,),
+        (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), None, do_scale, do_t))
+    q_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
+    _qfn(f"transpose_i8<{D}, true>", T, D)((nq_pad // 64, B * Hq), (256,), (r.q_codes, i32(nq_pad), q_t))
+    k_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
+    _qfn(f"transpose_i8<{D}, false>", T, D)((nk_pad // 64, B * Hkv), (256,), (r.k_codes, i32(nk_pad), k_t))
+    return dict(do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
+
+
+def _launch_backward(r, pre):
+    """The backward kernel (+ dQ conversion) alone, after :func:`_preprocess_backward`."""
+    import cupy
+
+    p, cfg = r.problem, r.config
+    T, D = _T[p.dtype], p.head_dim
+    B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
+    nq_pad, nk_pad = r.nq_pad, r.nk_pad
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    do = pre["do"]
+    dsb, dsh, dsn = _strides(do, p.layout)
+    dq_acc = cupy.zeros((B, Hq, nq_pad, D), dtype=f32)
+
+    v = r.v
+    vsb, vsh, vsn = _strides(v, p.layout)
+    dk = _empty((B, Hkv, nk, D), p.layout, v.dtype)
+    dv = _empty((B, Hkv, nk, D), p.layout, v.dtype)
+    ksb_, ksh_, ksn_ = _strides(dk, p.layout)
+    vvb, vvh, vvn = _strides(dv, p.layout)
+    names = (f"int8_attn_bwd<{T}, {D}>", f"finish_dq<{T}>")
+    fn = get_function("int8_attn_bwd.cu", names[0], all_names=names)
+    smem = 9 * 64 * D + _BWD_SMEM_EXTRA
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    fn((nk_pad // 64, Hkv, B), (128,),
+       (r.q_codes, r.q_scale, pre["q_t"], r.k_codes, r.k_scale, pre["k_t"],
+        v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn),
+        pre["do_t"], pre["do_scale"], r.lse2, pre["delta"], dq_acc,
+        dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max), f32(p.sm_scale),
+        i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), i32(int(cfg.ds_granularity == "rowcol"))),
+       shared_mem=smem)
+    dq = _empty((B, Hq, nq, D), p.layout, v.dtype)
+    qsb, qsh, qsn = _strides(dq, p.layout)
+    get_function("int8_attn_bwd.cu", names[1], all_names=names)(
+        ((nq + 7) // 8, Hq, B), (256,), (dq_acc, i32(nq), i32(nq_pad), i32(D), dq, i64(qsb), i64(qsh), i64(qsn)))
+    return dq, dk, dv
+
+
+def backward(residuals: Residuals, do):
+    """SageBwd backward: ``(dq, dk, dv)`` in the forward's layout and dtype (fp32 accumulation inside)."""
+    return _launch_backward(residuals, _preprocess_backward(residuals, do))
