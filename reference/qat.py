@@ -1,0 +1,197 @@
+"""FP4 quantization-aware attention (Attn-QAT-style), float64 simulator (SPEC §6).
+
+``fq`` is NVFP4 fake quantization (:func:`sagecupy.reference.fp4.nvfp4_fake_quantize`,
+quantize then dequantize) with a straight-through gradient.
+
+Forward (:func:`forward`), in HND:
+
+* ``Q̃ = fq(Q)``, ``K̃ = fq(K)`` along D (16-blocks of channels);
+  ``Ṽ = fq(V)`` along the tokens (16 consecutive tokens per channel, ``Nk``
+  zero-padded to a multiple of 16, padding dropped afterwards). No per-tensor
+  scale (``QATConfig`` has none).
+* ``S = sm_scale · Q̃ K̃ᵀ`` (masked ``-inf``), ``P = softmax(S)`` with the row
+  sum of the unquantized probabilities, ``LSE`` its natural-log normalizer.
+* ``O = fq_P(P) Ṽ`` where ``fq_P`` is
+  :func:`~sagecupy.reference.fp4.two_level_p_fake_quantize` with
+  ``config.block_kv`` when ``config.two_level_p``, else plain NVFP4 of ``P``
+  along the keys (16-blocks aligned at key 0, zero-padded). Also the
+  high-precision ``O′ = P Ṽ``, which the backward needs.
+
+Why the fused kernel's two-level quantization *is* ``fq_P`` of the normalized
+``P``: the kernel only has the unnormalized ``P̃_t = exp(S − m_t)`` of tile
+``t`` (``m_t`` the running max). It scales each row of the tile by
+``s1 = max_tile(P̃_t) / (448·6)``, so it quantizes
+``P̃_t / s1 = 448·6 · exp(S − r_t)`` with ``r_t`` the row's max over the tile —
+a quantity that depends neither on ``m_t`` nor on the final normalization.
+The normalized ``P = exp(S − LSE)`` scaled by its own tile max gives the very
+same ``448·6 · exp(S − r_t)``, hence the same E4M3 scales and E2M1 codes; and
+the kernel's final factor ``s1 · e^{m_t − m_last} / l = exp(r_t − LSE) / 2688``
+is exactly the normalized tile's ``s1``. So ``O_kernel = fq_P(P) Ṽ`` up to the
+rounding of the float arithmetic. (Without two-level P this is *not* so: the
+E4M3 block scale of ``max/6`` is not scale invariant, so quantizing
+``exp(S − m_t)`` and quantizing ``P`` give different codes. The reference
+defines single-level ``fq_P`` on the normalized ``P``.)
+
+Backward (:func:`backward`): recompute ``P = exp(S − LSE)`` from ``Q̃, K̃`` (the
+forward's quantization, not the full-precision inputs);
+``dV = fq_P(P)ᵀ dO``; ``dP = dO Ṽᵀ``; ``δ = rowsum(dO ∘ O′)``;
+``dS = P ∘ (dP − δ)``; ``dQ = sm_scale · dS K̃``; ``dK = sm_scale · dSᵀ Q̃``;
+GQA sums ``dK``, ``dV`` over each group; the gradients pass straight through
+``fq`` to ``Q, K, V``. With ``δ`` from ``O′``, ``dQ`` and ``dK`` are the exact
+gradients of ``⟨dO, O′⟩`` with respect to ``Q̃`` and ``K̃`` (straight-through
+for ``fq_P``), and ``dV`` is the exact gradient of ``⟨dO, O⟩`` with respect to
+``Ṽ``. ``δ`` from ``O`` (``delta_from="o"``, offered only so tests can show the
+difference) breaks the identity ``rowsum(P ∘ dP) = rowsum(dO ∘ O)`` that holds
+only for ``O = P Ṽ``: the rows of ``dS`` then no longer sum to zero and ``dQ``,
+``dK`` are wrong.
+
+``config.quantize=False`` makes every ``fq`` the identity: forward and backward
+equal :mod:`sagecupy.reference.attention`'s exact ones.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sagecupy.config import QATConfig
+
+from . import fp4
+from .attention import (
+    as_float64,
+    check_qkv,
+    expand_kv_heads,
+    from_hnd,
+    masked_softmax,
+    resolve_sm_scale,
+    sum_kv_groups,
+    to_hnd,
+    visible_mask,
+)
+
+__all__ = ["forward", "backward", "fake_quantize_inputs", "fake_quantize_p"]
+
+_RESIDUAL_KEYS = ("q_t", "k_t", "v_t", "o_prime", "o", "lse", "causal", "sm_scale", "layout", "config", "Hq", "Hkv")
+
+
+def _check_config(config) -> QATConfig:
+    if not isinstance(config, QATConfig):
+        raise TypeError(f"config must be a QATConfig, got {type(config).__name__}")
+    return config
+
+
+def fake_quantize_inputs(qh, kh, vh, config: QATConfig):
+    """``(Q̃, K̃, Ṽ)`` of HND float64 operands: NVFP4 along D for Q, K; along tokens for V.
+
+    Identity copies when ``config.quantize`` is False. ValueError if D is not a
+    multiple of 16 while quantizing.
+    """
+    config = _check_config(config)
+    if not config.quantize:
+        return qh.copy(), kh.copy(), vh.copy()
+    D = qh.shape[-1]
+    if D % fp4.NVFP4_BLOCK:
+        raise ValueError(f"head dim D={D} is not supported by NVFP4 (1x16 blocks along D): it must be a multiple of 16")
+    q_t = fp4.nvfp4_fake_quantize(qh, axis=-1)
+    k_t = fp4.nvfp4_fake_quantize(kh, axis=-1)
+    nk = vh.shape[2]
+    v_t = fp4.nvfp4_fake_quantize(fp4.pad_to_multiple(vh, fp4.NVFP4_BLOCK, axis=2), axis=2)[:, :, :nk]
+    return q_t, k_t, v_t
+
+
+def fake_quantize_p(p: np.ndarray, config: QATConfig) -> np.ndarray:
+    """``fq_P(P)`` along the last axis (the keys); see the module docstring."""
+    config = _check_config(config)
+    if not config.quantize:
+        return p.copy()
+    if config.two_level_p:
+        return fp4.two_level_p_fake_quantize(p, config.block_kv, axis=-1)
+    nk = p.shape[-1]
+    return fp4.nvfp4_fake_quantize(fp4.pad_to_multiple(p, fp4.NVFP4_BLOCK, axis=-1), axis=-1)[..., :nk]
+
+
+def _scores(q_t, k_t, Hq, scale, mask):
+    s = scale * np.matmul(q_t, np.swapaxes(expand_kv_heads(k_t, Hq), -1, -2))
+    return np.where(mask, s, -np.inf)
+
+
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATConfig(), return_intermediates=False):
+    """QAT forward; returns ``(o, residuals)`` (``(o, residuals, intermediates)`` when asked).
+
+    ``o`` float64 in ``layout``. ``residuals`` (everything :func:`backward`
+    needs): ``"q_t"`` ``(B,Hq,Nq,D)``, ``"k_t"``, ``"v_t"`` ``(B,Hkv,Nk,D)``
+    (fake-quantized, HND), ``"o_prime"`` (``P Ṽ``, HND), ``"o"`` (``fq_P(P) Ṽ``,
+    HND), ``"lse"`` ``(B,Hq,Nq)`` natural log, ``"causal"``, ``"sm_scale"``
+    (resolved float), ``"layout"``, ``"config"``, ``"Hq"``, ``"Hkv"``.
+    ``intermediates``: ``"S"``, ``"P"``, ``"P_q"`` (``fq_P(P)``), all
+    ``(B,Hq,Nq,Nk)``.
+    """
+    config = _check_config(config)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(return_intermediates, (bool, np.bool_)):
+        raise TypeError(f"return_intermediates must be a bool, got {return_intermediates!r}")
+    B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
+    scale = resolve_sm_scale(sm_scale, D)
+    qh = as_float64(to_hnd(q, layout), "q")
+    kh = as_float64(to_hnd(k, layout), "k")
+    vh = as_float64(to_hnd(v, layout), "v")
+    q_t, k_t, v_t = fake_quantize_inputs(qh, kh, vh, config)
+    s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, bool(causal)))
+    p, _, _, lse = masked_softmax(s)
+    p_q = fake_quantize_p(p, config)
+    v_x = expand_kv_heads(v_t, Hq)
+    o = np.matmul(p_q, v_x)
+    o_prime = np.matmul(p, v_x)
+    residuals = {
+        "q_t": q_t,
+        "k_t": k_t,
+        "v_t": v_t,
+        "o_prime": o_prime,
+        "o": o,
+        "lse": lse,
+        "causal": bool(causal),
+        "sm_scale": scale,
+        "layout": layout,
+        "config": config,
+        "Hq": Hq,
+        "Hkv": Hkv,
+    }
+    if return_intermediates:
+        return from_hnd(o, layout), residuals, {"S": s, "P": p, "P_q": p_q}
+    return from_hnd(o, layout), residuals
+
+
+def backward(residuals: dict, do, *, delta_from: str = "o_prime"):
+    """QAT backward (see the module docstring); returns ``(dq, dk, dv)`` in the forward's layout.
+
+    ``delta_from="o_prime"`` (default, correct) or ``"o"`` (wrong on purpose:
+    exists so the tests can show the difference).
+    """
+    if not isinstance(residuals, dict) or any(key not in residuals for key in _RESIDUAL_KEYS):
+        missing = [key for key in _RESIDUAL_KEYS if not isinstance(residuals, dict) or key not in residuals]
+        raise ValueError(f"residuals must be the dict returned by qat.forward; missing {missing}")
+    if delta_from not in ("o_prime", "o"):
+        raise ValueError(f"delta_from={delta_from!r} is not supported; supported: 'o_prime', 'o'")
+    r = residuals
+    config = _check_config(r["config"])
+    q_t, k_t, v_t, scale, layout = r["q_t"], r["k_t"], r["v_t"], r["sm_scale"], r["layout"]
+    B, Hq, Nq, D = q_t.shape
+    Hkv, Nk = k_t.shape[1], k_t.shape[2]
+    if not hasattr(do, "ndim") or do.ndim != 4:
+        raise ValueError(f"do must be a 4-D array in layout {layout!r}")
+    doh = as_float64(to_hnd(do, layout), "do")
+    if doh.shape != (B, Hq, Nq, D):
+        raise ValueError(f"do must have HND shape {(B, Hq, Nq, D)} ({layout=}), got shape {tuple(do.shape)}")
+
+    s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, r["causal"]))
+    lse = r["lse"]
+    row_ok = np.isfinite(lse)
+    p = np.where(row_ok[..., None], np.exp(s - np.where(row_ok, lse, 0.0)[..., None]), 0.0)
+    p_q = fake_quantize_p(p, config)
+    v_x = expand_kv_heads(v_t, Hq)
+    dv = sum_kv_groups(np.matmul(np.swapaxes(p_q, -1, -2), doh), Hkv)
+    dp = np.matmul(doh, np.swapaxes(v_x, -1, -2))
+    delta = np.sum(doh * r[delta_from], axis=-1)
+    ds = p * (dp - delta[..., None])
+    dq = scale * np.matmul(ds, expand_kv_heads(k_t, Hq))
+    dk = sum_kv_groups(scale * np.matmul(np.swapaxes(ds, -1, -2), q_t), Hkv)
+    return from_hnd(dq, layout), from_hnd(dk, layout), from_hnd(dv, layout)
