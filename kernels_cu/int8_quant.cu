@@ -17,12 +17,12 @@ __device__ __forceinline__ float absmax_or_nan(float m, float x) {
 }
 
 __device__ __forceinline__ float psi_scale(float amax, float qmax) {
-  if (amax != amax || isinf(amax)) return __int_as_float(0x7fffffff);
+  if (amax != amax || amax == INFINITY) return __int_as_float(0x7fffffff);
   return amax / qmax;
 }
 
 __device__ __forceinline__ int psi_code(float x, float s, float qmax) {
-  if (!(s > 0.0f) || isinf(s)) return 0;  // zero block or NaN scale
+  if (!(s > 0.0f) || s == INFINITY) return 0;  // zero block or NaN scale
   float c = rintf(__fdiv_rn(x, s));
   return static_cast<int>(fminf(fmaxf(c, -qmax), qmax));
 }

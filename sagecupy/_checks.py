@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Problem", "as_cupy", "check_attention_args", "SUPPORTED_HEAD_DIMS", "dtype_name"]
+__all__ = ["Problem", "as_cupy", "raw", "wrap", "check_attention_args", "SUPPORTED_HEAD_DIMS", "dtype_name"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LAYOUTS = ("HND", "NHD")
@@ -19,10 +19,13 @@ def dtype_name(dtype) -> str:
 
 
 def as_cupy(x, name: str):
-    """A CuPy view of ``x`` (CuPy array, or any CUDA array with ``__dlpack__``), zero-copy."""
+    """A CuPy view of ``x`` (CuPy array, :class:`~sagecupy.bf16.BF16Array`, or any CUDA array with
+    ``__dlpack__``), zero-copy."""
     import cupy
 
-    if isinstance(x, cupy.ndarray):
+    from .bf16 import BF16Array
+
+    if isinstance(x, (cupy.ndarray, BF16Array)):
         return x
     if hasattr(x, "__dlpack__"):
         try:
@@ -30,6 +33,20 @@ def as_cupy(x, name: str):
         except Exception as exc:
             raise TypeError(f"{name}: cannot import the array through DLPack ({exc}); pass a CUDA array") from exc
     raise TypeError(f"{name} must be a CuPy array or a CUDA array with __dlpack__, got {type(x).__name__}")
+
+
+def raw(x):
+    """The CuPy array holding x's memory (the uint16 bits of a BF16Array)."""
+    return getattr(x, "bits", x)
+
+
+def wrap(x, dtype: str):
+    """A kernel output (raw CuPy array) as the user sees it: BF16Array for bfloat16."""
+    if dtype == "bfloat16":
+        from .bf16 import BF16Array
+
+        return BF16Array(x)
+    return x
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,13 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     from . import int8
 
     B, H = _shape(D, N)
+    from .bf16 import BF16Array
+
     rng = cupy.random.default_rng(0)
-    dt = cupy.float16 if dtype == "float16" else getattr(cupy, "bfloat16")
 
     def mk():
-        return rng.standard_normal((B, H, N, D), dtype=cupy.float32).astype(dt)
+        x = rng.standard_normal((B, H, N, D), dtype=cupy.float32)
+        return x.astype(cupy.float16) if dtype == "float16" else BF16Array.from_float(x)
 
     q, k, v, do = mk(), mk(), mk(), mk()
     rows = []

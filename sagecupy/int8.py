@@ -67,11 +67,11 @@ def _strides(x, layout):
 
 
 def _prepare(x, name, layout, need_aligned):
-    """x as a CuPy array whose last dim is contiguous (16-byte aligned rows when needed); never the caller's
-    buffer modified."""
+    """x's memory as a CuPy array (bits for bf16) whose last dim is contiguous (16-byte aligned rows when
+    needed): a view when it already is, else a copy; the caller's buffer is never modified."""
     import cupy
 
-    x = _checks.as_cupy(x, name)
+    x = _checks.raw(_checks.as_cupy(x, name))
     ok = x.strides[3] == x.itemsize
     if ok and need_aligned:
         ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:3])
@@ -82,11 +82,13 @@ def _roundup(n, m):
     return (n + m - 1) // m * m
 
 
-def _empty(shape, layout, dtype):
+def _empty(shape, layout, dtype: str):
+    """Raw output buffer (uint16 bits for bfloat16) in the caller's layout."""
     import cupy
 
     b, h, n, d = shape
-    return cupy.empty((b, h, n, d) if layout == "HND" else (b, n, h, d), dtype=dtype)
+    return cupy.empty((b, h, n, d) if layout == "HND" else (b, n, h, d),
+                      dtype=cupy.float16 if dtype == "float16" else cupy.uint16)
 
 
 def _quant_names(T, D):
@@ -97,6 +99,21 @@ def _quant_names(T, D):
         f"quant_transpose_perm<{T}, {D}, 2>",
         f"transpose_i8<{D}, true>", f"transpose_i8<{D}, false>",
     )
+
+
+def kernel_names() -> dict:
+    """Every template instantiation this module launches, per source file (CI compiles them all)."""
+    out = {"int8_quant.cu": [], "int8_attn_fwd.cu": [], "int8_attn_bwd.cu": []}
+    for T in _T.values():
+        for D in _checks.SUPPORTED_HEAD_DIMS:
+            out["int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8_quant.cu"]]
+            out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}>")
+            out["int8_attn_bwd.cu"] += list(_bwd_names(T, D))
+    return out
+
+
+def _bwd_names(T, D):
+    return (f"int8_attn_bwd<{T}, {D}>", f"finish_dq<{T}>")
 
 
 def _qfn(name, T, D):
@@ -113,8 +130,8 @@ class Residuals:
     q_scale: object  # (B, Hq, nq_pad) float32, per row
     k_codes: object  # (B, Hkv, nk_pad, D) int8 of psi(K - mu_K)
     k_scale: object  # (B, Hkv, nk_pad) float32, per row
-    v: object        # caller's V (prepared view)
-    o: object        # forward output (caller layout)
+    v: object        # caller's V (prepared raw view)
+    o: object        # forward output (caller layout, raw)
     lse2: object     # (B, Hq, nq_pad) float32, base-2 LSE of the kernel's logits; +inf where no key is seen
     mu_k: object     # (B, Hkv, D) float32 or None
 
@@ -131,6 +148,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state)."""
     import cupy
 
+    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
     cfg = get_config(config)
     why = _unsupported_config(cfg)
@@ -184,7 +202,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
         (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t))
 
     pre = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale, v_t=v_t, v_scale=v_scale,
-               qmk=qmk, mu_k=mu_k, v=v, dtype=q.dtype)
+               qmk=qmk, mu_k=mu_k, v=v)
     return p, cfg, pre
 
 
@@ -196,7 +214,7 @@ def _launch_forward(p, cfg, pre):
     B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
     nq_pad, nk_pad = pre["q_codes"].shape[2], pre["k_codes"].shape[2]
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    o = _empty((B, Hq, nq, D), layout, pre["dtype"])
+    o = _empty((B, Hq, nq, D), layout, p.dtype)
     osb, osh, osn = _strides(o, layout)
     lse = cupy.empty((B, Hq, nq), dtype=f32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
@@ -222,6 +240,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     o, lse, lse2 = _launch_forward(p, cfg, pre)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
+    o = _checks.wrap(o, p.dtype)
     return (o, lse, res) if return_lse else (o, res)
 
 
@@ -287,11 +306,11 @@ def _launch_backward(r, pre):
 
     v = r.v
     vsb, vsh, vsn = _strides(v, p.layout)
-    dk = _empty((B, Hkv, nk, D), p.layout, v.dtype)
-    dv = _empty((B, Hkv, nk, D), p.layout, v.dtype)
+    dk = _empty((B, Hkv, nk, D), p.layout, p.dtype)
+    dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     ksb_, ksh_, ksn_ = _strides(dk, p.layout)
     vvb, vvh, vvn = _strides(dv, p.layout)
-    names = (f"int8_attn_bwd<{T}, {D}>", f"finish_dq<{T}>")
+    names = _bwd_names(T, D)
     fn = get_function("int8_attn_bwd.cu", names[0], all_names=names)
     smem = 9 * 64 * D + _BWD_SMEM_EXTRA
     if smem > 48 * 1024:
@@ -304,11 +323,11 @@ def _launch_backward(r, pre):
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max), f32(p.sm_scale),
         i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), i32(int(cfg.ds_granularity == "rowcol"))),
        shared_mem=smem)
-    dq = _empty((B, Hq, nq, D), p.layout, v.dtype)
+    dq = _empty((B, Hq, nq, D), p.layout, p.dtype)
     qsb, qsh, qsn = _strides(dq, p.layout)
     get_function("int8_attn_bwd.cu", names[1], all_names=names)(
         ((nq + 7) // 8, Hq, B), (256,), (dq_acc, i32(nq), i32(nq_pad), i32(D), dq, i64(qsb), i64(qsh), i64(qsn)))
-    return dq, dk, dv
+    return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))
 
 
 def backward(residuals: Residuals, do):

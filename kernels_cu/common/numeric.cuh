@@ -3,6 +3,11 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+// NVRTC has no <math.h>: INFINITY comes from here.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 namespace sage {
 
 template <typename T> __device__ __forceinline__ float to_float(T x);

@@ -32,23 +32,25 @@ def _cupy():
     return cupy
 
 
-def _dtype(name):
-    cp = _cupy()
-    if name == "float16":
-        return cp.float16
-    bf16 = getattr(cp, "bfloat16", None)
-    if bf16 is None:
-        pytest.skip("this CuPy has no bfloat16 dtype")
-    return bf16
-
-
 def _to_dev(x, dtype_name):
     cp = _cupy()
-    return cp.asarray(x.astype(np.float32)).astype(_dtype(dtype_name))
+    from sagecupy.bf16 import BF16Array
+
+    x32 = cp.asarray(np.asarray(x, dtype=np.float32))
+    return x32.astype(cp.float16) if dtype_name == "float16" else BF16Array.from_float(x32)
+
+
+def _f32(x):
+    """Device float32 copy of a float16 CuPy array or a BF16Array."""
+    return x.to_float32() if hasattr(x, "to_float32") else x.astype(_cupy().float32)
 
 
 def _to_host(x):
-    return x.astype(_cupy().float32).get().astype(np.float64)
+    return _f32(x).get().astype(np.float64)
+
+
+def _raw(x):
+    return getattr(x, "bits", x)
 
 
 def _round_to(x, dtype_name):
@@ -88,7 +90,7 @@ def _run_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype_name, config, backwar
     case = dict(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, causal=causal, layout=layout, dtype=dtype_name,
                 config=config.name)
     (q, k, v, do), (qh, kh, vh, doh) = _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype_name, sigma)
-    before = [x.copy() for x in (q, k, v, do)]
+    before = [_raw(x).copy() for x in (q, k, v, do)]
     o, lse, res = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
     o_h = _to_host(o)
     o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, layout=layout, config=config)
@@ -107,7 +109,7 @@ def _run_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype_name, config, backwar
         for name, got, sim, ex in (("dQ", dq, dq_s, dq_e), ("dK", dk, dk_s, dk_e), ("dV", dv, dv_s, dv_e)):
             _check(name, _to_host(got), sim, ex, dtype_name, case)
     for x, x0 in zip((q, k, v, do), before):
-        assert bool((x == x0).all()), f"an input was modified {case}"
+        assert bool((_raw(x) == x0).all()), f"an input was modified {case}"
 
 
 # A sampled grid: odd lengths, Nq != Nk with causal, GQA, both layouts and dtypes, both configs.
@@ -149,7 +151,7 @@ def test_fully_masked_rows_zero_and_no_nan():
     assert np.all(o_h[:, :, :50] == 0) and np.all(np.isneginf(lse_h[:, :, :50]))
     assert np.all(dq_h[:, :, :50] == 0)
     for x in (o, dq, dk, dv):
-        assert bool(_cupy().isfinite(x).all())
+        assert bool(_cupy().isfinite(_f32(x)).all())
 
 
 def test_poisoned_outputs_are_overwritten(monkeypatch):
@@ -161,16 +163,19 @@ def test_poisoned_outputs_are_overwritten(monkeypatch):
 
     def nan_empty(shape, dtype=float, order="C"):
         out = real_empty(shape, dtype=dtype, order=order)
-        if cp.dtype(dtype).kind == "f" or _cupy().dtype(dtype).name == "bfloat16":
+        if cp.dtype(dtype).kind == "f":
             out.fill(float("nan"))
+        elif cp.dtype(dtype) == cp.uint16:  # bfloat16 bits: a NaN pattern
+            out.fill(0x7FC0)
         return out
 
     monkeypatch.setattr(cp, "empty", nan_empty)
-    (q, k, v, do), (qh, kh, vh, doh) = _inputs(7, 1, 2, 1, 200, 77, 128, "HND", "float16")
-    o, lse, res = s8.forward(q, k, v, causal=True, return_lse=True)
-    dq, dk, dv = s8.backward(res, do)
-    for name, x in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert not bool(cp.isnan(x).any()), f"{name} has unwritten (NaN) elements"
+    for dtype in DTYPES:
+        (q, k, v, do), _ = _inputs(7, 1, 2, 1, 200, 77, 128, "HND", dtype)
+        o, lse, res = s8.forward(q, k, v, causal=True, return_lse=True)
+        dq, dk, dv = s8.backward(res, do)
+        for name, x in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+            assert not bool(cp.isnan(_f32(x)).any()), f"{name} ({dtype}) has unwritten (NaN) elements"
 
 
 def test_backward_is_repeatable_up_to_atomics():
@@ -192,6 +197,15 @@ def test_sage_attention_matches_forward():
     o2, lse = s8.sage_attention(q, k, v, causal=True, return_lse=True)
     o3, _ = s8.forward(q, k, v, causal=True)
     assert bool((o1 == o3).all()) and bool((o2 == o3).all()) and lse.shape == (1, 2, 100)
+
+
+def test_uint16_is_not_taken_for_bfloat16():
+    cp = _cupy()
+    import sagecupy.int8 as s8
+
+    x = cp.zeros((1, 1, 16, 64), dtype=cp.uint16)
+    with pytest.raises(TypeError, match="dtype"):
+        s8.forward(x, x, x)
 
 
 def test_error_paths():
