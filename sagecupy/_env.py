@@ -71,7 +71,6 @@ def gpu_info() -> dict:
         info["gpu_reason"] = "CuPy is not installed"
         return info
     try:
-        import cupy  # noqa: F401
         from cupy.cuda import runtime
     except Exception as exc:  # a broken CuPy install must not break `sagecupy info`
         info["gpu_reason"] = f"CuPy failed to import: {type(exc).__name__}: {exc}"

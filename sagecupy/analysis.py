@@ -91,7 +91,7 @@ GPU_DEFAULT_N = 4096
 #: Default sequence length for the float64 reference, small enough that the
 #: default ``sagecupy accuracy`` (int8, default config) takes about 2 minutes
 #: on a 2-core machine (README: measured).
-CPU_DEFAULT_N = 1024
+CPU_DEFAULT_N = 2048
 DEFAULT_BATCH, DEFAULT_HEADS, DEFAULT_D = 1, 8, 128
 
 ACCURACY_TENSORS = ("O", "dQ", "dK", "dV")
@@ -430,12 +430,24 @@ def _run_reference(fam: Family, config, inputs: dict, causal: bool, want_interme
         keys = INTERMEDIATE_TENSORS if want_intermediates else ACCURACY_TENSORS
         return {key: np.asarray(out[key], dtype=np.float64) for key in keys if key in out}
     if fam.name == "nvfp4":
-        o, _ = module.forward(q, k, v, **kw)
-        return {"O": np.asarray(o, dtype=np.float64)}
+        if not want_intermediates:
+            o, _ = module.forward(q, k, v, **kw)
+            return {"O": np.asarray(o, dtype=np.float64)}
+        o, _, inter = module.forward(q, k, v, return_intermediates=True, **kw)
+        # The probabilities that actually multiply V̂, normalized: O = (P_hat / l) V̂.
+        l = inter["l"][..., None]
+        p = np.where(l > 0, inter["P_hat"] / np.where(l > 0, l, 1.0), 0.0)
+        return {"P": p, "O": np.asarray(o, dtype=np.float64)}
     if fam.name == "qat":
-        o, residuals = module.forward(q, k, v, **kw)
+        if want_intermediates:
+            o, residuals, inter = module.forward(q, k, v, return_intermediates=True, **kw)
+        else:
+            o, residuals = module.forward(q, k, v, **kw)
         dq, dk, dv = module.backward(residuals, do)
-        return {name: np.asarray(x, dtype=np.float64) for name, x in zip(ACCURACY_TENSORS, (o, dq, dk, dv))}
+        out = {name: np.asarray(x, dtype=np.float64) for name, x in zip(ACCURACY_TENSORS, (o, dq, dk, dv))}
+        if want_intermediates:
+            out["P"] = inter["P"]  # softmax of the fake-quantized logits: the P of dS = P ∘ (dP − δ)
+        return out
     raise AssertionError(fam.name)  # unreachable: family() validated the name
 
 
@@ -643,8 +655,8 @@ def intermediates(spec: RunSpec, sigma: float = 1.0, inputs: dict | None = None,
         progress(1)
     records = []
     for m in _measure(tensors, exact, INTERMEDIATE_TENSORS):
-        key = m["tensor"]
-        records.append(dict(type="intermediate", tensor=key, source=sources[key], **{k: m[k] for k in m if k != "tensor"},
+        key = m.pop("tensor")
+        records.append(dict(type="intermediate", tensor=key, source=sources[key], **m,
                             rms=rms(tensors[key]), rms_exact=rms(exact[key])))
     if fam.has_backward:
         nq, nk = exact["dP"].shape[-2:]

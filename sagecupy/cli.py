@@ -19,7 +19,9 @@ import errno
 import io
 import json
 import math
+import os
 import sys
+from dataclasses import dataclass
 
 import click
 
@@ -292,28 +294,54 @@ def analysis_options(*, sigmas: bool = False, sigma: bool = False, load: bool = 
     return decorate
 
 
-def _prepare(opts: dict, *, loaded_shape: bool = False) -> tuple[analysis.RunSpec, str]:
-    """Resolve the backend (one stderr line for auto) and the default N; returns (RunSpec, backend reason)."""
+@dataclass
+class _Run:
+    """What an analysis command resolved from its options, before it runs anything."""
+
+    spec: analysis.RunSpec
+    backend_reason: str
+    notes: list  # lines for stderr, printed by announce() once every check passed
+
+    def announce(self) -> None:
+        for note in self.notes:
+            click.echo(note, err=True)
+
+
+def _prepare(opts: dict, *, loaded_shape: bool = False) -> _Run:
+    """Resolve the backend and the default N and validate ``--out``; prints nothing yet.
+
+    Commands do their own checks next and call :meth:`_Run.announce` just
+    before running, so a bad argument ends in exactly one line.
+    """
+    notes = []
     with _library_errors():
         try:
             backend, reason = analysis.resolve_backend(opts["backend"], opts["family"])
         except analysis.BackendUnavailable as exc:
             raise click.ClickException(_one_line(str(exc))) from None
         if opts["backend"] == "auto":
-            click.echo(f"sagecupy: --backend auto -> {backend}: {reason}", err=True)
+            notes.append(f"sagecupy: --backend auto -> {backend}: {reason}")
         n = opts["n"]
-        if n is None and not loaded_shape:
+        if n is None:
             n = analysis.default_n(backend)
-            click.echo(f"sagecupy: N={n} (the {backend} backend's default; set it with --n)", err=True)
+            if not loaded_shape:
+                notes.append(f"sagecupy: N={n} (the {backend} backend's default; set it with --n)")
         shape = analysis.Shape(
             batch=opts["batch"] or analysis.DEFAULT_BATCH,
             heads=opts["heads"] or analysis.DEFAULT_HEADS,
-            n=n or analysis.default_n(backend),
+            n=n,
             d=opts["d"] or analysis.DEFAULT_D,
         )
         spec = analysis.RunSpec(family=opts["family"], config=opts["config_name"], backend=backend, shape=shape,
                                 dtype=opts["dtype"], seed=opts["seed"], causal=opts["causal"])
-        return spec, reason
+    out = opts.get("out")
+    if out is not None:
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder):
+            raise click.ClickException(f"cannot write {out}: no such folder {folder}")
+        if not os.access(folder, os.W_OK):
+            raise click.ClickException(f"cannot write {out}: folder {folder} is not writable")
+    return _Run(spec, reason, notes)
 
 
 # ----------------------------------------------------------------------------
@@ -362,11 +390,12 @@ def info(fmt):
 @analysis_options(sigmas=True)
 def accuracy(**opts):
     """σ-sweep (SPEC §7): O, dQ, dK, dV vs float64 exact for Q, K ~ N(0, σ²)."""
-    spec, reason = _prepare(opts)
-    sigmas = opts["sigmas"]
+    run = _prepare(opts)
+    spec, sigmas = run.spec, opts["sigmas"]
+    run.announce()
     with _library_errors(), _progress(len(sigmas), "sigma sweep") as step:
         records = analysis.accuracy_sweep(spec, sigmas, progress=step)
-    head = analysis.header("accuracy", spec, backend_requested=opts["backend"], backend_reason=reason,
+    head = analysis.header("accuracy", spec, backend_requested=opts["backend"], backend_reason=run.backend_reason,
                            sigmas=sigmas)
     emit(records, head, opts["fmt"], opts["out"])
 
@@ -375,13 +404,14 @@ def accuracy(**opts):
 @analysis_options(sigmas=True)
 def smoothing(**opts):
     """Smoothing ablation (SPEC §7): the σ-sweep without smoothing, with K-, with Q+K-smoothing."""
-    spec, reason = _prepare(opts)
-    sigmas = opts["sigmas"]
+    run = _prepare(opts)
+    spec, sigmas = run.spec, opts["sigmas"]
     with _library_errors():
         analysis.check_smoothing(spec)
+    run.announce()
     with _library_errors(), _progress(len(sigmas) * len(analysis.SMOOTHING_VARIANTS), "smoothing") as step:
         records = analysis.smoothing_ablation(spec, sigmas, progress=step)
-    head = analysis.header("smoothing", spec, backend_requested=opts["backend"], backend_reason=reason,
+    head = analysis.header("smoothing", spec, backend_requested=opts["backend"], backend_reason=run.backend_reason,
                            sigmas=sigmas)
     emit(records, head, opts["fmt"], opts["out"])
 
@@ -400,14 +430,16 @@ def intermediates(**opts):
         given = [f"--{name}" for name in ("n", "d", "heads", "batch") if opts[name] is not None]
         if given:
             raise click.UsageError(f"{', '.join(given)} cannot be combined with --load (the file gives the shape)")
-    spec, reason = _prepare(opts, loaded_shape=path is not None)
-    inputs = None
+    run = _prepare(opts, loaded_shape=path is not None)
+    spec, inputs = run.spec, None
     if path is not None:
         with _library_errors():
             inputs = analysis.load_inputs(path, dtype=opts["dtype"], layout=opts["layout"])
+    run.announce()
     with _library_errors(), _progress(2, "intermediates") as step:
         records = analysis.intermediates(spec, sigma=opts["sigma"], inputs=inputs, progress=step)
-    head = analysis.header("intermediates", spec, backend_requested=opts["backend"], backend_reason=reason,
+    head = analysis.header("intermediates", spec, backend_requested=opts["backend"],
+                           backend_reason=run.backend_reason,
                            inputs=inputs,
                            sigma=None if path else opts["sigma"], source=f"file {path}" if path else "random")
     emit(records, head, opts["fmt"], opts["out"])

@@ -1,0 +1,233 @@
+"""The ``sagecupy`` command line through click's CliRunner, on tiny shapes, without a GPU."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from sagecupy import analysis
+from sagecupy.cli import main
+
+TINY = ["--n", "32", "--heads", "1", "--d", "32"]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch):
+    """Every test here sees a machine without a usable GPU (also on a GPU machine)."""
+    monkeypatch.setattr(analysis, "gpu_status", lambda: (False, "no CUDA device (test)"))
+
+
+def _ok(result):
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    assert "Traceback" not in result.output
+    return result
+
+
+def _one_line_error(result):
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    return lines[0]
+
+
+def _json_lines(text):
+    records = [json.loads(line) for line in text.splitlines()]
+    assert records and records[0]["type"] == "env"
+    return records[0], records[1:]
+
+
+# ----------------------------------------------------------------------------
+# the happy paths
+# ----------------------------------------------------------------------------
+
+
+def test_help_lists_the_commands(runner):
+    out = _ok(runner.invoke(main, ["--help"])).stdout
+    for command in ("info", "accuracy", "intermediates", "smoothing"):
+        assert command in out
+    assert "--backend" in _ok(runner.invoke(main, ["accuracy", "--help"])).stdout
+
+
+def test_version(runner):
+    assert "0.1.0" in _ok(runner.invoke(main, ["--version"])).stdout
+
+
+def test_info_table_and_json(runner):
+    out = _ok(runner.invoke(main, ["info"])).stdout
+    assert "numpy" in out and "gpu" in out
+    for family in analysis.FAMILIES:
+        assert family in out
+    lines = [json.loads(line) for line in _ok(runner.invoke(main, ["info", "--format", "json"])).stdout.splitlines()]
+    assert lines[0]["type"] == "env"
+    assert [line["family"] for line in lines[1:]] == list(analysis.FAMILIES)
+    assert all(line["gpu"] is False for line in lines[1:])
+
+
+def test_accuracy_table(runner):
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1,5"]))
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("# sagecupy accuracy: family int8, config default, backend reference")
+    header = next(line for line in lines if line.startswith("sigma"))
+    assert header.split() == ["sigma", "tensor", "cos", "rel_l2", "rel_l1", "rmse"]
+    rows = [line.split() for line in lines if line[:5].strip() in ("1", "5")]
+    assert [(r[0], r[1]) for r in rows] == [(s, t) for s in ("1", "5") for t in analysis.ACCURACY_TENSORS]
+    # auto fell back to the reference and said so in one stderr line
+    assert "--backend auto -> reference: no CUDA device (test)" in result.stderr
+
+
+def test_accuracy_default_n_is_printed(runner, monkeypatch):
+    monkeypatch.setattr(analysis, "CPU_DEFAULT_N", 24)
+    result = _ok(runner.invoke(main, ["accuracy", "--heads", "1", "--d", "16", "--sigmas", "1"]))
+    assert "N=24 (the reference backend's default" in result.stderr
+    assert "N=24 D=16" in result.stdout
+
+
+def test_accuracy_json(runner):
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1,3", "--format", "json", "--config", "paper",
+                                      "--causal", "--seed", "7", "--backend", "reference"]))
+    head, records = _json_lines(result.stdout)
+    assert head["config"] == "paper" and head["causal"] is True and head["seed"] == 7
+    assert head["backend"] == "reference" and head["sigmas"] == [1.0, 3.0]
+    assert head["config_fields"]["ds_granularity"] == "block"
+    assert len(records) == 8
+    for rec in records:
+        assert {"sigma", "tensor", "cos", "rel_l2"} <= set(rec)
+    assert "--backend auto" not in result.stderr  # only auto announces its choice
+
+
+def test_accuracy_csv_and_out(runner, tmp_path):
+    out = tmp_path / "acc.csv"
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "2", "--format", "csv", "--out", str(out)]))
+    assert result.stdout == ""
+    assert f"wrote 4 records to {out}" in result.stderr
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert [r["tensor"] for r in rows] == list(analysis.ACCURACY_TENSORS)
+    assert all(float(r["sigma"]) == 2.0 and 0 < float(r["cos"]) <= 1 for r in rows)
+
+
+def test_accuracy_bf16(runner):
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1", "--dtype", "bf16", "--format", "json"]))
+    head, records = _json_lines(result.stdout)
+    assert head["dtype"] == "bf16" and len(records) == 4
+
+
+def test_intermediates_table_json_csv(runner, tmp_path):
+    table = _ok(runner.invoke(main, ["intermediates", *TINY, "--sigma", "5"])).stdout
+    assert "reference-sim" in table and "dS RMS bound" in table
+    for name in analysis.INTERMEDIATE_TENSORS:
+        assert any(line.split()[:1] == [name] for line in table.splitlines())
+    head, records = _json_lines(_ok(runner.invoke(main, ["intermediates", *TINY, "--format", "json"])).stdout)
+    assert head["sigma"] == 1.0 and head["inputs"] == "random"
+    inter = [r for r in records if r["type"] == "intermediate"]
+    assert [r["tensor"] for r in inter] == list(analysis.INTERMEDIATE_TENSORS)
+    for rec in inter:
+        assert {"tensor", "cos", "rel_l2", "rms", "source"} <= set(rec)
+    assert [r["type"] for r in records].count("ds_bound") == 1
+    out = tmp_path / "inter.csv"
+    _ok(runner.invoke(main, ["intermediates", *TINY, "--format", "csv", "--out", str(out)]))
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert len(rows) == len(analysis.INTERMEDIATE_TENSORS) + 1
+
+
+def test_intermediates_load(runner, tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "acts.npz"
+    np.savez(path, q=rng.standard_normal((1, 2, 20, 16)), k=rng.standard_normal((1, 1, 30, 16)),
+             v=rng.standard_normal((1, 1, 30, 16)), do=rng.standard_normal((1, 2, 20, 16)))
+    result = _ok(runner.invoke(main, ["intermediates", "--load", str(path), "--causal", "--format", "json"]))
+    head, records = _json_lines(result.stdout)
+    assert (head["heads"], head["heads_kv"], head["n_q"], head["n_k"], head["d"]) == (2, 1, 20, 30, 16)
+    assert head["inputs"] == f"file {path}" and "sigma" not in head
+    assert len([r for r in records if r["type"] == "intermediate"]) == len(analysis.INTERMEDIATE_TENSORS)
+    table = _ok(runner.invoke(main, ["intermediates", "--load", str(path)])).stdout
+    assert "Hkv=1 Nq=20 Nk=30 D=16" in table
+
+
+def test_smoothing_table_and_json(runner):
+    table = _ok(runner.invoke(main, ["smoothing", *TINY, "--sigmas", "3"])).stdout
+    for variant, _, _ in analysis.SMOOTHING_VARIANTS:
+        assert any(line.split()[:1] == [variant] for line in table.splitlines())
+    head, records = _json_lines(_ok(runner.invoke(main, ["smoothing", *TINY, "--sigmas", "3",
+                                                         "--format", "json"])).stdout)
+    assert len(records) == 4 * len(analysis.SMOOTHING_VARIANTS)
+    assert {r["smoothing"] for r in records} == {v[0] for v in analysis.SMOOTHING_VARIANTS}
+
+
+# ----------------------------------------------------------------------------
+# bad arguments: one line, non-zero exit, no traceback
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["accuracy", "--family", "fp8"], "--family"),
+        (["accuracy", "--backend", "cuda"], "--backend"),
+        (["accuracy", "--config", "fast"], "--config"),
+        (["accuracy", "--format", "xml"], "--format"),
+        (["accuracy", "--dtype", "fp32"], "--dtype"),
+        (["accuracy", "--n", "0"], "--n"),
+        (["accuracy", "--n", "many"], "--n"),
+        (["accuracy", "--d", "0"], "--d"),
+        (["accuracy", "--heads", "-2"], "--heads"),
+        (["accuracy", "--batch", "0"], "--batch"),
+        (["accuracy", "--seed", "-1"], "--seed"),
+        (["accuracy", "--sigmas", "1,x"], "--sigmas"),
+        (["accuracy", "--sigmas", "1,-3"], "--sigmas"),
+        (["accuracy", "--sigmas", ","], "--sigmas"),
+        (["accuracy", "--bogus"], "--bogus"),
+        (["accuracy", "--family", "nvfp4", "--config", "paper"], "family 'nvfp4'"),
+        (["intermediates", "--sigma", "0"], "--sigma"),
+        (["intermediates", "--load", "/nonexistent/acts.npz"], "--load"),
+        (["intermediates", "--load", "__FILE__", "--n", "64"], "--n cannot be combined with --load"),
+        (["smoothing", "--family", "qat", *TINY], "no smoothing"),
+        (["nosuchcommand"], "nosuchcommand"),
+        (["accuracy", "--backend", "gpu", *TINY], "--backend gpu"),
+        (["intermediates", "--backend", "gpu", *TINY], "no CUDA device"),
+    ],
+)
+def test_bad_arguments(runner, tmp_path, args, match):
+    path = tmp_path / "ok.npz"
+    np.savez(path, q=np.ones((1, 1, 4, 8)), k=np.ones((1, 1, 4, 8)), v=np.ones((1, 1, 4, 8)),
+             do=np.ones((1, 1, 4, 8)))
+    args = [str(path) if a == "__FILE__" else a for a in args]
+    line = _one_line_error(runner.invoke(main, args))
+    assert match in line
+
+
+@pytest.mark.parametrize(
+    "arrays, match",
+    [
+        (dict(q=np.ones((1, 1, 4, 8)), k=np.ones((1, 1, 4, 8)), v=np.ones((1, 1, 4, 8))), "lacks the key(s) do"),
+        (dict(q=np.ones((1, 1, 4, 8)), k=np.ones((1, 3, 4, 8)), v=np.ones((1, 3, 4, 8)), do=np.ones((1, 1, 4, 8))),
+         "multiple of the kv heads"),
+        (dict(q=np.ones((4, 8)), k=np.ones((4, 8)), v=np.ones((4, 8)), do=np.ones((4, 8))), "must be 4-D"),
+    ],
+)
+def test_bad_npz(runner, tmp_path, arrays, match):
+    path = tmp_path / "bad.npz"
+    np.savez(path, **arrays)
+    assert match in _one_line_error(runner.invoke(main, ["intermediates", "--load", str(path)]))
+
+
+def test_npy_file_is_refused(runner, tmp_path):
+    path = tmp_path / "q.npy"
+    np.save(path, np.ones((1, 1, 4, 8)))
+    assert "single array (.npy)" in _one_line_error(runner.invoke(main, ["intermediates", "--load", str(path)]))
+
+
+def test_unwritable_out(runner, tmp_path):
+    out = tmp_path / "no" / "such" / "dir.json"
+    line = _one_line_error(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1", "--out", str(out)]))
+    assert "cannot write" in line
