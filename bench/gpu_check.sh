@@ -15,13 +15,18 @@ print("cupy", cupy.__version__, "bfloat16:", hasattr(cupy, "bfloat16"), "gpu:", 
 PY
 status=0
 if [ "$what" != bench ]; then
-  timeout 420 python3 -m pytest tests/gpu --require-gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  timeout 420 python3 -m pytest tests/gpu --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" != tests ]; then
   flag=--quick; [ "$what" = full ] && flag=
   timeout 400 python3 bench/run_bench.py $flag --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
-  tail -5 "$OUT/bench.err"
+  tail -3 "$OUT/bench.err"
+  if [ -n "${SAGECUPY_EXPERIMENT:-}" ]; then  # the same sweep with extra kernel defines, for comparison
+    echo "== experiment: SAGECUPY_DEFINES=$SAGECUPY_EXPERIMENT"
+    SAGECUPY_DEFINES=$SAGECUPY_EXPERIMENT timeout 300 python3 bench/run_bench.py $flag --baselines "" --out "$OUT/bench_exp.jsonl" \
+      2>"$OUT/bench_exp.err" | grep sagecupy | tee "$OUT/bench_exp_table.txt"
+  fi
 fi
 echo "== pytest summary:"; tail -1 "$OUT/pytest_gpu.log" 2>/dev/null
 exit $status

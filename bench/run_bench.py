@@ -16,11 +16,13 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="default")
     ap.add_argument("--rep", type=int, default=10)
+    ap.add_argument("--baselines", default="flash,cudnn", help="SDPA backends to time beside ('' for none)")
     a = ap.parse_args(argv)
     out = open(a.out, "w") if a.out else None
     if out:
         out.write(json.dumps(dict(type="env", **environment())) + "\n")
     rows = bench.run_suite(bench.default_cases(quick=a.quick), configs=tuple(a.configs.split(",")), out=out,
+                           baselines=tuple(b for b in a.baselines.split(",") if b),
                            rep=a.rep, log=lambda r: print(json.dumps(r), file=sys.stderr))
     print_table(rows)
 

@@ -18,9 +18,12 @@
 using namespace sage;
 
 constexpr int FWD_BQ = 128, FWD_BKV = 64, FWD_THREADS = 256;
+#ifndef SAGE_FWD_MIN_BLOCKS  // CTAs per SM the register allocation must allow (an experiment knob)
+#define SAGE_FWD_MIN_BLOCKS 1
+#endif
 
 template <typename T, int D>
-__global__ void __launch_bounds__(FWD_THREADS)
+__global__ void __launch_bounds__(FWD_THREADS, SAGE_FWD_MIN_BLOCKS)
 int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,

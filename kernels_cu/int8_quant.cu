@@ -31,25 +31,46 @@ __device__ __forceinline__ int psi_code(float x, float s, float qmax) {
 
 using namespace sage;
 
-// mu[b, h, d] = mean over the n tokens of x[b, h, :, d]. grid (H, B), block 256.
-template <typename T>
-__global__ void mean_tokens(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
-                            float* __restrict__ mu) {
+// Column statistics over tokens in two deterministic passes (no atomics on sums, so the mean and the
+// codes that depend on it are bitwise repeatable). Pass 1: CTA (chunk, h, b) reduces CHUNK tokens into
+// part[b, h, chunk, d] (sum, or NaN-propagating absmax when ABSMAX). Pass 2 reduces the chunks in order.
+constexpr int STAT_CHUNK = 256;
+
+template <typename T, bool ABSMAX>
+__global__ void column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
+                               float* __restrict__ part) {
   extern __shared__ float red[];
-  const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
+  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y, nchunk = gridDim.x;
   const int col = threadIdx.x % d, lanes = blockDim.x / d, row0 = threadIdx.x / d;
+  const int t0 = chunk * STAT_CHUNK, t1 = min(n, t0 + STAT_CHUNK);
   float acc = 0.f;
   if (row0 < lanes) {
     const T* base = x + b * sb + h * sh + col;
-    for (int i = row0; i < n; i += lanes) acc += to_float(base[i * sn]);
+    for (int i = t0 + row0; i < t1; i += lanes) {
+      const float v = to_float(base[i * sn]);
+      acc = ABSMAX ? absmax_or_nan(acc, v) : acc + v;
+    }
   }
   red[threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.x < d) {
     float s = 0.f;
-    for (int r = 0; r < lanes; ++r) s += red[r * d + threadIdx.x];
-    mu[(static_cast<long long>(b) * H + h) * d + threadIdx.x] = s / static_cast<float>(n);
+    for (int r = 0; r < lanes; ++r) s = ABSMAX ? absmax_or_nan(s, red[r * d + threadIdx.x]) : s + red[r * d + threadIdx.x];
+    part[((static_cast<long long>(b) * H + h) * nchunk + chunk) * d + threadIdx.x] = s;
   }
+}
+
+// out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
+template <bool ABSMAX>
+__global__ void column_finish(const float* __restrict__ part, int nchunk, int n, int d, float* __restrict__ out) {
+  const long long bh = blockIdx.x;
+  const int c = threadIdx.x;
+  float s = 0.f;
+  for (int k = 0; k < nchunk; ++k) {
+    const float v = part[(bh * nchunk + k) * d + c];
+    s = ABSMAX ? absmax_or_nan(s, v) : s + v;
+  }
+  out[bh * d + c] = ABSMAX ? psi_scale(s, 127.f) : s / static_cast<float>(n);
 }
 
 // Row quantization: codes[b, h, r, :] = psi(mult * (x[b, h, r, :] - mu[b, h_mu, :])) over groups of
@@ -182,28 +203,6 @@ __global__ void quant_transpose_perm(const T* __restrict__ x, long long sb, long
       packed |= (static_cast<unsigned>(psi_code(tile[tok][c], cscale[c], 127.f)) & 0xFFu) << (8 * q);
     }
     *reinterpret_cast<unsigned*>(out + (bh * D + c) * n_pad + blk * 64 + p0) = packed;
-  }
-}
-
-// Per-channel absmax scale over all n tokens: scale[b, h, d] = psi_scale(max_t |x[b,h,t,d]|).
-// grid (H, B), block 256.
-template <typename T>
-__global__ void channel_scale(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
-                              float* __restrict__ scale) {
-  extern __shared__ float red[];
-  const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
-  const int col = threadIdx.x % d, lanes = blockDim.x / d, row0 = threadIdx.x / d;
-  float a = 0.f;
-  if (row0 < lanes) {
-    const T* base = x + b * sb + h * sh + col;
-    for (int i = row0; i < n; i += lanes) a = absmax_or_nan(a, to_float(base[i * sn]));
-  }
-  red[threadIdx.x] = a;
-  __syncthreads();
-  if (threadIdx.x < d) {
-    float s = 0.f;
-    for (int r = 0; r < lanes; ++r) s = absmax_or_nan(s, red[r * d + threadIdx.x]);
-    scale[(static_cast<long long>(b) * H + h) * d + threadIdx.x] = psi_scale(s, 127.f);
   }
 }
 

@@ -7,6 +7,8 @@
   build in debug dumps.
 * Template variants are instantiated through ``name_expressions``.
 * Modules are cached in memory per (device, source hash, options, name expressions).
+* ``SAGECUPY_DEFINES="A=1,B=2"`` adds ``-DA=1 -DB=2`` to every compile (tuning experiments; the
+  defines are part of the cache key).
 * ``SAGECUPY_JIT_DEBUG=1`` writes the generated source and compiler options to a temporary
   folder (and prints where) for every compile; a compile failure always says how to get them.
 """
@@ -109,6 +111,8 @@ def _options() -> tuple:
     inc = cuda_include_dir()
     if inc:
         opts.append(f"-I{inc}")
+    for d in filter(None, os.environ.get("SAGECUPY_DEFINES", "").split(",")):
+        opts.append(f"-D{d.strip()}")
     return tuple(opts)
 
 

@@ -93,7 +93,8 @@ def _empty(shape, layout, dtype: str):
 
 def _quant_names(T, D):
     return (
-        f"mean_tokens<{T}>", f"channel_scale<{T}>", f"rowdot<{T}>",
+        f"column_partial<{T}, false>", f"column_partial<{T}, true>", "column_finish<false>", "column_finish<true>",
+        f"rowdot<{T}>",
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
         f"quant_transpose_perm<{T}, {D}, 2>",
@@ -165,11 +166,18 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     vsb, vsh, vsn = _strides(v, layout)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
 
-    mu_k = None
-    if cfg.k_smoothing:
-        mu_k = cupy.empty((B, Hkv, D), dtype=f32)
-        _qfn(f"mean_tokens<{T}>", T, D)((Hkv, B), (256,), (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu_k),
-                                         shared_mem=256 * 4)
+    def column_stat(x, strides, absmax):
+        """mean (absmax=False) or psi scale (True) of every channel over all nk tokens: (B, Hkv, D)."""
+        nchunk = (nk + 255) // 256
+        part = cupy.empty((B, Hkv, nchunk, D), dtype=f32)
+        flag = "true" if absmax else "false"
+        _qfn(f"column_partial<{T}, {flag}>", T, D)(
+            (nchunk, Hkv, B), (256,), (x, *(i64(s) for s in strides), i32(nk), i32(D), part), shared_mem=256 * 4)
+        out = cupy.empty((B, Hkv, D), dtype=f32)
+        _qfn(f"column_finish<{flag}>", T, D)((B * Hkv,), (D,), (part, i32(nchunk), i32(nk), i32(D), out))
+        return out
+
+    mu_k = column_stat(k, (ksb, ksh, ksn), False) if cfg.k_smoothing else None
     # Q: psi(sm_scale * log2e * Q) per token or per 128-row block; qmk = sm_scale * q . mu_K for the LSE.
     q_codes = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.int8)
     q_scale = cupy.empty((B, Hq, nq_pad), dtype=f32)
@@ -190,9 +198,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted.
     v_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
     if cfg.v_granularity == "channel":
-        v_scale = cupy.empty((B, Hkv, D), dtype=f32)
-        _qfn(f"channel_scale<{T}>", T, D)((Hkv, B), (256,), (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), v_scale),
-                                           shared_mem=256 * 4)
+        v_scale = column_stat(v, (vsb, vsh, vsn), True)
         mode = 0
     else:
         v_scale = cupy.empty((B, Hkv, nk_pad // 64, D), dtype=f32)
