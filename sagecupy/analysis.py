@@ -452,26 +452,42 @@ def _run_reference(fam: Family, config, inputs: dict, causal: bool, want_interme
 
 
 def _to_device(x: np.ndarray, dtype: str):
-    """A CuPy array of ``dtype`` holding the (already rounded) float64 values ``x``."""
+    """A device array of ``dtype`` holding the (already rounded) float64 values ``x``.
+
+    fp16: a CuPy float16 array. bf16: the raw bits (:func:`bf16_bits`) wrapped in
+    :class:`sagecupy.bf16.BF16Array`, the bfloat16 type the kernels take; where
+    that module is absent, a CuPy array of ``ml_dtypes.bfloat16``.
+    """
     import cupy as cp
 
     if dtype == "fp16":
         return cp.asarray(x.astype(np.float16))
+    bits = cp.asarray(bf16_bits(x))
+    try:
+        from sagecupy.bf16 import BF16Array
+    except ImportError:
+        pass
+    else:
+        return BF16Array(bits)
     try:
         import ml_dtypes
     except ImportError:
-        raise ValueError("dtype bf16 on the GPU backend needs ml_dtypes (CuPy >= 14 bfloat16 support)") from None
-    return cp.asarray(bf16_bits(x)).view(ml_dtypes.bfloat16)
+        raise ValueError("dtype bf16 on the GPU backend needs sagecupy.bf16 or ml_dtypes") from None
+    return bits.view(ml_dtypes.bfloat16)
 
 
 def _to_host(x) -> np.ndarray:
-    """A CuPy (or NumPy) array of any float dtype, bfloat16 included, as float64 on the host."""
-    import cupy as cp
+    """A device (or host) array of any float dtype, bfloat16 included, as float64 on the host."""
 
-    arr = cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
-    if arr.dtype.name == "bfloat16":
-        arr = (arr.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return arr.astype(np.float64)
+    def host(a):
+        return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+    if "bfloat16" in str(getattr(x, "dtype", "")):
+        # Through the raw bits (bfloat16 is the top half of a float32): a BF16Array
+        # keeps them in ``.bits``; a CuPy / NumPy bfloat16 array is viewed as uint16.
+        bits = host(x.bits if hasattr(x, "bits") else x.view(np.uint16))
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return host(x).astype(np.float64)
 
 
 def _run_gpu(fam: Family, config, inputs: dict, causal: bool, dtype: str) -> dict:

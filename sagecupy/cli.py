@@ -9,7 +9,8 @@ records with :func:`emit` (``table``, ``json`` lines or ``csv``, to stdout or
 
 Errors a user can cause (a bad option value, a missing file, ``--backend gpu``
 on a machine without a device) end in one ``Error: ...`` line on stderr and
-exit status 1 (2 for a malformed command line), never a traceback.
+exit status 1 (2 for a malformed command line), never a traceback;
+``SAGECUPY_DEBUG=1`` shows the traceback behind a library error.
 """
 from __future__ import annotations
 
@@ -66,12 +67,21 @@ class _Group(click.Group):
         sys.exit(0)
 
 
+#: Set to 1 to see the traceback behind a one-line error (for bugs, not for bad arguments).
+DEBUG_ENV = "SAGECUPY_DEBUG"
+
+
 @contextlib.contextmanager
 def _library_errors():
-    """Turn the library's argument errors (ValueError / TypeError) into one-line click errors."""
+    """Turn the library's argument errors (ValueError / TypeError) into one-line click errors.
+
+    With the environment variable ``SAGECUPY_DEBUG=1`` they propagate with their traceback.
+    """
     try:
         yield
     except (ValueError, TypeError) as exc:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
         raise click.ClickException(_one_line(str(exc))) from None
 
 

@@ -380,3 +380,16 @@ def test_fake_gpu_backend(fake_gpu):
     sources = {r["tensor"]: r["source"] for r in inter if r["type"] == "intermediate"}
     assert sources == {"delta": "reference-sim", "P": "reference-sim", "dP": "reference-sim",
                        "dS": "reference-sim", "O": "gpu", "dQ": "gpu", "dK": "gpu", "dV": "gpu"}
+
+
+def test_to_host_reads_bf16_through_the_bits():
+    class FakeBF16:  # the shape of sagecupy.bf16.BF16Array: raw bits in .bits, dtype named bfloat16
+        dtype = "bfloat16"
+
+        def __init__(self, bits):
+            self.bits = bits
+
+    x = np.array([1.0, -2.5, 3.0e38, 2.0 ** -130])
+    got = analysis._to_host(FakeBF16(analysis.bf16_bits(x)))
+    assert np.array_equal(got, analysis.round_to_dtype(x, "bf16"))
+    assert analysis._to_host(np.float16([1.5])).dtype == np.float64

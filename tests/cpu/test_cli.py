@@ -231,3 +231,9 @@ def test_unwritable_out(runner, tmp_path):
     out = tmp_path / "no" / "such" / "dir.json"
     line = _one_line_error(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1", "--out", str(out)]))
     assert "cannot write" in line
+
+
+def test_debug_env_shows_the_traceback(runner, monkeypatch):
+    monkeypatch.setenv("SAGECUPY_DEBUG", "1")
+    result = runner.invoke(main, ["smoothing", "--family", "qat", *TINY])
+    assert result.exit_code != 0 and isinstance(result.exception, ValueError)
