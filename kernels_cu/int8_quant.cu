@@ -36,52 +36,67 @@ using namespace sage;
 // part[b, h, chunk, d] (sum, or NaN-propagating absmax when ABSMAX). Pass 2 reduces the chunks in order.
 constexpr int STAT_CHUNK = 256;
 
+// Sums accumulate in double (the mean is then rounded once to fp32, as the reference does), maxima in float.
+template <bool ABSMAX> struct StatAcc { using type = double; };
+template <> struct StatAcc<true> { using type = float; };
+
 template <typename T, bool ABSMAX>
 __global__ void column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
-                               float* __restrict__ part) {
-  extern __shared__ float red[];
+                               typename StatAcc<ABSMAX>::type* __restrict__ part) {
+  using Acc = typename StatAcc<ABSMAX>::type;
+  extern __shared__ __align__(8) char red_raw[];
+  Acc* red = reinterpret_cast<Acc*>(red_raw);
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y, nchunk = gridDim.x;
   const int col = threadIdx.x % d, lanes = blockDim.x / d, row0 = threadIdx.x / d;
   const int t0 = chunk * STAT_CHUNK, t1 = min(n, t0 + STAT_CHUNK);
-  float acc = 0.f;
+  Acc acc = 0;
   if (row0 < lanes) {
     const T* base = x + b * sb + h * sh + col;
     for (int i = t0 + row0; i < t1; i += lanes) {
       const float v = to_float(base[i * sn]);
-      acc = ABSMAX ? absmax_or_nan(acc, v) : acc + v;
+      if (ABSMAX) acc = absmax_or_nan(static_cast<float>(acc), v);
+      else acc += static_cast<Acc>(v);
     }
   }
   red[threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.x < d) {
-    float s = 0.f;
-    for (int r = 0; r < lanes; ++r) s = ABSMAX ? absmax_or_nan(s, red[r * d + threadIdx.x]) : s + red[r * d + threadIdx.x];
+    Acc s = 0;
+    for (int r = 0; r < lanes; ++r) {
+      if (ABSMAX) s = absmax_or_nan(static_cast<float>(s), static_cast<float>(red[r * d + threadIdx.x]));
+      else s += red[r * d + threadIdx.x];
+    }
     part[((static_cast<long long>(b) * H + h) * nchunk + chunk) * d + threadIdx.x] = s;
   }
 }
 
 // out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
 template <bool ABSMAX>
-__global__ void column_finish(const float* __restrict__ part, int nchunk, int n, int d, float* __restrict__ out) {
+__global__ void column_finish(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk, int n, int d,
+                              float* __restrict__ out) {
+  using Acc = typename StatAcc<ABSMAX>::type;
   const long long bh = blockIdx.x;
   const int c = threadIdx.x;
-  float s = 0.f;
+  Acc s = 0;
   for (int k = 0; k < nchunk; ++k) {
-    const float v = part[(bh * nchunk + k) * d + c];
-    s = ABSMAX ? absmax_or_nan(s, v) : s + v;
+    const Acc v = part[(bh * nchunk + k) * d + c];
+    if (ABSMAX) s = absmax_or_nan(static_cast<float>(s), static_cast<float>(v));
+    else s += v;
   }
-  out[bh * d + c] = ABSMAX ? psi_scale(s, 127.f) : s / static_cast<float>(n);
+  out[bh * d + c] = ABSMAX ? psi_scale(static_cast<float>(s), 127.f) : static_cast<float>(s / static_cast<double>(n));
 }
 
 // Row quantization: codes[b, h, r, :] = psi(mult * (x[b, h, r, :] - mu[b, h_mu, :])) over groups of
-// GROUP rows (GROUP = 1: per token; GROUP = 8 * RPW: the CTA's rows share one scale).
+// GROUP rows, all in fp32 (the reference's fp32 mode gives the same codes); the stored scale is
+// s * scale_mult (log2 e for Q, so the attention kernels work in base 2), and
+// groups are GROUP rows (GROUP = 1: per token; GROUP = 8 * RPW: the CTA's rows share one scale).
 // Each of the 8 warps owns RPW rows; each lane owns D/32 consecutive columns.
 // Optional: dot[b, h, r] = dot_mult * <x[b, h, r, :], dot_vec[b, h_dot, :]> (the LSE correction of K-smoothing).
 // grid (ceil(n_pad / (8 * RPW)), H, B), block 256. Rows >= n are written as padding.
 template <typename T, int D, int RPW, bool GROUPED>
 __global__ void quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
                            const float* __restrict__ mu, int mu_group, float mult,
-                           signed char* __restrict__ codes, float* __restrict__ scales,
+                           signed char* __restrict__ codes, float* __restrict__ scales, float scale_mult,
                            const float* __restrict__ dot_vec, int dot_group, float dot_mult, float* __restrict__ dot) {
   constexpr int C = D / 32;  // columns per lane
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -141,7 +156,7 @@ __global__ void quant_rows(const T* __restrict__ x, long long sb, long long sh, 
     signed char* dst = codes + (bh * n_pad + row) * D + lane * C;
     if (C == 4) *reinterpret_cast<unsigned*>(dst) = packed;
     else *reinterpret_cast<unsigned short*>(dst) = static_cast<unsigned short>(packed);
-    if (lane == 0) scales[bh * n_pad + row] = row < n ? s : 0.f;
+    if (lane == 0) scales[bh * n_pad + row] = row < n ? s * scale_mult : 0.f;
   }
 }
 

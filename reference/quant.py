@@ -106,7 +106,7 @@ def _check_axes(axes, ndim: int) -> tuple:
     return tuple(sorted(out))
 
 
-def psi(x, axes, qmax: int = INT8_QMAX, unsigned: bool = False):
+def psi(x, axes, qmax: int = INT8_QMAX, unsigned: bool = False, fp32: bool = False):
     """Symmetric quantizer ``ψ`` over the blocks made by reducing ``axes``.
 
     Parameters
@@ -120,6 +120,11 @@ def psi(x, axes, qmax: int = INT8_QMAX, unsigned: bool = False):
     unsigned : bool
         Codes on ``[0, qmax]`` instead of ``[-qmax, qmax]``; ``x`` must have
         no element ``< 0`` (ValueError).
+    fp32 : bool
+        Do the two roundings of ψ in IEEE float32, exactly as the GPU kernels do: ``s = fl32(max/qmax)``
+        and ``code = rint(fl32(x / s))`` with ``x`` first rounded to float32. Codes are then bit-identical
+        to the kernels' (float64 arithmetic differs from it only at the rare ties where ``x/s`` rounds
+        across a half-integer). The scale returned is the float32 value, as float64.
 
     Returns
     -------
@@ -140,11 +145,18 @@ def psi(x, axes, qmax: int = INT8_QMAX, unsigned: bool = False):
     with np.errstate(invalid="ignore", over="ignore"):
         amax = np.max(np.abs(xf), axis=red, keepdims=True)
     finite = np.isfinite(amax)
-    scale = np.where(finite, amax / qmax, np.nan)
+    if fp32:
+        with np.errstate(invalid="ignore", over="ignore"):
+            scale = np.where(finite, (amax.astype(np.float32) / np.float32(qmax)).astype(np.float64), np.nan)
+    else:
+        scale = np.where(finite, amax / qmax, np.nan)
     usable = finite & (scale > 0)  # zero (or underflowed) blocks and non-finite blocks get code 0
     divisor = np.where(usable, scale, 1.0)
     with np.errstate(invalid="ignore", over="ignore"):
-        grid = np.rint(xf / divisor)
+        if fp32:
+            grid = np.rint(xf.astype(np.float32) / divisor.astype(np.float32)).astype(np.float64)
+        else:
+            grid = np.rint(xf / divisor)
     lo = 0 if unsigned else -qmax
     codes = np.where(usable, np.clip(grid, lo, qmax), 0.0)
     # A finite block cannot hold a non-finite grid value; np.where already zeroed the others.
@@ -166,7 +178,7 @@ def _check_tile(n, name: str):
     return int(n)
 
 
-def quantize_tiles(x, tile_rows, tile_cols, *, qmax: int = INT8_QMAX, unsigned: bool = False):
+def quantize_tiles(x, tile_rows, tile_cols, *, qmax: int = INT8_QMAX, unsigned: bool = False, fp32: bool = False):
     """One scale per ``tile_rows × tile_cols`` tile of the last two axes of ``x``.
 
     Tiles are aligned at row 0 and column 0; along an axis whose length is not
@@ -196,7 +208,7 @@ def quantize_tiles(x, tile_rows, tile_cols, *, qmax: int = INT8_QMAX, unsigned: 
     else:
         padded = xf
     tiles = padded.reshape(*lead, nr, r, nc, c)
-    codes, scale = psi(tiles, axes=(-3, -1), qmax=qmax, unsigned=unsigned)
+    codes, scale = psi(tiles, axes=(-3, -1), qmax=qmax, unsigned=unsigned, fp32=fp32)
     codes = codes.reshape(*lead, nr * r, nc * c)[..., :N, :D]
     scale = np.broadcast_to(scale, tiles.shape).reshape(*lead, nr * r, nc * c)[..., :N, :D]
     if r_in is None:

@@ -166,10 +166,10 @@ RESIDUAL_KEYS = (
 # ----------------------------------------------------------------------------
 
 
-def _quant(cfg: SageBwdConfig, x, tile_rows, tile_cols, *, qmax=INT8_QMAX, unsigned=False):
+def _quant(cfg: SageBwdConfig, x, tile_rows, tile_cols, *, qmax=INT8_QMAX, unsigned=False, fp32=False):
     """:func:`quantize_tiles`, or the identity (values, unit scales of the same shape) if not ``cfg.quantize``."""
     if cfg.quantize:
-        return quantize_tiles(x, tile_rows, tile_cols, qmax=qmax, unsigned=unsigned)
+        return quantize_tiles(x, tile_rows, tile_cols, qmax=qmax, unsigned=unsigned, fp32=fp32)
     N, D = x.shape[-2:]
     shape = (*x.shape[:-2], 1 if tile_rows is None else N, 1 if tile_cols is None else D)
     return np.array(x, dtype=np.float64), np.ones(shape)
@@ -236,7 +236,7 @@ def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, 
     """SPEC §4 for one head; returns ``(dq, dk, dv, intermediates)`` (module docstring, Backward)."""
     bq, bkv = cfg.bwd_block_q, cfg.bwd_block_kv
     delta = np.sum(do * o, axis=-1)
-    do_codes, do_scale = _quant(cfg, do, bq, None if cfg.do_granularity == "block" else 1)
+    do_codes, do_scale = _quant(cfg, do, bq, None if cfg.do_granularity == "block" else 1, fp32=cfg.quantize)
     row_ok = lse != -np.inf
     lse_safe = np.where(row_ok, lse, 0.0)
     p = np.where(row_ok[:, None], np.exp(S - lse_safe[:, None]), 0.0)   # 0 where S = −inf
@@ -284,8 +284,16 @@ def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT) -> 
     kh = as_float64(to_hnd(k, layout), "k")
     vh = as_float64(to_hnd(v, layout), "v")
 
+    # With quantization on, the input quantizers run in IEEE float32 exactly as the GPU pre-passes do
+    # (the K mean rounded to float32, K - mu_K and sm_scale * Q rounded to float32, psi in float32), so
+    # the codes of Q, K, V (and dO) are bit-identical to the kernels'. Off, everything is float64.
+    f32 = cfg.quantize and not cfg.q_smoothing
     mu_k = kh.mean(axis=-2) if cfg.k_smoothing else np.zeros((B, Hkv, D))
-    ks = kh - mu_k[..., None, :]
+    if f32:
+        mu_k = mu_k.astype(np.float32).astype(np.float64)
+        ks = (kh.astype(np.float32) - mu_k[..., None, :].astype(np.float32)).astype(np.float64)
+    else:
+        ks = kh - mu_k[..., None, :]
     nqb = -(-Nq // cfg.block_q)
     if cfg.q_smoothing:
         padded = np.zeros((B, Hq, nqb * cfg.block_q, D))
@@ -302,12 +310,13 @@ def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT) -> 
 
     q_rows = 1 if cfg.q_granularity == "token" else cfg.block_q
     k_rows = 1 if cfg.k_granularity == "token" else cfg.block_kv
-    q_codes, q_scale = _quant(cfg, scale * qs, q_rows, None)
-    k_codes, k_scale = _quant(cfg, ks, k_rows, None)
+    q_in = (qs.astype(np.float32) * np.float32(scale)).astype(np.float64) if f32 else scale * qs
+    q_codes, q_scale = _quant(cfg, q_in, q_rows, None, fp32=f32)
+    k_codes, k_scale = _quant(cfg, ks, k_rows, None, fp32=f32)
     if cfg.v_granularity == "channel":
-        v_codes, v_scale = _quant(cfg, vh, None, 1)                           # (B, Hkv, 1, D)
+        v_codes, v_scale = _quant(cfg, vh, None, 1, fp32=f32)                 # (B, Hkv, 1, D)
     else:
-        v_codes, v_scale = _quant(cfg, vh, cfg.block_kv, None)                # per row (B, Hkv, Nk, 1)
+        v_codes, v_scale = _quant(cfg, vh, cfg.block_kv, None, fp32=f32)      # per row (B, Hkv, Nk, 1)
         v_scale = np.ascontiguousarray(np.broadcast_to(v_scale[..., :: cfg.block_kv, :],
                                                        (B, Hkv, -(-Nk // cfg.block_kv), D)))
     return {

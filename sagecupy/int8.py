@@ -127,7 +127,7 @@ class Residuals:
 
     problem: _checks.Problem
     config: SageBwdConfig
-    q_codes: object  # (B, Hq, nq_pad, D) int8 of psi(sm_scale * log2e * Q)
+    q_codes: object  # (B, Hq, nq_pad, D) int8 of psi(sm_scale * Q); q_scale carries an extra log2(e)
     q_scale: object  # (B, Hq, nq_pad) float32, per row
     k_codes: object  # (B, Hkv, nk_pad, D) int8 of psi(K - mu_K)
     k_scale: object  # (B, Hkv, nk_pad) float32, per row
@@ -169,24 +169,25 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     def column_stat(x, strides, absmax):
         """mean (absmax=False) or psi scale (True) of every channel over all nk tokens: (B, Hkv, D)."""
         nchunk = (nk + 255) // 256
-        part = cupy.empty((B, Hkv, nchunk, D), dtype=f32)
+        part = cupy.empty((B, Hkv, nchunk, D), dtype=f32 if absmax else cupy.float64)
         flag = "true" if absmax else "false"
         _qfn(f"column_partial<{T}, {flag}>", T, D)(
-            (nchunk, Hkv, B), (256,), (x, *(i64(s) for s in strides), i32(nk), i32(D), part), shared_mem=256 * 4)
+            (nchunk, Hkv, B), (256,), (x, *(i64(s) for s in strides), i32(nk), i32(D), part), shared_mem=256 * 8)
         out = cupy.empty((B, Hkv, D), dtype=f32)
         _qfn(f"column_finish<{flag}>", T, D)((B * Hkv,), (D,), (part, i32(nchunk), i32(nk), i32(D), out))
         return out
 
     mu_k = column_stat(k, (ksb, ksh, ksn), False) if cfg.k_smoothing else None
-    # Q: psi(sm_scale * log2e * Q) per token or per 128-row block; qmk = sm_scale * q . mu_K for the LSE.
+    # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
+    # qmk = sm_scale * q . mu_K for the LSE.
     q_codes = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.int8)
     q_scale = cupy.empty((B, Hq, nq_pad), dtype=f32)
     qmk = cupy.empty((B, Hq, nq_pad), dtype=f32) if mu_k is not None else None
     rpw, grouped = (4, "false") if cfg.q_granularity == "token" else (16, "true")
     _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
         (nq_pad // (8 * rpw), Hq, B), (256,),
-        (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale * LOG2E),
-         q_codes, q_scale, mu_k, i32(p.group), f32(p.sm_scale), qmk))
+        (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale),
+         q_codes, q_scale, f32(LOG2E), mu_k, i32(p.group), f32(p.sm_scale), qmk))
     # K: psi(K - mu_K) per token or per 64-row block.
     k_codes = cupy.empty((B, Hkv, nk_pad, D), dtype=cupy.int8)
     k_scale = cupy.empty((B, Hkv, nk_pad), dtype=f32)
@@ -194,7 +195,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
         (nk_pad // (8 * rpw), Hkv, B), (256,),
         (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
-         k_codes, k_scale, None, i32(1), f32(0.0), None))
+         k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None))
     # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted.
     v_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
     if cfg.v_granularity == "channel":

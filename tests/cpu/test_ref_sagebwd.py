@@ -146,7 +146,7 @@ def _literal_backward(res, do, cfg):
                 I = slice(i0, min(i0 + bq, Nq))
                 do_i = do[b, h, I]
                 delta = np.sum(do_i * o[I], axis=-1)
-                do_c, do_s = psi(do_i, None if cfg.do_granularity == "block" else 0)
+                do_c, do_s = psi(do_i, None if cfg.do_granularity == "block" else 0, fp32=True)  # as the GPU
                 mu_q_rows = res["mu_q"][b, h, np.arange(I.start, I.stop) // cfg.block_q]
                 for j0 in range(0, Nk, bkv):
                     J = slice(j0, min(j0 + bkv, Nk))
