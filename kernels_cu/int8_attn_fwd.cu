@@ -18,12 +18,16 @@
 using namespace sage;
 
 constexpr int FWD_BQ = 128, FWD_BKV = 64, FWD_THREADS = 256;
-#ifndef SAGE_FWD_MIN_BLOCKS  // CTAs per SM the register allocation must allow (an experiment knob)
-#define SAGE_FWD_MIN_BLOCKS 1
+// SAGE_FWD_MIN_BLOCKS (a tuning knob, -D through SAGECUPY_DEFINES): CTAs per SM the register allocation
+// must allow. Unset, only the thread count bounds it (bench/NOTES.md: "(256, 1)" measured slower at D = 64).
+#ifdef SAGE_FWD_MIN_BLOCKS
+#define SAGE_FWD_BOUNDS __launch_bounds__(FWD_THREADS, SAGE_FWD_MIN_BLOCKS)
+#else
+#define SAGE_FWD_BOUNDS __launch_bounds__(FWD_THREADS)
 #endif
 
 template <typename T, int D>
-__global__ void __launch_bounds__(FWD_THREADS, SAGE_FWD_MIN_BLOCKS)
+__global__ void SAGE_FWD_BOUNDS
 int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,

@@ -246,7 +246,7 @@ def test_error_paths():
         s8.forward(q, q, q, config=DEFAULT.replace(q_smoothing=True))
     with pytest.raises(ValueError, match="config"):
         s8.forward(q, q, q, config="fast")
-    with pytest.raises(TypeError, match="CuPy array"):
+    with pytest.raises(TypeError, match="CUDA array"):
         s8.forward(np.zeros((1, 2, 16, 64), np.float16), q, q)
     with pytest.raises(ValueError, match="sm_scale"):
         s8.forward(q, q, q, sm_scale=-1.0)
