@@ -19,7 +19,7 @@ if [ "$what" != bench ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" != tests ]; then
-  flag=--quick; [ "$what" = full ] && flag=
+  flag="--quick --memory"; [ "$what" = full ] && flag=--memory
   timeout 400 python3 bench/run_bench.py $flag --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
   tail -3 "$OUT/bench.err"
   if [ -n "${SAGECUPY_EXPERIMENT:-}" ]; then  # the same sweep with extra kernel defines, for comparison

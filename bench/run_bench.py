@@ -16,6 +16,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="default")
     ap.add_argument("--rep", type=int, default=10)
+    ap.add_argument("--memory", action="store_true", help="also measure peak memory of fwd+bwd at N=32K, D=128")
     ap.add_argument("--baselines", default="flash,cudnn", help="SDPA backends to time beside ('' for none)")
     a = ap.parse_args(argv)
     out = open(a.out, "w") if a.out else None
@@ -25,6 +26,12 @@ def main(argv=None):
                            baselines=tuple(b for b in a.baselines.split(",") if b),
                            rep=a.rep, log=lambda r: print(json.dumps(r), file=sys.stderr))
     print_table(rows)
+    if a.memory:
+        for r in bench.peak_memory():
+            if out:
+                out.write(json.dumps(r) + "\n")
+            print(f"peak memory fwd+bwd D={r['D']} N={r['N']} B={r['B']} H={r['H']}: {r['impl']:<14} "
+                  f"{r['bytes'] / 2**30:.2f} GiB")
 
 
 def print_table(rows):

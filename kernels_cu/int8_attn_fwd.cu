@@ -68,7 +68,14 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's two rows: r_lo, r_lo + 8
-  const float sq[2] = {qs[bh * nq_pad + r_lo], qs[bh * nq_pad + r_lo + 8]};
+  // Row scales; an all-zero row (scale 0) uses a tiny positive scale instead so that a masked logit
+  // (-inf) times it stays -inf rather than NaN; its logits are 0 either way. NaN scales stay NaN.
+  float sq[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float x = qs[bh * nq_pad + r_lo + 8 * r];
+    sq[r] = (x > 1e-30f || x != x) ? x : 1e-30f;
+  }
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float acc_o[D / 8][4];
 #pragma unroll
@@ -107,7 +114,7 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
       }
     }
 
-    // Dequantize, mask, row max.
+    // Dequantize by the key scale (u = S / s_Q), mask, row max of u (s_Q > 0, so the max commutes).
     float s[8][4];
     float mx[2] = {-INFINITY, -INFINITY};
     const bool need_mask = tile >= first_masked;
@@ -117,7 +124,7 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
       const float2 sk = *reinterpret_cast<const float2*>(ks + bhk * nk_pad + key);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = i2f_small(acc_s[nt][e]) * ((e & 1) ? sk.y : sk.x) * sq[e >> 1];
+        float v = i2f_small(acc_s[nt][e]) * ((e & 1) ? sk.y : sk.x);
         if (need_mask) {
           const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
           if (kk >= nk || (CAUSAL && kk > row + shift)) v = -INFINITY;
@@ -129,7 +136,7 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
     float alpha[2], factor[2], sp[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      mx[r] = quad_max(mx[r]);
+      mx[r] = quad_max(mx[r]) * sq[r];
       const float m_new = fmaxf(m[r], mx[r]);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
       alpha[r] = exp2f(m[r] - m_use);
@@ -137,8 +144,10 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
       factor[r] = p_max * exp2f(gap);
       sp[r] = exp2f(-gap) / p_max;
       m[r] = m_new;
-      mx[r] = m_use;  // reuse: the exponent base
+      mx[r] = -m_use;  // reuse: minus the exponent base
     }
+    // Rescaling O by alpha only when some row's max moved (warp-uniform; alpha == 1 is exact otherwise).
+    const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
     // P~ = exp2(S - m), row sums of the unquantized P~, P^ = rint(P~ * factor) packed as the A operand.
     unsigned pa[2][4];
     float lsum[2] = {0.f, 0.f};
@@ -147,7 +156,7 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
       unsigned c[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = fast_exp2(s[nt][e] - mx[e >> 1]);
+        const float p = fast_exp2(fmaf(s[nt][e], sq[e >> 1], mx[e >> 1]));
         lsum[e >> 1] += p;
         c[e] = f2u8_rn_fma(p, factor[e >> 1]);
       }
@@ -164,8 +173,8 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
         pa[kst][2 * half + 1] |= hi_row;
       }
     }
-    l[0] = l[0] * alpha[0] + lsum[0];
-    l[1] = l[1] * alpha[1] + lsum[1];
+    l[0] = fmaf(l[0], alpha[0], lsum[0]);
+    l[1] = fmaf(l[1], alpha[1], lsum[1]);
     float spv[2] = {sp[0], sp[1]};
     if (V_BLOCK) {
       const float sv = vs[(bhk * (nk_pad / FWD_BKV) + tile) * D];  // block scale, repeated over D
@@ -185,11 +194,18 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
         mma_u8s8(acc[0], pa[kst], b0);
         mma_u8s8(acc[1], pa[kst], b1);
       }
+      if (rescale) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          acc_o[2 * dp + j][e] = fmaf(acc_o[2 * dp + j][e], alpha[e >> 1], i2f_small(acc[j][e]) * spv[e >> 1]);
+          for (int e = 0; e < 4; ++e)
+            acc_o[2 * dp + j][e] = fmaf(acc_o[2 * dp + j][e], alpha[e >> 1], i2f_small(acc[j][e]) * spv[e >> 1]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[2 * dp + j][e] = fmaf(i2f_small(acc[j][e]), spv[e >> 1], acc_o[2 * dp + j][e]);
+      }
     }
   }
 

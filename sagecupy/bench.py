@@ -164,3 +164,70 @@ def run_suite(cases, *, configs=("default",), baselines=("flash", "cudnn"), out=
                 log(r)
         rows += batch
     return rows
+
+
+def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) -> list:
+    """Peak device memory (bytes) of one forward+backward, inputs included, for sagecupy and SDPA.
+
+    sagecupy: the CuPy memory pool's high-water mark of bytes in use (a memory hook); SDPA:
+    ``torch.cuda.max_memory_allocated``. Both count q, k, v, dO and everything the call allocates.
+    """
+    import cupy
+    from cupy.cuda import memory_hook
+
+    from . import int8
+    from .bf16 import BF16Array
+
+    B, H = _shape(D, N)
+    pool = cupy.get_default_memory_pool()
+
+    class Peak(memory_hook.MemoryHook):
+        name = "sagecupy-peak"
+
+        def __init__(self):
+            self.peak = 0
+
+        def malloc_postprocess(self, **kw):
+            self.peak = max(self.peak, pool.used_bytes())
+
+    rows = []
+    rng = cupy.random.default_rng(0)
+
+    def mk():
+        x = rng.standard_normal((B, H, N, D), dtype=cupy.float32)
+        return x.astype(cupy.float16) if dtype == "float16" else BF16Array.from_float(x)
+
+    q, k, v, do = mk(), mk(), mk(), mk()
+    cupy.cuda.get_current_stream().synchronize()
+    hook = Peak()
+    hook.peak = pool.used_bytes()
+    with hook:
+        _, res = int8.forward(q, k, v, causal=causal, config=config)
+        grads = int8.backward(res, do)
+        cupy.cuda.get_current_stream().synchronize()
+    rows.append(dict(impl="sagecupy-int8", mode="peak_mem", D=D, N=N, B=B, H=H, causal=causal, bytes=hook.peak))
+    del q, k, v, do, res, grads
+    pool.free_all_blocks()
+    try:
+        import torch
+
+        dt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+        for backend in ("flash", "cudnn"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+            torch.cuda.empty_cache()
+            qt, kt, vt, dot = (torch.randn((B, H, N, D), device="cuda", dtype=dt) for _ in range(4))
+            qt.requires_grad_(), kt.requires_grad_(), vt.requires_grad_()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            with sdpa_kernel([be]):
+                out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                out.backward(dot)
+            torch.cuda.synchronize()
+            rows.append(dict(impl=f"sdpa-{backend}", mode="peak_mem", D=D, N=N, B=B, H=H, causal=causal,
+                             bytes=torch.cuda.max_memory_allocated()))
+            del qt, kt, vt, dot, out
+    except ImportError:
+        pass
+    return rows
