@@ -89,16 +89,26 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   const int first_qt = first_row / BWD_BQ, n_qt = (nq + BWD_BQ - 1) / BWD_BQ;
   const int last_key = min(k0 + BWD_BKV, nk) - 1;
 
-  for (int hg = 0; hg < group; ++hg) {
-    const int h = hk * group + hg;
+  // Flattened (head in group, query tile) iterations. Q^ and dO of iteration it+1 are prefetched during
+  // iteration it (issued once every warp is past S and dP); Q^^T and dO^^T load at the top of each iteration.
+  const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;
+  auto load_q_do = [&](int it) {
+    const int hh = hk * group + it / n_it_q, qq0 = (first_qt + it % n_it_q) * BWD_BQ;
+    const long long bhh = static_cast<long long>(b) * Hq + hh;
+    load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D, tid);
+    load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(
+        sdO, reinterpret_cast<const char*>(dout + b * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
+  };
+  if (n_it > 0) load_q_do(0);
+  cp_async_commit();
+
+  for (int it = 0; it < n_it; ++it) {
+    const int h = hk * group + it / n_it_q, qtile = first_qt + it % n_it_q;
     const long long bh = static_cast<long long>(b) * Hq + h;
-    for (int qtile = first_qt; qtile < n_qt; ++qtile) {
+    {
       const int q0 = qtile * BWD_BQ;
-      __syncthreads();  // previous tile's shared operands are no longer read
-      load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
+      __syncthreads();  // previous iteration's readers of sQt, sdOt, sX, the per-query arrays are done
       load_tile_async<D, BWD_BQ, BWD_THREADS>(sQt, reinterpret_cast<const char*>(qt + bh * D * nq_pad + q0), nq_pad, tid);
-      load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(
-          sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0, tid);
       load_tile_async<D, BWD_BQ, BWD_THREADS>(sdOt, reinterpret_cast<const char*>(dot + bh * D * nq_pad + q0), nq_pad, tid);
       cp_async_commit();
       if (tid < 64) {
@@ -274,7 +284,9 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
             sCol[warp * 64 + nt * 8 + 2 * t4 + 1] = xmax[nt][1];
           }
         }
-        __syncthreads();
+        __syncthreads();  // every warp is past S (sQ) and dP (sdO): prefetch the next iteration's
+        if (it + 1 < n_it) load_q_do(it + 1);
+        cp_async_commit();
         if (tid < 64) {
           float mcol = fmaxf(fmaxf(sCol[tid], sCol[64 + tid]), fmaxf(sCol[128 + tid], sCol[192 + tid]));
           if (!DS_ROWCOL) {
