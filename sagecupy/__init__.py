@@ -4,6 +4,17 @@ The float64 reference lives in :mod:`sagecupy.reference`; the GPU families in
 :mod:`sagecupy.int8` (SageBwd), and the configuration objects in
 :mod:`sagecupy.config`.
 """
+import os as _os
+
+# In a source checkout used without installing (``python -m pytest`` from the repository root puts the
+# checkout first on sys.path), the sub-packages that setup.cfg maps from top-level folders
+# (``reference/`` -> ``sagecupy.reference``, ``kernels_cu/`` -> ``sagecupy.kernels_cu``) are not inside
+# this folder: let the package find them beside it. Installed packages have them inside and skip this.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "reference")) and _os.path.isfile(
+        _os.path.join(_root, "reference", "__init__.py")):
+    __path__.append(_root)
+
 from .config import DEFAULT, PAPER, NVFP4Config, QATConfig, SageBwdConfig, get_config
 
 __version__ = "0.1.0"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import statistics
 
-__all__ = ["flops", "time_ms", "bench_int8", "bench_sdpa", "default_cases", "run_suite"]
+__all__ = ["flops", "time_ms", "bench_int8", "bench_sdpa", "default_cases", "run_suite", "peak_memory",
+           "format_rows", "plot"]
 
 
 def flops(B, Hq, Nq, Nk, D, causal, mode="fwd") -> float:
@@ -231,3 +232,71 @@ def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) 
     except ImportError:
         pass
     return rows
+
+
+def format_rows(rows) -> str:
+    """An aligned table of benchmark rows with the ratio to each SDPA baseline of the same run."""
+    base = {(r["impl"], r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows if "ms" in r}
+    lines = [f"{'impl':<16}{'cfg':<9}{'mode':<8}{'scope':<8}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
+             f"{'x flash':>9}{'x cudnn':>9}"]
+    for r in rows:
+        if r.get("mode") == "peak_mem":
+            lines.append(f"{r['impl']:<16}peak memory fwd+bwd D={r['D']} N={r['N']} B={r['B']} H={r['H']}: "
+                         f"{r['bytes'] / 2**30:.2f} GiB")
+            continue
+        if "ms" not in r:
+            lines.append(f"{r['impl']:<16} error D={r['D']} N={r['N']} causal={r['causal']}: {r.get('error')}")
+            continue
+        key = (r["mode"], r["D"], r["N"], r["causal"])
+        fl, cu = base.get(("sdpa-flash",) + key), base.get(("sdpa-cudnn",) + key)
+        rf = f"{fl / r['ms']:.2f}" if fl else "-"
+        rc = f"{cu / r['ms']:.2f}" if cu else "-"
+        lines.append(f"{r['impl']:<16}{r.get('config', ''):<9}{r['mode']:<8}{r['scope']:<8}{r['D']:>4}{r['N']:>7}"
+                     f"{str(r['causal']):>7}{r['ms']:>9.3f}{r['tops']:>8.1f}{rf:>9}{rc:>9}")
+    return "\n".join(lines)
+
+
+def plot(results_path, outdir) -> list:
+    """PNG figures (matplotlib, Agg): TOPS vs N, one line per implementation/config/scope, one figure per
+    (head dim, mask, mode). Returns the written paths."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    with open(results_path) as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            r = json.loads(line)
+            if r.get("type") == "env" or "tops" not in r:
+                continue
+            rows.append(r)
+    if not rows:
+        raise ValueError(f"{results_path}: no benchmark rows (expected the JSON lines of `sagecupy bench --out`)")
+    os.makedirs(outdir, exist_ok=True)
+    paths = []
+    for key in sorted({(r["D"], r["causal"], r["mode"]) for r in rows}):
+        D, causal, mode = key
+        sel = [r for r in rows if (r["D"], r["causal"], r["mode"]) == key]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for line in sorted({(r["impl"], r.get("config", ""), r["scope"]) for r in sel}):
+            pts = sorted((r["N"], r["tops"]) for r in sel if (r["impl"], r.get("config", ""), r["scope"]) == line)
+            label = " ".join(x for x in line if x)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel("TOPS (INT8) / TFLOPS (bf16)")
+        ax.set_title(f"{mode}, D={D}, {'causal' if causal else 'full'}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        path = os.path.join(outdir, f"speed_d{D}_{'causal' if causal else 'full'}_{mode}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

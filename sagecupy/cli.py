@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import click
 
 from . import analysis
+from ._loader import gpu_status
 
 __all__ = ["main", "emit", "format_table", "analysis_options"]
 
@@ -453,6 +454,71 @@ def intermediates(**opts):
                            inputs=inputs,
                            sigma=None if path else opts["sigma"], source=f"file {path}" if path else "random")
     emit(records, head, opts["fmt"], opts["out"])
+
+
+@main.command("bench")
+@click.option("--quick", is_flag=True, help="N in {4K, 16K} only (default: 1K ... 32K)")
+@click.option("--configs", default="default", show_default=True, help="comma-separated: default,paper")
+@click.option("--baselines", default="flash,cudnn", show_default=True,
+              help="PyTorch SDPA backends timed beside ('' for none; needs torch)")
+@click.option("--memory/--no-memory", default=False, help="also peak memory of fwd+bwd at N=32K, D=128")
+@click.option("--rep", type=click.IntRange(1), default=10, show_default=True, help="timed runs (median)")
+@click.option("--out", "out", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="write JSON lines (environment header first)")
+def bench_cmd(quick, configs, baselines, memory, rep, out):
+    """Speed of the INT8 kernels (fwd, bwd, fwd+bwd; kernel-only and end-to-end) beside SDPA, with ratios.
+
+    Shapes: batch * N = 16K tokens, heads * D = 2048, D in {64, 128}, causal and not (SPEC §8 FLOPs).
+    """
+    import json
+
+    from . import bench
+    from ._env import environment
+
+    ok, why = gpu_status()
+    if not ok:
+        raise click.ClickException(f"bench needs a CUDA device: {why}")
+    cfgs = tuple(c for c in configs.split(",") if c)
+    for c in cfgs:
+        if c not in ("default", "paper"):
+            raise click.UsageError(f"--configs: {c!r} is not one of default, paper")
+    bases = tuple(b for b in baselines.split(",") if b)
+    for b in bases:
+        if b not in ("flash", "cudnn"):
+            raise click.UsageError(f"--baselines: {b!r} is not one of flash, cudnn")
+    fh = open(out, "w") if out else None
+    try:
+        if fh:
+            fh.write(json.dumps(dict(type="env", **environment())) + "\n")
+        with _library_errors():
+            rows = bench.run_suite(bench.default_cases(quick=quick), configs=cfgs, baselines=bases, out=fh, rep=rep)
+            if memory:
+                mem = bench.peak_memory()
+                rows += mem
+                if fh:
+                    for r in mem:
+                        fh.write(json.dumps(r) + "\n")
+    finally:
+        if fh:
+            fh.close()
+    click.echo(bench.format_rows(rows))
+
+
+@main.command("plot")
+@click.argument("results", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "outdir", type=click.Path(file_okay=False), default="plots", show_default=True)
+def plot_cmd(results, outdir):
+    """Speed-vs-N figures from `sagecupy bench --out FILE` (one PNG per head dim, mask and mode)."""
+    from . import bench
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.ClickException("plot needs matplotlib: pip install 'sagecupy[plot]'") from None
+    with _library_errors():
+        paths = bench.plot(results, outdir)
+    for p in paths:
+        click.echo(p)
 
 
 if __name__ == "__main__":  # python -m sagecupy.cli

@@ -1,0 +1,55 @@
+"""`sagecupy bench` and `sagecupy plot` without a GPU: clean errors, and figures from saved results."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from sagecupy import bench
+from sagecupy.cli import main
+
+
+def test_flops_convention():
+    assert bench.flops(2, 3, 5, 7, 64, False) == 4 * 2 * 3 * 5 * 7 * 64
+    assert bench.flops(1, 1, 8, 8, 64, True) == 4 * 8 * 8 * 64 / 2          # causal, Nq == Nk: halved
+    assert bench.flops(1, 1, 8, 9, 64, True) == 4 * 8 * 9 * 64              # Nq != Nk: not halved
+    assert bench.flops(1, 1, 8, 8, 64, False, "bwd") == 2.5 * bench.flops(1, 1, 8, 8, 64, False)
+    assert bench.flops(1, 1, 8, 8, 64, False, "fwdbwd") == 3.5 * bench.flops(1, 1, 8, 8, 64, False)
+
+
+def test_bench_without_gpu_is_one_line_error(monkeypatch):
+    monkeypatch.setattr("sagecupy.cli.gpu_status", lambda: (False, "no CUDA device"))
+    r = CliRunner().invoke(main, ["bench", "--quick"])
+    assert r.exit_code != 0 and "needs a CUDA device" in r.output and "Traceback" not in r.output
+
+
+def _rows():
+    out = [dict(type="env", gpu="test")]
+    for impl, tops in (("sagecupy-int8", 200.0), ("sdpa-flash", 300.0)):
+        for n in (1024, 4096):
+            out.append(dict(impl=impl, config="default" if "int8" in impl else "", mode="fwd", scope="e2e", D=128,
+                            N=n, B=1, H=16, causal=False, dtype="bfloat16", ms=1.0, tops=tops))
+    return out
+
+
+def test_format_rows_ratios():
+    rows = [r for r in _rows() if "impl" in r]
+    rows[0]["ms"] = 0.5  # twice as fast as flash at N=1024
+    text = bench.format_rows(rows)
+    assert "2.00" in text.splitlines()[1]
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = tmp_path / "r.jsonl"
+    res.write_text("\n".join(json.dumps(r) for r in _rows()) + "\n")
+    r = CliRunner().invoke(main, ["plot", str(res), "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "p" / "speed_d128_full_fwd.png").is_file()
+
+
+def test_plot_rejects_non_bench_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"type": "env"}\n')
+    r = CliRunner().invoke(main, ["plot", str(bad)])
+    assert r.exit_code != 0 and "no benchmark rows" in r.output and "Traceback" not in r.output
