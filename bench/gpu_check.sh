@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the whole GPU test suite, run the key benchmarks,
 # print a short table last. Logs go to $OUT (the device tool brings them back).
-#   bash bench/gpu_check.sh [quick|full|tests|bench]
+#   bash bench/gpu_check.sh [quick|full|all|tests|bench]
+#   quick: tests + N in {4K, 16K};  full: tests + N 1K..32K;  all: full + GPU accuracy sweeps (SPEC §7)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
 what=${1:-quick}
 export PYTHONUNBUFFERED=1
-python3 -m pip install -e . --no-deps --no-build-isolation -q >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+python3 -m pip install -e . --no-deps --no-build-isolation -q >/tmp/sagecupy_pip.log 2>&1 || { tail -20 /tmp/sagecupy_pip.log; exit 1; }
 python3 - <<'PY'
 import cupy, sagecupy
 from sagecupy._loader import gpu_status, cuda_include_dir
@@ -18,8 +19,21 @@ if [ "$what" != bench ]; then
   timeout 420 python3 -m pytest tests/gpu --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
+if [ "$what" = all ]; then
+  for cfg in default paper; do
+    echo "== sagecupy accuracy --backend gpu --config $cfg"
+    timeout 200 sagecupy accuracy --backend gpu --config $cfg --format json --out "$OUT/acc_$cfg.jsonl"
+    python3 - "$OUT/acc_$cfg.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+for r in rows:
+    if r.get("type") != "env":
+        print(f"sigma={r['sigma']:>4} {r['tensor']:<3} cos={r['cos']:.6f} rel_l2={r['rel_l2']:.4f}")
+PY
+  done
+fi
 if [ "$what" != tests ]; then
-  flag="--quick --memory"; [ "$what" = full ] && flag=--memory
+  flag="--quick --memory"; { [ "$what" = full ] || [ "$what" = all ]; } && flag=--memory
   timeout 400 python3 bench/run_bench.py $flag --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
   tail -3 "$OUT/bench.err"
   if [ -n "${SAGECUPY_EXPERIMENT:-}" ]; then  # the same sweep with extra kernel defines, for comparison
