@@ -29,6 +29,12 @@ from sagecupy import _loader, int8  # noqa: E402
 ARCHS = {"sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
 
 
+def archs_for(filename):
+    """Targets a source builds for: all of ARCHS unless the host module restricts it (wgmma: sm_90a)."""
+    only = int8.KERNEL_ARCHS.get(filename)
+    return {a: f for a, f in ARCHS.items() if only is None or a in only}
+
+
 def all_names() -> dict:
     names = {}
     for mod in (int8,):
@@ -129,7 +135,7 @@ def main(argv=None):
     names = all_names()
     with tempfile.TemporaryDirectory() as tmp:
         for filename, lst in (() if a.nvrtc_only else names.items()):
-            for arch, flag in ARCHS.items():
+            for arch, flag in archs_for(filename).items():
                 rc, log = nvcc_compile(nvcc, filename, lst, flag, tmp)
                 if rc:
                     failed = True
@@ -146,7 +152,7 @@ def main(argv=None):
         print("NVRTC not found: skipped the NVRTC pass")
     else:
         for filename, lst in names.items():
-            for arch in ("sm_80", "sm_90a"):
+            for arch in archs_for(filename):
                 rc, log = nvrtc_compile(lib, filename, lst, arch)
                 if rc:
                     failed = True

@@ -106,8 +106,10 @@ def gpu_status() -> tuple[bool, str]:
         return False, f"no usable CUDA device ({type(exc).__name__}: {exc})"
 
 
-def _options() -> tuple:
+def _options(arch: str | None = None) -> tuple:
     opts = ["--std=c++17"]
+    if arch:
+        opts.append(f"--gpu-architecture={arch}")
     inc = cuda_include_dir()
     if inc:
         opts.append(f"-I{inc}")
@@ -128,12 +130,12 @@ def _dump(source: str, options: tuple, names: tuple, error: str | None = None) -
     return str(folder)
 
 
-def _module(filename: str, names: tuple):
+def _module(filename: str, names: tuple, arch: str | None = None):
     import cupy
 
     dev = cupy.cuda.Device().id
     source = kernel_source(filename)
-    options = _options()
+    options = _options(arch)
     key = (dev, source.splitlines()[0], options, names)
     mod = _modules.get(key)
     if mod is not None:
@@ -151,12 +153,22 @@ def _module(filename: str, names: tuple):
     return mod
 
 
-def get_function(filename: str, name: str, *, all_names: tuple | None = None):
+def get_function(filename: str, name: str, *, all_names: tuple | None = None, arch: str | None = None):
     """The compiled kernel ``name`` (a template instantiation such as ``"f<__half, 128>"``) of ``filename``.
 
     ``all_names``: instantiate these together in one module (one compile for several variants).
+    ``arch``: a target such as ``"sm_90a"`` for kernels that need architecture-specific instructions
+    (wgmma); default: CuPy's choice for the current device.
     """
     names = tuple(all_names) if all_names else (name,)
     if name not in names:
         names = names + (name,)
-    return _module(filename, names).get_function(name)
+    return _module(filename, names, arch).get_function(name)
+
+
+def device_capability() -> tuple[int, int]:
+    """(major, minor) of the current CUDA device."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return int(props["major"]), int(props["minor"])

@@ -25,7 +25,9 @@ import math
 from dataclasses import dataclass
 
 from . import _checks
-from ._loader import get_function
+import os
+
+from ._loader import device_capability, get_function
 from .config import SageBwdConfig, get_config
 
 __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
@@ -102,15 +104,40 @@ def _quant_names(T, D):
     )
 
 
+#: Source files that only build for one architecture (CI compiles them for that target alone).
+KERNEL_ARCHS = {"int8_attn_fwd_sm90.cu": ("sm_90a",)}
+_ENGINES = ("auto", "mma", "wgmma")
+
+
 def kernel_names() -> dict:
     """Every template instantiation this module launches, per source file (CI compiles them all)."""
-    out = {"int8_quant.cu": [], "int8_attn_fwd.cu": [], "int8_attn_bwd.cu": []}
+    out = {"int8_quant.cu": [], "int8_attn_fwd.cu": [], "int8_attn_fwd_sm90.cu": [], "int8_attn_bwd.cu": []}
     for T in _T.values():
         for D in _checks.SUPPORTED_HEAD_DIMS:
             out["int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8_quant.cu"]]
             out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}>")
+            out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}>")
             out["int8_attn_bwd.cu"] += list(_bwd_names(T, D))
     return out
+
+
+def forward_engine(engine: str | None = None) -> str:
+    """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
+
+    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it)
+    picks wgmma on compute capability 9.0 and mma elsewhere. Both compute the same function: their
+    int32 products are exact and every float operation after them is the same, so O and the LSE agree
+    bit for bit (tested).
+    """
+    engine = engine or os.environ.get("SAGECUPY_FWD_ENGINE", "auto")
+    if engine not in _ENGINES:
+        raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
+    if engine == "auto":
+        return "wgmma" if device_capability() == (9, 0) else "mma"
+    if engine == "wgmma" and device_capability() != (9, 0):
+        raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
+                         f"{device_capability()}")
+    return engine
 
 
 def _bwd_names(T, D):
@@ -213,7 +240,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     return p, cfg, pre
 
 
-def _launch_forward(p, cfg, pre):
+def _launch_forward(p, cfg, pre, engine=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2)."""
     import cupy
 
@@ -225,8 +252,13 @@ def _launch_forward(p, cfg, pre):
     osb, osh, osn = _strides(o, layout)
     lse = cupy.empty((B, Hq, nq), dtype=f32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
-    fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}>")
-    smem = (_FWD_BQ + 4 * _FWD_BKV) * D
+    if forward_engine(engine) == "wgmma":
+        fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}>", arch="sm_90a")
+    else:
+        fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}>")
+    smem = (_FWD_BQ + 4 * _FWD_BKV) * D + 1024  # + alignment of the tiles to 1024 bytes
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
     fn((nq_pad // _FWD_BQ, Hq, B), (256,),
        (pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v_t"], pre["v_scale"], pre["qmk"],
         o, i64(osb), i64(osh), i64(osn), lse, lse2,
@@ -236,15 +268,15 @@ def _launch_forward(p, cfg, pre):
     return o, lse, lse2
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
     """SageBwd forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
     fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
-    float32 ``(B, Hq, Nq)``.
+    float32 ``(B, Hq, Nq)``. ``engine``: see :func:`forward_engine`.
     """
     p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config)
-    o, lse, lse2 = _launch_forward(p, cfg, pre)
+    o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
     o = _checks.wrap(o, p.dtype)

@@ -306,3 +306,35 @@ def test_quantized_operands_bit_identical_to_reference(config, dtype):
     np.testing.assert_array_equal(pre["k_scale"].get()[:, :, :333], ref["k_scale"].astype(np.float32))
     if config.k_smoothing:
         np.testing.assert_array_equal(pre["mu_k"].get(), ref["mu_k"].astype(np.float32))
+
+
+ENGINE_CASES = [(1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", DEFAULT),
+                (2, 2, 2, 128, 64, 64, False, "NHD", "float16", PAPER),
+                (1, 2, 1, 1, 200, 128, False, "HND", "float16", DEFAULT),
+                (1, 2, 2, 1000, 1000, 64, True, "HND", "bfloat16", DEFAULT)]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", ENGINE_CASES)
+def test_forward_engines_agree_bitwise(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config):
+    """wgmma (Hopper) and mma.sync compute the same int32 products and the same float operations after
+    them: O, LSE and the saved base-2 LSE must be identical bit for bit."""
+    import sagecupy.int8 as s8
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma engine needs compute capability 9.0")
+    (q, k, v, _), _ = _inputs(21, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=2.0)
+    outs = {}
+    for engine in ("mma", "wgmma"):
+        o, lse, res = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True, engine=engine)
+        outs[engine] = (_raw(o).get(), lse.get(), res.lse2.get())
+    for name, a, b in zip(("O", "LSE", "lse2"), outs["mma"], outs["wgmma"]):
+        same = np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(b).view(np.uint8)
+        assert same.all(), f"{name} differs in {int((~same).sum())} bytes"
+
+
+def test_engine_argument_errors():
+    import sagecupy.int8 as s8
+
+    with pytest.raises(ValueError, match="engine"):
+        s8.forward_engine("fast")

@@ -1,0 +1,21 @@
+// SageBwd forward on Hopper tensor cores (sm_90a only): the same algorithm and operands as
+// int8_attn_fwd.cu, with Q.K^T and P.V on wgmma (one m64nNk32 per warpgroup of 4 warps; Q, K and V^T
+// read from the swizzled shared tiles through descriptors, P from registers). Compile with
+// --gpu-architecture=sm_90a.
+#include "common/int8_fwd.cuh"
+
+using namespace sage;
+
+// Dynamic shared memory: (FWD_BQ + 4 * FWD_BKV) * D bytes + 1024 (alignment).
+template <typename T, int D>
+__global__ void __launch_bounds__(FWD_THREADS)
+int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
+                   const signed char* __restrict__ kc, const float* __restrict__ ks,
+                   const signed char* __restrict__ vt, const float* __restrict__ vs,
+                   const float* __restrict__ qmk,
+                   T* __restrict__ o, long long osb, long long osh, long long osn,
+                   float* __restrict__ lse, float* __restrict__ lse2,
+                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
+  int8_attn_fwd_impl<T, D, true>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
+                                 nk_pad, p_max, causal, v_block);
+}
