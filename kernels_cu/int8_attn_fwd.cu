@@ -22,7 +22,7 @@ using namespace sage;
 #else
 #define SAGE_FWD_BOUNDS __launch_bounds__(FWD_THREADS)
 #endif
-// Dynamic shared memory: (FWD_BQ + 4 * FWD_BKV) * D bytes + 1024 (alignment).
+// Dynamic shared memory: (FWD_BQ + 2 * stages * FWD_BKV) * D bytes + 1024 (alignment); 2 stages here.
 
 template <typename T, int D>
 __global__ void SAGE_FWD_BOUNDS

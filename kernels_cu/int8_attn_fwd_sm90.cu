@@ -6,7 +6,7 @@
 
 using namespace sage;
 
-// Dynamic shared memory: (FWD_BQ + 4 * FWD_BKV) * D bytes + 1024 (alignment).
+// Dynamic shared memory: (FWD_BQ + 6 * FWD_BKV) * D bytes + 1024 (alignment): a 3-stage K/V ring.
 template <typename T, int D>
 __global__ void __launch_bounds__(FWD_THREADS)
 int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,

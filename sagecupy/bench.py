@@ -52,6 +52,12 @@ def _shape(D, N):
     return max(1, 16384 // N), 2048 // D
 
 
+def _capability():
+    from ._loader import device_capability
+
+    return device_capability()
+
+
 def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
     """Rows for the SageBwd kernels, kernel-only and end-to-end."""
     import cupy
@@ -78,8 +84,8 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     p, cfg, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config)
     if "fwd" in modes:
         row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
-        if int8.forward_engine() != "mma":  # the portable path too, for comparison in the same run
-            row("fwd", "kernel-mma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "mma"), warmup, rep))
+        if _capability() == (9, 0):  # the Hopper wgmma kernel too, for comparison in the same run
+            row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
         row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
     o, res = int8.forward(q, k, v, causal=causal, config=config)
     if "bwd" in modes:

@@ -125,15 +125,16 @@ def forward_engine(engine: str | None = None) -> str:
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it)
-    picks wgmma on compute capability 9.0 and mma elsewhere. Both compute the same function: their
-    int32 products are exact and every float operation after them is the same, so O and the LSE agree
-    bit for bit (tested).
+    picks ``"mma"``: the first wgmma kernel (no software pipelining yet) measured 0.74-1.04x the speed
+    of the mma.sync kernel on the H200 (bench/NOTES.md), so it is opt-in until it is faster. Both compute
+    the same function: their int32 products are exact and every float operation after them is the same,
+    so O and the LSE agree bit for bit (tested).
     """
     engine = engine or os.environ.get("SAGECUPY_FWD_ENGINE", "auto")
     if engine not in _ENGINES:
         raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
     if engine == "auto":
-        return "wgmma" if device_capability() == (9, 0) else "mma"
+        return "mma"
     if engine == "wgmma" and device_capability() != (9, 0):
         raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
                          f"{device_capability()}")
@@ -254,9 +255,11 @@ def _launch_forward(p, cfg, pre, engine=None):
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
     if forward_engine(engine) == "wgmma":
         fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}>", arch="sm_90a")
+        stages = 3
     else:
         fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}>")
-    smem = (_FWD_BQ + 4 * _FWD_BKV) * D + 1024  # + alignment of the tiles to 1024 bytes
+        stages = 2
+    smem = (_FWD_BQ + 2 * stages * _FWD_BKV) * D + 1024  # Q, K/V ring, alignment of the tiles to 1024 bytes
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((nq_pad // _FWD_BQ, Hq, B), (256,),

@@ -26,8 +26,11 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require.
   char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
   char* sQ = smem;                               // FWD_BQ x D
-  char* sK = sQ + FWD_BQ * D;                    // 2 stages x FWD_BKV x D
-  char* sV = sK + 2 * FWD_BKV * D;               // 2 stages x D x FWD_BKV
+  // K/V ring: 2 stages for mma.sync (prefetch one tile ahead); 3 for wgmma, whose Q.K^T of tile t+1
+  // is issued while tile t's softmax runs, so tile t+1 must be resident one iteration earlier.
+  constexpr int NST = WGMMA ? 3 : 2;
+  char* sK = sQ + FWD_BQ * D;                    // NST stages x FWD_BKV x D
+  char* sV = sK + NST * FWD_BKV * D;             // NST stages x D x FWD_BKV
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int nblk = gridDim.x;
   const int qblk = CAUSAL ? (nblk - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
@@ -49,9 +52,9 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
   load_tile_async<FWD_BQ, D, FWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
-  if (n_tiles > 0) {
-    load_tile_async<FWD_BKV, D, FWD_THREADS>(sK, gK, D, tid);
-    load_tile_async<D, FWD_BKV, FWD_THREADS>(sV, gV, nk_pad, tid);
+  for (int t = 0; t < (WGMMA ? 2 : 1) && t < n_tiles; ++t) {
+    load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + t * FWD_BKV * D, gK + t * FWD_BKV * D, D, tid);
+    load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + t * D * FWD_BKV, gV + t * FWD_BKV, nk_pad, tid);
   }
   cp_async_commit();
 
@@ -69,9 +72,10 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
   unsigned qf[D / 32][4];
+  int acc_s[8][4], acc_n[8][4];  // S of this tile; (wgmma) S of the next one, in flight during the softmax
 
   for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile & 1;
+    const int st = tile % NST;
     cp_async_wait<0>();
     if constexpr (WGMMA) fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
     __syncthreads();
@@ -79,26 +83,41 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 #pragma unroll
       for (int kstep = 0; kstep < D / 32; ++kstep) ldsm_x4<D, true>(qf[kstep], sQ, warp * 16, 2 * kstep, lane);
     }
-    if (tile + 1 < n_tiles) {  // prefetch the next K/V tile into the other stage
-      load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + (st ^ 1) * FWD_BKV * D, gK + (tile + 1) * FWD_BKV * D, D, tid);
-      load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + (st ^ 1) * D * FWD_BKV, gV + (tile + 1) * FWD_BKV, nk_pad, tid);
+    // Prefetch (the barrier above freed the stage: every warp is done with the tile it held).
+    const int pf = tile + NST - 1;
+    if (pf < n_tiles) {
+      load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + (pf % NST) * FWD_BKV * D, gK + pf * FWD_BKV * D, D, tid);
+      load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + (pf % NST) * D * FWD_BKV, gV + pf * FWD_BKV, nk_pad, tid);
     }
     cp_async_commit();
     const char* cK = sK + st * FWD_BKV * D;
     const char* cV = sV + st * D * FWD_BKV;
 
     // S = Q^ K^T (int32), 16 rows x 64 keys per warp.
-    int acc_s[8][4];
     if constexpr (WGMMA) {
-      int(&accf)[32] = reinterpret_cast<int(&)[32]>(acc_s);
-      const unsigned long long dq = gmma_desc<D>(sQ + (warp / 4) * 64 * D), dk = gmma_desc<D>(cK);
-      wgmma_fence();
+      // S of tile 0 here; S of tile t+1 issued now and left in flight while tile t's softmax runs (it
+      // completes at the wait after P.V below).
+      const unsigned long long dq = gmma_desc<D>(sQ + (warp / 4) * 64 * D);
+      if (tile == 0) {
+        int(&accf)[32] = reinterpret_cast<int(&)[32]>(acc_s);
+        const unsigned long long dk = gmma_desc<D>(cK);
+        wgmma_fence();
 #pragma unroll
-      for (int kstep = 0; kstep < D / 32; ++kstep)
-        wgmma_m64n64k32_ss_s8(accf, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(accf);
+        for (int kstep = 0; kstep < D / 32; ++kstep)
+          wgmma_m64n64k32_ss_s8(accf, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(accf);
+      }
+      if (tile + 1 < n_tiles) {
+        int(&accn)[32] = reinterpret_cast<int(&)[32]>(acc_n);
+        const unsigned long long dk = gmma_desc<D>(sK + ((tile + 1) % NST) * FWD_BKV * D);
+        wgmma_fence();
+#pragma unroll
+        for (int kstep = 0; kstep < D / 32; ++kstep)
+          wgmma_m64n64k32_ss_s8(accn, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+        wgmma_commit();
+      }
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0;
@@ -196,8 +215,9 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
         wgmma_m64n64k32_rs_u8s8(acc_pv, pa[1], gmma_desc_advance(dv, 32), 1);
       }
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<0>();  // P.V of this tile and Q.K^T of the next
       fence_regs(acc_pv);
+      fence_regs(reinterpret_cast<int(&)[32]>(acc_n));
       if (rescale) {
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt)
@@ -210,6 +230,10 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_o[nt][e] = fmaf(i2f_small(acc_pv[4 * nt + e]), spv[e >> 1], acc_o[nt][e]);
       }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[i][e] = acc_n[i][e];
     } else {
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
