@@ -173,10 +173,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
           unsigned c[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) c[e] = f2u8_rn_fma(p[nt][e], inv[e >> 1]);
-          const int kst = nt >> 2, half = (nt >> 1) & 1, hi = nt & 1;
-          const unsigned lo_row = (c[0] | (c[1] << 8)) << (16 * hi), hi_row = (c[2] | (c[3] << 8)) << (16 * hi);
-          if (hi == 0) { pa[kst][2 * half] = lo_row; pa[kst][2 * half + 1] = hi_row; }
-          else { pa[kst][2 * half] |= lo_row; pa[kst][2 * half + 1] |= hi_row; }
+          pack_acc_bytes_as_a(pa, nt, c);
         }
         // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
         const float* dos_t = dos + (bh * (nq_pad / BWD_BQ) + qtile) * D;
@@ -243,10 +240,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
           unsigned c[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) c[e] = f2s8_rn_fma(p[nt][e] * sQs[nt * 8 + 2 * t4 + (e & 1)], inv[e >> 1]);
-          const int kst = nt >> 2, half = (nt >> 1) & 1, hi = nt & 1;
-          const unsigned lo_row = (c[0] | (c[1] << 8)) << (16 * hi), hi_row = (c[2] | (c[3] << 8)) << (16 * hi);
-          if (hi == 0) { ya[kst][2 * half] = lo_row; ya[kst][2 * half + 1] = hi_row; }
-          else { ya[kst][2 * half] |= lo_row; ya[kst][2 * half + 1] |= hi_row; }
+          pack_acc_bytes_as_a(ya, nt, c);
         }
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {

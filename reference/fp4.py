@@ -105,6 +105,8 @@ import numbers
 
 import numpy as np
 
+from .attention import as_float64
+
 __all__ = [
     "E2M1_MAGNITUDES",
     "E2M1_VALUES",
@@ -170,17 +172,6 @@ _E4M3_MAGNITUDES = E4M3_VALUES[:0x7F]  # codes 0x00..0x7E: 0 .. 448, increasing
 # ----------------------------------------------------------------------------
 
 
-def _as_real(x, name: str) -> np.ndarray:
-    """float64 copy of a real array; TypeError for bool/complex/object/strings."""
-    arr = np.asarray(x)
-    if arr.dtype.kind in "bcOUSMm":
-        raise TypeError(f"{name} must have a real numeric dtype, got {arr.dtype}")
-    try:
-        return np.array(arr, dtype=np.float64, copy=True)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} with dtype {arr.dtype} cannot be converted to float64") from exc
-
-
 def _as_codes(codes, name: str, limit: int) -> np.ndarray:
     """uint8 view of integer codes, each below ``limit``."""
     arr = np.asarray(codes)
@@ -240,7 +231,7 @@ def _round_to_grid(mag: np.ndarray, grid: np.ndarray) -> np.ndarray:
 
 def e2m1_encode(x) -> np.ndarray:
     """uint8 E2M1 codes of ``x``: nearest, ties to even, saturating at ±6; NaN -> 7 (+6, PTX)."""
-    x64 = _as_real(x, "x")
+    x64 = as_float64(x, "x")
     nan = np.isnan(x64)
     mag = _round_to_grid(np.where(nan, 0.0, np.abs(x64)), E2M1_MAGNITUDES)
     codes = np.where(np.signbit(x64), mag | 0x8, mag).astype(np.uint8)
@@ -259,7 +250,7 @@ def e2m1_round(x) -> np.ndarray:
 
 def e4m3_encode(x) -> np.ndarray:
     """uint8 E4M3FN codes of ``x``: nearest even, saturating to ±448 (also for ±inf), NaN -> 0x7F."""
-    x64 = _as_real(x, "x")
+    x64 = as_float64(x, "x")
     nan = np.isnan(x64)
     mag = _round_to_grid(np.where(nan, 0.0, np.abs(x64)), _E4M3_MAGNITUDES)
     codes = np.where(np.signbit(x64), mag | 0x80, mag).astype(np.uint8)
@@ -361,7 +352,7 @@ def nvfp4_quantize(x, axis: int = -1, tensor_scale: bool = False):
     multiple of 16.
     """
     tensor_scale = _check_bool(tensor_scale, "tensor_scale")
-    x64 = _as_real(x, "x")
+    x64 = as_float64(x, "x")
     ax, b = _blocks(x64, axis, NVFP4_BLOCK, "NVFP4")
     finite = np.isfinite(b).all(axis=-1)
     amax = np.max(np.abs(np.where(np.isfinite(b), b, 0.0)), axis=-1)
@@ -423,7 +414,7 @@ def mxfp4_quantize(x, axis: int = -1):
     NaN/Inf block: scale code 0xFF (NaN). ValueError unless the length along
     ``axis`` is a multiple of 32.
     """
-    x64 = _as_real(x, "x")
+    x64 = as_float64(x, "x")
     ax, b = _blocks(x64, axis, MXFP4_BLOCK, "MXFP4")
     finite = np.isfinite(b).all(axis=-1)
     amax = np.max(np.abs(np.where(np.isfinite(b), b, 0.0)), axis=-1)
@@ -475,7 +466,7 @@ def two_level_p_fake_quantize(p, block_kv: int, axis: int = -1) -> np.ndarray:
     """
     if isinstance(block_kv, bool) or not isinstance(block_kv, numbers.Integral) or block_kv < 16 or block_kv % 16:
         raise ValueError(f"block_kv={block_kv!r} must be a positive multiple of 16")
-    p64 = _as_real(p, "p")
+    p64 = as_float64(p, "p")
     ax = _norm_axis(axis, p64.ndim)
     if np.any(p64 < 0):
         raise ValueError("p must be non-negative (probabilities)")

@@ -180,18 +180,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
         lsum[e >> 1] += p;
         c[e] = f2u8_rn_fma(p, factor[e >> 1]);
       }
-      // n-tile nt covers keys nt*8..+7: k-step nt/4; tiles 4k+0/1 -> a0 (row g) / a1 (row g+8),
-      // tiles 4k+2/3 -> a2 / a3; the even tile gives the low two bytes.
-      const int kst = nt >> 2, half = (nt >> 1) & 1, hi = nt & 1;
-      const unsigned lo_row = (c[0] | (c[1] << 8)) << (16 * hi);
-      const unsigned hi_row = (c[2] | (c[3] << 8)) << (16 * hi);
-      if (hi == 0) {
-        pa[kst][2 * half] = lo_row;
-        pa[kst][2 * half + 1] = hi_row;
-      } else {
-        pa[kst][2 * half] |= lo_row;
-        pa[kst][2 * half + 1] |= hi_row;
-      }
+      pack_acc_bytes_as_a(pa, nt, c);
     }
     l[0] = fmaf(l[0], alpha[0], lsum[0]);
     l[1] = fmaf(l[1], alpha[1], lsum[1]);

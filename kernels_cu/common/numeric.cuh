@@ -80,6 +80,22 @@ __host__ __device__ __forceinline__ int mma_perm32(int j) {
   return (half16 << 4) | (t << 2) | q;
 }
 
+// Place the four 8-bit codes of accumulator n-tile `nt` of a 16 x 64 tile (c[0], c[1]: row g, columns
+// 2t, 2t+1; c[2], c[3]: row g+8) into the m16n8k32 A fragments a[k-step][0..3] of that tile, columns in
+// the mma-permuted order: n-tiles 4k+0/1 -> a0 (row g) / a1 (row g+8), 4k+2/3 -> a2 / a3, the even
+// n-tile in the low two bytes. Call for nt = 0..7 in order (the even tile assigns, the odd one ORs).
+__device__ __forceinline__ void pack_acc_bytes_as_a(unsigned (&a)[2][4], int nt, const unsigned (&c)[4]) {
+  const int kst = nt >> 2, half = (nt >> 1) & 1, hi = nt & 1;
+  const unsigned lo_row = (c[0] | (c[1] << 8)) << (16 * hi), hi_row = (c[2] | (c[3] << 8)) << (16 * hi);
+  if (hi == 0) {
+    a[kst][2 * half] = lo_row;
+    a[kst][2 * half + 1] = hi_row;
+  } else {
+    a[kst][2 * half] |= lo_row;
+    a[kst][2 * half + 1] |= hi_row;
+  }
+}
+
 // Inverse of mma_perm32: the key stored at position p of a 32-key group.
 __host__ __device__ __forceinline__ int mma_perm32_inv(int p) {
   int half16 = (p >> 4) & 1, t = (p & 15) >> 2, q = p & 3;

@@ -8,6 +8,7 @@ import pytest
 
 from sagecupy.reference import attention as A
 from sagecupy.reference import metrics as M
+from fd import fd_grad
 
 
 def _rand(rng, *shape):
@@ -46,16 +47,6 @@ def _naive_forward(q, k, v, causal, sm_scale):
     return o, lse
 
 
-def _fd_grad(f, x, h=1e-5):
-    """Central finite differences of the scalar ``f`` with respect to every element of ``x``."""
-    g = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        xp = x.copy()
-        xp[idx] += h
-        xm = x.copy()
-        xm[idx] -= h
-        g[idx] = (f(xp) - f(xm)) / (2 * h)
-    return g
 
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, layout)
@@ -125,9 +116,9 @@ def test_backward_matches_finite_differences(p):
     o, lse = A.attention_forward(q, k, v, causal=causal, sm_scale=sm, layout=layout)
     dq, dk, dv = A.attention_backward(q, k, v, o, lse, do, causal=causal, sm_scale=sm, layout=layout)
     fd = {
-        "dq": _fd_grad(lambda x: loss(x, k, v), q),
-        "dk": _fd_grad(lambda x: loss(q, x, v), k),
-        "dv": _fd_grad(lambda x: loss(q, k, x), v),
+        "dq": fd_grad(lambda x: loss(x, k, v), q),
+        "dk": fd_grad(lambda x: loss(q, x, v), k),
+        "dv": fd_grad(lambda x: loss(q, k, x), v),
     }
     for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
         ref = fd[name]

@@ -8,6 +8,7 @@ from sagecupy.reference import fp4 as F
 from sagecupy.reference import metrics as M
 from sagecupy.reference import nvfp4 as N
 from sagecupy.reference import qat as Q
+from fd import fd_grad
 
 
 def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout="HND", scale=1.5):
@@ -21,15 +22,6 @@ def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout="HND", scale=1.5):
     return q, k, v, do
 
 
-def _fd_grad(f, x, h=1e-5):
-    g = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        xp = x.copy()
-        xp[idx] += h
-        xm = x.copy()
-        xm[idx] -= h
-        g[idx] = (f(xp) - f(xm)) / (2 * h)
-    return g
 
 
 # (B, Hq, Hkv, Nq, Nk, D, causal, layout)
@@ -63,8 +55,8 @@ def test_gradients_match_finite_differences(shape, cfg_name):
         return float(np.sum(o_prime * do))
 
     for name, got, ref in (
-        ("dq", dq, _fd_grad(lambda x: loss_prime(x, k_t), q_t)),
-        ("dk", dk, _fd_grad(lambda x: loss_prime(q_t, x), k_t)),
+        ("dq", dq, fd_grad(lambda x: loss_prime(x, k_t), q_t)),
+        ("dk", dk, fd_grad(lambda x: loss_prime(q_t, x), k_t)),
     ):
         err = M.rel_l2(got, ref)
         assert err < 1e-6, (name, shape, cfg_name, err, M.worst_element(got, ref))
@@ -89,7 +81,7 @@ def test_delta_from_o_is_wrong():
         o_prime, _ = A.attention_forward(qq, res["k_t"], res["v_t"], causal=True, sm_scale=sm)
         return float(np.sum(o_prime * do))
 
-    ref = _fd_grad(loss_prime, res["q_t"])
+    ref = fd_grad(loss_prime, res["q_t"])
     good, _, _ = Q.backward(res, do)
     bad, _, dv_bad = Q.backward(res, do, delta_from="o")
     err_good, err_bad = M.rel_l2(good, ref), M.rel_l2(bad, ref)
