@@ -18,13 +18,13 @@ using namespace sage;
 // SAGE_FWD_MIN_BLOCKS (a tuning knob, -D through SAGECUPY_DEFINES): CTAs per SM the register allocation
 // must allow. Unset, only the thread count bounds it (bench/NOTES.md: "(256, 1)" measured slower at D = 64).
 #ifdef SAGE_FWD_MIN_BLOCKS
-#define SAGE_FWD_BOUNDS __launch_bounds__(FWD_THREADS, SAGE_FWD_MIN_BLOCKS)
+#define SAGE_FWD_BOUNDS __launch_bounds__(32 * WARPS, SAGE_FWD_MIN_BLOCKS)
 #else
-#define SAGE_FWD_BOUNDS __launch_bounds__(FWD_THREADS)
+#define SAGE_FWD_BOUNDS __launch_bounds__(32 * WARPS)
 #endif
-// Dynamic shared memory: (FWD_BQ + 2 * stages * FWD_BKV) * D bytes + 1024 (alignment); 2 stages here.
+// Dynamic shared memory: (16 * WARPS + 2 * stages * FWD_BKV) * D bytes + 1024 (alignment); 2 stages here.
 
-template <typename T, int D>
+template <typename T, int D, int WARPS>
 __global__ void SAGE_FWD_BOUNDS
 int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -33,6 +33,6 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
-  int8_attn_fwd_impl<T, D, false>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
+  int8_attn_fwd_impl<T, D, WARPS, false>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                   nk_pad, p_max, causal, v_block);
 }

@@ -6,9 +6,9 @@
 
 using namespace sage;
 
-// Dynamic shared memory: (FWD_BQ + 6 * FWD_BKV) * D bytes + 1024 (alignment): a 3-stage K/V ring.
-template <typename T, int D>
-__global__ void __launch_bounds__(FWD_THREADS)
+// Dynamic shared memory: (16 * WARPS + 6 * FWD_BKV) * D bytes + 1024 (alignment): a 3-stage K/V ring.
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
 int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
                    const signed char* __restrict__ kc, const float* __restrict__ ks,
                    const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -16,6 +16,6 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    T* __restrict__ o, long long osb, long long osh, long long osn,
                    float* __restrict__ lse, float* __restrict__ lse2,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
-  int8_attn_fwd_impl<T, D, true>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
+  int8_attn_fwd_impl<T, D, WARPS, true>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                  nk_pad, p_max, causal, v_block);
 }

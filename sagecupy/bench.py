@@ -84,7 +84,9 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     p, cfg, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config)
     if "fwd" in modes:
         row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
-        if _capability() == (9, 0):  # the Hopper wgmma kernel too, for comparison in the same run
+        other = 4 if int8.forward_warps() == 8 else 8  # the other CTA size, for comparison in the same run
+        row("fwd", f"kernel-{other}w", time_ms(lambda: int8._launch_forward(p, cfg, pre, None, other), warmup, rep))
+        if _capability() == (9, 0):  # the Hopper wgmma kernel too
             row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
         row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
     o, res = int8.forward(q, k, v, causal=causal, config=config)

@@ -33,7 +33,8 @@ from .config import SageBwdConfig, get_config
 __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
 
 LOG2E = 1.4426950408889634
-_FWD_BQ, _FWD_BKV = 128, 64
+_FWD_BQ, _FWD_BKV = 128, 64  # padding granularity of Q rows (pre-pass groups) and of keys (tiles)
+_WARPS = (4, 8)
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
@@ -115,8 +116,9 @@ def kernel_names() -> dict:
     for T in _T.values():
         for D in _checks.SUPPORTED_HEAD_DIMS:
             out["int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8_quant.cu"]]
-            out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}>")
-            out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}>")
+            for w in _WARPS:
+                out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}>")
+                out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}>")
             out["int8_attn_bwd.cu"] += list(_bwd_names(T, D))
     return out
 
@@ -241,7 +243,16 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     return p, cfg, pre
 
 
-def _launch_forward(p, cfg, pre, engine=None):
+def forward_warps(warps: int | None = None) -> int:
+    """Warps per forward CTA (16 query rows each): 8 (default) or 4; ``SAGECUPY_FWD_WARPS`` overrides the
+    default. The result does not depend on it (every row is computed the same way; tested bitwise)."""
+    warps = int(warps or os.environ.get("SAGECUPY_FWD_WARPS", 8))
+    if warps not in _WARPS:
+        raise ValueError(f"warps={warps} is not supported; supported: {_WARPS}")
+    return warps
+
+
+def _launch_forward(p, cfg, pre, engine=None, warps=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2)."""
     import cupy
 
@@ -253,16 +264,17 @@ def _launch_forward(p, cfg, pre, engine=None):
     osb, osh, osn = _strides(o, layout)
     lse = cupy.empty((B, Hq, nq), dtype=f32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
+    w = forward_warps(warps)
     if forward_engine(engine) == "wgmma":
-        fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}>", arch="sm_90a")
+        fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}>", arch="sm_90a")
         stages = 3
     else:
-        fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}>")
+        fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}>")
         stages = 2
-    smem = (_FWD_BQ + 2 * stages * _FWD_BKV) * D + 1024  # Q, K/V ring, alignment of the tiles to 1024 bytes
+    smem = (16 * w + 2 * stages * _FWD_BKV) * D + 1024  # Q, K/V ring, alignment of the tiles to 1024 bytes
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    fn((nq_pad // _FWD_BQ, Hq, B), (256,),
+    fn((nq_pad // (16 * w), Hq, B), (32 * w,),
        (pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v_t"], pre["v_scale"], pre["qmk"],
         o, i64(osb), i64(osh), i64(osn), lse, lse2,
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
@@ -271,15 +283,16 @@ def _launch_forward(p, cfg, pre, engine=None):
     return o, lse, lse2
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
+            warps=None):
     """SageBwd forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
     fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
-    float32 ``(B, Hq, Nq)``. ``engine``: see :func:`forward_engine`.
+    float32 ``(B, Hq, Nq)``. ``engine``, ``warps``: see :func:`forward_engine`, :func:`forward_warps`.
     """
     p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config)
-    o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
+    o, lse, lse2 = _launch_forward(p, cfg, pre, engine, warps)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
     o = _checks.wrap(o, p.dtype)

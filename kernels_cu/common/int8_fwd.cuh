@@ -8,12 +8,13 @@
 
 namespace sage {
 
-constexpr int FWD_BQ = 128, FWD_BKV = 64, FWD_THREADS = 256;
+constexpr int FWD_BKV = 64;  // keys per tile (SageBwdConfig.block_kv: P is quantized per token per tile)
 
 // The forward, for both matrix engines: WGMMA = false: mma.sync m16n8k32 per warp (sm_80+);
 // WGMMA = true: wgmma m64nNk32 per warpgroup of 4 warps (sm_90a), Q, K, V^T read by the tensor cores
 // straight from the swizzled shared tiles. Everything between the two products is shared.
-template <typename T, int D, bool WGMMA>
+// WARPS warps of 16 query rows each (4: one warpgroup, 64 rows; 8: two, 128 rows).
+template <typename T, int D, int WARPS, bool WGMMA>
 __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -21,6 +22,8 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
+  static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
+  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS;
   const bool CAUSAL = causal != 0, V_BLOCK = v_block != 0;
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require.

@@ -316,21 +316,24 @@ ENGINE_CASES = [(1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", DEFAULT),
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", ENGINE_CASES)
 def test_forward_engines_agree_bitwise(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config):
-    """wgmma (Hopper) and mma.sync compute the same int32 products and the same float operations after
-    them: O, LSE and the saved base-2 LSE must be identical bit for bit."""
+    """wgmma (Hopper) and mma.sync, with 4 or 8 warps per CTA, compute the same int32 products and the
+    same float operations after them: O, LSE and the saved base-2 LSE must be identical bit for bit."""
     import sagecupy.int8 as s8
     from sagecupy._loader import device_capability
 
-    if device_capability() != (9, 0):
-        pytest.skip("the wgmma engine needs compute capability 9.0")
+    engines = ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",)  # wgmma: Hopper only
     (q, k, v, _), _ = _inputs(21, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=2.0)
     outs = {}
-    for engine in ("mma", "wgmma"):
-        o, lse, res = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True, engine=engine)
-        outs[engine] = (_raw(o).get(), lse.get(), res.lse2.get())
-    for name, a, b in zip(("O", "LSE", "lse2"), outs["mma"], outs["wgmma"]):
-        same = np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(b).view(np.uint8)
-        assert same.all(), f"{name} differs in {int((~same).sum())} bytes"
+    for engine in engines:
+        for warps in (4, 8):
+            o, lse, res = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True,
+                                     engine=engine, warps=warps)
+            outs[engine, warps] = (_raw(o).get(), lse.get(), res.lse2.get())
+    ref = outs["mma", 8]
+    for key, got in outs.items():
+        for name, a, b in zip(("O", "LSE", "lse2"), ref, got):
+            same = np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(b).view(np.uint8)
+            assert same.all(), f"{name} of {key} differs from mma/8 warps in {int((~same).sum())} bytes"
 
 
 def test_engine_argument_errors():
@@ -338,3 +341,5 @@ def test_engine_argument_errors():
 
     with pytest.raises(ValueError, match="engine"):
         s8.forward_engine("fast")
+    with pytest.raises(ValueError, match="warps"):
+        s8.forward_warps(6)
