@@ -24,7 +24,7 @@ __device__ __forceinline__ float cta_max4(float v, float* scratch, int warp, int
   v = warp_max_xor(v, 1, 16);
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  const float r = fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]));
+  const float r = nan_max(nan_max(scratch[0], scratch[1]), nan_max(scratch[2], scratch[3]));
   __syncthreads();
   return r;
 }
@@ -43,6 +43,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, float sm_scale,
               int causal, int p_col, int ds_rowcol) {
   const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
+  static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
   extern __shared__ __align__(128) char smem[];
   char* sK = smem;                          // 64 keys x D        int8
   char* sKt = sK + BWD_BKV * D;             // D x 64 keys        int8 (natural key order)
@@ -87,7 +88,6 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 
   const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
   const int first_qt = first_row / BWD_BQ, n_qt = (nq + BWD_BQ - 1) / BWD_BQ;
-  const int last_key = min(k0 + BWD_BKV, nk) - 1;
 
   // Flattened (head in group, query tile) iterations. Q^ and dO of iteration it+1 are prefetched during
   // iteration it (issued once every warp is past S and dP); Q^^T and dO^^T load at the top of each iteration.
@@ -153,7 +153,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
             if (key >= nk || qrow >= nq || (CAUSAL && key > qrow + shift)) val = 0.f;
           }
           p[nt][e] = val;
-          pmax[e >> 1] = fmaxf(pmax[e >> 1], val);
+          pmax[e >> 1] = nan_max(pmax[e >> 1], val);
         }
       }
       // P^ per key (row of P^T) or per tile; packed as the A operand of dV (k = queries, mma-permuted).
@@ -162,7 +162,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         s_p[0] = quad_max(pmax[0]) / p_max;
         s_p[1] = quad_max(pmax[1]) / p_max;
       } else {
-        const float mt = cta_max4(fmaxf(pmax[0], pmax[1]), sRed, warp, lane) / p_max;
+        const float mt = cta_max4(nan_max(pmax[0], pmax[1]), sRed, warp, lane) / p_max;
         s_p[0] = s_p[1] = mt;
       }
       {
@@ -225,13 +225,13 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) ymax[e >> 1] = fmaxf(ymax[e >> 1], fabsf(p[nt][e] * sQs[nt * 8 + 2 * t4 + (e & 1)]));
+          for (int e = 0; e < 4; ++e) ymax[e >> 1] = nan_max(ymax[e >> 1], fabsf(p[nt][e] * sQs[nt * 8 + 2 * t4 + (e & 1)]));
         float s_y[2];
         if (DS_ROWCOL) {
           s_y[0] = quad_max(ymax[0]) / 127.f;
           s_y[1] = quad_max(ymax[1]) / 127.f;
         } else {
-          s_y[0] = s_y[1] = cta_max4(fmaxf(ymax[0], ymax[1]), sRed, warp, lane) / 127.f;
+          s_y[0] = s_y[1] = cta_max4(nan_max(ymax[0], ymax[1]), sRed, warp, lane) / 127.f;
         }
         const float inv[2] = {s_y[0] > 0.f ? 1.f / s_y[0] : 0.f, s_y[1] > 0.f ? 1.f / s_y[1] : 0.f};
         unsigned ya[2][4];
@@ -266,10 +266,10 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            float m2 = fmaxf(fabsf(p[nt][j] * sk[0]), fabsf(p[nt][2 + j] * sk[1]));
-            m2 = fmaxf(m2, __shfl_xor_sync(0xffffffffu, m2, 4));
-            m2 = fmaxf(m2, __shfl_xor_sync(0xffffffffu, m2, 8));
-            xmax[nt][j] = fmaxf(m2, __shfl_xor_sync(0xffffffffu, m2, 16));
+            float m2 = nan_max(fabsf(p[nt][j] * sk[0]), fabsf(p[nt][2 + j] * sk[1]));
+            m2 = nan_max(m2, __shfl_xor_sync(0xffffffffu, m2, 4));
+            m2 = nan_max(m2, __shfl_xor_sync(0xffffffffu, m2, 8));
+            xmax[nt][j] = nan_max(m2, __shfl_xor_sync(0xffffffffu, m2, 16));
           }
         if (g == 0) {
 #pragma unroll
@@ -282,7 +282,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         if (it + 1 < n_it) load_q_do(it + 1);
         cp_async_commit();
         if (tid < 64) {
-          float mcol = fmaxf(fmaxf(sCol[tid], sCol[64 + tid]), fmaxf(sCol[128 + tid], sCol[192 + tid]));
+          float mcol = nan_max(nan_max(sCol[tid], sCol[64 + tid]), nan_max(sCol[128 + tid], sCol[192 + tid]));
           if (!DS_ROWCOL) {
             mcol = warp_max_xor(mcol, 1, 16);
             if (lane == 0) sRed[warp] = mcol;
@@ -290,7 +290,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
           sXs[tid] = mcol;
         }
         __syncthreads();
-        if (!DS_ROWCOL && tid < 64) sXs[tid] = fmaxf(sRed[0], sRed[1]);
+        if (!DS_ROWCOL && tid < 64) sXs[tid] = nan_max(sRed[0], sRed[1]);
         if (!DS_ROWCOL) __syncthreads();
         // Write X^ transposed: sX[query][key].
 #pragma unroll
@@ -350,7 +350,6 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
       }
     }
   }
-  (void)last_key;
 }
 
 // dq[b, h, r, :] (T, caller strides) = dq_acc[b, h, r, :] for r < nq. grid (ceil(nq / 8), Hq, B), block 256.

@@ -238,13 +238,13 @@ __global__ void rowdot(const T* __restrict__ a, long long asb, long long ash, lo
   if (lane == 0) out[(static_cast<long long>(b) * H + h) * n_pad + row] = acc;
 }
 
-// int8 transpose of (BH, n_pad, D) codes into (BH, D, n_pad), optionally mma-permuting the token order
-// within each 32-token group. grid (n_pad / 64, BH), block 256.
+// int8 transpose of (B*H, n_pad, D) codes into (B*H, D, n_pad), optionally mma-permuting the token order
+// within each 32-token group. grid (n_pad / 64, H, B), block 256.
 template <int D, bool PERM>
 __global__ void transpose_i8(const signed char* __restrict__ in, int n_pad, signed char* __restrict__ out) {
   __shared__ signed char tile[64][D + 4];
   const int blk = blockIdx.x;
-  const long long bh = blockIdx.y;
+  const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
   for (int i = threadIdx.x; i < 64 * D / 4; i += blockDim.x) {
     const int r = i / (D / 4), c4 = (i % (D / 4)) * 4;
     const unsigned v = *reinterpret_cast<const unsigned*>(in + (bh * n_pad + blk * 64 + r) * D + c4);

@@ -26,10 +26,16 @@ def as_cupy(x, name: str):
     from .bf16 import BF16Array
 
     if isinstance(x, (cupy.ndarray, BF16Array)):
+        dev = getattr(x, "bits", x).device.id
+        if dev != cupy.cuda.Device().id:
+            raise ValueError(f"{name} is on CUDA device {dev}, the current device is {cupy.cuda.Device().id}; "
+                             f"call inside `with cupy.cuda.Device({dev}):`")
         return x
     if hasattr(x, "__dlpack__"):
         try:
-            return cupy.from_dlpack(x)
+            return as_cupy(cupy.from_dlpack(x), name)
+        except (TypeError, ValueError):
+            raise
         except Exception as exc:
             raise TypeError(f"{name}: cannot import the array through DLPack ({exc}); pass a CUDA array") from exc
     raise TypeError(f"{name} must be a CuPy array or a CUDA array with __dlpack__, got {type(x).__name__}")

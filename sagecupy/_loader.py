@@ -1,12 +1,12 @@
 """The one place that turns ``kernels_cu/*.cu`` into cached CuPy modules.
 
 * Sources are read as text; every ``#include "common/..."`` is inlined (once per file, honouring
-  ``#pragma once``), so the string CuPy compiles holds every header it uses. CuPy's disk cache
-  hashes that string and the options, so an edited ``.cuh`` can never reuse a stale binary; the
-  source also starts with a comment holding a SHA-256 of the inlined text, which names the
-  build in debug dumps.
+  ``#pragma once``), so the string CuPy compiles holds every header it uses and an edited ``.cuh``
+  can never reuse a stale binary. The source starts with a comment holding a SHA-256 of the inlined
+  text, which is part of the cache key and names the build in debug dumps. (CuPy's own disk cache is
+  skipped for modules compiled with ``name_expressions``, so a new process compiles again.)
 * Template variants are instantiated through ``name_expressions``.
-* Modules are cached in memory per (device, source hash, options, name expressions).
+* Modules are cached in memory, per process, per (device, source hash, options, name expressions).
 * ``SAGECUPY_DEFINES="A=1,B=2"`` adds ``-DA=1 -DB=2`` to every compile (tuning experiments; the
   defines are part of the cache key).
 * ``SAGECUPY_JIT_DEBUG=1`` writes the generated source and compiler options to a temporary

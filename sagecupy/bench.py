@@ -84,7 +84,7 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     p, cfg, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config)
     if "fwd" in modes:
         row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
-        other = 4 if int8.forward_warps() == 8 else 8  # the other CTA size, for comparison in the same run
+        other = 8 if int8.forward_warps() == 4 else 4  # the other CTA size, for comparison in the same run
         row("fwd", f"kernel-{other}w", time_ms(lambda: int8._launch_forward(p, cfg, pre, None, other), warmup, rep))
         if _capability() == (9, 0):  # the Hopper wgmma kernel too
             row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
@@ -116,8 +116,6 @@ def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, mod
     rows = []
 
     def timed(fn):
-        import cupy
-
         with sdpa_kernel([be]):
             for _ in range(warmup):
                 fn()

@@ -53,7 +53,8 @@ class BF16Array:
 
     @classmethod
     def from_float(cls, x):
-        """Round a CuPy float array to bfloat16 (nearest, ties to even; NaN stays NaN)."""
+        """Round a CuPy float array to bfloat16 (nearest, ties to even; NaN stays NaN). Input is taken as
+        float32 (a float64 array is first rounded to float32, so it is rounded twice)."""
         import cupy
 
         f = cupy.ascontiguousarray(x, dtype=cupy.float32)

@@ -21,7 +21,6 @@ Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from . import _checks
@@ -53,14 +52,24 @@ def _unsupported_config(cfg: SageBwdConfig) -> str | None:
 
 
 def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
-    """(True, "") if :func:`forward` accepts these arguments, else (False, the reason). Never raises."""
+    """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, the reason).
+    Never raises."""
     try:
+        q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
         cfg = get_config(config)
-    except (TypeError, ValueError) as exc:
+        _check_device()
+    except Exception as exc:  # the contract is (False, reason), whatever is wrong
         return False, str(exc)
     why = _unsupported_config(cfg)
     return (False, why) if why else (True, "")
+
+
+def _check_device():
+    cc = device_capability()
+    if cc < (8, 0):
+        raise ValueError(f"the INT8 kernels need compute capability 8.0 or newer (mma.sync INT8); this device is "
+                         f"{cc[0]}.{cc[1]}")
 
 
 def _strides(x, layout):
@@ -127,8 +136,9 @@ def forward_engine(engine: str | None = None) -> str:
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it)
-    picks ``"mma"``: the first wgmma kernel (no software pipelining yet) measured 0.74-1.04x the speed
-    of the mma.sync kernel on the H200 (bench/NOTES.md), so it is opt-in until it is faster. Both compute
+    picks ``"mma"``: the wgmma kernel (Q.K^T of the next tile in flight during the softmax) measured
+    0.5-1.09x the speed of the mma.sync kernel on the H200 (bench/NOTES.md), so it is opt-in until it is
+    faster. Both compute
     the same function: their int32 products are exact and every float operation after them is the same,
     so O and the LSE agree bit for bit (tested).
     """
@@ -153,7 +163,11 @@ def _qfn(name, T, D):
 
 @dataclass
 class Residuals:
-    """What :func:`backward` needs, all on the device (SPEC §3.5). Treat as opaque."""
+    """What :func:`backward` needs, all on the device (SPEC §3.5). Treat as opaque.
+
+    ``o`` is the very buffer :func:`forward` returned and ``v`` the caller's V (unless it had to be copied):
+    like every autograd system that saves tensors, modifying them in place before :func:`backward`
+    changes the gradients."""
 
     problem: _checks.Problem
     config: SageBwdConfig
@@ -175,7 +189,7 @@ class Residuals:
         return self.k_codes.shape[2]
 
 
-def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
+def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state)."""
     import cupy
 
@@ -185,6 +199,9 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
     why = _unsupported_config(cfg)
     if why:
         raise ValueError(f"config: {why}")
+    _check_device()
+    forward_engine(engine)  # validate before any work
+    forward_warps(warps)
     q = _prepare(q, "q", layout, False)
     k = _prepare(k, "k", layout, False)
     v = _prepare(v, "v", layout, True)
@@ -244,11 +261,16 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config):
 
 
 def forward_warps(warps: int | None = None) -> int:
-    """Warps per forward CTA (16 query rows each): 8 (default) or 4; ``SAGECUPY_FWD_WARPS`` overrides the
-    default. The result does not depend on it (every row is computed the same way; tested bitwise)."""
-    warps = int(warps or os.environ.get("SAGECUPY_FWD_WARPS", 8))
+    """Warps per forward CTA (16 query rows each): 4 (default: 2 CTAs fit an SM at D=128, measured 3-7%
+    faster than 8 on the H200, bench/NOTES.md) or 8; ``SAGECUPY_FWD_WARPS`` overrides the default. The
+    result does not depend on it (every row is computed the same way; tested bitwise)."""
+    if warps is None:
+        env = os.environ.get("SAGECUPY_FWD_WARPS", "4")
+        if env not in ("4", "8"):
+            raise ValueError(f"SAGECUPY_FWD_WARPS={env!r} is not supported; supported: '4', '8'")
+        return int(env)
     if warps not in _WARPS:
-        raise ValueError(f"warps={warps} is not supported; supported: {_WARPS}")
+        raise ValueError(f"warps={warps!r} is not supported; supported: {_WARPS}")
     return warps
 
 
@@ -291,7 +313,8 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
     float32 ``(B, Hq, Nq)``. ``engine``, ``warps``: see :func:`forward_engine`, :func:`forward_warps`.
     """
-    p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config)
+    p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
+                                      engine=engine, warps=warps)
     o, lse, lse2 = _launch_forward(p, cfg, pre, engine, warps)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
@@ -340,9 +363,9 @@ def _preprocess_backward(residuals, do):
         (nq_pad // 64, Hq, B), (256,),
         (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), None, do_scale, do_t))
     q_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
-    _qfn(f"transpose_i8<{D}, true>", T, D)((nq_pad // 64, B * Hq), (256,), (r.q_codes, i32(nq_pad), q_t))
+    _qfn(f"transpose_i8<{D}, true>", T, D)((nq_pad // 64, Hq, B), (256,), (r.q_codes, i32(nq_pad), q_t))
     k_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
-    _qfn(f"transpose_i8<{D}, false>", T, D)((nk_pad // 64, B * Hkv), (256,), (r.k_codes, i32(nk_pad), k_t))
+    _qfn(f"transpose_i8<{D}, false>", T, D)((nk_pad // 64, Hkv, B), (256,), (r.k_codes, i32(nk_pad), k_t))
     return dict(do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
 
 

@@ -23,6 +23,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
   static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
+  static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22: 127 * 127 * D and 255 * 127 * 64 must stay below");
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS;
   const bool CAUSAL = causal != 0, V_BLOCK = v_block != 0;
   extern __shared__ __align__(128) char smem_raw[];
@@ -258,7 +259,8 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   // Epilogue: normalize, per-channel V scale, store O (T), LSE.
 #pragma unroll
   for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
-  const float inv_l[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
+  // l == 0: the row sees no key (O = 0, LSE = -inf). A NaN l (NaN or Inf among the inputs) stays NaN.
+  const float inv_l[2] = {l[0] == 0.f ? 0.f : 1.f / l[0], l[1] == 0.f ? 0.f : 1.f / l[1]};
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
     const int col = nt * 8 + 2 * t4;
@@ -277,9 +279,9 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = r_lo + 8 * r;
-      const float l2 = l[r] > 0.f ? m[r] + log2f(l[r]) : INFINITY;
+      const float l2 = l[r] == 0.f ? INFINITY : m[r] + log2f(l[r]);
       if (row < nq)
-        lse[bh * nq + row] = l[r] > 0.f ? l2 * 0.6931471805599453f + (qmk ? qmk[bh * nq_pad + row] : 0.f) : -INFINITY;
+        lse[bh * nq + row] = l[r] == 0.f ? -INFINITY : l2 * 0.6931471805599453f + (qmk ? qmk[bh * nq_pad + row] : 0.f);
       if (lse2 && row < nq_pad) lse2[bh * nq_pad + row] = row < nq ? l2 : INFINITY;
     }
   }

@@ -57,13 +57,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// max that propagates NaN (fmaxf drops it): a NaN input must reach the outputs, never a finite value.
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a) ? a : ((b != b) ? b : fmaxf(a, b)); }
+
 __device__ __forceinline__ float warp_max_xor(float v, int lanemask_from, int lanemask_to) {
-  for (int m = lanemask_from; m <= lanemask_to; m <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  for (int m = lanemask_from; m <= lanemask_to; m <<= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
 __device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return nan_max(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);

@@ -258,6 +258,11 @@ def test_error_paths():
     ok, why = s8.is_supported(q, q, q, config=DEFAULT.replace(block_kv=128))
     assert not ok and "block_kv" in why
     assert s8.is_supported(q, q, q) == (True, "")
+    ok, why = s8.is_supported(np.zeros((1, 2, 16, 64), np.float16), q, q)  # host arrays: not supported, no raise
+    assert not ok and "CUDA" in why
+    assert s8.is_supported(None, q, q)[0] is False
+    with pytest.raises(ValueError, match="warps"):
+        s8.forward(q, q, q, warps=6)
 
 
 def test_noncontiguous_and_strided_inputs_match_contiguous():
@@ -343,3 +348,31 @@ def test_engine_argument_errors():
         s8.forward_engine("fast")
     with pytest.raises(ValueError, match="warps"):
         s8.forward_warps(6)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "do"])
+def test_nan_input_reaches_the_outputs(where):
+    """A NaN in an input must show up as NaN where it flows, never as a silent finite value (or a zero
+    row that looks like a masked one)."""
+    import sagecupy.int8 as s8
+
+    cp = _cupy()
+    (q, k, v, do), _ = _inputs(23, 1, 2, 2, 130, 150, 64, "HND", "float16")
+    x = {"q": q, "k": k, "v": v, "do": do}[where]
+    x[0, 1, 7, 5] = cp.nan
+    o, lse, res = s8.forward(q, k, v, return_lse=True)
+    dq, dk, dv = s8.backward(res, do)
+    o_h, lse_h = _to_host(o), lse.get()
+    grads = [_to_host(t) for t in (dq, dk, dv)]
+    if where == "q":  # query row 7 of head 1
+        assert np.isnan(o_h[0, 1, 7]).all() and np.isnan(lse_h[0, 1, 7])
+        assert np.isfinite(o_h[0, 0]).all()
+    elif where == "k":  # the K mean of kv head 1 is NaN: all of head 1
+        assert np.isnan(o_h[0, 1]).all() and np.isnan(lse_h[0, 1]).all()
+    elif where == "v":  # channel 5 of head 1 (per-channel V scale)
+        assert np.isnan(o_h[0, 1, :, 5]).all()
+    if where != "v":
+        assert any(np.isnan(g[0, 1]).any() for g in grads), "the NaN must reach the gradients"
+    if where == "do":
+        assert np.isfinite(o_h).all()
+        assert np.isnan(grads[2][0, 1]).any() and np.isnan(grads[0][0, 1, 7]).any()
