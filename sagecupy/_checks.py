@@ -33,11 +33,10 @@ def as_cupy(x, name: str):
         return x
     if hasattr(x, "__dlpack__"):
         try:
-            return as_cupy(cupy.from_dlpack(x), name)
-        except (TypeError, ValueError):
-            raise
+            arr = cupy.from_dlpack(x)
         except Exception as exc:
             raise TypeError(f"{name}: cannot import the array through DLPack ({exc}); pass a CUDA array") from exc
+        return as_cupy(arr, name)
     raise TypeError(f"{name} must be a CuPy array or a CUDA array with __dlpack__, got {type(x).__name__}")
 
 
