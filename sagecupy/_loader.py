@@ -3,8 +3,8 @@
 * Sources are read as text; every ``#include "common/..."`` is inlined (once per file, honouring
   ``#pragma once``), so the string CuPy compiles holds every header it uses and an edited ``.cuh``
   can never reuse a stale binary. The source starts with a comment holding a SHA-256 of the inlined
-  text, which is part of the cache key and names the build in debug dumps. (CuPy's own disk cache is
-  skipped for modules compiled with ``name_expressions``, so a new process compiles again.)
+  text, which is part of the cache key and names the build in debug dumps. CuPy's disk cache keys on
+  the same string and options (observed to persist across processes with CuPy 14.2).
 * Template variants are instantiated through ``name_expressions``.
 * Modules are cached in memory, per process, per (device, source hash, options, name expressions).
 * ``SAGECUPY_DEFINES="A=1,B=2"`` adds ``-DA=1 -DB=2`` to every compile (tuning experiments; the
