@@ -4,7 +4,7 @@
 //   P^ = rint(p_max * exp2(S - rowmax_tile(S)))   computed as rint(P~ * factor) with
 //   P~ = exp2(S - m_new), factor = p_max * exp2(m_new - rowmax_tile)   (one exp2 per element).
 // Inputs are the pre-processed codes of int8_quant.cu:
-//   qc (BHq, nq_pad, D) int8 of psi(sm_scale * log2(e) * (Q [- mu_Q])), qs per row;
+//   qc (BHq, nq_pad, D) int8 of psi(sm_scale * Q), qs per row (times log2(e): the kernels use exp2);
 //   kc (BHkv, nk_pad, D) int8 of psi(K - mu_K), ks per row;
 //   vt (BHkv, D, nk_pad) int8 of psi(V), tokens mma-permuted in 32-groups (numeric.cuh: mma_perm32);
 //   vs: per channel (BHkv, D) or, V_BLOCK, per 64-token block (BHkv, nk_pad / 64, D) (repeated over D).

@@ -346,7 +346,7 @@ def _preprocess_backward(residuals, do):
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
     do = _prepare(do, "do", p.layout, True)
     T, D = _T[p.dtype], p.head_dim
-    B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
+    B, Hq, Hkv, nq = p.batch, p.heads_q, p.heads_kv, p.nq
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     dsb, dsh, dsn = _strides(do, p.layout)

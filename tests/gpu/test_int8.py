@@ -6,7 +6,6 @@ Two comparisons per case (SPEC / STYLE):
   to fp16/bf16);
 * against exact float64 attention: no worse than 1.1x the simulator's own error + 1e-4.
 """
-import math
 
 import numpy as np
 import pytest
