@@ -1,0 +1,55 @@
+// NVFP4 quantization pre-passes (SPEC §5) into the exchange format: packed E2M1 codes (two per byte,
+// element 2i in the low nibble) and one E4M3 scale byte per 16 elements along the contraction axis.
+//   nvfp4_quant_rows:   x (B, H, N, D), blocks of 16 along D   -> codes (B, H, N, D/2), scales (B, H, N, D/16)
+//   nvfp4_quant_tokens: x (B, H, N, D), blocks of 16 tokens    -> codes (B, H, D, N16/2), scales (B, H, D, N16/16)
+//                       (V^T: the tokens are P.V's contraction axis; tokens >= N are zeros)
+// An optional fp32 mean (B, H / mu_group, D) is subtracted first (K-smoothing), in fp32.
+#include "common/fp4.cuh"
+#include "common/numeric.cuh"
+
+using namespace sage;
+
+// One thread per 16-block. grid (ceil(N * D / 16 / 256), H, B), block 256.
+template <typename T>
+__global__ void nvfp4_quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
+                                 const float* __restrict__ mu, int mu_group,
+                                 unsigned char* __restrict__ codes, unsigned char* __restrict__ scales) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const long long blk = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int nblk_row = d / 16;
+  if (blk >= static_cast<long long>(n) * nblk_row) return;
+  const int row = static_cast<int>(blk / nblk_row), c0 = static_cast<int>(blk % nblk_row) * 16;
+  const T* src = x + b * sb + h * sh + row * sn + c0;
+  const float* m = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * d + c0 : nullptr;
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = m ? to_float(src[i]) - m[i] : to_float(src[i]);
+  unsigned packed[2];
+  const unsigned sc = nvfp4_block(v, packed);
+  const long long bh = static_cast<long long>(b) * H + h;
+  *reinterpret_cast<uint2*>(codes + ((bh * n + row) * d + c0) / 2) = make_uint2(packed[0], packed[1]);
+  scales[(bh * n + row) * nblk_row + c0 / 16] = static_cast<unsigned char>(sc);
+}
+
+// One thread per (channel, 16-token block). grid (ceil(D * N16 / 16 / 256), H, B), block 256.
+template <typename T>
+__global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
+                                   int n16, unsigned char* __restrict__ codes, unsigned char* __restrict__ scales) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const long long id = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int tblocks = n16 / 16;
+  if (id >= static_cast<long long>(d) * tblocks) return;
+  const int c = static_cast<int>(id % d), tb = static_cast<int>(id / d);  // neighbouring threads: channels
+  const T* src = x + b * sb + h * sh + c;
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int tok = tb * 16 + i;
+    v[i] = tok < n ? to_float(src[tok * sn]) : 0.f;
+  }
+  unsigned packed[2];
+  const unsigned sc = nvfp4_block(v, packed);
+  const long long bh = static_cast<long long>(b) * H + h;
+  *reinterpret_cast<uint2*>(codes + ((bh * d + c) * n16 + tb * 16) / 2) = make_uint2(packed[0], packed[1]);
+  scales[(bh * d + c) * tblocks + tb] = static_cast<unsigned char>(sc);
+}

@@ -1,0 +1,121 @@
+"""NVFP4 quantization pre-passes vs the reference: every code and every scale byte identical."""
+import numpy as np
+import pytest
+
+from sagecupy.reference import fp4 as F
+from sagecupy.reference.attention import to_hnd
+from sagecupy.reference import nvfp4 as RN
+from sagecupy.config import NVFP4Config
+
+pytestmark = pytest.mark.gpu
+
+
+def _dev(x, dtype):
+    import cupy as cp
+
+    from sagecupy.bf16 import BF16Array
+
+    x32 = cp.asarray(np.asarray(x, dtype=np.float32))
+    return x32.astype(cp.float16) if dtype == "float16" else BF16Array.from_float(x32)
+
+
+def _host(x):
+    return (x.to_float32() if hasattr(x, "to_float32") else x.astype("float32")).get().astype(np.float64)
+
+
+def _adversarial(rng, shape):
+    """Random values plus, block by block, the cases that break quantizers: E2M1 ties (x/s on a midpoint),
+    saturation, tiny blocks whose E4M3 scale is subnormal or underflows, all-zero blocks, NaN, Inf."""
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, size=shape[:-1] + (1,)))
+    flat = x.reshape(-1, 16)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    for i in range(0, flat.shape[0], 7):          # exact ties at scale 1 (max 6 -> scale e4m3(1) = 1)
+        flat[i, :8] = mids * rng.choice([-1, 1], 8)
+        flat[i, 8:] = 0.0
+    flat[3::11] *= 1e-5                            # subnormal / underflowing scales
+    flat[5::13] = 0.0                              # zero blocks
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_rows_bit_exact(dtype, layout):
+    from sagecupy import nvfp4
+
+    rng = np.random.default_rng(0)
+    shape = (2, 3, 37, 64) if layout == "HND" else (2, 37, 3, 64)
+    x = _adversarial(rng, shape)
+    xd = _dev(x, dtype)
+    xh = _host(xd)  # the exact values the kernel sees
+    codes, scales = nvfp4.quantize_rows(xd, layout=layout)
+    ref_c, ref_s, _ = F.nvfp4_quantize(to_hnd(xh, layout), axis=-1)
+    np.testing.assert_array_equal(scales.get(), ref_s)
+    np.testing.assert_array_equal(codes.get(), F.pack_e2m1(ref_c, axis=-1))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tokens_bit_exact_with_padding(dtype):
+    from sagecupy import nvfp4
+
+    rng = np.random.default_rng(1)
+    # adversarial along the tokens (the quantization axis of V), then N = 45: the last block is zero-padded
+    x = np.ascontiguousarray(_adversarial(rng, (1, 2, 128, 48)).swapaxes(-1, -2)[:, :, :45])
+    xd = _dev(x, dtype)
+    xh = _host(xd)
+    codes, scales = nvfp4.quantize_tokens(xd)
+    vt = F.pad_to_multiple(np.swapaxes(xh, -1, -2), 16, axis=-1)
+    ref_c, ref_s, _ = F.nvfp4_quantize(vt, axis=-1)
+    np.testing.assert_array_equal(scales.get(), ref_s)
+    np.testing.assert_array_equal(codes.get(), F.pack_e2m1(ref_c, axis=-1))
+
+
+def test_nan_and_inf_blocks_get_nan_scales():
+    from sagecupy import nvfp4
+
+    x = np.random.default_rng(2).standard_normal((1, 1, 2, 32))
+    x[0, 0, 0, 3] = np.nan
+    x[0, 0, 1, 20] = np.inf
+    codes, scales = nvfp4.quantize_rows(_dev(x, "float16"))
+    s = scales.get()[0, 0]
+    assert s[0, 0] == 0x7F and s[1, 1] == 0x7F and s[0, 1] != 0x7F and s[1, 0] != 0x7F
+
+
+def test_quantize_inputs_matches_reference_without_smoothing():
+    from sagecupy import nvfp4
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 50, 64)) * 3 for _ in range(3))
+    qd, kd, vd = (_dev(t, "float16") for t in (q, k, v))
+    got = nvfp4.quantize_inputs(qd, kd, vd, k_smoothing=False)
+    ref = RN.quantize_inputs(*(_host(t) for t in (qd, kd, vd)), config=NVFP4Config(k_smoothing=False))
+    for key in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
+        np.testing.assert_array_equal(got[key].get(), ref[key], err_msg=key)
+
+
+def test_quantize_inputs_with_smoothing_nearly_identical():
+    """With K-smoothing the GPU subtracts the (float32-rounded) mean in float32 and the reference in
+    float64: codes may differ only where K - mean lands on a rounding tie, so at most 0.1% of them."""
+    from sagecupy import nvfp4
+
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 200, 64)) + 2.0 for _ in range(3))
+    qd, kd, vd = (_dev(t, "float16") for t in (q, k, v))
+    got = nvfp4.quantize_inputs(qd, kd, vd)
+    ref = RN.quantize_inputs(*(_host(t) for t in (qd, kd, vd)), config=NVFP4Config())
+    np.testing.assert_allclose(got["mu_k"].get(), ref["mu_k"][:, :, 0, :], rtol=1e-6)
+    diff = np.mean(got["k_packed"].get() != ref["k_packed"])
+    assert diff <= 1e-3, f"{diff:.2e} of the packed K bytes differ"
+    np.testing.assert_array_equal(got["v_packed"].get(), ref["v_packed"])
+
+
+def test_errors():
+    import cupy as cp
+
+    from sagecupy import nvfp4
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.quantize_rows(cp.zeros((1, 1, 4, 24), cp.float16))
+    with pytest.raises(TypeError, match="dtype"):
+        nvfp4.quantize_rows(cp.zeros((1, 1, 4, 32), cp.float32))
+    with pytest.raises(ValueError, match="mean.shape"):
+        nvfp4.quantize_rows(cp.zeros((1, 2, 4, 32), cp.float16), mean=cp.zeros((1, 3, 32), cp.float32))
