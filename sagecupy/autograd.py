@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["Variable", "apply", "linear", "rms_norm", "attention", "mse_loss", "cross_entropy",
-           "fpa_forward", "fpa_backward", "OPS"]
+__all__ = ["Variable", "apply", "linear", "rms_norm", "attention", "mse_loss", "cross_entropy", "split_heads",
+           "merge_heads", "take", "cast", "fpa_forward", "fpa_backward", "Adam", "OPS"]
 
 
 def _xp(x):
@@ -263,12 +263,92 @@ def attention(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None):
                  config=config)
 
 
+def split_heads(x, heads):
+    """(B, N, H*D) -> (B, H, N, D)."""
+    def fwd(a):
+        B, N, C = a.shape
+        return a.reshape(B, N, heads, C // heads).transpose(0, 2, 1, 3), a.shape
+
+    def bwd(shape, g):
+        return (g.transpose(0, 2, 1, 3).reshape(shape),)
+
+    return apply(fwd, bwd, x)
+
+
+def merge_heads(x):
+    """(B, H, N, D) -> (B, N, H*D)."""
+    def fwd(a):
+        B, H, N, D = a.shape
+        return a.transpose(0, 2, 1, 3).reshape(B, N, H * D), a.shape
+
+    def bwd(shape, g):
+        B, H, N, D = shape
+        return (g.reshape(B, N, H, D).transpose(0, 2, 1, 3),)
+
+    return apply(fwd, bwd, x)
+
+
+def cast(x, dtype):
+    """``x`` as ``dtype`` (e.g. float16 into the INT8 kernels); the gradient is cast back."""
+    def fwd(a):
+        if dtype == "bfloat16":
+            from .bf16 import BF16Array
+
+            return BF16Array.from_float(a), a.dtype
+        return a.astype(dtype), a.dtype
+
+    def bwd(src_dtype, g):
+        g = g.to_float32() if hasattr(g, "to_float32") else g
+        return (g.astype(src_dtype),)
+
+    return apply(fwd, bwd, x)
+
+
+def take(x, index, axis):
+    """``x`` at one position along ``axis`` (that axis removed)."""
+    def fwd(a):
+        return a.take(index, axis=axis), a.shape
+
+    def bwd(shape, g):
+        xp = _xp(g)
+        out = xp.zeros(shape, dtype=g.dtype)
+        sl = [slice(None)] * len(shape)
+        sl[axis] = index
+        out[tuple(sl)] = g
+        return (out,)
+
+    return apply(fwd, bwd, x)
+
+
 def mse_loss(pred, target):
     return apply(mse_forward, mse_backward, pred, target)
 
 
 def cross_entropy(logits, labels):
     return apply(cross_entropy_forward, cross_entropy_backward, logits, labels)
+
+
+class Adam:
+    """Adam on Variables (in place on ``.value``; the gradients are cleared after each step)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        self.params, self.lr, self.b1, self.b2, self.eps = list(params), lr, betas[0], betas[1], eps
+        self.m = [None] * len(self.params)
+        self.v = [None] * len(self.params)
+        self.t = 0
+
+    def step(self):
+        self.t += 1
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            g = p.grad
+            self.m[i] = (1 - self.b1) * g if self.m[i] is None else self.b1 * self.m[i] + (1 - self.b1) * g
+            self.v[i] = (1 - self.b2) * g * g if self.v[i] is None else self.b2 * self.v[i] + (1 - self.b2) * g * g
+            mh = self.m[i] / (1 - self.b1 ** self.t)
+            vh = self.v[i] / (1 - self.b2 ** self.t)
+            p.value = p.value - self.lr * mh / (_xp(g).sqrt(vh) + self.eps)
+            p.grad = None
 
 
 #: name -> (forward, backward) for wrapping into other frameworks.

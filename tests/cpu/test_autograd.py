@@ -136,3 +136,16 @@ def test_errors():
         ag.attention(np.zeros((1, 1, 2, 4)), np.zeros((1, 1, 2, 4)), np.zeros((1, 1, 2, 4)), impl="flash")
     with pytest.raises(ValueError, match="scalar"):
         ag.Variable(np.zeros(3)).backward()
+
+
+def test_reshaping_ops_and_cast():
+    r = _rng(8)
+    x = ag.Variable(r.standard_normal((2, 5, 8)))
+    w = r.standard_normal((8, 4))
+    y = ag.take(ag.merge_heads(ag.split_heads(x, 2)), -1, axis=1)  # identity on position -1
+    loss = ag.mse_loss(ag.linear(ag.cast(y, "float32"), w.astype(np.float32)), np.zeros((2, 4), np.float32))
+    loss.backward()
+    num = fd_grad(lambda v: float(np.mean((v[:, -1] @ w) ** 2)), x.value, h=1e-3)
+    assert x.grad.dtype == np.float64
+    assert np.linalg.norm(x.grad - num) / np.linalg.norm(num) < 1e-4  # float32 inside the cast
+    assert np.all(x.grad[:, :-1] == 0)
