@@ -376,23 +376,29 @@ def nvfp4_quantize(x, axis: int = -1, tensor_scale: bool = False):
     return _unblocks(codes, ax), _block_scale_axis(scales, ax), s_t
 
 
+def _dequantize_blocks(codes, scales, axis, block, fmt, decode_scale):
+    """float64 ``scale · e2m1(code)`` for E2M1 codes (unpacked) in blocks of ``block`` along ``axis``,
+    with one scale code per block decoded by ``decode_scale``."""
+    c = _as_codes(codes, "codes", 16)
+    sc = _as_codes(scales, "scales", 256)
+    ax = _norm_axis(axis, c.ndim)
+    expect = c.shape[:ax] + (c.shape[ax] // block,) + c.shape[ax + 1 :]
+    if c.shape[ax] % block or sc.shape != expect:
+        raise ValueError(f"scales must have shape {expect} for codes of shape {c.shape} (axis={axis}), got {sc.shape}")
+    _, vb = _blocks(e2m1_decode(c), ax, block, fmt)
+    return _unblocks(vb * np.moveaxis(decode_scale(sc), ax, -1)[..., None], ax)
+
+
 def nvfp4_dequantize(codes, scales, tensor_scale=None, axis: int = -1) -> np.ndarray:
     """float64 values ``s_T · s · e2m1(code)`` of NVFP4 data (``s_T`` = 1 when None).
 
     ``codes`` unpacked (see :func:`unpack_e2m1`), ``scales`` E4M3 codes with
     ``codes.shape[axis] // 16`` entries along ``axis``.
     """
-    c = _as_codes(codes, "codes", 16)
-    sc = _as_codes(scales, "scales", 256)
-    ax = _norm_axis(axis, c.ndim)
-    expect = c.shape[:ax] + (c.shape[ax] // NVFP4_BLOCK,) + c.shape[ax + 1 :]
-    if c.shape[ax] % NVFP4_BLOCK or sc.shape != expect:
-        raise ValueError(f"scales must have shape {expect} for codes of shape {c.shape} (axis={axis}), got {sc.shape}")
     if tensor_scale is not None and (isinstance(tensor_scale, bool) or not isinstance(tensor_scale, numbers.Real)):
         raise TypeError(f"tensor_scale must be a real number or None, got {tensor_scale!r}")
-    s = e4m3_decode(sc) * (1.0 if tensor_scale is None else float(tensor_scale))
-    _, vb = _blocks(e2m1_decode(c), ax, NVFP4_BLOCK, "NVFP4")
-    return _unblocks(vb * np.moveaxis(s, ax, -1)[..., None], ax)
+    t = 1.0 if tensor_scale is None else float(tensor_scale)
+    return _dequantize_blocks(codes, scales, axis, NVFP4_BLOCK, "NVFP4", lambda sc: e4m3_decode(sc) * t)
 
 
 def nvfp4_fake_quantize(x, axis: int = -1, tensor_scale: bool = False) -> np.ndarray:
@@ -429,14 +435,7 @@ def mxfp4_quantize(x, axis: int = -1):
 
 def mxfp4_dequantize(codes, scales, axis: int = -1) -> np.ndarray:
     """float64 values ``X · e2m1(code)`` of MXFP4 data."""
-    c = _as_codes(codes, "codes", 16)
-    sc = _as_codes(scales, "scales", 256)
-    ax = _norm_axis(axis, c.ndim)
-    expect = c.shape[:ax] + (c.shape[ax] // MXFP4_BLOCK,) + c.shape[ax + 1 :]
-    if c.shape[ax] % MXFP4_BLOCK or sc.shape != expect:
-        raise ValueError(f"scales must have shape {expect} for codes of shape {c.shape} (axis={axis}), got {sc.shape}")
-    _, vb = _blocks(e2m1_decode(c), ax, MXFP4_BLOCK, "MXFP4")
-    return _unblocks(vb * np.moveaxis(e8m0_decode(sc), ax, -1)[..., None], ax)
+    return _dequantize_blocks(codes, scales, axis, MXFP4_BLOCK, "MXFP4", e8m0_decode)
 
 
 def mxfp4_fake_quantize(x, axis: int = -1) -> np.ndarray:

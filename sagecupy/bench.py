@@ -52,12 +52,6 @@ def _shape(D, N):
     return max(1, 16384 // N), 2048 // D
 
 
-def _capability():
-    from ._loader import device_capability
-
-    return device_capability()
-
-
 def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
     """Rows for the SageBwd kernels, kernel-only and end-to-end."""
     import cupy
@@ -86,7 +80,7 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
         row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
         other = 8 if int8.forward_warps() == 4 else 4  # the other CTA size, for comparison in the same run
         row("fwd", f"kernel-{other}w", time_ms(lambda: int8._launch_forward(p, cfg, pre, None, other), warmup, rep))
-        if _capability() == (9, 0):  # the Hopper wgmma kernel too
+        if device_capability() == (9, 0):  # the Hopper wgmma kernel too
             row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
         row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
     o, res = int8.forward(q, k, v, causal=causal, config=config)
