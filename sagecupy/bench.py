@@ -57,10 +57,10 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     import cupy
 
     from . import int8
-
-    B, H = _shape(D, N)
+    from ._loader import device_capability
     from .bf16 import BF16Array
 
+    B, H = _shape(D, N)
     rng = cupy.random.default_rng(0)
 
     def mk():
