@@ -1,0 +1,278 @@
+"""The JAX adapter (sagecupy.jax) against direct calls of the CuPy API, eagerly and under jax.jit.
+
+The adapter adds no numerics: it must give what ``sagecupy.int8.forward`` / ``backward`` give on the same
+inputs, bit for bit. The one exception is not the adapter's: dQ accumulates over key blocks of 64 with fp32
+atomics whose order may change from run to run, so where ``Nk > 64`` dQ is held to the repeatability bound of
+``test_int8.py::test_backward_is_repeatable_up_to_atomics``; with ``Nk <= 64`` one CTA adds each dQ element
+once onto zero, so dQ is deterministic and compared bitwise too.
+
+Needs JAX with its CUDA plugin (skipped, with the reason, without it; ``--require-gpu`` makes a JAX that is
+installed but cannot run the adapter a failure). JAX takes 75% of the GPU at start-up unless told not to,
+and CuPy needs that memory: this module sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` before JAX initializes
+its GPU backend (a test run that used JAX on the GPU before collecting this module must set it itself).
+"""
+import functools
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import sagecupy.int8 as s8  # noqa: E402
+import sagecupy.jax as sj  # noqa: E402
+from sagecupy import _checks  # noqa: E402
+from sagecupy.reference import metrics  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DQ_REPEATABILITY = 1e-5  # rel L2 between two runs of the same backward (fp32 atomics order)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _adapter_usable(request):
+    ok, why = sj.is_available()
+    if ok:
+        return
+    if request.config.getoption("--require-gpu"):
+        pytest.fail(f"--require-gpu given but JAX is installed and cannot run the adapter: {why}", pytrace=False)
+    pytest.skip(why)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype):
+    """q, k, v, do as JAX arrays (K with a common offset, so that K-smoothing matters)."""
+    rng = np.random.default_rng(seed)
+
+    def shape(h, n):
+        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
+
+    q = rng.standard_normal(shape(Hq, Nq))
+    k = rng.standard_normal(shape(Hkv, Nk)) + 0.5 * rng.standard_normal((1, 1, 1, D))
+    v = rng.standard_normal(shape(Hkv, Nk))
+    do = rng.standard_normal(shape(Hq, Nq))
+    jt = jnp.float16 if dtype == "float16" else jnp.bfloat16
+    return tuple(jnp.asarray(x.astype(np.float32), dtype=jt) for x in (q, k, v, do))
+
+
+def _to_cupy(x):
+    """The same bits as a CuPy array (BF16Array for bfloat16), through the host: the direct path shares
+    nothing with the adapter's zero-copy import."""
+    import cupy
+
+    from sagecupy.bf16 import BF16Array
+
+    h = np.asarray(x)
+    if x.dtype == jnp.bfloat16:
+        return BF16Array(cupy.asarray(h.view(np.uint16)))
+    return cupy.asarray(h)
+
+
+def _bits(x):
+    """uint16 bit patterns on the host of a JAX array or a sagecupy output (fp16 or bf16)."""
+    if isinstance(x, jax.Array):
+        return np.asarray(x).view(np.uint16)
+    return _checks.raw(x).get().view(np.uint16)
+
+
+def _floats(x):
+    """float64 host values of a JAX array or a sagecupy output (fp16 or bf16)."""
+    b = _bits(x)
+    if _checks.dtype_name(x.dtype) == "float16":
+        return b.view(np.float16).astype(np.float64)
+    return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _assert_bitwise(name, got, want, case):
+    g, w = _bits(got), _bits(want)
+    assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape} {case}"
+    diff = np.flatnonzero(g != w)
+    assert diff.size == 0, (f"{name}: {diff.size} of {g.size} elements differ bitwise {case}; first at "
+                            f"{np.unravel_index(diff[0], g.shape)}: {g.flat[diff[0]]:#06x} vs {w.flat[diff[0]]:#06x}")
+
+
+def _assert_grads(got, want, nk, case, dq_bitwise=None):
+    """dK, dV bitwise; dQ bitwise where it is deterministic (``nk <= 64`` unless told), else within the
+    atomics' repeatability."""
+    _assert_bitwise("dK", got[1], want[1], case)
+    _assert_bitwise("dV", got[2], want[2], case)
+    if dq_bitwise if dq_bitwise is not None else nk <= 64:
+        _assert_bitwise("dQ", got[0], want[0], case)
+    else:
+        err = metrics.rel_l2(_floats(got[0]), _floats(want[0]))
+        assert err <= DQ_REPEATABILITY, f"dQ: rel_l2 {err:.2e} > {DQ_REPEATABILITY} (atomics order only) {case}"
+
+
+def _direct(q, k, v, do, **kw):
+    """o and (dq, dk, dv) of sagecupy.int8.forward / backward on the same inputs."""
+    o, res = s8.forward(*(_to_cupy(x) for x in (q, k, v)), **kw)
+    return o, s8.backward(res, _to_cupy(do))
+
+
+def _vjp(f):
+    """(q, k, v, do) -> (o, (dq, dk, dv)) through jax.vjp."""
+    def run(q, k, v, do):
+        o, pullback = jax.vjp(f, q, k, v)
+        return o, pullback(do)
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------------
+# INT8 SageBwd
+# --------------------------------------------------------------------------------------------------
+
+CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config
+    (1, 2, 2, 128, 64, 128, False, "HND", "float16", "default"),   # Nk <= 64: dQ deterministic
+    (1, 4, 2, 100, 37, 64, True, "HND", "bfloat16", "default"),    # GQA, causal with rows that see no key
+    (2, 4, 1, 113, 239, 64, True, "NHD", "float16", "paper"),      # MQA, NHD, Nq != Nk, paper config
+    (1, 4, 2, 256, 256, 128, True, "HND", "bfloat16", "default"),  # GQA, bf16, several key blocks
+    (1, 2, 2, 300, 1000, 64, False, "HND", "float16", "default"),
+]
+IDS = [f"{c[3]}x{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-{c[7]}-{c[8]}-{c[9]}-gqa{c[1] // c[2]}" for c in CASES]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", CASES, ids=IDS)
+def test_adapter_equals_direct_calls(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config, mode):
+    case = dict(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, causal=causal, layout=layout, dtype=dtype, config=config,
+                mode=mode)
+    q, k, v, do = _inputs(0, B, Hq, Hkv, Nq, Nk, D, layout, dtype)
+    f = functools.partial(sj.sage_attention, causal=causal, layout=layout, config=config)
+    run = _vjp(f) if mode == "eager" else jax.jit(_vjp(f))
+    o, grads = run(q, k, v, do)
+    assert o.dtype == q.dtype and all(g.dtype == q.dtype for g in grads)
+    o_d, grads_d = _direct(q, k, v, do, causal=causal, layout=layout, config=config)
+    _assert_bitwise("O", o, o_d, case)
+    _assert_grads(grads, grads_d, Nk, case)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_forward_in_jit_equals_eager_and_direct(dtype):
+    q, k, v, _ = _inputs(1, 1, 4, 2, 200, 150, 128, "HND", dtype)
+    f = functools.partial(sj.sage_attention, causal=True)
+    o_jit, o_eager = jax.jit(f)(q, k, v), f(q, k, v)
+    o_direct = s8.sage_attention(*(_to_cupy(x) for x in (q, k, v)), causal=True)
+    _assert_bitwise("O (jit vs eager)", o_jit, o_eager, dtype)
+    _assert_bitwise("O (jit vs direct)", o_jit, o_direct, dtype)
+
+
+@pytest.mark.parametrize("dtype,Nk", [("float16", 64), ("bfloat16", 50), ("float16", 300)])
+def test_jit_grad_equals_eager_grad(dtype, Nk):
+    q, k, v, _ = _inputs(2, 2, 4, 2, 96, Nk, 64, "NHD", dtype)
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+
+    def loss(q, k, v):
+        o = sj.sage_attention(q, k, v, causal=True, layout="NHD")
+        return jnp.sum(o.astype(jnp.float32) * w)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    eager, jitted = grad(q, k, v), jax.jit(grad)(q, k, v)
+    _assert_grads(jitted, eager, Nk, dict(dtype=dtype, Nk=Nk))
+
+
+def test_kernels_run_on_xla_stream(monkeypatch):
+    """Every kernel launch of the forward and the backward happens with XLA's stream (the one the
+    callback's ExecutionContext reports) as CuPy's current stream."""
+    import cupy
+
+    seen = {"xla": [], "fwd": [], "bwd": []}
+    real_ptr, real_fwd, real_bwd = sj._stream_ptr, s8.forward, s8.backward
+
+    def spy_ptr(ctx):
+        seen["xla"].append(real_ptr(ctx))
+        return seen["xla"][-1]
+
+    def spy(kind, fn):
+        def wrapped(*a, **kw):
+            seen[kind].append(cupy.cuda.get_current_stream().ptr)
+            return fn(*a, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(sj, "_stream_ptr", spy_ptr)
+    monkeypatch.setattr(s8, "forward", spy("fwd", real_fwd))
+    monkeypatch.setattr(s8, "backward", spy("bwd", real_bwd))
+    q, k, v, do = _inputs(4, 1, 2, 2, 130, 70, 64, "HND", "float16")
+    o, grads = jax.jit(_vjp(sj.sage_attention))(q, k, v, do)
+    jax.block_until_ready((o, grads))
+    assert len(seen["xla"]) == 2 and len(seen["fwd"]) == 1 and len(seen["bwd"]) == 1, seen
+    assert all(p != 0 for p in seen["xla"]), f"XLA reported the legacy default stream: {seen}"
+    assert seen["fwd"] + seen["bwd"] == seen["xla"], f"kernels ran on another stream than XLA's: {seen}"
+
+
+def test_ordered_between_xla_producer_and_consumer():
+    """Inside one jit, q, k, v come out of a long XLA computation right before the op and o goes into an
+    XLA op right after. Run on another stream, the kernels would read q, k, v before they are written, or
+    XLA would read o before the copy into its buffer; either gives another result than the op run on the
+    settled inputs."""
+    n, shape = 2048, (1, 8, 512, 64)  # 512 x 512 elements per tensor
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32) / np.sqrt(n)
+
+    @jax.jit
+    def fused(x):
+        y = jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ x) * 2.0, x)  # tens of ms of matmuls
+        q, k, v = (y[512 * i:512 * (i + 1), :512].reshape(shape).astype(jnp.float16) for i in range(3))
+        return (q, k, v), sj.sage_attention(q, k, v).astype(jnp.float32) * 2.0
+
+    for _ in range(3):
+        (q, k, v), got = fused(x)
+        want = sj.sage_attention(q, k, v).astype(jnp.float32) * 2.0
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_errors_at_trace_time():
+    q, k, v, _ = _inputs(5, 1, 2, 2, 16, 16, 64, "HND", "float16")
+    with pytest.raises(ValueError, match="head_dim=48"):
+        sj.sage_attention(q[..., :48], k[..., :48], v[..., :48])
+    with pytest.raises(TypeError, match="dtype"):
+        sj.sage_attention(q.astype(jnp.float32), k, v)
+    with pytest.raises(ValueError, match="config"):
+        sj.sage_attention(q, k, v, config="nope")
+    with pytest.raises(ValueError, match="q_smoothing"):
+        sj.sage_attention(q, k, v, config=s8.get_config("default").replace(q_smoothing=True))
+    with pytest.raises(ValueError, match="layout"):
+        jax.jit(functools.partial(sj.sage_attention, layout="BHSD"))(q, k, v)
+
+
+def test_missing_buffer_callback_is_one_clear_error(monkeypatch):
+    """A JAX without jax.experimental.buffer_callback (simulated) gets one error that says what to do."""
+    q, k, v, _ = _inputs(6, 1, 2, 2, 16, 16, 64, "HND", "float16")
+    monkeypatch.setitem(sys.modules, "jax.experimental.buffer_callback", None)
+    with pytest.raises(RuntimeError, match=r"buffer_callback.*JAX 0\.7 or newer"):
+        sj.sage_attention(q, k, v)
+    assert not sj.is_available()[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# FP4 QAT
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_qat_adapter_equals_direct_calls(dtype):
+    qat = pytest.importorskip("sagecupy.qat")
+    if not (hasattr(qat, "forward") and hasattr(qat, "backward")):
+        pytest.skip("sagecupy.qat has no forward/backward pair yet")
+    q, k, v, do = _inputs(7, 1, 4, 2, 150, 64, 128, "HND", dtype)
+    case = dict(dtype=dtype, family="qat")
+    qc, kc, vc, doc = (_to_cupy(x) for x in (q, k, v, do))
+    o_d, res = qat.forward(qc, kc, vc, causal=True)
+    grads_d = qat.backward(res, doc)
+    # Hold dQ to bitwise only if the direct backward itself is bitwise repeatable here.
+    repeat = qat.backward(qat.forward(qc, kc, vc, causal=True)[1], doc)
+    dq_bitwise = bool(np.array_equal(_bits(repeat[0]), _bits(grads_d[0])))
+    for mode, run in (("eager", _vjp(functools.partial(sj.qat_attention, causal=True))),
+                      ("jit", jax.jit(_vjp(functools.partial(sj.qat_attention, causal=True))))):
+        o, grads = run(q, k, v, do)
+        _assert_bitwise("O", o, o_d, dict(case, mode=mode))
+        _assert_grads(grads, grads_d, 64, dict(case, mode=mode), dq_bitwise=dq_bitwise)
