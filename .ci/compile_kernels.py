@@ -126,6 +126,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--spill-fail", action="store_true")
     ap.add_argument("--nvrtc-only", action="store_true", help="skip the (slower) nvcc pass")
+    ap.add_argument("--only", default="", help="comma-separated source files to compile (default: all)")
     a = ap.parse_args(argv)
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists():
@@ -133,6 +134,9 @@ def main(argv=None):
         return 1
     failed, spilled = False, False
     names = all_names()
+    if a.only:
+        keep = set(a.only.split(","))
+        names = {f: lst for f, lst in names.items() if f in keep}
     with tempfile.TemporaryDirectory() as tmp:
         for filename, lst in (() if a.nvrtc_only else names.items()):
             for arch, flag in archs_for(filename).items():

@@ -53,3 +53,52 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
   *reinterpret_cast<uint2*>(codes + ((bh * d + c) * n16 + tb * 16) / 2) = make_uint2(packed[0], packed[1]);
   scales[(bh * d + c) * tblocks + tb] = static_cast<unsigned char>(sc);
 }
+
+// Fake quantization (quantize, then dequantize; SPEC §6) into fp16, for the FP4 QAT kernels. Every NVFP4
+// value (at most 6 significant bits in [2^-10, 2688]) is an fp16 value, so the output is exact.
+//   nvfp4_fq_rows:   x (B, H, N, D) -> out (B, H, n_pad, D) fp16, 16-blocks along D (rows >= N untouched)
+//   nvfp4_fq_tokens: x (B, H, N, D) -> out (B, H, D, n_pad) fp16 (V~ transposed), 16-token blocks
+//                    (tokens >= N are zeros; columns >= n16 untouched)
+// Grids as nvfp4_quant_rows / nvfp4_quant_tokens.
+template <typename T>
+__global__ void nvfp4_fq_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
+                              int n_pad, __half* __restrict__ out) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const long long blk = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int nblk_row = d / 16;
+  if (blk >= static_cast<long long>(n) * nblk_row) return;
+  const int row = static_cast<int>(blk / nblk_row), c0 = static_cast<int>(blk % nblk_row) * 16;
+  const T* src = x + b * sb + h * sh + row * sn + c0;
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
+  unsigned packed[2], hv[8];
+  const unsigned sc = nvfp4_block(v, packed);
+  dequant16_half(make_uint2(packed[0], packed[1]), sc, hv);
+  uint4* dst = reinterpret_cast<uint4*>(out + ((static_cast<long long>(b) * H + h) * n_pad + row) * d + c0);
+  dst[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+  dst[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
+}
+
+template <typename T>
+__global__ void nvfp4_fq_tokens(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
+                                int n16, int n_pad, __half* __restrict__ out) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const long long id = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int tblocks = n16 / 16;
+  if (id >= static_cast<long long>(d) * tblocks) return;
+  const int c = static_cast<int>(id % d), tb = static_cast<int>(id / d);
+  const T* src = x + b * sb + h * sh + c;
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int tok = tb * 16 + i;
+    v[i] = tok < n ? to_float(src[tok * sn]) : 0.f;
+  }
+  unsigned packed[2], hv[8];
+  const unsigned sc = nvfp4_block(v, packed);
+  dequant16_half(make_uint2(packed[0], packed[1]), sc, hv);
+  uint4* dst = reinterpret_cast<uint4*>(out + ((static_cast<long long>(b) * H + h) * d + c) * n_pad + tb * 16);
+  dst[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+  dst[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
+}

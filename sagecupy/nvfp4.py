@@ -1,8 +1,11 @@
 """NVFP4 on the GPU (SPEC §5): quantization into the exchange format.
 
-Status: the quantization pre-passes are written and compiled in CI but **have not run on a GPU yet**
-(the session that wrote them had no device time left); their bit-exact tests are in
-``tests/gpu/test_nvfp4_quant.py``. The NVFP4 attention forward and FP4 QAT kernels are not written.
+* :func:`attention` -- SageAttention3-style NVFP4 attention forward (quantize Q, K - mu_K, V, then the
+  fused kernel); :func:`attention_packed` -- the same kernel on operands already in the exchange format
+  (a quantized KV cache); :func:`quantize_inputs` and friends -- the quantization pre-passes.
+* On Hopper there are no FP4 tensor cores: the kernel keeps Q, K, V packed in device memory, dequantizes
+  each 16-block to fp16 in registers (exact, SPEC §5) and multiplies on fp16 tensor cores with fp32
+  accumulation. P is quantized to NVFP4 in registers (two-level by default) and dequantized the same way.
 
 Exchange format (what DLPack can carry): packed ``uint8`` E2M1 codes, two per byte, element ``2i`` in
 the low nibble, and ``uint8`` E4M3 scales, one per 16 elements along the contraction axis:
@@ -16,22 +19,56 @@ subnormal scales, zero blocks (scale 0, codes +0) and blocks holding NaN/Inf (sc
 """
 from __future__ import annotations
 
-from . import _checks
-from ._loader import get_function
+import os
 
-__all__ = ["quantize_rows", "quantize_tokens", "quantize_inputs", "kernel_names"]
+from . import _checks
+from ._loader import device_capability, get_function
+from .config import NVFP4Config
+
+__all__ = ["attention", "attention_packed", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
+           "kernel_names"]
 
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+LOG2E = 1.4426950408889634
+_WARPS = (4, 8)
+_BKV = 64
+
+
+def fp4_warps() -> int:
+    """Warps per FP4 forward CTA (16 query rows each): 4 by default; ``SAGECUPY_FP4_WARPS=8`` for experiments.
+    The result does not depend on it."""
+    env = os.environ.get("SAGECUPY_FP4_WARPS", "4")
+    if env not in ("4", "8"):
+        raise ValueError(f"SAGECUPY_FP4_WARPS={env!r} is not supported; supported: '4', '8'")
+    return int(env)
 
 
 def kernel_names() -> dict:
-    """Every template instantiation this module launches, per source file (CI compiles them all)."""
-    return {"nvfp4_quant.cu": [f"{k}<{T}>" for T in _T.values() for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens")]}
+    """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them)."""
+    quant = [f"{k}<{T}>" for T in _T.values()
+             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_tokens")]
+    attn = []
+    for T in _T.values():
+        for D in (64, 128):
+            w = 4  # the default; 8 (SAGECUPY_FP4_WARPS, experiments) compiles at run time only
+            attn += [f"nvfp4_attn_fwd<{T}, {D}, {w}, {tl}>" for tl in ("true", "false")]
+            attn.append(f"qat_attn_fwd<{T}, {D}, {w}>")
+    return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn}
 
 
 def _fn(kind, T):
     names = tuple(kernel_names()["nvfp4_quant.cu"])
     return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=names)
+
+
+def _attn_fn(name):
+    return get_function("fp4_attn_fwd.cu", name)
+
+
+def fwd_smem_bytes(D: int, warps: int) -> int:
+    """Dynamic shared memory of the FP4 forwards: fp16 Q tile, 2 stages of fp16 K and V^T tiles, the packed
+    staging area, alignment."""
+    return 16 * warps * 2 * D + 2 * (_BKV * 2 * D + D * _BKV * 2) + _BKV * D + 128
 
 
 def _prep(x, name, layout):
@@ -117,3 +154,185 @@ def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
     out["v_packed"], out["v_scales"] = quantize_tokens(v, layout=layout)
     out["mu_k"] = mu
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def _unsupported_config(cfg: NVFP4Config) -> str | None:
+    if cfg.block_kv != _BKV:
+        return f"block_kv={cfg.block_kv} is not supported by the kernel; supported: {_BKV}"
+    if cfg.q_smoothing:
+        return "q_smoothing=True is not implemented in the GPU kernel yet (reference only)"
+    if cfg.tensor_scale:
+        return "tensor_scale=True (the per-tensor second level) is not implemented in the GPU kernel (reference only)"
+    if not cfg.quantize:
+        return "quantize=False is a reference-only switch"
+    return None
+
+
+def _get_config(config) -> NVFP4Config:
+    if config is None:
+        return NVFP4Config()
+    if not isinstance(config, NVFP4Config):
+        raise TypeError(f"config must be an NVFP4Config or None, got {type(config).__name__}")
+    return config
+
+
+def _check_device():
+    cc = device_capability()
+    if cc < (8, 0):
+        raise ValueError(f"the FP4 kernels need compute capability 8.0 or newer (fp16 mma.sync); this device is "
+                         f"{cc[0]}.{cc[1]}")
+
+
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
+    """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
+    Never raises."""
+    try:
+        q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+        cfg = _get_config(config)
+        _check_device()
+    except Exception as exc:
+        return False, str(exc)
+    why = _unsupported_config(cfg)
+    return (False, why) if why else (True, "")
+
+
+def _as_float32_hnd(x, layout):
+    """float32 copy of a raw (fp16 / bf16 bits) 4-D array, in HND."""
+    import cupy
+
+    f = x.astype(cupy.float32) if x.dtype == cupy.float16 else (x.astype(cupy.uint32) << 16).view(cupy.float32)
+    return f if layout == "HND" else f.transpose(0, 2, 1, 3)
+
+
+def _u8(x, name, shape):
+    import cupy
+
+    x = _checks.as_cupy(x, name)
+    if _checks.dtype_name(x.dtype) != "uint8":
+        raise TypeError(f"{name}.dtype={_checks.dtype_name(x.dtype)} is not supported; the exchange format is uint8")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {tuple(shape)}")
+    return cupy.ascontiguousarray(x)
+
+
+def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk):
+    import cupy
+
+    from .int8 import _empty, _strides
+
+    n16 = (nk + 15) // 16 * 16
+    w = fp4_warps()
+    bq = 16 * w
+    o = _empty((B, Hq, nq, D), layout, dtype)
+    osb, osh, osn = _strides(o, layout)
+    lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
+    fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {'true' if two_level else 'false'}>")
+    smem = fwd_smem_bytes(D, w)
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    fn(((nq + bq - 1) // bq, Hq, B), (32 * w,),
+       (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], ops["v_packed"], ops["v_scales"], qmk,
+        o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
+        f32(sm_scale * LOG2E), i32(int(causal))),
+       shared_mem=smem)
+    return _checks.wrap(o, dtype), lse
+
+
+def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
+    """NVFP4 attention forward (SageAttention3-style; SPEC §5): ``o`` or ``(o, lse)``.
+
+    q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v alike with Hkv, Nk;
+    fp16 or bf16 (:class:`~sagecupy.bf16.BF16Array`); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
+    bottom-right aligned. ``config``: :class:`~sagecupy.config.NVFP4Config` (default: two-level P, K-smoothing).
+    ``lse`` float32 ``(B, Hq, Nq)``, natural log, of the unsmoothed logits ``sm_scale * q k^T`` as the
+    kernel computes them (from the quantized operands). Inputs are never modified.
+    """
+    import cupy
+
+    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+    cfg = _get_config(config)
+    why = _unsupported_config(cfg)
+    if why:
+        raise ValueError(f"config: {why}")
+    _check_device()
+    ops = quantize_inputs(q, k, v, layout=layout, k_smoothing=cfg.k_smoothing)
+    qmk = None
+    if ops["mu_k"] is not None:
+        mu = cupy.repeat(ops["mu_k"], p.group, axis=1)  # (B, Hq, D)
+        qmk = cupy.ascontiguousarray(
+            p.sm_scale * cupy.einsum("bhnd,bhd->bhn", _as_float32_hnd(_checks.raw(q), layout), mu), dtype=cupy.float32)
+    o, lse = _launch(ops, B=p.batch, Hq=p.heads_q, Hkv=p.heads_kv, nq=p.nq, nk=p.nk, D=p.head_dim, dtype=p.dtype,
+                     layout=layout, causal=p.causal, sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk)
+    return (o, lse) if return_lse else o
+
+
+def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND", out_dtype="float16",
+                     return_lse=False, two_level_p=True, lse_offset=None):
+    """The NVFP4 attention kernel on operands already in the exchange format (e.g. a quantized KV cache).
+
+    ``packed``: a dict with ``"q_packed"`` uint8 ``(B, Hq, Nq, D/2)``, ``"q_scales"`` uint8 E4M3
+    ``(B, Hq, Nq, D/16)``, ``"k_packed"`` ``(B, Hkv, Nk, D/2)``, ``"k_scales"`` ``(B, Hkv, Nk, D/16)``,
+    ``"v_packed"`` ``(B, Hkv, D, N16/2)``, ``"v_scales"`` ``(B, Hkv, D, N16/16)`` (V transposed, tokens
+    zero-padded to ``N16`` = Nk rounded up to 16) -- what :func:`quantize_inputs` returns (other keys are
+    ignored). Always HND-based; ``layout`` is the layout of the returned ``o``; ``out_dtype`` "float16" or
+    "bfloat16". ``sm_scale=None`` means ``1/sqrt(D)``. ``lse`` is the LSE of the logits of the packed
+    operands; ``lse_offset`` (float32 ``(B, Hq, Nq)``, e.g. ``sm_scale * q . mu_K`` when K was smoothed) is
+    added to it. Returns ``o`` or ``(o, lse)``.
+    """
+    import math
+
+    import cupy
+
+    if not isinstance(packed, dict):
+        raise TypeError(f"packed must be a dict of exchange-format arrays, got {type(packed).__name__}")
+    missing = [key for key in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales")
+               if key not in packed]
+    if missing:
+        raise ValueError(f"packed is missing {missing}")
+    if layout not in ("HND", "NHD"):
+        raise ValueError(f"layout={layout!r} is not supported; supported: ('HND', 'NHD')")
+    if out_dtype not in _T:
+        raise ValueError(f"out_dtype={out_dtype!r} is not supported; supported: {tuple(_T)}")
+    if not isinstance(causal, bool) or not isinstance(two_level_p, bool):
+        raise TypeError(f"causal and two_level_p must be bools, got {causal!r}, {two_level_p!r}")
+    qp = _checks.as_cupy(packed["q_packed"], "packed['q_packed']")
+    kp = _checks.as_cupy(packed["k_packed"], "packed['k_packed']")
+    if len(qp.shape) != 4 or len(kp.shape) != 4:
+        raise ValueError("packed['q_packed'] and packed['k_packed'] must be 4-D (B, H, N, D/2)")
+    B, Hq, nq, d2 = qp.shape
+    Bk, Hkv, nk, dk2 = kp.shape
+    D = 2 * d2
+    if D not in (64, 128):
+        raise ValueError(f"head_dim={D} (from packed['q_packed'].shape[-1] * 2) is not supported; supported: (64, 128)")
+    if (Bk, dk2) != (B, d2) or Hq % Hkv or min(B, Hq, nq, nk) < 1:
+        raise ValueError(f"packed shapes do not match: q_packed {tuple(qp.shape)}, k_packed {tuple(kp.shape)} "
+                         f"(same B and D; q heads a multiple of kv heads; nothing empty)")
+    n16 = (nk + 15) // 16 * 16
+    ops = {
+        "q_packed": _u8(qp, "packed['q_packed']", (B, Hq, nq, D // 2)),
+        "q_scales": _u8(packed["q_scales"], "packed['q_scales']", (B, Hq, nq, D // 16)),
+        "k_packed": _u8(kp, "packed['k_packed']", (B, Hkv, nk, D // 2)),
+        "k_scales": _u8(packed["k_scales"], "packed['k_scales']", (B, Hkv, nk, D // 16)),
+        "v_packed": _u8(packed["v_packed"], "packed['v_packed']", (B, Hkv, D, n16 // 2)),
+        "v_scales": _u8(packed["v_scales"], "packed['v_scales']", (B, Hkv, D, n16 // 16)),
+    }
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale={sm_scale} must be finite and > 0")
+    if lse_offset is not None:
+        lse_offset = cupy.ascontiguousarray(_checks.as_cupy(lse_offset, "lse_offset"), dtype=cupy.float32)
+        if tuple(lse_offset.shape) != (B, Hq, nq):
+            raise ValueError(f"lse_offset.shape={tuple(lse_offset.shape)} must be {(B, Hq, nq)}")
+    _check_device()
+    o, lse = _launch(ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype, layout=layout, causal=causal,
+                     sm_scale=sm_scale, two_level=two_level_p, qmk=lse_offset)
+    return (o, lse) if return_lse else o

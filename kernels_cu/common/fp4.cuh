@@ -61,3 +61,63 @@ __device__ __forceinline__ unsigned nvfp4_block(const float (&x)[16], unsigned (
 }
 
 }  // namespace sage
+
+namespace sage {
+
+// ---- In-register NVFP4 for the attention kernels (dequantization of packed operands, P quantization) ----
+
+// Two E2M1 codes (the low byte of `b`: element 2i in the low nibble) -> two E4M3 bytes whose values are
+// the E2M1 values times 2^-6: sign to bit 7, the 3 magnitude bits (e e m) to bits 4..2. E4M3 with
+// exponent field e has value 2^(e-7)(1 + m/2) = 2^-6 * 2^(e-1)(1 + m/2), and its subnormal (e = 0)
+// m * 2^-7 = 2^-6 * (m / 2): exactly E2M1 * 2^-6 in both cases.
+__device__ __forceinline__ unsigned e2m1x4_to_e4m3_lo(unsigned w) {  // low nibbles of the 4 bytes of w
+  return ((w & 0x07070707u) << 2) | ((w & 0x08080808u) << 4);
+}
+__device__ __forceinline__ unsigned e2m1x4_to_e4m3_hi(unsigned w) {  // high nibbles of the 4 bytes of w
+  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+__device__ __forceinline__ unsigned e4m3x2_to_half2_bits(unsigned short x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3);
+  return static_cast<unsigned>(h.x) | (static_cast<unsigned>(h.y) << 16);
+}
+
+// 16 packed E2M1 codes (w.x: elements 0..7, w.y: 8..15) and their E4M3 scale code -> 16 fp16 values
+// s * x^ as 8 half2 (out[i] = elements 2i, 2i+1). Exact: E2M1 * 2^-6 is exact in E4M3 and fp16, s * 2^6
+// (at most 448 * 64 = 28672) is exact in fp16, and their product has at most 6 significant bits in
+// [2^-10, 2688]. A NaN scale (0x7F) gives 16 NaNs.
+__device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, unsigned (&out)[8]) {
+  const unsigned sh = e4m3x2_to_half2_bits(static_cast<unsigned short>(scale_code | (scale_code << 8)));
+  const __half2 s64 = __hmul2(*reinterpret_cast<const __half2*>(&sh), __float2half2_rn(64.f));
+  const unsigned words[2] = {w.x, w.y};
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const unsigned lo = e2m1x4_to_e4m3_lo(words[j]), hi = e2m1x4_to_e4m3_hi(words[j]);
+    const unsigned p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);
+    const unsigned parts[4] = {p01 & 0xFFFFu, p01 >> 16, p23 & 0xFFFFu, p23 >> 16};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned v = e4m3x2_to_half2_bits(static_cast<unsigned short>(parts[i]));
+      const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&v), s64);
+      out[4 * j + i] = *reinterpret_cast<const unsigned*>(&r);
+    }
+  }
+}
+
+// Round a (>= 0, already divided by its block scale) to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}:
+// nearest, ties to even, saturating at 6. Below 2 the grid step is 0.5 (adding 1.5 * 2^22, whose fp32
+// ulp is 0.5, rounds to it, ties to even); from 2 on the grid keeps one mantissa bit (round the fp32
+// mantissa to its top bit, ties to even). NaN stays NaN.
+__device__ __forceinline__ float e2m1_round_nonneg(float a) {
+  const float small = __fsub_rn(__fadd_rn(a, 6291456.0f), 6291456.0f);
+  const unsigned bits = __float_as_uint(a);
+  const float big = __uint_as_float((bits + 0x1FFFFFu + ((bits >> 22) & 1u)) & 0xFFC00000u);
+  const float r = a < 2.f ? small : big;
+  return r > 6.f ? 6.f : r;  // (NaN > 6) is false: NaN passes through
+}
+
+// E4M3 block scale of a block maximum (max / 6 rounded to E4M3, saturating), as a float; NaN for a
+// NaN or infinite maximum.
+__device__ __forceinline__ float e4m3_block_scale(float amax) { return e4m3_decode(e4m3_scale_code(amax)); }
+
+}  // namespace sage

@@ -62,6 +62,11 @@ __device__ __forceinline__ void cp_async_16_zfill(unsigned smem_addr, const void
   const int src_size = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_size));
 }
+// 8-byte cp.async (through L1), zero-filling when `valid` is false.
+__device__ __forceinline__ void cp_async_8_zfill(unsigned smem_addr, const void* gptr, bool valid) {
+  const int src_size = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_size));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -1,0 +1,197 @@
+"""FP4 quantization-aware training attention on the GPU (Attn-QAT-style, SPEC §6).
+
+``forward(q, k, v, ...) -> (o, residuals)`` and ``backward(residuals, do) -> (dq, dk, dv)``, the same shape
+as :mod:`sagecupy.int8`. The math is :mod:`sagecupy.reference.qat`'s:
+
+* forward: ``Q~, K~, V~ = fq(Q), fq(K), fq(V)`` (NVFP4 fake quantization; 16-blocks along D for Q and K,
+  along the tokens for V), ``S = sm_scale Q~ K~^T``, ``P = softmax(S)``, ``O = fq_P(P) V~`` with the
+  two-level P quantization over 64-key tiles, and the high-precision ``O' = P V~`` the backward needs;
+* backward: ``P`` recomputed from ``Q~, K~`` and the LSE; ``dV = fq_P(P)^T dO``; ``dP = dO V~^T``;
+  ``delta = rowsum(dO o O')`` -- **O', not O**; ``dS = P o (dP - delta)``; ``dQ = sm_scale dS K~``,
+  ``dK = sm_scale dS^T Q~``; straight-through to ``Q, K, V``.
+
+The fake-quantized operands are materialized once, in fp16 (exact: every NVFP4 value is an fp16 value) and
+zero-padded: ``Q~`` ``(B, Hq, nq_pad, D)``, ``K~`` ``(B, Hkv, nk_pad, D)``, ``V~^T`` ``(B, Hkv, D, nk_pad)``;
+they are the saved residuals (with ``O'`` in fp32 and the base-2 LSE), so the backward sees exactly the
+forward's quantization. All matmuls run on fp16 tensor cores with fp32 accumulation.
+
+GPU support: ``QATConfig(two_level_p=True, block_kv=64)`` (the default). Single-level P quantizes the
+*normalized* P (reference), which a one-pass forward cannot know; it is reference-only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _checks
+from ._loader import device_capability, get_function
+from .config import QATConfig
+
+__all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize"]
+
+LOG2E = 1.4426950408889634
+_BQ_PAD, _BKV = 128, 64
+_T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+def _get_config(config) -> QATConfig:
+    if config is None:
+        return QATConfig()
+    if not isinstance(config, QATConfig):
+        raise TypeError(f"config must be a QATConfig or None, got {type(config).__name__}")
+    return config
+
+
+def _unsupported_config(cfg: QATConfig) -> str | None:
+    if cfg.block_kv != _BKV:
+        return f"block_kv={cfg.block_kv} is not supported by the kernels; supported: {_BKV}"
+    if not cfg.two_level_p:
+        return ("two_level_p=False is reference-only: single-level fq_P quantizes the normalized P, which the "
+                "one-pass forward kernel cannot know")
+    if not cfg.quantize:
+        return "quantize=False is a reference-only switch"
+    return None
+
+
+def _check_device():
+    cc = device_capability()
+    if cc < (8, 0):
+        raise ValueError(f"the FP4 kernels need compute capability 8.0 or newer; this device is {cc[0]}.{cc[1]}")
+
+
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
+    """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, why)."""
+    try:
+        q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+        cfg = _get_config(config)
+        _check_device()
+    except Exception as exc:
+        return False, str(exc)
+    why = _unsupported_config(cfg)
+    return (False, why) if why else (True, "")
+
+
+def _roundup(n, m):
+    return (n + m - 1) // m * m
+
+
+def _quant_fn(kind, T):
+    from .nvfp4 import kernel_names
+
+    return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=tuple(kernel_names()["nvfp4_quant.cu"]))
+
+
+def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
+    """``fq(x)`` in fp16, zero-padded: ``along="channels"`` -> ``(B, H, n_pad, D)`` (Q, K);
+    ``along="tokens"`` -> ``fq(x)^T`` ``(B, H, D, n_pad)`` (V). ``n_pad`` defaults to N rounded up to 64."""
+    import cupy
+
+    from .int8 import _strides
+
+    x = _checks.as_cupy(x, "x")
+    dt = _checks.dtype_name(x.dtype)
+    if dt not in _T:
+        raise TypeError(f"x.dtype={dt} is not supported; supported: {tuple(_T)}")
+    raw = _checks.raw(x)
+    if raw.ndim != 4:
+        raise ValueError(f"x must be 4-D, got shape {tuple(raw.shape)}")
+    if raw.strides[3] != raw.itemsize:
+        raw = cupy.ascontiguousarray(raw)
+    if layout not in ("HND", "NHD"):
+        raise ValueError(f"layout={layout!r} is not supported; supported: ('HND', 'NHD')")
+    B, a1, a2, D = raw.shape
+    H, N = (a1, a2) if layout == "HND" else (a2, a1)
+    if D % 16:
+        raise ValueError(f"head_dim={D} must be a multiple of 16 for NVFP4")
+    n_pad = _roundup(N, _BKV) if n_pad is None else n_pad
+    sb, sh, sn = _strides(raw, layout)
+    i32, i64 = cupy.int32, cupy.int64
+    T = _T[dt]
+    if along == "channels":
+        out = cupy.zeros((B, H, n_pad, D), dtype=cupy.float16)
+        nblk = N * D // 16
+        _quant_fn("nvfp4_fq_rows", T)(((nblk + 255) // 256, H, B), (256,),
+                                      (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out))
+    elif along == "tokens":
+        n16 = _roundup(N, 16)
+        out = cupy.zeros((B, H, D, n_pad), dtype=cupy.float16)
+        work = D * (n16 // 16)
+        _quant_fn("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
+                                        (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), i32(n_pad), out))
+    else:
+        raise ValueError(f"along={along!r} is not supported; supported: 'channels', 'tokens'")
+    return out
+
+
+@dataclass
+class Residuals:
+    """What :func:`backward` needs (device arrays). Treat as opaque."""
+
+    problem: _checks.Problem
+    config: QATConfig
+    q_t: object       # (B, Hq, nq_pad, D) fp16 fq(Q), zero rows beyond Nq
+    k_t: object       # (B, Hkv, nk_pad, D) fp16 fq(K)
+    vt_t: object      # (B, Hkv, D, nk_pad) fp16 fq(V)^T
+    o_prime: object   # (B, Hq, nq_pad, D) fp32 P V~ (rows beyond Nq unwritten)
+    lse2: object      # (B, Hq, nq_pad) fp32 base-2 LSE of the logits (+inf where no key is seen)
+
+
+def _fwd_fn(T, D, w):
+    return get_function("fp4_attn_fwd.cu", f"qat_attn_fwd<{T}, {D}, {w}>")
+
+
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+    """QAT forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
+
+    Arguments as :func:`sagecupy.int8.forward`: fp16 or bf16, D 64 or 128, GQA, both layouts, causal
+    bottom-right aligned, any N. ``o = fq_P(P) V~`` in q's dtype and layout; ``lse`` float32 (B, Hq, Nq)
+    natural log. Inputs are never modified.
+    """
+    import cupy
+
+    from .int8 import _empty, _strides
+    from .nvfp4 import fp4_warps, fwd_smem_bytes
+
+    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+    cfg = _get_config(config)
+    why = _unsupported_config(cfg)
+    if why:
+        raise ValueError(f"config: {why}")
+    _check_device()
+    B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
+    nq_pad, nk_pad = _roundup(nq, _BQ_PAD), _roundup(nk, _BKV)
+    q_t = fake_quantize(q, layout=layout, along="channels", n_pad=nq_pad)
+    k_t = fake_quantize(k, layout=layout, along="channels", n_pad=nk_pad)
+    vt_t = fake_quantize(v, layout=layout, along="tokens", n_pad=nk_pad)
+    o = _empty((B, Hq, nq, D), layout, p.dtype)
+    osb, osh, osn = _strides(o, layout)
+    lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
+    lse2 = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
+    o_prime = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.float32)
+    w = fp4_warps()
+    fn = _fwd_fn(_T[p.dtype], D, w)
+    smem = fwd_smem_bytes(D, w)
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    fn((nq_pad // (16 * w), Hq, B), (32 * w,),
+       (q_t, k_t, vt_t, o, i64(osb), i64(osh), i64(osn), lse, lse2, o_prime,
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * LOG2E), i32(int(p.causal))),
+       shared_mem=smem)
+    res = Residuals(p, cfg, q_t, k_t, vt_t, o_prime, lse2)
+    o = _checks.wrap(o, p.dtype)
+    return (o, lse, res) if return_lse else (o, res)
+
+
+def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
+    """The QAT forward alone (``o`` or ``(o, lse)``), e.g. to evaluate a QAT-trained model."""
+    out = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, return_lse=True)
+    return (out[0], out[1]) if return_lse else out[0]
+
+
+def backward(residuals: Residuals, do):
+    """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype."""
+    from . import _qat_bwd
+
+    return _qat_bwd.backward(residuals, do)

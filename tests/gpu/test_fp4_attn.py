@@ -1,0 +1,275 @@
+"""NVFP4 attention and FP4 QAT kernels against the float64 references (SPEC §5-6).
+
+Per case, two comparisons (as for the INT8 kernels):
+* against the quantization-aware simulator with the same config: relative L2 <= 1e-3 plus the output
+  format's own rounding of the simulator's result (measured per case). What remains is fp32 vs float64
+  arithmetic: fp32 accumulation order, fp32 exp2 and scale arithmetic (which can move an element of P across
+  an E2M1 rounding boundary now and then) and the output rounding;
+* against exact float64 attention: no worse than 1.1 x the simulator's own error + 1e-4.
+"""
+import numpy as np
+import pytest
+
+from sagecupy.config import NVFP4Config, QATConfig
+from sagecupy.reference import attention as ref_attn
+from sagecupy.reference import metrics
+from sagecupy.reference import nvfp4 as ref_nv
+from sagecupy.reference import qat as ref_qat
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-3
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _to_dev(x, dtype):
+    from sagecupy.bf16 import BF16Array
+
+    x32 = _cp().asarray(np.asarray(x, dtype=np.float32))
+    return x32.astype(_cp().float16) if dtype == "float16" else BF16Array.from_float(x32)
+
+
+def _f32(x):
+    return x.to_float32() if hasattr(x, "to_float32") else x.astype(_cp().float32)
+
+
+def _host(x):
+    return _f32(x).get().astype(np.float64)
+
+
+def _raw(x):
+    return getattr(x, "bits", x)
+
+
+def _round_to(x, dtype):
+    return _host(_to_dev(x, dtype))
+
+
+def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=1.0):
+    rng = np.random.default_rng(seed)
+
+    def shape(h, n):
+        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
+
+    q = rng.standard_normal(shape(Hq, Nq)) * sigma
+    k = rng.standard_normal(shape(Hkv, Nk)) * sigma + 0.5 * sigma * rng.standard_normal((1, 1, 1, D))
+    v = rng.standard_normal(shape(Hkv, Nk))
+    do = rng.standard_normal(shape(Hq, Nq))
+    dev = [_to_dev(x, dtype) for x in (q, k, v, do)]
+    return dev, [_host(x) for x in dev]
+
+
+def _check(name, got, sim, exact, dtype, case, tol=TOL):
+    assert np.isfinite(got).all(), f"{name}: non-finite output {case}"
+    bound = tol + metrics.rel_l2(_round_to(sim, dtype), sim)
+    err = metrics.rel_l2(got, sim)
+    assert err <= bound, f"{name}: rel_l2 vs simulator {err:.3e} > {bound:.3e} {case}; worst {metrics.worst_element(got, sim)}"
+    if exact is not None and np.any(exact):
+        e_k, e_s = metrics.rel_l2(got, exact), metrics.rel_l2(sim, exact)
+        assert e_k <= 1.1 * e_s + 1e-4, f"{name}: vs exact {e_k:.4e} > 1.1 x simulator's {e_s:.4e} + 1e-4 {case}"
+    return err
+
+
+def _check_lse(got, ref, case):
+    fin = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(got), fin), f"LSE -inf pattern differs {case}"
+    d = np.abs(got[fin] - ref[fin])
+    if d.size:
+        assert d.max() < 1e-3, f"LSE vs simulator: max {d.max():.2e} {case}"
+
+
+CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype
+    (1, 2, 2, 128, 128, 128, False, "HND", "float16"),
+    (1, 2, 2, 128, 128, 64, True, "HND", "bfloat16"),
+    (2, 4, 2, 113, 239, 64, False, "NHD", "float16"),
+    (1, 4, 1, 239, 113, 128, True, "HND", "bfloat16"),
+    (1, 2, 2, 1, 17, 128, False, "HND", "float16"),
+    (1, 2, 2, 17, 1, 64, True, "NHD", "bfloat16"),
+    (1, 2, 1, 1000, 1000, 128, True, "NHD", "float16"),
+    (1, 2, 2, 300, 1000, 64, True, "HND", "bfloat16"),
+    (1, 1, 1, 4224, 4224, 128, True, "HND", "float16"),
+]
+IDS = [f"{c[3]}x{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-{c[7]}-{c[8]}-gqa{c[1] // c[2]}" for c in CASES]
+NV_CONFIGS = {
+    "two-level": NVFP4Config(),
+    "single-level": NVFP4Config(two_level_p=False),
+    "no-smoothing": NVFP4Config(k_smoothing=False),
+}
+
+
+# ------------------------------------------------------------------------------------------------- NVFP4
+
+
+def _nvfp4_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, cfg, seed=0, sigma=1.0):
+    from sagecupy import nvfp4
+
+    case = dict(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, causal=causal, layout=layout, dtype=dtype, cfg=cfg)
+    (q, k, v, _), (qh, kh, vh, _) = _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma)
+    before = [_raw(x).copy() for x in (q, k, v)]
+    o, lse = nvfp4.attention(q, k, v, causal=causal, layout=layout, config=cfg, return_lse=True)
+    o_sim, lse_sim = ref_nv.forward(qh, kh, vh, causal=causal, layout=layout, config=cfg)
+    o_ex, _ = ref_attn.attention_forward(qh, kh, vh, causal=causal, layout=layout)
+    err = _check("O", _host(o), o_sim, o_ex, dtype, case)
+    _check_lse(lse.get().astype(np.float64), lse_sim, case)
+    for x, x0 in zip((q, k, v), before):
+        assert bool((_raw(x) == x0).all()), f"an input was modified {case}"
+    return err
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype", CASES, ids=IDS)
+def test_nvfp4_vs_references(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype):
+    _nvfp4_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, NVFP4Config())
+
+
+@pytest.mark.parametrize("name", list(NV_CONFIGS))
+@pytest.mark.parametrize("sigma", [1.0, 5.0])
+def test_nvfp4_configs(name, sigma):
+    _nvfp4_case(1, 2, 2, 300, 300, 128, False, "HND", "float16", NV_CONFIGS[name], seed=4, sigma=sigma)
+    _nvfp4_case(1, 2, 1, 200, 333, 64, True, "NHD", "bfloat16", NV_CONFIGS[name], seed=5, sigma=sigma)
+
+
+def test_nvfp4_packed_entry_matches_and_is_small():
+    """attention_packed on quantize_inputs' output is the same kernel call (bitwise); the packed operands
+    take at most 0.3x the bytes of fp16 (4.5 bits per value)."""
+    cp = _cp()
+    from sagecupy import nvfp4
+
+    (q, k, v, _), _ = _inputs(11, 1, 4, 2, 257, 300, 128, "HND", "float16")
+    o, lse = nvfp4.attention(q, k, v, causal=True, return_lse=True)
+    ops = nvfp4.quantize_inputs(q, k, v)
+    mu = cp.repeat(ops["mu_k"], 2, axis=1)
+    qmk = (cp.einsum("bhnd,bhd->bhn", q.astype(cp.float32), mu) / np.sqrt(128)).astype(cp.float32)
+    o2, lse2 = nvfp4.attention_packed(ops, causal=True, return_lse=True, lse_offset=qmk)
+    assert bool((o == o2).all())
+    assert float(cp.abs(lse - lse2).max()) < 1e-5  # qmk computed twice, same formula
+    packed = sum(ops[f"{n}_{w}"].nbytes for n in "qkv" for w in ("packed", "scales"))
+    fp16 = 2 * (q.size + k.size + v.size)
+    assert packed <= 0.3 * fp16, f"packed {packed} B vs fp16 {fp16} B"
+
+
+def test_nvfp4_fully_masked_rows():
+    from sagecupy import nvfp4
+
+    (q, k, v, _), _ = _inputs(5, 1, 2, 2, 70, 20, 64, "HND", "float16")
+    o, lse = nvfp4.attention(q, k, v, causal=True, return_lse=True)
+    o_h, lse_h = _host(o), lse.get()
+    assert np.all(o_h[:, :, :50] == 0) and np.all(np.isneginf(lse_h[:, :, :50]))
+    assert np.isfinite(o_h).all()
+
+
+def test_nvfp4_nan_input_reaches_output():
+    from sagecupy import nvfp4
+
+    (q, k, v, _), _ = _inputs(6, 1, 1, 1, 64, 64, 64, "HND", "float16")
+    vv = _raw(v).copy()
+    vv[0, 0, 5, 3] = np.nan
+    o = nvfp4.attention(q, k, vv)
+    assert bool(_cp().isnan(o[0, 0, :, 3]).all())  # every row averages token 5's block
+
+
+# --------------------------------------------------------------------------------------------------- QAT
+
+
+def _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, seed=0, sigma=1.0):
+    from sagecupy import qat
+
+    case = dict(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, causal=causal, layout=layout, dtype=dtype)
+    (q, k, v, do), (qh, kh, vh, doh) = _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma)
+    before = [_raw(x).copy() for x in (q, k, v)]
+    o, lse, res = qat.forward(q, k, v, causal=causal, layout=layout, return_lse=True)
+    o_sim, r_sim = ref_qat.forward(qh, kh, vh, causal=causal, layout=layout)
+    o_ex, _ = ref_attn.attention_forward(qh, kh, vh, causal=causal, layout=layout)
+    _check("O", _host(o), o_sim, o_ex, dtype, case)
+    _check_lse(lse.get().astype(np.float64), r_sim["lse"], case)
+    # O' (fp32, P rounded to fp16 as the mma operand): against the simulator's P V~.
+    op = res.o_prime.get()[:, :, :Nq].astype(np.float64)
+    _check("O'", op, r_sim["o_prime"], None, "float16", case)
+    # the saved fake-quantized operands are exactly the reference's
+    q_t = res.q_t.get()[:, :, :Nq].astype(np.float64)
+    k_t = res.k_t.get()[:, :, :Nk].astype(np.float64)
+    v_t = np.swapaxes(res.vt_t.get()[..., :Nk], -1, -2).astype(np.float64)
+    np.testing.assert_array_equal(q_t, r_sim["q_t"])
+    np.testing.assert_array_equal(k_t, r_sim["k_t"])
+    np.testing.assert_array_equal(v_t, r_sim["v_t"])
+    for x, x0 in zip((q, k, v), before):
+        assert bool((_raw(x) == x0).all()), f"an input was modified {case}"
+    return (q, k, v, do), (qh, kh, vh, doh), o, res, r_sim, case
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype", CASES, ids=IDS)
+def test_qat_forward_vs_reference(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype):
+    _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype)
+
+
+# ----------------------------------------------------------------------------------------- shared checks
+
+
+def test_poisoned_outputs_are_overwritten(monkeypatch):
+    cp = _cp()
+    from sagecupy import nvfp4, qat
+
+    real_empty = cp.empty
+
+    def nan_empty(shape, dtype=float, order="C"):
+        out = real_empty(shape, dtype=dtype, order=order)
+        if cp.dtype(dtype).kind == "f":
+            out.fill(float("nan"))
+        elif cp.dtype(dtype) == cp.uint16:
+            out.fill(0x7FC0)
+        return out
+
+    monkeypatch.setattr(cp, "empty", nan_empty)
+    for dtype in ("float16", "bfloat16"):
+        (q, k, v, do), _ = _inputs(7, 1, 2, 1, 200, 77, 128, "HND", dtype)
+        o, lse = nvfp4.attention(q, k, v, causal=True, return_lse=True)
+        o2, lse2, res = qat.forward(q, k, v, causal=True, return_lse=True)
+        outs = [("nvfp4 o", o), ("nvfp4 lse", lse), ("qat o", o2), ("qat lse", lse2),
+                ("qat o'", res.o_prime[:, :, :200])]
+        if hasattr(qat, "backward"):
+            try:
+                outs += list(zip(("dq", "dk", "dv"), qat.backward(res, do)))
+            except ImportError:
+                pass
+        for name, x in outs:
+            assert not bool(cp.isnan(_f32(x)).any()), f"{name} ({dtype}) has unwritten (NaN) elements"
+
+
+def test_error_paths():
+    cp = _cp()
+    from sagecupy import nvfp4, qat
+
+    (q, k, v, _), _ = _inputs(1, 1, 2, 2, 32, 32, 64, "HND", "float16")
+    with pytest.raises(TypeError, match="config"):
+        nvfp4.attention(q, k, v, config=QATConfig())
+    with pytest.raises(TypeError, match="config"):
+        qat.forward(q, k, v, config=NVFP4Config())
+    for bad, what in ((NVFP4Config(q_smoothing=True), "q_smoothing"), (NVFP4Config(tensor_scale=True), "tensor_scale"),
+                      (NVFP4Config(block_kv=128), "block_kv"), (NVFP4Config(quantize=False), "quantize")):
+        with pytest.raises(ValueError, match=what):
+            nvfp4.attention(q, k, v, config=bad)
+        ok, why = nvfp4.is_supported(q, k, v, config=bad)
+        assert not ok and what in why
+    with pytest.raises(ValueError, match="two_level_p"):
+        qat.forward(q, k, v, config=QATConfig(two_level_p=False))
+    with pytest.raises(TypeError, match="dtype"):
+        nvfp4.attention(q.astype(cp.float32), k, v)
+    with pytest.raises(ValueError, match="head_dim"):
+        qat.forward(q[..., :48], k[..., :48], v[..., :48])
+    with pytest.raises(TypeError, match="q"):
+        nvfp4.attention(np.zeros((1, 2, 32, 64), np.float16), k, v)
+    assert nvfp4.is_supported(q, k, v) == (True, "")
+    assert qat.is_supported(q, k, v) == (True, "")
+    ops = nvfp4.quantize_inputs(q, k, v)
+    with pytest.raises(ValueError, match="missing"):
+        nvfp4.attention_packed({"q_packed": ops["q_packed"]})
+    bad = dict(ops, v_scales=ops["v_scales"][..., :1])
+    with pytest.raises(ValueError, match="v_scales"):
+        nvfp4.attention_packed(bad)
+    with pytest.raises(TypeError, match="uint8"):
+        nvfp4.attention_packed(dict(ops, k_scales=ops["k_scales"].astype(cp.int32)))
