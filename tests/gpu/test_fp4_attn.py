@@ -64,11 +64,64 @@ def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=1.0):
     return dev, [_host(x) for x in dev]
 
 
-def _check(name, got, sim, exact, dtype, case, tol=TOL):
+_E4M3_MIDS = None
+
+
+def _ambiguous_rows(s, two_level, block_kv=64):
+    """Rows (B, H, Nq) of the simulator whose P quantization has a decision within fp32 reach of a rounding
+    boundary: a block's max/6 near an E4M3 midpoint, or an element x/s near an E2M1 midpoint.
+
+    The kernel computes x = exp(S - r) from fp32 logits with ex2.approx; the simulator from float64 ones. A
+    relative difference of a few 1e-7 (more for large logits: |S| times a few fp32 ulps) moves a value that
+    close to a boundary to the other side, and then a whole 16-block (scale) or one element (code) of P^ is
+    quantized differently -- a legitimate difference, large for a row that sees few keys. Those rows are
+    compared against the exact reference only; the others must match the simulator tightly.
+    """
+    global _E4M3_MIDS
+    from sagecupy.reference import fp4 as F
+
+    if _E4M3_MIDS is None:
+        g = F.e4m3_decode(np.arange(0, 127))
+        g = np.unique(g[np.isfinite(g)])
+        _E4M3_MIDS = (g[1:] + g[:-1]) / 2
+    nq, nk = s.shape[-2], s.shape[-1]
+    nkp = -(-nk // block_kv) * block_kv
+    sp = np.full(s.shape[:-1] + (nkp,), -np.inf)
+    sp[..., :nk] = s
+    tiles = sp.reshape(s.shape[:-1] + (nkp // block_kv, block_kv))
+    r = tiles.max(-1, keepdims=True)
+    if not two_level:
+        r = np.maximum.accumulate(r, axis=-2)  # the running max m_t
+    fin = np.isfinite(r)
+    scale = 2688.0 if two_level else 1.0
+    x = np.where(fin, scale * np.exp(tiles - np.where(fin, r, 0.0)), 0.0)
+    blocks = x.reshape(x.shape[:-1] + (block_kv // 16, 16))
+    amax = blocks.max(-1)
+    # fp32 reach: a few ulps of fp32 relative, plus the absolute fp32 error of the logits (|S| * 2^-20)
+    reach = 2e-6 + np.abs(np.where(np.isfinite(s), s, 0.0)).max(-1) * 2 ** -20  # (B, H, Nq)
+    m6 = amax / 6
+    d_scale = np.min(np.abs(m6[..., None] - _E4M3_MIDS) / _E4M3_MIDS, axis=-1)
+    sc = F.e4m3_round(m6)
+    y = np.where(sc[..., None] > 0, blocks / np.where(sc > 0, sc, 1.0)[..., None], 0.0)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    d_el = np.min(np.abs(y[..., None] - mids) / mids, axis=-1)
+    d_el = np.where(y > 0, d_el, np.inf).min(axis=(-1, -2, -3))
+    d_sc = np.where(m6 > 0, d_scale, np.inf).min(axis=(-1, -2))
+    return np.minimum(d_el, d_sc) < reach
+
+
+def _check(name, got, sim, exact, dtype, case, tol=TOL, ambiguous=None, layout="HND"):
+    """``ambiguous``: (B, H, Nq) rows excluded from the tight comparison (see _ambiguous_rows)."""
     assert np.isfinite(got).all(), f"{name}: non-finite output {case}"
-    bound = tol + metrics.rel_l2(_round_to(sim, dtype), sim)
-    err = metrics.rel_l2(got, sim)
-    assert err <= bound, f"{name}: rel_l2 vs simulator {err:.3e} > {bound:.3e} {case}; worst {metrics.worst_element(got, sim)}"
+    g, sm = got, sim
+    if ambiguous is not None and ambiguous.any():
+        keep = ~ambiguous
+        assert keep.mean() > 0.9, f"{name}: {ambiguous.sum()} of {ambiguous.size} rows ambiguous {case}"
+        gh, sh = ref_attn.to_hnd(got, layout), ref_attn.to_hnd(sim, layout)
+        g, sm = gh[keep], sh[keep]
+    bound = tol + metrics.rel_l2(_round_to(sm, dtype), sm)
+    err = metrics.rel_l2(g, sm)
+    assert err <= bound, f"{name}: rel_l2 vs simulator {err:.3e} > {bound:.3e} {case}; worst {metrics.worst_element(g, sm)}"
     if exact is not None and np.any(exact):
         e_k, e_s = metrics.rel_l2(got, exact), metrics.rel_l2(sim, exact)
         assert e_k <= 1.1 * e_s + 1e-4, f"{name}: vs exact {e_k:.4e} > 1.1 x simulator's {e_s:.4e} + 1e-4 {case}"
@@ -113,9 +166,11 @@ def _nvfp4_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, cfg, seed=0, sigma
     (q, k, v, _), (qh, kh, vh, _) = _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma)
     before = [_raw(x).copy() for x in (q, k, v)]
     o, lse = nvfp4.attention(q, k, v, causal=causal, layout=layout, config=cfg, return_lse=True)
-    o_sim, lse_sim = ref_nv.forward(qh, kh, vh, causal=causal, layout=layout, config=cfg)
+    o_sim, lse_sim, inter = ref_nv.forward(qh, kh, vh, causal=causal, layout=layout, config=cfg,
+                                           return_intermediates=True)
     o_ex, _ = ref_attn.attention_forward(qh, kh, vh, causal=causal, layout=layout)
-    err = _check("O", _host(o), o_sim, o_ex, dtype, case)
+    amb = _ambiguous_rows(inter["S"], cfg.two_level_p)
+    err = _check("O", _host(o), o_sim, o_ex, dtype, case, ambiguous=amb, layout=layout)
     _check_lse(lse.get().astype(np.float64), lse_sim, case)
     for x, x0 in zip((q, k, v), before):
         assert bool((_raw(x) == x0).all()), f"an input was modified {case}"
@@ -183,9 +238,10 @@ def _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, seed=0, sigma=1.
     (q, k, v, do), (qh, kh, vh, doh) = _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma)
     before = [_raw(x).copy() for x in (q, k, v)]
     o, lse, res = qat.forward(q, k, v, causal=causal, layout=layout, return_lse=True)
-    o_sim, r_sim = ref_qat.forward(qh, kh, vh, causal=causal, layout=layout)
+    o_sim, r_sim, inter = ref_qat.forward(qh, kh, vh, causal=causal, layout=layout, return_intermediates=True)
     o_ex, _ = ref_attn.attention_forward(qh, kh, vh, causal=causal, layout=layout)
-    _check("O", _host(o), o_sim, o_ex, dtype, case)
+    amb = _ambiguous_rows(inter["S"], True)
+    _check("O", _host(o), o_sim, o_ex, dtype, case, ambiguous=amb, layout=layout)
     _check_lse(lse.get().astype(np.float64), r_sim["lse"], case)
     # O' (fp32, P rounded to fp16 as the mma operand): against the simulator's P V~.
     op = res.o_prime.get()[:, :, :Nq].astype(np.float64)
