@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sagecupy import _loader, int8, nvfp4  # noqa: E402
+from sagecupy import _loader, _qat_bwd, int8, nvfp4  # noqa: E402
 
 ARCHS = {"sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
 
@@ -37,7 +37,7 @@ def archs_for(filename):
 
 def all_names() -> dict:
     names = {}
-    for mod in (int8, nvfp4):
+    for mod in (int8, nvfp4, _qat_bwd):
         for f, lst in mod.kernel_names().items():
             names.setdefault(f, [])
             names[f] += [n for n in lst if n not in names[f]]

@@ -3,6 +3,8 @@
 # print a short table last. Logs go to $OUT (the device tool brings them back).
 #   bash bench/gpu_check.sh [quick|full|all|tests|bench]
 #   quick: tests + N in {4K, 16K};  full: tests + N 1K..32K;  all: full + GPU accuracy sweeps (SPEC §7)
+#   SAGECUPY_BENCH_FAMILIES=int8,nvfp4,qat (default: all) picks the kernel families timed;
+#   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
@@ -16,7 +18,7 @@ print("cupy", cupy.__version__, "bfloat16:", hasattr(cupy, "bfloat16"), "gpu:", 
 PY
 status=0
 if [ "$what" != bench ]; then
-  timeout 420 python3 -m pytest tests/gpu --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  timeout 420 python3 -m pytest ${SAGECUPY_TESTS:-tests/gpu} --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ]; then
@@ -34,7 +36,8 @@ PY
 fi
 if [ "$what" != tests ]; then
   flag="--quick --memory"; { [ "$what" = full ] || [ "$what" = all ]; } && flag=--memory
-  timeout 400 python3 bench/run_bench.py $flag --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
+  timeout 400 python3 bench/run_bench.py $flag --families "${SAGECUPY_BENCH_FAMILIES:-int8,nvfp4,qat}" \
+    --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
   tail -3 "$OUT/bench.err"
   if [ -n "${SAGECUPY_EXPERIMENT:-}" ]; then  # the same sweep with extra kernel defines, for comparison
     echo "== experiment: SAGECUPY_DEFINES=$SAGECUPY_EXPERIMENT"

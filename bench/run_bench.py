@@ -1,6 +1,6 @@
 """Run the speed sweep and print a table with ratios to SDPA (flash, cuDNN) from the same run.
 
-    python bench/run_bench.py [--quick] [--memory] [--out FILE.jsonl] [--configs default,paper]
+    python bench/run_bench.py [--quick] [--memory] [--out FILE.jsonl] [--configs default,paper] [--families int8,nvfp4,qat]
 
 (`sagecupy bench` is the same with CLI conventions; this script also logs every row to stderr.)
 """
@@ -17,6 +17,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="N in {4K, 16K} only")
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="default")
+    ap.add_argument("--families", default="int8,nvfp4,qat", help="kernel families to time: int8,nvfp4,qat")
     ap.add_argument("--rep", type=int, default=10)
     ap.add_argument("--memory", action="store_true", help="also measure peak memory of fwd+bwd at N=32K, D=128")
     ap.add_argument("--baselines", default="flash,cudnn", help="SDPA backends to time beside ('' for none)")
@@ -26,7 +27,7 @@ def main(argv=None):
         out.write(json.dumps(dict(type="env", **environment())) + "\n")
     rows = bench.run_suite(bench.default_cases(quick=a.quick), configs=tuple(a.configs.split(",")), out=out,
                            baselines=tuple(b for b in a.baselines.split(",") if b),
-                           rep=a.rep, log=lambda r: print(json.dumps(r), file=sys.stderr))
+                           rep=a.rep, families=tuple(a.families.split(",")), log=lambda r: print(json.dumps(r), file=sys.stderr))
     if a.memory:
         mem = bench.peak_memory()
         rows += mem

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 
-__all__ = ["flops", "time_ms", "bench_int8", "bench_sdpa", "default_cases", "run_suite", "peak_memory",
+__all__ = ["flops", "time_ms", "bench_int8", "bench_fp4", "bench_sdpa", "default_cases", "run_suite", "peak_memory",
            "format_rows", "plot"]
 
 
@@ -96,6 +96,52 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     return rows
 
 
+def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=10):
+    """Rows for the NVFP4 inference forward (kernel alone on packed operands, and end to end) or the FP4 QAT
+    training pair (forward, backward, forward+backward, end to end). NVFP4 rows carry the bytes per element
+    that packed Q, K, V occupy (fp16/bf16: 2)."""
+    import cupy
+
+    from . import nvfp4, qat
+    from .bf16 import BF16Array
+
+    B, H = _shape(D, N)
+    rng = cupy.random.default_rng(0)
+
+    def mk():
+        x = rng.standard_normal((B, H, N, D), dtype=cupy.float32)
+        return x.astype(cupy.float16) if dtype == "float16" else BF16Array.from_float(x)
+
+    q, k, v, do = mk(), mk(), mk(), mk()
+    rows = []
+
+    def row(impl, mode, scope, ms, **extra):
+        rows.append(dict(impl=impl, config="default", mode=mode, scope=scope, D=D, N=N, B=B, H=H, causal=causal,
+                         dtype=dtype, ms=ms, tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9, **extra))
+
+    if family == "nvfp4":
+        ops = nvfp4.quantize_inputs(q, k, v)
+        nbytes = sum(ops[f"{n}_{w}"].nbytes for n in "qkv" for w in ("packed", "scales"))
+        bpe = nbytes / (q.size + k.size + v.size)
+        row("sagecupy-nvfp4", "fwd", "kernel",
+            time_ms(lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype=dtype), warmup, rep),
+            qkv_bytes_per_elem=bpe)
+        row("sagecupy-nvfp4", "fwd", "e2e", time_ms(lambda: nvfp4.attention(q, k, v, causal=causal), warmup, rep),
+            qkv_bytes_per_elem=bpe)
+    elif family == "qat":
+        row("sagecupy-qat", "fwd", "e2e", time_ms(lambda: qat.forward(q, k, v, causal=causal), warmup, rep))
+        _, res = qat.forward(q, k, v, causal=causal)
+        row("sagecupy-qat", "bwd", "e2e", time_ms(lambda: qat.backward(res, do), warmup, rep))
+
+        def fb():
+            _, r = qat.forward(q, k, v, causal=causal)
+            qat.backward(r, do)
+        row("sagecupy-qat", "fwdbwd", "e2e", time_ms(fb, warmup, rep))
+    else:
+        raise ValueError(f"family={family!r} is not supported; supported: 'nvfp4', 'qat'")
+    return rows
+
+
 def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
     """Rows for torch.nn.functional.scaled_dot_product_attention with one backend (flash | cudnn)."""
     import torch
@@ -147,13 +193,19 @@ def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, mod
     return rows
 
 
-def run_suite(cases, *, configs=("default",), baselines=("flash", "cudnn"), out=None, warmup=3, rep=10, log=None):
-    """Every case for every config and baseline; JSON lines to ``out`` (a file object) as they come."""
+def run_suite(cases, *, configs=("default",), baselines=("flash", "cudnn"), out=None, warmup=3, rep=10, log=None,
+              families=("int8",)):
+    """Every case for every family (int8 with each config, nvfp4, qat) and baseline; JSON lines to ``out`` (a
+    file object) as they come."""
     rows = []
     for D, N, causal in cases:
         batch = []
-        for cfg in configs:
-            batch += bench_int8(D, N, causal, config=cfg, warmup=warmup, rep=rep)
+        if "int8" in families:
+            for cfg in configs:
+                batch += bench_int8(D, N, causal, config=cfg, warmup=warmup, rep=rep)
+        for fam in ("nvfp4", "qat"):
+            if fam in families:
+                batch += bench_fp4(D, N, causal, family=fam, warmup=warmup, rep=rep)
         for be in baselines:
             try:
                 batch += bench_sdpa(D, N, causal, be, warmup=warmup, rep=rep)

@@ -465,8 +465,10 @@ def intermediates(**opts):
 @click.option("--rep", type=click.IntRange(1), default=10, show_default=True, help="timed runs (median)")
 @click.option("--out", "out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="write JSON lines (environment header first)")
-def bench_cmd(quick, configs, baselines, memory, rep, out):
-    """Speed of the INT8 kernels (fwd, bwd, fwd+bwd; kernel-only and end-to-end) beside SDPA, with ratios.
+@click.option("--families", default="int8,nvfp4,qat", show_default=True,
+              help="kernel families: int8 (SageBwd fwd/bwd), nvfp4 (inference fwd), qat (FP4 QAT fwd/bwd)")
+def bench_cmd(quick, configs, baselines, memory, rep, out, families):
+    """Speed of the kernels (fwd, bwd, fwd+bwd; kernel-only and end-to-end) beside SDPA, with ratios.
 
     Shapes: batch * N = 16K tokens, heads * D = 2048, D in {64, 128}, causal and not (SPEC §8 FLOPs).
     """
@@ -482,6 +484,10 @@ def bench_cmd(quick, configs, baselines, memory, rep, out):
     for c in cfgs:
         if c not in ("default", "paper"):
             raise click.UsageError(f"--configs: {c!r} is not one of default, paper")
+    fams = tuple(f for f in families.split(",") if f)
+    for f in fams:
+        if f not in ("int8", "nvfp4", "qat"):
+            raise click.UsageError(f"--families: {f!r} is not one of int8, nvfp4, qat")
     bases = tuple(b for b in baselines.split(",") if b)
     for b in bases:
         if b not in ("flash", "cudnn"):
@@ -491,7 +497,8 @@ def bench_cmd(quick, configs, baselines, memory, rep, out):
         if fh:
             fh.write(json.dumps(dict(type="env", **environment())) + "\n")
         with _library_errors():
-            rows = bench.run_suite(bench.default_cases(quick=quick), configs=cfgs, baselines=bases, out=fh, rep=rep)
+            rows = bench.run_suite(bench.default_cases(quick=quick), configs=cfgs, baselines=bases, out=fh, rep=rep,
+                                   families=fams)
             if memory:
                 mem = bench.peak_memory()
                 rows += mem

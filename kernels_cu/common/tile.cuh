@@ -58,4 +58,22 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const char* smem, int 
   ldmatrix_x4(r, smem_u32(smem + swz<ROW_BYTES>(row, chunk)));
 }
 
+// ldmatrix.x4.trans over a swizzled b16 tile, same addressing as ldsm_x4<ROW_BYTES, A_ADDR>. Uses:
+// * A_ADDR = true on a tile stored [k][n] (k rows): the B operand (b0, b1 of n-tile c0, then of c0 + 1)
+//   of a product whose B is that tile, k16 chunk starting at row r0;
+// * A_ADDR = false on a tile stored [k][m]: the A operand a0..a3 of rows (m) c0*8..c0*8+15, k16 chunk at r0.
+template <int ROW_BYTES, bool A_ADDR>
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const char* smem, int r0, int c0, int lane) {
+  const int mi = lane >> 3, ri = lane & 7;
+  int row, chunk;
+  if (A_ADDR) {
+    row = r0 + ri + (mi & 1) * 8;
+    chunk = c0 + (mi >> 1);
+  } else {
+    row = r0 + ri + (mi >> 1) * 8;
+    chunk = c0 + (mi & 1);
+  }
+  ldmatrix_x4_trans(r, smem_u32(smem + swz<ROW_BYTES>(row, chunk)));
+}
+
 }  // namespace sage

@@ -1,0 +1,289 @@
+// FP4 QAT backward (Attn-QAT-style, SPEC §6) on fp16/bf16 tensor cores with fp32 accumulation.
+// One CTA = one block of 64 keys, 4 warps x 16 keys; it loops over the query heads of its kv head (GQA:
+// dK, dV summed in registers) and over the query tiles of 64 rows that can see its keys. Computed
+// transposed (keys as the mma M dimension) so that P^T and dS^T re-pack from accumulators into A operands:
+//   S^T   = K~ Q~^T                                  (Q~, K~, V~ = fq(Q), fq(K), fq(V): exact in fp16 and bf16)
+//   P^T   = exp2(S^T - lse2)                         the forward's P
+//   P_q^T = fq_P(P)^T: per query and 64-key tile, x = 2688 exp2(S - r) with r the tile's max logit (as the
+//           forward computes it), NVFP4 of x in 16-key blocks (one warp's 16 keys), times
+//           beta = exp2(r - lse2) / 2688
+//   dV   += P_q^T dO
+//   dP^T  = V~ dO^T
+//   dS^T  = P^T o (dP^T - delta),   delta = rowsum(dO o O')   (pre-computed)
+//   dK   += dS^T Q~                 (times sm_scale at the end)
+//   dQ   += dS K~ * sm_scale        dS^T goes through shared memory; fp32 atomics into dq_acc
+// Operands: q (BHq, nq_pad, D), k, v (BHkv, nk_pad, D) in T (zero rows beyond nq / nk); dout (caller strides,
+// rows >= nq zero-filled); lse2, delta (BHq, nq_pad); dq_acc (BHq, nq_pad, D) fp32, zeroed.
+#include "common/fp4.cuh"
+#include "common/mma.cuh"
+#include "common/numeric.cuh"
+#include "common/tile.cuh"
+
+using namespace sage;
+
+namespace {
+constexpr int BQ = 64, BKV = 64, THREADS = 128;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS)
+qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __restrict__ vt,
+             const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+             const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+             T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
+             T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
+             int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale, int causal) {
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  constexpr int ROWB = 2 * D;
+  const bool CAUSAL = causal != 0;
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 127) & ~127ull);
+  char* sK = smem;                       // 64 keys x D
+  char* sV = sK + BKV * ROWB;            // 64 keys x D
+  char* sQ = sV + BKV * ROWB;            // 64 queries x D
+  char* sdO = sQ + BQ * ROWB;            // 64 queries x D
+  char* sX = sdO + BQ * ROWB;            // dS^T: 64 keys x 64 queries (T)
+  float* sCmax = reinterpret_cast<float*>(sX + BKV * BQ * 2);  // 4 warps x 64 queries: block max logits
+  float* sR = sCmax + 4 * BQ;            // per query: tile max logit
+  float* sL = sR + BQ;                   // per query: lse2
+  float* sDel = sL + BQ;                 // per query: delta
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = Hq / Hkv;
+  const long long bhk = static_cast<long long>(b) * Hkv + hk;
+  const int k0 = kb * BKV, shift = nk - nq;
+  constexpr float LOG2_X_MAX = 11.392317422778761f, X_MAX = 2688.f;
+
+  load_tile_async<BKV, ROWB, THREADS>(sK, reinterpret_cast<const char*>(kt + (bhk * nk_pad + k0) * D), ROWB, tid);
+  load_tile_async<BKV, ROWB, THREADS>(sV, reinterpret_cast<const char*>(vt + (bhk * nk_pad + k0) * D), ROWB, tid);
+  cp_async_commit();
+
+  const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
+  float acc_dv[D / 8][4], acc_dk[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
+
+  const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
+  const int first_qt = first_row / BQ, n_qt = (nq + BQ - 1) / BQ;
+  const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;
+
+  for (int it = 0; it < n_it; ++it) {
+    const int h = hk * group + it / n_it_q, q0 = (first_qt + it % n_it_q) * BQ;
+    const long long bh = static_cast<long long>(b) * Hq + h;
+    __syncthreads();  // the previous iteration's readers of sQ, sdO, sX and the per-query arrays are done
+    load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
+    load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
+                                       dsn * 2, nq - q0, tid);
+    cp_async_commit();
+    if (tid < BQ) {
+      const int qrow = q0 + tid;
+      sL[tid] = qrow < nq ? lse2[bh * nq_pad + qrow] : INFINITY;
+      sDel[tid] = qrow < nq ? delta[bh * nq_pad + qrow] : 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    const bool need_mask = (CAUSAL && k0 + BKV - 1 > q0 + shift) || (k0 + BKV > nk) || (q0 + BQ > nq);
+
+    // S^T (16 keys x 64 queries per warp), base-2 logits, masked.
+    float s[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned a[4];
+      ldsm_x4<ROWB, true>(a, sK, warp * 16, 2 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned bq[4];
+        ldsm_x4<ROWB, false>(bq, sQ, np * 16, 2 * kk, lane);
+        const unsigned b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+        mma_f16<T>(s[2 * np], a, b0);
+        mma_f16<T>(s[2 * np + 1], a, b1);
+      }
+    }
+    float cmax[8][2];  // per query column: max logit over this warp's 16 keys (= the 16-key block)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[nt][e] * scale_log2;
+        if (need_mask) {
+          const int qrow = q0 + nt * 8 + 2 * t4 + (e & 1), key = key_lo + 8 * (e >> 1);
+          if (key >= nk || qrow >= nq || (CAUSAL && key > qrow + shift)) v = -INFINITY;
+        }
+        s[nt][e] = v;
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float c = nan_max(s[nt][j], s[nt][2 + j]);
+        c = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 4));
+        c = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 8));
+        cmax[nt][j] = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 16));
+      }
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+        *reinterpret_cast<float2*>(sCmax + warp * BQ + nt * 8 + 2 * t4) = make_float2(cmax[nt][0], cmax[nt][1]);
+    }
+    __syncthreads();
+    if (tid < BQ)
+      sR[tid] = nan_max(nan_max(sCmax[tid], sCmax[BQ + tid]), nan_max(sCmax[2 * BQ + tid], sCmax[3 * BQ + tid]));
+    __syncthreads();
+
+    // P, P_q (packed as the A operand of dV), per query column.
+    float p[8][4];
+    unsigned pa[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float pq[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int qi = nt * 8 + 2 * t4 + j;
+        const float r = sR[qi], l2 = sL[qi];
+        const bool seen = r != -INFINITY;
+        const float base = seen ? LOG2_X_MAX - r : 0.f;
+        const float beta = seen ? exp2f(r - l2) / X_MAX : 0.f;
+        const float amax = fast_exp2(cmax[nt][j] + base);
+        const float sc = e4m3_block_scale(amax);
+        const float inv = sc > 0.f ? __frcp_rn(sc) : 0.f;
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const float sv = s[nt][2 * hi + j];
+          const float x = fast_exp2(sv + base);
+          pq[2 * hi + j] = e2m1_round_nonneg(x * inv) * sc * beta;
+          p[nt][2 * hi + j] = fast_exp2(sv - l2);
+        }
+      }
+      // accumulator n-tile nt (queries nt*8..) -> A fragment of k16 chunk nt/2: a0/a1 (even tile), a2/a3 (odd)
+      const int kk = nt >> 1, hi = nt & 1;
+      pa[kk][2 * hi] = pack2<T>(pq[0], pq[1]);
+      pa[kk][2 * hi + 1] = pack2<T>(pq[2], pq[3]);
+    }
+
+    // dV += P_q^T dO   (B = dO stored [query][d]: transposed ldmatrix)
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        unsigned bv[4];
+        ldsm_x4_trans<ROWB, true>(bv, sdO, kk * 16, 2 * dp, lane);
+        const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
+        mma_f16<T>(acc_dv[2 * dp], pa[kk], b0);
+        mma_f16<T>(acc_dv[2 * dp + 1], pa[kk], b1);
+      }
+    }
+
+    // dP^T = V~ dO^T (16 keys x 64 queries per warp)
+    float dpt[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dpt[i][0] = dpt[i][1] = dpt[i][2] = dpt[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned a[4];
+      ldsm_x4<ROWB, true>(a, sV, warp * 16, 2 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned bo[4];
+        ldsm_x4<ROWB, false>(bo, sdO, np * 16, 2 * kk, lane);
+        const unsigned b0[2] = {bo[0], bo[1]}, b1[2] = {bo[2], bo[3]};
+        mma_f16<T>(dpt[2 * np], a, b0);
+        mma_f16<T>(dpt[2 * np + 1], a, b1);
+      }
+    }
+    // dS^T = P^T (dP^T - delta): A operand of dK, and stored [key][query] for dQ.
+    unsigned da[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int qc = nt * 8 + 2 * t4;
+      const float d0 = sDel[qc], d1 = sDel[qc + 1];
+      const unsigned lo = pack2<T>(p[nt][0] * (dpt[nt][0] - d0), p[nt][1] * (dpt[nt][1] - d1));
+      const unsigned hi = pack2<T>(p[nt][2] * (dpt[nt][2] - d0), p[nt][3] * (dpt[nt][3] - d1));
+      const int kk = nt >> 1, h2 = nt & 1;
+      da[kk][2 * h2] = lo;
+      da[kk][2 * h2 + 1] = hi;
+      const int krow = warp * 16 + g;
+      *reinterpret_cast<unsigned*>(sX + swz<BQ * 2>(krow, nt) + 4 * t4) = lo;
+      *reinterpret_cast<unsigned*>(sX + swz<BQ * 2>(krow + 8, nt) + 4 * t4) = hi;
+    }
+    // dK += dS^T Q~   (B = Q~ stored [query][d]: transposed ldmatrix)
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        unsigned bq[4];
+        ldsm_x4_trans<ROWB, true>(bq, sQ, kk * 16, 2 * dp, lane);
+        const unsigned b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
+        mma_f16<T>(acc_dk[2 * dp], da[kk], b0);
+        mma_f16<T>(acc_dk[2 * dp + 1], da[kk], b1);
+      }
+    }
+    __syncthreads();  // sX complete
+    // dQ[q0 + 16 warp .. +15] += sm_scale * dS K~   (A = dS from sX [key][query], B = K~ [key][d]: both transposed)
+    {
+      unsigned xa[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) ldsm_x4_trans<BQ * 2, false>(xa[kk], sX, kk * 16, 2 * warp, lane);
+      const int qrow = q0 + warp * 16 + g;
+      float* dst = dq_acc + (bh * nq_pad + qrow) * D;
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          unsigned bk[4];
+          ldsm_x4_trans<ROWB, true>(bk, sK, kk * 16, 2 * dp, lane);
+          const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+          mma_f16<T>(acc[0], xa[kk], b0);
+          mma_f16<T>(acc[1], xa[kk], b1);
+        }
+        if (qrow < nq || qrow + 8 < nq) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = (2 * dp + j) * 8 + 2 * t4;
+            if (qrow < nq) {
+              atomicAdd(dst + col, acc[j][0] * sm_scale);
+              atomicAdd(dst + col + 1, acc[j][1] * sm_scale);
+            }
+            if (qrow + 8 < nq) {
+              atomicAdd(dst + 8 * D + col, acc[j][2] * sm_scale);
+              atomicAdd(dst + 8 * D + col + 1, acc[j][3] * sm_scale);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: dK * sm_scale, dV, in T with the caller's strides.
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int col = nt * 8 + 2 * t4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = key_lo + 8 * r;
+      if (key < nk) {
+        *reinterpret_cast<unsigned*>(dk + b * ksb + hk * ksh + key * ksn + col) =
+            pack2<T>(acc_dk[nt][2 * r] * sm_scale, acc_dk[nt][2 * r + 1] * sm_scale);
+        *reinterpret_cast<unsigned*>(dv + b * vvb + hk * vvh + key * vvn + col) =
+            pack2<T>(acc_dv[nt][2 * r], acc_dv[nt][2 * r + 1]);
+      }
+    }
+  }
+}
+
+// dq_acc (BHq, nq_pad, D) fp32 -> dq (T, caller strides). grid (ceil(nq / 8), Hq, B), block 256.
+template <typename T>
+__global__ void qat_dq_convert(const float* __restrict__ acc, int nq, int nq_pad, int d, T* __restrict__ dq,
+                               long long sb, long long sh, long long sn) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int row = blockIdx.x * 8 + threadIdx.x / 32;
+  if (row >= nq) return;
+  const float* src = acc + ((static_cast<long long>(b) * H + h) * nq_pad + row) * d;
+  T* dst = dq + b * sb + h * sh + row * sn;
+  for (int c = 2 * (threadIdx.x % 32); c < d; c += 64)
+    *reinterpret_cast<unsigned*>(dst + c) = pack2<T>(src[c], src[c + 1]);
+}

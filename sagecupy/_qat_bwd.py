@@ -1,0 +1,81 @@
+"""The FP4 QAT backward launch (kernels_cu/qat_attn_bwd.cu); the public entry is :func:`sagecupy.qat.backward`."""
+from __future__ import annotations
+
+from . import _checks
+from ._loader import get_function
+
+_T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+def kernel_names() -> dict:
+    names = []
+    for T in _T.values():
+        names += [f"qat_attn_bwd<{T}, {D}>" for D in (64, 128)]
+        names.append(f"qat_dq_convert<{T}>")
+    return {"qat_attn_bwd.cu": names}
+
+
+def smem_bytes(D: int) -> int:
+    return 4 * 64 * 2 * D + 64 * 64 * 2 + (4 * 64 + 3 * 64) * 4 + 128
+
+
+def _as_dtype(x16, dtype):
+    """fp16 array -> the backward's operand type: itself (fp16) or the bf16 bits of the same values (exact:
+    fake-quantized values have at most 6 significant bits)."""
+    import cupy
+
+    if dtype == "float16":
+        return x16
+    return (x16.astype(cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+def backward(res, do):
+    import cupy
+
+    from .int8 import _empty, _prepare, _strides
+    from .nvfp4 import _as_float32_hnd
+    from .qat import Residuals
+
+    if not isinstance(res, Residuals):
+        raise TypeError(f"residuals must be the Residuals returned by sagecupy.qat.forward, got {type(res).__name__}")
+    p = res.problem
+    do = _checks.as_cupy(do, "do")
+    shape = (p.batch, p.heads_q, p.nq, p.head_dim) if p.layout == "HND" else (p.batch, p.nq, p.heads_q, p.head_dim)
+    if tuple(do.shape) != shape:
+        raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {shape}")
+    if _checks.dtype_name(do.dtype) != p.dtype:
+        raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
+    do = _prepare(do, "do", p.layout, True)
+    B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
+    nq_pad, nk_pad = res.q_t.shape[2], res.k_t.shape[2]
+    T = _T[p.dtype]
+    # delta = rowsum(dO o O') (O', not O: SPEC §6)
+    delta = cupy.zeros((B, Hq, nq_pad), dtype=cupy.float32)
+    delta[:, :, :nq] = (_as_float32_hnd(do, p.layout) * res.o_prime[:, :, :nq]).sum(axis=-1)
+    q_t = _as_dtype(res.q_t, p.dtype)
+    k_t = _as_dtype(res.k_t, p.dtype)
+    v_n = _as_dtype(cupy.ascontiguousarray(res.vt_t.transpose(0, 1, 3, 2)), p.dtype)  # (B, Hkv, nk_pad, D)
+    dq_acc = cupy.zeros((B, Hq, nq_pad, D), dtype=cupy.float32)
+    dk = _empty((B, Hkv, nk, D), p.layout, p.dtype)
+    dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
+    dsb, dsh, dsn = _strides(do, p.layout)
+    ksb, ksh, ksn = _strides(dk, p.layout)
+    vvb, vvh, vvn = _strides(dv, p.layout)
+    name = f"qat_attn_bwd<{T}, {D}>"
+    fn = get_function("qat_attn_bwd.cu", name, all_names=(name, f"qat_dq_convert<{T}>"))
+    smem = smem_bytes(D)
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    log2e = 1.4426950408889634
+    fn((nk_pad // 64, Hkv, B), (128,),
+       (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta, dq_acc,
+        dk, i64(ksb), i64(ksh), i64(ksn), dv, i64(vvb), i64(vvh), i64(vvn),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
+        i32(int(p.causal))),
+       shared_mem=smem)
+    dq = _empty((B, Hq, nq, D), p.layout, p.dtype)
+    qsb, qsh, qsn = _strides(dq, p.layout)
+    conv = get_function("qat_attn_bwd.cu", f"qat_dq_convert<{T}>", all_names=(name, f"qat_dq_convert<{T}>"))
+    conv(((nq + 7) // 8, Hq, B), (256,), (dq_acc, i32(nq), i32(nq_pad), i32(D), dq, i64(qsb), i64(qsh), i64(qsn)))
+    return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))
