@@ -56,17 +56,21 @@ struct Fp4FwdShape {
 // both) and keeps their scale bytes in one register.
 
 // K tile `tile` (units: key x 16-channel block), zero beyond nk. Returns the scale bytes (byte j: unit j).
+// (kc, ks point at this head's rows; the tile's rows start at tile * BKV; within a tile the offsets fit int.)
 template <int D, int THREADS, int NU>
 __device__ __forceinline__ unsigned stage_k_packed(char* stg, const unsigned char* kc, const unsigned char* ks,
                                                    int tile, int nk, int tid) {
   constexpr int BPR = D / 16;
+  const unsigned char* kct = kc + static_cast<long long>(tile) * (BKV * D / 2);
+  const unsigned char* kst = ks + static_cast<long long>(tile) * (BKV * BPR);
+  const int rows_left = nk - tile * BKV;
   unsigned sc = 0u;
 #pragma unroll
   for (int j = 0; j < NU; ++j) {
-    const int u = tid + j * THREADS, row = u / BPR, blk = u % BPR, key = tile * BKV + row;
-    const bool ok = key < nk;
-    cp_async_8_zfill(smem_u32(stg + u * 8), kc + (ok ? static_cast<long long>(key) * (D / 2) + blk * 8 : 0), ok);
-    if (ok) sc |= static_cast<unsigned>(__ldg(ks + static_cast<long long>(key) * BPR + blk)) << (8 * j);
+    const int u = tid + j * THREADS, row = u / BPR;
+    const bool ok = row < rows_left;
+    cp_async_8_zfill(smem_u32(stg + u * 8), kct + (ok ? u * 8 : 0), ok);  // unit u = row * BPR + blk: bytes 8u
+    if (ok) sc |= static_cast<unsigned>(__ldg(kst + u)) << (8 * j);
   }
   return sc;
 }
@@ -76,12 +80,15 @@ template <int D, int THREADS, int NU>
 __device__ __forceinline__ unsigned stage_v_packed(char* stg, const unsigned char* vc, const unsigned char* vs,
                                                    int tile, int n16, int tid) {
   unsigned sc = 0u;
+  const unsigned char* vct = vc + tile * (BKV / 2);
+  const unsigned char* vst = vs + tile * (BKV / 16);
+  const int toks_left = n16 - tile * BKV;
 #pragma unroll
   for (int j = 0; j < NU; ++j) {
-    const int u = tid + j * THREADS, ch = u / 4, tb = u % 4, tok = tile * BKV + tb * 16;
-    const bool ok = tok < n16;
-    cp_async_8_zfill(smem_u32(stg + u * 8), vc + (ok ? static_cast<long long>(ch) * (n16 / 2) + tok / 2 : 0), ok);
-    if (ok) sc |= static_cast<unsigned>(__ldg(vs + static_cast<long long>(ch) * (n16 / 16) + tok / 16)) << (8 * j);
+    const int u = tid + j * THREADS, ch = u / 4, tb = u % 4;
+    const bool ok = tb * 16 < toks_left;
+    cp_async_8_zfill(smem_u32(stg + u * 8), vct + (ok ? ch * (n16 / 2) + tb * 8 : 0), ok);
+    if (ok) sc |= static_cast<unsigned>(__ldg(vst + ch * (n16 / 16) + tb)) << (8 * j);
   }
   return sc;
 }
@@ -245,7 +252,8 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
         mma_f16<__half>(s[2 * np + 1], qf, b1);
       }
     }
-    // Scale to base-2 logits, mask, tile row max.
+    // Mask, tile row max (of the raw products: scale_log2 > 0 commutes with max; it is applied inside
+    // the exponent, x = 2^(s * scale_log2 + base), one FFMA per element).
     float rmax[2] = {-INFINITY, -INFINITY};
     const bool need_mask = tile >= first_masked;
 #pragma unroll
@@ -253,20 +261,21 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       const int key = tile * BKV + nt * 8 + 2 * t4;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e] * scale_log2;
+        float v = s[nt][e];
         if (need_mask) {
           const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
           if (kk >= nk || (CAUSAL && kk > row + shift)) v = -INFINITY;
         }
         s[nt][e] = v;
-        rmax[e >> 1] = nan_max(rmax[e >> 1], v);
+        rmax[e >> 1] = fmaxf(rmax[e >> 1], v);  // a NaN logit reaches O through x and the row sum
       }
     }
     float alpha[2], beta[2], base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      rmax[r] = quad_max(rmax[r]);
-      const float m_new = nan_max(m[r], rmax[r]);
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2)) * scale_log2;
+      const float m_new = fmaxf(m[r], rmax[r]);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
       alpha[r] = exp2f(m[r] - m_use);
       if (TWO_LEVEL) {
@@ -291,16 +300,17 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1;
-          const float xv = fast_exp2(s[2 * kk + j][e] + base[r]);
+          const float xv = fast_exp2(fmaf(s[2 * kk + j][e], scale_log2, base[r]));
           x[r][2 * j + (e & 1)] = xv;
           lsum[r] += xv;
         }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float amax = nan_max(nan_max(x[r][0], x[r][1]), nan_max(x[r][2], x[r][3]));
-        amax = quad_max(amax);
-        const float sc = e4m3_block_scale(amax);
-        const float inv = sc > 0.f ? __frcp_rn(sc) : 0.f;  // NaN scale: inv 0, then 6 * NaN below
+        float amax = fmaxf(fmaxf(x[r][0], x[r][1]), fmaxf(x[r][2], x[r][3]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const float sc = e4m3_block_scale_fast(amax);
+        const float inv = rcp_approx(sc);
         float qv[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv) * sc;
@@ -315,6 +325,8 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
     }
     l[0] = fmaf(l[0], alpha[0], lsum[0] * beta[0]);
     l[1] = fmaf(l[1], alpha[1], lsum[1] * beta[1]);
+    // Rescale O (and O') by alpha only when some row's max moved (warp-uniform; alpha == 1 exactly otherwise).
+    const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
 
     // O = alpha * O + beta * (P^ V^) per 8-channel output tile; QAT: O' = alpha * O' + P~ V~.
 #pragma unroll
@@ -329,7 +341,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
         mma_f16<__half>(acc[1], pa[kk], b1);
         if constexpr (QAT) {
           // alpha applied first, then accumulated in place
-          if (kk == 0) {
+          if (kk == 0 && rescale) {
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
@@ -339,11 +351,18 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
           mma_f16<__half>(acc_p[2 * dp + 1], pp[kk], b1);
         }
       }
+      if (rescale) {
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj)
+        for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          acc_o[2 * dp + jj][e] = fmaf(acc_o[2 * dp + jj][e], alpha[e >> 1], acc[jj][e] * beta[e >> 1]);
+          for (int e = 0; e < 4; ++e)
+            acc_o[2 * dp + jj][e] = fmaf(acc_o[2 * dp + jj][e], alpha[e >> 1], acc[jj][e] * beta[e >> 1]);
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[2 * dp + jj][e] = fmaf(acc[jj][e], beta[e >> 1], acc_o[2 * dp + jj][e]);
+      }
     }
   }
 

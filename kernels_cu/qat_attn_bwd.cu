@@ -3,7 +3,7 @@
 // dK, dV summed in registers) and over the query tiles of 64 rows that can see its keys. Computed
 // transposed (keys as the mma M dimension) so that P^T and dS^T re-pack from accumulators into A operands:
 //   S^T   = K~ Q~^T                                  (Q~, K~, V~ = fq(Q), fq(K), fq(V): exact in fp16 and bf16)
-//   P^T   = exp2(S^T - lse2)                         the forward's P
+//   P^T   = exp2(S^T - lse2)                         the forward's P (logits S = scale_log2 * products)
 //   P_q^T = fq_P(P)^T: per query and 64-key tile, x = 2688 exp2(S - r) with r the tile's max logit (as the
 //           forward computes it), NVFP4 of x in 16-key blocks (one warp's 16 keys), times
 //           beta = exp2(r - lse2) / 2688
@@ -109,7 +109,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e] * scale_log2;
+        float v = s[nt][e];  // raw products; scale_log2 is applied inside the exponents (as the forward)
         if (need_mask) {
           const int qrow = q0 + nt * 8 + 2 * t4 + (e & 1), key = key_lo + 8 * (e >> 1);
           if (key >= nk || qrow >= nq || (CAUSAL && key > qrow + shift)) v = -INFINITY;
@@ -118,10 +118,11 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        float c = nan_max(s[nt][j], s[nt][2 + j]);
-        c = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 4));
-        c = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 8));
-        cmax[nt][j] = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 16));
+        // fmaxf: a NaN logit reaches the gradients through P itself
+        float c = fmaxf(s[nt][j], s[nt][2 + j]);
+        c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 4));
+        c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 8));
+        cmax[nt][j] = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 16));
       }
     }
     if (g == 0) {
@@ -131,7 +132,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
     }
     __syncthreads();
     if (tid < BQ)
-      sR[tid] = nan_max(nan_max(sCmax[tid], sCmax[BQ + tid]), nan_max(sCmax[2 * BQ + tid], sCmax[3 * BQ + tid]));
+      sR[tid] = fmaxf(fmaxf(sCmax[tid], sCmax[BQ + tid]), fmaxf(sCmax[2 * BQ + tid], sCmax[3 * BQ + tid])) * scale_log2;
     __syncthreads();
 
     // P, P_q (packed as the A operand of dV), per query column.
@@ -147,15 +148,15 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         const bool seen = r != -INFINITY;
         const float base = seen ? LOG2_X_MAX - r : 0.f;
         const float beta = seen ? exp2f(r - l2) / X_MAX : 0.f;
-        const float amax = fast_exp2(cmax[nt][j] + base);
-        const float sc = e4m3_block_scale(amax);
-        const float inv = sc > 0.f ? __frcp_rn(sc) : 0.f;
+        const float amax = fast_exp2(fmaf(cmax[nt][j], scale_log2, base));
+        const float sc = e4m3_block_scale_fast(amax);
+        const float inv = rcp_approx(sc);
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
           const float sv = s[nt][2 * hi + j];
-          const float x = fast_exp2(sv + base);
+          const float x = fast_exp2(fmaf(sv, scale_log2, base));
           pq[2 * hi + j] = e2m1_round_nonneg(x * inv) * sc * beta;
-          p[nt][2 * hi + j] = fast_exp2(sv - l2);
+          p[nt][2 * hi + j] = fast_exp2(fmaf(sv, scale_log2, -l2));
         }
       }
       // accumulator n-tile nt (queries nt*8..) -> A fragment of k16 chunk nt/2: a0/a1 (even tile), a2/a3 (odd)

@@ -113,11 +113,22 @@ __device__ __forceinline__ float e2m1_round_nonneg(float a) {
   const unsigned bits = __float_as_uint(a);
   const float big = __uint_as_float((bits + 0x1FFFFFu + ((bits >> 22) & 1u)) & 0xFFC00000u);
   const float r = a < 2.f ? small : big;
-  return r > 6.f ? 6.f : r;  // (NaN > 6) is false: NaN passes through
+  return fminf(r, 6.f);  // NaN becomes 6: callers must carry NaN another way (the attention row sums do)
 }
 
-// E4M3 block scale of a block maximum (max / 6 rounded to E4M3, saturating), as a float; NaN for a
-// NaN or infinite maximum.
-__device__ __forceinline__ float e4m3_block_scale(float amax) { return e4m3_decode(e4m3_scale_code(amax)); }
+// E4M3 block scale of a block maximum (max / 6 rounded to E4M3, saturating), as a float, for in-kernel
+// quantization of P: max / 6 as amax * fp32(1/6) (within an ulp of the quotient; P is an fp32
+// approximation anyway), hardware conversions. NaN gives the NaN code.
+__device__ __forceinline__ float e4m3_block_scale_fast(float amax) {
+  const unsigned code = __nv_cvt_float_to_fp8(amax * (1.0f / 6.0f), __NV_SATFINITE, __NV_E4M3);
+  return e4m3_decode(code);
+}
+
+// Approximate reciprocal (MUFU.RCP, within an ulp), 0 for 0.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return x > 0.f ? y : 0.f;
+}
 
 }  // namespace sage
