@@ -160,7 +160,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
     gks = ks + bhk * nk * (D / 16);
     gvc = vc + bhk * D * (n16 / 2);
     gvs = vs + bhk * D * (n16 / 16);
-    {  // Q: packed rows -> fp16 tile (rows >= nq zero), through the K staging slots
+    {  // Q: packed rows -> fp16 tile (rows >= nq zero), through the K (and V) staging slots
       constexpr int BPR = D / 16;
       unsigned qsc = 0u;
 #pragma unroll
@@ -172,7 +172,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       }
       cp_async_commit();
       cp_async_wait<0>();
-      static_assert(NU_Q * THREADS * 8 <= S::KSTG, "Q units fit the K staging area");
+      static_assert(NU_Q * THREADS * 8 <= S::KSTG + S::VSTG, "Q units fit the (contiguous) K and V staging areas");
       store_dequant<ROWB, D / 16, THREADS, NU_Q>(sQ, sKstg, qsc, tid);
     }
     if (n_tiles > 0) {

@@ -83,7 +83,14 @@ __all__ = [
 
 BACKENDS = ("auto", "reference", "gpu")
 DTYPES = ("fp16", "bf16")
-CONFIG_NAMES = ("default", "paper")
+#: Named configs per family (``--config``): SageBwd's presets, and the NVFP4 / QAT variants the accuracy
+#: tables compare (two-level P and K-smoothing on or off).
+FAMILY_CONFIGS = {
+    "int8": ("default", "paper"),
+    "nvfp4": ("default", "single-level-p", "no-smoothing", "plain"),
+    "qat": ("default",),
+}
+CONFIG_NAMES = ("default", "paper", "single-level-p", "no-smoothing", "plain")
 #: SPEC §7: the σ of Q and K in the sweep.
 SIGMAS = (1.0, 3.0, 5.0, 8.0, 10.0)
 #: SPEC §7 default sequence length on a GPU.
@@ -139,7 +146,7 @@ FAMILIES = tuple(_FAMILIES)
 #: Families whose GPU kernels this module knows how to call. Extend when a
 #: family's ``forward(q, k, v, *, causal, sm_scale, layout, config) -> (o, residuals)``
 #: (and ``backward(residuals, do)``) lands.
-GPU_FAMILIES = ("int8",)
+GPU_FAMILIES = ("int8", "nvfp4", "qat")
 
 
 def family(name: str) -> Family:
@@ -164,9 +171,13 @@ def resolve_config(family_name: str, config=None):
         return get_config(config)
     if config is None or config == "default":
         return fam.config_type()
+    if fam.name == "nvfp4" and config in FAMILY_CONFIGS["nvfp4"]:
+        changes = {"single-level-p": dict(two_level_p=False), "no-smoothing": dict(k_smoothing=False),
+                   "plain": dict(two_level_p=False, k_smoothing=False)}[config]
+        return NVFP4Config(name=config, **changes)
     raise ValueError(
-        f"config={config!r} is not supported for family {fam.name!r}; supported: 'default' "
-        f"(the presets 'paper' and 'default' are SageBwd's, family int8)"
+        f"config={config!r} is not supported for family {fam.name!r}; supported: "
+        f"{', '.join(repr(c) for c in FAMILY_CONFIGS[fam.name])}"
     )
 
 

@@ -267,7 +267,9 @@ def analysis_options(*, sigmas: bool = False, sigma: bool = False, load: bool = 
             click.option("--family", type=click.Choice(analysis.FAMILIES), default="int8", show_default=True,
                          help="int8: SageBwd; nvfp4: NVFP4 forward; qat: FP4 QAT."),
             click.option("--config", "config_name", type=click.Choice(analysis.CONFIG_NAMES), default="default",
-                         show_default=True, help="SageBwd preset (int8); nvfp4 and qat have one preset each."),
+                         show_default=True,
+                         help="int8: default | paper; nvfp4: default | single-level-p | no-smoothing | plain "
+                              "(two-level P and K-smoothing off); qat: default."),
             click.option("--n", type=_POSITIVE, default=None,
                          help=f"Sequence length (Nq = Nk). Default {analysis.GPU_DEFAULT_N} on the GPU, "
                               f"{analysis.CPU_DEFAULT_N} on the reference."),

@@ -25,7 +25,7 @@ from . import _checks
 from ._loader import device_capability, get_function
 from .config import NVFP4Config
 
-__all__ = ["attention", "attention_packed", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
+__all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
            "kernel_names"]
 
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -336,3 +336,10 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     o, lse = _launch(ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype, layout=layout, causal=causal,
                      sm_scale=sm_scale, two_level=two_level_p, qmk=lse_offset)
     return (o, lse) if return_lse else o
+
+
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+    """:func:`attention` in the ``forward -> (o, residuals)`` shape the other families share (the NVFP4
+    forward is inference-only: residuals is None). ``(o, lse, None)`` with ``return_lse``."""
+    o, lse = attention(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, return_lse=True, config=config)
+    return (o, lse, None) if return_lse else (o, None)

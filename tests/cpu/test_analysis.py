@@ -182,6 +182,11 @@ def test_resolve_config():
     assert isinstance(analysis.resolve_config("qat", None), QATConfig)
     with pytest.raises(ValueError, match="family 'nvfp4'"):
         analysis.resolve_config("nvfp4", "paper")
+    cfg = analysis.resolve_config("nvfp4", "plain")
+    assert (cfg.two_level_p, cfg.k_smoothing) == (False, False)
+    assert analysis.resolve_config("nvfp4", "single-level-p").k_smoothing is True
+    with pytest.raises(ValueError, match="family 'qat'"):
+        analysis.resolve_config("qat", "plain")
     with pytest.raises(ValueError, match="family='fp8'"):
         analysis.resolve_config("fp8", "default")
 
@@ -347,6 +352,8 @@ def fake_gpu(monkeypatch):
     calls = {}
     loader = types.ModuleType("sagecupy._loader")
     loader.gpu_status = lambda: (True, "fake device")
+    loader.get_function = lambda *a, **k: None  # the family modules import these; the fake never launches
+    loader.device_capability = lambda: (9, 0)
     int8 = types.ModuleType("sagecupy.int8")
 
     def forward(q, k, v, *, causal, sm_scale, layout, config):
@@ -367,9 +374,8 @@ def fake_gpu(monkeypatch):
 
 def test_fake_gpu_backend(fake_gpu):
     assert analysis.resolve_backend("auto", "int8")[0] == "gpu"
-    assert analysis.resolve_backend("auto", "nvfp4")[0] == "reference"  # no kernels for it
-    with pytest.raises(analysis.BackendUnavailable, match="planned"):
-        analysis.resolve_backend("gpu", "qat")
+    assert analysis.resolve_backend("auto", "nvfp4")[0] == "gpu"  # every family has kernels now
+    assert analysis.resolve_backend("gpu", "qat")[0] == "gpu"
     assert analysis.family_status("int8")["gpu"] is True
     spec = _spec(backend="gpu")
     records = analysis.accuracy_sweep(spec, sigmas=(1,))
