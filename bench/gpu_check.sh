@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the whole GPU test suite, run the key benchmarks,
 # print a short table last. Logs go to $OUT (the device tool brings them back).
-#   bash bench/gpu_check.sh [quick|full|all|tests|bench]
+#   bash bench/gpu_check.sh [quick|full|all|tests|bench|examples|tests+examples]
 #   quick: tests + N in {4K, 16K};  full: tests + N 1K..32K;  all: full + GPU accuracy sweeps (SPEC §7)
 #   SAGECUPY_BENCH_FAMILIES=int8,nvfp4,qat (default: all) picks the kernel families timed;
 #   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run.
@@ -17,7 +17,7 @@ from sagecupy._loader import gpu_status, cuda_include_dir
 print("cupy", cupy.__version__, "bfloat16:", hasattr(cupy, "bfloat16"), "gpu:", gpu_status(), "inc:", cuda_include_dir())
 PY
 status=0
-if [ "$what" != bench ]; then
+if [ "$what" != bench ] && [ "$what" != examples ]; then
   timeout 420 python3 -m pytest ${SAGECUPY_TESTS:-tests/gpu} --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
@@ -34,7 +34,7 @@ for r in rows:
 PY
   done
 fi
-if [ "$what" != tests ]; then
+if [ "$what" != tests ] && [ "$what" != examples ] && [ "$what" != tests+examples ]; then
   flag="--quick --memory"; { [ "$what" = full ] || [ "$what" = all ]; } && flag=--memory
   timeout 400 python3 bench/run_bench.py $flag --families "${SAGECUPY_BENCH_FAMILIES:-int8,nvfp4,qat}" \
     --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
@@ -44,6 +44,14 @@ if [ "$what" != tests ]; then
     SAGECUPY_DEFINES=$SAGECUPY_EXPERIMENT timeout 300 python3 bench/run_bench.py $flag --baselines "" --out "$OUT/bench_exp.jsonl" \
       2>"$OUT/bench_exp.err" | grep sagecupy | tee "$OUT/bench_exp_table.txt"
   fi
+fi
+if [ "$what" = examples ] || [ "$what" = tests+examples ]; then  # issue 5's training examples (loss curves as JSON)
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for ex in "recall.py --backend cupy" recall_torch.py recall_jax.py; do
+    name=$(echo "$ex" | cut -d' ' -f1 | sed 's/.py//')
+    echo "== python examples/$ex --steps 300"
+    /usr/bin/time -f "%e s" timeout 240 python3 examples/$ex --steps 300 --out "$OUT/$name.json" 2>&1 | tail -6
+  done
 fi
 echo "== pytest summary:"; tail -1 "$OUT/pytest_gpu.log" 2>/dev/null
 exit $status
