@@ -393,3 +393,19 @@ def test_error_paths():
         nvfp4.attention_packed(bad)
     with pytest.raises(TypeError, match="uint8"):
         nvfp4.attention_packed(dict(ops, k_scales=ops["k_scales"].astype(cp.int32)))
+
+
+def test_cta_size_does_not_change_the_result(monkeypatch):
+    """4- and 8-warp CTAs (SAGECUPY_FP4_WARPS) compute every row the same way: bitwise equal outputs."""
+    cp = _cp()
+    from sagecupy import nvfp4, qat
+
+    (q, k, v, do), _ = _inputs(13, 1, 4, 2, 300, 200, 128, "NHD", "bfloat16")
+    out = {}
+    for w in ("4", "8"):
+        monkeypatch.setenv("SAGECUPY_FP4_WARPS", w)
+        o1, lse1 = nvfp4.attention(q, k, v, causal=True, layout="NHD", return_lse=True)
+        o2, lse2, res = qat.forward(q, k, v, causal=True, layout="NHD", return_lse=True)
+        out[w] = [_raw(o1), lse1, _raw(o2), lse2, res.o_prime[:, :, :300]]
+    for a, b in zip(out["4"], out["8"]):
+        assert bool(cp.all((a == b) | (cp.isnan(a) & cp.isnan(b))))
