@@ -5,8 +5,13 @@ Tests marked ``gpu`` need CuPy and a CUDA device. Without one they are skipped
 GPU machine cannot pass by skipping.
 """
 import functools
+import os
 
 import pytest
+
+# JAX grabs 75% of the GPU's memory at its first use unless told not to; the CuPy kernels in the same
+# process need it (tests/gpu/test_jax_adapter.py sets this too, but another module may start JAX first).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def pytest_addoption(parser):

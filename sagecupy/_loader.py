@@ -167,8 +167,15 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
 
 
 def device_capability() -> tuple[int, int]:
-    """(major, minor) of the current CUDA device."""
+    """(major, minor) of the current CUDA device (cached per device: every kernel call asks)."""
     import cupy
 
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return _capability(cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_id: int) -> tuple[int, int]:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
     return int(props["major"]), int(props["minor"])
