@@ -87,8 +87,8 @@ __device__ __forceinline__ unsigned stage_v_packed(char* stg, const unsigned cha
   for (int j = 0; j < NU; ++j) {
     const int u = tid + j * THREADS, ch = u / 4, tb = u % 4;
     const bool ok = tb * 16 < toks_left;
-    cp_async_8_zfill(smem_u32(stg + u * 8), vct + (ok ? ch * (n16 / 2) + tb * 8 : 0), ok);
-    if (ok) sc |= static_cast<unsigned>(__ldg(vst + ch * (n16 / 16) + tb)) << (8 * j);
+    cp_async_8_zfill(smem_u32(stg + u * 8), vct + (ok ? static_cast<long long>(ch) * (n16 / 2) + tb * 8 : 0), ok);
+    if (ok) sc |= static_cast<unsigned>(__ldg(vst + static_cast<long long>(ch) * (n16 / 16) + tb)) << (8 * j);
   }
   return sc;
 }
@@ -172,6 +172,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       }
       cp_async_commit();
       cp_async_wait<0>();
+      asm volatile("" ::: "memory");  // the plain loads of the staging area below must not move above the wait
       static_assert(NU_Q * THREADS * 8 <= S::KSTG + S::VSTG, "Q units fit the (contiguous) K and V staging areas");
       store_dequant<ROWB, D / 16, THREADS, NU_Q>(sQ, sKstg, qsc, tid);
     }
@@ -180,6 +181,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       vsc = stage_v_packed<D, THREADS, NU_V>(sVstg, gvc, gvs, 0, n16, tid);
       cp_async_commit();
       cp_async_wait<0>();
+      asm volatile("" ::: "memory");
       store_dequant<ROWB, D / 16, THREADS, NU_K>(sK, sKstg, ksc, tid);
       store_dequant<BKV * 2, 4, THREADS, NU_V>(sV, sVstg, vsc, tid);
     }
@@ -218,6 +220,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
     if (tile + 1 < n_tiles) {
       if constexpr (PACKED) {
         cp_async_wait<0>();  // this thread's staged units of tile + 1
+        asm volatile("" ::: "memory");
         store_dequant<ROWB, D / 16, THREADS, NU_K>(sK + (st ^ 1) * S::K_BYTES, sKstg, ksc, tid);
         store_dequant<BKV * 2, 4, THREADS, NU_V>(sV + (st ^ 1) * S::V_BYTES, sVstg, vsc, tid);
         if (tile + 2 < n_tiles) {
@@ -226,8 +229,10 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
           cp_async_commit();
         }
       } else {
-        load_tile_async<BKV, ROWB, THREADS>(sK + (st ^ 1) * S::K_BYTES, gK16 + (tile + 1) * BKV * ROWB, ROWB, tid);
-        load_tile_async<D, BKV * 2, THREADS>(sV + (st ^ 1) * S::V_BYTES, gV16 + (tile + 1) * BKV * 2,
+        load_tile_async<BKV, ROWB, THREADS>(sK + (st ^ 1) * S::K_BYTES,
+                                            gK16 + static_cast<long long>(tile + 1) * BKV * ROWB, ROWB, tid);
+        load_tile_async<D, BKV * 2, THREADS>(sV + (st ^ 1) * S::V_BYTES,
+                                             gV16 + static_cast<long long>(tile + 1) * BKV * 2,
                                              static_cast<long long>(nk_pad) * 2, tid);
       }
     }
@@ -366,10 +371,13 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
     }
   }
 
-  // Epilogue: normalize, store O (T), O' (fp32), LSE.
+  // Epilogue: normalize, store O (T), O' (fp32), LSE. A row that sees no key (l == 0) stores exact zeros
+  // (not acc * 0: a NaN of V reaches acc through 0 * NaN in the MMA even for rows that do not see it).
+  if constexpr (!PACKED) cp_async_wait<0>();  // (a CTA that skipped every tile still has its Q copy pending)
 #pragma unroll
   for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
   const float inv_l[2] = {l[0] == 0.f ? 0.f : 1.f / l[0], l[1] == 0.f ? 0.f : 1.f / l[1]};
+  const bool none[2] = {l[0] == 0.f, l[1] == 0.f};
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
     const int col = nt * 8 + 2 * t4;
@@ -378,10 +386,10 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       const int row = r_lo + 8 * r;
       if (row < nq) {
         *reinterpret_cast<unsigned*>(o + b * osb + h * osh + row * osn + col) =
-            pack2<T>(acc_o[nt][2 * r] * inv_l[r], acc_o[nt][2 * r + 1] * inv_l[r]);
+            none[r] ? 0u : pack2<T>(acc_o[nt][2 * r] * inv_l[r], acc_o[nt][2 * r + 1] * inv_l[r]);
         if constexpr (QAT)
           *reinterpret_cast<float2*>(oprime + (bh * nq_pad + row) * D + col) =
-              make_float2(acc_p[nt][2 * r] * inv_l[r], acc_p[nt][2 * r + 1] * inv_l[r]);
+              none[r] ? make_float2(0.f, 0.f) : make_float2(acc_p[nt][2 * r] * inv_l[r], acc_p[nt][2 * r + 1] * inv_l[r]);
       }
     }
   }

@@ -195,7 +195,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         mma_f16<T>(dpt[2 * np + 1], a, b1);
       }
     }
-    // dS^T = P^T (dP^T - delta): A operand of dK, and stored [key][query] for dQ.
+    // dS^T = P^T (dP^T - delta): A operand of dK, and stored [key][query] for dQ. Rounded to T as
+    // FlashAttention does (fp16 dS can overflow when |dP - delta| approaches 65504; bf16 cannot).
     unsigned da[4][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {

@@ -19,6 +19,7 @@ subnormal scales, zero blocks (scale 0, codes +0) and blocks holding NaN/Inf (sc
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from . import _checks
@@ -36,8 +37,10 @@ _BKV = 64
 
 def fp4_warps() -> int:
     """Warps per FP4 forward CTA (16 query rows each): 8 by default (K/V tiles dequantized once per 128 query
-    rows: measured 17% faster than 4 on the H200, bench/NOTES.md); ``SAGECUPY_FP4_WARPS=4`` for experiments.
-    The result does not depend on it."""
+    rows: measured 17% faster than 4 on the H200, bench/NOTES.md); ``SAGECUPY_FP4_WARPS=4`` for experiments
+    (and for GPUs with less than ~104 KiB of shared memory per block at D=128). For finite inputs the result
+    does not depend on it (tested bitwise); with a NaN in V, rows that cannot see its block may or may not
+    turn NaN depending on which CTAs load the tile."""
     env = os.environ.get("SAGECUPY_FP4_WARPS", "8")
     if env not in ("4", "8"):
         raise ValueError(f"SAGECUPY_FP4_WARPS={env!r} is not supported; supported: '4', '8'")
@@ -188,14 +191,37 @@ def _check_device():
                          f"{cc[0]}.{cc[1]}")
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device_id: int) -> int:
+    """Largest dynamic shared memory a block may opt in to on this device (bytes)."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    attr = getattr(rt, "cudaDevAttrMaxSharedMemoryPerBlockOptin", 97)  # 97 in the CUDA runtime's enum
+    return int(rt.deviceGetAttribute(attr, device_id))
+
+
+def check_fwd_smem(D: int) -> None:
+    """ValueError if the FP4 forward's shared memory (at the configured CTA size) exceeds what the current
+    device allows a block (e.g. D=128 with 8 warps needs ~104 KiB; sm_86/sm_89 allow 99 KiB)."""
+    import cupy
+
+    need = fwd_smem_bytes(D, fp4_warps())
+    have = _smem_optin(cupy.cuda.Device().id)
+    if need > have:
+        raise ValueError(f"the FP4 forward at head_dim={D} with {fp4_warps()} warps per CTA needs {need} bytes of "
+                         f"shared memory per block; this device allows {have} (try SAGECUPY_FP4_WARPS=4)")
+
+
 def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
     """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
     Never raises."""
     try:
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+        p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
         cfg = _get_config(config)
         _check_device()
+        check_fwd_smem(p.head_dim)
     except Exception as exc:
         return False, str(exc)
     why = _unsupported_config(cfg)
@@ -218,7 +244,9 @@ def _u8(x, name, shape):
         raise TypeError(f"{name}.dtype={_checks.dtype_name(x.dtype)} is not supported; the exchange format is uint8")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name}.shape={tuple(x.shape)} must be {tuple(shape)}")
-    return cupy.ascontiguousarray(x)
+    if not x.flags.c_contiguous or x.data.ptr % 16:  # the kernel copies 8-byte units: aligned, dense rows
+        x = cupy.array(x, order="C", copy=True)
+    return x
 
 
 def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk):
@@ -263,6 +291,7 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     if why:
         raise ValueError(f"config: {why}")
     _check_device()
+    check_fwd_smem(p.head_dim)
     ops = quantize_inputs(q, k, v, layout=layout, k_smoothing=cfg.k_smoothing)
     qmk = None
     if ops["mu_k"] is not None:
@@ -301,8 +330,9 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
         raise ValueError(f"layout={layout!r} is not supported; supported: ('HND', 'NHD')")
     if out_dtype not in _T:
         raise ValueError(f"out_dtype={out_dtype!r} is not supported; supported: {tuple(_T)}")
-    if not isinstance(causal, bool) or not isinstance(two_level_p, bool):
+    if type(causal).__name__ not in ("bool", "bool_") or type(two_level_p).__name__ not in ("bool", "bool_"):
         raise TypeError(f"causal and two_level_p must be bools, got {causal!r}, {two_level_p!r}")
+    causal, two_level_p = bool(causal), bool(two_level_p)
     qp = _checks.as_cupy(packed["q_packed"], "packed['q_packed']")
     kp = _checks.as_cupy(packed["k_packed"], "packed['k_packed']")
     if len(qp.shape) != 4 or len(kp.shape) != 4:
@@ -312,7 +342,7 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     D = 2 * d2
     if D not in (64, 128):
         raise ValueError(f"head_dim={D} (from packed['q_packed'].shape[-1] * 2) is not supported; supported: (64, 128)")
-    if (Bk, dk2) != (B, d2) or Hq % Hkv or min(B, Hq, nq, nk) < 1:
+    if (Bk, dk2) != (B, d2) or min(B, Hq, Hkv, nq, nk) < 1 or Hq % Hkv:
         raise ValueError(f"packed shapes do not match: q_packed {tuple(qp.shape)}, k_packed {tuple(kp.shape)} "
                          f"(same B and D; q heads a multiple of kv heads; nothing empty)")
     n16 = (nk + 15) // 16 * 16
@@ -334,6 +364,7 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
         if tuple(lse_offset.shape) != (B, Hq, nq):
             raise ValueError(f"lse_offset.shape={tuple(lse_offset.shape)} must be {(B, Hq, nq)}")
     _check_device()
+    check_fwd_smem(D)
     o, lse = _launch(ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype, layout=layout, causal=causal,
                      sm_scale=sm_scale, two_level=two_level_p, qmk=lse_offset)
     return (o, lse) if return_lse else o

@@ -61,10 +61,13 @@ def _check_device():
 def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
     """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, why)."""
     try:
+        from .nvfp4 import check_fwd_smem
+
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+        p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
         cfg = _get_config(config)
         _check_device()
+        check_fwd_smem(p.head_dim)
     except Exception as exc:
         return False, str(exc)
     why = _unsupported_config(cfg)
@@ -103,7 +106,12 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
     H, N = (a1, a2) if layout == "HND" else (a2, a1)
     if D % 16:
         raise ValueError(f"head_dim={D} must be a multiple of 16 for NVFP4")
-    n_pad = _roundup(N, _BKV) if n_pad is None else n_pad
+    need = N if along == "channels" else _roundup(N, 16)
+    if n_pad is None:
+        n_pad = _roundup(N, _BKV)
+    elif isinstance(n_pad, bool) or not isinstance(n_pad, int) or n_pad < need or n_pad % 8:
+        raise ValueError(f"n_pad={n_pad!r} must be an int >= {need} (N{' rounded up to 16' if along == 'tokens' else ''}) "
+                         f"and a multiple of 8")
     sb, sh, sn = _strides(raw, layout)
     i32, i64 = cupy.int32, cupy.int64
     T = _T[dt]
@@ -150,7 +158,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     import cupy
 
     from .int8 import _empty, _strides
-    from .nvfp4 import fp4_warps, fwd_smem_bytes
+    from .nvfp4 import check_fwd_smem, fp4_warps, fwd_smem_bytes
 
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
@@ -159,6 +167,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     if why:
         raise ValueError(f"config: {why}")
     _check_device()
+    check_fwd_smem(p.head_dim)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     nq_pad, nk_pad = _roundup(nq, _BQ_PAD), _roundup(nk, _BKV)
     q_t = fake_quantize(q, layout=layout, along="channels", n_pad=nq_pad)

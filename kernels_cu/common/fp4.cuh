@@ -107,7 +107,7 @@ __device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, uns
 // Round a (>= 0, already divided by its block scale) to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}:
 // nearest, ties to even, saturating at 6. Below 2 the grid step is 0.5 (adding 1.5 * 2^22, whose fp32
 // ulp is 0.5, rounds to it, ties to even); from 2 on the grid keeps one mantissa bit (round the fp32
-// mantissa to its top bit, ties to even). NaN stays NaN.
+// mantissa to its top bit, ties to even). NaN gives 6 (see the return).
 __device__ __forceinline__ float e2m1_round_nonneg(float a) {
   const float small = __fsub_rn(__fadd_rn(a, 6291456.0f), 6291456.0f);
   const unsigned bits = __float_as_uint(a);

@@ -409,3 +409,41 @@ def test_cta_size_does_not_change_the_result(monkeypatch):
         out[w] = [_raw(o1), lse1, _raw(o2), lse2, res.o_prime[:, :, :300]]
     for a, b in zip(out["4"], out["8"]):
         assert bool(cp.all((a == b) | (cp.isnan(a) & cp.isnan(b))))
+
+
+def test_misaligned_packed_operands_and_bad_arguments():
+    """Exchange-format arrays that start at an odd address (a slice of a byte pool) are copied, not
+    handed to the 8-byte copies of the kernel; fake_quantize refuses a padding that would not fit."""
+    cp = _cp()
+    from sagecupy import nvfp4, qat
+
+    (q, k, v, _), _ = _inputs(17, 1, 2, 1, 40, 70, 64, "HND", "float16")
+    ops = nvfp4.quantize_inputs(q, k, v)
+    want = nvfp4.attention_packed(ops)
+    odd = {}
+    for key in ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales"):
+        pool = cp.zeros(ops[key].size + 1, dtype=cp.uint8)
+        pool[1:] = ops[key].ravel()
+        odd[key] = pool[1:].reshape(ops[key].shape)
+    assert odd["k_packed"].data.ptr % 16
+    got = nvfp4.attention_packed(odd)
+    assert bool((got == want).all())
+    with pytest.raises(ValueError, match="n_pad"):
+        qat.fake_quantize(q, n_pad=32)             # N = 40 rows do not fit
+    with pytest.raises(ValueError, match="n_pad"):
+        qat.fake_quantize(v, along="tokens", n_pad=76)  # not a multiple of 8
+    bad = dict(ops, k_packed=ops["k_packed"][:, :0], k_scales=ops["k_scales"][:, :0])
+    with pytest.raises(ValueError):
+        nvfp4.attention_packed(bad)
+
+
+def test_nan_in_v_leaves_rows_that_see_no_key_zero():
+    from sagecupy import nvfp4, qat
+
+    (q, k, v, _), _ = _inputs(19, 1, 1, 1, 70, 20, 64, "HND", "float16")
+    vv = _raw(v).copy()
+    vv[0, 0, 3, 5] = np.nan
+    for o in (nvfp4.attention(q, k, vv, causal=True), qat.forward(q, k, vv, causal=True)[0]):
+        o_h = _host(o)
+        assert np.all(o_h[0, 0, :50] == 0)          # rows 0..49 see no key (Nq - Nk = 50)
+        assert np.isnan(o_h[0, 0, 53:, 5]).all()    # rows that see token 3
