@@ -13,7 +13,7 @@ import os
 import platform
 import subprocess
 
-__all__ = ["environment", "git_commit", "gpu_info", "package_version"]
+__all__ = ["environment", "git_commit", "gpu_info", "kernel_hashes", "package_version"]
 
 # The CuPy distributions sagecupy's extras install (cuda12 / cuda13), then the source build.
 _CUPY_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy")
@@ -115,6 +115,19 @@ def environment() -> dict:
         "click": package_version("click"),
         "cupy": cupy_version,
         "cupy_distribution": cupy_dist,
+        "kernel_sources": kernel_hashes(),
     }
     env.update(gpu_info())
     return env
+
+
+def kernel_hashes() -> dict:
+    """``{file: sha256 prefix}`` of every kernel source as compiled (headers inlined): identifies the kernels a
+    result came from even where ``git_commit`` cannot (an installed copy, a machine with a stale ``.git``)."""
+    try:
+        from ._loader import kernel_dir, kernel_source
+
+        return {p.name: kernel_source(p.name).split("sha256:", 1)[1].split()[0]
+                for p in sorted(kernel_dir().glob("*.cu"))}
+    except Exception:  # never let the header break a run
+        return {}
