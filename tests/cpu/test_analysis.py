@@ -399,3 +399,12 @@ def test_to_host_reads_bf16_through_the_bits():
     got = analysis._to_host(FakeBF16(analysis.bf16_bits(x)))
     assert np.array_equal(got, analysis.round_to_dtype(x, "bf16"))
     assert analysis._to_host(np.float16([1.5])).dtype == np.float64
+
+
+def test_environment_records_kernel_source_hashes():
+    from sagecupy import _env
+    from sagecupy._loader import kernel_dir
+
+    hashes = _env.kernel_hashes()
+    assert set(hashes) == {p.name for p in kernel_dir().glob("*.cu")}
+    assert all(len(h) == 16 and int(h, 16) >= 0 for h in hashes.values())
