@@ -91,6 +91,8 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
 
     from .int8 import _strides
 
+    if along not in ("channels", "tokens"):
+        raise ValueError(f"along={along!r} is not supported; supported: 'channels', 'tokens'")
     x = _checks.as_cupy(x, "x")
     dt = _checks.dtype_name(x.dtype)
     if dt not in _T:
@@ -109,9 +111,10 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
     need = N if along == "channels" else _roundup(N, 16)
     if n_pad is None:
         n_pad = _roundup(N, _BKV)
-    elif isinstance(n_pad, bool) or not isinstance(n_pad, int) or n_pad < need or n_pad % 8:
-        raise ValueError(f"n_pad={n_pad!r} must be an int >= {need} (N{' rounded up to 16' if along == 'tokens' else ''}) "
-                         f"and a multiple of 8")
+    elif (isinstance(n_pad, bool) or not isinstance(n_pad, int) or n_pad < need
+          or (along == "tokens" and n_pad % 8)):  # tokens: 16-byte stores into rows of n_pad halves
+        raise ValueError(f"n_pad={n_pad!r} must be an int >= {need} (N{' rounded up to 16' if along == 'tokens' else ''})"
+                         f"{' and a multiple of 8' if along == 'tokens' else ''}")
     sb, sh, sn = _strides(raw, layout)
     i32, i64 = cupy.int32, cupy.int64
     T = _T[dt]
@@ -120,14 +123,12 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
         nblk = N * D // 16
         _quant_fn("nvfp4_fq_rows", T)(((nblk + 255) // 256, H, B), (256,),
                                       (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out))
-    elif along == "tokens":
+    else:  # tokens
         n16 = _roundup(N, 16)
         out = cupy.zeros((B, H, D, n_pad), dtype=cupy.float16)
         work = D * (n16 // 16)
         _quant_fn("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
                                         (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), i32(n_pad), out))
-    else:
-        raise ValueError(f"along={along!r} is not supported; supported: 'channels', 'tokens'")
     return out
 
 
