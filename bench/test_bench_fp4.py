@@ -9,18 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-CASES = [(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True)]
-
-
-def _inputs(D, N):
-    import cupy
-
-    from sagecupy.bench import _shape
-    from sagecupy.bf16 import BF16Array
-
-    B, H = _shape(D, N)
-    rng = cupy.random.default_rng(0)
-    return B, H, [BF16Array.from_float(rng.standard_normal((B, H, N, D), dtype=cupy.float32)) for _ in range(4)]
+from test_bench_int8 import CASES, _inputs  # noqa: E402  same shapes and inputs as the INT8 suite (same folder)
 
 
 @pytest.mark.parametrize("what", ["nvfp4-fwd-kernel", "nvfp4-fwd", "qat-fwd", "qat-bwd", "qat-fwdbwd"])

@@ -146,13 +146,8 @@ def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
     out = {}
     mu = None
     if k_smoothing:
-        raw, _, (B, H, N, D), _ = _prep(k, "k", layout)
-        axis = 2 if layout == "HND" else 1
-        if raw.dtype == cupy.float16:
-            f64 = raw.astype(cupy.float64)
-        else:  # bfloat16 bits
-            f64 = (raw.astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
-        mu = f64.mean(axis=axis).astype(cupy.float32)  # (B, H, D)
+        raw, _, _, _ = _prep(k, "k", layout)
+        mu = _as_float32_hnd(raw, layout).astype(cupy.float64).mean(axis=2).astype(cupy.float32)  # (B, H, D)
     out["q_packed"], out["q_scales"] = quantize_rows(q, layout=layout)
     out["k_packed"], out["k_scales"] = quantize_rows(k, layout=layout, mean=mu)
     out["v_packed"], out["v_scales"] = quantize_tokens(v, layout=layout)
@@ -213,19 +208,24 @@ def check_fwd_smem(D: int) -> None:
                          f"shared memory per block; this device allows {have} (try SAGECUPY_FP4_WARPS=4)")
 
 
-def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
-    """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
-    Never raises."""
+def _is_supported(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config) -> tuple[bool, str]:
+    """The ``is_supported`` of both FP4 families (this module's and :mod:`sagecupy.qat`'s): never raises."""
     try:
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
-        cfg = _get_config(config)
+        cfg = get_config(config)
         _check_device()
         check_fwd_smem(p.head_dim)
     except Exception as exc:
         return False, str(exc)
-    why = _unsupported_config(cfg)
+    why = unsupported_config(cfg)
     return (False, why) if why else (True, "")
+
+
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
+    """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
+    Never raises."""
+    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
 
 
 def _as_float32_hnd(x, layout):

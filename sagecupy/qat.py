@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _checks
-from ._loader import device_capability, get_function
+from ._loader import get_function
 from .config import QATConfig
+from .nvfp4 import _check_device, _is_supported, _prep
 
 __all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize"]
 
@@ -52,26 +53,10 @@ def _unsupported_config(cfg: QATConfig) -> str | None:
     return None
 
 
-def _check_device():
-    cc = device_capability()
-    if cc < (8, 0):
-        raise ValueError(f"the FP4 kernels need compute capability 8.0 or newer; this device is {cc[0]}.{cc[1]}")
-
-
 def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
-    """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, why)."""
-    try:
-        from .nvfp4 import check_fwd_smem
-
-        q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
-        cfg = _get_config(config)
-        _check_device()
-        check_fwd_smem(p.head_dim)
-    except Exception as exc:
-        return False, str(exc)
-    why = _unsupported_config(cfg)
-    return (False, why) if why else (True, "")
+    """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, why).
+    Never raises."""
+    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
 
 
 def _roundup(n, m):
@@ -89,25 +74,9 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
     ``along="tokens"`` -> ``fq(x)^T`` ``(B, H, D, n_pad)`` (V). ``n_pad`` defaults to N rounded up to 64."""
     import cupy
 
-    from .int8 import _strides
-
     if along not in ("channels", "tokens"):
         raise ValueError(f"along={along!r} is not supported; supported: 'channels', 'tokens'")
-    x = _checks.as_cupy(x, "x")
-    dt = _checks.dtype_name(x.dtype)
-    if dt not in _T:
-        raise TypeError(f"x.dtype={dt} is not supported; supported: {tuple(_T)}")
-    raw = _checks.raw(x)
-    if raw.ndim != 4:
-        raise ValueError(f"x must be 4-D, got shape {tuple(raw.shape)}")
-    if raw.strides[3] != raw.itemsize:
-        raw = cupy.ascontiguousarray(raw)
-    if layout not in ("HND", "NHD"):
-        raise ValueError(f"layout={layout!r} is not supported; supported: ('HND', 'NHD')")
-    B, a1, a2, D = raw.shape
-    H, N = (a1, a2) if layout == "HND" else (a2, a1)
-    if D % 16:
-        raise ValueError(f"head_dim={D} must be a multiple of 16 for NVFP4")
+    raw, T, (B, H, N, D), (sb, sh, sn) = _prep(x, "x", layout)
     need = N if along == "channels" else _roundup(N, 16)
     if n_pad is None:
         n_pad = _roundup(N, _BKV)
@@ -115,9 +84,7 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
           or (along == "tokens" and n_pad % 8)):  # tokens: 16-byte stores into rows of n_pad halves
         raise ValueError(f"n_pad={n_pad!r} must be an int >= {need} (N{' rounded up to 16' if along == 'tokens' else ''})"
                          f"{' and a multiple of 8' if along == 'tokens' else ''}")
-    sb, sh, sn = _strides(raw, layout)
     i32, i64 = cupy.int32, cupy.int64
-    T = _T[dt]
     if along == "channels":
         out = cupy.zeros((B, H, n_pad, D), dtype=cupy.float16)
         nblk = N * D // 16

@@ -21,47 +21,10 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-3
 
 
-def _cp():
-    import cupy
-
-    return cupy
-
-
-def _to_dev(x, dtype):
-    from sagecupy.bf16 import BF16Array
-
-    x32 = _cp().asarray(np.asarray(x, dtype=np.float32))
-    return x32.astype(_cp().float16) if dtype == "float16" else BF16Array.from_float(x32)
-
-
-def _f32(x):
-    return x.to_float32() if hasattr(x, "to_float32") else x.astype(_cp().float32)
-
-
-def _host(x):
-    return _f32(x).get().astype(np.float64)
-
-
-def _raw(x):
-    return getattr(x, "bits", x)
-
-
-def _round_to(x, dtype):
-    return _host(_to_dev(x, dtype))
-
-
-def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=1.0):
-    rng = np.random.default_rng(seed)
-
-    def shape(h, n):
-        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
-
-    q = rng.standard_normal(shape(Hq, Nq)) * sigma
-    k = rng.standard_normal(shape(Hkv, Nk)) * sigma + 0.5 * sigma * rng.standard_normal((1, 1, 1, D))
-    v = rng.standard_normal(shape(Hkv, Nk))
-    do = rng.standard_normal(shape(Hq, Nq))
-    dev = [_to_dev(x, dtype) for x in (q, k, v, do)]
-    return dev, [_host(x) for x in dev]
+# Device/host helpers shared with the INT8 kernel tests (same folder).
+from test_int8 import _cupy as _cp  # noqa: E402
+from test_int8 import _f32, _inputs, _raw, _round_to, _to_dev  # noqa: E402,F401
+from test_int8 import _to_host as _host  # noqa: E402
 
 
 _E4M3_MIDS = None
