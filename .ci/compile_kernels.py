@@ -5,7 +5,8 @@
 2. NVRTC (libnvrtc through ctypes, as CuPy does at run time) on the exact inlined source the loader
    builds, with the same name expressions: catches what only NVRTC rejects (no <math.h>, ...).
 
-Exit status 1 on any compile error. ``--spill-fail`` also fails on spills.
+Exit status 1 on any compile error or serialized wgmma (ptxas C7514/C7515). ``--spill-fail`` also fails on
+spills.
 """
 from __future__ import annotations
 
@@ -145,6 +146,12 @@ def main(argv=None):
                     failed = True
                     print(f"FAIL nvcc {arch} {filename}:\n{log}")
                     continue
+                # ptxas C7514/C7515: wgmma serialized (an accumulator or A register is touched while in
+                # flight, or the pipeline crosses a call): the kernel runs, at a fraction of its speed.
+                serial = sorted(set(re.findall(r"\(C751[45]\)[^\n]*", log)))
+                if serial:
+                    failed = True
+                    print(f"FAIL nvcc {arch} {filename}: wgmma serialized\n  " + "\n  ".join(serial))
                 rows = parse_ptxas(log)
                 for (fn, regs, st, ld), pretty in zip(rows, demangle([r[0] for r in rows])):
                     flag_s = "  SPILLS" if (st or ld) else ""

@@ -33,6 +33,6 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
-  int8_attn_fwd_impl<T, D, WARPS, false>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
+  int8_attn_fwd_impl<T, D, WARPS>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                   nk_pad, p_max, causal, v_block);
 }

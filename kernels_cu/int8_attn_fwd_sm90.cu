@@ -1,12 +1,12 @@
 // SageBwd forward on Hopper tensor cores (sm_90a only): the same algorithm and operands as
 // int8_attn_fwd.cu, with Q.K^T and P.V on wgmma (one m64nNk32 per warpgroup of 4 warps; Q, K and V^T
-// read from the swizzled shared tiles through descriptors, P from registers). Compile with
-// --gpu-architecture=sm_90a.
+// read from the swizzled shared tiles through descriptors, P from registers), software-pipelined
+// (common/int8_fwd.cuh). Compile with --gpu-architecture=sm_90a.
 #include "common/int8_fwd.cuh"
 
 using namespace sage;
 
-// Dynamic shared memory: (16 * WARPS + 6 * FWD_BKV) * D bytes + 1024 (alignment): a 3-stage K/V ring.
+// Dynamic shared memory: (16 * WARPS + 2 * FWD_WG_STAGES * FWD_BKV) * D bytes + 1024 (alignment): a 4-stage K/V ring.
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
 int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
@@ -16,6 +16,6 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    T* __restrict__ o, long long osb, long long osh, long long osn,
                    float* __restrict__ lse, float* __restrict__ lse2,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
-  int8_attn_fwd_impl<T, D, WARPS, true>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
+  int8_attn_fwd_wgmma_impl<T, D, WARPS>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                  nk_pad, p_max, causal, v_block);
 }

@@ -81,7 +81,9 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
         other = 8 if int8.forward_warps() == 4 else 4  # the other CTA size, for comparison in the same run
         row("fwd", f"kernel-{other}w", time_ms(lambda: int8._launch_forward(p, cfg, pre, None, other), warmup, rep))
         if device_capability() == (9, 0):  # the Hopper wgmma kernel too
-            row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
+            for w in (4, 8):
+                row("fwd", f"kernel-wgmma-{w}w",
+                    time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma", w), warmup, rep))
         row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
     o, res = int8.forward(q, k, v, causal=causal, config=config)
     if "bwd" in modes:

@@ -289,7 +289,7 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     w = forward_warps(warps)
     if forward_engine(engine) == "wgmma":
         fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}>", arch="sm_90a")
-        stages = 3
+        stages = 4  # FWD_WG_STAGES
     else:
         fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}>")
         stages = 2
@@ -328,7 +328,7 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (out[0], out[1]) if return_lse else out[0]
 
 
-_BWD_SMEM_EXTRA = 64 * 64 + (4 * 64 + 4 * 64 + 4) * 4
+_BWD_SMEM_EXTRA = 64 * 64 + (4 * 64 + 4 * 64 + 4 + 64) * 4  # sX, sCol, sQs/sL/sDel/sXs, sRed, sXi
 
 
 def _preprocess_backward(residuals, do):
