@@ -246,14 +246,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const int col = (2 * dp + j) * 8 + 2 * t4;
-            if (qrow < nq) {
-              atomicAdd(dst + col, acc[j][0] * sm_scale);
-              atomicAdd(dst + col + 1, acc[j][1] * sm_scale);
-            }
-            if (qrow + 8 < nq) {
-              atomicAdd(dst + 8 * D + col, acc[j][2] * sm_scale);
-              atomicAdd(dst + 8 * D + col + 1, acc[j][3] * sm_scale);
-            }
+            if (qrow < nq) atomic_add_f32x2(dst + col, acc[j][0] * sm_scale, acc[j][1] * sm_scale);
+            if (qrow + 8 < nq) atomic_add_f32x2(dst + 8 * D + col, acc[j][2] * sm_scale, acc[j][3] * sm_scale);
           }
         }
       }

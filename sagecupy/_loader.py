@@ -25,7 +25,7 @@ from pathlib import Path
 
 __all__ = ["gpu_status", "kernel_dir", "kernel_source", "get_function", "cuda_include_dir"]
 
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[ \t]*(?://[^\n]*)?$', re.MULTILINE)  # a trailing // comment too
 
 
 def kernel_dir() -> Path:

@@ -154,7 +154,7 @@ def forward_engine(engine: str | None = None) -> str:
 
 
 def _bwd_names(T, D):
-    return (f"int8_attn_bwd<{T}, {D}>", f"finish_dq<{T}>")
+    return (f"int8_attn_bwd<{T}, {D}>", f"int8_attn_bwd_dq<{T}, {D}>")
 
 
 def _qfn(name, T, D):
@@ -328,11 +328,11 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (out[0], out[1]) if return_lse else out[0]
 
 
-_BWD_SMEM_EXTRA = 64 * 64 + (4 * 64 + 4 * 64 + 4 + 64) * 4  # sX, sCol, sQs/sL/sDel/sXs, sRed, sXi
+_BWD_SMEM_EXTRA = (3 * 64 + 4) * 4  # dK/dV kernel: per-query q scale, lse2, delta; 4 floats of scratch
 
 
 def _preprocess_backward(residuals, do):
-    """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed Q/K codes."""
+    """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed (mma-permuted) Q and K codes."""
     import cupy
 
     if not isinstance(residuals, Residuals):
@@ -365,12 +365,13 @@ def _preprocess_backward(residuals, do):
     q_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
     _qfn(f"transpose_i8<{D}, true>", T, D)((nq_pad // 64, Hq, B), (256,), (r.q_codes, i32(nq_pad), q_t))
     k_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
-    _qfn(f"transpose_i8<{D}, false>", T, D)((nk_pad // 64, Hkv, B), (256,), (r.k_codes, i32(nk_pad), k_t))
+    _qfn(f"transpose_i8<{D}, true>", T, D)((nk_pad // 64, Hkv, B), (256,), (r.k_codes, i32(nk_pad), k_t))
     return dict(do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
 
 
 def _launch_backward(r, pre):
-    """The backward kernel (+ dQ conversion) alone, after :func:`_preprocess_backward`."""
+    """The two backward kernels alone (dK/dV, then dQ), after :func:`_preprocess_backward`. No atomics: the
+    gradients are bitwise repeatable."""
     import cupy
 
     p, cfg = r.problem, r.config
@@ -380,31 +381,39 @@ def _launch_backward(r, pre):
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     do = pre["do"]
     dsb, dsh, dsn = _strides(do, p.layout)
-    dq_acc = cupy.zeros((B, Hq, nq_pad, D), dtype=f32)
-
     v = r.v
     vsb, vsh, vsn = _strides(v, p.layout)
     dk = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
+    dq = _empty((B, Hq, nq, D), p.layout, p.dtype)
     ksb_, ksh_, ksn_ = _strides(dk, p.layout)
     vvb, vvh, vvn = _strides(dv, p.layout)
+    qsb, qsh, qsn = _strides(dq, p.layout)
+    ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     names = _bwd_names(T, D)
     fn = get_function("int8_attn_bwd.cu", names[0], all_names=names)
-    smem = 9 * 64 * D + _BWD_SMEM_EXTRA
+    smem = 8 * 64 * D + _BWD_SMEM_EXTRA  # K^, V, Q^, Q^^T, dO, dO^^T tiles + per-query arrays
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((nk_pad // 64, Hkv, B), (128,),
-       (r.q_codes, r.q_scale, pre["q_t"], r.k_codes, r.k_scale, pre["k_t"],
+       (r.q_codes, r.q_scale, pre["q_t"], r.k_codes, r.k_scale,
         v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn),
-        pre["do_t"], pre["do_scale"], r.lse2, pre["delta"], dq_acc,
+        pre["do_t"], pre["do_scale"], r.lse2, pre["delta"],
         dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
-        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max), f32(p.sm_scale),
-        i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), i32(int(cfg.ds_granularity == "rowcol"))),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
+        i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
        shared_mem=smem)
-    dq = _empty((B, Hq, nq, D), p.layout, p.dtype)
-    qsb, qsh, qsn = _strides(dq, p.layout)
-    get_function("int8_attn_bwd.cu", names[1], all_names=names)(
-        ((nq + 7) // 8, Hq, B), (256,), (dq_acc, i32(nq), i32(nq_pad), i32(D), dq, i64(qsb), i64(qsh), i64(qsn)))
+    fq = get_function("int8_attn_bwd.cu", names[1], all_names=names)
+    smem_q = 704 * D  # Q^, dO, two stages of K^, K^^T, V
+    if smem_q > 48 * 1024:
+        fq.max_dynamic_shared_size_bytes = smem_q
+    fq((nq_pad // 64, Hq, B), (128,),
+       (r.q_codes, r.q_scale, r.k_codes, r.k_scale, pre["k_t"],
+        v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn), r.lse2, pre["delta"],
+        dq, i64(qsb), i64(qsh), i64(qsn),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale), i32(int(p.causal)),
+        ds_rowcol),
+       shared_mem=smem_q)
     return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))
 
 
