@@ -4,7 +4,7 @@
 #   bash bench/gpu_check.sh [quick|full|all|tests|bench|examples|tests+examples]
 #   quick: tests + N in {4K, 16K};  full: tests + N 1K..32K;  all: full + GPU accuracy sweeps (SPEC §7)
 #   SAGECUPY_BENCH_FAMILIES=int8,nvfp4,qat (default: all) picks the kernel families timed;
-#   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run.
+#   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run; SAGECUPY_ACCURACY=1 adds the INT8 σ-sweep to any mode.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
@@ -21,7 +21,7 @@ if [ "$what" != bench ] && [ "$what" != examples ]; then
   timeout 420 python3 -m pytest ${SAGECUPY_TESTS:-tests/gpu} --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
-if [ "$what" = all ]; then
+if [ "$what" = all ] || [ -n "${SAGECUPY_ACCURACY:-}" ]; then  # INT8 σ-sweep (SPEC §7) on the GPU kernels
   for cfg in default paper; do
     echo "== sagecupy accuracy --backend gpu --config $cfg"
     timeout 200 sagecupy accuracy --backend gpu --config $cfg --format json --out "$OUT/acc_$cfg.jsonl"

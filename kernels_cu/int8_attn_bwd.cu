@@ -223,11 +223,15 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
       }
       // dK path: Y = diag(s_Q) dS, quantized per key (row here) or per tile.
       {
+        // Y in place of dS (dS has no other use in this kernel).
         float ymax[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) ymax[e >> 1] = nan_max(ymax[e >> 1], fabsf(p[nt][e] * sQs[nt * 8 + 2 * t4 + (e & 1)]));
+          for (int e = 0; e < 4; ++e) {
+            p[nt][e] *= sQs[nt * 8 + 2 * t4 + (e & 1)];
+            ymax[e >> 1] = nan_max(ymax[e >> 1], fabsf(p[nt][e]));
+          }
         float s_y[2];
         if (DS_ROWCOL) {
           s_y[0] = quad_max(ymax[0]) / 127.f;
@@ -241,7 +245,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         for (int nt = 0; nt < 8; ++nt) {
           unsigned c[4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) c[e] = f2s8_rn_fma(p[nt][e] * sQs[nt * 8 + 2 * t4 + (e & 1)], inv[e >> 1]);
+          for (int e = 0; e < 4; ++e) c[e] = f2s8_rn_fma(p[nt][e], inv[e >> 1]);
           pack_acc_bytes_as_a(ya, nt, c);
         }
 #pragma unroll

@@ -11,9 +11,11 @@
 //   dP^T  = V~ dO^T
 //   dS^T  = P^T o (dP^T - delta),   delta = rowsum(dO o O')   (pre-computed)
 //   dK   += dS^T Q~                 (times sm_scale at the end)
-//   dQ   += dS K~ * sm_scale        dS^T goes through shared memory; fp32 atomics into dq_acc
+// dQ has its own kernel (qat_attn_bwd_dq, below: one CTA per 64 query rows, recomputing S, P, dP and dS of
+// its rows, summing dQ = sm_scale * dS K~ in registers in key order), so nothing here needs atomics and the
+// gradients are bitwise repeatable.
 // Operands: q (BHq, nq_pad, D), k, v (BHkv, nk_pad, D) in T (zero rows beyond nq / nk); dout (caller strides,
-// rows >= nq zero-filled); lse2, delta (BHq, nq_pad); dq_acc (BHq, nq_pad, D) fp32, zeroed.
+// rows >= nq zero-filled); lse2, delta (BHq, nq_pad).
 #include "common/fp4.cuh"
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
@@ -29,7 +31,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(THREADS)
 qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __restrict__ vt,
              const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
-             const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc,
+             const float* __restrict__ lse2, const float* __restrict__ delta,
              T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
              T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale, int causal) {
@@ -42,8 +44,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   char* sV = sK + BKV * ROWB;            // 64 keys x D
   char* sQ = sV + BKV * ROWB;            // 64 queries x D
   char* sdO = sQ + BQ * ROWB;            // 64 queries x D
-  char* sX = sdO + BQ * ROWB;            // dS^T: 64 keys x 64 queries (T)
-  float* sCmax = reinterpret_cast<float*>(sX + BKV * BQ * 2);  // 4 warps x 64 queries: block max logits
+  float* sCmax = reinterpret_cast<float*>(sdO + BQ * ROWB);  // 4 warps x 64 queries: block max logits
   float* sR = sCmax + 4 * BQ;            // per query: tile max logit
   float* sL = sR + BQ;                   // per query: lse2
   float* sDel = sL + BQ;                 // per query: delta
@@ -73,7 +74,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   for (int it = 0; it < n_it; ++it) {
     const int h = hk * group + it / n_it_q, q0 = (first_qt + it % n_it_q) * BQ;
     const long long bh = static_cast<long long>(b) * Hq + h;
-    __syncthreads();  // the previous iteration's readers of sQ, sdO, sX and the per-query arrays are done
+    __syncthreads();  // the previous iteration's readers of sQ, sdO and the per-query arrays are done
     load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
     load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
                                        dsn * 2, nq - q0, tid);
@@ -195,7 +196,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         mma_f16<T>(dpt[2 * np + 1], a, b1);
       }
     }
-    // dS^T = P^T (dP^T - delta): A operand of dK, and stored [key][query] for dQ. Rounded to T as
+    // dS^T = P^T (dP^T - delta): A operand of dK. Rounded to T as
     // FlashAttention does (fp16 dS can overflow when |dP - delta| approaches 65504; bf16 cannot).
     unsigned da[4][4];
 #pragma unroll
@@ -207,9 +208,6 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
       const int kk = nt >> 1, h2 = nt & 1;
       da[kk][2 * h2] = lo;
       da[kk][2 * h2 + 1] = hi;
-      const int krow = warp * 16 + g;
-      *reinterpret_cast<unsigned*>(sX + swz<BQ * 2>(krow, nt) + 4 * t4) = lo;
-      *reinterpret_cast<unsigned*>(sX + swz<BQ * 2>(krow + 8, nt) + 4 * t4) = hi;
     }
     // dK += dS^T Q~   (B = Q~ stored [query][d]: transposed ldmatrix)
 #pragma unroll
@@ -221,35 +219,6 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         const unsigned b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
         mma_f16<T>(acc_dk[2 * dp], da[kk], b0);
         mma_f16<T>(acc_dk[2 * dp + 1], da[kk], b1);
-      }
-    }
-    __syncthreads();  // sX complete
-    // dQ[q0 + 16 warp .. +15] += sm_scale * dS K~   (A = dS from sX [key][query], B = K~ [key][d]: both transposed)
-    {
-      unsigned xa[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) ldsm_x4_trans<BQ * 2, false>(xa[kk], sX, kk * 16, 2 * warp, lane);
-      const int qrow = q0 + warp * 16 + g;
-      float* dst = dq_acc + (bh * nq_pad + qrow) * D;
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          unsigned bk[4];
-          ldsm_x4_trans<ROWB, true>(bk, sK, kk * 16, 2 * dp, lane);
-          const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
-          mma_f16<T>(acc[0], xa[kk], b0);
-          mma_f16<T>(acc[1], xa[kk], b1);
-        }
-        if (qrow < nq || qrow + 8 < nq) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int col = (2 * dp + j) * 8 + 2 * t4;
-            if (qrow < nq) atomic_add_f32x2(dst + col, acc[j][0] * sm_scale, acc[j][1] * sm_scale);
-            if (qrow + 8 < nq) atomic_add_f32x2(dst + 8 * D + col, acc[j][2] * sm_scale, acc[j][3] * sm_scale);
-          }
-        }
       }
     }
   }
@@ -271,15 +240,139 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   }
 }
 
-// dq_acc (BHq, nq_pad, D) fp32 -> dq (T, caller strides). grid (ceil(nq / 8), Hq, B), block 256.
-template <typename T>
-__global__ void qat_dq_convert(const float* __restrict__ acc, int nq, int nq_pad, int d, T* __restrict__ dq,
-                               long long sb, long long sh, long long sn) {
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-  const int row = blockIdx.x * 8 + threadIdx.x / 32;
-  if (row >= nq) return;
-  const float* src = acc + ((static_cast<long long>(b) * H + h) * nq_pad + row) * d;
-  T* dst = dq + b * sb + h * sh + row * sn;
-  for (int c = 2 * (threadIdx.x % 32); c < d; c += 64)
-    *reinterpret_cast<unsigned*>(dst + c) = pack2<T>(src[c], src[c + 1]);
+// dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory qat_dq_smem_bytes(D). One CTA = 64 query
+// rows (4 warps x 16) looping over the key tiles they see, in key order:
+//   S = Q~ K~^T, P = exp2(S * scale_log2 - lse2) (masked), dP = dO V~^T, dS = P o (dP - delta) rounded to T
+//   (the operations of qat_attn_bwd), dQ += dS K~, times sm_scale at the end.
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS)
+qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __restrict__ vt,
+                const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+                const float* __restrict__ lse2, const float* __restrict__ delta,
+                T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
+                int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale, int causal) {
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  constexpr int ROWB = 2 * D, STAGE = 2 * BKV * ROWB;
+  const bool CAUSAL = causal != 0;
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 127) & ~127ull);
+  char* sQ = smem;                       // 64 queries x D
+  char* sdO = sQ + BQ * ROWB;            // 64 queries x D
+  char* sStage = sdO + BQ * ROWB;        // 2 x (K~ 64 keys x D, V~ 64 keys x D)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int qblk = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (Hq / Hkv);
+  const long long bh = static_cast<long long>(b) * Hq + h, bhk = static_cast<long long>(b) * Hkv + hk;
+  const int q0 = qblk * BQ, shift = nk - nq;
+  int n_tiles = (nk + BKV - 1) / BKV;
+  if (CAUSAL) {
+    const int last_key = min(q0 + BQ - 1, nq - 1) + shift;  // largest key any real row sees
+    n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BKV + 1);
+  }
+
+  auto load_kv = [&](int tile) {
+    char* st = sStage + (tile & 1) * STAGE;
+    const long long off = (bhk * nk_pad + tile * BKV) * D;
+    load_tile_async<BKV, ROWB, THREADS>(st, reinterpret_cast<const char*>(kt + off), ROWB, tid);
+    load_tile_async<BKV, ROWB, THREADS>(st + BKV * ROWB, reinterpret_cast<const char*>(vt + off), ROWB, tid);
+  };
+  load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
+  load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
+                                     dsn * 2, nq - q0, tid);
+  if (n_tiles > 0) load_kv(0);
+  cp_async_commit();
+
+  const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
+  float l2[2], del[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r_lo + 8 * r;
+    l2[r] = row < nq ? lse2[bh * nq_pad + row] : INFINITY;
+    del[r] = row < nq ? delta[bh * nq_pad + row] : 0.f;
+  }
+  float acc_dq[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile resident; every warp is done with the stage the prefetch below overwrites
+    if (tile + 1 < n_tiles) load_kv(tile + 1);
+    cp_async_commit();
+    const char* cK = sStage + (tile & 1) * STAGE;
+    const char* cV = cK + BKV * ROWB;
+    const int k0 = tile * BKV;
+    const bool need_mask = (CAUSAL && k0 + BKV - 1 > q0 + shift) || (k0 + BKV > nk) || (q0 + BQ > nq);
+
+    // S = Q~ K~^T and dP = dO V~^T (16 rows x 64 keys per warp), fp32 accumulation.
+    float s[8][4], dpv[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = dpv[i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned aq[4], ao[4];
+      ldsm_x4<ROWB, true>(aq, sQ, warp * 16, 2 * kk, lane);
+      ldsm_x4<ROWB, true>(ao, sdO, warp * 16, 2 * kk, lane);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        unsigned bk[4], bv[4];
+        ldsm_x4<ROWB, false>(bk, cK, np * 16, 2 * kk, lane);
+        ldsm_x4<ROWB, false>(bv, cV, np * 16, 2 * kk, lane);
+        const unsigned k0b[2] = {bk[0], bk[1]}, k1b[2] = {bk[2], bk[3]};
+        const unsigned v0b[2] = {bv[0], bv[1]}, v1b[2] = {bv[2], bv[3]};
+        mma_f16<T>(s[2 * np], aq, k0b);
+        mma_f16<T>(s[2 * np + 1], aq, k1b);
+        mma_f16<T>(dpv[2 * np], ao, v0b);
+        mma_f16<T>(dpv[2 * np + 1], ao, v1b);
+      }
+    }
+    // dS = P o (dP - delta), rounded to T, packed as the A operand of dQ (k = keys).
+    unsigned da[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float sv = s[nt][e];
+        if (need_mask) {
+          const int key = k0 + nt * 8 + 2 * t4 + (e & 1), row = r_lo + 8 * (e >> 1);
+          if (key >= nk || row >= nq || (CAUSAL && key > row + shift)) sv = -INFINITY;
+        }
+        const float p = fast_exp2(fmaf(sv, scale_log2, -l2[e >> 1]));
+        ds[e] = p * (dpv[nt][e] - del[e >> 1]);
+      }
+      const int kk = nt >> 1, h2 = nt & 1;
+      da[kk][2 * h2] = pack2<T>(ds[0], ds[1]);
+      da[kk][2 * h2 + 1] = pack2<T>(ds[2], ds[3]);
+    }
+    // dQ += dS K~   (B = K~ stored [key][d]: transposed ldmatrix)
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        unsigned bk[4];
+        ldsm_x4_trans<ROWB, true>(bk, cK, kk * 16, 2 * dp, lane);
+        const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+        mma_f16<T>(acc_dq[2 * dp], da[kk], b0);
+        mma_f16<T>(acc_dq[2 * dp + 1], da[kk], b1);
+      }
+    }
+  }
+
+  // Epilogue: dQ * sm_scale in T with the caller's strides (rows that see no key get 0).
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int col = nt * 8 + 2 * t4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r_lo + 8 * r;
+      if (row < nq)
+        *reinterpret_cast<unsigned*>(dq + b * qsb + h * qsh + row * qsn + col) =
+            pack2<T>(acc_dq[nt][2 * r] * sm_scale, acc_dq[nt][2 * r + 1] * sm_scale);
+    }
+  }
 }

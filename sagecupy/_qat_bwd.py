@@ -11,12 +11,18 @@ def kernel_names() -> dict:
     names = []
     for T in _T.values():
         names += [f"qat_attn_bwd<{T}, {D}>" for D in (64, 128)]
-        names.append(f"qat_dq_convert<{T}>")
+        names += [f"qat_attn_bwd_dq<{T}, {D}>" for D in (64, 128)]
     return {"qat_attn_bwd.cu": names}
 
 
 def smem_bytes(D: int) -> int:
-    return 4 * 64 * 2 * D + 64 * 64 * 2 + (4 * 64 + 3 * 64) * 4 + 128
+    """The dK/dV kernel's: K~, V~, Q~, dO tiles, per-query arrays, alignment."""
+    return 4 * 64 * 2 * D + (4 * 64 + 3 * 64) * 4 + 128
+
+
+def dq_smem_bytes(D: int) -> int:
+    """The dQ kernel's: Q~ and dO tiles, two stages of K~ and V~, alignment."""
+    return 6 * 64 * 2 * D + 128
 
 
 def _as_dtype(x16, dtype):
@@ -55,27 +61,33 @@ def backward(res, do):
     q_t = _as_dtype(res.q_t, p.dtype)
     k_t = _as_dtype(res.k_t, p.dtype)
     v_n = _as_dtype(cupy.ascontiguousarray(res.vt_t.transpose(0, 1, 3, 2)), p.dtype)  # (B, Hkv, nk_pad, D)
-    dq_acc = cupy.zeros((B, Hq, nq_pad, D), dtype=cupy.float32)
     dk = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     dsb, dsh, dsn = _strides(do, p.layout)
     ksb, ksh, ksn = _strides(dk, p.layout)
     vvb, vvh, vvn = _strides(dv, p.layout)
-    name = f"qat_attn_bwd<{T}, {D}>"
-    fn = get_function("qat_attn_bwd.cu", name, all_names=(name, f"qat_dq_convert<{T}>"))
+    names = (f"qat_attn_bwd<{T}, {D}>", f"qat_attn_bwd_dq<{T}, {D}>")
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    log2e = 1.4426950408889634
+    fn = get_function("qat_attn_bwd.cu", names[0], all_names=names)
     smem = smem_bytes(D)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    log2e = 1.4426950408889634
     fn((nk_pad // 64, Hkv, B), (128,),
-       (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta, dq_acc,
+       (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta,
         dk, i64(ksb), i64(ksh), i64(ksn), dv, i64(vvb), i64(vvh), i64(vvn),
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
         i32(int(p.causal))),
        shared_mem=smem)
     dq = _empty((B, Hq, nq, D), p.layout, p.dtype)
     qsb, qsh, qsn = _strides(dq, p.layout)
-    conv = get_function("qat_attn_bwd.cu", f"qat_dq_convert<{T}>", all_names=(name, f"qat_dq_convert<{T}>"))
-    conv(((nq + 7) // 8, Hq, B), (256,), (dq_acc, i32(nq), i32(nq_pad), i32(D), dq, i64(qsb), i64(qsh), i64(qsn)))
+    fq = get_function("qat_attn_bwd.cu", names[1], all_names=names)
+    smem_q = dq_smem_bytes(D)
+    if smem_q > 48 * 1024:
+        fq.max_dynamic_shared_size_bytes = smem_q
+    fq((nq_pad // 64, Hq, B), (128,),
+       (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta, dq, i64(qsb), i64(qsh), i64(qsn),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
+        i32(int(p.causal))),
+       shared_mem=smem_q)
     return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))

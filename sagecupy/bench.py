@@ -78,12 +78,10 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     p, cfg, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config)
     if "fwd" in modes:
         row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
-        other = 8 if int8.forward_warps() == 4 else 4  # the other CTA size, for comparison in the same run
-        row("fwd", f"kernel-{other}w", time_ms(lambda: int8._launch_forward(p, cfg, pre, None, other), warmup, rep))
-        if device_capability() == (9, 0):  # the Hopper wgmma kernel too
-            for w in (4, 8):
-                row("fwd", f"kernel-wgmma-{w}w",
-                    time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma", w), warmup, rep))
+        # Both engines explicitly, for comparison in the same run ("kernel" is the automatic choice).
+        row("fwd", "kernel-mma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "mma"), warmup, rep))
+        if device_capability() == (9, 0):
+            row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
         row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
     o, res = int8.forward(q, k, v, causal=causal, config=config)
     if "bwd" in modes:

@@ -132,21 +132,20 @@ def kernel_names() -> dict:
     return out
 
 
-def forward_engine(engine: str | None = None) -> str:
+def forward_engine(engine: str | None = None, head_dim: int | None = None) -> str:
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
-    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it)
-    picks ``"mma"``: the wgmma kernel (Q.K^T of the next tile in flight during the softmax) measured
-    0.5-1.09x the speed of the mma.sync kernel on the H200 (bench/NOTES.md), so it is opt-in until it is
-    faster. Both compute
-    the same function: their int32 products are exact and every float operation after them is the same,
-    so O and the LSE agree bit for bit (tested).
+    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
+    ``"wgmma"`` on sm_90 at D = 128, where the software-pipelined wgmma kernel measured 1.09-1.17x the
+    mma.sync kernel on the H200, and ``"mma"`` elsewhere (at D = 64 the two are within +-3%;
+    ``bench/results/h200_quick_split_bwd.txt``). Both compute the same function: their int32 products are
+    exact and every float operation after them is the same, so O and the LSE agree bit for bit (tested).
     """
     engine = engine or os.environ.get("SAGECUPY_FWD_ENGINE", "auto")
     if engine not in _ENGINES:
         raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
     if engine == "auto":
-        return "mma"
+        return "wgmma" if head_dim == 128 and device_capability() == (9, 0) else "mma"
     if engine == "wgmma" and device_capability() != (9, 0):
         raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
                          f"{device_capability()}")
@@ -287,7 +286,7 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     lse = cupy.empty((B, Hq, nq), dtype=f32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
     w = forward_warps(warps)
-    if forward_engine(engine) == "wgmma":
+    if forward_engine(engine, D) == "wgmma":
         fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}>", arch="sm_90a")
         stages = 4  # FWD_WG_STAGES
     else:

@@ -9,8 +9,8 @@
 * Streams: the kernels run on PyTorch's current stream, ordered after the producer, with no sync.
 * Error paths, and the FP4 QAT op when ``sagecupy.qat`` has its kernels.
 
-The INT8 backward uses no atomics (dQ has its own kernel), so every gradient is compared bit for bit,
-also with many key blocks (Nk = 517). The QAT backward's dQ does use fp32 atomics (see its test).
+Neither the INT8 nor the QAT backward uses atomics (dQ has its own kernel), so every gradient is compared
+bit for bit, also with many key blocks (Nk = 517).
 """
 import importlib.util
 import subprocess
