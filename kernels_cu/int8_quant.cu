@@ -105,11 +105,13 @@ __global__ void quant_rows(const T* __restrict__ x, long long sb, long long sh, 
   const long long bh = static_cast<long long>(b) * H + h;
   float v[RPW][C];
   float amax[RPW];
-  float muv[C];
+  float muv[C], dv[C];  // this lane's columns of mu and of dot_vec, loaded once for all its rows
   const int hm = h / mu_group;
 #pragma unroll
-  for (int c = 0; c < C; ++c)
+  for (int c = 0; c < C; ++c) {
     muv[c] = mu ? mu[(static_cast<long long>(b) * (H / mu_group) + hm) * D + lane * C + c] : 0.f;
+    dv[c] = dot_vec ? dot_vec[(static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D + lane * C + c] : 0.f;
+  }
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
     const int row = row_base + r;
@@ -119,8 +121,7 @@ __global__ void quant_rows(const T* __restrict__ x, long long sb, long long sh, 
     for (int c = 0; c < C; ++c) {
       float xv = 0.f;
       if (row < n) xv = to_float(x[b * sb + h * sh + row * sn + lane * C + c]);
-      if (dot_vec && row < n)
-        dacc += xv * dot_vec[(static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D + lane * C + c];
+      if (dot_vec) dacc += xv * dv[c];  // xv = 0 beyond n
       v[r][c] = row < n ? (xv - muv[c]) * mult : 0.f;
       amax[r] = absmax_or_nan(amax[r], v[r][c]);
     }
