@@ -19,8 +19,8 @@
 //         (DS_ROWCOL) or per 64 x 64 tile    INT8; X^ re-packs from accumulators, K^^T is mma-permuted.
 // The recomputation costs two of the five products again (S in INT8, dP in fp16/bf16); in exchange the
 // dK/dV kernel carries no dQ state (registers, shared memory, barriers, atomics).
-// Kernel units: qs carries sm_scale * log2(e), so dK is multiplied by ln 2 at the end. fwd_tiles
-// (common/int8_fwd.cuh) gives the KV tiles a block of query rows sees, as in the forward.
+// Kernel units: qs carries sm_scale * log2(e), so dK is multiplied by ln 2 at the end. The dQ kernel
+// shares the forward's Q.K^T (common/int8_fwd.cuh) and its choice of KV tiles (common/rows.cuh).
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
 #include "common/tile.cuh"
@@ -309,13 +309,11 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   __shared__ float sRed[4];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int qblk = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (Hq / Hkv);
-  const long long bh = static_cast<long long>(b) * Hq + h, bhk = static_cast<long long>(b) * Hkv + hk;
-  const int q0 = qblk * BWD_BQ;
+  const QueryBlock qb = query_block(BWD_BQ, CAUSAL, Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
+  const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const FwdTiles tl = fwd_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
+  const KeyTiles tl = key_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
 
   auto load_kv = [&](int tile) {
     char* st = sStage + (tile & 1) * STAGE;
@@ -366,19 +364,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
 
     // S = Q^ K^^T (int32), 16 rows x 64 keys per warp.
     int acc_s[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0;
-#pragma unroll
-    for (int kstep = 0; kstep < D / 32; ++kstep) {
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        unsigned bk[4];
-        ldsm_x4<D, false>(bk, cK, np * 16, 2 * kstep, lane);
-        const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
-        mma_s8s8(acc_s[2 * np], qf[kstep], b0);
-        mma_s8s8(acc_s[2 * np + 1], qf[kstep], b1);
-      }
-    }
+    qk_s8<D>(acc_s, qf, cK, lane);
     // P = exp2(S - lse2[row]), masked to 0 (the operations of the dK/dV kernel, in the same order).
     const bool need_mask = tile >= tl.first_masked || q0 + BWD_BQ > nq;
     float p[8][4];
@@ -462,15 +448,5 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   }
 
   // Epilogue: dQ in the caller's layout and dtype (rows that see no key get 0).
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    const int col = nt * 8 + 2 * t4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r_lo + 8 * r;
-      if (row < nq)
-        *reinterpret_cast<unsigned*>(dq + b * qsb + h * qsh + row * qsn + col) =
-            pack2<T>(acc_dq[nt][2 * r], acc_dq[nt][2 * r + 1]);
-    }
-  }
+  store_acc_rows<T, D>(dq + b * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
 }

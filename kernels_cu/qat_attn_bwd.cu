@@ -19,6 +19,7 @@
 #include "common/fp4.cuh"
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
+#include "common/rows.cuh"
 #include "common/tile.cuh"
 
 using namespace sage;
@@ -261,16 +262,11 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
   char* sStage = sdO + BQ * ROWB;        // 2 x (K~ 64 keys x D, V~ 64 keys x D)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int qblk = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (Hq / Hkv);
-  const long long bh = static_cast<long long>(b) * Hq + h, bhk = static_cast<long long>(b) * Hkv + hk;
-  const int q0 = qblk * BQ, shift = nk - nq;
-  int n_tiles = (nk + BKV - 1) / BKV;
-  if (CAUSAL) {
-    const int last_key = min(q0 + BQ - 1, nq - 1) + shift;  // largest key any real row sees
-    n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BKV + 1);
-  }
+  static_assert(BKV == KEY_TILE, "key tiles of 64");
+  const QueryBlock qb = query_block(BQ, CAUSAL, Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b, shift = nk - nq;
+  const long long bh = qb.bh, bhk = qb.bhk;
+  const int n_tiles = key_tiles(q0, BQ, nq, nk, CAUSAL).n;
 
   auto load_kv = [&](int tile) {
     char* st = sStage + (tile & 1) * STAGE;
@@ -364,15 +360,5 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
   }
 
   // Epilogue: dQ * sm_scale in T with the caller's strides (rows that see no key get 0).
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    const int col = nt * 8 + 2 * t4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r_lo + 8 * r;
-      if (row < nq)
-        *reinterpret_cast<unsigned*>(dq + b * qsb + h * qsh + row * qsn + col) =
-            pack2<T>(acc_dq[nt][2 * r] * sm_scale, acc_dq[nt][2 * r + 1] * sm_scale);
-    }
-  }
+  store_acc_rows<T, D>(dq + b * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, sm_scale);
 }

@@ -3,6 +3,7 @@
 #pragma once
 #include "mma.cuh"
 #include "numeric.cuh"
+#include "rows.cuh"
 #include "tile.cuh"
 #include "wgmma.cuh"
 
@@ -136,22 +137,6 @@ __device__ __forceinline__ void fwd_epilogue(float (&acc_o)[D / 8][4], FwdRows& 
   }
 }
 
-// Which KV tiles a CTA of query rows q0 .. q0 + BQ - 1 visits, and from which one on it must mask.
-struct FwdTiles {
-  int n, first_masked;
-};
-__device__ __forceinline__ FwdTiles fwd_tiles(int q0, int bq, int nq, int nk, bool causal) {
-  const int shift = nk - nq;  // bottom-right causal: row i sees key j iff j <= i + shift
-  FwdTiles t{(nk + FWD_BKV - 1) / FWD_BKV, nk / FWD_BKV};  // first_masked: the partial tail
-  if (causal) {
-    const int last_key = min(q0 + bq - 1, nq - 1) + shift;  // largest key any real row sees
-    t.n = last_key < 0 ? 0 : min(t.n, last_key / FWD_BKV + 1);
-    const int min_row_key = q0 + shift;  // keys beyond this need the mask for some row
-    t.first_masked = min(t.first_masked, min_row_key < 0 ? 0 : (min_row_key + 1) / FWD_BKV);
-  }
-  return t;
-}
-
 // Row scales; an all-zero row (scale 0) uses a tiny positive scale instead so that a masked logit
 // (-inf) times it stays -inf rather than NaN; its logits are 0 either way. NaN scales stay NaN.
 __device__ __forceinline__ FwdRows fwd_rows_init(const float* __restrict__ qs_bh, int r_lo) {
@@ -164,6 +149,25 @@ __device__ __forceinline__ FwdRows fwd_rows_init(const float* __restrict__ qs_bh
     rs.l[r] = 0.f;
   }
   return rs;
+}
+
+// S = Q^ K^T (int32) of a warp's 16 rows (A fragments qf) against a 64-key tile of K^ codes (swizzled
+// rows of D bytes), with mma.sync m16n8k32.
+template <int D>
+__device__ __forceinline__ void qk_s8(int (&acc_s)[8][4], const unsigned (&qf)[D / 32][4], const char* cK, int lane) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0;
+#pragma unroll
+  for (int kstep = 0; kstep < D / 32; ++kstep) {
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      unsigned bk[4];
+      ldsm_x4<D, false>(bk, cK, np * 16, 2 * kstep, lane);
+      const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+      mma_s8s8(acc_s[2 * np], qf[kstep], b0);
+      mma_s8s8(acc_s[2 * np + 1], qf[kstep], b1);
+    }
+  }
 }
 
 // ---- mma.sync forward (sm_80+) ----
@@ -186,13 +190,11 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   char* sK = sQ + FWD_BQ * D;                    // 2 stages x FWD_BKV x D
   char* sV = sK + 2 * FWD_BKV * D;               // 2 stages x D x FWD_BKV
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int qblk = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (Hq / Hkv);
-  const long long bh = static_cast<long long>(b) * Hq + h, bhk = static_cast<long long>(b) * Hkv + hk;
-  const int q0 = qblk * FWD_BQ;
+  const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b;
+  const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const FwdTiles tl = fwd_tiles(q0, FWD_BQ, nq, nk, CAUSAL);
+  const KeyTiles tl = key_tiles(q0, FWD_BQ, nq, nk, CAUSAL);
 
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
@@ -229,19 +231,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 
     // S = Q^ K^T (int32), 16 rows x 64 keys per warp.
     int acc_s[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0;
-#pragma unroll
-    for (int kstep = 0; kstep < D / 32; ++kstep) {
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        unsigned bk[4];
-        ldsm_x4<D, false>(bk, cK, np * 16, 2 * kstep, lane);
-        const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
-        mma_s8s8(acc_s[2 * np], qf[kstep], b0);
-        mma_s8s8(acc_s[2 * np + 1], qf[kstep], b1);
-      }
-    }
+    qk_s8<D>(acc_s, qf, cK, lane);
     unsigned pa[2][4];
     const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, ks + bhk * nk_pad,
                                                 V_BLOCK ? vs + (bhk * (nk_pad / FWD_BKV) + tile) * D : nullptr, tile,
@@ -295,13 +285,11 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   char* sK = sQ + FWD_BQ * D;                    // NST stages x FWD_BKV x D
   char* sV = sK + NST * FWD_BKV * D;             // NST stages x D x FWD_BKV
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int qblk = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (Hq / Hkv);
-  const long long bh = static_cast<long long>(b) * Hq + h, bhk = static_cast<long long>(b) * Hkv + hk;
-  const int q0 = qblk * FWD_BQ;
+  const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b;
+  const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const FwdTiles tl = fwd_tiles(q0, FWD_BQ, nq, nk, CAUSAL);
+  const KeyTiles tl = key_tiles(q0, FWD_BQ, nq, nk, CAUSAL);
 
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);

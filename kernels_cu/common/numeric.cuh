@@ -69,16 +69,6 @@ __device__ __forceinline__ float nan_max(float a, float b) {
 #endif
 }
 
-// *p += a, *(p + 1) += b with device-scope atomics (p 8-byte aligned): one vector reduction on sm_90+.
-__device__ __forceinline__ void atomic_add_f32x2(float* p, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(p, a);
-  atomicAdd(p + 1, b);
-#endif
-}
-
 __device__ __forceinline__ float warp_max_xor(float v, int lanemask_from, int lanemask_to) {
   for (int m = lanemask_from; m <= lanemask_to; m <<= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;

@@ -1,0 +1,60 @@
+// Pieces every kernel that owns a block of query rows shares: which (batch, head, rows) a CTA owns, which
+// 64-key tiles those rows see, and the store of a warp's fp32 accumulator rows in the caller's layout.
+#pragma once
+#include "numeric.cuh"
+
+namespace sage {
+
+// The CTA's query block: grid (n_blocks, Hq, B); causal grids run the heavy (late) blocks first.
+struct QueryBlock {
+  int q0, h, b;
+  long long bh, bhk;  // (b, h) and (b, kv head of h) flattened
+};
+__device__ __forceinline__ QueryBlock query_block(int rows, bool causal, int Hq, int Hkv) {
+  QueryBlock qb;
+  const int blk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  qb.q0 = blk * rows;
+  qb.h = blockIdx.y;
+  qb.b = blockIdx.z;
+  qb.bh = static_cast<long long>(qb.b) * Hq + qb.h;
+  qb.bhk = static_cast<long long>(qb.b) * Hkv + qb.h / (Hq / Hkv);
+  return qb;
+}
+
+// Which 64-key tiles rows q0 .. q0 + bq - 1 visit, and from which one on they need the mask. A block of
+// padding rows only (q0 >= nq: the row padding is a multiple of 128, blocks may be 64) visits none.
+constexpr int KEY_TILE = 64;
+struct KeyTiles {
+  int n, first_masked;
+};
+__device__ __forceinline__ KeyTiles key_tiles(int q0, int bq, int nq, int nk, bool causal) {
+  const int shift = nk - nq;  // bottom-right causal: row i sees key j iff j <= i + shift
+  KeyTiles t{q0 < nq ? (nk + KEY_TILE - 1) / KEY_TILE : 0, nk / KEY_TILE};  // first_masked: the partial tail
+  if (causal) {
+    const int last_key = min(q0 + bq - 1, nq - 1) + shift;  // largest key any real row sees
+    t.n = last_key < 0 ? 0 : min(t.n, last_key / KEY_TILE + 1);
+    const int min_row_key = q0 + shift;  // keys beyond this need the mask for some row
+    t.first_masked = min(t.first_masked, min_row_key < 0 ? 0 : (min_row_key + 1) / KEY_TILE);
+  }
+  return t;
+}
+
+// dst[row, col] = acc * mult in T for this thread's rows r_lo, r_lo + 8 (those < n) of a 16 x D
+// accumulator tile (mma layout: acc[nt][2r + j] is row r_lo + 8r, column 8nt + 2t4 + j).
+template <typename T, int D>
+__device__ __forceinline__ void store_acc_rows(T* __restrict__ dst, long long row_stride, const float (&acc)[D / 8][4],
+                                               int r_lo, int t4, int n, float mult) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int col = nt * 8 + 2 * t4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r_lo + 8 * r;
+      if (row < n)
+        *reinterpret_cast<unsigned*>(dst + row * row_stride + col) =
+            pack2<T>(acc[nt][2 * r] * mult, acc[nt][2 * r + 1] * mult);
+    }
+  }
+}
+
+}  // namespace sage
