@@ -33,8 +33,8 @@ produced q, k, v and before whatever reads the outputs, with no synchronization.
   (Q and K codes and scales, base-2 LSE, K mean) into XLA outputs, which become the ``custom_vjp``
   residuals with ``v`` and ``o``; the backward callback rebuilds the same ``Residuals`` from them. The
   backward kernels read the very bytes a direct ``sagecupy.int8.backward(sagecupy.int8.forward(...))``
-  reads, so the gradients are bitwise those of the direct calls (dQ up to the order of its fp32 atomics
-  when ``Nk > 64``, as between two direct calls). FP4 QAT: q, k, v are the residuals and the backward
+  reads, so the gradients are bitwise those of the direct calls (the backward kernels use no atomics).
+  FP4 QAT: q, k, v are the residuals and the backward
   callback reruns ``sagecupy.qat.forward`` (deterministic) before ``sagecupy.qat.backward``.
 
 Limits: one device (no sharding rule), no ``jax.vmap`` (the kernels batch over B and heads already),

@@ -494,8 +494,7 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     ``config``: ``"default"`` (None), ``"paper"`` or a :class:`~sagecupy.config.SageBwdConfig`. Returns
     ``o`` with q's shape and dtype (contiguous); ``o.backward`` gives the INT8 SageBwd gradients, equal
     bit for bit to :func:`sagecupy.int8.backward` after :func:`sagecupy.int8.forward` on the same inputs
-    (dQ up to the order of its fp32 atomic additions, which the kernels do not fix). Runs on PyTorch's
-    current stream (module docstring).
+    (the backward kernels use no atomics). Runs on PyTorch's current stream (module docstring).
     """
     _check_inputs(("q", q), ("k", k), ("v", v))
     _check_options(causal, layout)
