@@ -110,7 +110,7 @@ def _quant_names(T, D):
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
         f"quant_transpose_perm<{T}, {D}, 2>",
-        f"transpose_i8<{D}, true>", f"transpose_i8<{D}, false>",
+        f"transpose_i8<{D}, true>",
     )
 
 
@@ -136,9 +136,9 @@ def forward_engine(engine: str | None = None, head_dim: int | None = None) -> st
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
-    ``"wgmma"`` on sm_90 at D = 128, where the software-pipelined wgmma kernel measured 1.09-1.17x the
+    ``"wgmma"`` on sm_90 at D = 128, where the software-pipelined wgmma kernel measured 1.08-1.17x the
     mma.sync kernel on the H200, and ``"mma"`` elsewhere (at D = 64 the two are within +-3%;
-    ``bench/results/h200_quick_split_bwd.txt``). Both compute the same function: their int32 products are
+    ``bench/results/h200_quick_split_bwd.txt``, ``bench/results/h200_quick_all.txt``). Both compute the same function: their int32 products are
     exact and every float operation after them is the same, so O and the LSE agree bit for bit (tested).
     """
     engine = engine or os.environ.get("SAGECUPY_FWD_ENGINE", "auto")
