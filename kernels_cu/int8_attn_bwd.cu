@@ -181,15 +181,8 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         const float* dos_t = dos + (bh * (nq_pad / BWD_BQ) + qtile) * D;
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
-          int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-          for (int kst = 0; kst < 2; ++kst) {
-            unsigned bv[4];
-            ldsm_x4<BWD_BQ, false>(bv, sdOt, dp * 16, 2 * kst, lane);
-            const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
-            mma_u8s8(acc[0], pa[kst], b0);
-            mma_u8s8(acc[1], pa[kst], b1);
-          }
+          int acc[2][4];
+          mma_a64_tile16<true>(acc, pa, sdOt, dp, lane);
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const int col = (2 * dp + j) * 8 + 2 * t4;
@@ -250,15 +243,8 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         }
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
-          int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-          for (int kst = 0; kst < 2; ++kst) {
-            unsigned bq[4];
-            ldsm_x4<BWD_BQ, false>(bq, sQt, dp * 16, 2 * kst, lane);
-            const unsigned b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
-            mma_s8s8(acc[0], ya[kst], b0);
-            mma_s8s8(acc[1], ya[kst], b1);
-          }
+          int acc[2][4];
+          mma_a64_tile16<false>(acc, ya, sQt, dp, lane);
 #pragma unroll
           for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -272,20 +258,8 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   }
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    const int col = nt * 8 + 2 * t4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = key_lo + 8 * r;
-      if (key < nk) {
-        *reinterpret_cast<unsigned*>(dv + b * vvb + hk * vvh + key * vvn + col) =
-            pack2<T>(acc_dv[nt][2 * r], acc_dv[nt][2 * r + 1]);
-        *reinterpret_cast<unsigned*>(dk + b * ksb + hk * ksh + key * ksn + col) =
-            pack2<T>(acc_dk[nt][2 * r] * 0.6931471805599453f, acc_dk[nt][2 * r + 1] * 0.6931471805599453f);
-      }
-    }
-  }
+  store_acc_rows<T, D>(dv + b * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
+  store_acc_rows<T, D>(dk + b * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
 }
 
 // dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D bytes
@@ -431,15 +405,8 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     const float fx[2] = {s_x[0] * sm_scale, s_x[1] * sm_scale};
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
-      int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-      for (int kst = 0; kst < 2; ++kst) {
-        unsigned bk[4];
-        ldsm_x4<BWD_BKV, false>(bk, cKt, dp * 16, 2 * kst, lane);
-        const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
-        mma_s8s8(acc[0], xa[kst], b0);
-        mma_s8s8(acc[1], xa[kst], b1);
-      }
+      int acc[2][4];
+      mma_a64_tile16<false>(acc, xa, cKt, dp, lane);
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll

@@ -225,20 +225,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   }
 
   // Epilogue: dK * sm_scale, dV, in T with the caller's strides.
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    const int col = nt * 8 + 2 * t4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = key_lo + 8 * r;
-      if (key < nk) {
-        *reinterpret_cast<unsigned*>(dk + b * ksb + hk * ksh + key * ksn + col) =
-            pack2<T>(acc_dk[nt][2 * r] * sm_scale, acc_dk[nt][2 * r + 1] * sm_scale);
-        *reinterpret_cast<unsigned*>(dv + b * vvb + hk * vvh + key * vvn + col) =
-            pack2<T>(acc_dv[nt][2 * r], acc_dv[nt][2 * r + 1]);
-      }
-    }
-  }
+  store_acc_rows<T, D>(dk + b * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, sm_scale);
+  store_acc_rows<T, D>(dv + b * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
 }
 
 // dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory qat_dq_smem_bytes(D). One CTA = 64 query

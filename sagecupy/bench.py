@@ -52,12 +52,11 @@ def _shape(D, N):
     return max(1, 16384 // N), 2048 // D
 
 
-def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
-    """Rows for the SageBwd kernels, kernel-only and end-to-end."""
+def _inputs(D, N, dtype):
+    """B, H and standard-normal q, k, v, dO of the sweep's shape (seed 0) in ``dtype`` (fp16, or bf16 as
+    ``BF16Array``)."""
     import cupy
 
-    from . import int8
-    from ._loader import device_capability
     from .bf16 import BF16Array
 
     B, H = _shape(D, N)
@@ -67,7 +66,15 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
         x = rng.standard_normal((B, H, N, D), dtype=cupy.float32)
         return x.astype(cupy.float16) if dtype == "float16" else BF16Array.from_float(x)
 
-    q, k, v, do = mk(), mk(), mk(), mk()
+    return B, H, (mk(), mk(), mk(), mk())
+
+
+def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
+    """Rows for the SageBwd kernels, kernel-only and end-to-end."""
+    from . import int8
+    from ._loader import device_capability
+
+    B, H, (q, k, v, do) = _inputs(D, N, dtype)
     rows = []
 
     def row(mode, scope, ms):
@@ -100,19 +107,9 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
     """Rows for the NVFP4 inference forward (kernel alone on packed operands, and end to end) or the FP4 QAT
     training pair (forward, backward, forward+backward, end to end). NVFP4 rows carry the bytes per element
     that packed Q, K, V occupy (fp16/bf16: 2)."""
-    import cupy
-
     from . import nvfp4, qat
-    from .bf16 import BF16Array
 
-    B, H = _shape(D, N)
-    rng = cupy.random.default_rng(0)
-
-    def mk():
-        x = rng.standard_normal((B, H, N, D), dtype=cupy.float32)
-        return x.astype(cupy.float16) if dtype == "float16" else BF16Array.from_float(x)
-
-    q, k, v, do = mk(), mk(), mk(), mk()
+    B, H, (q, k, v, do) = _inputs(D, N, dtype)
     rows = []
 
     def row(impl, mode, scope, ms, **extra):

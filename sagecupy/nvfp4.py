@@ -208,6 +208,20 @@ def check_fwd_smem(D: int) -> None:
                          f"shared memory per block; this device allows {have} (try SAGECUPY_FP4_WARPS=4)")
 
 
+def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config):
+    """The checks of both FP4 families' entry points (:func:`attention`, :func:`sagecupy.qat.forward`), raising
+    the first failure: ``(q, k, v, problem, config)`` with q, k, v as CuPy arrays."""
+    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+    cfg = get_config(config)
+    why = unsupported_config(cfg)
+    if why:
+        raise ValueError(f"config: {why}")
+    _check_device()
+    check_fwd_smem(p.head_dim)
+    return q, k, v, p, cfg
+
+
 def _is_supported(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config) -> tuple[bool, str]:
     """The ``is_supported`` of both FP4 families (this module's and :mod:`sagecupy.qat`'s): never raises."""
     try:
@@ -284,14 +298,7 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     """
     import cupy
 
-    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
-    cfg = _get_config(config)
-    why = _unsupported_config(cfg)
-    if why:
-        raise ValueError(f"config: {why}")
-    _check_device()
-    check_fwd_smem(p.head_dim)
+    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
     ops = quantize_inputs(q, k, v, layout=layout, k_smoothing=cfg.k_smoothing)
     qmk = None
     if ops["mu_k"] is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import _checks
 from ._loader import get_function
 from .config import QATConfig
-from .nvfp4 import _check_device, _is_supported, _prep
+from .nvfp4 import _is_supported, _prep, _validated
 
 __all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize"]
 
@@ -126,16 +126,9 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     import cupy
 
     from .int8 import _empty, _strides
-    from .nvfp4 import check_fwd_smem, fp4_warps, fwd_smem_bytes
+    from .nvfp4 import fp4_warps, fwd_smem_bytes
 
-    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
-    cfg = _get_config(config)
-    why = _unsupported_config(cfg)
-    if why:
-        raise ValueError(f"config: {why}")
-    _check_device()
-    check_fwd_smem(p.head_dim)
+    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     nq_pad, nk_pad = _roundup(nq, _BQ_PAD), _roundup(nk, _BKV)
     q_t = fake_quantize(q, layout=layout, along="channels", n_pad=nq_pad)

@@ -239,15 +239,8 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     // O = alpha * O + (P^ V^) * s_P (* s_V per block), 16 output columns at a time.
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
-      int acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-      for (int kst = 0; kst < 2; ++kst) {
-        unsigned bv[4];
-        ldsm_x4<FWD_BKV, false>(bv, cV, dp * 16, 2 * kst, lane);
-        const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
-        mma_u8s8(acc[0], pa[kst], b0);
-        mma_u8s8(acc[1], pa[kst], b1);
-      }
+      int acc[2][4];
+      mma_a64_tile16<true>(acc, pa, cV, dp, lane);
       fwd_pv_update(acc_o[2 * dp], acc[0], ts);
       fwd_pv_update(acc_o[2 * dp + 1], acc[1], ts);
     }
