@@ -53,33 +53,38 @@ struct Fp4FwdShape {
 // Packed operands travel in 16-element units (8 code bytes + 1 scale byte). Thread `tid` owns units
 // u = tid + j * THREADS of every tile: it copies their code bytes into its own slots of a staging area
 // with cp.async (so no barrier is needed between the copy and the dequantization: the same thread does
-// both) and keeps their scale bytes in one register.
+// both) and keeps their scale bytes in registers, one per unit, so that nothing waits for those loads
+// before the dequantization a tile later.
+template <int NU>
+struct UnitScales {
+  unsigned b[NU];
+};
 
 // K tile `tile` (units: key x 16-channel block), zero beyond nk. Returns the scale bytes (byte j: unit j).
 // (kc, ks point at this head's rows; the tile's rows start at tile * BKV; within a tile the offsets fit int.)
 template <int D, int THREADS, int NU>
-__device__ __forceinline__ unsigned stage_k_packed(char* stg, const unsigned char* kc, const unsigned char* ks,
-                                                   int tile, int nk, int tid) {
+__device__ __forceinline__ UnitScales<NU> stage_k_packed(char* stg, const unsigned char* kc, const unsigned char* ks,
+                                                         int tile, int nk, int tid) {
   constexpr int BPR = D / 16;
   const unsigned char* kct = kc + static_cast<long long>(tile) * (BKV * D / 2);
   const unsigned char* kst = ks + static_cast<long long>(tile) * (BKV * BPR);
   const int rows_left = nk - tile * BKV;
-  unsigned sc = 0u;
+  UnitScales<NU> sc;
 #pragma unroll
   for (int j = 0; j < NU; ++j) {
     const int u = tid + j * THREADS, row = u / BPR;
     const bool ok = row < rows_left;
     cp_async_8_zfill(smem_u32(stg + u * 8), kct + (ok ? u * 8 : 0), ok);  // unit u = row * BPR + blk: bytes 8u
-    if (ok) sc |= static_cast<unsigned>(__ldg(kst + u)) << (8 * j);
+    sc.b[j] = ok ? static_cast<unsigned>(__ldg(kst + u)) : 0u;
   }
   return sc;
 }
 
 // V^T tile `tile` (units: channel x 16-token block), zero beyond n16.
 template <int D, int THREADS, int NU>
-__device__ __forceinline__ unsigned stage_v_packed(char* stg, const unsigned char* vc, const unsigned char* vs,
-                                                   int tile, int n16, int tid) {
-  unsigned sc = 0u;
+__device__ __forceinline__ UnitScales<NU> stage_v_packed(char* stg, const unsigned char* vc, const unsigned char* vs,
+                                                         int tile, int n16, int tid) {
+  UnitScales<NU> sc;
   const unsigned char* vct = vc + tile * (BKV / 2);
   const unsigned char* vst = vs + tile * (BKV / 16);
   const int toks_left = n16 - tile * BKV;
@@ -88,19 +93,19 @@ __device__ __forceinline__ unsigned stage_v_packed(char* stg, const unsigned cha
     const int u = tid + j * THREADS, ch = u / 4, tb = u % 4;
     const bool ok = tb * 16 < toks_left;
     cp_async_8_zfill(smem_u32(stg + u * 8), vct + (ok ? static_cast<long long>(ch) * (n16 / 2) + tb * 8 : 0), ok);
-    if (ok) sc |= static_cast<unsigned>(__ldg(vst + static_cast<long long>(ch) * (n16 / 16) + tb)) << (8 * j);
+    sc.b[j] = ok ? static_cast<unsigned>(__ldg(vst + static_cast<long long>(ch) * (n16 / 16) + tb)) : 0u;
   }
   return sc;
 }
 
 // Dequantize this thread's staged units into a swizzled fp16 tile whose rows hold ROW_UNITS units.
 template <int ROWB, int ROW_UNITS, int THREADS, int NU>
-__device__ __forceinline__ void store_dequant(char* tile, const char* stg, unsigned scales, int tid) {
+__device__ __forceinline__ void store_dequant(char* tile, const char* stg, const UnitScales<NU>& scales, int tid) {
 #pragma unroll
   for (int j = 0; j < NU; ++j) {
     const int u = tid + j * THREADS, row = u / ROW_UNITS, blk = u % ROW_UNITS;
     unsigned h[8];
-    dequant16_half(*reinterpret_cast<const uint2*>(stg + u * 8), (scales >> (8 * j)) & 0xFFu, h);
+    dequant16_half(*reinterpret_cast<const uint2*>(stg + u * 8), scales.b[j], h);
     *reinterpret_cast<uint4*>(tile + swz<ROWB>(row, 2 * blk)) = make_uint4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<uint4*>(tile + swz<ROWB>(row, 2 * blk + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
   }
@@ -152,7 +157,8 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
   static_assert(NU_Q * THREADS == BQ * D / 16 && NU_K * THREADS == BKV * D / 16 && NU_V * THREADS == 4 * D, "units");
   char* sKstg = sV + 2 * S::V_BYTES;   // packed staging (nvfp4)
   char* sVstg = sKstg + S::KSTG;
-  unsigned ksc = 0u, vsc = 0u;  // scale bytes of the staged K / V units
+  UnitScales<NU_K> ksc = {};  // scale bytes of the staged K / V units
+  UnitScales<NU_V> vsc = {};
   const unsigned char *gkc = nullptr, *gks = nullptr, *gvc = nullptr, *gvs = nullptr;
   const char *gK16 = nullptr, *gV16 = nullptr;
   if constexpr (PACKED) {
@@ -162,13 +168,13 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
     gvs = vs + bhk * D * (n16 / 16);
     {  // Q: packed rows -> fp16 tile (rows >= nq zero), through the K (and V) staging slots
       constexpr int BPR = D / 16;
-      unsigned qsc = 0u;
+      UnitScales<NU_Q> qsc;
 #pragma unroll
       for (int j = 0; j < NU_Q; ++j) {
         const int u = tid + j * THREADS, row = u / BPR, blk = u % BPR, qr = q0 + row;
         const bool ok = qr < nq;
         cp_async_8_zfill(smem_u32(sKstg + u * 8), qc + (ok ? (bh * nq + qr) * (D / 2) + blk * 8 : 0), ok);
-        if (ok) qsc |= static_cast<unsigned>(__ldg(qs + (bh * nq + qr) * BPR + blk)) << (8 * j);
+        qsc.b[j] = ok ? static_cast<unsigned>(__ldg(qs + (bh * nq + qr) * BPR + blk)) : 0u;
       }
       cp_async_commit();
       cp_async_wait<0>();
@@ -193,10 +199,10 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
   } else {
     gK16 = reinterpret_cast<const char*>(k16 + bhk * nk_pad * D);
     gV16 = reinterpret_cast<const char*>(vt16 + bhk * D * nk_pad);
-    load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(q16 + (bh * nq_pad + q0) * D), ROWB, tid);
+    load_tile_async<BQ, ROWB, THREADS, false>(sQ, reinterpret_cast<const char*>(q16 + (bh * nq_pad + q0) * D), ROWB, tid);
     if (n_tiles > 0) {
-      load_tile_async<BKV, ROWB, THREADS>(sK, gK16, ROWB, tid);
-      load_tile_async<D, BKV * 2, THREADS>(sV, gV16, static_cast<long long>(nk_pad) * 2, tid);
+      load_tile_async<BKV, ROWB, THREADS, false>(sK, gK16, ROWB, tid);
+      load_tile_async<D, BKV * 2, THREADS, false>(sV, gV16, static_cast<long long>(nk_pad) * 2, tid);
     }
     cp_async_commit();
   }
@@ -229,9 +235,9 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
           cp_async_commit();
         }
       } else {
-        load_tile_async<BKV, ROWB, THREADS>(sK + (st ^ 1) * S::K_BYTES,
+        load_tile_async<BKV, ROWB, THREADS, false>(sK + (st ^ 1) * S::K_BYTES,
                                             gK16 + static_cast<long long>(tile + 1) * BKV * ROWB, ROWB, tid);
-        load_tile_async<D, BKV * 2, THREADS>(sV + (st ^ 1) * S::V_BYTES,
+        load_tile_async<D, BKV * 2, THREADS, false>(sV + (st ^ 1) * S::V_BYTES,
                                              gV16 + static_cast<long long>(tile + 1) * BKV * 2,
                                              static_cast<long long>(nk_pad) * 2, tid);
       }

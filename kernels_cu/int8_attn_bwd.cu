@@ -40,6 +40,20 @@ __device__ __forceinline__ float cta_max4(float v, float* scratch, int warp, int
   return r;
 }
 
+// rint(x[nt][e] * inv[row]) of a 16 x 64 accumulator-layout tile as 8-bit codes (signed or unsigned: the
+// low byte either way), packed as m16n8k32 A fragments with columns in the mma-permuted order.
+__device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const float (&x)[8][4], const float (&inv)[2]) {
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    unsigned c[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[j][e] = rn_fma_bits(x[2 * np + j][e], inv[e >> 1]);
+    pack_acc_pair_as_a(a, np, c[0], c[1]);
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
@@ -58,13 +72,13 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   char* sK = smem;                          // 64 keys x D        int8
   char* sV = sK + BWD_BKV * D;              // 64 keys x D        T
   char* sQ = sV + BWD_BKV * D * 2;          // 64 queries x D     int8
-  char* sQt = sQ + BWD_BQ * D;              // D x 64 queries     int8 (mma-permuted)
-  char* sdO = sQt + D * BWD_BQ;             // 64 queries x D     T
-  char* sdOt = sdO + BWD_BQ * D * 2;        // D x 64 queries     int8 (mma-permuted)
-  float* sQs = reinterpret_cast<float*>(sdOt + D * BWD_BQ);  // per-query: q scale, lse2, delta
-  float* sL = sQs + 64;
-  float* sDel = sL + 64;
-  float* sRed = sDel + 64;                  // 4 floats of scratch
+  char* sdO = sQ + BWD_BQ * D;              // 64 queries x D     T
+  // Two buffers (iteration parity) of what the end of an iteration reads, so the next one's loads can be
+  // in flight meanwhile: Q^^T, dO^^T (D x 64 queries, int8, mma-permuted), per-query q scale, lse2, delta,
+  // and the query tile's per-channel dO scales.
+  char* sBuf = sdO + BWD_BQ * D * 2;
+  constexpr int BUF = 2 * D * BWD_BQ + (3 * BWD_BQ + D) * 4;
+  float* sRed = reinterpret_cast<float*>(sBuf + 2 * BUF);  // 4 floats of scratch
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -101,26 +115,40 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
     load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(
         sdO, reinterpret_cast<const char*>(dout + b * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
   };
-  if (n_it > 0) load_q_do(0);
+  // The per-query arrays are read over the whole padded tile: the forward wrote lse2 = +inf on padding
+  // rows (P = 0 there), the pre-passes wrote q scales and delta for every padded row.
+  auto load_t = [&](int it) {
+    const int hh = hk * group + it / n_it_q, qtile = first_qt + it % n_it_q, qq0 = qtile * BWD_BQ;
+    const long long bhh = static_cast<long long>(b) * Hq + hh;
+    char* buf = sBuf + (it & 1) * BUF;
+    float* fb = reinterpret_cast<float*>(buf + 2 * D * BWD_BQ);
+    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0), nq_pad, tid);
+    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf + D * BWD_BQ, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0),
+                                            nq_pad, tid);
+    load_vec_async<BWD_THREADS>(fb, qs + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + (bhh * (nq_pad / BWD_BQ) + qtile) * D, D / 4, tid);
+  };
+  if (n_it > 0) {
+    load_q_do(0);
+    load_t(0);
+  }
   cp_async_commit();
 
   for (int it = 0; it < n_it; ++it) {
-    const int h = hk * group + it / n_it_q, qtile = first_qt + it % n_it_q;
-    const long long bh = static_cast<long long>(b) * Hq + h;
+    const int qtile = first_qt + it % n_it_q;
     {
       const int q0 = qtile * BWD_BQ;
-      __syncthreads();  // previous iteration's readers of sQt, sdOt, the per-query arrays are done
-      load_tile_async<D, BWD_BQ, BWD_THREADS>(sQt, reinterpret_cast<const char*>(qt + bh * D * nq_pad + q0), nq_pad, tid);
-      load_tile_async<D, BWD_BQ, BWD_THREADS>(sdOt, reinterpret_cast<const char*>(dot + bh * D * nq_pad + q0), nq_pad, tid);
-      cp_async_commit();
-      if (tid < 64) {
-        const int qrow = q0 + tid;
-        sQs[tid] = qs[bh * nq_pad + qrow];
-        sL[tid] = qrow < nq ? lse2[bh * nq_pad + qrow] : INFINITY;
-        sDel[tid] = delta[bh * nq_pad + qrow];
-      }
       cp_async_wait<0>();
-      __syncthreads();
+      __syncthreads();  // this iteration's operands resident
+      const char* sQt = sBuf + (it & 1) * BUF;
+      const char* sdOt = sQt + D * BWD_BQ;
+      const float* sQs = reinterpret_cast<const float*>(sdOt + D * BWD_BQ);
+      const float* sL = sQs + BWD_BQ;
+      const float* sDel = sL + BWD_BQ;
+      const float* sDos = sDel + BWD_BQ;
+      if (it + 1 < n_it) load_t(it + 1);  // the other buffer: its readers finished in the last iteration
       const bool need_mask = (CAUSAL && k0 + BWD_BKV - 1 > q0 + shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
 
       // S^T (16 keys x 64 queries per warp).
@@ -170,15 +198,8 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
       {
         const float inv[2] = {s_p[0] > 0.f ? 1.f / s_p[0] : 0.f, s_p[1] > 0.f ? 1.f / s_p[1] : 0.f};
         unsigned pa[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          unsigned c[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) c[e] = f2u8_rn_fma(p[nt][e], inv[e >> 1]);
-          pack_acc_bytes_as_a(pa, nt, c);
-        }
+        quantize_acc_as_a(pa, p, inv);
         // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
-        const float* dos_t = dos + (bh * (nq_pad / BWD_BQ) + qtile) * D;
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           int acc[2][4];
@@ -186,7 +207,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
             const int col = (2 * dp + j) * 8 + 2 * t4;
-            const float2 sd = *reinterpret_cast<const float2*>(dos_t + col);
+            const float2 sd = *reinterpret_cast<const float2*>(sDos + col);
 #pragma unroll
             for (int e = 0; e < 4; ++e)
               acc_dv[2 * dp + j][e] += i2f_small(acc[j][e]) * s_p[e >> 1] * ((e & 1) ? sd.y : sd.x);
@@ -234,13 +255,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         }
         const float inv[2] = {s_y[0] > 0.f ? 1.f / s_y[0] : 0.f, s_y[1] > 0.f ? 1.f / s_y[1] : 0.f};
         unsigned ya[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          unsigned c[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) c[e] = f2s8_rn_fma(p[nt][e], inv[e >> 1]);
-          pack_acc_bytes_as_a(ya, nt, c);
-        }
+        quantize_acc_as_a(ya, p, inv);
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
           int acc[2][4];
@@ -262,8 +277,8 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   store_acc_rows<T, D>(dk + b * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
 }
 
-// dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D bytes
-// (Q^ and dO of the CTA's rows, then two stages of K^, K^^T and V).
+// dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D + 512
+// bytes (Q^ and dO of the CTA's rows, then two stages of K^, K^^T, V and the key scales).
 template <typename T, int D>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ qs,
@@ -276,10 +291,11 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   const bool CAUSAL = causal != 0, DS_ROWCOL = ds_rowcol != 0;
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
   extern __shared__ __align__(128) char smem[];
-  constexpr int STAGE = BWD_BKV * D + D * BWD_BKV + BWD_BKV * D * 2;
+  constexpr int STAGE = BWD_BKV * D + D * BWD_BKV + BWD_BKV * D * 2 + BWD_BKV * 4;
   char* sQ = smem;                          // 64 queries x D     int8
   char* sdO = sQ + BWD_BQ * D;              // 64 queries x D     T
-  char* sStage = sdO + BWD_BQ * D * 2;      // 2 x (K^ 64 keys x D int8, K^^T D x 64 keys int8 mma-permuted, V 64 keys x D T)
+  // 2 x (K^ 64 keys x D int8, K^^T D x 64 keys int8 mma-permuted, V 64 keys x D T, 64 key scales)
+  char* sStage = sdO + BWD_BQ * D * 2;
   __shared__ float sRed[4];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -298,6 +314,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(st + 2 * BWD_BKV * D,
                                                 reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn),
                                                 vsn * 2, nk - k0, tid);
+    load_vec_async<BWD_THREADS>(st + 4 * BWD_BKV * D, ks + bhk * nk_pad + k0, BWD_BKV / 4, tid);
   };
   load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
@@ -334,6 +351,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     const char* cK = sStage + (tile & 1) * STAGE;
     const char* cKt = cK + BWD_BKV * D;
     const char* cV = cKt + D * BWD_BKV;
+    const float* cKs = reinterpret_cast<const float*>(cV + BWD_BKV * D * 2);
     const int k0 = tile * BWD_BKV;
 
     // S = Q^ K^^T (int32), 16 rows x 64 keys per warp.
@@ -346,7 +364,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int key = k0 + nt * 8 + 2 * t4;
-      const float2 sk2 = *reinterpret_cast<const float2*>(ks + bhk * nk_pad + key);
+      const float2 sk2 = *reinterpret_cast<const float2*>(cKs + nt * 8 + 2 * t4);
       skk[nt][0] = sk2.x;
       skk[nt][1] = sk2.y;
 #pragma unroll
@@ -394,13 +412,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     }
     const float inv[2] = {s_x[0] > 0.f ? 1.f / s_x[0] : 0.f, s_x[1] > 0.f ? 1.f / s_x[1] : 0.f};
     unsigned xa[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      unsigned c[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[e] = f2s8_rn_fma(p[nt][e], inv[e >> 1]);
-      pack_acc_bytes_as_a(xa, nt, c);
-    }
+    quantize_acc_as_a(xa, p, inv);
     // dQ += X^ K^ * s_X * sm_scale (B = K^^T, keys mma-permuted like X^'s columns).
     const float fx[2] = {s_x[0] * sm_scale, s_x[1] * sm_scale};
 #pragma unroll

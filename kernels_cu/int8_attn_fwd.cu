@@ -22,7 +22,8 @@ using namespace sage;
 #else
 #define SAGE_FWD_BOUNDS __launch_bounds__(32 * WARPS)
 #endif
-// Dynamic shared memory: (16 * WARPS + 2 * stages * FWD_BKV) * D bytes + 1024 (alignment); 2 stages here.
+// Dynamic shared memory: (16 * WARPS + 2 * stages * FWD_BKV) * D + 4 * stages * FWD_BKV (key scales) bytes
+// + 1024 (alignment); 2 stages here.
 
 template <typename T, int D, int WARPS>
 __global__ void SAGE_FWD_BOUNDS

@@ -6,7 +6,8 @@
 
 using namespace sage;
 
-// Dynamic shared memory: (16 * WARPS + 2 * FWD_WG_STAGES * FWD_BKV) * D bytes + 1024 (alignment): a 4-stage K/V ring.
+// Dynamic shared memory: (16 * WARPS + 2 * FWD_WG_STAGES * FWD_BKV) * D + 4 * FWD_WG_STAGES * FWD_BKV bytes
+// + 1024 (alignment): a 4-stage ring of K, V and the key scales.
 template <typename T, int D, int WARPS>
 __global__ void __launch_bounds__(32 * WARPS)
 int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,

@@ -57,8 +57,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   const int k0 = kb * BKV, shift = nk - nq;
   constexpr float LOG2_X_MAX = 11.392317422778761f, X_MAX = 2688.f;
 
-  load_tile_async<BKV, ROWB, THREADS>(sK, reinterpret_cast<const char*>(kt + (bhk * nk_pad + k0) * D), ROWB, tid);
-  load_tile_async<BKV, ROWB, THREADS>(sV, reinterpret_cast<const char*>(vt + (bhk * nk_pad + k0) * D), ROWB, tid);
+  load_tile_async<BKV, ROWB, THREADS, false>(sK, reinterpret_cast<const char*>(kt + (bhk * nk_pad + k0) * D), ROWB, tid);
+  load_tile_async<BKV, ROWB, THREADS, false>(sV, reinterpret_cast<const char*>(vt + (bhk * nk_pad + k0) * D), ROWB, tid);
   cp_async_commit();
 
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
@@ -76,8 +76,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
     const int h = hk * group + it / n_it_q, q0 = (first_qt + it % n_it_q) * BQ;
     const long long bh = static_cast<long long>(b) * Hq + h;
     __syncthreads();  // the previous iteration's readers of sQ, sdO and the per-query arrays are done
-    load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
-    load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
+    load_tile_async<BQ, ROWB, THREADS, false>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
+    load_rows_async<BQ, ROWB, THREADS, false>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
                                        dsn * 2, nq - q0, tid);
     cp_async_commit();
     if (tid < BQ) {
@@ -259,11 +259,11 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
   auto load_kv = [&](int tile) {
     char* st = sStage + (tile & 1) * STAGE;
     const long long off = (bhk * nk_pad + tile * BKV) * D;
-    load_tile_async<BKV, ROWB, THREADS>(st, reinterpret_cast<const char*>(kt + off), ROWB, tid);
-    load_tile_async<BKV, ROWB, THREADS>(st + BKV * ROWB, reinterpret_cast<const char*>(vt + off), ROWB, tid);
+    load_tile_async<BKV, ROWB, THREADS, false>(st, reinterpret_cast<const char*>(kt + off), ROWB, tid);
+    load_tile_async<BKV, ROWB, THREADS, false>(st + BKV * ROWB, reinterpret_cast<const char*>(vt + off), ROWB, tid);
   };
-  load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
-  load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
+  load_tile_async<BQ, ROWB, THREADS, false>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
+  load_rows_async<BQ, ROWB, THREADS, false>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
                                      dsn * 2, nq - q0, tid);
   if (n_tiles > 0) load_kv(0);
   cp_async_commit();

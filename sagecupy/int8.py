@@ -292,7 +292,8 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     else:
         fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}>")
         stages = 2
-    smem = (16 * w + 2 * stages * _FWD_BKV) * D + 1024  # Q, K/V ring, alignment of the tiles to 1024 bytes
+    # Q, the K/V ring, the key scales of each stage, alignment of the tiles to 1024 bytes
+    smem = (16 * w + 2 * stages * _FWD_BKV) * D + stages * _FWD_BKV * 4 + 1024
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((nq_pad // (16 * w), Hq, B), (32 * w,),
@@ -327,7 +328,10 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (out[0], out[1]) if return_lse else out[0]
 
 
-_BWD_SMEM_EXTRA = (3 * 64 + 4) * 4  # dK/dV kernel: per-query q scale, lse2, delta; 4 floats of scratch
+def _bwd_smem(D):
+    """Dynamic shared memory of the dK/dV kernel: K^, V, Q^, dO tiles; two buffers of Q^^T, dO^^T, the
+    per-query q scale, lse2, delta and the query tile's dO scales; 4 floats of scratch."""
+    return 6 * 64 * D + 2 * (2 * D * 64 + (3 * 64 + D) * 4) + 16
 
 
 def _preprocess_backward(residuals, do):
@@ -391,7 +395,7 @@ def _launch_backward(r, pre):
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     names = _bwd_names(T, D)
     fn = get_function("int8_attn_bwd.cu", names[0], all_names=names)
-    smem = 8 * 64 * D + _BWD_SMEM_EXTRA  # K^, V, Q^, Q^^T, dO, dO^^T tiles + per-query arrays
+    smem = _bwd_smem(D)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((nk_pad // 64, Hkv, B), (128,),
@@ -403,7 +407,7 @@ def _launch_backward(r, pre):
         i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
        shared_mem=smem)
     fq = get_function("int8_attn_bwd.cu", names[1], all_names=names)
-    smem_q = 704 * D  # Q^, dO, two stages of K^, K^^T, V
+    smem_q = 704 * D + 2 * 64 * 4  # Q^, dO, two stages of K^, K^^T, V and the key scales
     if smem_q > 48 * 1024:
         fq.max_dynamic_shared_size_bytes = smem_q
     fq((nq_pad // 64, Hq, B), (128,),

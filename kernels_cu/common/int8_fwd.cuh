@@ -29,18 +29,18 @@ struct FwdTileScale {
 
 // Softmax of one 16 x 64 tile of S (int32 from the tensor cores, acc layout of mma.cuh): dequantize by
 // the key scale, mask, online max, P~ = exp2(S - m), row sums, P^ = rint(P~ * factor) packed as the
-// A operand of P.V (pa[kstep]: keys 32 kstep .. 32 kstep + 31).
+// A operand of P.V (pa[kstep]: keys 32 kstep .. 32 kstep + 31). ks_tile: the tile's 64 key scales
+// (shared memory); inv_p_max = 1 / p_max. Maxima and sums are trees (short dependency chains).
 template <int D>
 __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[8][4], FwdRows& rs, unsigned (&pa)[2][4],
-                                                         const float* __restrict__ ks_bh, const float* __restrict__ vs_blk,
+                                                         const float* ks_tile, const float* __restrict__ vs_blk,
                                                          int tile, bool need_mask, bool causal, int r_lo, int t4,
-                                                         int nk, int shift, float p_max) {
+                                                         int nk, int shift, float p_max, float inv_p_max) {
   float s[8][4];
-  float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
-    const int key = tile * FWD_BKV + nt * 8 + 2 * t4;
-    const float2 sk = *reinterpret_cast<const float2*>(ks_bh + key);
+    const int kt = nt * 8 + 2 * t4, key = tile * FWD_BKV + kt;
+    const float2 sk = *reinterpret_cast<const float2*>(ks_tile + kt);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float v = i2f_small(acc_s[nt][e]) * ((e & 1) ? sk.y : sk.x);
@@ -49,8 +49,19 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[8][4
         if (kk >= nk || (causal && kk > row + shift)) v = -INFINITY;
       }
       s[nt][e] = v;
-      mx[e >> 1] = fmaxf(mx[e >> 1], v);
     }
+  }
+  float mx[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float t[8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+      for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+    mx[r] = t[0];
   }
   FwdTileScale ts;
   float factor[2];
@@ -59,29 +70,31 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[8][4
     mx[r] = quad_max(mx[r]) * rs.sq[r];  // s_Q > 0, so the max commutes with the row scale
     const float m_new = fmaxf(rs.m[r], mx[r]);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    ts.alpha[r] = exp2f(rs.m[r] - m_use);
+    ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact
     const float gap = fminf(m_use - mx[r], 64.f);  // >= 0; clamped: such a tile contributes < 2^-64
-    factor[r] = p_max * exp2f(gap);
-    ts.spv[r] = exp2f(-gap) / p_max;
+    factor[r] = p_max * fast_exp2(gap);
+    ts.spv[r] = fast_exp2(-gap) * inv_p_max;
     rs.m[r] = m_new;
     mx[r] = -m_use;  // reuse: minus the exponent base
   }
   // Rescaling O by alpha only when some row's max moved (warp-uniform; alpha == 1 is exact otherwise).
   ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
-  float lsum[2] = {0.f, 0.f};
+  float lsum[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    unsigned c[4];
+  for (int np = 0; np < 4; ++np) {
+    unsigned c[2][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = fast_exp2(fmaf(s[nt][e], rs.sq[e >> 1], mx[e >> 1]));
-      lsum[e >> 1] += p;
-      c[e] = f2u8_rn_fma(p, factor[e >> 1]);
-    }
-    pack_acc_bytes_as_a(pa, nt, c);
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = fast_exp2(fmaf(s[2 * np + j][e], rs.sq[e >> 1], mx[e >> 1]));
+        lsum[e >> 1][2 * j + (e & 1)] += p;
+        c[j][e] = rn_fma_bits(p, factor[e >> 1]);
+      }
+    pack_acc_pair_as_a(pa, np, c[0], c[1]);
   }
-  rs.l[0] = fmaf(rs.l[0], ts.alpha[0], lsum[0]);
-  rs.l[1] = fmaf(rs.l[1], ts.alpha[1], lsum[1]);
+  rs.l[0] = fmaf(rs.l[0], ts.alpha[0], (lsum[0][0] + lsum[0][1]) + (lsum[0][2] + lsum[0][3]));
+  rs.l[1] = fmaf(rs.l[1], ts.alpha[1], (lsum[1][0] + lsum[1][1]) + (lsum[1][2] + lsum[1][3]));
   if (vs_blk) {
     const float sv = *vs_blk;  // V per 64-token block: its scale (repeated over D)
     ts.spv[0] *= sv;
@@ -189,6 +202,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   char* sQ = smem;                               // FWD_BQ x D
   char* sK = sQ + FWD_BQ * D;                    // 2 stages x FWD_BKV x D
   char* sV = sK + 2 * FWD_BKV * D;               // 2 stages x D x FWD_BKV
+  float* sKs = reinterpret_cast<float*>(sV + 2 * D * FWD_BKV);  // 2 stages x FWD_BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
@@ -199,11 +213,14 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
   load_tile_async<FWD_BQ, D, FWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
+  const float* gKs = ks + bhk * nk_pad;
   if (tl.n > 0) {
     load_tile_async<FWD_BKV, D, FWD_THREADS>(sK, gK, D, tid);
     load_tile_async<D, FWD_BKV, FWD_THREADS>(sV, gV, nk_pad, tid);
+    load_vec_async<FWD_THREADS>(sKs, gKs, FWD_BKV / 4, tid);
   }
   cp_async_commit();
+  const float inv_p_max = 1.f / p_max;
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's two rows: r_lo, r_lo + 8
   FwdRows rs = fwd_rows_init(qs + bh * nq_pad, r_lo);
@@ -224,6 +241,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     if (tile + 1 < tl.n) {
       load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + (st ^ 1) * FWD_BKV * D, gK + (tile + 1) * FWD_BKV * D, D, tid);
       load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + (st ^ 1) * D * FWD_BKV, gV + (tile + 1) * FWD_BKV, nk_pad, tid);
+      load_vec_async<FWD_THREADS>(sKs + (st ^ 1) * FWD_BKV, gKs + (tile + 1) * FWD_BKV, FWD_BKV / 4, tid);
     }
     cp_async_commit();
     const char* cK = sK + st * FWD_BKV * D;
@@ -233,9 +251,9 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     int acc_s[8][4];
     qk_s8<D>(acc_s, qf, cK, lane);
     unsigned pa[2][4];
-    const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, ks + bhk * nk_pad,
+    const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, sKs + st * FWD_BKV,
                                                 V_BLOCK ? vs + (bhk * (nk_pad / FWD_BKV) + tile) * D : nullptr, tile,
-                                                tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max);
+                                                tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
     // O = alpha * O + (P^ V^) * s_P (* s_V per block), 16 output columns at a time.
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
@@ -277,6 +295,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   char* sQ = smem;                               // FWD_BQ x D
   char* sK = sQ + FWD_BQ * D;                    // NST stages x FWD_BKV x D
   char* sV = sK + NST * FWD_BKV * D;             // NST stages x D x FWD_BKV
+  float* sKs = reinterpret_cast<float*>(sV + NST * D * FWD_BKV);  // NST stages x FWD_BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
@@ -286,15 +305,18 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
 
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
+  const float* gKs = ks + bhk * nk_pad;
   // Prologue: Q and tile 0 (one group), tile 1 (another).
   load_tile_async<FWD_BQ, D, FWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   for (int t = 0; t < 2; ++t) {
     if (t < tl.n) {
       load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + t * FWD_BKV * D, gK + t * FWD_BKV * D, D, tid);
       load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + t * D * FWD_BKV, gV + t * FWD_BKV, nk_pad, tid);
+      load_vec_async<FWD_THREADS>(sKs + t * FWD_BKV, gKs + t * FWD_BKV, FWD_BKV / 4, tid);
     }
     cp_async_commit();
   }
+  const float inv_p_max = 1.f / p_max;
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's two rows: r_lo, r_lo + 8
   FwdRows rs = fwd_rows_init(qs + bh * nq_pad, r_lo);
@@ -331,13 +353,14 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       const int st = (tile + 2) % NST;
       load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + st * FWD_BKV * D, gK + (tile + 2) * FWD_BKV * D, D, tid);
       load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + st * D * FWD_BKV, gV + (tile + 2) * FWD_BKV, nk_pad, tid);
+      load_vec_async<FWD_THREADS>(sKs + st * FWD_BKV, gKs + (tile + 2) * FWD_BKV, FWD_BKV / 4, tid);
     }
     cp_async_commit();
 
     unsigned pa[2][4];
-    const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, ks + bhk * nk_pad,
+    const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, sKs + (tile % NST) * FWD_BKV,
                                                 V_BLOCK ? vs + (bhk * (nk_pad / FWD_BKV) + tile) * D : nullptr, tile,
-                                                tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max);
+                                                tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
     // The waits and issues below are unconditional: ptxas proves the accumulators are not read while
     // in flight only on straight-line pipelines (else it serializes every wgmma, warning C7514).
     wgmma_wait<0>();  // P.V(t-1) done (nothing in flight at t = 0)

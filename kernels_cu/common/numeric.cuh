@@ -46,6 +46,16 @@ __device__ __forceinline__ unsigned f2s8_rn_fma(float a, float b) {
   return static_cast<unsigned>(__float_as_int(fmaf(a, b, 12582912.0f)) - 0x4B400000) & 0xFFu;
 }
 
+// The bits of fma(a, b, 1.5 * 2^23): for |round-half-even(a * b)| < 2^22 its low byte is that integer's
+// 8-bit two's-complement code (the constant's low byte is 0), so one FFMA quantizes and pack4_low_bytes
+// gathers the codes without masking.
+__device__ __forceinline__ unsigned rn_fma_bits(float a, float b) { return __float_as_uint(fmaf(a, b, 12582912.0f)); }
+
+// Low bytes of x0..x3 -> one word (x0 in byte 0): three byte permutes.
+__device__ __forceinline__ unsigned pack4_low_bytes(unsigned x0, unsigned x1, unsigned x2, unsigned x3) {
+  return __byte_perm(__byte_perm(x0, x1, 0x0040), __byte_perm(x2, x3, 0x0040), 0x5410);
+}
+
 __device__ __forceinline__ unsigned pack4_u8(unsigned b0, unsigned b1, unsigned b2, unsigned b3) {
   return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
 }
@@ -106,6 +116,15 @@ __device__ __forceinline__ void pack_acc_bytes_as_a(unsigned (&a)[2][4], int nt,
     a[kst][2 * half] |= lo_row;
     a[kst][2 * half + 1] |= hi_row;
   }
+}
+
+// pack_acc_bytes_as_a for n-tiles 2 np and 2 np + 1 at once, from rn_fma_bits words (codes in the low
+// bytes): ev = the even n-tile's four values, od = the odd one's.
+__device__ __forceinline__ void pack_acc_pair_as_a(unsigned (&a)[2][4], int np, const unsigned (&ev)[4],
+                                                   const unsigned (&od)[4]) {
+  const int kst = np >> 1, half = np & 1;
+  a[kst][2 * half] = pack4_low_bytes(ev[0], ev[1], od[0], od[1]);
+  a[kst][2 * half + 1] = pack4_low_bytes(ev[2], ev[3], od[2], od[3]);
 }
 
 // Inverse of mma_perm32: the key stored at position p of a 32-key group.

@@ -15,29 +15,51 @@ __device__ __forceinline__ int swz(int r, int c) {
   return r * ROW_BYTES + pc * 16;
 }
 
-// Copy ROWS x ROW_BYTES from global (row stride `gstride` bytes) into a swizzled shared tile.
-template <int ROWS, int ROW_BYTES, int NTHREADS>
+// Copy ROWS x ROW_BYTES from global (row stride `gstride` bytes) into a swizzled shared tile. UNROLL: a
+// fully unrolled copy (no loop branches; the default) or a loop (fewer registers live: the FP4/QAT kernels,
+// whose spills grew with the unrolled form).
+template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = true>
 __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, long long gstride, int tid) {
   constexpr int CPR = ROW_BYTES / 16;
   constexpr int TOTAL = ROWS * CPR;
-#pragma unroll
-  for (int i = tid; i < TOTAL; i += NTHREADS) {
+  static_assert(TOTAL % NTHREADS == 0, "whole passes");
+  auto copy = [&](int i) {
     const int r = i / CPR, c = i % CPR;
     cp_async_16(smem_u32(smem + swz<ROW_BYTES>(r, c)), gmem + r * gstride + c * 16);
+  };
+  if constexpr (UNROLL) {
+#pragma unroll
+    for (int j = 0; j < TOTAL / NTHREADS; ++j) copy(tid + j * NTHREADS);
+  } else {
+#pragma unroll
+    for (int i = tid; i < TOTAL; i += NTHREADS) copy(i);
   }
 }
 
 // As load_tile_async, for rows of a strided tensor: rows >= valid_rows are zero-filled.
-template <int ROWS, int ROW_BYTES, int NTHREADS>
+template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = true>
 __device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, long long gstride, int valid_rows, int tid) {
   constexpr int CPR = ROW_BYTES / 16;
   constexpr int TOTAL = ROWS * CPR;
-#pragma unroll
-  for (int i = tid; i < TOTAL; i += NTHREADS) {
+  static_assert(TOTAL % NTHREADS == 0, "whole passes");
+  auto copy = [&](int i) {
     const int r = i / CPR, c = i % CPR;
     const bool ok = r < valid_rows;
     cp_async_16_zfill(smem_u32(smem + swz<ROW_BYTES>(r, c)), gmem + (ok ? r * gstride + c * 16 : 0), ok);
+  };
+  if constexpr (UNROLL) {
+#pragma unroll
+    for (int j = 0; j < TOTAL / NTHREADS; ++j) copy(tid + j * NTHREADS);
+  } else {
+#pragma unroll
+    for (int i = tid; i < TOTAL; i += NTHREADS) copy(i);
   }
+}
+
+// Copy n4 * 16 bytes (n4 <= NTHREADS) from global to shared, both 16-byte aligned: a tile's per-row scales.
+template <int NTHREADS>
+__device__ __forceinline__ void load_vec_async(void* smem, const void* gmem, int n4, int tid) {
+  if (tid < n4) cp_async_16(smem_u32(static_cast<char*>(smem) + 16 * tid), static_cast<const char*>(gmem) + 16 * tid);
 }
 
 // ldmatrix.x4 over a swizzled tile: matrices (rows r0..r0+7, chunk c0), (r0..+7, c0+1),
