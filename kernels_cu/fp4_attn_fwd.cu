@@ -132,7 +132,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   const bool CAUSAL = causal != 0;
   extern __shared__ __align__(128) char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 127) & ~127ull);
+  char* smem = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);  // stays a shared-memory pointer (LDS/STS)
   char* sQ = smem;
   char* sK = sQ + S::Q_BYTES;          // 2 stages
   char* sV = sK + 2 * S::K_BYTES;      // 2 stages
@@ -199,10 +199,10 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
   } else {
     gK16 = reinterpret_cast<const char*>(k16 + bhk * nk_pad * D);
     gV16 = reinterpret_cast<const char*>(vt16 + bhk * D * nk_pad);
-    load_tile_async<BQ, ROWB, THREADS, false>(sQ, reinterpret_cast<const char*>(q16 + (bh * nq_pad + q0) * D), ROWB, tid);
+    load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(q16 + (bh * nq_pad + q0) * D), ROWB, tid);
     if (n_tiles > 0) {
-      load_tile_async<BKV, ROWB, THREADS, false>(sK, gK16, ROWB, tid);
-      load_tile_async<D, BKV * 2, THREADS, false>(sV, gV16, static_cast<long long>(nk_pad) * 2, tid);
+      load_tile_async<BKV, ROWB, THREADS>(sK, gK16, ROWB, tid);
+      load_tile_async<D, BKV * 2, THREADS>(sV, gV16, static_cast<long long>(nk_pad) * 2, tid);
     }
     cp_async_commit();
   }
@@ -235,9 +235,9 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
           cp_async_commit();
         }
       } else {
-        load_tile_async<BKV, ROWB, THREADS, false>(sK + (st ^ 1) * S::K_BYTES,
+        load_tile_async<BKV, ROWB, THREADS>(sK + (st ^ 1) * S::K_BYTES,
                                             gK16 + static_cast<long long>(tile + 1) * BKV * ROWB, ROWB, tid);
-        load_tile_async<D, BKV * 2, THREADS, false>(sV + (st ^ 1) * S::V_BYTES,
+        load_tile_async<D, BKV * 2, THREADS>(sV + (st ^ 1) * S::V_BYTES,
                                              gV16 + static_cast<long long>(tile + 1) * BKV * 2,
                                              static_cast<long long>(nk_pad) * 2, tid);
       }

@@ -106,7 +106,8 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   const int first_qt = first_row / BWD_BQ, n_qt = (nq + BWD_BQ - 1) / BWD_BQ;
 
   // Flattened (head in group, query tile) iterations. Q^ and dO of iteration it+1 are prefetched during
-  // iteration it (issued once every warp is past S and dP); Q^^T and dO^^T load at the top of each iteration.
+  // iteration it (issued once every warp is past S and dP); Q^^T, dO^^T and the per-query arrays of it+1
+  // into the other buffer at the top of iteration it (load_t).
   const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;
   auto load_q_do = [&](int it) {
     const int hh = hk * group + it / n_it_q, qq0 = (first_qt + it % n_it_q) * BWD_BQ;
@@ -115,8 +116,8 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
     load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(
         sdO, reinterpret_cast<const char*>(dout + b * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
   };
-  // The per-query arrays are read over the whole padded tile: the forward wrote lse2 = +inf on padding
-  // rows (P = 0 there), the pre-passes wrote q scales and delta for every padded row.
+  // The per-query arrays are copied over the whole padded tile (every padded row of q scales, lse2 and
+  // delta is written by the forward and the pre-passes); P of rows >= nq is zeroed by need_mask below.
   auto load_t = [&](int it) {
     const int hh = hk * group + it / n_it_q, qtile = first_qt + it % n_it_q, qq0 = qtile * BWD_BQ;
     const long long bhh = static_cast<long long>(b) * Hq + hh;
@@ -174,10 +175,11 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const int qc0 = nt * 8 + 2 * t4;
+        const float2 qs2 = *reinterpret_cast<const float2*>(sQs + qc0), l2 = *reinterpret_cast<const float2*>(sL + qc0);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = qc0 + (e & 1), key = key_lo + 8 * (e >> 1);
-          float val = fast_exp2(i2f_small(acc_s[nt][e]) * sk[e >> 1] * sQs[qi] - sL[qi]);
+          float val = fast_exp2(i2f_small(acc_s[nt][e]) * sk[e >> 1] * ((e & 1) ? qs2.y : qs2.x) - ((e & 1) ? l2.y : l2.x));
           if (need_mask) {
             const int qrow = q0 + qi;
             if (key >= nk || qrow >= nq || (CAUSAL && key > qrow + shift)) val = 0.f;
@@ -228,24 +230,25 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
           mma_f16<T>(acc[1], a, b1);
         }
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 2; ++j) {
+          const float2 d2 = *reinterpret_cast<const float2*>(sDel + (2 * np + j) * 8 + 2 * t4);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int qi = (2 * np + j) * 8 + 2 * t4 + (e & 1);
-            p[2 * np + j][e] *= acc[j][e] - sDel[qi];
-          }
+          for (int e = 0; e < 4; ++e) p[2 * np + j][e] *= acc[j][e] - ((e & 1) ? d2.y : d2.x);
+        }
       }
       // dK path: Y = diag(s_Q) dS, quantized per key (row here) or per tile.
       {
         // Y in place of dS (dS has no other use in this kernel).
         float ymax[2] = {0.f, 0.f};
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 qs2 = *reinterpret_cast<const float2*>(sQs + nt * 8 + 2 * t4);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            p[nt][e] *= sQs[nt * 8 + 2 * t4 + (e & 1)];
+            p[nt][e] *= (e & 1) ? qs2.y : qs2.x;
             ymax[e >> 1] = nan_max(ymax[e >> 1], fabsf(p[nt][e]));
           }
+        }
         float s_y[2];
         if (DS_ROWCOL) {
           s_y[0] = quad_max(ymax[0]) / 127.f;

@@ -27,6 +27,18 @@ __device__ __forceinline__ int psi_code(float x, float s, float qmax) {
   return static_cast<int>(fminf(fmaxf(c, -qmax), qmax));
 }
 
+// Eight consecutive elements (16-byte aligned) as floats, through one 16-byte load.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = to_float(e[i]);
+}
+
+// NaN-propagating max of two maxima (either NaN -> NaN).
+__device__ __forceinline__ float max_or_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+
 }  // namespace sage
 
 using namespace sage;
@@ -34,39 +46,47 @@ using namespace sage;
 // Column statistics over tokens in two deterministic passes (no atomics on sums, so the mean and the
 // codes that depend on it are bitwise repeatable). Pass 1: CTA (chunk, h, b) reduces CHUNK tokens into
 // part[b, h, chunk, d] (sum, or NaN-propagating absmax when ABSMAX). Pass 2 reduces the chunks in order.
+// grid (ceil(n / CHUNK), H, B), block 256; rows 16-byte aligned.
 constexpr int STAT_CHUNK = 256;
 
 // Sums accumulate in double (the mean is then rounded once to fp32, as the reference does), maxima in float.
 template <bool ABSMAX> struct StatAcc { using type = double; };
 template <> struct StatAcc<true> { using type = float; };
 
-template <typename T, bool ABSMAX>
-__global__ void column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
-                               typename StatAcc<ABSMAX>::type* __restrict__ part) {
+// Each thread owns 8 consecutive channels (one 16-byte load per token); the block's 256 threads cover
+// 256 / (D / 8) tokens at a time; the partial of a channel is summed over those token lanes in order.
+template <typename T, int D, bool ABSMAX>
+__global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn,
+                                                      int n, typename StatAcc<ABSMAX>::type* __restrict__ part) {
   using Acc = typename StatAcc<ABSMAX>::type;
-  extern __shared__ __align__(8) char red_raw[];
-  Acc* red = reinterpret_cast<Acc*>(red_raw);
+  constexpr int LPR = D / 8, R = 256 / LPR;  // threads per token, tokens in parallel
+  __shared__ Acc red[R][D];
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y, nchunk = gridDim.x;
-  const int col = threadIdx.x % d, lanes = blockDim.x / d, row0 = threadIdx.x / d;
+  const int cl = threadIdx.x % LPR, row0 = threadIdx.x / LPR;
   const int t0 = chunk * STAT_CHUNK, t1 = min(n, t0 + STAT_CHUNK);
-  Acc acc = 0;
-  if (row0 < lanes) {
-    const T* base = x + b * sb + h * sh + col;
-    for (int i = t0 + row0; i < t1; i += lanes) {
-      const float v = to_float(base[i * sn]);
-      if (ABSMAX) acc = absmax_or_nan(static_cast<float>(acc), v);
-      else acc += static_cast<Acc>(v);
+  Acc acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0;
+  const T* base = x + b * sb + h * sh + cl * 8;
+  for (int t = t0 + row0; t < t1; t += R) {
+    float f[8];
+    load8(base + t * sn, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (ABSMAX) acc[i] = absmax_or_nan(static_cast<float>(acc[i]), f[i]);
+      else acc[i] += static_cast<Acc>(f[i]);
     }
   }
-  red[threadIdx.x] = acc;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) red[row0][cl * 8 + i] = acc[i];
   __syncthreads();
-  if (threadIdx.x < d) {
-    Acc s = 0;
-    for (int r = 0; r < lanes; ++r) {
-      if (ABSMAX) s = absmax_or_nan(static_cast<float>(s), static_cast<float>(red[r * d + threadIdx.x]));
-      else s += red[r * d + threadIdx.x];
+  if (threadIdx.x < D) {
+    Acc a = 0;
+    for (int r = 0; r < R; ++r) {
+      if (ABSMAX) a = max_or_nan(static_cast<float>(a), static_cast<float>(red[r][threadIdx.x]));
+      else a += red[r][threadIdx.x];
     }
-    part[((static_cast<long long>(b) * H + h) * nchunk + chunk) * d + threadIdx.x] = s;
+    part[((static_cast<long long>(b) * H + h) * nchunk + chunk) * D + threadIdx.x] = a;
   }
 }
 
@@ -90,74 +110,81 @@ __global__ void column_finish(const typename StatAcc<ABSMAX>::type* __restrict__
 // GROUP rows, all in fp32 (the reference's fp32 mode gives the same codes); the stored scale is
 // s * scale_mult (log2 e for Q, so the attention kernels work in base 2), and
 // groups are GROUP rows (GROUP = 1: per token; GROUP = 8 * RPW: the CTA's rows share one scale).
-// Each of the 8 warps owns RPW rows; each lane owns D/32 consecutive columns.
+// Each of the 8 warps owns RPW rows; D/8 lanes share a row, each with 8 consecutive columns (one 16-byte
+// load; rows 16-byte aligned).
 // Optional: dot[b, h, r] = dot_mult * <x[b, h, r, :], dot_vec[b, h_dot, :]> (the LSE correction of K-smoothing).
 // grid (ceil(n_pad / (8 * RPW)), H, B), block 256. Rows >= n are written as padding.
 template <typename T, int D, int RPW, bool GROUPED>
-__global__ void quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
-                           const float* __restrict__ mu, int mu_group, float mult,
-                           signed char* __restrict__ codes, float* __restrict__ scales, float scale_mult,
-                           const float* __restrict__ dot_vec, int dot_group, float dot_mult, float* __restrict__ dot) {
-  constexpr int C = D / 32;  // columns per lane
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+__global__ void __launch_bounds__(256, 1)
+quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+           const float* __restrict__ mu, int mu_group, float mult,
+           signed char* __restrict__ codes, float* __restrict__ scales, float scale_mult,
+           const float* __restrict__ dot_vec, int dot_group, float dot_mult, float* __restrict__ dot) {
+  constexpr int LPR = D / 8, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
+  static_assert(RPW % RPI == 0, "whole steps");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPR, cl = lane % LPR;
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int row_base = blockIdx.x * 8 * RPW + warp * RPW;
   const long long bh = static_cast<long long>(b) * H + h;
-  float v[RPW][C];
-  float amax[RPW];
-  float muv[C], dv[C];  // this lane's columns of mu and of dot_vec, loaded once for all its rows
-  const int hm = h / mu_group;
+  float v[STEPS][8];
+  float amax[STEPS];
+  float muv[8], dv[8];  // this lane's 8 columns of mu and of dot_vec, loaded once for all its rows
 #pragma unroll
-  for (int c = 0; c < C; ++c) {
-    muv[c] = mu ? mu[(static_cast<long long>(b) * (H / mu_group) + hm) * D + lane * C + c] : 0.f;
-    dv[c] = dot_vec ? dot_vec[(static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D + lane * C + c] : 0.f;
+  for (int c = 0; c < 8; ++c) {
+    muv[c] = mu ? mu[(static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D + cl * 8 + c] : 0.f;
+    dv[c] = dot_vec ? dot_vec[(static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D + cl * 8 + c] : 0.f;
+  }
+  // Every row's load first (all in flight together), then the arithmetic.
+#pragma unroll
+  for (int st = 0; st < STEPS; ++st) {
+    const int row = row_base + st * RPI + sub;
+    if (row < n) {
+      load8(x + b * sb + h * sh + row * sn + cl * 8, v[st]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) v[st][c] = 0.f;
+    }
   }
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const int row = row_base + r;
-    amax[r] = 0.f;
+  for (int st = 0; st < STEPS; ++st) {
+    const int row = row_base + st * RPI + sub;
+    amax[st] = 0.f;
     float dacc = 0.f;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      float xv = 0.f;
-      if (row < n) xv = to_float(x[b * sb + h * sh + row * sn + lane * C + c]);
-      if (dot_vec) dacc += xv * dv[c];  // xv = 0 beyond n
-      v[r][c] = row < n ? (xv - muv[c]) * mult : 0.f;
-      amax[r] = absmax_or_nan(amax[r], v[r][c]);
+    for (int c = 0; c < 8; ++c) {
+      if (dot_vec) dacc += v[st][c] * dv[c];  // the input is 0 beyond n
+      v[st][c] = row < n ? (v[st][c] - muv[c]) * mult : 0.f;
+      amax[st] = absmax_or_nan(amax[st], v[st][c]);
     }
     if (dot) {
-      for (int m = 16; m >= 1; m >>= 1) dacc += __shfl_xor_sync(0xffffffffu, dacc, m);
-      if (lane == 0 && row < n_pad) dot[bh * n_pad + row] = row < n ? dacc * dot_mult : 0.f;
+      for (int m = LPR / 2; m >= 1; m >>= 1) dacc += __shfl_xor_sync(0xffffffffu, dacc, m);
+      if (cl == 0 && row < n_pad) dot[bh * n_pad + row] = row < n ? dacc * dot_mult : 0.f;
     }
-    for (int m = 16; m >= 1; m >>= 1) {
-      float o = __shfl_xor_sync(0xffffffffu, amax[r], m);
-      amax[r] = (o != o || amax[r] != amax[r]) ? o + amax[r] : fmaxf(amax[r], o);
-    }
+    for (int m = LPR / 2; m >= 1; m >>= 1) amax[st] = max_or_nan(amax[st], __shfl_xor_sync(0xffffffffu, amax[st], m));
   }
   if (GROUPED) {
     __shared__ float wmax[8];
     float a = amax[0];
 #pragma unroll
-    for (int r = 1; r < RPW; ++r) a = (a != a || amax[r] != amax[r]) ? a + amax[r] : fmaxf(a, amax[r]);
+    for (int st = 1; st < STEPS; ++st) a = max_or_nan(a, amax[st]);
+    for (int m = LPR; m < 32; m <<= 1) a = max_or_nan(a, __shfl_xor_sync(0xffffffffu, a, m));
     if (lane == 0) wmax[warp] = a;
     __syncthreads();
     a = wmax[0];
-    for (int w = 1; w < 8; ++w) a = (a != a || wmax[w] != wmax[w]) ? a + wmax[w] : fmaxf(a, wmax[w]);
+    for (int w = 1; w < 8; ++w) a = max_or_nan(a, wmax[w]);
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) amax[r] = a;
+    for (int st = 0; st < STEPS; ++st) amax[st] = a;
   }
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const int row = row_base + r;
+  for (int st = 0; st < STEPS; ++st) {
+    const int row = row_base + st * RPI + sub;
     if (row >= n_pad) continue;
-    const float s = psi_scale(amax[r], 127.f);
-    unsigned packed = 0;
+    const float s = psi_scale(amax[st], 127.f);
+    unsigned w[2] = {0u, 0u};
 #pragma unroll
-    for (int c = 0; c < C; ++c) packed |= (static_cast<unsigned>(psi_code(v[r][c], s, 127.f)) & 0xFFu) << (8 * c);
-    signed char* dst = codes + (bh * n_pad + row) * D + lane * C;
-    if (C == 4) *reinterpret_cast<unsigned*>(dst) = packed;
-    else *reinterpret_cast<unsigned short*>(dst) = static_cast<unsigned short>(packed);
-    if (lane == 0) scales[bh * n_pad + row] = row < n ? s * scale_mult : 0.f;
+    for (int c = 0; c < 8; ++c) w[c / 4] |= (static_cast<unsigned>(psi_code(v[st][c], s, 127.f)) & 0xFFu) << (8 * (c % 4));
+    *reinterpret_cast<uint2*>(codes + (bh * n_pad + row) * D + cl * 8) = make_uint2(w[0], w[1]);
+    if (cl == 0) scales[bh * n_pad + row] = row < n ? s * scale_mult : 0.f;
   }
 }
 
@@ -167,58 +194,78 @@ __global__ void quant_rows(const T* __restrict__ x, long long sb, long long sh, 
 // MODE 0: per-channel scale given in `scale_in` (b, h, d) (computed over the whole sequence);
 // MODE 1: per (64-token block, channel) scale, computed here;  MODE 2: one scale per 64-token block.
 // Scales written to scale_out[b, h, blk, d] (MODE 1, 2; MODE 2 repeats the block scale over d).
-// grid (n_pad / 64, H, B), block 256.
+// grid (n_pad / 64, H, B), block 2 * D; rows 16-byte aligned.
 template <typename T, int D, int MODE>
-__global__ void quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
-                                     const float* __restrict__ scale_in, float* __restrict__ scale_out,
-                                     signed char* __restrict__ out) {
-  __shared__ float tile[64][D + 1];
-  __shared__ float cscale[D];
-  __shared__ float wmax[8];
+__global__ void __launch_bounds__(2 * D)
+quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+                     const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out) {
+  // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
+  // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
+  // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
+  constexpr int WARPS = D / 16;
+  __shared__ __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
+  __shared__ float wmax[WARPS];
   const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const long long bh = static_cast<long long>(b) * H + h;
-  for (int i = threadIdx.x; i < 64 * D; i += blockDim.x) {
-    const int r = i / D, c = i % D, tok = blk * 64 + r;
-    tile[r][c] = tok < n ? to_float(x[b * sb + h * sh + tok * sn + c]) : 0.f;
-  }
-  __syncthreads();
-  if (MODE == 0) {
-    for (int c = threadIdx.x; c < D; c += blockDim.x) cscale[c] = scale_in[bh * D + c];
-  } else if (MODE == 1) {
-    for (int c = threadIdx.x; c < D; c += blockDim.x) {
-      float a = 0.f;
-      for (int r = 0; r < 64; ++r) a = absmax_or_nan(a, tile[r][c]);
-      cscale[c] = psi_scale(a, 127.f);
-    }
-  } else {
-    float a = 0.f;
-    for (int i = threadIdx.x; i < 64 * D; i += blockDim.x) a = absmax_or_nan(a, tile[i / D][i % D]);
-    for (int m = 16; m >= 1; m >>= 1) {
-      float o = __shfl_xor_sync(0xffffffffu, a, m);
-      a = (o != o || a != a) ? o + a : fmaxf(a, o);
-    }
-    if (threadIdx.x % 32 == 0) wmax[threadIdx.x / 32] = a;
-    __syncthreads();
-    if (threadIdx.x < D) {
-      float s = wmax[0];
-      for (int w = 1; w < 8; ++w) s = (s != s || wmax[w] != wmax[w]) ? s + wmax[w] : fmaxf(s, wmax[w]);
-      cscale[threadIdx.x] = psi_scale(s, 127.f);
-    }
-  }
-  __syncthreads();
-  if (MODE != 0)
-    for (int c = threadIdx.x; c < D; c += blockDim.x) scale_out[(bh * (n_pad / 64) + blk) * D + c] = cscale[c];
-  // Each thread writes 4 consecutive output bytes (positions p..p+3 of one channel row).
-  for (int i = threadIdx.x; i < D * 16; i += blockDim.x) {
-    const int c = i / 16, p0 = (i % 16) * 4;
-    unsigned packed = 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
+  const int hf = tg / 4, t = tg % 4;
+  float v[4][8];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int p = p0 + q;
-      const int tok = (p & ~31) | mma_perm32_inv(p & 31);
-      packed |= (static_cast<unsigned>(psi_code(tile[tok][c], cscale[c], 127.f)) & 0xFFu) << (8 * q);
+  for (int k = 0; k < 4; ++k) {
+    const int tok = blk * 64 + 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
+    if (tok < n) {
+      load8(x + b * sb + h * sh + tok * sn + c0, v[k]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) v[k][c] = 0.f;
     }
-    *reinterpret_cast<unsigned*>(out + (bh * D + c) * n_pad + blk * 64 + p0) = packed;
+  }
+  float sc[8];
+  if (MODE == 0) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) sc[c] = scale_in[bh * D + c0 + c];
+  } else if (MODE == 1) {  // per channel over the block's 64 tokens: the 16 lanes of this half-warp
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      float a = 0.f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) a = absmax_or_nan(a, v[k][c]);
+      for (int m = 8; m >= 1; m >>= 1) a = max_or_nan(a, __shfl_xor_sync(0xffffffffu, a, m));
+      sc[c] = psi_scale(a, 127.f);
+    }
+  } else {  // one scale per block
+    float a = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) a = absmax_or_nan(a, v[k][c]);
+    for (int m = 16; m >= 1; m >>= 1) a = max_or_nan(a, __shfl_xor_sync(0xffffffffu, a, m));
+    if (lane == 0) wmax[warp] = a;
+    __syncthreads();
+    a = wmax[0];
+    for (int w = 1; w < WARPS; ++w) a = max_or_nan(a, wmax[w]);
+    const float s = psi_scale(a, 127.f);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) sc[c] = s;
+  }
+  if (MODE != 0 && tg == 0) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) scale_out[(bh * (n_pad / 64) + blk) * D + c0 + c] = sc[c];
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    unsigned w = 0u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w |= (static_cast<unsigned>(psi_code(v[k][c], sc[c], 127.f)) & 0xFFu) << (8 * k);
+    words[c0 + c][tg] = w;
+  }
+  __syncthreads();
+  // D rows x 4 chunks of 16 bytes; 8 consecutive lanes read two whole rows (conflict-free).
+#pragma unroll
+  for (int i = threadIdx.x; i < D * 4; i += 2 * D) {
+    const int c = i / 4, q = i % 4;
+    *reinterpret_cast<uint4*>(out + (bh * D + c) * n_pad + blk * 64 + 16 * q) =
+        *reinterpret_cast<const uint4*>(&words[c][4 * q]);
   }
 }
 
@@ -232,9 +279,29 @@ __global__ void rowdot(const T* __restrict__ a, long long asb, long long ash, lo
   const int row = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   if (row >= n_pad) return;
   float acc = 0.f;
-  if (row < n)
-    for (int i = lane; i < d; i += 32)
-      acc += to_float(a[b * asb + h * ash + row * asn + i]) * to_float(c[b * csb + h * csh + row * csn + i]);
+  if (row < n) {
+    const T* ar = a + b * asb + h * ash + row * asn;
+    const T* cr = c + b * csb + h * csh + row * csn;
+    if (d % 128 == 0) {  // 4 consecutive elements per lane and step (8-byte loads; rows 16-byte aligned)
+      for (int i = lane * 4; i < d; i += 128) {
+        const uint2 ua = *reinterpret_cast<const uint2*>(ar + i), uc = *reinterpret_cast<const uint2*>(cr + i);
+        const T* ea = reinterpret_cast<const T*>(&ua);
+        const T* ec = reinterpret_cast<const T*>(&uc);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc += to_float(ea[e]) * to_float(ec[e]);
+      }
+    } else if (d % 64 == 0) {  // 2 per lane (4-byte loads)
+      for (int i = lane * 2; i < d; i += 64) {
+        const unsigned ua = *reinterpret_cast<const unsigned*>(ar + i), uc = *reinterpret_cast<const unsigned*>(cr + i);
+        const T* ea = reinterpret_cast<const T*>(&ua);
+        const T* ec = reinterpret_cast<const T*>(&uc);
+        acc += to_float(ea[0]) * to_float(ec[0]);
+        acc += to_float(ea[1]) * to_float(ec[1]);
+      }
+    } else {
+      for (int i = lane; i < d; i += 32) acc += to_float(ar[i]) * to_float(cr[i]);
+    }
+  }
   for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   if (lane == 0) out[(static_cast<long long>(b) * H + h) * n_pad + row] = acc;
 }

@@ -40,7 +40,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   constexpr int ROWB = 2 * D;
   const bool CAUSAL = causal != 0;
   extern __shared__ __align__(128) char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 127) & ~127ull);
+  char* smem = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);  // stays a shared-memory pointer (LDS/STS)
   char* sK = smem;                       // 64 keys x D
   char* sV = sK + BKV * ROWB;            // 64 keys x D
   char* sQ = sV + BKV * ROWB;            // 64 queries x D
@@ -57,8 +57,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   const int k0 = kb * BKV, shift = nk - nq;
   constexpr float LOG2_X_MAX = 11.392317422778761f, X_MAX = 2688.f;
 
-  load_tile_async<BKV, ROWB, THREADS, false>(sK, reinterpret_cast<const char*>(kt + (bhk * nk_pad + k0) * D), ROWB, tid);
-  load_tile_async<BKV, ROWB, THREADS, false>(sV, reinterpret_cast<const char*>(vt + (bhk * nk_pad + k0) * D), ROWB, tid);
+  load_tile_async<BKV, ROWB, THREADS>(sK, reinterpret_cast<const char*>(kt + (bhk * nk_pad + k0) * D), ROWB, tid);
+  load_tile_async<BKV, ROWB, THREADS>(sV, reinterpret_cast<const char*>(vt + (bhk * nk_pad + k0) * D), ROWB, tid);
   cp_async_commit();
 
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
@@ -76,8 +76,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
     const int h = hk * group + it / n_it_q, q0 = (first_qt + it % n_it_q) * BQ;
     const long long bh = static_cast<long long>(b) * Hq + h;
     __syncthreads();  // the previous iteration's readers of sQ, sdO and the per-query arrays are done
-    load_tile_async<BQ, ROWB, THREADS, false>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
-    load_rows_async<BQ, ROWB, THREADS, false>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
+    load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
+    load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
                                        dsn * 2, nq - q0, tid);
     cp_async_commit();
     if (tid < BQ) {
@@ -244,7 +244,7 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
   constexpr int ROWB = 2 * D, STAGE = 2 * BKV * ROWB;
   const bool CAUSAL = causal != 0;
   extern __shared__ __align__(128) char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 127) & ~127ull);
+  char* smem = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);  // stays a shared-memory pointer (LDS/STS)
   char* sQ = smem;                       // 64 queries x D
   char* sdO = sQ + BQ * ROWB;            // 64 queries x D
   char* sStage = sdO + BQ * ROWB;        // 2 x (K~ 64 keys x D, V~ 64 keys x D)
@@ -259,11 +259,11 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
   auto load_kv = [&](int tile) {
     char* st = sStage + (tile & 1) * STAGE;
     const long long off = (bhk * nk_pad + tile * BKV) * D;
-    load_tile_async<BKV, ROWB, THREADS, false>(st, reinterpret_cast<const char*>(kt + off), ROWB, tid);
-    load_tile_async<BKV, ROWB, THREADS, false>(st + BKV * ROWB, reinterpret_cast<const char*>(vt + off), ROWB, tid);
+    load_tile_async<BKV, ROWB, THREADS>(st, reinterpret_cast<const char*>(kt + off), ROWB, tid);
+    load_tile_async<BKV, ROWB, THREADS>(st + BKV * ROWB, reinterpret_cast<const char*>(vt + off), ROWB, tid);
   };
-  load_tile_async<BQ, ROWB, THREADS, false>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
-  load_rows_async<BQ, ROWB, THREADS, false>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
+  load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
+  load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
                                      dsn * 2, nq - q0, tid);
   if (n_tiles > 0) load_kv(0);
   cp_async_commit();

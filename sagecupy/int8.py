@@ -105,7 +105,8 @@ def _empty(shape, layout, dtype: str):
 
 def _quant_names(T, D):
     return (
-        f"column_partial<{T}, false>", f"column_partial<{T}, true>", "column_finish<false>", "column_finish<true>",
+        f"column_partial<{T}, {D}, false>", f"column_partial<{T}, {D}, true>", "column_finish<false>",
+        "column_finish<true>",
         f"rowdot<{T}>",
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
@@ -136,16 +137,17 @@ def forward_engine(engine: str | None = None, head_dim: int | None = None) -> st
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
-    ``"wgmma"`` on sm_90 at D = 128, where the software-pipelined wgmma kernel measured 1.08-1.17x the
-    mma.sync kernel on the H200, and ``"mma"`` elsewhere (at D = 64 the two are within +-3%;
-    ``bench/results/h200_quick_split_bwd.txt``, ``bench/results/h200_quick_all.txt``). Both compute the same function: their int32 products are
-    exact and every float operation after them is the same, so O and the LSE agree bit for bit (tested).
+    ``"wgmma"`` on sm_90 (D = 64 and 128), where the software-pipelined wgmma kernel measured 1.10-1.28x the
+    mma.sync kernel on the H200 over D 64/128, causal or not, N 4K/16K
+    (``bench/results/h200_quick_session4a.txt``), and ``"mma"`` elsewhere. Both compute the same function:
+    their int32 products are exact and every float operation after them is the same, so O and the LSE agree
+    bit for bit (tested).
     """
     engine = engine or os.environ.get("SAGECUPY_FWD_ENGINE", "auto")
     if engine not in _ENGINES:
         raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
     if engine == "auto":
-        return "wgmma" if head_dim == 128 and device_capability() == (9, 0) else "mma"
+        return "wgmma" if device_capability() == (9, 0) else "mma"
     if engine == "wgmma" and device_capability() != (9, 0):
         raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
                          f"{device_capability()}")
@@ -201,8 +203,8 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     _check_device()
     forward_engine(engine)  # validate before any work
     forward_warps(warps)
-    q = _prepare(q, "q", layout, False)
-    k = _prepare(k, "k", layout, False)
+    q = _prepare(q, "q", layout, True)  # the pre-passes read rows with 16-byte loads
+    k = _prepare(k, "k", layout, True)
     v = _prepare(v, "v", layout, True)
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
@@ -217,8 +219,8 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
         nchunk = (nk + 255) // 256
         part = cupy.empty((B, Hkv, nchunk, D), dtype=f32 if absmax else cupy.float64)
         flag = "true" if absmax else "false"
-        _qfn(f"column_partial<{T}, {flag}>", T, D)(
-            (nchunk, Hkv, B), (256,), (x, *(i64(s) for s in strides), i32(nk), i32(D), part), shared_mem=256 * 8)
+        _qfn(f"column_partial<{T}, {D}, {flag}>", T, D)(
+            (nchunk, Hkv, B), (256,), (x, *(i64(s) for s in strides), i32(nk), part))
         out = cupy.empty((B, Hkv, D), dtype=f32)
         _qfn(f"column_finish<{flag}>", T, D)((B * Hkv,), (D,), (part, i32(nchunk), i32(nk), i32(D), out))
         return out
@@ -251,7 +253,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
         v_scale = cupy.empty((B, Hkv, nk_pad // 64, D), dtype=f32)
         mode = 2
     _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
-        (nk_pad // 64, Hkv, B), (256,),
+        (nk_pad // 64, Hkv, B), (2 * D,),
         (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t))
 
     pre = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale, v_t=v_t, v_scale=v_scale,
@@ -363,7 +365,7 @@ def _preprocess_backward(residuals, do):
     do_scale = cupy.empty((B, Hq, nq_pad // 64, D), dtype=f32)
     mode = 1 if cfg.do_granularity == "channel" else 2
     _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
-        (nq_pad // 64, Hq, B), (256,),
+        (nq_pad // 64, Hq, B), (2 * D,),
         (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), None, do_scale, do_t))
     q_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
     _qfn(f"transpose_i8<{D}, true>", T, D)((nq_pad // 64, Hq, B), (256,), (r.q_codes, i32(nq_pad), q_t))

@@ -198,7 +198,9 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS;
   const bool CAUSAL = causal != 0, V_BLOCK = v_block != 0;
   extern __shared__ __align__(128) char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+  // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
+  // reads of it compile to LDS rather than generic loads.
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                               // FWD_BQ x D
   char* sK = sQ + FWD_BQ * D;                    // 2 stages x FWD_BKV x D
   char* sV = sK + 2 * FWD_BKV * D;               // 2 stages x D x FWD_BKV
@@ -271,8 +273,9 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // Q.K^T as wgmma m64n64k32 s8.s8 per warpgroup (Q and K through shared-memory descriptors), P.V as
 // wgmma m64nDk32 u8.s8 (P^ from registers, V^T from shared memory). Software-pipelined inside the
 // warpgroup so that the tensor cores always hold work while the warps compute:
-//   softmax(t)            overlaps  P.V(t-1)
 //   O += P.V(t-1) (float) overlaps  Q.K^T(t+1)
+//   P.V(t)                overlaps  the wait for Q.K^T(t+1), the barrier and the next prefetch
+// (P.V(t-1) is retired before softmax(t) writes the next P codes: see the loop.)
 // P.V's int32 result must be converted (its scale changes per tile), so it is consumed one tile late;
 // the float operations on O keep their order, so the result is bitwise the mma.sync kernel's.
 // K/V: a 4-stage cp.async ring (tile t+2 loads while t+1 is read by Q.K^T and t by P.V).
@@ -291,7 +294,9 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   const bool CAUSAL = causal != 0, V_BLOCK = v_block != 0;
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require.
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<unsigned long long>(smem_raw) + 1023) & ~1023ull);
+  // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
+  // reads of it compile to LDS rather than generic loads.
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                               // FWD_BQ x D
   char* sK = sQ + FWD_BQ * D;                    // NST stages x FWD_BKV x D
   char* sV = sK + NST * FWD_BKV * D;             // NST stages x D x FWD_BKV
@@ -307,11 +312,11 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
   const float* gKs = ks + bhk * nk_pad;
   // Prologue: Q and tile 0 (one group), tile 1 (another).
-  load_tile_async<FWD_BQ, D, FWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
+  load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   for (int t = 0; t < 2; ++t) {
     if (t < tl.n) {
-      load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + t * FWD_BKV * D, gK + t * FWD_BKV * D, D, tid);
-      load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + t * D * FWD_BKV, gV + t * FWD_BKV, nk_pad, tid);
+      load_tile_async<FWD_BKV, D, FWD_THREADS, true>(sK + t * FWD_BKV * D, gK + t * FWD_BKV * D, D, tid);
+      load_tile_async<D, FWD_BKV, FWD_THREADS, true>(sV + t * D * FWD_BKV, gV + t * FWD_BKV, nk_pad, tid);
       load_vec_async<FWD_THREADS>(sKs + t * FWD_BKV, gKs + t * FWD_BKV, FWD_BKV / 4, tid);
     }
     cp_async_commit();
@@ -327,6 +332,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   int acc_pv[D / 2];     // P.V of the previous tile, in flight during this tile's softmax
   int(&accs)[32] = reinterpret_cast<int(&)[32]>(acc_s);
   FwdTileScale ts_prev;  // the scales P.V(t-1) is consumed with
+  unsigned pa_fly[2][4] = {};  // A operand (P^ codes) of the P.V in flight: held until its wait (hold_regs)
   const unsigned long long dq = gmma_desc<D>(sQ + (warp / 4) * 64 * D);
 
   if (tl.n > 0) {
@@ -351,20 +357,29 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     __syncthreads();
     if (tile + 2 < tl.n) {
       const int st = (tile + 2) % NST;
-      load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + st * FWD_BKV * D, gK + (tile + 2) * FWD_BKV * D, D, tid);
-      load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + st * D * FWD_BKV, gV + (tile + 2) * FWD_BKV, nk_pad, tid);
+      load_tile_async<FWD_BKV, D, FWD_THREADS, true>(sK + st * FWD_BKV * D, gK + (tile + 2) * FWD_BKV * D, D, tid);
+      load_tile_async<D, FWD_BKV, FWD_THREADS, true>(sV + st * D * FWD_BKV, gV + (tile + 2) * FWD_BKV, nk_pad, tid);
       load_vec_async<FWD_THREADS>(sKs + st * FWD_BKV, gKs + (tile + 2) * FWD_BKV, FWD_BKV / 4, tid);
     }
     cp_async_commit();
 
+    // P.V(t-1) retired before softmax(t) writes new P codes. Issued from registers, its A operand must not
+    // be overwritten while in flight; overlapping it with softmax(t) (the first version of this kernel)
+    // raced: O differed from the mma.sync engine in ~5% of rows at N = 4096, and by rows that changed from
+    // run to run (bench/diag_engines.py). Retiring it here measured no slower (5.32 vs 5.36 ms, D = 128,
+    // N = 16K): it still overlaps the Q.K^T wait, the barrier and the prefetch.
+    wgmma_wait<0>();
+    fence_regs(acc_pv);
+    hold_regs(pa_fly);
     unsigned pa[2][4];
     const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, sKs + (tile % NST) * FWD_BKV,
                                                 V_BLOCK ? vs + (bhk * (nk_pad / FWD_BKV) + tile) * D : nullptr, tile,
                                                 tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
     // The waits and issues below are unconditional: ptxas proves the accumulators are not read while
     // in flight only on straight-line pipelines (else it serializes every wgmma, warning C7514).
-    wgmma_wait<0>();  // P.V(t-1) done (nothing in flight at t = 0)
+    wgmma_wait<0>();  // nothing in flight here (P.V(t-1) retired above); kept so the issues below stay unconditional
     fence_regs(acc_pv);
+    hold_regs(pa_fly);
     {  // Q.K^T(t+1), in flight during the conversion of P.V(t-1). On the last tile it multiplies a stale
        // stage (no cp.async writes it then) and the result is dropped.
       const unsigned long long dk = gmma_desc<D>(sK + ((tile + 1) % NST) * FWD_BKV * D);
@@ -380,13 +395,17 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     }
     {  // P.V(t), in flight during softmax(t+1)
       const unsigned long long dv = gmma_desc<FWD_BKV>(sV + (tile % NST) * D * FWD_BKV);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) pa_fly[i][j] = pa[i][j];
       wgmma_fence();
       if constexpr (D == 128) {
-        wgmma_m64n128k32_rs_u8s8(acc_pv, pa[0], dv, 0);
-        wgmma_m64n128k32_rs_u8s8(acc_pv, pa[1], gmma_desc_advance(dv, 32), 1);
+        wgmma_m64n128k32_rs_u8s8(acc_pv, pa_fly[0], dv, 0);
+        wgmma_m64n128k32_rs_u8s8(acc_pv, pa_fly[1], gmma_desc_advance(dv, 32), 1);
       } else {
-        wgmma_m64n64k32_rs_u8s8(acc_pv, pa[0], dv, 0);
-        wgmma_m64n64k32_rs_u8s8(acc_pv, pa[1], gmma_desc_advance(dv, 32), 1);
+        wgmma_m64n64k32_rs_u8s8(acc_pv, pa_fly[0], dv, 0);
+        wgmma_m64n64k32_rs_u8s8(acc_pv, pa_fly[1], gmma_desc_advance(dv, 32), 1);
       }
       wgmma_commit();
     }
@@ -396,6 +415,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   }
   wgmma_wait<0>();  // P.V of the last tile
   fence_regs(acc_pv);
+  hold_regs(pa_fly);
   if (tl.n > 0) {
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) fwd_pv_update(acc_o[nt], acc_pv + 4 * nt, ts_prev);

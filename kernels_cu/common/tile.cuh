@@ -16,9 +16,9 @@ __device__ __forceinline__ int swz(int r, int c) {
 }
 
 // Copy ROWS x ROW_BYTES from global (row stride `gstride` bytes) into a swizzled shared tile. UNROLL: a
-// fully unrolled copy (no loop branches; the default) or a loop (fewer registers live: the FP4/QAT kernels,
-// whose spills grew with the unrolled form).
-template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = true>
+// fully unrolled copy (no loop branches: the wgmma forward, where it costs no registers) or the loop (the
+// default: in the mma.sync and backward kernels the unrolled form raised registers and spills).
+template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = false>
 __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, long long gstride, int tid) {
   constexpr int CPR = ROW_BYTES / 16;
   constexpr int TOTAL = ROWS * CPR;
@@ -37,7 +37,7 @@ __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, lo
 }
 
 // As load_tile_async, for rows of a strided tensor: rows >= valid_rows are zero-filled.
-template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = true>
+template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = false>
 __device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, long long gstride, int valid_rows, int tid) {
   constexpr int CPR = ROW_BYTES / 16;
   constexpr int TOTAL = ROWS * CPR;

@@ -44,6 +44,17 @@ __device__ __forceinline__ void fence_regs(int (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
+// The register-A operand of an in-flight wgmma must keep its registers until the wait that retires it
+// (PTX: undefined otherwise), but to the compiler it is dead once the instruction issues, so its registers
+// could be handed to other values meanwhile. Calling this right after that wait keeps them live until then.
+template <int R, int C>
+__device__ __forceinline__ void hold_regs(unsigned (&a)[R][C]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < C; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
 // D(64x64 s32) (+)= A(64x32 s8, shared) * B(32x64 s8, shared); accumulate unless `accumulate` is 0.
 __device__ __forceinline__ void wgmma_m64n64k32_ss_s8(int (&d)[32], unsigned long long da, unsigned long long db,
                                                      int accumulate) {

@@ -214,7 +214,12 @@ def test_compile_fullgraph_matches_eager_bitwise(backend, dtype):
         outs[name] = (loss.detach(), o.detach(), qq.grad, kk.grad, vv.grad)
     eager, comp = outs["eager"], outs["compiled"]
     _assert_same_bits(comp[1:], eager[1:], (backend, DTYPE_NAME[dtype]))
-    assert abs(comp[0].item() - eager[0].item()) <= 1e-5 * abs(eager[0].item())
+    # The loss is an fp32 sum of 51,200 terms of both signs that cancel (|sum| is a small fraction of
+    # sum |terms|), and Inductor sums in another order: the rounding difference scales with the sum of the
+    # magnitudes, not with |sum| (a bound of 1e-5 |sum| failed once, at 1.05e-5). One fp32 epsilon of the
+    # magnitudes is well below the worst case of reordering (2 (n - 1) eps sum |terms|).
+    magnitude = (eager[1].float() * w).abs().sum().item()
+    assert abs(comp[0].item() - eager[0].item()) <= torch.finfo(torch.float32).eps * magnitude
 
 
 def test_compile_dynamic_shapes_bitwise():
