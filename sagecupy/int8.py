@@ -137,9 +137,9 @@ def forward_engine(engine: str | None = None, head_dim: int | None = None) -> st
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
-    ``"wgmma"`` on sm_90 (D = 64 and 128), where the software-pipelined wgmma kernel measured 1.10-1.28x the
-    mma.sync kernel on the H200 over D 64/128, causal or not, N 4K/16K
-    (``bench/results/h200_quick_session4a.txt``), and ``"mma"`` elsewhere. Both compute the same function:
+    ``"wgmma"`` on sm_90 (D = 64 and 128), where the software-pipelined wgmma kernel measured 1.23-1.26x
+    (D = 64) and 1.50-1.57x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
+    (``bench/results/h200_quick_all.txt``), and ``"mma"`` elsewhere. Both compute the same function:
     their int32 products are exact and every float operation after them is the same, so O and the LSE agree
     bit for bit (tested).
     """
