@@ -15,45 +15,40 @@ __device__ __forceinline__ int swz(int r, int c) {
   return r * ROW_BYTES + pc * 16;
 }
 
-// Copy ROWS x ROW_BYTES from global (row stride `gstride` bytes) into a swizzled shared tile. UNROLL: a
-// fully unrolled copy (no loop branches: the wgmma forward, where it costs no registers) or the loop (the
-// default: in the mma.sync and backward kernels the unrolled form raised registers and spills).
+// f(i) for the 16-byte chunks i = tid, tid + NTHREADS, ... < TOTAL of a tile copy. UNROLL: fully unrolled
+// (no loop branches: the wgmma forward, where it costs no registers) or the loop (the default: in the
+// mma.sync and backward kernels the unrolled form raised registers and spills).
+template <int TOTAL, int NTHREADS, bool UNROLL, typename F>
+__device__ __forceinline__ void for_each_chunk(int tid, F&& f) {
+  static_assert(TOTAL % NTHREADS == 0, "whole passes");
+  if constexpr (UNROLL) {
+#pragma unroll
+    for (int j = 0; j < TOTAL / NTHREADS; ++j) f(tid + j * NTHREADS);
+  } else {
+#pragma unroll
+    for (int i = tid; i < TOTAL; i += NTHREADS) f(i);
+  }
+}
+
+// Copy ROWS x ROW_BYTES from global (row stride `gstride` bytes) into a swizzled shared tile.
 template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = false>
 __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, long long gstride, int tid) {
   constexpr int CPR = ROW_BYTES / 16;
-  constexpr int TOTAL = ROWS * CPR;
-  static_assert(TOTAL % NTHREADS == 0, "whole passes");
-  auto copy = [&](int i) {
+  for_each_chunk<ROWS * CPR, NTHREADS, UNROLL>(tid, [&](int i) {
     const int r = i / CPR, c = i % CPR;
     cp_async_16(smem_u32(smem + swz<ROW_BYTES>(r, c)), gmem + r * gstride + c * 16);
-  };
-  if constexpr (UNROLL) {
-#pragma unroll
-    for (int j = 0; j < TOTAL / NTHREADS; ++j) copy(tid + j * NTHREADS);
-  } else {
-#pragma unroll
-    for (int i = tid; i < TOTAL; i += NTHREADS) copy(i);
-  }
+  });
 }
 
 // As load_tile_async, for rows of a strided tensor: rows >= valid_rows are zero-filled.
 template <int ROWS, int ROW_BYTES, int NTHREADS, bool UNROLL = false>
 __device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, long long gstride, int valid_rows, int tid) {
   constexpr int CPR = ROW_BYTES / 16;
-  constexpr int TOTAL = ROWS * CPR;
-  static_assert(TOTAL % NTHREADS == 0, "whole passes");
-  auto copy = [&](int i) {
+  for_each_chunk<ROWS * CPR, NTHREADS, UNROLL>(tid, [&](int i) {
     const int r = i / CPR, c = i % CPR;
     const bool ok = r < valid_rows;
     cp_async_16_zfill(smem_u32(smem + swz<ROW_BYTES>(r, c)), gmem + (ok ? r * gstride + c * 16 : 0), ok);
-  };
-  if constexpr (UNROLL) {
-#pragma unroll
-    for (int j = 0; j < TOTAL / NTHREADS; ++j) copy(tid + j * NTHREADS);
-  } else {
-#pragma unroll
-    for (int i = tid; i < TOTAL; i += NTHREADS) copy(i);
-  }
+  });
 }
 
 // Copy n4 * 16 bytes (n4 <= NTHREADS) from global to shared, both 16-byte aligned: a tile's per-row scales.
