@@ -410,7 +410,15 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       wgmma_commit();
     }
     ts_prev = ts;
+#ifdef SAGE_WG_RETIRE_PV_EARLY
+    // Experiment (bench/NOTES.md, fourth session): retire P.V(t) here too, so that no instruction runs
+    // while its register operand is in flight. Off by default until timed.
+    wgmma_wait<0>();
+    fence_regs(acc_pv);
+    hold_regs(pa_fly);
+#else
     wgmma_wait<1>();  // Q.K^T(t+1) done (P.V(t) may still run)
+#endif
     fence_regs(accs);
   }
   wgmma_wait<0>();  // P.V of the last tile
