@@ -87,7 +87,12 @@ def _prepare(x, name, layout, need_aligned):
     ok = x.strides[3] == x.itemsize
     if ok and need_aligned:
         ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:3])
-    return x if ok else cupy.ascontiguousarray(x)
+    if ok:
+        return x
+    y = cupy.ascontiguousarray(x)
+    # ascontiguousarray returns a C-contiguous array itself, even at a misaligned address (a view at an odd
+    # offset): copy then, since a misaligned 16-byte load would fault and take the CUDA context with it.
+    return y.copy() if need_aligned and y.data.ptr % 16 else y
 
 
 def _roundup(n, m):
