@@ -217,24 +217,39 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         }
       }
       // dP^T = V dO^T (fp16/bf16, fp32 accumulation), then dS^T = P^T o (dP^T - delta) in place.
+#ifndef SAGE_BWD_DP_GROUP
+#define SAGE_BWD_DP_GROUP 1  // 16-query groups per pass over V's fragments (experiment: 2 halves the V ldmatrix)
+#endif
+      constexpr int G = SAGE_BWD_DP_GROUP;
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      for (int np0 = 0; np0 < 4; np0 += G) {
+        float acc[G][2][4];
+#pragma unroll
+        for (int g2 = 0; g2 < G; ++g2)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) acc[g2][j][0] = acc[g2][j][1] = acc[g2][j][2] = acc[g2][j][3] = 0.f;
 #pragma unroll
         for (int kstep = 0; kstep < D / 16; ++kstep) {
-          unsigned a[4], bo[4];
+          unsigned a[4];
           ldsm_x4<2 * D, true>(a, sV, warp * 16, 2 * kstep, lane);
-          ldsm_x4<2 * D, false>(bo, sdO, np * 16, 2 * kstep, lane);
-          const unsigned b0[2] = {bo[0], bo[1]}, b1[2] = {bo[2], bo[3]};
-          mma_f16<T>(acc[0], a, b0);
-          mma_f16<T>(acc[1], a, b1);
+#pragma unroll
+          for (int g2 = 0; g2 < G; ++g2) {
+            unsigned bo[4];
+            ldsm_x4<2 * D, false>(bo, sdO, (np0 + g2) * 16, 2 * kstep, lane);
+            const unsigned b0[2] = {bo[0], bo[1]}, b1[2] = {bo[2], bo[3]};
+            mma_f16<T>(acc[g2][0], a, b0);
+            mma_f16<T>(acc[g2][1], a, b1);
+          }
         }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float2 d2 = *reinterpret_cast<const float2*>(sDel + (2 * np + j) * 8 + 2 * t4);
+        for (int g2 = 0; g2 < G; ++g2)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) p[2 * np + j][e] *= acc[j][e] - ((e & 1) ? d2.y : d2.x);
-        }
+          for (int j = 0; j < 2; ++j) {
+            const int nt = 2 * (np0 + g2) + j;
+            const float2 d2 = *reinterpret_cast<const float2*>(sDel + nt * 8 + 2 * t4);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[nt][e] *= acc[g2][j][e] - ((e & 1) ? d2.y : d2.x);
+          }
       }
       // dK path: Y = diag(s_Q) dS, quantized per key (row here) or per tile.
       {
