@@ -41,29 +41,14 @@ __device__ __forceinline__ float i2f_small(int x) {
 #endif
 }
 
-// round-half-even(a * b) for results in [0, 2^22), returned as its low byte in a uint:
-// fma(a, b, 1.5 * 2^23) rounds to nearest even at the integer position.
-__device__ __forceinline__ unsigned f2u8_rn_fma(float a, float b) {
-  return __float_as_uint(fmaf(a, b, 12582912.0f)) & 0xFFu;
-}
-
-// Signed variant: round-half-even(a * b) for |result| < 2^22 -> int8 code in the low byte.
-__device__ __forceinline__ unsigned f2s8_rn_fma(float a, float b) {
-  return static_cast<unsigned>(__float_as_int(fmaf(a, b, 12582912.0f)) - 0x4B400000) & 0xFFu;
-}
-
-// The bits of fma(a, b, 1.5 * 2^23): for |round-half-even(a * b)| < 2^22 its low byte is that integer's
-// 8-bit two's-complement code (the constant's low byte is 0), so one FFMA quantizes and pack4_low_bytes
-// gathers the codes without masking.
+// The bits of fma(a, b, 1.5 * 2^23): the FMA rounds a * b half-to-even at the integer position, and for
+// |round-half-even(a * b)| < 2^22 the word's low byte is that integer's 8-bit two's-complement code (the
+// constant's low byte is 0), so one FFMA quantizes and pack4_low_bytes gathers the codes without masking.
 __device__ __forceinline__ unsigned rn_fma_bits(float a, float b) { return __float_as_uint(fmaf(a, b, 12582912.0f)); }
 
 // Low bytes of x0..x3 -> one word (x0 in byte 0): three byte permutes.
 __device__ __forceinline__ unsigned pack4_low_bytes(unsigned x0, unsigned x1, unsigned x2, unsigned x3) {
   return __byte_perm(__byte_perm(x0, x1, 0x0040), __byte_perm(x2, x3, 0x0040), 0x5410);
-}
-
-__device__ __forceinline__ unsigned pack4_u8(unsigned b0, unsigned b1, unsigned b2, unsigned b3) {
-  return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
 }
 
 // 2^x on the special-function unit (flush-to-zero; exp2(-inf) = 0).
@@ -108,24 +93,11 @@ __host__ __device__ __forceinline__ int mma_perm32(int j) {
   return (half16 << 4) | (t << 2) | q;
 }
 
-// Place the four 8-bit codes of accumulator n-tile `nt` of a 16 x 64 tile (c[0], c[1]: row g, columns
-// 2t, 2t+1; c[2], c[3]: row g+8) into the m16n8k32 A fragments a[k-step][0..3] of that tile, columns in
-// the mma-permuted order: n-tiles 4k+0/1 -> a0 (row g) / a1 (row g+8), 4k+2/3 -> a2 / a3, the even
-// n-tile in the low two bytes. Call for nt = 0..7 in order (the even tile assigns, the odd one ORs).
-__device__ __forceinline__ void pack_acc_bytes_as_a(unsigned (&a)[2][4], int nt, const unsigned (&c)[4]) {
-  const int kst = nt >> 2, half = (nt >> 1) & 1, hi = nt & 1;
-  const unsigned lo_row = (c[0] | (c[1] << 8)) << (16 * hi), hi_row = (c[2] | (c[3] << 8)) << (16 * hi);
-  if (hi == 0) {
-    a[kst][2 * half] = lo_row;
-    a[kst][2 * half + 1] = hi_row;
-  } else {
-    a[kst][2 * half] |= lo_row;
-    a[kst][2 * half + 1] |= hi_row;
-  }
-}
-
-// pack_acc_bytes_as_a for n-tiles 2 np and 2 np + 1 at once, from rn_fma_bits words (codes in the low
-// bytes): ev = the even n-tile's four values, od = the odd one's.
+// Place the 8-bit codes of accumulator n-tiles 2 np and 2 np + 1 of a 16 x 64 tile into the m16n8k32 A
+// fragments a[k-step][0..3] of that tile, columns in the mma-permuted order. ev / od: the even / odd
+// n-tile's four values as rn_fma_bits words (codes in the low bytes; [0], [1]: row g, columns 2t, 2t+1;
+// [2], [3]: row g+8). n-tiles 4k+0/1 go to a0 (row g) / a1 (row g+8), 4k+2/3 to a2 / a3, the even n-tile
+// in the low two bytes.
 __device__ __forceinline__ void pack_acc_pair_as_a(unsigned (&a)[2][4], int np, const unsigned (&ev)[4],
                                                    const unsigned (&od)[4]) {
   const int kst = np >> 1, half = np & 1;
