@@ -146,7 +146,7 @@ def forward_engine(engine: str | None = None, head_dim: int | None = None) -> st
     (D = 64) and 1.50-1.57x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
     (``bench/results/h200_quick_all.txt``), and ``"mma"`` elsewhere. Both compute the same function:
     their int32 products are exact and every float operation after them is the same, so O and the LSE agree
-    bit for bit (tested).
+    bit for bit (tested). ``head_dim`` no longer changes the choice (kept for existing callers).
     """
     engine = engine or os.environ.get("SAGECUPY_FWD_ENGINE", "auto")
     if engine not in _ENGINES:
