@@ -393,7 +393,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt) fwd_pv_update(acc_o[nt], acc_pv + 4 * nt, ts_prev);
     }
-    {  // P.V(t), in flight during softmax(t+1)
+    {  // P.V(t), in flight until the top of the next iteration (across the Q.K^T wait, barrier and prefetch)
       const unsigned long long dv = gmma_desc<FWD_BKV>(sV + (tile % NST) * D * FWD_BKV);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
