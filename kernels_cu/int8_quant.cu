@@ -36,8 +36,6 @@ __device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
   for (int i = 0; i < 8; ++i) f[i] = to_float(e[i]);
 }
 
-// NaN-propagating max of two maxima (either NaN -> NaN).
-__device__ __forceinline__ float max_or_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
 
 }  // namespace sage
 
@@ -83,7 +81,7 @@ __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x
   if (threadIdx.x < D) {
     Acc a = 0;
     for (int r = 0; r < R; ++r) {
-      if (ABSMAX) a = max_or_nan(static_cast<float>(a), static_cast<float>(red[r][threadIdx.x]));
+      if (ABSMAX) a = nan_max(static_cast<float>(a), static_cast<float>(red[r][threadIdx.x]));
       else a += red[r][threadIdx.x];
     }
     part[((static_cast<long long>(b) * H + h) * nchunk + chunk) * D + threadIdx.x] = a;
@@ -160,18 +158,18 @@ quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, in
       for (int m = LPR / 2; m >= 1; m >>= 1) dacc += __shfl_xor_sync(0xffffffffu, dacc, m);
       if (cl == 0 && row < n_pad) dot[bh * n_pad + row] = row < n ? dacc * dot_mult : 0.f;
     }
-    for (int m = LPR / 2; m >= 1; m >>= 1) amax[st] = max_or_nan(amax[st], __shfl_xor_sync(0xffffffffu, amax[st], m));
+    amax[st] = warp_max_xor(amax[st], 1, LPR / 2);
   }
   if (GROUPED) {
     __shared__ float wmax[8];
     float a = amax[0];
 #pragma unroll
-    for (int st = 1; st < STEPS; ++st) a = max_or_nan(a, amax[st]);
-    for (int m = LPR; m < 32; m <<= 1) a = max_or_nan(a, __shfl_xor_sync(0xffffffffu, a, m));
+    for (int st = 1; st < STEPS; ++st) a = nan_max(a, amax[st]);
+    a = warp_max_xor(a, LPR, 16);
     if (lane == 0) wmax[warp] = a;
     __syncthreads();
     a = wmax[0];
-    for (int w = 1; w < 8; ++w) a = max_or_nan(a, wmax[w]);
+    for (int w = 1; w < 8; ++w) a = nan_max(a, wmax[w]);
 #pragma unroll
     for (int st = 0; st < STEPS; ++st) amax[st] = a;
   }
@@ -230,7 +228,7 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
       float a = 0.f;
 #pragma unroll
       for (int k = 0; k < 4; ++k) a = absmax_or_nan(a, v[k][c]);
-      for (int m = 8; m >= 1; m >>= 1) a = max_or_nan(a, __shfl_xor_sync(0xffffffffu, a, m));
+      a = warp_max_xor(a, 1, 8);
       sc[c] = psi_scale(a, 127.f);
     }
   } else {  // one scale per block
@@ -239,11 +237,11 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
     for (int k = 0; k < 4; ++k)
 #pragma unroll
       for (int c = 0; c < 8; ++c) a = absmax_or_nan(a, v[k][c]);
-    for (int m = 16; m >= 1; m >>= 1) a = max_or_nan(a, __shfl_xor_sync(0xffffffffu, a, m));
+    a = warp_max_xor(a, 1, 16);
     if (lane == 0) wmax[warp] = a;
     __syncthreads();
     a = wmax[0];
-    for (int w = 1; w < WARPS; ++w) a = max_or_nan(a, wmax[w]);
+    for (int w = 1; w < WARPS; ++w) a = nan_max(a, wmax[w]);
     const float s = psi_scale(a, 127.f);
 #pragma unroll
     for (int c = 0; c < 8; ++c) sc[c] = s;
