@@ -41,7 +41,8 @@ if [ "$what" != tests ] && [ "$what" != examples ] && [ "$what" != tests+example
   tail -3 "$OUT/bench.err"
   if [ -n "${SAGECUPY_EXPERIMENT:-}" ]; then  # the same sweep with extra kernel defines, for comparison
     echo "== experiment: SAGECUPY_DEFINES=$SAGECUPY_EXPERIMENT"
-    SAGECUPY_DEFINES=$SAGECUPY_EXPERIMENT timeout 300 python3 bench/run_bench.py $flag --baselines "" --out "$OUT/bench_exp.jsonl" \
+    SAGECUPY_DEFINES=$SAGECUPY_EXPERIMENT timeout 300 python3 bench/run_bench.py $flag --baselines "" \
+      --families "${SAGECUPY_BENCH_FAMILIES:-int8,nvfp4,qat}" --out "$OUT/bench_exp.jsonl" \
       2>"$OUT/bench_exp.err" | grep sagecupy | tee "$OUT/bench_exp_table.txt"
   fi
 fi

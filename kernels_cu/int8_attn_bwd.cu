@@ -21,38 +21,11 @@
 // dK/dV kernel carries no dQ state (registers, shared memory, barriers, atomics).
 // Kernel units: qs carries sm_scale * log2(e), so dK is multiplied by ln 2 at the end. The dQ kernel
 // shares the forward's Q.K^T (common/int8_fwd.cuh) and its choice of KV tiles (common/rows.cuh).
-#include "common/mma.cuh"
-#include "common/numeric.cuh"
-#include "common/tile.cuh"
+#include "common/int8_bwd.cuh"
 #include "common/int8_fwd.cuh"
+#include "common/tile.cuh"
 
 using namespace sage;
-
-constexpr int BWD_BQ = 64, BWD_BKV = 64, BWD_THREADS = 128;
-
-// Max over the CTA (4 warps) of v; every thread gets the result. Uses scratch[4]; two barriers.
-__device__ __forceinline__ float cta_max4(float v, float* scratch, int warp, int lane) {
-  v = warp_max_xor(v, 1, 16);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  const float r = nan_max(nan_max(scratch[0], scratch[1]), nan_max(scratch[2], scratch[3]));
-  __syncthreads();
-  return r;
-}
-
-// rint(x[nt][e] * inv[row]) of a 16 x 64 accumulator-layout tile as 8-bit codes (signed or unsigned: the
-// low byte either way), packed as m16n8k32 A fragments with columns in the mma-permuted order.
-__device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const float (&x)[8][4], const float (&inv)[2]) {
-#pragma unroll
-  for (int np = 0; np < 4; ++np) {
-    unsigned c[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[j][e] = rn_fma_bits(x[2 * np + j][e], inv[e >> 1]);
-    pack_acc_pair_as_a(a, np, c[0], c[1]);
-  }
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(BWD_THREADS)
@@ -169,38 +142,13 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
           mma_s8s8(acc_s[2 * np + 1], a, b1);
         }
       }
-      // P^T = exp2(S^T - lse2[query]), masked to 0.
-      float p[8][4];
-      float pmax[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int qc0 = nt * 8 + 2 * t4;
-        const float2 qs2 = *reinterpret_cast<const float2*>(sQs + qc0), l2 = *reinterpret_cast<const float2*>(sL + qc0);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = qc0 + (e & 1), key = key_lo + 8 * (e >> 1);
-          float val = fast_exp2(i2f_small(acc_s[nt][e]) * sk[e >> 1] * ((e & 1) ? qs2.y : qs2.x) - ((e & 1) ? l2.y : l2.x));
-          if (need_mask) {
-            const int qrow = q0 + qi;
-            if (key >= nk || qrow >= nq || (CAUSAL && key > qrow + shift)) val = 0.f;
-          }
-          p[nt][e] = val;
-          pmax[e >> 1] = nan_max(pmax[e >> 1], val);
-        }
-      }
-      // P^ per key (row of P^T) or per tile; packed as the A operand of dV (k = queries, mma-permuted).
-      float s_p[2];
-      if (P_COL) {
-        s_p[0] = quad_max(pmax[0]) / p_max;
-        s_p[1] = quad_max(pmax[1]) / p_max;
-      } else {
-        const float mt = cta_max4(nan_max(pmax[0], pmax[1]), sRed, warp, lane) / p_max;
-        s_p[0] = s_p[1] = mt;
-      }
-      {
-        const float inv[2] = {s_p[0] > 0.f ? 1.f / s_p[0] : 0.f, s_p[1] > 0.f ? 1.f / s_p[1] : 0.f};
+      // P^T = exp2(S^T - lse2[query]), masked to 0; P^ per key (row of P^T) or per tile.
+      float p[8][4], pmax[2], s_p[2], inv_p[2];
+      bwd_pt_tile(p, pmax, &acc_s[0][0], sk, sQs, sL, key_lo, q0, t4, need_mask, CAUSAL, nq, nk, shift);
+      bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, sRed, warp, lane);
+      {  // packed as the A operand of dV (k = queries, mma-permuted)
         unsigned pa[2][4];
-        quantize_acc_as_a(pa, p, inv);
+        quantize_acc_as_a(pa, p, inv_p);
         // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
@@ -244,34 +192,14 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 #pragma unroll
         for (int g2 = 0; g2 < G; ++g2)
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int nt = 2 * (np0 + g2) + j;
-            const float2 d2 = *reinterpret_cast<const float2*>(sDel + nt * 8 + 2 * t4);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[nt][e] *= acc[g2][j][e] - ((e & 1) ? d2.y : d2.x);
-          }
+          for (int j = 0; j < 2; ++j) bwd_ds_ntile(p[2 * (np0 + g2) + j], acc[g2][j], sDel, 2 * (np0 + g2) + j, t4);
       }
       // dK path: Y = diag(s_Q) dS, quantized per key (row here) or per tile.
       {
         // Y in place of dS (dS has no other use in this kernel).
-        float ymax[2] = {0.f, 0.f};
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const float2 qs2 = *reinterpret_cast<const float2*>(sQs + nt * 8 + 2 * t4);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            p[nt][e] *= (e & 1) ? qs2.y : qs2.x;
-            ymax[e >> 1] = nan_max(ymax[e >> 1], fabsf(p[nt][e]));
-          }
-        }
-        float s_y[2];
-        if (DS_ROWCOL) {
-          s_y[0] = quad_max(ymax[0]) / 127.f;
-          s_y[1] = quad_max(ymax[1]) / 127.f;
-        } else {
-          s_y[0] = s_y[1] = cta_max4(nan_max(ymax[0], ymax[1]), sRed, warp, lane) / 127.f;
-        }
-        const float inv[2] = {s_y[0] > 0.f ? 1.f / s_y[0] : 0.f, s_y[1] > 0.f ? 1.f / s_y[1] : 0.f};
+        float ymax[2], s_y[2], inv[2];
+        bwd_y_tile(p, ymax, sQs, t4);
+        bwd_group_scale(s_y, inv, ymax, DS_ROWCOL, 127.f, sRed, warp, lane);
         unsigned ya[2][4];
         quantize_acc_as_a(ya, p, inv);
 #pragma unroll
@@ -377,24 +305,8 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     qk_s8<D>(acc_s, qf, cK, lane);
     // P = exp2(S - lse2[row]), masked to 0 (the operations of the dK/dV kernel, in the same order).
     const bool need_mask = tile >= tl.first_masked || q0 + BWD_BQ > nq;
-    float p[8][4];
-    float skk[8][2];  // s_K of this thread's keys
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int key = k0 + nt * 8 + 2 * t4;
-      const float2 sk2 = *reinterpret_cast<const float2*>(cKs + nt * 8 + 2 * t4);
-      skk[nt][0] = sk2.x;
-      skk[nt][1] = sk2.y;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float val = fast_exp2(i2f_small(acc_s[nt][e]) * skk[nt][e & 1] * sq[e >> 1] - lse_r[e >> 1]);
-        if (need_mask) {
-          const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
-          if (kk >= nk || row >= nq || (CAUSAL && kk > row + shift)) val = 0.f;
-        }
-        p[nt][e] = val;
-      }
-    }
+    float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
+    bwd_dq_p_tile(p, skk, &acc_s[0][0], cKs, sq, lse_r, k0, r_lo, t4, need_mask, CAUSAL, nq, nk, shift);
     // dP = dO V^T (fp16/bf16, fp32 accumulation); dS = P o (dP - delta) in place.
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
@@ -413,22 +325,9 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
         for (int e = 0; e < 4; ++e) p[2 * np + j][e] *= acc[j][e] - del[e >> 1];
     }
     // X = dS diag(s_K), quantized per query row over the tile's keys, or per 64 x 64 tile.
-    float xmax[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        p[nt][e] *= skk[nt][e & 1];
-        xmax[e >> 1] = nan_max(xmax[e >> 1], fabsf(p[nt][e]));
-      }
-    float s_x[2];
-    if (DS_ROWCOL) {
-      s_x[0] = quad_max(xmax[0]) / 127.f;
-      s_x[1] = quad_max(xmax[1]) / 127.f;
-    } else {
-      s_x[0] = s_x[1] = cta_max4(nan_max(xmax[0], xmax[1]), sRed, warp, lane) / 127.f;
-    }
-    const float inv[2] = {s_x[0] > 0.f ? 1.f / s_x[0] : 0.f, s_x[1] > 0.f ? 1.f / s_x[1] : 0.f};
+    float xmax[2], s_x[2], inv[2];
+    bwd_dq_x_tile(p, xmax, skk);
+    bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, sRed, warp, lane);
     unsigned xa[2][4];
     quantize_acc_as_a(xa, p, inv);
     // dQ += X^ K^ * s_X * sm_scale (B = K^^T, keys mma-permuted like X^'s columns).

@@ -121,13 +121,14 @@ def _quant_names(T, D):
 
 
 #: Source files that only build for one architecture (CI compiles them for that target alone).
-KERNEL_ARCHS = {"int8_attn_fwd_sm90.cu": ("sm_90a",)}
+KERNEL_ARCHS = {"int8_attn_fwd_sm90.cu": ("sm_90a",), "int8_attn_bwd_sm90.cu": ("sm_90a",)}
 _ENGINES = ("auto", "mma", "wgmma")
 
 
 def kernel_names() -> dict:
     """Every template instantiation this module launches, per source file (CI compiles them all)."""
-    out = {"int8_quant.cu": [], "int8_attn_fwd.cu": [], "int8_attn_fwd_sm90.cu": [], "int8_attn_bwd.cu": []}
+    out = {"int8_quant.cu": [], "int8_attn_fwd.cu": [], "int8_attn_fwd_sm90.cu": [], "int8_attn_bwd.cu": [],
+           "int8_attn_bwd_sm90.cu": []}
     for T in _T.values():
         for D in _checks.SUPPORTED_HEAD_DIMS:
             out["int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8_quant.cu"]]
@@ -135,6 +136,7 @@ def kernel_names() -> dict:
                 out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}>")
                 out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}>")
             out["int8_attn_bwd.cu"] += list(_bwd_names(T, D))
+            out["int8_attn_bwd_sm90.cu"] += list(_bwd_names(T, D, "wgmma"))
     return out
 
 
@@ -159,8 +161,36 @@ def forward_engine(engine: str | None = None, head_dim: int | None = None) -> st
     return engine
 
 
-def _bwd_names(T, D):
-    return (f"int8_attn_bwd<{T}, {D}>", f"int8_attn_bwd_dq<{T}, {D}>")
+def backward_engine(engine: str | None = None) -> str:
+    """The tensor-core path the backward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
+
+    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_BWD_ENGINE`` overrides it) picks
+    ``"wgmma"`` on sm_90 and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
+    float operations (``kernels_cu/common/int8_bwd.cuh``) and exact int32 products; they can differ only
+    through the fp32 accumulation order of the fp16/bf16 ``dP = dO V^T`` inside the tensor cores (tested).
+    """
+    engine = engine or os.environ.get("SAGECUPY_BWD_ENGINE", "auto")
+    if engine not in _ENGINES:
+        raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
+    if engine == "auto":
+        return "wgmma" if device_capability() == (9, 0) else "mma"
+    if engine == "wgmma" and device_capability() != (9, 0):
+        raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
+                         f"{device_capability()}")
+    return engine
+
+
+def _bwd_names(T, D, engine="mma"):
+    sfx = "_sm90" if engine == "wgmma" else ""
+    return (f"int8_attn_bwd{sfx}<{T}, {D}>", f"int8_attn_bwd_dq{sfx}<{T}, {D}>")
+
+
+def _bwd90_smem(D):
+    """Dynamic shared memory of the wgmma backward kernels (BwdSm90 / BwdDqSm90 in int8_attn_bwd_sm90.cu):
+    (dK/dV, dQ) bytes, each with 1024 bytes of slack for the 1024-byte alignment wgmma tiles need."""
+    stage = -(-(320 * D + (192 + D) * 4) // 1024) * 1024
+    stage_dq = -(-(256 * D + 256) // 1024) * 1024
+    return 1024 + 192 * D + 2 * stage, 1024 + 192 * D + 2 * stage_dq
 
 
 def _qfn(name, T, D):
@@ -379,7 +409,7 @@ def _preprocess_backward(residuals, do):
     return dict(do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
 
 
-def _launch_backward(r, pre):
+def _launch_backward(r, pre, engine=None):
     """The two backward kernels alone (dK/dV, then dQ), after :func:`_preprocess_backward`. No atomics: the
     gradients are bitwise repeatable."""
     import cupy
@@ -400,9 +430,15 @@ def _launch_backward(r, pre):
     vvb, vvh, vvn = _strides(dv, p.layout)
     qsb, qsh, qsn = _strides(dq, p.layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
-    names = _bwd_names(T, D)
-    fn = get_function("int8_attn_bwd.cu", names[0], all_names=names)
-    smem = _bwd_smem(D)
+    engine = backward_engine(engine)
+    names = _bwd_names(T, D, engine)
+    if engine == "wgmma":
+        src, arch = "int8_attn_bwd_sm90.cu", "sm_90a"
+        smem, smem_q = _bwd90_smem(D)
+    else:
+        src, arch = "int8_attn_bwd.cu", None
+        smem, smem_q = _bwd_smem(D), 704 * D + 2 * 64 * 4  # dQ: Q^, dO, two stages of K^, K^^T, V, key scales
+    fn = get_function(src, names[0], all_names=names, arch=arch)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((nk_pad // 64, Hkv, B), (128,),
@@ -413,8 +449,7 @@ def _launch_backward(r, pre):
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
         i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
        shared_mem=smem)
-    fq = get_function("int8_attn_bwd.cu", names[1], all_names=names)
-    smem_q = 704 * D + 2 * 64 * 4  # Q^, dO, two stages of K^, K^^T, V and the key scales
+    fq = get_function(src, names[1], all_names=names, arch=arch)
     if smem_q > 48 * 1024:
         fq.max_dynamic_shared_size_bytes = smem_q
     fq((nq_pad // 64, Hq, B), (128,),
@@ -427,6 +462,8 @@ def _launch_backward(r, pre):
     return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))
 
 
-def backward(residuals: Residuals, do):
-    """SageBwd backward: ``(dq, dk, dv)`` in the forward's layout and dtype (fp32 accumulation inside)."""
-    return _launch_backward(residuals, _preprocess_backward(residuals, do))
+def backward(residuals: Residuals, do, *, engine=None):
+    """SageBwd backward: ``(dq, dk, dv)`` in the forward's layout and dtype (fp32 accumulation inside).
+    ``engine``: see :func:`backward_engine`."""
+    backward_engine(engine)  # validate before any work
+    return _launch_backward(residuals, _preprocess_backward(residuals, do), engine)

@@ -51,6 +51,22 @@ __device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, lo
   });
 }
 
+// As load_rows_async, into the layout 16-bit wgmma operands read (K-major, 128-byte swizzle): the rows
+// are cut into 128-byte pieces, piece a of every row forms its own swizzled ROWS x 128 tile at
+// smem + a * ROWS * 128 (so K = 64 elements per piece; the tile must be 1024-byte aligned).
+template <int ROWS, int ROW_BYTES, int NTHREADS>
+__device__ __forceinline__ void load_rows_k128_async(char* smem, const char* gmem, long long gstride, int valid_rows,
+                                                     int tid) {
+  static_assert(ROW_BYTES % 128 == 0, "whole 128-byte pieces");
+  constexpr int CPR = ROW_BYTES / 16;
+  for_each_chunk<ROWS * CPR, NTHREADS, false>(tid, [&](int i) {
+    const int r = i / CPR, c = i % CPR;
+    const bool ok = r < valid_rows;
+    cp_async_16_zfill(smem_u32(smem + (c / 8) * ROWS * 128 + swz<128>(r, c % 8)), gmem + (ok ? r * gstride + c * 16 : 0),
+                      ok);
+  });
+}
+
 // Copy n4 * 16 bytes (n4 <= NTHREADS) from global to shared, both 16-byte aligned: a tile's per-row scales.
 template <int NTHREADS>
 __device__ __forceinline__ void load_vec_async(void* smem, const void* gmem, int n4, int tid) {

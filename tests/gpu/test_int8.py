@@ -374,11 +374,39 @@ def test_forward_engines_agree_bitwise(B, Hq, Hkv, Nq, Nk, D, causal, layout, dt
             assert same.all(), f"{name} of {key} differs from mma/8 warps in {int((~same).sum())} bytes"
 
 
+BWD_ENGINE_CASES = ENGINE_CASES + [(1, 4, 1, 239, 113, 128, True, "NHD", "bfloat16", PAPER),
+                                   (2, 2, 2, 1000, 300, 64, False, "HND", "float16", PAPER)]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", BWD_ENGINE_CASES)
+def test_backward_engines_agree(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config):
+    """The wgmma backward (Hopper) and the mma.sync one run the same element-wise float code on exact int32
+    products; only the fp16/bf16 product dP = dO V^T is accumulated in fp32 by different instructions, whose
+    summation order inside the tensor core may differ (an ulp of dP). That can move dS by an ulp and, at an
+    exact rounding tie, one dS code by one step; the bound (relative L2 <= 1e-5 between the engines, 100x
+    below the kernel-vs-simulator tolerance) allows that and nothing else: a wrong tile, a wrong scale or a
+    layout error shows as >= 1e-3."""
+    import sagecupy.int8 as s8
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma backward needs sm_90")
+    (q, k, v, do), _ = _inputs(22, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=2.0)
+    _, res = s8.forward(q, k, v, causal=causal, layout=layout, config=config)
+    got = {e: [_to_host(x) for x in s8.backward(res, do, engine=e)] for e in ("mma", "wgmma")}
+    for name, a, b in zip(("dQ", "dK", "dV"), got["mma"], got["wgmma"]):
+        assert np.isfinite(b).all(), f"{name}: non-finite values from the wgmma engine"
+        err = metrics.rel_l2(b, a)
+        assert err <= 1e-5, f"{name}: wgmma vs mma.sync relative L2 {err:.3e} ({(a != b).mean():.2%} differ)"
+
+
 def test_engine_argument_errors():
     import sagecupy.int8 as s8
 
     with pytest.raises(ValueError, match="engine"):
         s8.forward_engine("fast")
+    with pytest.raises(ValueError, match="engine"):
+        s8.backward_engine("fast")
     with pytest.raises(ValueError, match="warps"):
         s8.forward_warps(6)
 

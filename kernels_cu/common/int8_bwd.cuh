@@ -1,0 +1,132 @@
+// Element-wise steps of the SageBwd backward shared by the mma.sync kernels (int8_attn_bwd.cu) and the
+// Hopper wgmma kernels (int8_attn_bwd_sm90.cu): the same float operations in the same order, so the two
+// engines differ only where the fp16/bf16 dP product is accumulated by different tensor-core instructions.
+// Tiles are 16 x 64 per warp in the accumulator layout of mma.cuh / wgmma.cuh: x[nt][e] is row g + 8(e>>1),
+// column 8 nt + 2 t4 + (e&1) of the warp's 16 rows.
+#pragma once
+#include "mma.cuh"
+#include "numeric.cuh"
+
+namespace sage {
+
+constexpr int BWD_BQ = 64, BWD_BKV = 64, BWD_THREADS = 128;
+
+// Max over the CTA (4 warps) of v; every thread gets the result. Uses scratch[4]; two barriers.
+__device__ __forceinline__ float cta_max4(float v, float* scratch, int warp, int lane) {
+  v = warp_max_xor(v, 1, 16);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const float r = nan_max(nan_max(scratch[0], scratch[1]), nan_max(scratch[2], scratch[3]));
+  __syncthreads();
+  return r;
+}
+
+// rint(x[nt][e] * inv[row]) of a 16 x 64 accumulator-layout tile as 8-bit codes (signed or unsigned: the
+// low byte either way), packed as m16n8k32 A fragments with columns in the mma-permuted order.
+__device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const float (&x)[8][4], const float (&inv)[2]) {
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    unsigned c[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[j][e] = rn_fma_bits(x[2 * np + j][e], inv[e >> 1]);
+    pack_acc_pair_as_a(a, np, c[0], c[1]);
+  }
+}
+
+// Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over
+// the whole 64 x 64 tile (the CTA), divided by the code range. Returns the scales and their inverses (0 for 0).
+__device__ __forceinline__ void bwd_group_scale(float (&s)[2], float (&inv)[2], const float (&mx)[2], bool per_row,
+                                                float range, float* scratch, int warp, int lane) {
+  if (per_row) {
+    s[0] = quad_max(mx[0]) / range;
+    s[1] = quad_max(mx[1]) / range;
+  } else {
+    s[0] = s[1] = cta_max4(nan_max(mx[0], mx[1]), scratch, warp, lane) / range;
+  }
+  inv[0] = s[0] > 0.f ? 1.f / s[0] : 0.f;
+  inv[1] = s[1] > 0.f ? 1.f / s[1] : 0.f;
+}
+
+// dK/dV kernel: P^T = exp2(S^T * s_K[key] * s_Q[query] - lse2[query]) masked to 0, and its row (key) maxima.
+// sQs, sL: the query tile's q scales and lse2 (shared); key_lo: this thread's first key; q0: the tile's first query.
+__device__ __forceinline__ void bwd_pt_tile(float (&p)[8][4], float (&pmax)[2], const int* acc_s, const float (&sk)[2],
+                                            const float* sQs, const float* sL, int key_lo, int q0, int t4,
+                                            bool need_mask, bool causal, int nq, int nk, int shift) {
+  pmax[0] = pmax[1] = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int qc0 = nt * 8 + 2 * t4;
+    const float2 qs2 = *reinterpret_cast<const float2*>(sQs + qc0), l2 = *reinterpret_cast<const float2*>(sL + qc0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int qi = qc0 + (e & 1), key = key_lo + 8 * (e >> 1);
+      float val = fast_exp2(i2f_small(acc_s[4 * nt + e]) * sk[e >> 1] * ((e & 1) ? qs2.y : qs2.x) -
+                            ((e & 1) ? l2.y : l2.x));
+      if (need_mask) {
+        const int qrow = q0 + qi;
+        if (key >= nk || qrow >= nq || (causal && key > qrow + shift)) val = 0.f;
+      }
+      p[nt][e] = val;
+      pmax[e >> 1] = nan_max(pmax[e >> 1], val);
+    }
+  }
+}
+
+// dS^T = P^T o (dP^T - delta[query]) in place, columns 8 nt .. 8 nt + 7 (dp: that n-tile's 4 accumulators).
+__device__ __forceinline__ void bwd_ds_ntile(float (&p)[4], const float* dp, const float* sDel, int nt, int t4) {
+  const float2 d2 = *reinterpret_cast<const float2*>(sDel + nt * 8 + 2 * t4);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) p[e] *= dp[e] - ((e & 1) ? d2.y : d2.x);
+}
+
+// dK/dV kernel: Y = diag(s_Q) dS in place of dS^T, and its row (key) maxima of |Y|.
+__device__ __forceinline__ void bwd_y_tile(float (&p)[8][4], float (&ymax)[2], const float* sQs, int t4) {
+  ymax[0] = ymax[1] = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const float2 qs2 = *reinterpret_cast<const float2*>(sQs + nt * 8 + 2 * t4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p[nt][e] *= (e & 1) ? qs2.y : qs2.x;
+      ymax[e >> 1] = nan_max(ymax[e >> 1], fabsf(p[nt][e]));
+    }
+  }
+}
+
+// dQ kernel: P = exp2(S * s_K[key] * s_Q[row] - lse2[row]) masked to 0; skk: the keys' scales (kept for X).
+__device__ __forceinline__ void bwd_dq_p_tile(float (&p)[8][4], float (&skk)[8][2], const int* acc_s, const float* cKs,
+                                              const float (&sq)[2], const float (&lse_r)[2], int k0, int r_lo, int t4,
+                                              bool need_mask, bool causal, int nq, int nk, int shift) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int key = k0 + nt * 8 + 2 * t4;
+    const float2 sk2 = *reinterpret_cast<const float2*>(cKs + nt * 8 + 2 * t4);
+    skk[nt][0] = sk2.x;
+    skk[nt][1] = sk2.y;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float val = fast_exp2(i2f_small(acc_s[4 * nt + e]) * skk[nt][e & 1] * sq[e >> 1] - lse_r[e >> 1]);
+      if (need_mask) {
+        const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
+        if (kk >= nk || row >= nq || (causal && kk > row + shift)) val = 0.f;
+      }
+      p[nt][e] = val;
+    }
+  }
+}
+
+// dQ kernel: X = dS diag(s_K) in place, and its row maxima of |X|.
+__device__ __forceinline__ void bwd_dq_x_tile(float (&p)[8][4], float (&xmax)[2], const float (&skk)[8][2]) {
+  xmax[0] = xmax[1] = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p[nt][e] *= skk[nt][e & 1];
+      xmax[e >> 1] = nan_max(xmax[e >> 1], fabsf(p[nt][e]));
+    }
+}
+
+}  // namespace sage

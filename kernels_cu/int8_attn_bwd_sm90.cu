@@ -1,0 +1,361 @@
+// SageBwd backward on Hopper tensor cores (sm_90a only): the algorithm, operands and CTA shapes of
+// int8_attn_bwd.cu (see there), with every product on wgmma. One CTA = one warpgroup (4 warps, 64 rows of
+// the M dimension); operands are read through shared-memory descriptors, the re-quantized P^ / Y^ / X^ codes
+// from registers:
+//   dK/dV kernel, per (head, 64-query tile):
+//     S^T  = K^ Q^^T          m64n64k32 s8.s8      (K^, Q^ shared)
+//     dP^T = V dO^T           m64n64k16 f32.T.T    (V, dO shared: 16-bit, K-major in 128-byte pieces)
+//     dV  += P^^T dO^         m64n64k32 u8.s8      (P^ registers, dO^^T shared), D / 64 products
+//     dK  += Y^^T Q^          m64n64k32 s8.s8      (Y^ registers, Q^^T shared), D / 64 products
+//   dQ kernel, per 64-key tile:
+//     S = Q^ K^^T, dP = dO V^T as above;  dQ += X^ K^   m64nDk32 s8.s8 (X^ registers, K^^T shared)
+// The element-wise steps are common/int8_bwd.cuh's, shared with the mma.sync kernels: the int32 products
+// are exact either way, so the two engines differ only through the fp32 accumulation order of dP inside
+// the tensor cores. Every wait is unconditional and no accumulator is touched while its product is in
+// flight (ptxas would serialize all wgmma otherwise: warning C7514, which CI treats as an error).
+// Operand tiles are double-buffered with cp.async: the next iteration's arrive during this one.
+#include "common/int8_bwd.cuh"
+#include "common/rows.cuh"
+#include "common/tile.cuh"
+#include "common/wgmma.cuh"
+
+using namespace sage;
+
+// Descriptor of k-step `ks` (16 elements) of a 16-bit K-major tile of ROWS rows stored in 128-byte pieces
+// (load_rows_k128_async): piece ks / 4, 32 bytes per step inside it.
+template <int ROWS>
+__device__ __forceinline__ unsigned long long desc_k16(const char* tile, int ks) {
+  return gmma_desc_advance(gmma_desc<128>(tile + (ks / 4) * ROWS * 128), 32 * (ks % 4));
+}
+
+// 64 x 64 S (s8.s8, D / 32 k-steps) and dP (16-bit, D / 16 k-steps) issued as two commit groups.
+template <typename T, int D>
+__device__ __forceinline__ void issue_s_dp(int (&acc_s)[32], float (&acc_dp)[32], const char* sA8, const char* sB8,
+                                           const char* sA16, const char* sB16) {
+  const unsigned long long da = gmma_desc<D>(sA8), db = gmma_desc<D>(sB8);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks)
+    wgmma_m64n64k32_ss_s8(acc_s, gmma_desc_advance(da, 32 * ks), gmma_desc_advance(db, 32 * ks), ks);
+  wgmma_commit();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) wgmma_m64n64k16_ss_f32<T>(acc_dp, desc_k16<64>(sA16, ks), desc_k16<64>(sB16, ks), ks);
+  wgmma_commit();
+}
+
+// acc (+)= A(64 x 64 codes, registers a[0]: k 0..31, a[1]: 32..63) * B, B = columns 64 h .. 64 h + 63 of a
+// tile stored [N][64 k bytes] (64-byte swizzled rows), s8 or u8 A.
+template <bool A_UNSIGNED>
+__device__ __forceinline__ void issue_a64_n64(int (&acc)[32], const unsigned (&a)[2][4], const char* tile, int h) {
+  const unsigned long long d = gmma_desc<64>(tile + h * 64 * 64);
+  if constexpr (A_UNSIGNED) {
+    wgmma_m64n64k32_rs_u8s8(acc, a[0], d, 0);
+    wgmma_m64n64k32_rs_u8s8(acc, a[1], gmma_desc_advance(d, 32), 1);
+  } else {
+    wgmma_m64n64k32_rs_s8s8(acc, a[0], d, 0);
+    wgmma_m64n64k32_rs_s8s8(acc, a[1], gmma_desc_advance(d, 32), 1);
+  }
+}
+
+// dK/dV: grid (nk_pad / 64, Hkv, B), block 128, dynamic shared memory bwd_sm90_smem (host: _bwd90_smem).
+template <int D>
+struct BwdSm90 {
+  // K^ (64 x D int8), V (64 x D 16-bit), then two stages of Q^ (64 x D), dO (64 x D 16-bit), Q^^T and dO^^T
+  // (D x 64 int8, mma-permuted), q scales, lse2, delta (64 each) and the tile's dO scales (D): fp32.
+  static constexpr int STAGE = ((320 * D + (192 + D) * 4) + 1023) / 1024 * 1024;
+  static constexpr int SMEM = 1024 + 192 * D + 2 * STAGE;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS)
+int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
+                   const signed char* __restrict__ kc, const float* __restrict__ ks,
+                   const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
+                   const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+                   const signed char* __restrict__ dot, const float* __restrict__ dos,
+                   const float* __restrict__ lse2, const float* __restrict__ delta,
+                   T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
+                   T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
+                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
+                   int causal, int p_col, int ds_rowcol) {
+  static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
+  const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
+  constexpr int STAGE = BwdSm90<D>::STAGE;
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // wgmma tiles: 1024-byte aligned
+  char* sK = smem;
+  char* sV = sK + BWD_BKV * D;
+  char* sStage = sV + BWD_BKV * D * 2;
+  __shared__ float sRed[4];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = Hq / Hkv;
+  const long long bhk = static_cast<long long>(b) * Hkv + hk;
+  const int k0 = kb * BWD_BKV;
+  const int shift = nk - nq;
+
+  load_tile_async<BWD_BKV, D, BWD_THREADS>(sK, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);
+  load_rows_k128_async<BWD_BKV, 2 * D, BWD_THREADS>(
+      sV, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn), vsn * 2, nk - k0, tid);
+
+  const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
+  const float sk[2] = {ks[bhk * nk_pad + key_lo], ks[bhk * nk_pad + key_lo + 8]};
+  float acc_dv[D / 8][4], acc_dk[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
+
+  const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
+  const int first_qt = first_row / BWD_BQ, n_qt = (nq + BWD_BQ - 1) / BWD_BQ;
+  const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;  // (head in group, query tile) pairs
+  // The per-query arrays are copied over the whole padded tile (the forward and the pre-passes write every
+  // padded row); P of rows >= nq is zeroed by need_mask.
+  auto load_stage = [&](int it) {
+    const int hh = hk * group + it / n_it_q, qtile = first_qt + it % n_it_q, qq0 = qtile * BWD_BQ;
+    const long long bhh = static_cast<long long>(b) * Hq + hh;
+    char* st = sStage + (it & 1) * STAGE;
+    load_tile_async<BWD_BQ, D, BWD_THREADS>(st, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D, tid);
+    load_rows_k128_async<BWD_BQ, 2 * D, BWD_THREADS>(
+        st + 64 * D, reinterpret_cast<const char*>(dout + b * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
+    load_tile_async<D, BWD_BQ, BWD_THREADS>(st + 192 * D, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0),
+                                            nq_pad, tid);
+    load_tile_async<D, BWD_BQ, BWD_THREADS>(st + 256 * D, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0),
+                                            nq_pad, tid);
+    float* fb = reinterpret_cast<float*>(st + 320 * D);
+    load_vec_async<BWD_THREADS>(fb, qs + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + (bhh * (nq_pad / BWD_BQ) + qtile) * D, D / 4, tid);
+  };
+  if (n_it > 0) load_stage(0);
+  cp_async_commit();
+
+  for (int it = 0; it < n_it; ++it) {
+    const int q0 = (first_qt + it % n_it_q) * BWD_BQ;
+    cp_async_wait<0>();
+    fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
+    __syncthreads();      // stage it resident; every warp is done with stage it - 1, refilled next
+    if (it + 1 < n_it) load_stage(it + 1);
+    cp_async_commit();
+    const char* st = sStage + (it & 1) * STAGE;
+    const char* sQ = st;
+    const char* sdO = st + 64 * D;
+    const char* sQt = st + 192 * D;
+    const char* sdOt = st + 256 * D;
+    const float* sQs = reinterpret_cast<const float*>(st + 320 * D);
+    const float* sL = sQs + BWD_BQ;
+    const float* sDel = sL + BWD_BQ;
+    const float* sDos = sDel + BWD_BQ;
+    const bool need_mask = (CAUSAL && k0 + BWD_BKV - 1 > q0 + shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
+
+    int acc_s[32];
+    float acc_dp[32];
+    issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K^ Q^^T, dP^T = V dO^T
+    wgmma_wait<1>();
+    fence_regs(acc_s);
+    float p[8][4], pmax[2], s_p[2], inv_p[2];
+    bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, key_lo, q0, t4, need_mask, CAUSAL, nq, nk, shift);
+    bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, sRed, warp, lane);
+    unsigned pa[2][4];
+    quantize_acc_as_a(pa, p, inv_p);
+    wgmma_wait<0>();
+    fence_regs(acc_dp);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) bwd_ds_ntile(p[nt], acc_dp + 4 * nt, sDel, nt, t4);
+
+    auto add_dv = [&](const int (&acc)[32], int h) {  // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int nt = 8 * h + j;
+        const float2 sd = *reinterpret_cast<const float2*>(sDos + nt * 8 + 2 * t4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_dv[nt][e] += i2f_small(acc[4 * j + e]) * s_p[e >> 1] * ((e & 1) ? sd.y : sd.x);
+      }
+    };
+    // Products of 64 columns of D each, two buffers: the first dV product runs while Y^ is formed (dS is
+    // live until then, so the second waits for it); each buffer is re-issued as soon as it is consumed.
+    int acc_a[32], acc_b[32];
+    wgmma_fence();
+    issue_a64_n64<true>(acc_a, pa, sdOt, 0);  // dV, columns 0..63
+    wgmma_commit();
+    float ymax[2], s_y[2], inv_y[2];
+    bwd_y_tile(p, ymax, sQs, t4);  // Y = diag(s_Q) dS in place of dS^T
+    bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, sRed, warp, lane);
+    unsigned ya[2][4];
+    quantize_acc_as_a(ya, p, inv_y);
+    auto add_dk = [&](const int (&acc)[32], int h) {  // dK += Y^^T Q^ * s_Y[key]
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[8 * h + j][e] += i2f_small(acc[4 * j + e]) * s_y[e >> 1];
+    };
+    if constexpr (D == 128) {
+      wgmma_fence();
+      issue_a64_n64<true>(acc_b, pa, sdOt, 1);  // dV, columns 64..127
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(acc_a);
+      add_dv(acc_a, 0);
+      wgmma_fence();
+      issue_a64_n64<false>(acc_a, ya, sQt, 0);  // dK, columns 0..63
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(acc_b);
+      hold_regs(pa);
+      add_dv(acc_b, 1);
+      wgmma_fence();
+      issue_a64_n64<false>(acc_b, ya, sQt, 1);  // dK, columns 64..127
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(acc_a);
+      add_dk(acc_a, 0);
+      wgmma_wait<0>();
+      fence_regs(acc_b);
+      hold_regs(ya);
+      add_dk(acc_b, 1);
+    } else {
+      wgmma_wait<0>();
+      fence_regs(acc_a);
+      hold_regs(pa);
+      add_dv(acc_a, 0);
+      wgmma_fence();
+      issue_a64_n64<false>(acc_a, ya, sQt, 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc_a);
+      hold_regs(ya);
+      add_dk(acc_a, 0);
+    }
+  }
+
+  // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
+  store_acc_rows<T, D>(dv + b * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
+  store_acc_rows<T, D>(dk + b * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
+}
+
+// dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem_dq).
+template <int D>
+struct BwdDqSm90 {
+  // Q^ (64 x D int8), dO (64 x D 16-bit), then two stages of K^ (64 x D), K^^T (D x 64, mma-permuted),
+  // V (64 x D 16-bit) and the 64 key scales.
+  static constexpr int STAGE = (256 * D + 256 + 1023) / 1024 * 1024;
+  static constexpr int SMEM = 1024 + 192 * D + 2 * STAGE;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS)
+int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
+                      const signed char* __restrict__ kc, const float* __restrict__ ks,
+                      const signed char* __restrict__ ktp,
+                      const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
+                      const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+                      const float* __restrict__ lse2, const float* __restrict__ delta,
+                      T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
+                      int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int causal,
+                      int ds_rowcol) {
+  static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
+  const bool CAUSAL = causal != 0, DS_ROWCOL = ds_rowcol != 0;
+  constexpr int STAGE = BwdDqSm90<D>::STAGE;
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sQ = smem;
+  char* sdO = sQ + BWD_BQ * D;
+  char* sStage = sdO + BWD_BQ * D * 2;
+  __shared__ float sRed[4];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const QueryBlock qb = query_block(BWD_BQ, CAUSAL, Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
+  const long long bh = qb.bh, bhk = qb.bhk;
+  const int shift = nk - nq;
+  const KeyTiles tl = key_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
+
+  auto load_kv = [&](int tile) {
+    char* st = sStage + (tile & 1) * STAGE;
+    const int kk0 = tile * BWD_BKV;
+    load_tile_async<BWD_BKV, D, BWD_THREADS>(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + kk0) * D), D, tid);
+    load_tile_async<D, BWD_BKV, BWD_THREADS>(st + 64 * D, reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + kk0),
+                                             nk_pad, tid);
+    load_rows_k128_async<BWD_BKV, 2 * D, BWD_THREADS>(
+        st + 128 * D, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + kk0 * vsn), vsn * 2, nk - kk0, tid);
+    load_vec_async<BWD_THREADS>(st + 256 * D, ks + bhk * nk_pad + kk0, BWD_BKV / 4, tid);
+  };
+  load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
+  load_rows_k128_async<BWD_BQ, 2 * D, BWD_THREADS>(
+      sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0, tid);
+  if (tl.n > 0) load_kv(0);
+  cp_async_commit();
+
+  const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
+  float sq[2], lse_r[2], del[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r_lo + 8 * r;
+    sq[r] = qs[bh * nq_pad + row];
+    lse_r[r] = row < nq ? lse2[bh * nq_pad + row] : INFINITY;
+    del[r] = row < nq ? delta[bh * nq_pad + row] : 0.f;
+  }
+  float acc_dq[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
+
+  for (int tile = 0; tile < tl.n; ++tile) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // tile resident; every warp is done with the stage the prefetch below overwrites
+    if (tile + 1 < tl.n) load_kv(tile + 1);
+    cp_async_commit();
+    const char* cK = sStage + (tile & 1) * STAGE;
+    const char* cKt = cK + 64 * D;
+    const char* cV = cK + 128 * D;
+    const float* cKs = reinterpret_cast<const float*>(cK + 256 * D);
+    const int k0 = tile * BWD_BKV;
+
+    int acc_s[32];
+    float acc_dp[32];
+    issue_s_dp<T, D>(acc_s, acc_dp, sQ, cK, sdO, cV);  // S = Q^ K^^T, dP = dO V^T
+    wgmma_wait<1>();
+    fence_regs(acc_s);
+    const bool need_mask = tile >= tl.first_masked || q0 + BWD_BQ > nq;
+    float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
+    bwd_dq_p_tile(p, skk, acc_s, cKs, sq, lse_r, k0, r_lo, t4, need_mask, CAUSAL, nq, nk, shift);
+    wgmma_wait<0>();
+    fence_regs(acc_dp);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[nt][e] *= acc_dp[4 * nt + e] - del[e >> 1];  // dS = P o (dP - delta)
+    float xmax[2], s_x[2], inv[2];
+    bwd_dq_x_tile(p, xmax, skk);  // X = dS diag(s_K)
+    bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, sRed, warp, lane);
+    unsigned xa[2][4];
+    quantize_acc_as_a(xa, p, inv);
+    const float fx[2] = {s_x[0] * sm_scale, s_x[1] * sm_scale};
+    // dQ += X^ K^ * s_X * sm_scale (B = K^^T, keys mma-permuted like X^'s columns).
+    int acc_t[D / 2];
+    {
+      const unsigned long long d = gmma_desc<64>(cKt);
+      wgmma_fence();
+      if constexpr (D == 128) {
+        wgmma_m64n128k32_rs_s8s8(acc_t, xa[0], d, 0);
+        wgmma_m64n128k32_rs_s8s8(acc_t, xa[1], gmma_desc_advance(d, 32), 1);
+      } else {
+        wgmma_m64n64k32_rs_s8s8(acc_t, xa[0], d, 0);
+        wgmma_m64n64k32_rs_s8s8(acc_t, xa[1], gmma_desc_advance(d, 32), 1);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_regs(acc_t);
+    hold_regs(xa);
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dq[nt][e] += i2f_small(acc_t[4 * nt + e]) * fx[e >> 1];
+  }
+
+  store_acc_rows<T, D>(dq + b * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
+}
