@@ -95,9 +95,11 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   const int k0 = kb * BWD_BKV;
   const int shift = nk - nq;
 
-  load_tile_async<BWD_BKV, D, BWD_THREADS>(sK, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);
-  load_rows_k128_async<BWD_BKV, 2 * D, BWD_THREADS>(
-      sV, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn), vsn * 2, nk - k0, tid);
+  const TileCopy<64, D, BWD_THREADS> cp8(tid);            // K^, Q^: 64 rows of D bytes
+  const TileCopy<64, 2 * D, BWD_THREADS, true> cp16(tid);  // V, dO: 64 rows of D 16-bit elements
+  const TileCopy<D, 64, BWD_THREADS> cpt(tid);             // Q^^T, dO^^T: D rows of 64 bytes
+  cp8.copy(sK, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D);
+  cp16.copy_rows(sV, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn), vsn * 2, nk - k0);
 
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
   const float sk[2] = {ks[bhk * nk_pad + key_lo], ks[bhk * nk_pad + key_lo + 8]};
@@ -112,28 +114,33 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;  // (head in group, query tile) pairs
   // The per-query arrays are copied over the whole padded tile (the forward and the pre-passes write every
   // padded row); P of rows >= nq is zeroed by need_mask.
+  int ld_h = hk * group, ld_t = first_qt;  // (query head, query tile) of the next stage to load
   auto load_stage = [&](int it) {
-    const int hh = hk * group + it / n_it_q, qtile = first_qt + it % n_it_q, qq0 = qtile * BWD_BQ;
-    const long long bhh = static_cast<long long>(b) * Hq + hh;
+    const int qq0 = ld_t * BWD_BQ;
+    const long long bhh = static_cast<long long>(b) * Hq + ld_h;
     char* st = sStage + (it & 1) * STAGE;
-    load_tile_async<BWD_BQ, D, BWD_THREADS>(st, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D, tid);
-    load_rows_k128_async<BWD_BQ, 2 * D, BWD_THREADS>(
-        st + 64 * D, reinterpret_cast<const char*>(dout + b * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
-    load_tile_async<D, BWD_BQ, BWD_THREADS>(st + 192 * D, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0),
-                                            nq_pad, tid);
-    load_tile_async<D, BWD_BQ, BWD_THREADS>(st + 256 * D, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0),
-                                            nq_pad, tid);
+    cp8.copy(st, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D);
+    cp16.copy_rows(st + 64 * D, reinterpret_cast<const char*>(dout + b * dsb + ld_h * dsh + qq0 * dsn), dsn * 2,
+                   nq - qq0);
+    cpt.copy(st + 192 * D, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0), nq_pad);
+    cpt.copy(st + 256 * D, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0), nq_pad);
     float* fb = reinterpret_cast<float*>(st + 320 * D);
     load_vec_async<BWD_THREADS>(fb, qs + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
     load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
     load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + (bhh * (nq_pad / BWD_BQ) + qtile) * D, D / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + (bhh * (nq_pad / BWD_BQ) + ld_t) * D, D / 4, tid);
+    if (++ld_t == n_qt) {
+      ld_t = first_qt;
+      ++ld_h;
+    }
   };
   if (n_it > 0) load_stage(0);
   cp_async_commit();
 
+  int cur_t = first_qt;  // query tile of iteration it
   for (int it = 0; it < n_it; ++it) {
-    const int q0 = (first_qt + it % n_it_q) * BWD_BQ;
+    const int q0 = cur_t * BWD_BQ;
+    cur_t = cur_t + 1 == n_qt ? first_qt : cur_t + 1;
     cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
     __syncthreads();      // stage it resident; every warp is done with stage it - 1, refilled next
@@ -273,20 +280,23 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
   const int shift = nk - nq;
   const KeyTiles tl = key_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
 
+  const TileCopy<64, D, BWD_THREADS> cp8(tid);            // Q^, K^: 64 rows of D bytes
+  const TileCopy<64, 2 * D, BWD_THREADS, true> cp16(tid);  // dO, V: 64 rows of D 16-bit elements
+  const TileCopy<D, 64, BWD_THREADS> cpt(tid);             // K^^T: D rows of 64 bytes
   auto load_kv = [&](int tile) {
     char* st = sStage + (tile & 1) * STAGE;
     const int kk0 = tile * BWD_BKV;
-    load_tile_async<BWD_BKV, D, BWD_THREADS>(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + kk0) * D), D, tid);
-    load_tile_async<D, BWD_BKV, BWD_THREADS>(st + 64 * D, reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + kk0),
-                                             nk_pad, tid);
-    load_rows_k128_async<BWD_BKV, 2 * D, BWD_THREADS>(
-        st + 128 * D, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + kk0 * vsn), vsn * 2, nk - kk0, tid);
+    cp8.copy(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + kk0) * D), D);
+    cpt.copy(st + 64 * D, reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + kk0), nk_pad);
+    cp16.copy_rows(st + 128 * D, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + kk0 * vsn), vsn * 2,
+                   nk - kk0);
     load_vec_async<BWD_THREADS>(st + 256 * D, ks + bhk * nk_pad + kk0, BWD_BKV / 4, tid);
   };
-  load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
-  load_rows_k128_async<BWD_BQ, 2 * D, BWD_THREADS>(
-      sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0, tid);
+  cp8.copy(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D);
+  cp16.copy_rows(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0);
   if (tl.n > 0) load_kv(0);
+  cp_async_commit();
+  if (tl.n > 1) load_kv(1);
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
@@ -302,23 +312,23 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
 
+  // Software pipeline: S and dP of tile t + 1 run on the tensor cores while dQ(t) is converted. S, dP of
+  // tile 0 are issued here (on whatever the stage holds when the CTA has no tile: waited for, dropped).
+  int acc_s[32];
+  float acc_dp[32];
+  cp_async_wait<1>();
+  fence_proxy_async();
+  __syncthreads();  // Q^, dO, tile 0 resident
+  issue_s_dp<T, D>(acc_s, acc_dp, sQ, sStage, sdO, sStage + 128 * D);  // S = Q^ K^^T, dP = dO V^T
+  wgmma_wait<1>();
+  fence_regs(acc_s);
+  // Across the loop's back edge only dP is in flight (one commit group): with more, ptxas can no longer
+  // prove which registers are free and serializes every wgmma (C7514).
   for (int tile = 0; tile < tl.n; ++tile) {
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();  // tile resident; every warp is done with the stage the prefetch below overwrites
-    if (tile + 1 < tl.n) load_kv(tile + 1);
-    cp_async_commit();
     const char* cK = sStage + (tile & 1) * STAGE;
     const char* cKt = cK + 64 * D;
-    const char* cV = cK + 128 * D;
     const float* cKs = reinterpret_cast<const float*>(cK + 256 * D);
     const int k0 = tile * BWD_BKV;
-
-    int acc_s[32];
-    float acc_dp[32];
-    issue_s_dp<T, D>(acc_s, acc_dp, sQ, cK, sdO, cV);  // S = Q^ K^^T, dP = dO V^T
-    wgmma_wait<1>();
-    fence_regs(acc_s);
     const bool need_mask = tile >= tl.first_masked || q0 + BWD_BQ > nq;
     float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
     bwd_dq_p_tile(p, skk, acc_s, cKs, sq, lse_r, k0, r_lo, t4, need_mask, CAUSAL, nq, nk, shift);
@@ -348,14 +358,31 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
       }
       wgmma_commit();
     }
-    wgmma_wait<0>();
+    // Tile t + 1 resident (its copy was issued an iteration ago): S and dP of it in flight during the
+    // conversion below. On the last tile they multiply a stale stage; the result is dropped.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    {
+      const char* nK = sStage + ((tile + 1) & 1) * STAGE;
+      issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + 128 * D);
+    }
+    wgmma_wait<2>();  // dQ(t) done
     fence_regs(acc_t);
     hold_regs(xa);
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dq[nt][e] += i2f_small(acc_t[4 * nt + e]) * fx[e >> 1];
+    wgmma_wait<1>();  // S(t + 1) done (dP(t + 1) may still run)
+    fence_regs(acc_s);
+    __syncthreads();  // every warp past dQ(t): its stage is free for tile t + 2
+    if (tile + 2 < tl.n) load_kv(tile + 2);
+    cp_async_commit();
   }
+  wgmma_wait<0>();  // the last (dropped) S and dP
+  fence_regs(acc_s);
+  fence_regs(acc_dp);
 
   store_acc_rows<T, D>(dq + b * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
 }

@@ -114,6 +114,23 @@ __device__ __forceinline__ void fwd_pv_update(float (&o)[4], const int* pv, cons
   }
 }
 
+// fwd_pv_update over all D / 8 column groups of O (pv: D / 2 accumulators), the rescale test taken once.
+template <int D>
+__device__ __forceinline__ void fwd_pv_update_all(float (&o)[D / 8][4], const int* pv, const FwdTileScale& ts) {
+  if (ts.rescale) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        o[nt][e] = fmaf(o[nt][e], ts.alpha[e >> 1], i2f_small(pv[4 * nt + e]) * ts.spv[e >> 1]);
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[nt][e] = fmaf(i2f_small(pv[4 * nt + e]), ts.spv[e >> 1], o[nt][e]);
+  }
+}
+
 // Epilogue: normalize, per-channel V scale, store O (T), LSE and the base-2 LSE the backward reads.
 template <typename T, int D>
 __device__ __forceinline__ void fwd_epilogue(float (&acc_o)[D / 8][4], FwdRows& rs, const float* __restrict__ vs_ch,
@@ -311,12 +328,14 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
   const float* gKs = ks + bhk * nk_pad;
+  const TileCopy<FWD_BKV, D, FWD_THREADS> cpk(tid);  // K^ tiles: 64 rows of D bytes
+  const TileCopy<D, FWD_BKV, FWD_THREADS> cpv(tid);  // V^^T tiles: D rows of 64 bytes
   // Prologue: Q and tile 0 (one group), tile 1 (another).
   load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   for (int t = 0; t < 2; ++t) {
     if (t < tl.n) {
-      load_tile_async<FWD_BKV, D, FWD_THREADS, true>(sK + t * FWD_BKV * D, gK + t * FWD_BKV * D, D, tid);
-      load_tile_async<D, FWD_BKV, FWD_THREADS, true>(sV + t * D * FWD_BKV, gV + t * FWD_BKV, nk_pad, tid);
+      cpk.copy(sK + t * FWD_BKV * D, gK + t * FWD_BKV * D, D);
+      cpv.copy(sV + t * D * FWD_BKV, gV + t * FWD_BKV, nk_pad);
       load_vec_async<FWD_THREADS>(sKs + t * FWD_BKV, gKs + t * FWD_BKV, FWD_BKV / 4, tid);
     }
     cp_async_commit();
@@ -357,8 +376,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     __syncthreads();
     if (tile + 2 < tl.n) {
       const int st = (tile + 2) % NST;
-      load_tile_async<FWD_BKV, D, FWD_THREADS, true>(sK + st * FWD_BKV * D, gK + (tile + 2) * FWD_BKV * D, D, tid);
-      load_tile_async<D, FWD_BKV, FWD_THREADS, true>(sV + st * D * FWD_BKV, gV + (tile + 2) * FWD_BKV, nk_pad, tid);
+      cpk.copy(sK + st * FWD_BKV * D, gK + (tile + 2) * FWD_BKV * D, D);
+      cpv.copy(sV + st * D * FWD_BKV, gV + (tile + 2) * FWD_BKV, nk_pad);
       load_vec_async<FWD_THREADS>(sKs + st * FWD_BKV, gKs + (tile + 2) * FWD_BKV, FWD_BKV / 4, tid);
     }
     cp_async_commit();
@@ -389,10 +408,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
         wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
       wgmma_commit();
     }
-    if (tile > 0) {
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) fwd_pv_update(acc_o[nt], acc_pv + 4 * nt, ts_prev);
-    }
+    if (tile > 0) fwd_pv_update_all<D>(acc_o, acc_pv, ts_prev);
     {  // P.V(t), in flight until the top of the next iteration (across the Q.K^T wait, barrier and prefetch)
       const unsigned long long dv = gmma_desc<FWD_BKV>(sV + (tile % NST) * D * FWD_BKV);
 #pragma unroll
@@ -424,10 +440,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   wgmma_wait<0>();  // P.V of the last tile
   fence_regs(acc_pv);
   hold_regs(pa_fly);
-  if (tl.n > 0) {
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) fwd_pv_update(acc_o[nt], acc_pv + 4 * nt, ts_prev);
-  }
+  if (tl.n > 0) fwd_pv_update_all<D>(acc_o, acc_pv, ts_prev);
   fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }
