@@ -102,3 +102,21 @@ __global__ void nvfp4_fq_tokens(const T* __restrict__ x, long long sb, long long
   dst[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
   dst[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
 }
+
+// out[b, h, row] = scale * sum_c x[b, h, row, c] * mu[b, h / mu_group, c] in fp32 (the LSE correction of
+// K-smoothing: sm_scale * q . mu_K). One warp per row, lanes over channels, a shuffle tree at the end.
+// grid (ceil(N / 8), H, B), block 256.
+template <typename T>
+__global__ void row_mu_dot(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
+                           const float* __restrict__ mu, int mu_group, float scale, float* __restrict__ out) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const T* src = x + b * sb + h * sh + row * sn;
+  const float* m = mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * d;
+  float acc = 0.f;
+  for (int c = lane; c < d; c += 32) acc = fmaf(to_float(src[c]), m[c], acc);
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) out[(static_cast<long long>(b) * H + h) * n + row] = acc * scale;
+}

@@ -225,6 +225,23 @@ class Residuals:
         return self.k_codes.shape[2]
 
 
+def _column_stat(x, strides, T, shape, absmax):
+    """Mean (``absmax=False``: summed in float64, rounded to float32) or psi scale (``True``) of every channel
+    of ``x`` (raw (B, H, N, D) memory with 16-byte aligned rows, element ``strides`` (batch, head, token))
+    over its N tokens: (B, H, D) float32. Two kernels, no host round trip."""
+    import cupy
+
+    B, H, n, D = shape
+    i32, i64 = cupy.int32, cupy.int64
+    nchunk = (n + 255) // 256
+    part = cupy.empty((B, H, nchunk, D), dtype=cupy.float32 if absmax else cupy.float64)
+    flag = "true" if absmax else "false"
+    _qfn(f"column_partial<{T}, {D}, {flag}>", T, D)((nchunk, H, B), (256,), (x, *(i64(s) for s in strides), i32(n), part))
+    out = cupy.empty((B, H, D), dtype=cupy.float32)
+    _qfn(f"column_finish<{flag}>", T, D)((B * H,), (D,), (part, i32(nchunk), i32(n), i32(D), out))
+    return out
+
+
 def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state)."""
     import cupy
@@ -250,15 +267,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
 
     def column_stat(x, strides, absmax):
-        """mean (absmax=False) or psi scale (True) of every channel over all nk tokens: (B, Hkv, D)."""
-        nchunk = (nk + 255) // 256
-        part = cupy.empty((B, Hkv, nchunk, D), dtype=f32 if absmax else cupy.float64)
-        flag = "true" if absmax else "false"
-        _qfn(f"column_partial<{T}, {D}, {flag}>", T, D)(
-            (nchunk, Hkv, B), (256,), (x, *(i64(s) for s in strides), i32(nk), part))
-        out = cupy.empty((B, Hkv, D), dtype=f32)
-        _qfn(f"column_finish<{flag}>", T, D)((B * Hkv,), (D,), (part, i32(nchunk), i32(nk), i32(D), out))
-        return out
+        return _column_stat(x, strides, T, (B, Hkv, nk, D), absmax)
 
     mu_k = column_stat(k, (ksb, ksh, ksn), False) if cfg.k_smoothing else None
     # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);

@@ -50,7 +50,7 @@ def fp4_warps() -> int:
 def kernel_names() -> dict:
     """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them)."""
     quant = [f"{k}<{T}>" for T in _T.values()
-             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_tokens")]
+             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_tokens", "row_mu_dot")]
     attn = []
     for T in _T.values():
         for D in (64, 128):
@@ -146,8 +146,14 @@ def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
     out = {}
     mu = None
     if k_smoothing:
-        raw, _, _, _ = _prep(k, "k", layout)
-        mu = _as_float32_hnd(raw, layout).astype(cupy.float64).mean(axis=2).astype(cupy.float32)  # (B, H, D)
+        raw, T, shape, _ = _prep(k, "k", layout)
+        if shape[3] in _checks.SUPPORTED_HEAD_DIMS:  # the INT8 pre-pass's column kernels (16-byte row loads)
+            from .int8 import _column_stat, _prepare, _strides
+
+            raw = _prepare(raw, "k", layout, True)
+            mu = _column_stat(raw, _strides(raw, layout), T, shape, False)
+        else:
+            mu = _as_float32_hnd(raw, layout).astype(cupy.float64).mean(axis=2).astype(cupy.float32)  # (B, H, D)
     out["q_packed"], out["q_scales"] = quantize_rows(q, layout=layout)
     out["k_packed"], out["k_scales"] = quantize_rows(k, layout=layout, mean=mu)
     out["v_packed"], out["v_scales"] = quantize_tokens(v, layout=layout)
@@ -301,10 +307,13 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
     ops = quantize_inputs(q, k, v, layout=layout, k_smoothing=cfg.k_smoothing)
     qmk = None
-    if ops["mu_k"] is not None:
-        mu = cupy.repeat(ops["mu_k"], p.group, axis=1)  # (B, Hq, D)
-        qmk = cupy.ascontiguousarray(
-            p.sm_scale * cupy.einsum("bhnd,bhd->bhn", _as_float32_hnd(_checks.raw(q), layout), mu), dtype=cupy.float32)
+    if ops["mu_k"] is not None:  # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE
+        raw, T, (B, Hq, nq, D), (sb, sh, sn) = _prep(q, "q", layout)
+        mu = cupy.ascontiguousarray(ops["mu_k"], dtype=cupy.float32)
+        qmk = cupy.empty((B, Hq, nq), dtype=cupy.float32)
+        _fn("row_mu_dot", T)(((nq + 7) // 8, Hq, B), (256,),
+                             (raw, cupy.int64(sb), cupy.int64(sh), cupy.int64(sn), cupy.int32(nq), cupy.int32(D), mu,
+                              cupy.int32(Hq // mu.shape[1]), cupy.float32(p.sm_scale), qmk))
     o, lse = _launch(ops, B=p.batch, Hq=p.heads_q, Hkv=p.heads_kv, nq=p.nq, nk=p.nk, D=p.head_dim, dtype=p.dtype,
                      layout=layout, causal=p.causal, sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk)
     return (o, lse) if return_lse else o
