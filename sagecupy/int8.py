@@ -140,17 +140,10 @@ def kernel_names() -> dict:
     return out
 
 
-def forward_engine(engine: str | None = None, head_dim: int | None = None) -> str:
-    """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
-
-    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
-    ``"wgmma"`` on sm_90 (D = 64 and 128), where the software-pipelined wgmma kernel measured 1.23-1.26x
-    (D = 64) and 1.50-1.57x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
-    (``bench/results/h200_quick_all.txt``), and ``"mma"`` elsewhere. Both compute the same function:
-    their int32 products are exact and every float operation after them is the same, so O and the LSE agree
-    bit for bit (tested). ``head_dim`` no longer changes the choice (kept for existing callers).
-    """
-    engine = engine or os.environ.get("SAGECUPY_FWD_ENGINE", "auto")
+def _pick_engine(engine, env_var):
+    """``engine`` validated ("auto" resolved: wgmma on sm_90, mma.sync elsewhere; ``env_var`` overrides
+    the default)."""
+    engine = engine or os.environ.get(env_var, "auto")
     if engine not in _ENGINES:
         raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
     if engine == "auto":
@@ -159,25 +152,31 @@ def forward_engine(engine: str | None = None, head_dim: int | None = None) -> st
         raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
                          f"{device_capability()}")
     return engine
+
+
+def forward_engine(engine: str | None = None, head_dim: int | None = None) -> str:
+    """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
+
+    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
+    ``"wgmma"`` on sm_90 (D = 64 and 128), where the software-pipelined wgmma kernel measured 1.25-1.27x
+    (D = 64) and 1.69-1.76x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
+    (``bench/results/h200_quick_all.txt``), and ``"mma"`` elsewhere. Both compute the same function:
+    their int32 products are exact and every float operation after them is the same, so O and the LSE agree
+    bit for bit (tested). ``head_dim`` no longer changes the choice (kept for existing callers).
+    """
+    return _pick_engine(engine, "SAGECUPY_FWD_ENGINE")
 
 
 def backward_engine(engine: str | None = None) -> str:
     """The tensor-core path the backward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_BWD_ENGINE`` overrides it) picks
-    ``"wgmma"`` on sm_90 and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
+    ``"wgmma"`` on sm_90 (1.55-1.84x the mma.sync kernels' speed on the H200, D 64/128, N 4K/16K,
+    ``bench/results/h200_quick_all.txt``) and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
     float operations (``kernels_cu/common/int8_bwd.cuh``) and exact int32 products; they can differ only
     through the fp32 accumulation order of the fp16/bf16 ``dP = dO V^T`` inside the tensor cores (tested).
     """
-    engine = engine or os.environ.get("SAGECUPY_BWD_ENGINE", "auto")
-    if engine not in _ENGINES:
-        raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
-    if engine == "auto":
-        return "wgmma" if device_capability() == (9, 0) else "mma"
-    if engine == "wgmma" and device_capability() != (9, 0):
-        raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
-                         f"{device_capability()}")
-    return engine
+    return _pick_engine(engine, "SAGECUPY_BWD_ENGINE")
 
 
 def _bwd_names(T, D, engine="mma"):

@@ -95,6 +95,19 @@ __device__ __forceinline__ void bwd_y_tile(float (&p)[8][4], float (&ymax)[2], c
   }
 }
 
+// dQ kernel: the per-row operands of this thread's rows r_lo, r_lo + 8 (q scale, lse2, delta of the (b, h)
+// row arrays; rows >= nq see no key: lse2 = +inf, delta = 0).
+__device__ __forceinline__ void bwd_dq_rows(float (&sq)[2], float (&lse_r)[2], float (&del)[2], const float* qs_bh,
+                                            const float* lse2_bh, const float* delta_bh, int r_lo, int nq) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r_lo + 8 * r;
+    sq[r] = qs_bh[row];
+    lse_r[r] = row < nq ? lse2_bh[row] : INFINITY;
+    del[r] = row < nq ? delta_bh[row] : 0.f;
+  }
+}
+
 // dQ kernel: P = exp2(S * s_K[key] * s_Q[row] - lse2[row]) masked to 0; skk: the keys' scales (kept for X).
 __device__ __forceinline__ void bwd_dq_p_tile(float (&p)[8][4], float (&skk)[8][2], const int* acc_s, const float* cKs,
                                               const float (&sq)[2], const float (&lse_r)[2], int k0, int r_lo, int t4,
