@@ -22,7 +22,7 @@
 using namespace sage;
 
 // Descriptor of k-step `ks` (16 elements) of a 16-bit K-major tile of ROWS rows stored in 128-byte pieces
-// (load_rows_k128_async): piece ks / 4, 32 bytes per step inside it.
+// (TileCopy<..., true>): piece ks / 4, 32 bytes per step inside it.
 template <int ROWS>
 __device__ __forceinline__ unsigned long long desc_k16(const char* tile, int ks) {
   return gmma_desc_advance(gmma_desc<128>(tile + (ks / 4) * ROWS * 128), 32 * (ks % 4));
@@ -57,7 +57,7 @@ __device__ __forceinline__ void issue_a64_n64(int (&acc)[32], const unsigned (&a
   }
 }
 
-// dK/dV: grid (nk_pad / 64, Hkv, B), block 128, dynamic shared memory bwd_sm90_smem (host: _bwd90_smem).
+// dK/dV: grid (nk_pad / 64, Hkv, B), block 128, dynamic shared memory BwdSm90<D>::SMEM (host: _bwd90_smem(D)[0]).
 template <int D>
 struct BwdSm90 {
   // K^ (64 x D int8), V (64 x D 16-bit), then two stages of Q^ (64 x D), dO (64 x D 16-bit), Q^^T and dO^^T
@@ -243,7 +243,7 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   store_acc_rows<T, D>(dk + b * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
 }
 
-// dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem_dq).
+// dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem(D)[1]).
 template <int D>
 struct BwdDqSm90 {
   // Q^ (64 x D int8), dO (64 x D 16-bit), then two stages of K^ (64 x D), K^^T (D x 64, mma-permuted),

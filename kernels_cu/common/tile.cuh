@@ -51,24 +51,11 @@ __device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, lo
   });
 }
 
-// As load_rows_async, into the layout 16-bit wgmma operands read (K-major, 128-byte swizzle): the rows
-// are cut into 128-byte pieces, piece a of every row forms its own swizzled ROWS x 128 tile at
-// smem + a * ROWS * 128 (so K = 64 elements per piece; the tile must be 1024-byte aligned).
-template <int ROWS, int ROW_BYTES, int NTHREADS>
-__device__ __forceinline__ void load_rows_k128_async(char* smem, const char* gmem, long long gstride, int valid_rows,
-                                                     int tid) {
-  static_assert(ROW_BYTES % 128 == 0, "whole 128-byte pieces");
-  constexpr int CPR = ROW_BYTES / 16;
-  for_each_chunk<ROWS * CPR, NTHREADS, false>(tid, [&](int i) {
-    const int r = i / CPR, c = i % CPR;
-    const bool ok = r < valid_rows;
-    cp_async_16_zfill(smem_u32(smem + (c / 8) * ROWS * 128 + swz<128>(r, c % 8)), gmem + (ok ? r * gstride + c * 16 : 0),
-                      ok);
-  });
-}
-
-// The same copies as load_tile_async / load_rows_async (K128 = false) or load_rows_k128_async (true), for
-// loops that copy a tile of the same shape every iteration: the per-thread addressing is computed once.
+// The same copies as load_tile_async / load_rows_async, for loops that copy a tile of the same shape every
+// iteration: the per-thread addressing is computed once. K128 = true stores the layout 16-bit wgmma operands
+// read (K-major, 128-byte swizzle): the rows are cut into 128-byte pieces and piece a of every row forms its
+// own swizzled ROWS x 128 tile at smem + a * ROWS * 128 (64 elements of K per piece; the tile must be
+// 1024-byte aligned).
 // Thread tid copies chunks tid + j * NTHREADS; each pass j covers RPP = NTHREADS / CPR whole rows, a multiple
 // of the swizzles' 8-row period, so pass j is pass 0 shifted by j * RPP rows in both memories (one address
 // add per chunk instead of a division, a swizzle and a multiply: the copies were ~1/3 of the wgmma
