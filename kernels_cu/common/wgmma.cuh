@@ -104,7 +104,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_rs_u8s8(int (&d)[64], const uns
 // ---- Backward (int8_attn_bwd_sm90.cu) ----
 
 // D(64x64 f32) (+)= A(64x16 f16/bf16, shared) * B(16x64, shared), both K-major (rows of K elements, stored
-// in 128-byte swizzled atoms of 64 elements: see load_rows_k128 in tile.cuh).
+// in 128-byte swizzled atoms of 64 elements: see TileCopy<..., true> in tile.cuh).
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n64k16_ss_f32(float (&d)[32], unsigned long long da, unsigned long long db,
                                                        int accumulate);
