@@ -192,6 +192,16 @@ def _bwd90_smem(D):
     return 1024 + 192 * D + 2 * stage, 1024 + 192 * D + 2 * stage_dq
 
 
+def kernel_constants() -> dict:
+    """Host values that kernel sources define too, per source file: [(C++ expression, value)]. CI compiles
+    ``static_assert(expression == value)`` beside each file (``.ci/compile_kernels.py``)."""
+    out = []
+    for D in _checks.SUPPORTED_HEAD_DIMS:
+        kv, dq = _bwd90_smem(D)
+        out += [(f"BwdSm90<{D}>::SMEM", kv), (f"BwdDqSm90<{D}>::SMEM", dq)]
+    return {"int8_attn_bwd_sm90.cu": out}
+
+
 def _qfn(name, T, D):
     return get_function("int8_quant.cu", name, all_names=_quant_names(T, D))
 
