@@ -4,7 +4,8 @@
 #   bash bench/gpu_check.sh [quick|full|all|tests|bench|examples|tests+examples]
 #   quick: tests + N in {4K, 16K};  full: tests + N 1K..32K;  all: full + GPU accuracy sweeps (SPEC §7)
 #   SAGECUPY_BENCH_FAMILIES=int8,nvfp4,qat (default: all) picks the kernel families timed;
-#   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run; SAGECUPY_ACCURACY=1 adds the INT8 σ-sweep to any mode.
+#   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run; SAGECUPY_ACCURACY=1 adds the INT8 σ-sweep to any mode
+#   (SAGECUPY_ACC_CONFIGS="default paper" by default); SAGECUPY_BENCH_CONFIGS=default,bkv128 picks the INT8 configs timed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ if [ "$what" != bench ] && [ "$what" != examples ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ] || [ -n "${SAGECUPY_ACCURACY:-}" ]; then  # INT8 σ-sweep (SPEC §7) on the GPU kernels
-  for cfg in default paper; do
+  for cfg in ${SAGECUPY_ACC_CONFIGS:-default paper}; do
     echo "== sagecupy accuracy --backend gpu --config $cfg"
     timeout 200 sagecupy accuracy --backend gpu --config $cfg --format json --out "$OUT/acc_$cfg.jsonl"
     python3 - "$OUT/acc_$cfg.jsonl" <<'PY'
@@ -37,6 +38,7 @@ fi
 if [ "$what" != tests ] && [ "$what" != examples ] && [ "$what" != tests+examples ]; then
   flag="--quick --memory"; { [ "$what" = full ] || [ "$what" = all ]; } && flag=--memory
   timeout 400 python3 bench/run_bench.py $flag --families "${SAGECUPY_BENCH_FAMILIES:-int8,nvfp4,qat}" \
+    --configs "${SAGECUPY_BENCH_CONFIGS:-default}" \
     --out "$OUT/bench.jsonl" 2>"$OUT/bench.err" | tee "$OUT/bench_table.txt"
   tail -3 "$OUT/bench.err"
   if [ -n "${SAGECUPY_EXPERIMENT:-}" ]; then  # the same sweep with extra kernel defines, for comparison

@@ -59,6 +59,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
   const int shift = nk - nq;
+  if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
 
   // Per-CTA operands: K^ (A of S^T), V (A of dP^T).
   load_tile_async<BWD_BKV, D, BWD_THREADS>(sK, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);

@@ -94,6 +94,7 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
   const int shift = nk - nq;
+  if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
 
   const TileCopy<64, D, BWD_THREADS> cp8(tid);            // K^, Q^: 64 rows of D bytes
   const TileCopy<64, 2 * D, BWD_THREADS, true> cp16(tid);  // V, dO: 64 rows of D 16-bit elements

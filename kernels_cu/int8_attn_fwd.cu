@@ -1,6 +1,7 @@
 // SageBwd forward (SPEC §3): INT8 Q.K^T and P.V on mma.sync m16n8k32 with int32 accumulation,
-// FlashAttention-2 structure (one CTA = 128 query rows, 8 warps x 16 rows; KV tiles of 64 keys,
-// cp.async double-buffered), online softmax in base 2, P quantized per token per KV tile:
+// FlashAttention-2 structure (one CTA = 64 or 128 query rows, 4 or 8 warps x 16 rows; KV tiles of BKV = 64
+// or 128 keys (SageBwdConfig.block_kv), cp.async double-buffered), online softmax in base 2, P quantized per
+// token per KV tile:
 //   P^ = rint(p_max * exp2(S - rowmax_tile(S)))   computed as rint(P~ * factor) with
 //   P~ = exp2(S - m_new), factor = p_max * exp2(m_new - rowmax_tile)   (one exp2 per element).
 // Inputs are the pre-processed codes of int8_quant.cu:
@@ -22,10 +23,10 @@ using namespace sage;
 #else
 #define SAGE_FWD_BOUNDS __launch_bounds__(32 * WARPS)
 #endif
-// Dynamic shared memory: (16 * WARPS + 2 * stages * FWD_BKV) * D + 4 * stages * FWD_BKV (key scales) bytes
+// Dynamic shared memory: (16 * WARPS + 2 * stages * BKV) * D + 4 * stages * BKV (key scales) bytes
 // + 1024 (alignment); 2 stages here.
 
-template <typename T, int D, int WARPS>
+template <typename T, int D, int WARPS, int BKV>
 __global__ void SAGE_FWD_BOUNDS
 int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -34,6 +35,6 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
-  int8_attn_fwd_impl<T, D, WARPS>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
+  int8_attn_fwd_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                   nk_pad, p_max, causal, v_block);
 }

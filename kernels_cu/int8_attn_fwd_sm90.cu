@@ -6,9 +6,9 @@
 
 using namespace sage;
 
-// Dynamic shared memory: (16 * WARPS + 2 * FWD_WG_STAGES * FWD_BKV) * D + 4 * FWD_WG_STAGES * FWD_BKV bytes
-// + 1024 (alignment): a 4-stage ring of K, V and the key scales.
-template <typename T, int D, int WARPS>
+// Dynamic shared memory: (16 * WARPS + 2 * NST * BKV) * D + 4 * NST * BKV bytes + 1024 (alignment): a ring of
+// NST = FwdSm90<D, BKV>::NST stages of K, V and the key scales.
+template <typename T, int D, int WARPS, int BKV>
 __global__ void __launch_bounds__(32 * WARPS)
 int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
                    const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -17,6 +17,6 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    T* __restrict__ o, long long osb, long long osh, long long osn,
                    float* __restrict__ lse, float* __restrict__ lse2,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
-  int8_attn_fwd_wgmma_impl<T, D, WARPS>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
+  int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                  nk_pad, p_max, causal, v_block);
 }

@@ -16,7 +16,8 @@ Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
   A row that sees no key gives ``O = 0``, ``LSE = -inf`` and zero gradients.
 * ``sm_scale=None`` means ``1/sqrt(D)``; the LSE is float32, natural log, of the *unsmoothed* logits.
 * Granularities come from a :class:`~sagecupy.config.SageBwdConfig` (``"default"`` or ``"paper"``).
-  The kernels implement ``block_q=128, block_kv=64, bwd_block_q=64, bwd_block_kv=64``.
+  The kernels implement ``block_q=128, bwd_block_q=64, bwd_block_kv=64`` and ``block_kv`` 64 or 128 (the
+  forward's P tile; 128 with per-token K and per-channel V only).
 * Inputs are never modified.
 """
 from __future__ import annotations
@@ -32,16 +33,20 @@ from .config import SageBwdConfig, get_config
 __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
 
 LOG2E = 1.4426950408889634
-_FWD_BQ, _FWD_BKV = 128, 64  # padding granularity of Q rows (pre-pass groups) and of keys (tiles)
+_FWD_BQ, _FWD_BKV = 128, 128  # padding granularity of Q rows (pre-pass groups) and of keys (forward tiles)
+_BLOCK_KV = (64, 128)  # forward key tiles the kernels implement (SageBwdConfig.block_kv)
 _WARPS = (4, 8)
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 def _unsupported_config(cfg: SageBwdConfig) -> str | None:
-    if (cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv) != (128, 64, 64, 64):
+    if (cfg.block_q, cfg.bwd_block_q, cfg.bwd_block_kv) != (128, 64, 64) or cfg.block_kv not in _BLOCK_KV:
         return (f"tile sizes (block_q, block_kv, bwd_block_q, bwd_block_kv)="
                 f"{(cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv)} are not supported by the "
-                f"kernels; supported: (128, 64, 64, 64)")
+                f"kernels; supported: (128, 64 or 128, 64, 64)")
+    if cfg.block_kv != 64 and (cfg.k_granularity, cfg.v_granularity) != ("token", "channel"):
+        return (f"block_kv={cfg.block_kv} needs k_granularity='token' and v_granularity='channel' in the kernels "
+                f"(got {cfg.k_granularity!r}, {cfg.v_granularity!r}); per-block K and V use block_kv=64")
     if cfg.q_smoothing:
         return "q_smoothing=True is not implemented in the GPU kernels yet (reference only)"
     if cfg.ds_rowsum_correction:
@@ -133,8 +138,9 @@ def kernel_names() -> dict:
         for D in _checks.SUPPORTED_HEAD_DIMS:
             out["int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8_quant.cu"]]
             for w in _WARPS:
-                out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}>")
-                out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}>")
+                for bkv in _BLOCK_KV:
+                    out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
+                    out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>")
             out["int8_attn_bwd.cu"] += list(_bwd_names(T, D))
             out["int8_attn_bwd_sm90.cu"] += list(_bwd_names(T, D, "wgmma"))
     return out
@@ -192,6 +198,11 @@ def _bwd90_smem(D):
     return 1024 + 192 * D + 2 * stage, 1024 + 192 * D + 2 * stage_dq
 
 
+def _fwd90_stages(D, bkv):
+    """Stages of the wgmma forward's K/V ring (FwdSm90<D, BKV>::NST): two CTAs per SM must fit."""
+    return 3 if (D, bkv) == (128, 128) else 4
+
+
 def kernel_constants() -> dict:
     """Host values that kernel sources define too, per source file: [(C++ expression, value)]. CI compiles
     ``static_assert(expression == value)`` beside each file (``.ci/compile_kernels.py``)."""
@@ -199,7 +210,9 @@ def kernel_constants() -> dict:
     for D in _checks.SUPPORTED_HEAD_DIMS:
         kv, dq = _bwd90_smem(D)
         out += [(f"BwdSm90<{D}>::SMEM", kv), (f"BwdDqSm90<{D}>::SMEM", dq)]
-    return {"int8_attn_bwd_sm90.cu": out}
+    fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
+           for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
+    return {"int8_attn_bwd_sm90.cu": out, "int8_attn_fwd_sm90.cu": fwd}
 
 
 def _qfn(name, T, D):
@@ -340,15 +353,15 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     osb, osh, osn = _strides(o, layout)
     lse = cupy.empty((B, Hq, nq), dtype=f32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
-    w = forward_warps(warps)
+    w, bkv = forward_warps(warps), cfg.block_kv
     if forward_engine(engine, D) == "wgmma":
-        fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}>", arch="sm_90a")
-        stages = 4  # FWD_WG_STAGES
+        fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
+        stages = _fwd90_stages(D, bkv)
     else:
-        fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}>")
+        fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
         stages = 2
     # Q, the K/V ring, the key scales of each stage, alignment of the tiles to 1024 bytes
-    smem = (16 * w + 2 * stages * _FWD_BKV) * D + stages * _FWD_BKV * 4 + 1024
+    smem = (16 * w + 2 * stages * bkv) * D + stages * bkv * 4 + 1024
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((nq_pad // (16 * w), Hq, B), (32 * w,),

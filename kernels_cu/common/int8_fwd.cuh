@@ -9,7 +9,8 @@
 
 namespace sage {
 
-constexpr int FWD_BKV = 64;  // keys per tile (SageBwdConfig.block_kv: P is quantized per token per tile)
+// Keys per tile, BKV (a template parameter of the kernels): SageBwdConfig.block_kv, 64 or 128. P is
+// quantized per token per tile, so it changes the numbers (the reference mirrors it).
 
 // ---- Pieces shared by the two engines (the same float operations in the same order, so the engines
 // agree bit for bit) ----
@@ -27,19 +28,23 @@ struct FwdTileScale {
   bool rescale;
 };
 
-// Softmax of one 16 x 64 tile of S (int32 from the tensor cores, acc layout of mma.cuh): dequantize by
-// the key scale, mask, online max, P~ = exp2(S - m), row sums, P^ = rint(P~ * factor) packed as the
-// A operand of P.V (pa[kstep]: keys 32 kstep .. 32 kstep + 31). ks_tile: the tile's 64 key scales
-// (shared memory); inv_p_max = 1 / p_max. Maxima and sums are trees (short dependency chains).
-template <int D>
-__device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[8][4], FwdRows& rs, unsigned (&pa)[2][4],
-                                                         const float* ks_tile, const float* __restrict__ vs_blk,
-                                                         int tile, bool need_mask, bool causal, int r_lo, int t4,
-                                                         int nk, int shift, float p_max, float inv_p_max) {
-  float s[8][4];
+// Softmax of one 16 x BKV tile of S (BKV = 8 NT keys: 64 or 128; int32 from the tensor cores, acc layout
+// of mma.cuh): dequantize by the key scale, mask, online max, P~ = exp2(S - m), row sums,
+// P^ = rint(P~ * factor) packed as the A operand of P.V (pa[kstep]: keys 32 kstep .. 32 kstep + 31). P is
+// quantized per row over the whole tile (SageBwdConfig.block_kv). ks_tile: the tile's BKV key scales
+// (shared memory); vs_blk: V's scale of this 64-key block (per-block V, BKV = 64 only) or null;
+// inv_p_max = 1 / p_max. Maxima and sums are trees (short dependency chains).
+template <int NT>
+__device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][4], FwdRows& rs,
+                                                         unsigned (&pa)[NT / 4][4], const float* ks_tile,
+                                                         const float* __restrict__ vs_blk, int tile, bool need_mask,
+                                                         bool causal, int r_lo, int t4, int nk, int shift, float p_max,
+                                                         float inv_p_max) {
+  static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
+  float s[NT][4];
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int kt = nt * 8 + 2 * t4, key = tile * FWD_BKV + kt;
+  for (int nt = 0; nt < NT; ++nt) {
+    const int kt = nt * 8 + 2 * t4, key = tile * (8 * NT) + kt;
     const float2 sk = *reinterpret_cast<const float2*>(ks_tile + kt);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -54,11 +59,11 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[8][4
   float mx[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float t[8];
+    float t[NT];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+    for (int nt = 0; nt < NT; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
 #pragma unroll
-    for (int w = 4; w >= 1; w >>= 1)
+    for (int w = NT / 2; w >= 1; w >>= 1)
 #pragma unroll
       for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
     mx[r] = t[0];
@@ -81,7 +86,7 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[8][4
   ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
   float lsum[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-  for (int np = 0; np < 4; ++np) {
+  for (int np = 0; np < NT / 2; ++np) {
     unsigned c[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -181,16 +186,16 @@ __device__ __forceinline__ FwdRows fwd_rows_init(const float* __restrict__ qs_bh
   return rs;
 }
 
-// S = Q^ K^T (int32) of a warp's 16 rows (A fragments qf) against a 64-key tile of K^ codes (swizzled
-// rows of D bytes), with mma.sync m16n8k32.
-template <int D>
-__device__ __forceinline__ void qk_s8(int (&acc_s)[8][4], const unsigned (&qf)[D / 32][4], const char* cK, int lane) {
+// S = Q^ K^T (int32) of a warp's 16 rows (A fragments qf) against a tile of 8 NT keys of K^ codes
+// (swizzled rows of D bytes), with mma.sync m16n8k32.
+template <int D, int NT = 8>
+__device__ __forceinline__ void qk_s8(int (&acc_s)[NT][4], const unsigned (&qf)[D / 32][4], const char* cK, int lane) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0;
+  for (int i = 0; i < NT; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0;
 #pragma unroll
   for (int kstep = 0; kstep < D / 32; ++kstep) {
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
+    for (int np = 0; np < NT / 2; ++np) {
       unsigned bk[4];
       ldsm_x4<D, false>(bk, cK, np * 16, 2 * kstep, lane);
       const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
@@ -201,8 +206,9 @@ __device__ __forceinline__ void qk_s8(int (&acc_s)[8][4], const unsigned (&qf)[D
 }
 
 // ---- mma.sync forward (sm_80+) ----
-// WARPS warps of 16 query rows each (4: 64 rows; 8: 128 rows); K/V tiles double-buffered with cp.async.
-template <typename T, int D, int WARPS>
+// WARPS warps of 16 query rows each (4: 64 rows; 8: 128 rows); tiles of BKV keys (64 or 128); K/V tiles
+// double-buffered with cp.async.
+template <typename T, int D, int WARPS, int BKV>
 __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -211,32 +217,33 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
   static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
-  static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22: 127 * 127 * D and 255 * 127 * 64 must stay below");
-  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS;
-  const bool CAUSAL = causal != 0, V_BLOCK = v_block != 0;
+  static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
+  static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22: 127 * 127 * D and 255 * 127 * BKV must stay below");
+  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NT = BKV / 8;
+  const bool CAUSAL = causal != 0, V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
   extern __shared__ __align__(128) char smem_raw[];
   // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
   // reads of it compile to LDS rather than generic loads.
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                               // FWD_BQ x D
-  char* sK = sQ + FWD_BQ * D;                    // 2 stages x FWD_BKV x D
-  char* sV = sK + 2 * FWD_BKV * D;               // 2 stages x D x FWD_BKV
-  float* sKs = reinterpret_cast<float*>(sV + 2 * D * FWD_BKV);  // 2 stages x FWD_BKV key scales
+  char* sK = sQ + FWD_BQ * D;                    // 2 stages x BKV x D
+  char* sV = sK + 2 * BKV * D;                   // 2 stages x D x BKV
+  float* sKs = reinterpret_cast<float*>(sV + 2 * D * BKV);  // 2 stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles(q0, FWD_BQ, nq, nk, CAUSAL);
+  const KeyTiles tl = key_tiles<BKV>(q0, FWD_BQ, nq, nk, CAUSAL);
 
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
   load_tile_async<FWD_BQ, D, FWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   const float* gKs = ks + bhk * nk_pad;
   if (tl.n > 0) {
-    load_tile_async<FWD_BKV, D, FWD_THREADS>(sK, gK, D, tid);
-    load_tile_async<D, FWD_BKV, FWD_THREADS>(sV, gV, nk_pad, tid);
-    load_vec_async<FWD_THREADS>(sKs, gKs, FWD_BKV / 4, tid);
+    load_tile_async<BKV, D, FWD_THREADS>(sK, gK, D, tid);
+    load_tile_async<D, BKV, FWD_THREADS>(sV, gV, nk_pad, tid);
+    load_vec_async<FWD_THREADS>(sKs, gKs, BKV / 4, tid);
   }
   cp_async_commit();
   const float inv_p_max = 1.f / p_max;
@@ -258,26 +265,26 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     }
     // Prefetch (the barrier above freed the stage: every warp is done with the tile it held).
     if (tile + 1 < tl.n) {
-      load_tile_async<FWD_BKV, D, FWD_THREADS>(sK + (st ^ 1) * FWD_BKV * D, gK + (tile + 1) * FWD_BKV * D, D, tid);
-      load_tile_async<D, FWD_BKV, FWD_THREADS>(sV + (st ^ 1) * D * FWD_BKV, gV + (tile + 1) * FWD_BKV, nk_pad, tid);
-      load_vec_async<FWD_THREADS>(sKs + (st ^ 1) * FWD_BKV, gKs + (tile + 1) * FWD_BKV, FWD_BKV / 4, tid);
+      load_tile_async<BKV, D, FWD_THREADS>(sK + (st ^ 1) * BKV * D, gK + (tile + 1) * BKV * D, D, tid);
+      load_tile_async<D, BKV, FWD_THREADS>(sV + (st ^ 1) * D * BKV, gV + (tile + 1) * BKV, nk_pad, tid);
+      load_vec_async<FWD_THREADS>(sKs + (st ^ 1) * BKV, gKs + (tile + 1) * BKV, BKV / 4, tid);
     }
     cp_async_commit();
-    const char* cK = sK + st * FWD_BKV * D;
-    const char* cV = sV + st * D * FWD_BKV;
+    const char* cK = sK + st * BKV * D;
+    const char* cV = sV + st * D * BKV;
 
-    // S = Q^ K^T (int32), 16 rows x 64 keys per warp.
-    int acc_s[8][4];
-    qk_s8<D>(acc_s, qf, cK, lane);
-    unsigned pa[2][4];
-    const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, sKs + st * FWD_BKV,
-                                                V_BLOCK ? vs + (bhk * (nk_pad / FWD_BKV) + tile) * D : nullptr, tile,
-                                                tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
+    // S = Q^ K^T (int32), 16 rows x BKV keys per warp.
+    int acc_s[NT][4];
+    qk_s8<D, NT>(acc_s, qf, cK, lane);
+    unsigned pa[NT / 4][4];
+    const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + st * BKV,
+                                                 V_BLOCK ? vs + (bhk * (nk_pad / BKV) + tile) * D : nullptr, tile,
+                                                 tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
     // O = alpha * O + (P^ V^) * s_P (* s_V per block), 16 output columns at a time.
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       int acc[2][4];
-      mma_a64_tile16<true>(acc, pa, cV, dp, lane);
+      mma_a64_tile16<true, BKV>(acc, pa, cV, dp, lane);
       fwd_pv_update(acc_o[2 * dp], acc[0], ts);
       fwd_pv_update(acc_o[2 * dp + 1], acc[1], ts);
     }
@@ -287,17 +294,22 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 }
 
 // ---- wgmma forward (sm_90a) ----
-// Q.K^T as wgmma m64n64k32 s8.s8 per warpgroup (Q and K through shared-memory descriptors), P.V as
-// wgmma m64nDk32 u8.s8 (P^ from registers, V^T from shared memory). Software-pipelined inside the
-// warpgroup so that the tensor cores always hold work while the warps compute:
-//   O += P.V(t-1) (float) overlaps  Q.K^T(t+1)
-//   P.V(t)                overlaps  the wait for Q.K^T(t+1), the barrier and the next prefetch
-// (P.V(t-1) is retired before softmax(t) writes the next P codes: see the loop.)
-// P.V's int32 result must be converted (its scale changes per tile), so it is consumed one tile late;
-// the float operations on O keep their order, so the result is bitwise the mma.sync kernel's.
-// K/V: a 4-stage cp.async ring (tile t+2 loads while t+1 is read by Q.K^T and t by P.V).
-constexpr int FWD_WG_STAGES = 4;
-template <typename T, int D, int WARPS>
+// Q.K^T as wgmma m64nBKVk32 s8.s8 per warpgroup (Q and K through shared-memory descriptors), P.V as
+// wgmma m64nDk32 u8.s8 (P^ from registers, V^T from shared memory). Per tile t, inside the warpgroup:
+//   softmax(t) -> P^ codes; issue P.V(t), then Q.K^T(t+1);
+//   wait for P.V(t) and fold it into O (float) while Q.K^T(t+1) runs; wait for Q.K^T(t+1).
+// P.V(t) is retired in the iteration that issued it, so no instruction ever writes a register a wgmma in
+// flight reads (its A operand: P^), and nothing is in flight across the loop's back edge (ptxas
+// serializes every wgmma otherwise: warning C7514, which CI fails on). The two CTAs an SM holds fill each
+// other's tensor-core gaps. The float operations on O keep the mma.sync kernel's order, so the two engines
+// agree bit for bit.
+// K/V: a ring of NST tiles loaded with cp.async (tile t+NST-1 loads while t+1 is read by
+// Q.K^T(t+1) and t by P.V(t)).
+template <int D, int BKV>
+struct FwdSm90 {
+  static constexpr int NST = (D == 128 && BKV == 128) ? 3 : 4;  // two CTAs per SM fit in shared memory
+};
+template <typename T, int D, int WARPS, int BKV>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -307,36 +319,38 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
   static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
   static_assert(D == 64 || D == 128, "wgmma N = D");
-  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FWD_WG_STAGES;
-  const bool CAUSAL = causal != 0, V_BLOCK = v_block != 0;
+  static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
+  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV>::NST, NT = BKV / 8;
+  const bool CAUSAL = causal != 0, V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require.
   // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
   // reads of it compile to LDS rather than generic loads.
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                               // FWD_BQ x D
-  char* sK = sQ + FWD_BQ * D;                    // NST stages x FWD_BKV x D
-  char* sV = sK + NST * FWD_BKV * D;             // NST stages x D x FWD_BKV
-  float* sKs = reinterpret_cast<float*>(sV + NST * D * FWD_BKV);  // NST stages x FWD_BKV key scales
+  char* sK = sQ + FWD_BQ * D;                    // NST stages x BKV x D
+  char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV
+  float* sKs = reinterpret_cast<float*>(sV + NST * D * BKV);  // NST stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles(q0, FWD_BQ, nq, nk, CAUSAL);
+  const KeyTiles tl = key_tiles<BKV>(q0, FWD_BQ, nq, nk, CAUSAL);
 
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
   const float* gKs = ks + bhk * nk_pad;
-  const TileCopy<FWD_BKV, D, FWD_THREADS> cpk(tid);  // K^ tiles: 64 rows of D bytes
-  const TileCopy<D, FWD_BKV, FWD_THREADS> cpv(tid);  // V^^T tiles: D rows of 64 bytes
-  // Prologue: Q and tile 0 (one group), tile 1 (another).
+  const TileCopy<BKV, D, FWD_THREADS> cpk(tid);  // K^ tiles: BKV rows of D bytes
+  const TileCopy<D, BKV, FWD_THREADS> cpv(tid);  // V^^T tiles: D rows of BKV bytes
+  // Prologue: Q with tile 0 (one group), tiles 1 .. NST-2 (a group each).
   load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
-  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+  for (int t = 0; t < NST - 1; ++t) {
     if (t < tl.n) {
-      cpk.copy(sK + t * FWD_BKV * D, gK + t * FWD_BKV * D, D);
-      cpv.copy(sV + t * D * FWD_BKV, gV + t * FWD_BKV, nk_pad);
-      load_vec_async<FWD_THREADS>(sKs + t * FWD_BKV, gKs + t * FWD_BKV, FWD_BKV / 4, tid);
+      cpk.copy(sK + t * BKV * D, gK + t * BKV * D, D);
+      cpv.copy(sV + t * D * BKV, gV + t * BKV, nk_pad);
+      load_vec_async<FWD_THREADS>(sKs + t * BKV, gKs + t * BKV, BKV / 4, tid);
     }
     cp_async_commit();
   }
@@ -347,100 +361,74 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   float acc_o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
-  int acc_s[8][4];       // S of the tile being softmaxed; then Q.K^T of the next one, in flight
-  int acc_pv[D / 2];     // P.V of the previous tile, in flight during this tile's softmax
-  int(&accs)[32] = reinterpret_cast<int(&)[32]>(acc_s);
-  FwdTileScale ts_prev;  // the scales P.V(t-1) is consumed with
-  unsigned pa_fly[2][4] = {};  // A operand (P^ codes) of the P.V in flight: held until its wait (hold_regs)
+  int acc_s[NT][4];  // S of the tile being softmaxed; then Q.K^T of the next one, in flight
+  int acc_pv[D / 2];  // P.V of this tile
+  int(&accs)[4 * NT] = reinterpret_cast<int(&)[4 * NT]>(acc_s);
   const unsigned long long dq = gmma_desc<D>(sQ + (warp / 4) * 64 * D);
+  auto issue_qk = [&](int stage) {
+    const unsigned long long dk = gmma_desc<D>(sK + stage * BKV * D);
+#pragma unroll
+    for (int kstep = 0; kstep < D / 32; ++kstep) {
+      if constexpr (BKV == 128)
+        wgmma_m64n128k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+      else
+        wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+    }
+    wgmma_commit();
+  };
 
   if (tl.n > 0) {
-    cp_async_wait<1>();
+    cp_async_wait<NST - 2>();  // Q and tile 0
     fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
     __syncthreads();
-    const unsigned long long dk = gmma_desc<D>(sK);
     wgmma_fence();
-#pragma unroll
-    for (int kstep = 0; kstep < D / 32; ++kstep)
-      wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
-    wgmma_commit();
+    issue_qk(0);
     wgmma_wait<0>();
     fence_regs(accs);
   }
 
   for (int tile = 0; tile < tl.n; ++tile) {
-    // Tile t+1 resident and visible to the tensor cores; every warp past P.V(t-2), whose stage the
+    // Tile t+1 resident and visible to the tensor cores; every warp past P.V(t-1), whose stage the
     // prefetch below overwrites.
-    cp_async_wait<0>();
+    cp_async_wait<NST - 3>();
     fence_proxy_async();
     __syncthreads();
-    if (tile + 2 < tl.n) {
-      const int st = (tile + 2) % NST;
-      cpk.copy(sK + st * FWD_BKV * D, gK + (tile + 2) * FWD_BKV * D, D);
-      cpv.copy(sV + st * D * FWD_BKV, gV + (tile + 2) * FWD_BKV, nk_pad);
-      load_vec_async<FWD_THREADS>(sKs + st * FWD_BKV, gKs + (tile + 2) * FWD_BKV, FWD_BKV / 4, tid);
+    if (tile + NST - 1 < tl.n) {
+      const int st = (tile + NST - 1) % NST;
+      cpk.copy(sK + st * BKV * D, gK + (tile + NST - 1) * BKV * D, D);
+      cpv.copy(sV + st * D * BKV, gV + (tile + NST - 1) * BKV, nk_pad);
+      load_vec_async<FWD_THREADS>(sKs + st * BKV, gKs + (tile + NST - 1) * BKV, BKV / 4, tid);
     }
     cp_async_commit();
 
-    // P.V(t-1) retired before softmax(t) writes new P codes. Issued from registers, its A operand must not
-    // be overwritten while in flight; overlapping it with softmax(t) (the first version of this kernel)
-    // raced: O differed from the mma.sync engine in ~5% of rows at N = 4096, and by rows that changed from
-    // run to run (bench/diag_engines.py). Retiring it here measured no slower (5.32 vs 5.36 ms, D = 128,
-    // N = 16K): it still overlaps the Q.K^T wait, the barrier and the prefetch.
-    wgmma_wait<0>();
-    fence_regs(acc_pv);
-    hold_regs(pa_fly);
-    unsigned pa[2][4];
-    const FwdTileScale ts = fwd_softmax_tile<D>(acc_s, rs, pa, sKs + (tile % NST) * FWD_BKV,
-                                                V_BLOCK ? vs + (bhk * (nk_pad / FWD_BKV) + tile) * D : nullptr, tile,
-                                                tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
+    unsigned pa[NT / 4][4];
+    const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (tile % NST) * BKV,
+                                                 V_BLOCK ? vs + (bhk * (nk_pad / BKV) + tile) * D : nullptr, tile,
+                                                 tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
     // The waits and issues below are unconditional: ptxas proves the accumulators are not read while
     // in flight only on straight-line pipelines (else it serializes every wgmma, warning C7514).
-    wgmma_wait<0>();  // nothing in flight here (P.V(t-1) retired above); kept so the issues below stay unconditional
-    fence_regs(acc_pv);
-    hold_regs(pa_fly);
-    {  // Q.K^T(t+1), in flight during the conversion of P.V(t-1). On the last tile it multiplies a stale
-       // stage (no cp.async writes it then) and the result is dropped.
-      const unsigned long long dk = gmma_desc<D>(sK + ((tile + 1) % NST) * FWD_BKV * D);
-      wgmma_fence();
+    wgmma_fence();
+    {  // P.V(t)
+      const unsigned long long dv = gmma_desc<BKV>(sV + (tile % NST) * D * BKV);
 #pragma unroll
-      for (int kstep = 0; kstep < D / 32; ++kstep)
-        wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
-      wgmma_commit();
-    }
-    if (tile > 0) fwd_pv_update_all<D>(acc_o, acc_pv, ts_prev);
-    {  // P.V(t), in flight until the top of the next iteration (across the Q.K^T wait, barrier and prefetch)
-      const unsigned long long dv = gmma_desc<FWD_BKV>(sV + (tile % NST) * D * FWD_BKV);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) pa_fly[i][j] = pa[i][j];
-      wgmma_fence();
-      if constexpr (D == 128) {
-        wgmma_m64n128k32_rs_u8s8(acc_pv, pa_fly[0], dv, 0);
-        wgmma_m64n128k32_rs_u8s8(acc_pv, pa_fly[1], gmma_desc_advance(dv, 32), 1);
-      } else {
-        wgmma_m64n64k32_rs_u8s8(acc_pv, pa_fly[0], dv, 0);
-        wgmma_m64n64k32_rs_u8s8(acc_pv, pa_fly[1], gmma_desc_advance(dv, 32), 1);
+      for (int kstep = 0; kstep < BKV / 32; ++kstep) {
+        if constexpr (D == 128)
+          wgmma_m64n128k32_rs_u8s8(acc_pv, pa[kstep], gmma_desc_advance(dv, 32 * kstep), kstep);
+        else
+          wgmma_m64n64k32_rs_u8s8(acc_pv, pa[kstep], gmma_desc_advance(dv, 32 * kstep), kstep);
       }
       wgmma_commit();
     }
-    ts_prev = ts;
-#ifdef SAGE_WG_RETIRE_PV_EARLY
-    // Experiment (bench/NOTES.md, fourth session): retire P.V(t) here too, so that no instruction runs
-    // while its register operand is in flight. Off by default until timed.
-    wgmma_wait<0>();
+    // Q.K^T(t+1). On the last tile it multiplies a stale stage (no cp.async writes it then) and the
+    // result is dropped.
+    issue_qk((tile + 1) % NST);
+    wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     fence_regs(acc_pv);
-    hold_regs(pa_fly);
-#else
-    wgmma_wait<1>();  // Q.K^T(t+1) done (P.V(t) may still run)
-#endif
+    hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
+    fwd_pv_update_all<D>(acc_o, acc_pv, ts);
+    wgmma_wait<0>();  // Q.K^T(t+1) done
     fence_regs(accs);
   }
-  wgmma_wait<0>();  // P.V of the last tile
-  fence_regs(acc_pv);
-  hold_regs(pa_fly);
-  if (tl.n > 0) fwd_pv_update_all<D>(acc_o, acc_pv, ts_prev);
   fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }

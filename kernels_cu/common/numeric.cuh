@@ -98,7 +98,8 @@ __host__ __device__ __forceinline__ int mma_perm32(int j) {
 // n-tile's four values as rn_fma_bits words (codes in the low bytes; [0], [1]: row g, columns 2t, 2t+1;
 // [2], [3]: row g+8). n-tiles 4k+0/1 go to a0 (row g) / a1 (row g+8), 4k+2/3 to a2 / a3, the even n-tile
 // in the low two bytes.
-__device__ __forceinline__ void pack_acc_pair_as_a(unsigned (&a)[2][4], int np, const unsigned (&ev)[4],
+template <int KST>
+__device__ __forceinline__ void pack_acc_pair_as_a(unsigned (&a)[KST][4], int np, const unsigned (&ev)[4],
                                                    const unsigned (&od)[4]) {
   const int kst = np >> 1, half = np & 1;
   a[kst][2 * half] = pack4_low_bytes(ev[0], ev[1], od[0], od[1]);

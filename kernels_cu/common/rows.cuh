@@ -21,20 +21,22 @@ __device__ __forceinline__ QueryBlock query_block(int rows, bool causal, int Hq,
   return qb;
 }
 
-// Which 64-key tiles rows q0 .. q0 + bq - 1 visit, and from which one on they need the mask. A block of
-// padding rows only (q0 >= nq: the row padding is a multiple of 128, blocks may be 64) visits none.
+// Which TILE-key tiles (64 unless said) rows q0 .. q0 + bq - 1 visit, and from which one on they need the
+// mask. A block of padding rows only (q0 >= nq: the row padding is a multiple of 128, blocks may be 64)
+// visits none.
 constexpr int KEY_TILE = 64;
 struct KeyTiles {
   int n, first_masked;
 };
+template <int TILE = KEY_TILE>
 __device__ __forceinline__ KeyTiles key_tiles(int q0, int bq, int nq, int nk, bool causal) {
   const int shift = nk - nq;  // bottom-right causal: row i sees key j iff j <= i + shift
-  KeyTiles t{q0 < nq ? (nk + KEY_TILE - 1) / KEY_TILE : 0, nk / KEY_TILE};  // first_masked: the partial tail
+  KeyTiles t{q0 < nq ? (nk + TILE - 1) / TILE : 0, nk / TILE};  // first_masked: the partial tail
   if (causal) {
     const int last_key = min(q0 + bq - 1, nq - 1) + shift;  // largest key any real row sees
-    t.n = last_key < 0 ? 0 : min(t.n, last_key / KEY_TILE + 1);
+    t.n = last_key < 0 ? 0 : min(t.n, last_key / TILE + 1);
     const int min_row_key = q0 + shift;  // keys beyond this need the mask for some row
-    t.first_masked = min(t.first_masked, min_row_key < 0 ? 0 : (min_row_key + 1) / KEY_TILE);
+    t.first_masked = min(t.first_masked, min_row_key < 0 ? 0 : (min_row_key + 1) / TILE);
   }
   return t;
 }

@@ -133,18 +133,18 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const char* smem
   ldmatrix_x4_trans(r, smem_u32(smem + swz<ROW_BYTES>(row, chunk)));
 }
 
-// int32 products of a warp's 16 x 64 A fragments a[2] (k = 64 bytes: two m16n8k32 steps) with 16 columns
-// dp*16 .. dp*16 + 15 of a tile stored [n][64 k bytes] (swizzled 64-byte rows): acc[0] columns +0..7,
+// int32 products of a warp's 16 x KB A fragments a[KB / 32] (k = KB bytes: m16n8k32 steps) with 16 columns
+// dp*16 .. dp*16 + 15 of a tile stored [n][KB k bytes] (swizzled KB-byte rows): acc[0] columns +0..7,
 // acc[1] +8..15, zeroed first. A_UNSIGNED: A holds u8 codes (P), else s8.
-template <bool A_UNSIGNED>
-__device__ __forceinline__ void mma_a64_tile16(int (&acc)[2][4], const unsigned (&a)[2][4], const char* tile, int dp,
-                                               int lane) {
+template <bool A_UNSIGNED, int KB = 64>
+__device__ __forceinline__ void mma_a64_tile16(int (&acc)[2][4], const unsigned (&a)[KB / 32][4], const char* tile,
+                                               int dp, int lane) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
 #pragma unroll
-  for (int kst = 0; kst < 2; ++kst) {
+  for (int kst = 0; kst < KB / 32; ++kst) {
     unsigned bt[4];
-    ldsm_x4<64, false>(bt, tile, dp * 16, 2 * kst, lane);
+    ldsm_x4<KB, false>(bt, tile, dp * 16, 2 * kst, lane);
     const unsigned b0[2] = {bt[0], bt[1]}, b1[2] = {bt[2], bt[3]};
     if constexpr (A_UNSIGNED) {
       mma_u8s8(acc[0], a[kst], b0);
