@@ -120,3 +120,23 @@ __global__ void row_mu_dot(const T* __restrict__ x, long long sb, long long sh, 
   for (int o = 16; o >= 1; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   if (lane == 0) out[(static_cast<long long>(b) * H + h) * n + row] = acc * scale;
 }
+
+// QAT backward: delta[b, h, row] = sum_c dO[b, h, row, c] * O'[b, h, row, c] in fp32 (SPEC §6: O' = P V~,
+// fp32 (B, H, n_pad, D) contiguous); 0 for padded rows >= n. One warp per row. grid (n_pad / 8, H, B), block 256.
+template <typename T>
+__global__ void qat_delta(const T* __restrict__ dout, long long sb, long long sh, long long sn,
+                          const float* __restrict__ o_prime, int n, int n_pad, int d, float* __restrict__ out) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= n_pad) return;
+  const long long bh = static_cast<long long>(b) * H + h;
+  float acc = 0.f;
+  if (row < n) {
+    const T* g = dout + b * sb + h * sh + row * sn;
+    const float* o = o_prime + (bh * n_pad + row) * d;
+    for (int c = lane; c < d; c += 32) acc = fmaf(to_float(g[c]), o[c], acc);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) out[bh * n_pad + row] = acc;
+}

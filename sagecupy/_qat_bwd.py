@@ -1,6 +1,8 @@
 """The FP4 QAT backward launch (kernels_cu/qat_attn_bwd.cu); the public entry is :func:`sagecupy.qat.backward`."""
 from __future__ import annotations
 
+import functools
+
 from . import _checks
 from ._loader import get_function
 
@@ -25,21 +27,29 @@ def dq_smem_bytes(D: int) -> int:
     return 6 * 64 * 2 * D + 128
 
 
+@functools.lru_cache(maxsize=None)
+def _bf16_bits_kernel():
+    import cupy
+
+    return cupy.ElementwiseKernel("float16 x", "uint16 y", "y = (unsigned short)(__float_as_uint((float)x) >> 16)",
+                                  "sagecupy_f16_to_bf16_bits")
+
+
 def _as_dtype(x16, dtype):
-    """fp16 array -> the backward's operand type: itself (fp16) or the bf16 bits of the same values (exact:
-    fake-quantized values have at most 6 significant bits)."""
+    """fp16 array (any strides) -> the backward's operand type, C-contiguous: fp16, or the bf16 bits of the
+    same values (exact: fake-quantized values have at most 6 significant bits), in one pass."""
     import cupy
 
     if dtype == "float16":
-        return x16
-    return (x16.astype(cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+        return cupy.ascontiguousarray(x16)
+    return _bf16_bits_kernel()(x16, cupy.empty(x16.shape, dtype=cupy.uint16))
 
 
 def backward(res, do):
     import cupy
 
     from .int8 import _empty, _prepare, _strides
-    from .nvfp4 import _as_float32_hnd
+    from .nvfp4 import kernel_names as nvfp4_kernel_names
     from .qat import Residuals
 
     if not isinstance(res, Residuals):
@@ -56,14 +66,17 @@ def backward(res, do):
     nq_pad, nk_pad = res.q_t.shape[2], res.k_t.shape[2]
     T = _T[p.dtype]
     # delta = rowsum(dO o O') (O', not O: SPEC §6)
-    delta = cupy.zeros((B, Hq, nq_pad), dtype=cupy.float32)
-    delta[:, :, :nq] = (_as_float32_hnd(do, p.layout) * res.o_prime[:, :, :nq]).sum(axis=-1)
+    dsb, dsh, dsn = _strides(do, p.layout)
+    delta = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
+    get_function("nvfp4_quant.cu", f"qat_delta<{T}>", all_names=tuple(nvfp4_kernel_names()["nvfp4_quant.cu"]))(
+        (nq_pad // 8, Hq, B), (256,),
+        (do, cupy.int64(dsb), cupy.int64(dsh), cupy.int64(dsn), res.o_prime, cupy.int32(nq), cupy.int32(nq_pad),
+         cupy.int32(D), delta))
     q_t = _as_dtype(res.q_t, p.dtype)
     k_t = _as_dtype(res.k_t, p.dtype)
-    v_n = _as_dtype(cupy.ascontiguousarray(res.vt_t.transpose(0, 1, 3, 2)), p.dtype)  # (B, Hkv, nk_pad, D)
+    v_n = _as_dtype(res.vt_t.transpose(0, 1, 3, 2), p.dtype)  # (B, Hkv, nk_pad, D)
     dk = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
-    dsb, dsh, dsn = _strides(do, p.layout)
     ksb, ksh, ksn = _strides(dk, p.layout)
     vvb, vvh, vvn = _strides(dv, p.layout)
     names = (f"qat_attn_bwd<{T}, {D}>", f"qat_attn_bwd_dq<{T}, {D}>")

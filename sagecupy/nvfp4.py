@@ -50,7 +50,8 @@ def fp4_warps() -> int:
 def kernel_names() -> dict:
     """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them)."""
     quant = [f"{k}<{T}>" for T in _T.values()
-             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_tokens", "row_mu_dot")]
+             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_tokens", "row_mu_dot",
+                                                                                "qat_delta")]
     attn = []
     for T in _T.values():
         for D in (64, 128):
