@@ -1,10 +1,11 @@
 """Host (Python) time of one call of each public entry point, on the GPU machine: where the CPU time
 between kernel launches goes (it is the end-to-end overhead when the GPU work is short).
 
-    python bench/profile_host.py            # table of per-call host time, then cProfile of the slowest
+    python bench/profile_host.py [NAME]     # table of per-call host time, then cProfile of NAME (default: the slowest)
 """
 import cProfile
 import pstats
+import sys
 import time
 
 import cupy
@@ -37,6 +38,8 @@ for name, fn in calls.items():
     print(f"{name:<18} host {t * 1e3:7.3f} ms per call")
     if t > worst_t:
         worst, worst_t = name, t
+if len(sys.argv) > 1:
+    worst = sys.argv[1]
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(20):
@@ -44,4 +47,4 @@ for _ in range(20):
 prof.disable()
 cupy.cuda.Device().synchronize()
 print(f"== cProfile of {worst} (20 calls)")
-pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+pstats.Stats(prof).sort_stats("tottime").print_stats(25)
