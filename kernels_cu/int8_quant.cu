@@ -54,12 +54,12 @@ template <> struct StatAcc<true> { using type = float; };
 // Each thread owns 8 consecutive channels (one 16-byte load per token); the block's 256 threads cover
 // 256 / (D / 8) tokens at a time; the partial of a channel is summed over those token lanes in order.
 template <typename T, int D, bool ABSMAX>
-__global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn,
-                                                      int n, typename StatAcc<ABSMAX>::type* __restrict__ part) {
+__device__ __forceinline__ void column_partial_body(const T* __restrict__ x, long long sb, long long sh, long long sn,
+                                                    int n, typename StatAcc<ABSMAX>::type* __restrict__ part,
+                                                    int chunk, int h, int b, int H, int nchunk) {
   using Acc = typename StatAcc<ABSMAX>::type;
   constexpr int LPR = D / 8, R = 256 / LPR;  // threads per token, tokens in parallel
   __shared__ Acc red[R][D];
-  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y, nchunk = gridDim.x;
   const int cl = threadIdx.x % LPR, row0 = threadIdx.x / LPR;
   const int t0 = chunk * STAT_CHUNK, t1 = min(n, t0 + STAT_CHUNK);
   Acc acc[8];
@@ -88,12 +88,33 @@ __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x
   }
 }
 
+template <typename T, int D, bool ABSMAX>
+__global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn,
+                                                      int n, typename StatAcc<ABSMAX>::type* __restrict__ part) {
+  column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x);
+}
+
+// The forward's two statistics in one launch: K's channel sums (z < B) and V's channel maxima (z >= B).
+// grid (ceil(n / CHUNK), H, 2 B), block 256.
+template <typename T, int D>
+__global__ void __launch_bounds__(256, 1) column_partial_kv(const T* __restrict__ k, long long ksb, long long ksh,
+                                                         long long ksn, const T* __restrict__ v, long long vsb,
+                                                         long long vsh, long long vsn, int n,
+                                                         double* __restrict__ part_k, float* __restrict__ part_v) {
+  const int B = gridDim.z / 2;
+  if (static_cast<int>(blockIdx.z) < B)
+    column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y,
+                                     gridDim.x);
+  else
+    column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, blockIdx.x, blockIdx.y, blockIdx.z - B, gridDim.y,
+                                    gridDim.x);
+}
+
 // out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
 template <bool ABSMAX>
-__global__ void column_finish(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk, int n, int d,
-                              float* __restrict__ out) {
+__device__ __forceinline__ void column_finish_body(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk,
+                                                   int n, int d, float* __restrict__ out, long long bh) {
   using Acc = typename StatAcc<ABSMAX>::type;
-  const long long bh = blockIdx.x;
   const int c = threadIdx.x;
   Acc s = 0;
   for (int k = 0; k < nchunk; ++k) {
@@ -102,6 +123,20 @@ __global__ void column_finish(const typename StatAcc<ABSMAX>::type* __restrict__
     else s += v;
   }
   out[bh * d + c] = ABSMAX ? psi_scale(static_cast<float>(s), 127.f) : static_cast<float>(s / static_cast<double>(n));
+}
+
+template <bool ABSMAX>
+__global__ void column_finish(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk, int n, int d,
+                              float* __restrict__ out) {
+  column_finish_body<ABSMAX>(part, nchunk, n, d, out, blockIdx.x);
+}
+
+// Both of column_partial_kv's results: K's mean (blocks < BH) and V's psi scales. grid (2 BH), block d.
+__global__ void column_finish_kv(const double* __restrict__ part_k, const float* __restrict__ part_v, int nchunk, int n,
+                                 int d, float* __restrict__ mu_k, float* __restrict__ v_scale) {
+  const int bh_count = gridDim.x / 2;
+  if (static_cast<int>(blockIdx.x) < bh_count) column_finish_body<false>(part_k, nchunk, n, d, mu_k, blockIdx.x);
+  else column_finish_body<true>(part_v, nchunk, n, d, v_scale, blockIdx.x - bh_count);
 }
 
 // Row quantization: codes[b, h, r, :] = psi(mult * (x[b, h, r, :] - mu[b, h_mu, :])) over groups of
@@ -113,16 +148,15 @@ __global__ void column_finish(const typename StatAcc<ABSMAX>::type* __restrict__
 // Optional: dot[b, h, r] = dot_mult * <x[b, h, r, :], dot_vec[b, h_dot, :]> (the LSE correction of K-smoothing).
 // grid (ceil(n_pad / (8 * RPW)), H, B), block 256. Rows >= n are written as padding.
 template <typename T, int D, int RPW, bool GROUPED>
-__global__ void __launch_bounds__(256, 1)
-quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
-           const float* __restrict__ mu, int mu_group, float mult,
-           signed char* __restrict__ codes, float* __restrict__ scales, float scale_mult,
-           const float* __restrict__ dot_vec, int dot_group, float dot_mult, float* __restrict__ dot) {
+__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
+                                                int n_pad, const float* __restrict__ mu, int mu_group, float mult,
+                                                signed char* __restrict__ codes, float* __restrict__ scales,
+                                                float scale_mult, const float* __restrict__ dot_vec, int dot_group,
+                                                float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H) {
   constexpr int LPR = D / 8, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
   static_assert(RPW % RPI == 0, "whole steps");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPR, cl = lane % LPR;
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-  const int row_base = blockIdx.x * 8 * RPW + warp * RPW;
+  const int row_base = bx * 8 * RPW + warp * RPW;
   const long long bh = static_cast<long long>(b) * H + h;
   float v[STEPS][8];
   float amax[STEPS];
@@ -183,6 +217,38 @@ quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, in
     for (int c = 0; c < 8; ++c) w[c / 4] |= (static_cast<unsigned>(psi_code(v[st][c], s, 127.f)) & 0xFFu) << (8 * (c % 4));
     *reinterpret_cast<uint2*>(codes + (bh * n_pad + row) * D + cl * 8) = make_uint2(w[0], w[1]);
     if (cl == 0) scales[bh * n_pad + row] = row < n ? s * scale_mult : 0.f;
+  }
+}
+
+template <typename T, int D, int RPW, bool GROUPED>
+__global__ void __launch_bounds__(256, 1)
+quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+           const float* __restrict__ mu, int mu_group, float mult,
+           signed char* __restrict__ codes, float* __restrict__ scales, float scale_mult,
+           const float* __restrict__ dot_vec, int dot_group, float dot_mult, float* __restrict__ dot) {
+  quant_rows_body<T, D, RPW, GROUPED>(x, sb, sh, sn, n, n_pad, mu, mu_group, mult, codes, scales, scale_mult, dot_vec,
+                                      dot_group, dot_mult, dot, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
+}
+
+// The forward's per-token quantization of Q and K in one launch (the same arithmetic as two quant_rows
+// launches): heads y < Hq are Q's (psi(q_mult * Q), scale * q_scale_mult, qmk = q_mult * q . mu_K of the
+// head's KV head), the others K's (psi(K - mu_K)). grid (max(nq_pad, nk_pad) / (8 RPW), Hq + Hkv, B).
+template <typename T, int D, int RPW>
+__global__ void __launch_bounds__(256, 1)
+quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad, float q_mult,
+              signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
+              float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn, int nk,
+              int nk_pad, signed char* __restrict__ k_codes, float* __restrict__ k_scales,
+              const float* __restrict__ mu_k, int Hq, int Hkv) {
+  const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
+  if (y < Hq) {
+    if (bx * rows >= nq_pad) return;
+    quant_rows_body<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes, q_scales, q_scale_mult,
+                                      mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
+  } else {
+    if (bx * rows >= nk_pad) return;
+    quant_rows_body<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes, k_scales, 1.f, nullptr, 1,
+                                      0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv);
   }
 }
 
@@ -304,13 +370,12 @@ __global__ void rowdot(const T* __restrict__ a, long long asb, long long ash, lo
   if (lane == 0) out[(static_cast<long long>(b) * H + h) * n_pad + row] = acc;
 }
 
-// int8 transpose of (B*H, n_pad, D) codes into (B*H, D, n_pad), optionally mma-permuting the token order
-// within each 32-token group. grid (n_pad / 64, H, B), block 256.
+// int8 transpose of 64 tokens of (B*H, n_pad, D) codes into (B*H, D, n_pad), optionally mma-permuting the token
+// order within each 32-token group; block 256.
 template <int D, bool PERM>
-__global__ void transpose_i8(const signed char* __restrict__ in, int n_pad, signed char* __restrict__ out) {
+__device__ __forceinline__ void transpose_i8_body(const signed char* __restrict__ in, int n_pad,
+                                                  signed char* __restrict__ out, int blk, long long bh) {
   __shared__ signed char tile[64][D + 4];
-  const int blk = blockIdx.x;
-  const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
   for (int i = threadIdx.x; i < 64 * D / 4; i += blockDim.x) {
     const int r = i / (D / 4), c4 = (i % (D / 4)) * 4;
     const unsigned v = *reinterpret_cast<const unsigned*>(in + (bh * n_pad + blk * 64 + r) * D + c4);
@@ -328,5 +393,19 @@ __global__ void transpose_i8(const signed char* __restrict__ in, int n_pad, sign
       packed |= (static_cast<unsigned>(static_cast<unsigned char>(tile[tok][c]))) << (8 * q);
     }
     *reinterpret_cast<unsigned*>(out + (bh * D + c) * n_pad + blk * 64 + p0) = packed;
+  }
+}
+
+// The backward's two transposes (Q codes: heads y < Hq, K codes: the others) in one launch.
+// grid (max(nq_pad, nk_pad) / 64, Hq + Hkv, B), block 256.
+template <int D, bool PERM>
+__global__ void transpose_i8_qk(const signed char* __restrict__ qc, int nq_pad, signed char* __restrict__ qt,
+                                const signed char* __restrict__ kc, int nk_pad, signed char* __restrict__ kt, int Hq,
+                                int Hkv) {
+  const int y = blockIdx.y, blk = blockIdx.x;
+  if (y < Hq) {
+    if (blk * 64 < nq_pad) transpose_i8_body<D, PERM>(qc, nq_pad, qt, blk, static_cast<long long>(blockIdx.z) * Hq + y);
+  } else if (blk * 64 < nk_pad) {
+    transpose_i8_body<D, PERM>(kc, nk_pad, kt, blk, static_cast<long long>(blockIdx.z) * Hkv + (y - Hq));
   }
 }

@@ -113,15 +113,18 @@ def _empty(shape, layout, dtype: str):
                       dtype=cupy.float16 if dtype == "float16" else cupy.uint16)
 
 
+_QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
+
+
 def _quant_names(T, D):
     return (
         f"column_partial<{T}, {D}, false>", f"column_partial<{T}, {D}, true>", "column_finish<false>",
-        "column_finish<true>",
+        "column_finish<true>", f"column_partial_kv<{T}, {D}>", "column_finish_kv", f"quant_rows_qk<{T}, {D}, {_QK_RPW}>",
         f"rowdot<{T}>",
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
         f"quant_transpose_perm<{T}, {D}, 2>",
-        f"transpose_i8<{D}, true>",
+        f"transpose_i8_qk<{D}, true>",
     )
 
 
@@ -264,6 +267,23 @@ def _column_stat(x, strides, T, shape, absmax):
     return out
 
 
+def _column_stats_kv(k, kstrides, v, vstrides, T, shape):
+    """:func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: (mu_k, v_scale)."""
+    import cupy
+
+    B, H, n, D = shape
+    i32, i64 = cupy.int32, cupy.int64
+    nchunk = (n + 255) // 256
+    part_k = cupy.empty((B, H, nchunk, D), dtype=cupy.float64)
+    part_v = cupy.empty((B, H, nchunk, D), dtype=cupy.float32)
+    _qfn(f"column_partial_kv<{T}, {D}>", T, D)(
+        (nchunk, H, 2 * B), (256,),
+        (k, *(i64(s) for s in kstrides), v, *(i64(s) for s in vstrides), i32(n), part_k, part_v))
+    out = cupy.empty((2, B, H, D), dtype=cupy.float32)
+    _qfn("column_finish_kv", T, D)((2 * B * H,), (D,), (part_k, part_v, i32(nchunk), i32(n), i32(D), out[0], out[1]))
+    return out[0], out[1]
+
+
 def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state)."""
     import cupy
@@ -291,29 +311,39 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     def column_stat(x, strides, absmax):
         return _column_stat(x, strides, T, (B, Hkv, nk, D), absmax)
 
-    mu_k = column_stat(k, (ksb, ksh, ksn), False) if cfg.k_smoothing else None
+    # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
+    v_channel = cfg.v_granularity == "channel"
+    if cfg.k_smoothing and v_channel:
+        mu_k, v_scale = _column_stats_kv(k, (ksb, ksh, ksn), v, (vsb, vsh, vsn), T, (B, Hkv, nk, D))
+    else:
+        mu_k = column_stat(k, (ksb, ksh, ksn), False) if cfg.k_smoothing else None
+        v_scale = column_stat(v, (vsb, vsh, vsn), True) if v_channel else None
     # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
-    # qmk = sm_scale * q . mu_K for the LSE.
+    # qmk = sm_scale * q . mu_K for the LSE. K: psi(K - mu_K) per token or per 64-row block.
     q_codes = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.int8)
     q_scale = cupy.empty((B, Hq, nq_pad), dtype=f32)
     qmk = cupy.empty((B, Hq, nq_pad), dtype=f32) if mu_k is not None else None
-    rpw, grouped = (4, "false") if cfg.q_granularity == "token" else (16, "true")
-    _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
-        (nq_pad // (8 * rpw), Hq, B), (256,),
-        (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale),
-         q_codes, q_scale, f32(LOG2E), mu_k, i32(p.group), f32(p.sm_scale), qmk))
-    # K: psi(K - mu_K) per token or per 64-row block.
     k_codes = cupy.empty((B, Hkv, nk_pad, D), dtype=cupy.int8)
     k_scale = cupy.empty((B, Hkv, nk_pad), dtype=f32)
-    rpw, grouped = (4, "false") if cfg.k_granularity == "token" else (8, "true")
-    _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
-        (nk_pad // (8 * rpw), Hkv, B), (256,),
-        (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
-         k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None))
+    if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
+        _qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D)(
+            (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
+            (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
+             qmk, k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv)))
+    else:
+        rpw, grouped = (4, "false") if cfg.q_granularity == "token" else (16, "true")
+        _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
+            (nq_pad // (8 * rpw), Hq, B), (256,),
+            (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale),
+             q_codes, q_scale, f32(LOG2E), mu_k, i32(p.group), f32(p.sm_scale), qmk))
+        rpw, grouped = (4, "false") if cfg.k_granularity == "token" else (8, "true")
+        _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
+            (nk_pad // (8 * rpw), Hkv, B), (256,),
+            (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
+             k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None))
     # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted.
     v_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
-    if cfg.v_granularity == "channel":
-        v_scale = column_stat(v, (vsb, vsh, vsn), True)
+    if v_channel:
         mode = 0
     else:
         v_scale = cupy.empty((B, Hkv, nk_pad // 64, D), dtype=f32)
@@ -434,9 +464,10 @@ def _preprocess_backward(residuals, do):
         (nq_pad // 64, Hq, B), (2 * D,),
         (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), None, do_scale, do_t))
     q_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
-    _qfn(f"transpose_i8<{D}, true>", T, D)((nq_pad // 64, Hq, B), (256,), (r.q_codes, i32(nq_pad), q_t))
     k_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
-    _qfn(f"transpose_i8<{D}, true>", T, D)((nk_pad // 64, Hkv, B), (256,), (r.k_codes, i32(nk_pad), k_t))
+    _qfn(f"transpose_i8_qk<{D}, true>", T, D)((max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
+                                              (r.q_codes, i32(nq_pad), q_t, r.k_codes, i32(nk_pad), k_t, i32(Hq),
+                                               i32(Hkv)))
     return dict(do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
 
 
