@@ -155,17 +155,30 @@ def _module(filename: str, names: tuple, arch: str | None = None):
     return mod
 
 
+_functions: dict = {}
+
+
 def get_function(filename: str, name: str, *, all_names: tuple | None = None, arch: str | None = None):
     """The compiled kernel ``name`` (a template instantiation such as ``"f<__half, 128>"``) of ``filename``.
 
     ``all_names``: instantiate these together in one module (one compile for several variants).
     ``arch``: a target such as ``"sm_90a"`` for kernels that need architecture-specific instructions
     (wgmma); default: CuPy's choice for the current device.
+    Every launch asks, so the answer is cached per (device, arguments, ``SAGECUPY_DEFINES``) in front of the
+    module cache.
     """
-    names = tuple(all_names) if all_names else (name,)
-    if name not in names:
-        names = names + (name,)
-    return _module(filename, names, arch).get_function(name)
+    import cupy
+
+    if all_names is not None and not isinstance(all_names, tuple):
+        all_names = tuple(all_names)
+    key = (cupy.cuda.runtime.getDevice(), filename, name, all_names, arch, os.environ.get("SAGECUPY_DEFINES", ""))
+    fn = _functions.get(key)
+    if fn is None:
+        names = all_names if all_names else (name,)
+        if name not in names:
+            names = names + (name,)
+        fn = _functions[key] = _module(filename, names, arch).get_function(name)
+    return fn
 
 
 def device_capability() -> tuple[int, int]:

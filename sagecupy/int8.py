@@ -22,10 +22,11 @@ Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 from . import _checks
-import os
 
 from ._loader import device_capability, get_function
 from .config import SageBwdConfig, get_config
@@ -116,6 +117,7 @@ def _empty(shape, layout, dtype: str):
 _QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
 
 
+@functools.lru_cache(maxsize=None)
 def _quant_names(T, D):
     return (
         f"column_partial<{T}, {D}, false>", f"column_partial<{T}, {D}, true>", "column_finish<false>",
