@@ -169,9 +169,9 @@ def forward_engine(engine: str | None = None, head_dim: int | None = None) -> st
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
-    ``"wgmma"`` on sm_90 (D = 64 and 128), where the software-pipelined wgmma kernel measured 1.25-1.27x
-    (D = 64) and 1.69-1.76x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
-    (``bench/results/h200_quick_all.txt``), and ``"mma"`` elsewhere. Both compute the same function:
+    ``"wgmma"`` on sm_90 (D = 64 and 128), where the pipelined wgmma kernel measured 1.25-1.34x
+    (D = 64) and 1.75-1.88x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
+    (``bench/results/session6_run3/bench_table.txt``), and ``"mma"`` elsewhere. Both compute the same function:
     their int32 products are exact and every float operation after them is the same, so O and the LSE agree
     bit for bit (tested). ``head_dim`` no longer changes the choice (kept for existing callers).
     """
@@ -182,8 +182,8 @@ def backward_engine(engine: str | None = None) -> str:
     """The tensor-core path the backward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_BWD_ENGINE`` overrides it) picks
-    ``"wgmma"`` on sm_90 (1.55-1.84x the mma.sync kernels' speed on the H200, D 64/128, N 4K/16K,
-    ``bench/results/h200_quick_all.txt``) and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
+    ``"wgmma"`` on sm_90 (1.55-1.91x the mma.sync kernels' speed on the H200, D 64/128, N 4K/16K,
+    ``bench/results/session6_run3/bench_table.txt``) and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
     float operations (``kernels_cu/common/int8_bwd.cuh``) and exact int32 products; they can differ only
     through the fp32 accumulation order of the fp16/bf16 ``dP = dO V^T`` inside the tensor cores (tested).
     """
