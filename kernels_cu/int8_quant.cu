@@ -21,9 +21,16 @@ __device__ __forceinline__ float psi_scale(float amax, float qmax) {
   return amax / qmax;
 }
 
-__device__ __forceinline__ int psi_code(float x, float s, float qmax) {
+// code = clamp(rint(x / s)) with the correctly rounded quotient, as the reference computes it (fp32 mode).
+// inv_s = __frcp_rn(s), computed once per block: x * inv_s is within 2.3e-5 of fl32(x / s) for |x / s| <= 128
+// (two roundings of 2^-24 relative each, and fl32 itself), so its rint is the reference's unless it lies
+// within that of a tie (k + 0.5): only then (rare) is the quotient divided out exactly. One multiply per
+// element instead of an IEEE division, which made the row quantization compute-bound.
+__device__ __forceinline__ int psi_code(float x, float s, float inv_s, float qmax) {
   if (!(s > 0.0f) || s == INFINITY) return 0;  // zero block or NaN scale
-  float c = rintf(__fdiv_rn(x, s));
+  const float q = x * inv_s;
+  float c = rintf(q);
+  if (!(fabsf(q - c) <= 0.499f)) c = rintf(__fdiv_rn(x, s));  // near a tie, or q not finite (1/s overflowed)
   return static_cast<int>(fminf(fmaxf(c, -qmax), qmax));
 }
 
@@ -211,10 +218,11 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
     if (row >= n_pad) continue;
-    const float s = psi_scale(amax[st], 127.f);
+    const float s = psi_scale(amax[st], 127.f), inv_s = __frcp_rn(s);
     unsigned w[2] = {0u, 0u};
 #pragma unroll
-    for (int c = 0; c < 8; ++c) w[c / 4] |= (static_cast<unsigned>(psi_code(v[st][c], s, 127.f)) & 0xFFu) << (8 * (c % 4));
+    for (int c = 0; c < 8; ++c)
+      w[c / 4] |= (static_cast<unsigned>(psi_code(v[st][c], s, inv_s, 127.f)) & 0xFFu) << (8 * (c % 4));
     *reinterpret_cast<uint2*>(codes + (bh * n_pad + row) * D + cl * 8) = make_uint2(w[0], w[1]);
     if (cl == 0) scales[bh * n_pad + row] = row < n ? s * scale_mult : 0.f;
   }
@@ -319,8 +327,10 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     unsigned w = 0u;
+    const float inv_s = __frcp_rn(sc[c]);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) w |= (static_cast<unsigned>(psi_code(v[k][c], sc[c], 127.f)) & 0xFFu) << (8 * k);
+    for (int k = 0; k < 4; ++k)
+      w |= (static_cast<unsigned>(psi_code(v[k][c], sc[c], inv_s, 127.f)) & 0xFFu) << (8 * k);
     words[c0 + c][tg] = w;
   }
   __syncthreads();

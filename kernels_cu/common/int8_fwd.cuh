@@ -289,6 +289,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
       fwd_pv_update(acc_o[2 * dp + 1], acc[1], ts);
     }
   }
+  cp_async_wait<0>();  // a CTA that visits no tile still has Q in flight
   fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }
@@ -429,6 +430,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     wgmma_wait<0>();  // Q.K^T(t+1) done
     fence_regs(accs);
   }
+  cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or causal rows that see no key) still has Q in flight
   fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }

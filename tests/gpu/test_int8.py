@@ -354,6 +354,41 @@ def test_quantized_operands_bit_identical_to_reference(config, dtype, shape):
         np.testing.assert_array_equal(pre["mu_k"].get(), ref["mu_k"].astype(np.float32))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantizer_ties_and_tiny_scales_bit_identical(dtype):
+    """Rows (and V's channels) built so that x / s lands exactly on k + 0.5 for many elements (the row max is
+    127 * 2^e, so s = 2^e): rint must break every tie to even as the reference does. The pre-pass divides by
+    multiplying with 1/s and re-divides only near a tie, so this is the case that tells the two apart. In bf16
+    one row's scale is 2^-130, whose reciprocal overflows fp32 (the exact division must take over)."""
+    import sagecupy.int8 as s8
+
+    D, N = 64, 64  # sm_scale = 1/8: Q's products stay exact, and its ties with them
+    exps = [-6, -3, -1, 0, 1, 2, 4] * 10
+    exps = exps[:N]
+    if dtype == "bfloat16":
+        exps[5] = -130
+    j = np.arange(D)
+    m = np.empty((N, D))
+    for r, e in enumerate(exps):
+        row = (j + 0.5) * np.where((j + r) % 2 == 0, 1.0, -1.0)
+        row[-1] = 127.0
+        m[r] = np.roll(row, r) * 2.0 ** e
+    q, k, v = m[None, None], m[None, None][..., ::-1].copy(), m.T[None, None].copy()
+    devs = [_to_dev(x, dtype) for x in (q, k, v)]
+    hosts = [_to_host(x) for x in devs]
+    assert np.array_equal(hosts[0], q), "the test values must be exact in the dtype"
+    cfg = DEFAULT.replace(name="no-smoothing", k_smoothing=False)
+    _, _, pre = s8._preprocess_forward(*devs, causal=False, sm_scale=None, layout="HND", config=cfg)
+    ref = ref_sage.quantize_inputs(*hosts, layout="HND", config=cfg)
+    qc = pre["q_codes"].get()[:, :, :N]
+    kc = pre["k_codes"].get()[:, :, :N]
+    vc = _unpermute_tokens(pre["v_t"].get(), N)
+    for name, got, want in (("Q", qc, ref["q_codes"]), ("K", kc, ref["k_codes"]), ("V", vc, ref["v_codes"])):
+        diff = np.argwhere(got.astype(np.int32) != want.astype(np.int32))
+        assert diff.size == 0, f"{name} codes differ at {len(diff)} places, first {tuple(diff[0])}"
+    assert (np.abs(ref["k_codes"]) % 2 == 0).sum() > N * D // 2, "the constructed ties must be there"
+
+
 ENGINE_CASES = [(1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", DEFAULT),
                 (2, 2, 2, 128, 64, 64, False, "NHD", "float16", PAPER),
                 (1, 2, 1, 1, 200, 128, False, "HND", "float16", DEFAULT),
