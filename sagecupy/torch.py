@@ -310,7 +310,7 @@ class QATAttentionFunction(torch.autograd.Function):
 def _int8_residual_shapes(q_shape, k_shape, layout):
     """Shapes of the residual tensors of :class:`sagecupy.int8.Residuals`, in the order the forward op
     returns them: q_codes, q_scale, k_codes, k_scale, lse2. Query rows are padded to the forward's
-    128-row blocks, keys to its 64-key tiles."""
+    128-row blocks, keys to a multiple of 128 (the largest forward key tile)."""
     from .int8 import _FWD_BKV, _FWD_BQ
 
     B, Hq, Nq, D = _hnd(q_shape, layout)

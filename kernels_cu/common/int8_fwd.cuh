@@ -308,7 +308,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // Q.K^T(t+1) and t by P.V(t)).
 template <int D, int BKV>
 struct FwdSm90 {
-  static constexpr int NST = (D == 128 && BKV == 128) ? 3 : 4;  // two CTAs per SM fit in shared memory
+  static constexpr int NST = (D == 128 && BKV == 128) ? 3 : 4;  // two 4-warp CTAs per SM fit in shared memory
 };
 template <typename T, int D, int WARPS, int BKV>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
