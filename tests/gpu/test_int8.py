@@ -318,6 +318,16 @@ def _unpermute_tokens(x_t, n):
     return np.swapaxes(out, -1, -2)[..., :n, :]
 
 
+def _assert_same_codes(pre, ref, nq, nk):
+    """The pre-pass's Q, K, V codes (unpadded, V back in natural token order) equal the reference's."""
+    qc = pre["q_codes"].get()[:, :, :nq]
+    kc = pre["k_codes"].get()[:, :, :nk]
+    vc = _unpermute_tokens(pre["v_t"].get(), nk)
+    for name, got, want in (("Q", qc, ref["q_codes"]), ("K", kc, ref["k_codes"]), ("V", vc, ref["v_codes"])):
+        diff = np.argwhere(got.astype(np.int32) != want.astype(np.int32))
+        assert diff.size == 0, f"{name} codes differ at {len(diff)} places, first {tuple(diff[0])}"
+
+
 QUANT_SHAPES = [(2, 4, 2, 200, 333, 128, "NHD"),
                 # D = 64, HND, 4 query heads per kv head, lengths around the 64-token blocks; one token
                 # against a sequence longer than a 256-token statistics chunk (added in the fourth session,
@@ -337,12 +347,7 @@ def test_quantized_operands_bit_identical_to_reference(config, dtype, shape):
     (q, k, v, _), (qh, kh, vh, _) = _inputs(17, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=3.0)
     p, cfg, pre = s8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout=layout, config=config)
     ref = ref_sage.quantize_inputs(qh, kh, vh, layout=layout, config=config)
-    qc = pre["q_codes"].get()[:, :, :Nq]
-    kc = pre["k_codes"].get()[:, :, :Nk]
-    vc = _unpermute_tokens(pre["v_t"].get(), Nk)
-    for name, got, want in (("Q", qc, ref["q_codes"]), ("K", kc, ref["k_codes"]), ("V", vc, ref["v_codes"])):
-        diff = np.argwhere(got.astype(np.int32) != want.astype(np.int32))
-        assert diff.size == 0, f"{name} codes differ at {len(diff)} places, first {tuple(diff[0])}"
+    _assert_same_codes(pre, ref, Nq, Nk)
     qs = pre["q_scale"].get()[:, :, :Nq] / np.float32(s8.LOG2E)
     np.testing.assert_allclose(qs, ref["q_scale"], rtol=2e-7)
     np.testing.assert_array_equal(pre["k_scale"].get()[:, :, :Nk], ref["k_scale"].astype(np.float32))
@@ -387,12 +392,7 @@ def test_quantizer_ties_and_tiny_scales_bit_identical(dtype):
     cfg = DEFAULT.replace(name="no-smoothing", k_smoothing=False)
     _, _, pre = s8._preprocess_forward(*devs, causal=False, sm_scale=None, layout="HND", config=cfg)
     ref = ref_sage.quantize_inputs(*hosts, layout="HND", config=cfg)
-    qc = pre["q_codes"].get()[:, :, :N]
-    kc = pre["k_codes"].get()[:, :, :N]
-    vc = _unpermute_tokens(pre["v_t"].get(), N)
-    for name, got, want in (("Q", qc, ref["q_codes"]), ("K", kc, ref["k_codes"]), ("V", vc, ref["v_codes"])):
-        diff = np.argwhere(got.astype(np.int32) != want.astype(np.int32))
-        assert diff.size == 0, f"{name} codes differ at {len(diff)} places, first {tuple(diff[0])}"
+    _assert_same_codes(pre, ref, N, N)
     quotient = hosts[1][0, 0] / ref["k_scale"][0, 0][:, None]  # K's x / s (exact here): ties must be there
     assert (np.abs(quotient - np.trunc(quotient)) == 0.5).sum() >= N * (D - 2), "the constructed ties are missing"
 
