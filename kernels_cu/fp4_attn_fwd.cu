@@ -29,6 +29,7 @@
 // qmk = sm_scale * q . mu_K when given); lse2 (BHq, nq_pad) base-2 LSE of the logits computed (+inf for
 // rows that see no key); QAT: oprime (BHq, nq_pad, D) fp32. Causal masks are bottom-right aligned.
 #include "common/fp4.cuh"
+#include "common/fp4_fwd.cuh"
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
 #include "common/tile.cuh"
@@ -109,11 +110,6 @@ __device__ __forceinline__ void store_dequant(char* tile, const char* stg, const
     *reinterpret_cast<uint4*>(tile + swz<ROWB>(row, 2 * blk)) = make_uint4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<uint4*>(tile + swz<ROWB>(row, 2 * blk + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
   }
-}
-
-__device__ __forceinline__ unsigned half2_bits(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<unsigned*>(&h);
 }
 
 }  // namespace
@@ -208,7 +204,7 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
   }
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  Fp4Rows rs = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
   float acc_o[D / 8][4];
   float acc_p[QAT ? D / 8 : 1][4];  // O' (QAT)
 #pragma unroll
@@ -217,8 +213,6 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) acc_p[i][0] = acc_p[i][1] = acc_p[i][2] = acc_p[i][3] = 0.f;
   }
-  constexpr float X_MAX = 448.f * 6.f, LOG2_X_MAX = 11.392317422778761f;  // log2(2688)
-
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int st = tile & 1;
     if constexpr (!PACKED) cp_async_wait<0>();
@@ -263,81 +257,9 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
         mma_f16<__half>(s[2 * np + 1], qf, b1);
       }
     }
-    // Mask, tile row max (of the raw products: scale_log2 > 0 commutes with max; it is applied inside
-    // the exponent, x = 2^(s * scale_log2 + base), one FFMA per element).
-    float rmax[2] = {-INFINITY, -INFINITY};
-    const bool need_mask = tile >= first_masked;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int key = tile * BKV + nt * 8 + 2 * t4;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e];
-        if (need_mask) {
-          const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
-          if (kk >= nk || (CAUSAL && kk > row + shift)) v = -INFINITY;
-        }
-        s[nt][e] = v;
-        rmax[e >> 1] = fmaxf(rmax[e >> 1], v);  // a NaN logit reaches O through x and the row sum
-      }
-    }
-    float alpha[2], beta[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
-      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2)) * scale_log2;
-      const float m_new = fmaxf(m[r], rmax[r]);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2f(m[r] - m_use);
-      if (TWO_LEVEL) {
-        // x = 2^(S - r + log2 2688); a row that sees no key in this tile (r = -inf) contributes 0.
-        const bool seen = rmax[r] != -INFINITY;
-        base[r] = seen ? LOG2_X_MAX - rmax[r] : 0.f;
-        beta[r] = seen ? exp2f(rmax[r] - m_use) / X_MAX : 0.f;
-      } else {
-        base[r] = -m_use;
-        beta[r] = 1.f;
-      }
-      m[r] = m_new;
-    }
-    // x, row sums, and the NVFP4 P^ as fp16 A operands (16-key blocks = k16 chunks kk).
     unsigned pa[4][4], pp[QAT ? 4 : 1][4];
-    float lsum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      float x[2][4];  // [row half][4 values of this thread in the block]
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          const float xv = fast_exp2(fmaf(s[2 * kk + j][e], scale_log2, base[r]));
-          x[r][2 * j + (e & 1)] = xv;
-          lsum[r] += xv;
-        }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float amax = fmaxf(fmaxf(x[r][0], x[r][1]), fmaxf(x[r][2], x[r][3]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const float sc = e4m3_block_scale_fast(amax);
-        const float inv = rcp_approx(sc);
-        float qv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv) * sc;
-        // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
-        pa[kk][r] = half2_bits(qv[0], qv[1]);
-        pa[kk][2 + r] = half2_bits(qv[2], qv[3]);
-        if constexpr (QAT) {
-          pp[kk][r] = half2_bits(x[r][0] * beta[r], x[r][1] * beta[r]);
-          pp[kk][2 + r] = half2_bits(x[r][2] * beta[r], x[r][3] * beta[r]);
-        }
-      }
-    }
-    l[0] = fmaf(l[0], alpha[0], lsum[0] * beta[0]);
-    l[1] = fmaf(l[1], alpha[1], lsum[1] * beta[1]);
-    // Rescale O (and O') by alpha only when some row's max moved (warp-uniform; alpha == 1 exactly otherwise).
-    const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, QAT>(s, rs, pa, pp, tile, tile >= first_masked, CAUSAL, r_lo,
+                                                             t4, nk, shift, scale_log2);
 
     // O = alpha * O + beta * (P^ V^) per 8-channel output tile; QAT: O' = alpha * O' + P~ V~.
 #pragma unroll
@@ -352,63 +274,24 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
         mma_f16<__half>(acc[1], pa[kk], b1);
         if constexpr (QAT) {
           // alpha applied first, then accumulated in place
-          if (kk == 0 && rescale) {
+          if (kk == 0 && ts.rescale) {
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) acc_p[2 * dp + jj][e] *= alpha[e >> 1];
+              for (int e = 0; e < 4; ++e) acc_p[2 * dp + jj][e] *= ts.alpha[e >> 1];
           }
           mma_f16<__half>(acc_p[2 * dp], pp[kk], b0);
           mma_f16<__half>(acc_p[2 * dp + 1], pp[kk], b1);
         }
       }
-      if (rescale) {
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            acc_o[2 * dp + jj][e] = fmaf(acc_o[2 * dp + jj][e], alpha[e >> 1], acc[jj][e] * beta[e >> 1]);
-      } else {
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_o[2 * dp + jj][e] = fmaf(acc[jj][e], beta[e >> 1], acc_o[2 * dp + jj][e]);
-      }
+      fp4_pv_update<2>(reinterpret_cast<float(&)[2][4]>(acc_o[2 * dp]), acc, ts);
     }
   }
 
-  // Epilogue: normalize, store O (T), O' (fp32), LSE. A row that sees no key (l == 0) stores exact zeros
-  // (not acc * 0: a NaN of V reaches acc through 0 * NaN in the MMA even for rows that do not see it).
   if constexpr (!PACKED) cp_async_wait<0>();  // (a CTA that skipped every tile still has its Q copy pending)
-#pragma unroll
-  for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
-  const float inv_l[2] = {l[0] == 0.f ? 0.f : 1.f / l[0], l[1] == 0.f ? 0.f : 1.f / l[1]};
-  const bool none[2] = {l[0] == 0.f, l[1] == 0.f};
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    const int col = nt * 8 + 2 * t4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r_lo + 8 * r;
-      if (row < nq) {
-        *reinterpret_cast<unsigned*>(o + b * osb + h * osh + row * osn + col) =
-            none[r] ? 0u : pack2<T>(acc_o[nt][2 * r] * inv_l[r], acc_o[nt][2 * r + 1] * inv_l[r]);
-        if constexpr (QAT)
-          *reinterpret_cast<float2*>(oprime + (bh * nq_pad + row) * D + col) =
-              none[r] ? make_float2(0.f, 0.f) : make_float2(acc_p[nt][2 * r] * inv_l[r], acc_p[nt][2 * r + 1] * inv_l[r]);
-      }
-    }
-  }
-  if (t4 == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r_lo + 8 * r;
-      const float l2 = l[r] == 0.f ? INFINITY : m[r] + log2f(l[r]);
-      if (row < nq)
-        lse[bh * nq + row] = l[r] == 0.f ? -INFINITY : l2 * 0.6931471805599453f + (qmk ? qmk[bh * nq + row] : 0.f);
-      if (lse2 && row < nq_pad) lse2[bh * nq_pad + row] = row < nq ? l2 : INFINITY;
-    }
-  }
+  fp4_fwd_epilogue<T, D, QAT>(acc_o, QAT ? acc_p : nullptr, rs, o + b * osb + h * osh, osn,
+                         QAT ? oprime + bh * nq_pad * D : nullptr, lse + bh * nq, lse2 ? lse2 + bh * nq_pad : nullptr,
+                         qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, nq_pad);
 }
 
 template <typename T, int D, int WARPS, bool TWO_LEVEL>

@@ -21,13 +21,6 @@
 
 using namespace sage;
 
-// Descriptor of k-step `ks` (16 elements) of a 16-bit K-major tile of ROWS rows stored in 128-byte pieces
-// (TileCopy<..., true>): piece ks / 4, 32 bytes per step inside it.
-template <int ROWS>
-__device__ __forceinline__ unsigned long long desc_k16(const char* tile, int ks) {
-  return gmma_desc_advance(gmma_desc<128>(tile + (ks / 4) * ROWS * 128), 32 * (ks % 4));
-}
-
 // 64 x 64 S (s8.s8, D / 32 k-steps) and dP (16-bit, D / 16 k-steps) issued as two commit groups.
 template <typename T, int D>
 __device__ __forceinline__ void issue_s_dp(int (&acc_s)[32], float (&acc_dp)[32], const char* sA8, const char* sB8,

@@ -111,6 +111,7 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
     training pair (forward, backward, forward+backward, end to end). NVFP4 rows carry the bytes per element
     that packed Q, K, V occupy (fp16/bf16: 2)."""
     from . import nvfp4, qat
+    from ._loader import device_capability
 
     B, H, (q, k, v, do) = _inputs(D, N, dtype)
     rows = []
@@ -126,6 +127,11 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
         row("sagecupy-nvfp4", "fwd", "kernel",
             time_ms(lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype=dtype), warmup, rep),
             qkv_bytes_per_elem=bpe)
+        # Both engines explicitly, for comparison in the same run ("kernel" is the automatic choice).
+        for eng in ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",):
+            row("sagecupy-nvfp4", "fwd", f"kernel-{eng}",
+                time_ms(lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype=dtype, engine=eng), warmup, rep),
+                qkv_bytes_per_elem=bpe)
         row("sagecupy-nvfp4", "fwd", "e2e", time_ms(lambda: nvfp4.attention(q, k, v, causal=causal), warmup, rep),
             qkv_bytes_per_elem=bpe)
     elif family == "qat":

@@ -27,7 +27,7 @@ from ._loader import device_capability, get_function
 from .config import NVFP4Config
 
 __all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
-           "kernel_names"]
+           "kernel_names", "fp4_engine"]
 
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 LOG2E = 1.4426950408889634
@@ -35,16 +35,39 @@ _WARPS = (4, 8)
 _BKV = 64
 
 
-def fp4_warps() -> int:
-    """Warps per FP4 forward CTA (16 query rows each): 8 by default (K/V tiles dequantized once per 128 query
-    rows: measured 17% faster than 4 on the H200, bench/NOTES.md); ``SAGECUPY_FP4_WARPS=4`` for experiments
-    (and for GPUs with less than ~104 KiB of shared memory per block at D=128). For finite inputs the result
-    does not depend on it (tested bitwise); with a NaN in V, rows that cannot see its block may or may not
-    turn NaN depending on which CTAs load the tile."""
-    env = os.environ.get("SAGECUPY_FP4_WARPS", "8")
+_ENGINES = ("auto", "mma", "wgmma")
+#: Warps per CTA of the wgmma NVFP4 forward by default (SAGECUPY_FP4_WARPS overrides it).
+_WGMMA_WARPS = 4
+
+
+def fp4_warps(engine: str = "mma") -> int:
+    """Warps per FP4 forward CTA (16 query rows each). mma.sync kernels: 8 by default (K/V tiles dequantized
+    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel:
+    4 (two CTAs per SM). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs with less than
+    ~104 KiB of shared memory per block at D=128). For finite inputs the result does not depend on it (tested
+    bitwise); with a NaN in V, rows that cannot see its block may or may not turn NaN depending on which CTAs
+    load the tile."""
+    env = os.environ.get("SAGECUPY_FP4_WARPS", str(_WGMMA_WARPS if engine == "wgmma" else 8))
     if env not in ("4", "8"):
         raise ValueError(f"SAGECUPY_FP4_WARPS={env!r} is not supported; supported: '4', '8'")
     return int(env)
+
+
+def fp4_engine(engine: str | None = None) -> str:
+    """The tensor-core path of the NVFP4 forward: ``"wgmma"`` (Hopper, sm_90a: both products on warpgroup MMA,
+    ``kernels_cu/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``"auto"`` (default; the
+    environment variable ``SAGECUPY_FP4_ENGINE`` overrides it) picks ``"wgmma"`` on sm_90 and ``"mma"``
+    elsewhere. The two share the per-tile softmax and P quantization (``kernels_cu/common/fp4_fwd.cuh``) and
+    differ only through the fp32 accumulation order inside the tensor cores (tested against the simulator).
+    The QAT forward runs on mma.sync either way."""
+    engine = engine or os.environ.get("SAGECUPY_FP4_ENGINE", "auto")
+    if engine not in _ENGINES:
+        raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
+    if engine == "auto":
+        return "wgmma" if device_capability() == (9, 0) else "mma"
+    if engine == "wgmma" and device_capability() != (9, 0):
+        raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is {device_capability()}")
+    return engine
 
 
 def kernel_names() -> dict:
@@ -58,7 +81,15 @@ def kernel_names() -> dict:
             w = 8  # the default; 4 (SAGECUPY_FP4_WARPS, experiments) compiles at run time only
             attn += [f"nvfp4_attn_fwd<{T}, {D}, {w}, {tl}>" for tl in ("true", "false")]
             attn.append(f"qat_attn_fwd<{T}, {D}, {w}>")
-    return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn}
+    attn90 = [f"nvfp4_attn_fwd_sm90<{T}, {D}, {w}, {tl}>" for T in _T.values() for D in (64, 128) for w in _WARPS
+              for tl in ("true", "false")]
+    return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90}
+
+
+def kernel_constants() -> dict:
+    """Host values the kernel sources define too ([(C++ expression, value)] per file; CI static_asserts them)."""
+    return {"fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
+                                     for w in _WARPS]}
 
 
 def _fn(kind, T):
@@ -70,9 +101,12 @@ def _attn_fn(name):
     return get_function("fp4_attn_fwd.cu", name)
 
 
-def fwd_smem_bytes(D: int, warps: int) -> int:
-    """Dynamic shared memory of the FP4 forwards: fp16 Q tile, 2 stages of fp16 K and V^T tiles, the packed
-    staging area, alignment."""
+def fwd_smem_bytes(D: int, warps: int, engine: str = "mma") -> int:
+    """Dynamic shared memory of the FP4 forwards. mma.sync: fp16 Q tile, 2 stages of fp16 K and V^T tiles, the
+    packed staging area, alignment. wgmma (``Nv90`` in fp4_attn_fwd_sm90.cu): fp16 Q, 2 K stages, 3 V stages,
+    36 staging bytes per 64-element task (64 D / 64 K tasks + D V tasks), 1024 for alignment."""
+    if engine == "wgmma":
+        return 16 * warps * 2 * D + 2 * _BKV * 2 * D + 3 * D * _BKV * 2 + 36 * (_BKV * D // 64 + D) + 1024
     return 16 * warps * 2 * D + 2 * (_BKV * 2 * D + D * _BKV * 2) + _BKV * D + 128
 
 
@@ -203,21 +237,23 @@ def _smem_optin(device_id: int) -> int:
     return int(rt.deviceGetAttribute(attr, device_id))
 
 
-def check_fwd_smem(D: int) -> None:
+def check_fwd_smem(D: int, engine: str = "mma") -> None:
     """ValueError if the FP4 forward's shared memory (at the configured CTA size) exceeds what the current
     device allows a block (e.g. D=128 with 8 warps needs ~104 KiB; sm_86/sm_89 allow 99 KiB)."""
     import cupy
 
-    need = fwd_smem_bytes(D, fp4_warps())
+    w = fp4_warps(engine)
+    need = fwd_smem_bytes(D, w, engine)
     have = _smem_optin(cupy.cuda.Device().id)
     if need > have:
-        raise ValueError(f"the FP4 forward at head_dim={D} with {fp4_warps()} warps per CTA needs {need} bytes of "
+        raise ValueError(f"the FP4 forward at head_dim={D} with {w} warps per CTA needs {need} bytes of "
                          f"shared memory per block; this device allows {have} (try SAGECUPY_FP4_WARPS=4)")
 
 
-def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config):
+def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine="mma"):
     """The checks of both FP4 families' entry points (:func:`attention`, :func:`sagecupy.qat.forward`), raising
-    the first failure: ``(q, k, v, problem, config)`` with q, k, v as CuPy arrays."""
+    the first failure: ``(q, k, v, problem, config)`` with q, k, v as CuPy arrays. ``engine``: "mma" (QAT) or
+    an NVFP4 ``engine`` argument (validated and resolved by :func:`fp4_engine`)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
     cfg = get_config(config)
@@ -225,28 +261,31 @@ def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupporte
     if why:
         raise ValueError(f"config: {why}")
     _check_device()
-    check_fwd_smem(p.head_dim)
+    check_fwd_smem(p.head_dim, fp4_engine(engine))
     return q, k, v, p, cfg
 
 
-def _is_supported(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config) -> tuple[bool, str]:
+def _is_supported(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config,
+                  engine="mma") -> tuple[bool, str]:
     """The ``is_supported`` of both FP4 families (this module's and :mod:`sagecupy.qat`'s): never raises."""
     try:
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
         cfg = get_config(config)
         _check_device()
-        check_fwd_smem(p.head_dim)
+        check_fwd_smem(p.head_dim, fp4_engine(engine))
     except Exception as exc:
         return False, str(exc)
     why = unsupported_config(cfg)
     return (False, why) if why else (True, "")
 
 
-def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None,
+                 engine=None) -> tuple[bool, str]:
     """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
     Never raises."""
-    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
+    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config,
+                         engine or os.environ.get("SAGECUPY_FP4_ENGINE", "auto"))
 
 
 def _as_float32_hnd(x, layout):
@@ -270,42 +309,69 @@ def _u8(x, name, shape):
     return x
 
 
-def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk):
+def _pad_tokens64(codes, scales, n16):
+    """V^T codes/scales with rows padded to a multiple of 64 tokens (zeros) for the wgmma kernel, which copies
+    a tile's 32 code bytes and 4 scale bytes per channel with 16- and 4-byte cp.async (aligned rows). No copy
+    when N16 is already a multiple of 64."""
+    import cupy
+
+    n64 = (n16 + 63) // 64 * 64
+    if n64 == n16:
+        return codes, scales
+    c = cupy.zeros(codes.shape[:-1] + (n64 // 2,), dtype=cupy.uint8)
+    sc = cupy.zeros(scales.shape[:-1] + (n64 // 16,), dtype=cupy.uint8)
+    c[..., : n16 // 2] = codes
+    sc[..., : n16 // 16] = scales
+    return c, sc
+
+
+def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine):
     import cupy
 
     from .int8 import _empty, _strides
 
     n16 = (nk + 15) // 16 * 16
-    w = fp4_warps()
+    w = fp4_warps(engine)
     bq = 16 * w
     o = _empty((B, Hq, nq, D), layout, dtype)
     osb, osh, osn = _strides(o, layout)
     lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
-    fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {'true' if two_level else 'false'}>")
-    smem = fwd_smem_bytes(D, w)
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    tl = "true" if two_level else "false"
+    vc, vs = ops["v_packed"], ops["v_scales"]
+    if engine == "wgmma":
+        fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}>",
+                          all_names=tuple(kernel_names()["fp4_attn_fwd_sm90.cu"]), arch="sm_90a")
+        vc, vs = _pad_tokens64(vc, vs, n16)
+        v_args = (vc, vs, i32(vc.shape[-1]))
+    else:
+        fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {tl}>")
+        v_args = (vc, vs)
+    smem = fwd_smem_bytes(D, w, engine)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     fn(((nq + bq - 1) // bq, Hq, B), (32 * w,),
-       (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], ops["v_packed"], ops["v_scales"], qmk,
+       (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk,
         o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
         f32(sm_scale * LOG2E), i32(int(causal))),
        shared_mem=smem)
     return _checks.wrap(o, dtype), lse
 
 
-def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
+def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None):
     """NVFP4 attention forward (SageAttention3-style; SPEC §5): ``o`` or ``(o, lse)``.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v alike with Hkv, Nk;
     fp16 or bf16 (:class:`~sagecupy.bf16.BF16Array`); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
     bottom-right aligned. ``config``: :class:`~sagecupy.config.NVFP4Config` (default: two-level P, K-smoothing).
     ``lse`` float32 ``(B, Hq, Nq)``, natural log, of the unsmoothed logits ``sm_scale * q k^T`` as the
-    kernel computes them (from the quantized operands). Inputs are never modified.
+    kernel computes them (from the quantized operands). ``engine``: see :func:`fp4_engine`. Inputs are never
+    modified.
     """
     import cupy
 
-    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
+    engine = fp4_engine(engine)
+    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     ops = quantize_inputs(q, k, v, layout=layout, k_smoothing=cfg.k_smoothing)
     qmk = None
     if ops["mu_k"] is not None:  # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE
@@ -316,12 +382,13 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
                              (raw, cupy.int64(sb), cupy.int64(sh), cupy.int64(sn), cupy.int32(nq), cupy.int32(D), mu,
                               cupy.int32(Hq // mu.shape[1]), cupy.float32(p.sm_scale), qmk))
     o, lse = _launch(ops, B=p.batch, Hq=p.heads_q, Hkv=p.heads_kv, nq=p.nq, nk=p.nk, D=p.head_dim, dtype=p.dtype,
-                     layout=layout, causal=p.causal, sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk)
+                     layout=layout, causal=p.causal, sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk,
+                     engine=engine)
     return (o, lse) if return_lse else o
 
 
 def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND", out_dtype="float16",
-                     return_lse=False, two_level_p=True, lse_offset=None):
+                     return_lse=False, two_level_p=True, lse_offset=None, engine=None):
     """The NVFP4 attention kernel on operands already in the exchange format (e.g. a quantized KV cache).
 
     ``packed``: a dict with ``"q_packed"`` uint8 ``(B, Hq, Nq, D/2)``, ``"q_scales"`` uint8 E4M3
@@ -331,7 +398,7 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     ignored). Always HND-based; ``layout`` is the layout of the returned ``o``; ``out_dtype`` "float16" or
     "bfloat16". ``sm_scale=None`` means ``1/sqrt(D)``. ``lse`` is the LSE of the logits of the packed
     operands; ``lse_offset`` (float32 ``(B, Hq, Nq)``, e.g. ``sm_scale * q . mu_K`` when K was smoothed) is
-    added to it. Returns ``o`` or ``(o, lse)``.
+    added to it. ``engine``: see :func:`fp4_engine`. Returns ``o`` or ``(o, lse)``.
     """
     import math
 
@@ -381,14 +448,16 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
         if tuple(lse_offset.shape) != (B, Hq, nq):
             raise ValueError(f"lse_offset.shape={tuple(lse_offset.shape)} must be {(B, Hq, nq)}")
     _check_device()
-    check_fwd_smem(D)
+    engine = fp4_engine(engine)
+    check_fwd_smem(D, engine)
     o, lse = _launch(ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype, layout=layout, causal=causal,
-                     sm_scale=sm_scale, two_level=two_level_p, qmk=lse_offset)
+                     sm_scale=sm_scale, two_level=two_level_p, qmk=lse_offset, engine=engine)
     return (o, lse) if return_lse else o
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
     """:func:`attention` in the ``forward -> (o, residuals)`` shape the other families share (the NVFP4
     forward is inference-only: residuals is None). ``(o, lse, None)`` with ``return_lse``."""
-    o, lse = attention(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, return_lse=True, config=config)
+    o, lse = attention(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, return_lse=True, config=config,
+                       engine=engine)
     return (o, lse, None) if return_lse else (o, None)

@@ -75,6 +75,14 @@ __device__ __forceinline__ void cp_async_8_zfill(unsigned smem_addr, const void*
   const int src_size = valid ? 8 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_size));
 }
+// 16-byte cp.async that reads the first `src_bytes` (0..16) bytes and zero-fills the rest (0: reads nothing).
+__device__ __forceinline__ void cp_async_16_n(unsigned smem_addr, const void* gptr, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_bytes));
+}
+// 4-byte cp.async (through L1) of the first `src_bytes` (0..4) bytes, zero-filling the rest.
+__device__ __forceinline__ void cp_async_4_n(unsigned smem_addr, const void* gptr, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

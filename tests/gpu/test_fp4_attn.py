@@ -21,6 +21,18 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-3
 
 
+@pytest.fixture(params=["mma", "wgmma"])
+def engine(request, monkeypatch):
+    """Runs an NVFP4 test on both forward engines (SAGECUPY_FP4_ENGINE): mma.sync and, on sm_90, wgmma."""
+    if request.param == "wgmma":
+        from sagecupy._loader import device_capability
+
+        if device_capability() != (9, 0):
+            pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", request.param)
+    return request.param
+
+
 # Device/host helpers shared with the INT8 kernel tests (same folder).
 from test_int8 import _cupy as _cp  # noqa: E402
 from test_int8 import _f32, _inputs, _raw, _round_to, _to_dev  # noqa: E402,F401
@@ -141,18 +153,18 @@ def _nvfp4_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, cfg, seed=0, sigma
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype", CASES, ids=IDS)
-def test_nvfp4_vs_references(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype):
+def test_nvfp4_vs_references(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, engine):
     _nvfp4_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, NVFP4Config())
 
 
 @pytest.mark.parametrize("name", list(NV_CONFIGS))
 @pytest.mark.parametrize("sigma", [1.0, 5.0])
-def test_nvfp4_configs(name, sigma):
+def test_nvfp4_configs(name, sigma, engine):
     _nvfp4_case(1, 2, 2, 300, 300, 128, False, "HND", "float16", NV_CONFIGS[name], seed=4, sigma=sigma)
     _nvfp4_case(1, 2, 1, 200, 333, 64, True, "NHD", "bfloat16", NV_CONFIGS[name], seed=5, sigma=sigma)
 
 
-def test_nvfp4_packed_entry_matches_and_is_small():
+def test_nvfp4_packed_entry_matches_and_is_small(engine):
     """attention_packed on quantize_inputs' output is the same kernel call (bitwise); the packed operands
     take at most 0.3x the bytes of fp16 (4.5 bits per value)."""
     cp = _cp()
@@ -171,7 +183,7 @@ def test_nvfp4_packed_entry_matches_and_is_small():
     assert packed <= 0.3 * fp16, f"packed {packed} B vs fp16 {fp16} B"
 
 
-def test_nvfp4_fully_masked_rows():
+def test_nvfp4_fully_masked_rows(engine):
     from sagecupy import nvfp4
 
     (q, k, v, _), _ = _inputs(5, 1, 2, 2, 70, 20, 64, "HND", "float16")
@@ -181,7 +193,7 @@ def test_nvfp4_fully_masked_rows():
     assert np.isfinite(o_h).all()
 
 
-def test_nvfp4_nan_input_reaches_output():
+def test_nvfp4_nan_input_reaches_output(engine):
     from sagecupy import nvfp4
 
     (q, k, v, _), _ = _inputs(6, 1, 1, 1, 64, 64, 64, "HND", "float16")
@@ -307,7 +319,7 @@ def test_qat_fully_masked_rows_have_zero_gradients():
 # ----------------------------------------------------------------------------------------- shared checks
 
 
-def test_poisoned_outputs_are_overwritten(monkeypatch):
+def test_poisoned_outputs_are_overwritten(monkeypatch, engine):
     cp = _cp()
     from sagecupy import nvfp4, qat
 
@@ -344,6 +356,9 @@ def test_error_paths():
     (q, k, v, _), _ = _inputs(1, 1, 2, 2, 32, 32, 64, "HND", "float16")
     with pytest.raises(TypeError, match="config"):
         nvfp4.attention(q, k, v, config=QATConfig())
+    with pytest.raises(ValueError, match="engine"):
+        nvfp4.attention(q, k, v, engine="tensor")
+    assert nvfp4.is_supported(q, k, v, engine="tensor")[0] is False
     with pytest.raises(TypeError, match="config"):
         qat.forward(q, k, v, config=NVFP4Config())
     for bad, what in ((NVFP4Config(q_smoothing=True), "q_smoothing"), (NVFP4Config(tensor_scale=True), "tensor_scale"),
@@ -372,7 +387,7 @@ def test_error_paths():
         nvfp4.attention_packed(dict(ops, k_scales=ops["k_scales"].astype(cp.int32)))
 
 
-def test_cta_size_does_not_change_the_result(monkeypatch):
+def test_cta_size_does_not_change_the_result(monkeypatch, engine):
     """4- and 8-warp CTAs (SAGECUPY_FP4_WARPS) compute every row the same way: bitwise equal outputs."""
     cp = _cp()
     from sagecupy import nvfp4, qat
@@ -388,7 +403,7 @@ def test_cta_size_does_not_change_the_result(monkeypatch):
         assert bool(cp.all((a == b) | (cp.isnan(a) & cp.isnan(b))))
 
 
-def test_misaligned_packed_operands_and_bad_arguments():
+def test_misaligned_packed_operands_and_bad_arguments(engine):
     """Exchange-format arrays that start at an odd address (a slice of a byte pool) are copied, not
     handed to the 8-byte copies of the kernel; fake_quantize refuses a padding that would not fit."""
     cp = _cp()
@@ -414,7 +429,7 @@ def test_misaligned_packed_operands_and_bad_arguments():
         nvfp4.attention_packed(bad)
 
 
-def test_nan_in_v_leaves_rows_that_see_no_key_zero():
+def test_nan_in_v_leaves_rows_that_see_no_key_zero(engine):
     from sagecupy import nvfp4, qat
 
     (q, k, v, _), _ = _inputs(19, 1, 1, 1, 70, 20, 64, "HND", "float16")

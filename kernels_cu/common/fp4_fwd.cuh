@@ -1,0 +1,170 @@
+// The FP4 attention forwards' per-tile softmax and P quantization, shared by the mma.sync kernels
+// (fp4_attn_fwd.cu) and the Hopper wgmma kernel (fp4_attn_fwd_sm90.cu): the same float operations in the
+// same order, so the engines differ only through the fp32 accumulation order inside the tensor cores.
+// See fp4_attn_fwd.cu for the algorithm (x, beta, two-level P).
+#pragma once
+#include "fp4.cuh"
+#include "numeric.cuh"
+
+namespace sage {
+
+// Per-thread row state of the online softmax: rows r_lo and r_lo + 8 of the warp's 16.
+struct Fp4Rows {
+  float m[2];  // running max of the base-2 logits
+  float l[2];  // running sum of the unquantized P~ (this thread's columns; quad-summed at the end)
+};
+
+// What one tile hands to the P.V update: O = alpha * O + beta * (P^ V^); rescale = any alpha != 1 in the warp.
+struct Fp4TileScale {
+  float alpha[2], beta[2];
+  bool rescale;
+};
+
+__device__ __forceinline__ unsigned half2_bits(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// One 16 x 64 tile of raw logits s (fp32 products of the dequantized operands, accumulator layout: s[nt][e]
+// is row r_lo + 8 (e >> 1), key tile * 64 + 8 nt + 2 t4 + (e & 1)): mask (in place), online max (the raw
+// products' max: scale_log2 > 0 commutes with it; the scale is applied inside the exponent, one FFMA per
+// element), x, the row sums, and the NVFP4 P^ as fp16 A operands pa[kk] (keys 16 kk .. 16 kk + 15: one
+// 16-block per k16 step), dequantized exactly. QAT: also the fp16 A operands pp of P~ = beta * x.
+template <bool TWO_LEVEL, bool QAT>
+__device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Rows& rs, unsigned (&pa)[4][4],
+                                                         unsigned (&pp)[QAT ? 4 : 1][4], int tile, bool need_mask,
+                                                         bool causal, int r_lo, int t4, int nk, int shift,
+                                                         float scale_log2) {
+  constexpr float X_MAX = 448.f * 6.f, LOG2_X_MAX = 11.392317422778761f;  // log2(2688)
+  float rmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int key = tile * 64 + nt * 8 + 2 * t4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = s[nt][e];
+      if (need_mask) {
+        const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
+        if (kk >= nk || (causal && kk > row + shift)) v = -INFINITY;
+      }
+      s[nt][e] = v;
+      rmax[e >> 1] = fmaxf(rmax[e >> 1], v);  // a NaN logit reaches O through x and the row sum
+    }
+  }
+  Fp4TileScale ts;
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
+    rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2)) * scale_log2;
+    const float m_new = fmaxf(rs.m[r], rmax[r]);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    ts.alpha[r] = exp2f(rs.m[r] - m_use);
+    if (TWO_LEVEL) {
+      // x = 2^(S - r + log2 2688); a row that sees no key in this tile (r = -inf) contributes 0.
+      const bool seen = rmax[r] != -INFINITY;
+      base[r] = seen ? LOG2_X_MAX - rmax[r] : 0.f;
+      ts.beta[r] = seen ? exp2f(rmax[r] - m_use) / X_MAX : 0.f;
+    } else {
+      base[r] = -m_use;
+      ts.beta[r] = 1.f;
+    }
+    rs.m[r] = m_new;
+  }
+  // x, row sums, and the NVFP4 P^ as fp16 A operands (16-key blocks = k16 chunks kk).
+  float lsum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    float x[2][4];  // [row half][4 values of this thread in the block]
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float xv = fast_exp2(fmaf(s[2 * kk + j][e], scale_log2, base[r]));
+        x[r][2 * j + (e & 1)] = xv;
+        lsum[r] += xv;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float amax = fmaxf(fmaxf(x[r][0], x[r][1]), fmaxf(x[r][2], x[r][3]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float sc = e4m3_block_scale_fast(amax);
+      const float inv = rcp_approx(sc);
+      float qv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv) * sc;
+      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
+      pa[kk][r] = half2_bits(qv[0], qv[1]);
+      pa[kk][2 + r] = half2_bits(qv[2], qv[3]);
+      if constexpr (QAT) {
+        pp[kk][r] = half2_bits(x[r][0] * ts.beta[r], x[r][1] * ts.beta[r]);
+        pp[kk][2 + r] = half2_bits(x[r][2] * ts.beta[r], x[r][3] * ts.beta[r]);
+      }
+    }
+  }
+  rs.l[0] = fmaf(rs.l[0], ts.alpha[0], lsum[0] * ts.beta[0]);
+  rs.l[1] = fmaf(rs.l[1], ts.alpha[1], lsum[1] * ts.beta[1]);
+  // Rescale O (and O') by alpha only when some row's max moved (warp-uniform; alpha == 1 exactly otherwise).
+  ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
+  return ts;
+}
+
+// N 8-column tiles of O (accumulator layout): O = alpha * O + beta * acc, alpha only when ts.rescale (tested
+// once for all N: per tile, ptxas allocated the mma.sync kernel's registers far worse, 52 -> 312 spilled bytes).
+template <int N>
+__device__ __forceinline__ void fp4_pv_update(float (&o)[N][4], const float (&acc)[N][4], const Fp4TileScale& ts) {
+  if (ts.rescale) {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] = fmaf(o[j][e], ts.alpha[e >> 1], acc[j][e] * ts.beta[e >> 1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] = fmaf(acc[j][e], ts.beta[e >> 1], o[j][e]);
+  }
+}
+
+// Epilogue: normalize and store O (T), O' (fp32, QAT only), LSE. A row that sees no key
+// (l == 0) stores exact zeros (not acc * 0: a NaN of V reaches acc through 0 * NaN in the MMA even for rows
+// that do not see it).
+template <typename T, int D, bool QAT>
+__device__ __forceinline__ void fp4_fwd_epilogue(const float (&acc_o)[D / 8][4], const float (*acc_p)[4], Fp4Rows& rs,
+                                                 T* __restrict__ o_bh, long long osn, float* __restrict__ oprime_bh,
+                                                 float* __restrict__ lse_bh, float* __restrict__ lse2_bh,
+                                                 const float* __restrict__ qmk_bh, int r_lo, int t4, int nq,
+                                                 int nq_pad) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) rs.l[r] = quad_sum(rs.l[r]);
+  const float inv_l[2] = {rs.l[0] == 0.f ? 0.f : 1.f / rs.l[0], rs.l[1] == 0.f ? 0.f : 1.f / rs.l[1]};
+  const bool none[2] = {rs.l[0] == 0.f, rs.l[1] == 0.f};
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int col = nt * 8 + 2 * t4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r_lo + 8 * r;
+      if (row < nq) {
+        *reinterpret_cast<unsigned*>(o_bh + row * osn + col) =
+            none[r] ? 0u : pack2<T>(acc_o[nt][2 * r] * inv_l[r], acc_o[nt][2 * r + 1] * inv_l[r]);
+        if constexpr (QAT)
+          *reinterpret_cast<float2*>(oprime_bh + static_cast<long long>(row) * D + col) =
+              none[r] ? make_float2(0.f, 0.f) : make_float2(acc_p[nt][2 * r] * inv_l[r], acc_p[nt][2 * r + 1] * inv_l[r]);
+      }
+    }
+  }
+  if (t4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r_lo + 8 * r;
+      const float l2 = rs.l[r] == 0.f ? INFINITY : rs.m[r] + log2f(rs.l[r]);
+      if (row < nq) lse_bh[row] = rs.l[r] == 0.f ? -INFINITY : l2 * 0.6931471805599453f + (qmk_bh ? qmk_bh[row] : 0.f);
+      if (lse2_bh && row < nq_pad) lse2_bh[row] = row < nq ? l2 : INFINITY;
+    }
+  }
+}
+
+}  // namespace sage

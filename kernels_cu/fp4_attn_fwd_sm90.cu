@@ -1,0 +1,248 @@
+// NVFP4 attention forward on Hopper tensor cores (sm_90a only): the numerics of nvfp4_attn_fwd
+// (fp4_attn_fwd.cu, SPEC §5: the same per-tile softmax and P quantization, common/fp4_fwd.cuh), with both
+// products on wgmma:
+//   S   = Q^ K^T   m64n64k16 f32.f16.f16   (dequantized Q^ and K^ tiles in shared memory)
+//   P.V = P^ V^    m64nDk16 f32.f16.f16    (P^ from registers: its fp16 values are exact; V^^T shared)
+// one warpgroup (4 warps, 64 query rows) per m64 product; CTAs of WARPS = 4 or 8 warps.
+//
+// Operands stay packed in device memory. Every thread owns "tasks" of 64 elements (4 units of 16: 32 code
+// bytes and 4 E4M3 scale bytes, contiguous in memory): a quarter-row of K (D = 128; half a row for D = 64)
+// or one channel of a 64-token V^T tile. It copies its tasks' bytes with cp.async into its own slots of a
+// staging area, waits for its own copies (no barrier: the same thread dequantizes them), and writes the
+// exact fp16 values (fp4.cuh dequant16_half) as one 128-byte row of a swizzled K-major tile, the layout
+// wgmma reads through a descriptor (K: 64-element pieces of D, each a 64-row tile; V^T: D rows of 64 tokens).
+//
+// Per key tile t, inside the CTA:
+//   softmax(t) -> P^ (fp16 A fragments); issue P.V(t);
+//   dequantize tile t+1 from the staging area (while P.V(t) runs); barrier;
+//   copy tile t+2's packed bytes into the staging area; issue Q.K^T(t+1);
+//   wait for P.V(t), fold it into O (O = alpha O + beta P^V^, the mma.sync kernel's order); wait for Q.K^T(t+1).
+// Rings: K 2 stages (stage (t+1) % 2 held tile t-1, whose Q.K^T every warp retired before barrier t-1),
+// V 3 stages (stage (t+1) % 3 held tile t-2, whose P.V every warp retired before barrier t-1; with 2, a
+// warp could overwrite the V tile another warp's in-flight P.V(t-1) still reads). Every wgmma issue and
+// wait is unconditional (a stale tile after the last one is multiplied and dropped), so ptxas sees
+// straight-line pipelines (warning C7514 otherwise, which CI fails on).
+//
+// Inputs: qc/qs (BHq, nq, D/2 | D/16), kc/ks (BHkv, nk, D/2 | D/16) of K - mu_K, vc/vs (BHkv, D, *) V^T with
+// rows of vcs code bytes / vcs / 8 scale bytes (vcs a multiple of 32: tokens padded to 64 by the host; tokens
+// >= n16 are zero-filled here). Outputs as nvfp4_attn_fwd.
+#include "common/fp4_fwd.cuh"
+#include "common/rows.cuh"
+#include "common/tile.cuh"
+#include "common/wgmma.cuh"
+
+using namespace sage;
+
+namespace {
+
+constexpr int BKV = 64;
+
+template <int D, int WARPS>
+struct Nv90 {
+  static constexpr int BQ = 16 * WARPS, THREADS = 32 * WARPS;
+  static constexpr int KST = 2, VST = 3;
+  static constexpr int Q_BYTES = BQ * 2 * D, K_BYTES = BKV * 2 * D, V_BYTES = D * BKV * 2;
+  static constexpr int KTASKS = BKV * D / 64, TASKS = KTASKS + D;  // per key tile: K quarter-rows, V channels
+  static constexpr int QTASKS = BQ * D / 64;
+  static_assert(QTASKS <= TASKS, "the Q tasks fit the staging area");
+  static constexpr int NJ = (TASKS + THREADS - 1) / THREADS;  // tasks per thread (D = 64, 8 warps: half idle)
+  static constexpr int STG_CODES = 32 * TASKS, STG = 36 * TASKS;
+  // Q, the K and V rings, the staging area; + 1024 for the alignment of the tiles (host: nvfp4.fwd_smem_bytes)
+  static constexpr int SMEM = Q_BYTES + KST * K_BYTES + VST * V_BYTES + STG + 1024;
+};
+
+// Copy one task: 32 code bytes of which the first `code_bytes` are valid, 4 scale bytes of which `scale_bytes`
+// (the rest zero-filled: zero scales dequantize to exact zeros). Invalid tasks read nothing.
+__device__ __forceinline__ void stage_task(char* stg, int task, const unsigned char* codes, const unsigned char* scales,
+                                           int code_bytes, int scale_bytes, int stg_codes) {
+  const unsigned s = smem_u32(stg + task * 32);
+  cp_async_16_n(s, codes, max(0, min(code_bytes, 16)));
+  cp_async_16_n(s + 16, codes + 16, max(0, min(code_bytes - 16, 16)));
+  cp_async_4_n(smem_u32(stg + stg_codes + task * 4), scales, max(0, min(scale_bytes, 4)));
+}
+
+// Dequantize staged task `task` into row `r` of a swizzled 128-byte-row tile (64 fp16 values).
+__device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg, int task, int stg_codes) {
+  const uint4 c0 = *reinterpret_cast<const uint4*>(stg + task * 32);
+  const uint4 c1 = *reinterpret_cast<const uint4*>(stg + task * 32 + 16);
+  const unsigned sc = *reinterpret_cast<const unsigned*>(stg + stg_codes + task * 4);
+  const uint2 w[4] = {make_uint2(c0.x, c0.y), make_uint2(c0.z, c0.w), make_uint2(c1.x, c1.y), make_uint2(c1.z, c1.w)};
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    unsigned h[8];
+    dequant16_half(w[u], (sc >> (8 * u)) & 0xFFu, h);
+    *reinterpret_cast<uint4*>(tile + swz<128>(r, 2 * u)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(tile + swz<128>(r, 2 * u + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+  }
+}
+
+// The packed bytes of key tile `tile` -> this thread's staging slots.
+template <int D, int WARPS>
+__device__ __forceinline__ void stage_tile(char* stg, const unsigned char* gkc, const unsigned char* gks,
+                                           const unsigned char* gvc, const unsigned char* gvs, int vcs, int tile,
+                                           int nk, int n16, int tid) {
+  using S = Nv90<D, WARPS>;
+  constexpr int PPR = D / 64;  // K pieces per row
+#pragma unroll
+  for (int j = 0; j < S::NJ; ++j) {
+    const int i = tid + j * S::THREADS;
+    if (S::TASKS % S::THREADS != 0 && i >= S::TASKS) break;
+    // (j + 1) * THREADS <= KTASKS: a K task for every thread (known at compile time), and so on
+    if ((j + 1) * S::THREADS <= S::KTASKS || (j * S::THREADS < S::KTASKS && i < S::KTASKS)) {
+      const int row = i / PPR, piece = i % PPR, key = tile * BKV + row;
+      const bool ok = key < nk;
+      const long long off = ok ? static_cast<long long>(key) * (D / 2) + piece * 32 : 0;
+      stage_task(stg, i, gkc + off, gks + (ok ? static_cast<long long>(key) * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
+                 ok ? 4 : 0, S::STG_CODES);
+    } else {
+      const int ch = i - S::KTASKS, toks = n16 - tile * BKV;  // tokens of this tile that exist (may be <= 0)
+      stage_task(stg, i, gvc + static_cast<long long>(ch) * vcs + tile * 32,
+                 gvs + static_cast<long long>(ch) * (vcs / 8) + tile * 4, toks / 2, toks / 16, S::STG_CODES);
+    }
+  }
+}
+
+template <int D, int WARPS>
+__device__ __forceinline__ void dequant_tile(char* sKst, char* sVst, const char* stg, int tid) {
+  using S = Nv90<D, WARPS>;
+  constexpr int PPR = D / 64;
+#pragma unroll
+  for (int j = 0; j < S::NJ; ++j) {
+    const int i = tid + j * S::THREADS;
+    if (S::TASKS % S::THREADS != 0 && i >= S::TASKS) break;
+    if ((j + 1) * S::THREADS <= S::KTASKS || (j * S::THREADS < S::KTASKS && i < S::KTASKS))
+      dequant_task(sKst + (i % PPR) * BKV * 128, i / PPR, stg, i, S::STG_CODES);
+    else
+      dequant_task(sVst, i - S::KTASKS, stg, i, S::STG_CODES);
+  }
+}
+
+}  // namespace
+
+// Grid (ceil(nq / (16 WARPS)), Hq, B), block 32 WARPS, dynamic shared memory Nv90<D, WARPS>::SMEM.
+template <typename T, int D, int WARPS, bool TWO_LEVEL>
+__global__ void __launch_bounds__(32 * WARPS)
+nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
+                    const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
+                    const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,
+                    const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
+                    float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
+  using S = Nv90<D, WARPS>;
+  static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
+  static_assert(WARPS == 4 || WARPS == 8, "one or two warpgroups");
+  constexpr int BQ = S::BQ, PPR = D / 64;
+  const bool CAUSAL = causal != 0;
+  extern __shared__ __align__(128) char smem_raw[];
+  // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require; pointer arithmetic
+  // keeps the compiler aware that this is shared memory.
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sQ = smem;                          // PPR pieces x BQ rows x 128 B
+  char* sK = sQ + S::Q_BYTES;               // KST stages x PPR pieces x 64 rows x 128 B
+  char* sV = sK + S::KST * S::K_BYTES;      // VST stages x D rows x 128 B
+  char* stg = sV + S::VST * S::V_BYTES;     // staging: 32 code bytes per task, then 4 scale bytes per task
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const QueryBlock qb = query_block(BQ, CAUSAL, Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b;
+  const long long bh = qb.bh, bhk = qb.bhk;
+  const int shift = nk - nq;
+  const KeyTiles tl = key_tiles<BKV>(q0, BQ, nq, nk, CAUSAL);
+
+  const unsigned char* gkc = kc + bhk * nk * (D / 2);
+  const unsigned char* gks = ks + bhk * nk * (D / 16);
+  const unsigned char* gvc = vc + bhk * D * vcs;
+  const unsigned char* gvs = vs + bhk * D * (vcs / 8);
+
+  // Prologue: Q (rows >= nq zero), then tile 0, dequantized by their owners; tile 1 staged.
+#pragma unroll
+  for (int j = 0; j < (S::QTASKS + S::THREADS - 1) / S::THREADS; ++j) {
+    const int i = tid + j * S::THREADS;
+    if (S::QTASKS % S::THREADS != 0 && i >= S::QTASKS) break;
+    const int row = i / PPR, piece = i % PPR, qr = q0 + row;
+    const bool ok = qr < nq;
+    const long long r = bh * nq + qr;
+    stage_task(stg, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
+               ok ? 4 : 0, S::STG_CODES);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  asm volatile("" ::: "memory");  // the plain loads of the staging area below must not move above the wait
+#pragma unroll
+  for (int j = 0; j < (S::QTASKS + S::THREADS - 1) / S::THREADS; ++j) {
+    const int i = tid + j * S::THREADS;
+    if (S::QTASKS % S::THREADS != 0 && i >= S::QTASKS) break;
+    dequant_task(sQ + (i % PPR) * BQ * 128, i / PPR, stg, i, S::STG_CODES);
+  }
+  if (tl.n > 0) {
+    stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, 0, nk, n16, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    asm volatile("" ::: "memory");
+    dequant_tile<D, WARPS>(sK, sV, stg, tid);
+    if (tl.n > 1) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, 1, nk, n16, tid);
+    cp_async_commit();
+  }
+
+  const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
+  Fp4Rows rs = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
+  float acc_o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  float acc_s[8][4];   // S of the tile being softmaxed; then Q.K^T of the next one, in flight
+  float acc_pv[D / 2];  // P^.V^ of this tile
+  float(&accs)[32] = reinterpret_cast<float(&)[32]>(acc_s);
+  const char* sQw = sQ + (warp / 4) * 64 * 128;  // this warpgroup's 64 rows, in every piece
+  auto issue_qk = [&](int kst) {
+    const char* cK = sK + kst * S::K_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_m64n64k16_ss_f32<__half>(accs, desc_k16<BQ>(sQw, kk), desc_k16<BKV>(cK, kk), kk);
+    wgmma_commit();
+  };
+
+  if (tl.n > 0) {
+    fence_proxy_async();  // this thread's generic-proxy writes (Q, tile 0) -> the tensor cores' reads
+    __syncthreads();
+    wgmma_fence();
+    issue_qk(0);
+    wgmma_wait<0>();
+    fence_regs(accs);
+  }
+
+  for (int tile = 0; tile < tl.n; ++tile) {
+    unsigned pa[4][4], pp_unused[1][4];
+    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
+                                                               CAUSAL, r_lo, t4, nk, shift, scale_log2);
+    wgmma_fence();
+    {  // P.V(t)
+      const unsigned long long dv = gmma_desc<128>(sV + (tile % S::VST) * S::V_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        if constexpr (D == 128)
+          wgmma_m64n128k16_rs_f32_f16(acc_pv, pa[kk], gmma_desc_advance(dv, 32 * kk), kk);
+        else
+          wgmma_m64n64k16_rs_f32_f16(acc_pv, pa[kk], gmma_desc_advance(dv, 32 * kk), kk);
+      }
+      wgmma_commit();
+    }
+    // Tile t+1: this thread's staged bytes -> the free K and V stages (after the last tile: the stale staging
+    // area into stages nobody reads but the dropped Q.K^T below).
+    cp_async_wait<0>();
+    asm volatile("" ::: "memory");
+    dequant_tile<D, WARPS>(sK + ((tile + 1) % S::KST) * S::K_BYTES, sV + ((tile + 1) % S::VST) * S::V_BYTES, stg, tid);
+    fence_proxy_async();
+    __syncthreads();  // tile t+1 visible to every warpgroup's tensor-core reads
+    if (tile + 2 < tl.n) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, tile + 2, nk, n16, tid);
+    cp_async_commit();
+    wgmma_fence();  // (ptxas injects this fence otherwise: info C7519)
+    issue_qk((tile + 1) % S::KST);
+    wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
+    fence_regs(acc_pv);
+    hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
+    fp4_pv_update<D / 8>(acc_o, reinterpret_cast<const float(&)[D / 8][4]>(acc_pv), ts);
+    wgmma_wait<0>();  // Q.K^T(t+1) done
+    fence_regs(accs);
+  }
+  cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
+  fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
+                         qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
+}
