@@ -105,15 +105,17 @@ __device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, uns
 }
 
 // Round a (>= 0, already divided by its block scale) to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}:
-// nearest, ties to even, saturating at 6. Below 2 the grid step is 0.5 (adding 1.5 * 2^22, whose fp32
-// ulp is 0.5, rounds to it, ties to even); from 2 on the grid keeps one mantissa bit (round the fp32
-// mantissa to its top bit, ties to even). NaN gives 6 (see the return).
+// nearest, ties to even, saturating at 6. The grid step is 0.5 below 2 and 2^(e-1) in the binade [2^e, 2^(e+1))
+// from there on, so a + M - M with M = 2^(22 + max(e, 0)) rounds to it (M's fp32 ulp is that step; the adds
+// round to nearest even); a >= 8 rounds to at least 8 and saturates. Five instructions (AND, add-max, two
+// FADD, FMNMX). Identical to the previous form (two magic-number paths and a select) for every fp32 value in
+// [0, 64) and for Inf/NaN (checked exhaustively in numpy, bench/NOTES.md). NaN and Inf give 6 (a NaN exponent
+// field makes M negative as an int, so the max picks 2^22; fminf drops the NaN): callers carry NaN another way
+// (the attention row sums do).
 __device__ __forceinline__ float e2m1_round_nonneg(float a) {
-  const float small = __fsub_rn(__fadd_rn(a, 6291456.0f), 6291456.0f);
-  const unsigned bits = __float_as_uint(a);
-  const float big = __uint_as_float((bits + 0x1FFFFFu + ((bits >> 22) & 1u)) & 0xFFC00000u);
-  const float r = a < 2.f ? small : big;
-  return fminf(r, 6.f);  // NaN becomes 6: callers must carry NaN another way (the attention row sums do)
+  const int e = static_cast<int>(__float_as_uint(a) & 0x7F800000u);
+  const float m = __int_as_float(max(e + (22 << 23), 0x4A800000));  // 0x4A800000 = 2^22
+  return fminf(__fsub_rn(__fadd_rn(a, m), m), 6.f);
 }
 
 // E4M3 block scale of a block maximum (max / 6 rounded to E4M3, saturating), as a float, for in-kernel
@@ -122,6 +124,16 @@ __device__ __forceinline__ float e2m1_round_nonneg(float a) {
 __device__ __forceinline__ float e4m3_block_scale_fast(float amax) {
   const unsigned code = __nv_cvt_float_to_fp8(amax * (1.0f / 6.0f), __NV_SATFINITE, __NV_E4M3);
   return e4m3_decode(code);
+}
+
+// e4m3_block_scale_fast of two block maxima with one conversion each way (the same rounding per element).
+__device__ __forceinline__ void e4m3_block_scale_fast2(float a0, float a1, float (&sc)[2]) {
+  const __nv_fp8x2_storage_t c =
+      __nv_cvt_float2_to_fp8x2(make_float2(a0 * (1.0f / 6.0f), a1 * (1.0f / 6.0f)), __NV_SATFINITE, __NV_E4M3);
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3);  // low byte (a0) -> .x
+  const float2 f = __half22float2(__half2(h));
+  sc[0] = f.x;
+  sc[1] = f.y;
 }
 
 // Approximate reciprocal (MUFU.RCP, within an ulp), 0 for 0.

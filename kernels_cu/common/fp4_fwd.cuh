@@ -85,16 +85,20 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
         x[r][2 * j + (e & 1)] = xv;
         lsum[r] += xv;
       }
+    float amax[2], sc[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float amax = fmaxf(fmaxf(x[r][0], x[r][1]), fmaxf(x[r][2], x[r][3]));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const float sc = e4m3_block_scale_fast(amax);
-      const float inv = rcp_approx(sc);
+      amax[r] = fmaxf(fmaxf(x[r][0], x[r][1]), fmaxf(x[r][2], x[r][3]));
+      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+    }
+    e4m3_block_scale_fast2(amax[0], amax[1], sc);  // both row halves' block scales in one conversion
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float inv = rcp_approx(sc[r]);
       float qv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv) * sc;
+      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv) * sc[r];
       // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
       pa[kk][r] = half2_bits(qv[0], qv[1]);
       pa[kk][2 + r] = half2_bits(qv[2], qv[3]);
