@@ -9,7 +9,7 @@ NCU=/usr/local/cuda/bin/ncu
 python3 -m pip install -e . --no-deps --no-build-isolation -q >/tmp/pip.log 2>&1 || { tail /tmp/pip.log; exit 1; }
 export PYTHONUNBUFFERED=1
 timeout 300 python3 bench/fp4_variants.py 2>&1 | tee "$OUT/variants.txt"
-$NCU --clock-control none --kernel-name regex:"nvfp4_attn_fwd_sm90" --launch-skip 2 --launch-count 1 \
+$NCU --clock-control none --kernel-name regex:"nvfp4_attn_fwd_sm90" --launch-skip 1 --launch-count 1 \
   --section SpeedOfLight --section WarpStateStats --section SourceCounters --section InstructionStats \
   --section Occupancy -o "$OUT/nv" python3 bench/profile_fp4.py >"$OUT/ncu_nv.log" 2>&1 || tail -20 "$OUT/ncu_nv.log"
 $NCU --import "$OUT/nv.ncu-rep" --page details >"$OUT/nv_details.txt" 2>&1

@@ -40,15 +40,17 @@ constexpr int BKV = 64;
 template <int D, int WARPS>
 struct Nv90 {
   static constexpr int BQ = 16 * WARPS, THREADS = 32 * WARPS;
-  static constexpr int KST = 2, VST = 3;
+  static constexpr int NST = 3;  // K and V ring stages
   static constexpr int Q_BYTES = BQ * 2 * D, K_BYTES = BKV * 2 * D, V_BYTES = D * BKV * 2;
   static constexpr int KTASKS = BKV * D / 64, TASKS = KTASKS + D;  // per key tile: K quarter-rows, V channels
   static constexpr int QTASKS = BQ * D / 64;
   static_assert(QTASKS <= TASKS, "the Q tasks fit the staging area");
   static constexpr int NJ = (TASKS + THREADS - 1) / THREADS;  // tasks per thread (D = 64, 8 warps: half idle)
   static constexpr int STG_CODES = 32 * TASKS, STG = 36 * TASKS;
-  // Q, the K and V rings, the staging area; + 1024 for the alignment of the tiles (host: nvfp4.fwd_smem_bytes)
-  static constexpr int SMEM = Q_BYTES + KST * K_BYTES + VST * V_BYTES + STG + 1024;
+  static constexpr int BARS = 3 * NST * 8;  // mbarriers: full[NST], k_empty[NST], v_empty[NST]
+  // Q, the K and V rings, the staging area, the mbarriers; + 1024 for the alignment of the tiles
+  // (host: nvfp4.fwd_smem_bytes)
+  static constexpr int SMEM = Q_BYTES + NST * (K_BYTES + V_BYTES) + STG + BARS + 1024;
 };
 
 // Copy one task: 32 code bytes of which the first `code_bytes` are valid, 4 scale bytes of which `scale_bytes`
@@ -137,9 +139,13 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   // keeps the compiler aware that this is shared memory.
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                          // PPR pieces x BQ rows x 128 B
-  char* sK = sQ + S::Q_BYTES;               // KST stages x PPR pieces x 64 rows x 128 B
-  char* sV = sK + S::KST * S::K_BYTES;      // VST stages x D rows x 128 B
-  char* stg = sV + S::VST * S::V_BYTES;     // staging: 32 code bytes per task, then 4 scale bytes per task
+  char* sK = sQ + S::Q_BYTES;               // NST stages x PPR pieces x 64 rows x 128 B
+  char* sV = sK + S::NST * S::K_BYTES;      // NST stages x D rows x 128 B
+  char* stg = sV + S::NST * S::V_BYTES;     // staging: 32 code bytes per task, then 4 scale bytes per task
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(stg + S::STG);
+  unsigned long long* full = bars;               // tile in stage s dequantized by every thread
+  unsigned long long* k_empty = bars + S::NST;   // every thread's Q.K^T on K stage s retired
+  unsigned long long* v_empty = bars + 2 * S::NST;  // every thread's P.V on V stage s retired
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const QueryBlock qb = query_block(BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
@@ -151,8 +157,10 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   const unsigned char* gks = ks + bhk * nk * (D / 16);
   const unsigned char* gvc = vc + bhk * D * vcs;
   const unsigned char* gvs = vs + bhk * D * (vcs / 8);
+  if (tid < 3 * S::NST) mbar_init(bars + tid, S::THREADS);
 
-  // Prologue: Q (rows >= nq zero), then tile 0, dequantized by their owners; tile 1 staged.
+  // Prologue: Q (rows >= nq zero) dequantized by its owners; tiles 0 and 1 dequantized (full[0], full[1]);
+  // tile 2 staged.
 #pragma unroll
   for (int j = 0; j < (S::QTASKS + S::THREADS - 1) / S::THREADS; ++j) {
     const int i = tid + j * S::THREADS;
@@ -172,14 +180,21 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     if (S::QTASKS % S::THREADS != 0 && i >= S::QTASKS) break;
     dequant_task(sQ + (i % PPR) * BQ * 128, i / PPR, stg, i, S::STG_CODES);
   }
-  if (tl.n > 0) {
-    stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, 0, nk, n16, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    asm volatile("" ::: "memory");
-    dequant_tile<D, WARPS>(sK, sV, stg, tid);
-    if (tl.n > 1) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, 1, nk, n16, tid);
-    cp_async_commit();
+  fence_proxy_async();  // this thread's generic-proxy writes (Q) -> the tensor cores' reads
+  __syncthreads();      // Q complete; the mbarriers initialized
+#pragma unroll
+  for (int t = 0; t < 3; ++t) {
+    if (t < tl.n) {
+      stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, t, nk, n16, tid);
+      cp_async_commit();
+      if (t < 2) {
+        cp_async_wait<0>();
+        asm volatile("" ::: "memory");
+        dequant_tile<D, WARPS>(sK + t * S::K_BYTES, sV + t * S::V_BYTES, stg, tid);
+        fence_proxy_async();
+        mbar_arrive(full + t);
+      }
+    }
   }
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
@@ -200,21 +215,22 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   };
 
   if (tl.n > 0) {
-    fence_proxy_async();  // this thread's generic-proxy writes (Q, tile 0) -> the tensor cores' reads
-    __syncthreads();
+    mbar_wait(full, 0);
     wgmma_fence();
     issue_qk(0);
     wgmma_wait<0>();
     fence_regs(accs);
+    mbar_arrive(k_empty);
   }
 
+  // Tile j lives in stage j % NST; its barriers' phase parity is (j / NST) & 1.
   for (int tile = 0; tile < tl.n; ++tile) {
     unsigned pa[4][4], pp_unused[1][4];
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
                                                                CAUSAL, r_lo, t4, nk, shift, scale_log2);
     wgmma_fence();
     {  // P.V(t)
-      const unsigned long long dv = gmma_desc<128>(sV + (tile % S::VST) * S::V_BYTES);
+      const unsigned long long dv = gmma_desc<128>(sV + (tile % S::NST) * S::V_BYTES);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         if constexpr (D == 128)
@@ -224,23 +240,37 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
       }
       wgmma_commit();
     }
-    // Tile t+1: this thread's staged bytes -> the free K and V stages (after the last tile: the stale staging
-    // area into stages nobody reads but the dropped Q.K^T below).
-    cp_async_wait<0>();
-    asm volatile("" ::: "memory");
-    dequant_tile<D, WARPS>(sK + ((tile + 1) % S::KST) * S::K_BYTES, sV + ((tile + 1) % S::VST) * S::V_BYTES, stg, tid);
-    fence_proxy_async();
-    __syncthreads();  // tile t+1 visible to every warpgroup's tensor-core reads
-    if (tile + 2 < tl.n) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, tile + 2, nk, n16, tid);
-    cp_async_commit();
-    wgmma_fence();  // (ptxas injects this fence otherwise: info C7519)
-    issue_qk((tile + 1) % S::KST);
+    // While P.V(t) runs: tile t+2 from this thread's staging slots into stage (t+2) % NST, once every thread is
+    // done with the tile it held (t-1); then stage tile t+3's packed bytes.
+    const int nxt = tile + 2;
+    if (nxt < tl.n) {
+      const int st = nxt % S::NST;
+      if (nxt >= S::NST) {
+        const unsigned par = ((nxt - S::NST) / S::NST) & 1;
+        mbar_wait(k_empty + st, par);
+        mbar_wait(v_empty + st, par);
+      }
+      cp_async_wait<0>();
+      asm volatile("" ::: "memory");
+      dequant_tile<D, WARPS>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, tid);
+      fence_proxy_async();
+      mbar_arrive(full + st);
+      if (nxt + 1 < tl.n) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, nxt + 1, nk, n16, tid);
+      cp_async_commit();
+    }
+    // Q.K^T(t+1) once every thread has dequantized tile t+1 (after the last tile: a stale stage, dropped).
+    const bool more = tile + 1 < tl.n;
+    if (more) mbar_wait(full + (tile + 1) % S::NST, ((tile + 1) / S::NST) & 1);
+    wgmma_fence();
+    issue_qk((tile + 1) % S::NST);
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     fence_regs(acc_pv);
     hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
+    mbar_arrive(v_empty + tile % S::NST);
     fp4_pv_update<D / 8>(acc_o, reinterpret_cast<const float(&)[D / 8][4]>(acc_pv), ts);
     wgmma_wait<0>();  // Q.K^T(t+1) done
     fence_regs(accs);
+    if (more) mbar_arrive(k_empty + (tile + 1) % S::NST);
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
   fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,

@@ -37,13 +37,13 @@ _BKV = 64
 
 _ENGINES = ("auto", "mma", "wgmma")
 #: Warps per CTA of the wgmma NVFP4 forward by default (SAGECUPY_FP4_WARPS overrides it).
-_WGMMA_WARPS = 4
+_WGMMA_WARPS = 8
 
 
 def fp4_warps(engine: str = "mma") -> int:
     """Warps per FP4 forward CTA (16 query rows each). mma.sync kernels: 8 by default (K/V tiles dequantized
     once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel:
-    4 (two CTAs per SM). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs with less than
+    8 (two consumer warpgroups share each dequantized tile). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs with less than
     ~104 KiB of shared memory per block at D=128). For finite inputs the result does not depend on it (tested
     bitwise); with a NaN in V, rows that cannot see its block may or may not turn NaN depending on which CTAs
     load the tile."""
@@ -103,10 +103,10 @@ def _attn_fn(name):
 
 def fwd_smem_bytes(D: int, warps: int, engine: str = "mma") -> int:
     """Dynamic shared memory of the FP4 forwards. mma.sync: fp16 Q tile, 2 stages of fp16 K and V^T tiles, the
-    packed staging area, alignment. wgmma (``Nv90`` in fp4_attn_fwd_sm90.cu): fp16 Q, 2 K stages, 3 V stages,
-    36 staging bytes per 64-element task (64 D / 64 K tasks + D V tasks), 1024 for alignment."""
+    packed staging area, alignment. wgmma (``Nv90`` in fp4_attn_fwd_sm90.cu): fp16 Q, 3 stages of K and V,
+    36 staging bytes per 64-element task (64 D / 64 K tasks + D V tasks), 9 mbarriers, 1024 for alignment."""
     if engine == "wgmma":
-        return 16 * warps * 2 * D + 2 * _BKV * 2 * D + 3 * D * _BKV * 2 + 36 * (_BKV * D // 64 + D) + 1024
+        return 16 * warps * 2 * D + 3 * (_BKV * 2 * D + D * _BKV * 2) + 36 * (_BKV * D // 64 + D) + 9 * 8 + 1024
     return 16 * warps * 2 * D + 2 * (_BKV * 2 * D + D * _BKV * 2) + _BKV * D + 128
 
 

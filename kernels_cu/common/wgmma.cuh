@@ -156,6 +156,26 @@ __device__ __forceinline__ void wgmma_m64n128k32_rs_s8s8(int (&d)[64], const uns
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
+// ---- mbarriers (shared-memory arrival counters with phases), for stages that thread groups fill and drain
+// at their own pace ----
+
+__device__ __forceinline__ void mbar_init(void* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// Arrive (release: this thread's earlier shared-memory writes are visible to threads that see the phase complete).
+__device__ __forceinline__ void mbar_arrive(void* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Wait (acquire) until the phase with parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nLAB_WAIT:\n"  // (labels are local to the braces' scope)
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
 // ---- FP4 forward (fp4_attn_fwd_sm90.cu): P^ (fp16, registers) times dequantized V^ (fp16, shared) ----
 
 // D(64x64 f32) (+)= A(64x16 f16, registers: the warp's m16n8k16 A fragment) * B(16x64 f16, shared, K-major).
