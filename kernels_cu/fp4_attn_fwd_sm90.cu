@@ -53,20 +53,20 @@ struct Nv90 {
   static constexpr int SMEM = Q_BYTES + NST * (K_BYTES + V_BYTES) + STG + BARS + 1024;
 };
 
-// Copy one task: 32 code bytes of which the first `code_bytes` are valid, 4 scale bytes of which `scale_bytes`
+// Copy one task: 32 code bytes (two 16-byte halves, stored stg_codes / 2 apart) of which the first `code_bytes` are valid, 4 scale bytes of which `scale_bytes`
 // (the rest zero-filled: zero scales dequantize to exact zeros). Invalid tasks read nothing.
 __device__ __forceinline__ void stage_task(char* stg, int task, const unsigned char* codes, const unsigned char* scales,
                                            int code_bytes, int scale_bytes, int stg_codes) {
-  const unsigned s = smem_u32(stg + task * 32);
+  const unsigned s = smem_u32(stg + task * 16);  // first halves of all tasks, then the second halves
   cp_async_16_n(s, codes, max(0, min(code_bytes, 16)));
-  cp_async_16_n(s + 16, codes + 16, max(0, min(code_bytes - 16, 16)));
+  cp_async_16_n(s + stg_codes / 2, codes + 16, max(0, min(code_bytes - 16, 16)));
   cp_async_4_n(smem_u32(stg + stg_codes + task * 4), scales, max(0, min(scale_bytes, 4)));
 }
 
 // Dequantize staged task `task` into row `r` of a swizzled 128-byte-row tile (64 fp16 values).
 __device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg, int task, int stg_codes) {
-  const uint4 c0 = *reinterpret_cast<const uint4*>(stg + task * 32);
-  const uint4 c1 = *reinterpret_cast<const uint4*>(stg + task * 32 + 16);
+  const uint4 c0 = *reinterpret_cast<const uint4*>(stg + task * 16);  // (16-byte slots: no bank conflicts)
+  const uint4 c1 = *reinterpret_cast<const uint4*>(stg + stg_codes / 2 + task * 16);
   const unsigned sc = *reinterpret_cast<const unsigned*>(stg + stg_codes + task * 4);
   const uint2 w[4] = {make_uint2(c0.x, c0.y), make_uint2(c0.z, c0.w), make_uint2(c1.x, c1.y), make_uint2(c1.z, c1.w)};
 #pragma unroll
@@ -84,14 +84,14 @@ __device__ __forceinline__ void stage_tile(char* stg, const unsigned char* gkc, 
                                            const unsigned char* gvc, const unsigned char* gvs, int vcs, int tile,
                                            int nk, int n16, int tid) {
   using S = Nv90<D, WARPS>;
-  constexpr int PPR = D / 64;  // K pieces per row
 #pragma unroll
   for (int j = 0; j < S::NJ; ++j) {
     const int i = tid + j * S::THREADS;
     if (S::TASKS % S::THREADS != 0 && i >= S::TASKS) break;
     // (j + 1) * THREADS <= KTASKS: a K task for every thread (known at compile time), and so on
     if ((j + 1) * S::THREADS <= S::KTASKS || (j * S::THREADS < S::KTASKS && i < S::KTASKS)) {
-      const int row = i / PPR, piece = i % PPR, key = tile * BKV + row;
+      const int row = i % BKV, piece = i / BKV, key = tile * BKV + row;  // (8 consecutive threads: 8 rows of a
+                                                                         // piece, conflict-free 16-byte stores)
       const bool ok = key < nk;
       const long long off = ok ? static_cast<long long>(key) * (D / 2) + piece * 32 : 0;
       stage_task(stg, i, gkc + off, gks + (ok ? static_cast<long long>(key) * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
@@ -107,13 +107,12 @@ __device__ __forceinline__ void stage_tile(char* stg, const unsigned char* gkc, 
 template <int D, int WARPS>
 __device__ __forceinline__ void dequant_tile(char* sKst, char* sVst, const char* stg, int tid) {
   using S = Nv90<D, WARPS>;
-  constexpr int PPR = D / 64;
 #pragma unroll
   for (int j = 0; j < S::NJ; ++j) {
     const int i = tid + j * S::THREADS;
     if (S::TASKS % S::THREADS != 0 && i >= S::TASKS) break;
     if ((j + 1) * S::THREADS <= S::KTASKS || (j * S::THREADS < S::KTASKS && i < S::KTASKS))
-      dequant_task(sKst + (i % PPR) * BKV * 128, i / PPR, stg, i, S::STG_CODES);
+      dequant_task(sKst + (i / BKV) * BKV * 128, i % BKV, stg, i, S::STG_CODES);
     else
       dequant_task(sVst, i - S::KTASKS, stg, i, S::STG_CODES);
   }
@@ -132,14 +131,14 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   using S = Nv90<D, WARPS>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
   static_assert(WARPS == 4 || WARPS == 8, "one or two warpgroups");
-  constexpr int BQ = S::BQ, PPR = D / 64;
+  constexpr int BQ = S::BQ;
   const bool CAUSAL = causal != 0;
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require; pointer arithmetic
   // keeps the compiler aware that this is shared memory.
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  char* sQ = smem;                          // PPR pieces x BQ rows x 128 B
-  char* sK = sQ + S::Q_BYTES;               // NST stages x PPR pieces x 64 rows x 128 B
+  char* sQ = smem;                          // D / 64 pieces x BQ rows x 128 B
+  char* sK = sQ + S::Q_BYTES;               // NST stages x D / 64 pieces x 64 rows x 128 B
   char* sV = sK + S::NST * S::K_BYTES;      // NST stages x D rows x 128 B
   char* stg = sV + S::NST * S::V_BYTES;     // staging: 32 code bytes per task, then 4 scale bytes per task
   unsigned long long* bars = reinterpret_cast<unsigned long long*>(stg + S::STG);
@@ -165,7 +164,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   for (int j = 0; j < (S::QTASKS + S::THREADS - 1) / S::THREADS; ++j) {
     const int i = tid + j * S::THREADS;
     if (S::QTASKS % S::THREADS != 0 && i >= S::QTASKS) break;
-    const int row = i / PPR, piece = i % PPR, qr = q0 + row;
+    const int row = i % BQ, piece = i / BQ, qr = q0 + row;
     const bool ok = qr < nq;
     const long long r = bh * nq + qr;
     stage_task(stg, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
@@ -178,7 +177,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   for (int j = 0; j < (S::QTASKS + S::THREADS - 1) / S::THREADS; ++j) {
     const int i = tid + j * S::THREADS;
     if (S::QTASKS % S::THREADS != 0 && i >= S::QTASKS) break;
-    dequant_task(sQ + (i % PPR) * BQ * 128, i / PPR, stg, i, S::STG_CODES);
+    dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stg, i, S::STG_CODES);
   }
   fence_proxy_async();  // this thread's generic-proxy writes (Q) -> the tensor cores' reads
   __syncthreads();      // Q complete; the mbarriers initialized

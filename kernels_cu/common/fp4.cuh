@@ -126,14 +126,16 @@ __device__ __forceinline__ float e4m3_block_scale_fast(float amax) {
   return e4m3_decode(code);
 }
 
-// e4m3_block_scale_fast of two block maxima with one conversion each way (the same rounding per element).
-__device__ __forceinline__ void e4m3_block_scale_fast2(float a0, float a1, float (&sc)[2]) {
+// e4m3_block_scale_fast of two block maxima with one conversion each way (the same rounding per element): the
+// scales as floats and as a half2 (.x: a0's; exact, every E4M3 value is an fp16 value).
+__device__ __forceinline__ __half2 e4m3_block_scale_fast2(float a0, float a1, float (&sc)[2]) {
   const __nv_fp8x2_storage_t c =
       __nv_cvt_float2_to_fp8x2(make_float2(a0 * (1.0f / 6.0f), a1 * (1.0f / 6.0f)), __NV_SATFINITE, __NV_E4M3);
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3);  // low byte (a0) -> .x
-  const float2 f = __half22float2(__half2(h));
+  const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(c, __NV_E4M3));  // low byte (a0) -> .x
+  const float2 f = __half22float2(h);
   sc[0] = f.x;
   sc[1] = f.y;
+  return h;
 }
 
 // Approximate reciprocal (MUFU.RCP, within an ulp), 0 for 0.

@@ -35,36 +35,45 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
                                                          unsigned (&pp)[QAT ? 4 : 1][4], int tile, bool need_mask,
                                                          bool causal, int r_lo, int t4, int nk, int shift,
                                                          float scale_log2) {
-  constexpr float X_MAX = 448.f * 6.f, LOG2_X_MAX = 11.392317422778761f;  // log2(2688)
-  float rmax[2] = {-INFINITY, -INFINITY};
+  constexpr float LOG2_X_MAX = 11.392317422778761f;  // log2(2688), 2688 = 448 * 6
+  if (need_mask) {
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int key = tile * 64 + nt * 8 + 2 * t4;
+    for (int nt = 0; nt < 8; ++nt) {
+      const int key = tile * 64 + nt * 8 + 2 * t4;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v = s[nt][e];
-      if (need_mask) {
+      for (int e = 0; e < 4; ++e) {
         const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
-        if (kk >= nk || (causal && kk > row + shift)) v = -INFINITY;
+        if (kk >= nk || (causal && kk > row + shift)) s[nt][e] = -INFINITY;
       }
-      s[nt][e] = v;
-      rmax[e >> 1] = fmaxf(rmax[e >> 1], v);  // a NaN logit reaches O through x and the row sum
     }
+  }
+  // Row maxima as trees (short dependency chains). A NaN logit reaches O through x and the row sum.
+  float rmax[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float t[8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+      for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+    rmax[r] = t[0];
   }
   Fp4TileScale ts;
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
-    rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2)) * scale_log2;
+    rmax[r] = quad_max(rmax[r]) * scale_log2;
     const float m_new = fmaxf(rs.m[r], rmax[r]);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    ts.alpha[r] = exp2f(rs.m[r] - m_use);
+    ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact
     if (TWO_LEVEL) {
       // x = 2^(S - r + log2 2688); a row that sees no key in this tile (r = -inf) contributes 0.
+      // beta = 2^(r - m) / 2688 as one exponent (no division).
       const bool seen = rmax[r] != -INFINITY;
       base[r] = seen ? LOG2_X_MAX - rmax[r] : 0.f;
-      ts.beta[r] = seen ? exp2f(rmax[r] - m_use) / X_MAX : 0.f;
+      ts.beta[r] = seen ? fast_exp2(rmax[r] - m_use - LOG2_X_MAX) : 0.f;
     } else {
       base[r] = -m_use;
       ts.beta[r] = 1.f;
@@ -92,16 +101,20 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
     }
-    e4m3_block_scale_fast2(amax[0], amax[1], sc);  // both row halves' block scales in one conversion
+    // Both row halves' block scales in one conversion each way; the E2M1 values times the scale in fp16 (exact:
+    // at most 6 significant bits within [2^-10, 2688]).
+    const __half2 sch = e4m3_block_scale_fast2(amax[0], amax[1], sc);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float inv = rcp_approx(sc[r]);
+      const __half2 s2 = r == 0 ? __low2half2(sch) : __high2half2(sch);
       float qv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv) * sc[r];
+      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv);
       // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
-      pa[kk][r] = half2_bits(qv[0], qv[1]);
-      pa[kk][2 + r] = half2_bits(qv[2], qv[3]);
+      const __half2 p01 = __hmul2(__floats2half2_rn(qv[0], qv[1]), s2), p23 = __hmul2(__floats2half2_rn(qv[2], qv[3]), s2);
+      pa[kk][r] = *reinterpret_cast<const unsigned*>(&p01);
+      pa[kk][2 + r] = *reinterpret_cast<const unsigned*>(&p23);
       if constexpr (QAT) {
         pp[kk][r] = half2_bits(x[r][0] * ts.beta[r], x[r][1] * ts.beta[r]);
         pp[kk][2 + r] = half2_bits(x[r][2] * ts.beta[r], x[r][3] * ts.beta[r]);
