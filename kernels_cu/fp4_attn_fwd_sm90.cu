@@ -33,6 +33,10 @@
 
 using namespace sage;
 
+#ifndef SAGE_FP4_PINGPONG
+#define SAGE_FP4_PINGPONG 0
+#endif
+
 namespace {
 
 constexpr int BKV = 64;
@@ -213,6 +217,12 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     wgmma_commit();
   };
 
+#if SAGE_FP4_PINGPONG
+  // Experiment (SAGECUPY_DEFINES=SAGE_FP4_PINGPONG=1, 8 warps): the warpgroups take turns issuing their products
+  // (named barriers 1 and 2), so one's softmax overlaps the other's products. Warpgroup 1 lets 0 go first.
+  const int wg = warp / 4;
+  if (WARPS == 8 && wg == 1 && tl.n > 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+#endif
   if (tl.n > 0) {
     mbar_wait(full, 0);
     wgmma_fence();
@@ -227,6 +237,12 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     unsigned pa[4][4], pp_unused[1][4];
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
                                                                CAUSAL, r_lo, t4, nk, shift, scale_log2);
+#if SAGE_FP4_PINGPONG
+    if (WARPS == 8) {
+      if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+      else asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    }
+#endif
     wgmma_fence();
     {  // P.V(t)
       const unsigned long long dv = gmma_desc<128>(sV + (tile % S::NST) * S::V_BYTES);
@@ -262,6 +278,12 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     if (more) mbar_wait(full + (tile + 1) % S::NST, ((tile + 1) / S::NST) & 1);
     wgmma_fence();
     issue_qk((tile + 1) % S::NST);
+#if SAGE_FP4_PINGPONG
+    if (WARPS == 8 && (tile + 1 < tl.n || wg == 0)) {  // (the last turn is not handed to warpgroup 0)
+      if (wg == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+      else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    }
+#endif
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     fence_regs(acc_pv);
     hold_regs(pa);  // P.V(t)'s A operand stays untouched until here

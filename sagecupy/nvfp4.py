@@ -36,18 +36,20 @@ _BKV = 64
 
 
 _ENGINES = ("auto", "mma", "wgmma")
-#: Warps per CTA of the wgmma NVFP4 forward by default (SAGECUPY_FP4_WARPS overrides it).
+#: Warps per CTA of the wgmma NVFP4 forward at D=128 by default (SAGECUPY_FP4_WARPS overrides it).
 _WGMMA_WARPS = 8
 
 
-def fp4_warps(engine: str = "mma") -> int:
+def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
     """Warps per FP4 forward CTA (16 query rows each). mma.sync kernels: 8 by default (K/V tiles dequantized
-    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel:
-    8 (two consumer warpgroups share each dequantized tile). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs with less than
-    ~104 KiB of shared memory per block at D=128). For finite inputs the result does not depend on it (tested
-    bitwise); with a NaN in V, rows that cannot see its block may or may not turn NaN depending on which CTAs
-    load the tile."""
-    env = os.environ.get("SAGECUPY_FP4_WARPS", str(_WGMMA_WARPS if engine == "wgmma" else 8))
+    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel: 8
+    at D=128 (two warpgroups share each dequantized tile: 1.6x the speed of 4 warps), 4 at D=64 (2-3% faster
+    there; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs
+    with less than ~104 KiB of shared memory per block at D=128). For finite inputs the result does not depend
+    on it (tested bitwise); with a NaN in V, rows that cannot see its block may or may not turn NaN depending on
+    which CTAs load the tile."""
+    default = (_WGMMA_WARPS if head_dim == 128 else 4) if engine == "wgmma" else 8
+    env = os.environ.get("SAGECUPY_FP4_WARPS", str(default))
     if env not in ("4", "8"):
         raise ValueError(f"SAGECUPY_FP4_WARPS={env!r} is not supported; supported: '4', '8'")
     return int(env)
@@ -242,7 +244,7 @@ def check_fwd_smem(D: int, engine: str = "mma") -> None:
     device allows a block (e.g. D=128 with 8 warps needs ~104 KiB; sm_86/sm_89 allow 99 KiB)."""
     import cupy
 
-    w = fp4_warps(engine)
+    w = fp4_warps(engine, D)
     need = fwd_smem_bytes(D, w, engine)
     have = _smem_optin(cupy.cuda.Device().id)
     if need > have:
@@ -331,7 +333,7 @@ def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_
     from .int8 import _empty, _strides
 
     n16 = (nk + 15) // 16 * 16
-    w = fp4_warps(engine)
+    w = fp4_warps(engine, D)
     bq = 16 * w
     o = _empty((B, Hq, nq, D), layout, dtype)
     osb, osh, osn = _strides(o, layout)
