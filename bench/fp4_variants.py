@@ -5,7 +5,7 @@ SDPA's flash backend on the same shapes: which to make the default. On the GPU m
 """
 import os
 
-from sagecupy import bench, nvfp4
+from sagecupy import _checks, bench, nvfp4
 
 for D, N in ((128, 4096), (128, 16384), (64, 16384)):
     B, H, (q, k, v, _) = bench._inputs(D, N, "bfloat16")
@@ -20,9 +20,10 @@ for D, N in ((128, 4096), (128, 16384), (64, 16384)):
                 print(f"D={D:<4} N={N:<6} causal={causal!s:<5} {engine:<6} warps={warps} {ms:7.3f} ms {tops:6.1f} TOPS",
                       flush=True)
         # The warpgroup ping-pong experiment (kernels_cu/fp4_attn_fwd_sm90.cu, SAGE_FP4_PINGPONG): same result bitwise.
-        want = nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16", engine="wgmma")
+        want = _checks.raw(nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16", engine="wgmma"))
         os.environ["SAGECUPY_DEFINES"] = "SAGE_FP4_PINGPONG=1"
-        same = bool((nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16", engine="wgmma") == want).all())
+        got = _checks.raw(nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16", engine="wgmma"))
+        same = bool((got == want).all())
         ms = bench.time_ms(lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16", engine="wgmma"), 3, 10)
         print(f"D={D:<4} N={N:<6} causal={causal!s:<5} wgmma  warps=8 ping-pong {ms:7.3f} ms "
               f"{bench.flops(B, H, N, N, D, causal) / ms / 1e9:6.1f} TOPS  bitwise equal: {same}", flush=True)
