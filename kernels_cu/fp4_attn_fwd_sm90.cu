@@ -6,22 +6,24 @@
 // one warpgroup (4 warps, 64 query rows) per m64 product; CTAs of WARPS = 4 or 8 warps.
 //
 // Operands stay packed in device memory. Every thread owns "tasks" of 64 elements (4 units of 16: 32 code
-// bytes and 4 E4M3 scale bytes, contiguous in memory): a quarter-row of K (D = 128; half a row for D = 64)
-// or one channel of a 64-token V^T tile. It copies its tasks' bytes with cp.async into its own slots of a
-// staging area, waits for its own copies (no barrier: the same thread dequantizes them), and writes the
-// exact fp16 values (fp4.cuh dequant16_half) as one 128-byte row of a swizzled K-major tile, the layout
-// wgmma reads through a descriptor (K: 64-element pieces of D, each a 64-row tile; V^T: D rows of 64 tokens).
+// bytes and 4 E4M3 scale bytes, contiguous in memory): a 64-element piece of one K row or one channel of a
+// 64-token V^T tile. It copies its tasks' bytes with cp.async into its own 16-byte slots of a staging area,
+// waits for its own copies (no barrier: the same thread dequantizes them), and writes the exact fp16 values
+// (fp4.cuh dequant16_half) as one 128-byte row of a swizzled K-major tile, the layout wgmma reads through a
+// descriptor (K: 64-element pieces of D, each a 64-row tile; V^T: D rows of 64 tokens).
 //
-// Per key tile t, inside the CTA:
+// K and V live in 3-stage rings handed over with mbarriers (no CTA-wide barrier per tile): full[s] (every
+// thread has dequantized its share of the tile in stage s), k_empty[s] / v_empty[s] (every thread's Q.K^T /
+// P.V on it has retired). Per key tile t, in each warpgroup:
 //   softmax(t) -> P^ (fp16 A fragments); issue P.V(t);
-//   dequantize tile t+1 from the staging area (while P.V(t) runs); barrier;
-//   copy tile t+2's packed bytes into the staging area; issue Q.K^T(t+1);
-//   wait for P.V(t), fold it into O (O = alpha O + beta P^V^, the mma.sync kernel's order); wait for Q.K^T(t+1).
-// Rings: K 2 stages (stage (t+1) % 2 held tile t-1, whose Q.K^T every warp retired before barrier t-1),
-// V 3 stages (stage (t+1) % 3 held tile t-2, whose P.V every warp retired before barrier t-1; with 2, a
-// warp could overwrite the V tile another warp's in-flight P.V(t-1) still reads). Every wgmma issue and
-// wait is unconditional (a stale tile after the last one is multiplied and dropped), so ptxas sees
-// straight-line pipelines (warning C7514 otherwise, which CI fails on).
+//   while it runs: wait until tile t-1's stage is free, dequantize tile t+2 into it, arrive on full, stage tile
+//   t+3's packed bytes; wait for full(t+1); issue Q.K^T(t+1);
+//   wait for P.V(t), arrive on v_empty, fold it into O (O = alpha O + beta P^V^, the mma.sync kernel's order);
+//   wait for Q.K^T(t+1), arrive on k_empty.
+// With two warpgroups (8 warps) at D = 128 they also take turns issuing their products (ping-pong, named
+// barriers), so one's softmax overlaps the other's products. Every wgmma issue and wait is unconditional (after
+// the last tile a stale stage is multiplied and dropped), so ptxas sees straight-line pipelines (warning C7514
+// otherwise, which CI fails on).
 //
 // Inputs: qc/qs (BHq, nq, D/2 | D/16), kc/ks (BHkv, nk, D/2 | D/16) of K - mu_K, vc/vs (BHkv, D, *) V^T with
 // rows of vcs code bytes / vcs / 8 scale bytes (vcs a multiple of 32: tokens padded to 64 by the host; tokens
@@ -33,8 +35,11 @@
 
 using namespace sage;
 
+// Warpgroup ping-pong (two-warpgroup CTAs at D = 128): the warpgroups take turns issuing their products (named
+// barriers 1 and 2), so one's softmax overlaps the other's products: 1.03-1.04x on the H200 at D = 128, 0.96-0.97x
+// at D = 64 (bench/fp4_variants.py; the results are bitwise the same). SAGE_FP4_PINGPONG=0 turns it off.
 #ifndef SAGE_FP4_PINGPONG
-#define SAGE_FP4_PINGPONG 0
+#define SAGE_FP4_PINGPONG 1
 #endif
 
 namespace {
@@ -217,12 +222,10 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     wgmma_commit();
   };
 
-#if SAGE_FP4_PINGPONG
-  // Experiment (SAGECUPY_DEFINES=SAGE_FP4_PINGPONG=1, 8 warps): the warpgroups take turns issuing their products
-  // (named barriers 1 and 2), so one's softmax overlaps the other's products. Warpgroup 1 lets 0 go first.
+  // Ping-pong (see SAGE_FP4_PINGPONG): warpgroup 1 lets 0 go first.
+  constexpr bool PING = SAGE_FP4_PINGPONG && WARPS == 8 && D == 128;
   const int wg = warp / 4;
-  if (WARPS == 8 && wg == 1 && tl.n > 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-#endif
+  if (PING && wg == 1 && tl.n > 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
   if (tl.n > 0) {
     mbar_wait(full, 0);
     wgmma_fence();
@@ -237,12 +240,10 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     unsigned pa[4][4], pp_unused[1][4];
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
                                                                CAUSAL, r_lo, t4, nk, shift, scale_log2);
-#if SAGE_FP4_PINGPONG
-    if (WARPS == 8) {
+    if (PING) {  // this warpgroup's turn to issue
       if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
       else asm volatile("bar.sync 2, 256;\n" ::: "memory");
     }
-#endif
     wgmma_fence();
     {  // P.V(t)
       const unsigned long long dv = gmma_desc<128>(sV + (tile % S::NST) * S::V_BYTES);
@@ -278,12 +279,10 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     if (more) mbar_wait(full + (tile + 1) % S::NST, ((tile + 1) / S::NST) & 1);
     wgmma_fence();
     issue_qk((tile + 1) % S::NST);
-#if SAGE_FP4_PINGPONG
-    if (WARPS == 8 && (tile + 1 < tl.n || wg == 0)) {  // (the last turn is not handed to warpgroup 0)
+    if (PING && (tile + 1 < tl.n || wg == 0)) {  // the other warpgroup's turn (warpgroup 0 takes no turn after its last)
       if (wg == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
       else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
     }
-#endif
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     fence_regs(acc_pv);
     hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
