@@ -1,0 +1,42 @@
+"""README table of the NVFP4 forward and the FP4 QAT pair from bench JSON lines: every ratio is against the SDPA
+rows of the same file (the same run).
+
+    python bench/tools/fp4_table.py NVFP4_RUN.jsonl [QAT_RUN.jsonl]
+"""
+import json
+import sys
+
+
+def load(path):
+    return [json.loads(line) for line in open(path) if line.strip().startswith("{")]
+
+
+def pick(rows, **kw):
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def main():
+    nv = load(sys.argv[1])
+    qa = load(sys.argv[2]) if len(sys.argv) > 2 else nv
+    print("| D | N | causal | NVFP4 fwd kernel TFLOPS | fwd e2e TFLOPS | fwd e2e × flash | fwd e2e × cuDNN "
+          "| QAT fwd+bwd TFLOPS | × flash | × cuDNN |")
+    print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|")
+    for D in (64, 128):
+        for N in (4096, 16384):
+            for c in (False, True):
+                s = dict(D=D, N=N, causal=c)
+                k = pick(nv, impl="sagecupy-nvfp4", mode="fwd", scope="kernel", **s)
+                e = pick(nv, impl="sagecupy-nvfp4", mode="fwd", scope="e2e", **s)
+                fl, cu = (pick(nv, impl=f"sdpa-{b}", mode="fwd", **s) for b in ("flash", "cudnn"))
+                q = pick(qa, impl="sagecupy-qat", mode="fwdbwd", **s)
+                qfl, qcu = (pick(qa, impl=f"sdpa-{b}", mode="fwdbwd", **s) for b in ("flash", "cudnn"))
+                print(f"| {D} | {N // 1024}K | {'yes' if c else 'no'} | {k['tops']:.0f} | {e['tops']:.0f} | "
+                      f"{fl['ms'] / e['ms']:.2f} | {cu['ms'] / e['ms']:.2f} | {q['tops']:.0f} | "
+                      f"{qfl['ms'] / q['ms']:.2f} | {qcu['ms'] / q['ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
