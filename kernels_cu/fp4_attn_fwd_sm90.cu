@@ -214,13 +214,16 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   float acc_pv[D / 2];  // P^.V^ of this tile
   float(&accs)[32] = reinterpret_cast<float(&)[32]>(acc_s);
   const char* sQw = sQ + (warp / 4) * 64 * 128;  // this warpgroup's 64 rows, in every piece
+  // Descriptors of stage 0; stage s is `s * bytes` further (the start-address field cannot carry over: shared
+  // memory addresses stay below 2^18).
   auto issue_qk = [&](int kst) {
-    const char* cK = sK + kst * S::K_BYTES;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_m64n64k16_ss_f32<__half>(accs, desc_k16<BQ>(sQw, kk), desc_k16<BKV>(cK, kk), kk);
+      wgmma_m64n64k16_ss_f32<__half>(accs, desc_k16<BQ>(sQw, kk),
+                                     gmma_desc_advance(desc_k16<BKV>(sK, kk), kst * S::K_BYTES), kk);
     wgmma_commit();
   };
+  const unsigned long long dv0 = gmma_desc<128>(sV);
 
   // Ping-pong (see SAGE_FP4_PINGPONG): warpgroup 1 lets 0 go first.
   constexpr bool PING = SAGE_FP4_PINGPONG && WARPS == 8 && D == 128;
@@ -235,7 +238,11 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     mbar_arrive(k_empty);
   }
 
-  // Tile j lives in stage j % NST; its barriers' phase parity is (j / NST) & 1.
+  // Tile j lives in stage j % NST; its barriers' phase parity is (j / NST) & 1. Kept incrementally: st0 = stage
+  // of tile t, st1 / ph1 = stage / parity of t+1, st2 / ph2 of t+2 (the tile t-1 it held had parity ph2 ^ 1).
+  static_assert(S::NST == 3, "the stage bookkeeping below");
+  int st0 = 0, st1 = 1, st2 = 2;
+  unsigned ph1 = 0, ph2 = 0;
   for (int tile = 0; tile < tl.n; ++tile) {
     unsigned pa[4][4], pp_unused[1][4];
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
@@ -246,7 +253,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     }
     wgmma_fence();
     {  // P.V(t)
-      const unsigned long long dv = gmma_desc<128>(sV + (tile % S::NST) * S::V_BYTES);
+      const unsigned long long dv = gmma_desc_advance(dv0, st0 * S::V_BYTES);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         if constexpr (D == 128)
@@ -260,11 +267,10 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     // done with the tile it held (t-1); then stage tile t+3's packed bytes.
     const int nxt = tile + 2;
     if (nxt < tl.n) {
-      const int st = nxt % S::NST;
+      const int st = st2;
       if (nxt >= S::NST) {
-        const unsigned par = ((nxt - S::NST) / S::NST) & 1;
-        mbar_wait(k_empty + st, par);
-        mbar_wait(v_empty + st, par);
+        mbar_wait(k_empty + st, ph2 ^ 1);
+        mbar_wait(v_empty + st, ph2 ^ 1);
       }
       cp_async_wait<0>();
       asm volatile("" ::: "memory");
@@ -276,9 +282,9 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     }
     // Q.K^T(t+1) once every thread has dequantized tile t+1 (after the last tile: a stale stage, dropped).
     const bool more = tile + 1 < tl.n;
-    if (more) mbar_wait(full + (tile + 1) % S::NST, ((tile + 1) / S::NST) & 1);
+    if (more) mbar_wait(full + st1, ph1);
     wgmma_fence();
-    issue_qk((tile + 1) % S::NST);
+    issue_qk(st1);
     if (PING && (tile + 1 < tl.n || wg == 0)) {  // the other warpgroup's turn (warpgroup 0 takes no turn after its last)
       if (wg == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
       else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
@@ -286,11 +292,16 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     fence_regs(acc_pv);
     hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
-    mbar_arrive(v_empty + tile % S::NST);
+    mbar_arrive(v_empty + st0);
     fp4_pv_update<D / 8>(acc_o, reinterpret_cast<const float(&)[D / 8][4]>(acc_pv), ts);
     wgmma_wait<0>();  // Q.K^T(t+1) done
     fence_regs(accs);
-    if (more) mbar_arrive(k_empty + (tile + 1) % S::NST);
+    if (more) mbar_arrive(k_empty + st1);
+    st0 = st1;
+    st1 = st2;
+    ph1 = ph2;
+    st2 = st2 == 2 ? 0 : st2 + 1;
+    ph2 ^= st2 == 0 ? 1u : 0u;
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
   fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
