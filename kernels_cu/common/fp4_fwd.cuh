@@ -48,18 +48,7 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
     }
   }
   // Row maxima as trees (short dependency chains). A NaN logit reaches O through x and the row sum.
-  float rmax[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float t[8];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
-#pragma unroll
-    for (int w = 4; w >= 1; w >>= 1)
-#pragma unroll
-      for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
-    rmax[r] = t[0];
-  }
+  float rmax[2] = {acc_row_max<8, 0>(s), acc_row_max<8, 1>(s)};
   Fp4TileScale ts;
   float base[2];
 #pragma unroll

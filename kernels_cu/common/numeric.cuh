@@ -78,6 +78,19 @@ __device__ __forceinline__ float quad_max(float v) {
   v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return nan_max(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
+// Maximum of one row half of a thread's 16 x 8NT accumulator tile (R = 0: elements 0, 1 of each 8-column
+// group; R = 1: elements 2, 3) as a tree (short dependency chain); fmaxf: a NaN is dropped unless all are NaN.
+template <int NT, int R>
+__device__ __forceinline__ float acc_row_max(const float (&s)[NT][4]) {
+  float t[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) t[nt] = fmaxf(s[nt][2 * R], s[nt][2 * R + 1]);
+#pragma unroll
+  for (int w = NT / 2; w >= 1; w >>= 1)
+#pragma unroll
+    for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+  return t[0];
+}
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
