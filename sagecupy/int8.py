@@ -155,9 +155,11 @@ def kernel_names() -> dict:
 def _pick_engine(engine, env_var):
     """``engine`` validated ("auto" resolved: wgmma on sm_90, mma.sync elsewhere; ``env_var`` overrides
     the default)."""
-    engine = engine or os.environ.get(env_var, "auto")
+    source = "engine"
+    if not engine:
+        engine, source = os.environ.get(env_var, "auto"), env_var
     if engine not in _ENGINES:
-        raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
+        raise ValueError(f"{source}={engine!r} is not supported; supported: {_ENGINES}")
     if engine == "auto":
         return "wgmma" if device_capability() == (9, 0) else "mma"
     if engine == "wgmma" and device_capability() != (9, 0):

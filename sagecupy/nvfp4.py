@@ -35,7 +35,6 @@ _WARPS = (4, 8)
 _BKV = 64
 
 
-_ENGINES = ("auto", "mma", "wgmma")
 #: Warps per CTA of the wgmma NVFP4 forward at D=128 by default (SAGECUPY_FP4_WARPS overrides it).
 _WGMMA_WARPS = 8
 
@@ -57,19 +56,14 @@ def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
 
 def fp4_engine(engine: str | None = None) -> str:
     """The tensor-core path of the NVFP4 forward: ``"wgmma"`` (Hopper, sm_90a: both products on warpgroup MMA,
-    ``kernels_cu/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``"auto"`` (default; the
-    environment variable ``SAGECUPY_FP4_ENGINE`` overrides it) picks ``"wgmma"`` on sm_90 and ``"mma"``
-    elsewhere. The two share the per-tile softmax and P quantization (``kernels_cu/common/fp4_fwd.cuh``) and
-    differ only through the fp32 accumulation order inside the tensor cores (tested against the simulator).
-    The QAT forward runs on mma.sync either way."""
-    engine = engine or os.environ.get("SAGECUPY_FP4_ENGINE", "auto")
-    if engine not in _ENGINES:
-        raise ValueError(f"engine={engine!r} is not supported; supported: {_ENGINES}")
-    if engine == "auto":
-        return "wgmma" if device_capability() == (9, 0) else "mma"
-    if engine == "wgmma" and device_capability() != (9, 0):
-        raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is {device_capability()}")
-    return engine
+    ``kernels_cu/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``None`` (default: the
+    environment variable ``SAGECUPY_FP4_ENGINE``, else ``"auto"``), ``"auto"`` (``"wgmma"`` on sm_90, ``"mma"``
+    elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two share the per-tile softmax and P
+    quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ only through the fp32 accumulation order inside
+    the tensor cores (tested against the simulator). The QAT forward runs on mma.sync either way."""
+    from .int8 import _pick_engine
+
+    return _pick_engine(engine, "SAGECUPY_FP4_ENGINE")
 
 
 def kernel_names() -> dict:
@@ -99,6 +93,11 @@ def _fn(kind, T):
     return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=names)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_names() -> tuple:
+    return tuple(kernel_names()["fp4_attn_fwd_sm90.cu"])
+
+
 def _attn_fn(name):
     return get_function("fp4_attn_fwd.cu", name)
 
@@ -107,6 +106,8 @@ def fwd_smem_bytes(D: int, warps: int, engine: str = "mma") -> int:
     """Dynamic shared memory of the FP4 forwards. mma.sync: fp16 Q tile, 2 stages of fp16 K and V^T tiles, the
     packed staging area, alignment. wgmma (``Nv90`` in fp4_attn_fwd_sm90.cu): fp16 Q, 3 stages of K and V,
     36 staging bytes per 64-element task (64 D / 64 K tasks + D V tasks), 9 mbarriers, 1024 for alignment."""
+    if engine not in ("mma", "wgmma"):
+        raise ValueError(f"engine={engine!r}: a resolved engine ('mma' or 'wgmma') is needed here")
     if engine == "wgmma":
         return 16 * warps * 2 * D + 3 * (_BKV * 2 * D + D * _BKV * 2) + 36 * (_BKV * D // 64 + D) + 9 * 8 + 1024
     return 16 * warps * 2 * D + 2 * (_BKV * 2 * D + D * _BKV * 2) + _BKV * D + 128
@@ -343,7 +344,7 @@ def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_
     vc, vs = ops["v_packed"], ops["v_scales"]
     if engine == "wgmma":
         fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}>",
-                          all_names=tuple(kernel_names()["fp4_attn_fwd_sm90.cu"]), arch="sm_90a")
+                          all_names=_sm90_names(), arch="sm_90a")
         vc, vs = _pad_tokens64(vc, vs, n16)
         v_args = (vc, vs, i32(vc.shape[-1]))
     else:
@@ -372,8 +373,8 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     """
     import cupy
 
-    engine = fp4_engine(engine)
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
+    engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
     ops = quantize_inputs(q, k, v, layout=layout, k_smoothing=cfg.k_smoothing)
     qmk = None
     if ops["mu_k"] is not None:  # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE

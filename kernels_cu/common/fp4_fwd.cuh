@@ -47,7 +47,8 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
       }
     }
   }
-  // Row maxima as trees (short dependency chains). A NaN logit reaches O through x and the row sum.
+  // Row maxima as trees (short dependency chains). fmaxf drops a NaN logit unless all 16 of a thread's are NaN
+  // (then quad_max propagates it and the row's max is NaN); either way the NaN reaches O through x and the row sum.
   float rmax[2] = {acc_row_max<8, 0>(s), acc_row_max<8, 1>(s)};
   Fp4TileScale ts;
   float base[2];

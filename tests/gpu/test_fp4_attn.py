@@ -387,12 +387,14 @@ def test_error_paths():
         nvfp4.attention_packed(dict(ops, k_scales=ops["k_scales"].astype(cp.int32)))
 
 
-def test_cta_size_does_not_change_the_result(monkeypatch, engine):
-    """4- and 8-warp CTAs (SAGECUPY_FP4_WARPS) compute every row the same way: bitwise equal outputs."""
+@pytest.mark.parametrize("D", [128, 64])
+def test_cta_size_does_not_change_the_result(monkeypatch, engine, D):
+    """4- and 8-warp CTAs (SAGECUPY_FP4_WARPS) compute every row the same way: bitwise equal outputs (the wgmma
+    kernel at D=64 with 8 warps leaves half its threads without a dequantization task)."""
     cp = _cp()
     from sagecupy import nvfp4, qat
 
-    (q, k, v, do), _ = _inputs(13, 1, 4, 2, 300, 200, 128, "NHD", "bfloat16")
+    (q, k, v, do), _ = _inputs(13, 1, 4, 2, 300, 200, D, "NHD", "bfloat16")
     out = {}
     for w in ("4", "8"):
         monkeypatch.setenv("SAGECUPY_FP4_WARPS", w)
@@ -401,6 +403,39 @@ def test_cta_size_does_not_change_the_result(monkeypatch, engine):
         out[w] = [_raw(o1), lse1, _raw(o2), lse2, res.o_prime[:, :, :300]]
     for a, b in zip(out["4"], out["8"]):
         assert bool(cp.all((a == b) | (cp.isnan(a) & cp.isnan(b))))
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_nvfp4_ctas_that_see_no_key(engine, D):
+    """Causal with Nq - Nk = 610: whole CTAs (64 or 128 rows) visit no key tile (the wgmma kernel's prologue and
+    loop run zero times); against the simulator, and those rows are exact zeros with LSE -inf."""
+    from sagecupy import nvfp4
+
+    _nvfp4_case(1, 2, 1, 700, 90, D, True, "HND", "bfloat16", NVFP4Config(), seed=21)
+    (q, k, v, _), _ = _inputs(21, 1, 2, 1, 700, 90, D, "HND", "bfloat16")
+    o, lse = nvfp4.attention(q, k, v, causal=True, return_lse=True)
+    o_h, lse_h = _host(o), lse.get()
+    assert np.all(o_h[:, :, :610] == 0) and np.all(np.isneginf(lse_h[:, :, :610]))
+
+
+def test_nvfp4_wgmma_pingpong_does_not_change_the_result(monkeypatch):
+    """The warpgroup ping-pong (8 warps, D=128) only orders when each warpgroup issues its products: bitwise the
+    same output with it compiled out (SAGE_FP4_PINGPONG=0), causal and not, several tile counts."""
+    from sagecupy import _checks, nvfp4
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
+    cp = _cp()
+    for nq, nk, causal in ((300, 517, False), (517, 300, True), (128, 64, False), (200, 130, True)):
+        (q, k, v, _), _ = _inputs(23, 1, 2, 1, nq, nk, 128, "HND", "float16")
+        ops = nvfp4.quantize_inputs(q, k, v)
+        got = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("SAGECUPY_DEFINES", f"SAGE_FP4_PINGPONG={flag}")
+            o, lse = nvfp4.attention_packed(ops, causal=causal, return_lse=True, engine="wgmma")
+            got[flag] = (_checks.raw(o), lse)
+        assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1]))
 
 
 def test_misaligned_packed_operands_and_bad_arguments(engine):
