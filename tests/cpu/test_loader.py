@@ -18,3 +18,38 @@ def test_include_with_trailing_comment_is_inlined(tmp_path):
     (tmp_path / "k.cu").write_text('#include "h.cuh"  // why it is needed\n#include "h.cuh"\nint body;\n')
     out = _loader._inline(tmp_path / "k.cu", set())
     assert out.count("int from_header;") == 1 and "int body;" in out and '#include "' not in out
+
+
+def test_engine_names_are_validated_before_any_device_query(monkeypatch):
+    """A bad engine name, from the argument or the environment, is a ValueError naming where it came from; this
+    needs no GPU (the device is asked only to resolve "auto" and to check "wgmma")."""
+    import pytest
+
+    from sagecupy import int8, nvfp4
+
+    with pytest.raises(ValueError, match=r"engine='tensor' is not supported"):
+        nvfp4.fp4_engine("tensor")
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "tensor")
+    with pytest.raises(ValueError, match=r"SAGECUPY_FP4_ENGINE='tensor' is not supported"):
+        nvfp4.fp4_engine()
+    monkeypatch.setenv("SAGECUPY_FWD_ENGINE", "x")
+    with pytest.raises(ValueError, match=r"SAGECUPY_FWD_ENGINE='x'"):
+        int8.forward_engine()
+    assert nvfp4.fp4_engine("mma") == "mma"  # an explicit engine wins over the environment
+
+
+def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
+    """The host's shared-memory formula needs a resolved engine; every wgmma NVFP4 instantiation the host can
+    launch (both CTA sizes, both P modes, D 64/128, fp16/bf16) is in the list CI compiles."""
+    import pytest
+
+    from sagecupy import nvfp4
+
+    monkeypatch.delenv("SAGECUPY_FP4_WARPS", raising=False)
+    with pytest.raises(ValueError, match="resolved engine"):
+        nvfp4.fwd_smem_bytes(128, 8, "auto")
+    names = nvfp4.kernel_names()["fp4_attn_fwd_sm90.cu"]
+    assert len(names) == len(set(names)) == 16
+    # D=128, 8 warps: fits one CTA per SM on Hopper (227 KiB), leaves room for the L1 carve-out
+    assert nvfp4.fwd_smem_bytes(128, 8, "wgmma") < 160 * 1024
+    assert nvfp4.fp4_warps("wgmma", 128) == 8 and nvfp4.fp4_warps("wgmma", 64) == 4 and nvfp4.fp4_warps() == 8
