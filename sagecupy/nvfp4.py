@@ -42,8 +42,8 @@ _WGMMA_WARPS = 8
 def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
     """Warps per FP4 forward CTA (16 query rows each). mma.sync kernels: 8 by default (K/V tiles dequantized
     once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel: 8
-    at D=128 (two warpgroups share each dequantized tile: 1.6x the speed of 4 warps), 4 at D=64 (2-3% faster
-    there; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs
+    at D=128 (two warpgroups share each dequantized tile: 1.6x the speed of 4 warps), 4 at D=64 (within a few
+    percent of 8 there, either way between runs; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs
     with less than ~104 KiB of shared memory per block at D=128). For finite inputs the result does not depend
     on it (tested bitwise); with a NaN in V, rows that cannot see its block may or may not turn NaN depending on
     which CTAs load the tile."""
@@ -287,8 +287,7 @@ def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=N
                  engine=None) -> tuple[bool, str]:
     """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
     Never raises."""
-    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config,
-                         engine or os.environ.get("SAGECUPY_FP4_ENGINE", "auto"))
+    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
 
 
 def _as_float32_hnd(x, layout):
