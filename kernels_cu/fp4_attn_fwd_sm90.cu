@@ -37,8 +37,9 @@ using namespace sage;
 
 // Warpgroup ping-pong (two-warpgroup CTAs at D = 128): the warpgroups take turns issuing their products (named
 // barriers 1 and 2), so one's softmax overlaps the other's products: 1.03-1.05x on the H200 at D = 128 (two runs of
-// bench/fp4_variants.py; the results are bitwise the same). At D = 64 (8 warps) one run measured 0.96-0.97x, a
-// second none (run-to-run noise is ~3%): left off there. SAGE_FP4_PINGPONG=0 turns it off.
+// bench/fp4_variants.py; the results are bitwise the same). At D = 64 (8 warps) it measured 0.96-0.97x in one
+// run, within the ~3% spread that two timings of one and the same kernel showed later: left off there for now.
+// SAGE_FP4_PINGPONG=0 turns it off.
 #ifndef SAGE_FP4_PINGPONG
 #define SAGE_FP4_PINGPONG 1
 #endif
