@@ -381,3 +381,34 @@ def test_two_level_p():
         F.two_level_p_fake_quantize(p, 24)
     with pytest.raises(ValueError, match="non-negative"):
         F.two_level_p_fake_quantize(-p, 32)
+
+
+def _kernel_e2m1_round(a):
+    """numpy emulation (float32 arithmetic, round to nearest even) of kernels_cu/common/fp4.cuh's
+    e2m1_round_nonneg: a + M - M with M = 2^(22 + max(e, 0)) from a's exponent field, then min(., 6)."""
+    a = np.asarray(a, dtype=np.float32)
+    bits = a.view(np.uint32)
+    m = (bits & np.uint32(0x7F800000)).astype(np.int64) + (22 << 23)
+    m = np.where(m > 0x7FFFFFFF, m - 2 ** 32, m)  # the kernel's int32 wraps for an Inf/NaN exponent field
+    m = np.maximum(m, 0x4A800000).astype(np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.fmin((a + m) - m, np.float32(6.0))
+
+
+def test_kernel_e2m1_rounding_matches_the_reference():
+    """The P quantizer's E2M1 rounding in the attention kernels (one magic add per binade) is the reference's
+    nearest-even E2M1 rounding for every non-negative fp32 input it sees: every value of a dense sample of
+    [0, 64) (every 97th fp32 bit pattern), every grid point and midpoint with its fp32 neighbours, large values
+    and Inf/NaN (which give 6, as the kernel documents)."""
+    from sagecupy.reference import fp4
+
+    hi = int(np.float32(64.0).view(np.uint32))
+    sample = np.arange(0, hi, 97, dtype=np.uint32).view(np.float32)
+    grid = fp4.E2M1_MAGNITUDES
+    pts = np.concatenate([grid, (grid[1:] + grid[:-1]) / 2]).astype(np.float32)
+    near = np.concatenate([np.nextafter(pts, np.float32(0)), pts, np.nextafter(pts, np.float32(np.inf))])
+    big = np.array([6.5, 7.0, 7.5, 8.0, 100.0, 1e30, 3.4e38], dtype=np.float32)
+    x = np.concatenate([sample, near, big])
+    np.testing.assert_array_equal(_kernel_e2m1_round(x).astype(np.float64), fp4.e2m1_round(x.astype(np.float64)))
+    special = _kernel_e2m1_round(np.array([np.inf, np.nan], dtype=np.float32))
+    assert special.tolist() == [6.0, 6.0]
