@@ -65,19 +65,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned add
 __device__ __forceinline__ void cp_async_16(unsigned smem_addr, const void* gptr) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gptr));
 }
+// 16-byte cp.async that reads the first `src_bytes` (0..16) bytes and zero-fills the rest (0: reads nothing).
+__device__ __forceinline__ void cp_async_16_n(unsigned smem_addr, const void* gptr, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_bytes));
+}
 // As cp_async_16, but writes 16 zero bytes (reading nothing) when `valid` is false.
 __device__ __forceinline__ void cp_async_16_zfill(unsigned smem_addr, const void* gptr, bool valid) {
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_size));
+  cp_async_16_n(smem_addr, gptr, valid ? 16 : 0);
 }
 // 8-byte cp.async (through L1), zero-filling when `valid` is false.
 __device__ __forceinline__ void cp_async_8_zfill(unsigned smem_addr, const void* gptr, bool valid) {
   const int src_size = valid ? 8 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_size));
-}
-// 16-byte cp.async that reads the first `src_bytes` (0..16) bytes and zero-fills the rest (0: reads nothing).
-__device__ __forceinline__ void cp_async_16_n(unsigned smem_addr, const void* gptr, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gptr), "r"(src_bytes));
 }
 // 4-byte cp.async (through L1) of the first `src_bytes` (0..4) bytes, zero-filling the rest.
 __device__ __forceinline__ void cp_async_4_n(unsigned smem_addr, const void* gptr, int src_bytes) {
