@@ -257,12 +257,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     {  // P.V(t)
       const unsigned long long dv = gmma_desc_advance(dv0, st0 * S::V_BYTES);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        if constexpr (D == 128)
-          wgmma_m64n128k16_rs_f32_f16(acc_pv, pa[kk], gmma_desc_advance(dv, 32 * kk), kk);
-        else
-          wgmma_m64n64k16_rs_f32_f16(acc_pv, pa[kk], gmma_desc_advance(dv, 32 * kk), kk);
-      }
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(acc_pv, pa[kk], gmma_desc_advance(dv, 32 * kk), kk);
       wgmma_commit();
     }
     // While P.V(t) runs: tile t+2 from this thread's staging slots into stage (t+2) % NST, once every thread is

@@ -1,0 +1,63 @@
+"""The 16-bit wgmma products with an MN-major B operand (common/wgmma.cuh: wgmma_rs<T, true>, desc_mn16), checked
+exactly against numpy on small integers (every product and sum is exact in fp32). They are the building block
+of the QAT backward's wgmma kernels; a layout error shows here as a plain wrong matrix."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+_SRC = Path(__file__).with_name("wgmma_operands.cu")
+_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+def _names():
+    return tuple(f"wgmma_rs_mn_product<{T}, {n}, {s}>" for T in _TYPES.values() for n in (64, 128)
+                 for s in ("false", "true"))
+
+
+@pytest.fixture(scope="module")
+def module():
+    cupy = pytest.importorskip("cupy")
+    from sagecupy import _loader
+
+    if _loader.device_capability() != (9, 0):
+        pytest.skip("wgmma needs compute capability 9.0")
+    source = _loader._inline(_SRC.resolve(), set())
+    mod = cupy.RawModule(code=source, options=_loader._options("sm_90a"), name_expressions=_names())
+    mod.compile()
+    return mod
+
+
+def _run(module, dtype, n, swap, a, b):
+    import cupy
+
+    from sagecupy.bf16 import BF16Array
+
+    T = _TYPES[dtype]
+    fn = module.get_function(f"wgmma_rs_mn_product<{T}, {n}, {'true' if swap else 'false'}>")
+    if dtype == "float16":
+        da, db = cupy.asarray(a.astype(np.float16)), cupy.asarray(b.astype(np.float16))
+    else:
+        da, db = (BF16Array.from_float(cupy.asarray(x)).bits for x in (a, b))  # small integers: exact
+    c = cupy.full((64, n), np.nan, dtype=cupy.float32)
+    smem = 1024 + 8192 + 64 * 2 * n
+    fn.max_dynamic_shared_size_bytes = smem
+    fn((1,), (128,), (da, db, c), shared_mem=smem)
+    return cupy.asnumpy(c)
+
+
+@pytest.mark.parametrize("dtype", list(_TYPES))
+@pytest.mark.parametrize("n", [64, 128])
+def test_register_a_times_mn_major_b_is_exact(module, dtype, n):
+    rng = np.random.default_rng(n)
+    a = rng.integers(-8, 9, size=(64, 64)).astype(np.float32)
+    b = rng.integers(-8, 9, size=(64, n)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    got = _run(module, dtype, n, False, a, b)
+    np.testing.assert_array_equal(got, want)
+    # The same product with the descriptor's two byte offsets exchanged reads B wrongly: the test can tell them apart.
+    assert not np.array_equal(_run(module, dtype, n, True, a, b), want)

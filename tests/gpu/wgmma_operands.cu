@@ -1,0 +1,51 @@
+// Test kernels for common/wgmma.cuh's 16-bit register-A products with an MN-major ("transposed") B operand,
+// the form the QAT backward uses for P^T dO, dS^T Q~ and dS K~ (tests/gpu/test_wgmma_operands.py).
+#include "common/tile.cuh"
+#include "common/wgmma.cuh"
+
+using namespace sage;
+
+// C (64 x N fp32, row-major) = A (64 x 64, row-major) B (64 x N, row-major), one warpgroup. A goes to registers
+// through ldmatrix (the m16n8k16 A fragment), B to shared memory as a [K][N] tile in 128-byte pieces, read
+// through desc_mn16. SWAP exchanges the descriptor's two byte offsets (the test checks that this is wrong,
+// i.e. that it can tell the fields apart).
+template <typename T, int N, bool SWAP>
+__global__ void __launch_bounds__(128) wgmma_rs_mn_product(const T* __restrict__ a, const T* __restrict__ b,
+                                                           float* __restrict__ c) {
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sA = smem;         // 64 rows x 128 bytes, swizzled
+  char* sB = smem + 8192;  // 64 rows (k) x N, in 128-byte pieces
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  load_tile_async<64, 128, 128>(sA, reinterpret_cast<const char*>(a), 128, tid);
+  const TileCopy<64, 2 * N, 128, true> cb(tid);
+  cb.copy(sB, reinterpret_cast<const char*>(b), 2 * N);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  unsigned af[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) ldsm_x4<128, true>(af[kk], sA, warp * 16, 2 * kk, lane);
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    unsigned long long d = desc_mn16<64>(sB, kk);
+    if (SWAP) {
+      const unsigned long long lbo = (d >> 16) & 0x3FFF, sbo = (d >> 32) & 0x3FFF;
+      d = (d & ~((0x3FFFull << 16) | (0x3FFFull << 32))) | (sbo << 16) | (lbo << 32);
+    }
+    wgmma_rs<T, true>(acc, af[kk], d, kk);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(acc);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      c[(warp * 16 + g + 8 * (e >> 1)) * N + 8 * j + 2 * t4 + (e & 1)] = acc[4 * j + e];
+}
