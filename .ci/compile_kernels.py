@@ -51,7 +51,8 @@ def nvcc_compile(nvcc, filename, names, arch_flag, tmp):
     # Host-side sizes that must equal the kernel's own constants (shared-memory layouts): a mismatch is a
     # compile error here instead of an out-of-bounds shared access on the GPU.
     checks = "".join(f'static_assert({expr} == {value}, "host value {value} of {expr} (sagecupy) differs");\n'
-                     for expr, value in {**int8.kernel_constants(), **nvfp4.kernel_constants()}.get(filename, ()))
+                     for expr, value in {**int8.kernel_constants(), **nvfp4.kernel_constants(),
+                                         **_qat_bwd.kernel_constants()}.get(filename, ()))
     wrapper.write_text(f'#include "{_loader.kernel_dir() / filename}"\n'
                        f"const void* sagecupy_instances[] = {{\n  {refs}\n}};\n{checks}")
     cmd = [nvcc, "-std=c++17", arch_flag, "-Xptxas", "-v", "-c", str(wrapper), "-o", str(Path(tmp) / "out.o")]

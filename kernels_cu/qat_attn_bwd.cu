@@ -16,9 +16,7 @@
 // gradients are bitwise repeatable.
 // Operands: q (BHq, nq_pad, D), k, v (BHkv, nk_pad, D) in T (zero rows beyond nq / nk); dout (caller strides,
 // rows >= nq zero-filled); lse2, delta (BHq, nq_pad).
-#include "common/fp4.cuh"
-#include "common/mma.cuh"
-#include "common/numeric.cuh"
+#include "common/qat_bwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
 
@@ -55,7 +53,6 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   const int group = Hq / Hkv;
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BKV, shift = nk - nq;
-  constexpr float LOG2_X_MAX = 11.392317422778761f, X_MAX = 2688.f;
 
   load_tile_async<BKV, ROWB, THREADS>(sK, reinterpret_cast<const char*>(kt + (bhk * nk_pad + k0) * D), ROWB, tid);
   load_tile_async<BKV, ROWB, THREADS>(sV, reinterpret_cast<const char*>(vt + (bhk * nk_pad + k0) * D), ROWB, tid);
@@ -107,26 +104,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
       }
     }
     float cmax[8][2];  // per query column: max logit over this warp's 16 keys (= the 16-key block)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = s[nt][e];  // raw products; scale_log2 is applied inside the exponents (as the forward)
-        if (need_mask) {
-          const int qrow = q0 + nt * 8 + 2 * t4 + (e & 1), key = key_lo + 8 * (e >> 1);
-          if (key >= nk || qrow >= nq || (CAUSAL && key > qrow + shift)) v = -INFINITY;
-        }
-        s[nt][e] = v;
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        // fmaxf: a NaN logit reaches the gradients through P itself
-        float c = fmaxf(s[nt][j], s[nt][2 + j]);
-        c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 4));
-        c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 8));
-        cmax[nt][j] = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 16));
-      }
-    }
+    qat_mask_colmax(s, cmax, need_mask, key_lo, q0, t4, nq, nk, CAUSAL, shift);
     if (g == 0) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
@@ -140,32 +118,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
     // P, P_q (packed as the A operand of dV), per query column.
     float p[8][4];
     unsigned pa[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float pq[4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int qi = nt * 8 + 2 * t4 + j;
-        const float r = sR[qi], l2 = sL[qi];
-        const bool seen = r != -INFINITY;
-        const float base = seen ? LOG2_X_MAX - r : 0.f;
-        const float beta = seen ? exp2f(r - l2) / X_MAX : 0.f;
-        const float amax = fast_exp2(fmaf(cmax[nt][j], scale_log2, base));
-        const float sc = e4m3_block_scale_fast(amax);
-        const float inv = rcp_approx(sc);
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          const float sv = s[nt][2 * hi + j];
-          const float x = fast_exp2(fmaf(sv, scale_log2, base));
-          pq[2 * hi + j] = e2m1_round_nonneg(x * inv) * sc * beta;
-          p[nt][2 * hi + j] = fast_exp2(fmaf(sv, scale_log2, -l2));
-        }
-      }
-      // accumulator n-tile nt (queries nt*8..) -> A fragment of k16 chunk nt/2: a0/a1 (even tile), a2/a3 (odd)
-      const int kk = nt >> 1, hi = nt & 1;
-      pa[kk][2 * hi] = pack2<T>(pq[0], pq[1]);
-      pa[kk][2 * hi + 1] = pack2<T>(pq[2], pq[3]);
-    }
+    qat_pt_tile<T>(p, pa, s, cmax, sR, sL, t4, scale_log2);
 
     // dV += P_q^T dO   (B = dO stored [query][d]: transposed ldmatrix)
 #pragma unroll
@@ -197,19 +150,9 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         mma_f16<T>(dpt[2 * np + 1], a, b1);
       }
     }
-    // dS^T = P^T (dP^T - delta): A operand of dK. Rounded to T as
-    // FlashAttention does (fp16 dS can overflow when |dP - delta| approaches 65504; bf16 cannot).
+    // dS^T = P^T (dP^T - delta): A operand of dK.
     unsigned da[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int qc = nt * 8 + 2 * t4;
-      const float d0 = sDel[qc], d1 = sDel[qc + 1];
-      const unsigned lo = pack2<T>(p[nt][0] * (dpt[nt][0] - d0), p[nt][1] * (dpt[nt][1] - d1));
-      const unsigned hi = pack2<T>(p[nt][2] * (dpt[nt][2] - d0), p[nt][3] * (dpt[nt][3] - d1));
-      const int kk = nt >> 1, h2 = nt & 1;
-      da[kk][2 * h2] = lo;
-      da[kk][2 * h2 + 1] = hi;
-    }
+    qat_dst_tile<T>(da, p, dpt, sDel, t4);
     // dK += dS^T Q~   (B = Q~ stored [query][d]: transposed ldmatrix)
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
@@ -316,23 +259,7 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
     }
     // dS = P o (dP - delta), rounded to T, packed as the A operand of dQ (k = keys).
     unsigned da[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float sv = s[nt][e];
-        if (need_mask) {
-          const int key = k0 + nt * 8 + 2 * t4 + (e & 1), row = r_lo + 8 * (e >> 1);
-          if (key >= nk || row >= nq || (CAUSAL && key > row + shift)) sv = -INFINITY;
-        }
-        const float p = fast_exp2(fmaf(sv, scale_log2, -l2[e >> 1]));
-        ds[e] = p * (dpv[nt][e] - del[e >> 1]);
-      }
-      const int kk = nt >> 1, h2 = nt & 1;
-      da[kk][2 * h2] = pack2<T>(ds[0], ds[1]);
-      da[kk][2 * h2 + 1] = pack2<T>(ds[2], ds[3]);
-    }
+    qat_ds_tile<T>(da, s, dpv, need_mask, k0, r_lo, t4, l2, del, nq, nk, CAUSAL, shift, scale_log2);
     // dQ += dS K~   (B = K~ stored [key][d]: transposed ldmatrix)
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {

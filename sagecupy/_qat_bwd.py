@@ -1,4 +1,5 @@
-"""The FP4 QAT backward launch (kernels_cu/qat_attn_bwd.cu); the public entry is :func:`sagecupy.qat.backward`."""
+"""The FP4 QAT backward launch (kernels_cu/qat_attn_bwd.cu: mma.sync, sm_80+; kernels_cu/qat_attn_bwd_sm90.cu:
+wgmma, sm_90a); the public entry is :func:`sagecupy.qat.backward`."""
 from __future__ import annotations
 
 import functools
@@ -9,12 +10,31 @@ from ._loader import get_function
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
+_SOURCES = {"mma": ("qat_attn_bwd.cu", "", None), "wgmma": ("qat_attn_bwd_sm90.cu", "_sm90", "sm_90a")}
+
+
+def _names(T, D, engine):
+    sfx = _SOURCES[engine][1]
+    return (f"qat_attn_bwd{sfx}<{T}, {D}>", f"qat_attn_bwd_dq{sfx}<{T}, {D}>")
+
+
 def kernel_names() -> dict:
-    names = []
-    for T in _T.values():
-        names += [f"qat_attn_bwd<{T}, {D}>" for D in (64, 128)]
-        names += [f"qat_attn_bwd_dq<{T}, {D}>" for D in (64, 128)]
-    return {"qat_attn_bwd.cu": names}
+    out = {}
+    for engine, (src, _, _) in _SOURCES.items():
+        out[src] = [n for T in _T.values() for D in (64, 128) for n in _names(T, D, engine)]
+    return out
+
+
+def backward_engine(engine: str | None = None) -> str:
+    """The tensor-core path the QAT backward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
+
+    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_BWD_ENGINE`` overrides it, as for the
+    INT8 backward) picks ``"wgmma"`` on sm_90 and ``"mma"`` elsewhere. Both run the same element-wise steps
+    (``kernels_cu/common/qat_bwd.cuh``) on the same 16-bit operands; they differ only through the fp32
+    accumulation order inside the tensor cores (tested)."""
+    from .int8 import _pick_engine
+
+    return _pick_engine(engine, "SAGECUPY_BWD_ENGINE")
 
 
 def smem_bytes(D: int) -> int:
@@ -25,6 +45,23 @@ def smem_bytes(D: int) -> int:
 def dq_smem_bytes(D: int) -> int:
     """The dQ kernel's: Q~ and dO tiles, two stages of K~ and V~, alignment."""
     return 6 * 64 * 2 * D + 128
+
+
+def sm90_smem_bytes(D: int) -> tuple:
+    """Dynamic shared memory of the wgmma kernels (QatBwdSm90 / QatBwdDqSm90 in qat_attn_bwd_sm90.cu): (dK/dV,
+    dQ) bytes, each with 1024 bytes of slack for the 1024-byte alignment wgmma tiles need."""
+    tile = 128 * D
+    stage = -(-(2 * tile + 512) // 1024) * 1024
+    return 1024 + 2 * tile + 2 * stage + 5 * 64 * 4, 1024 + 2 * tile + 4 * tile
+
+
+def kernel_constants() -> dict:
+    """Host values the kernel sources define too (CI compiles ``static_assert(expression == value)``)."""
+    out = []
+    for D in (64, 128):
+        kv, dq = sm90_smem_bytes(D)
+        out += [(f"QatBwdSm90<{D}>::SMEM", kv), (f"QatBwdDqSm90<{D}>::SMEM", dq)]
+    return {"qat_attn_bwd_sm90.cu": out}
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,7 +82,7 @@ def _as_dtype(x16, dtype):
     return _bf16_bits_kernel()(x16, cupy.empty(x16.shape, dtype=cupy.uint16))
 
 
-def backward(res, do):
+def backward(res, do, engine=None):
     import cupy
 
     from .int8 import _empty, _prepare, _strides
@@ -54,6 +91,7 @@ def backward(res, do):
 
     if not isinstance(res, Residuals):
         raise TypeError(f"residuals must be the Residuals returned by sagecupy.qat.forward, got {type(res).__name__}")
+    eng = backward_engine(engine)
     p = res.problem
     do = _checks.as_cupy(do, "do")
     shape = (p.batch, p.heads_q, p.nq, p.head_dim) if p.layout == "HND" else (p.batch, p.nq, p.heads_q, p.head_dim)
@@ -79,23 +117,23 @@ def backward(res, do):
     dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     ksb, ksh, ksn = _strides(dk, p.layout)
     vvb, vvh, vvn = _strides(dv, p.layout)
-    names = (f"qat_attn_bwd<{T}, {D}>", f"qat_attn_bwd_dq<{T}, {D}>")
+    names = _names(T, D, eng)
+    src, _, arch = _SOURCES[eng]
+    smem_kv, smem_q = sm90_smem_bytes(D) if eng == "wgmma" else (smem_bytes(D), dq_smem_bytes(D))
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     log2e = 1.4426950408889634
-    fn = get_function("qat_attn_bwd.cu", names[0], all_names=names)
-    smem = smem_bytes(D)
-    if smem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = smem
+    fn = get_function(src, names[0], all_names=names, arch=arch)
+    if smem_kv > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem_kv
     fn((nk_pad // 64, Hkv, B), (128,),
        (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta,
         dk, i64(ksb), i64(ksh), i64(ksn), dv, i64(vvb), i64(vvh), i64(vvn),
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
         i32(int(p.causal))),
-       shared_mem=smem)
+       shared_mem=smem_kv)
     dq = _empty((B, Hq, nq, D), p.layout, p.dtype)
     qsb, qsh, qsn = _strides(dq, p.layout)
-    fq = get_function("qat_attn_bwd.cu", names[1], all_names=names)
-    smem_q = dq_smem_bytes(D)
+    fq = get_function(src, names[1], all_names=names, arch=arch)
     if smem_q > 48 * 1024:
         fq.max_dynamic_shared_size_bytes = smem_q
     fq((nq_pad // 64, Hq, B), (128,),

@@ -138,6 +138,9 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
         row("sagecupy-qat", "fwd", "e2e", time_ms(lambda: qat.forward(q, k, v, causal=causal), warmup, rep))
         _, res = qat.forward(q, k, v, causal=causal)
         row("sagecupy-qat", "bwd", "e2e", time_ms(lambda: qat.backward(res, do), warmup, rep))
+        # Both backward engines explicitly (end to end: the delta pass and operand conversions included).
+        for eng in ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",):
+            row("sagecupy-qat", "bwd", f"e2e-{eng}", time_ms(lambda: qat.backward(res, do, engine=eng), warmup, rep))
 
         def fb():
             _, r = qat.forward(q, k, v, causal=causal)

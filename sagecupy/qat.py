@@ -160,8 +160,11 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_
     return (out[0], out[1]) if return_lse else out[0]
 
 
-def backward(residuals: Residuals, do):
-    """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype."""
+def backward(residuals: Residuals, do, *, engine=None):
+    """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype.
+
+    ``engine``: ``"auto"`` (default: wgmma on sm_90, mma.sync elsewhere; ``SAGECUPY_BWD_ENGINE`` overrides the
+    default), ``"mma"`` or ``"wgmma"`` (see :func:`sagecupy._qat_bwd.backward_engine`)."""
     from . import _qat_bwd
 
-    return _qat_bwd.backward(residuals, do)
+    return _qat_bwd.backward(residuals, do, engine=engine)

@@ -53,3 +53,23 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     # D=128, 8 warps: fits one CTA per SM on Hopper (227 KiB), leaves room for the L1 carve-out
     assert nvfp4.fwd_smem_bytes(128, 8, "wgmma") < 160 * 1024
     assert nvfp4.fp4_warps("wgmma", 128) == 8 and nvfp4.fp4_warps("wgmma", 64) == 4 and nvfp4.fp4_warps() == 8
+
+
+def test_qat_backward_engines_and_kernel_lists(monkeypatch):
+    """The QAT backward's engine follows SAGECUPY_BWD_ENGINE like the INT8 backward's; both engines' kernels are
+    in the lists CI compiles; the wgmma kernels' shared memory lets two CTAs share an SM (228 KiB, 1 KiB each
+    reserved)."""
+    import pytest
+
+    from sagecupy import _qat_bwd, int8
+
+    monkeypatch.setenv("SAGECUPY_BWD_ENGINE", "tensor")
+    with pytest.raises(ValueError, match=r"SAGECUPY_BWD_ENGINE='tensor' is not supported"):
+        _qat_bwd.backward_engine()
+    assert _qat_bwd.backward_engine("mma") == "mma"
+    names = _qat_bwd.kernel_names()
+    assert names["qat_attn_bwd.cu"] and len(names["qat_attn_bwd_sm90.cu"]) == len(set(names["qat_attn_bwd_sm90.cu"])) == 8
+    assert int8.KERNEL_ARCHS["qat_attn_bwd_sm90.cu"] == ("sm_90a",)
+    for D in (64, 128):
+        for smem in _qat_bwd.sm90_smem_bytes(D):
+            assert 2 * (smem + 1024) <= 228 * 1024

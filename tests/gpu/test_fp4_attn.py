@@ -23,13 +23,15 @@ TOL = 1e-3
 
 @pytest.fixture(params=["mma", "wgmma"])
 def engine(request, monkeypatch):
-    """Runs an NVFP4 test on both forward engines (SAGECUPY_FP4_ENGINE): mma.sync and, on sm_90, wgmma."""
+    """Runs a test on both engines of the NVFP4 forward (SAGECUPY_FP4_ENGINE) and of the QAT backward
+    (SAGECUPY_BWD_ENGINE): mma.sync and, on sm_90, wgmma."""
     if request.param == "wgmma":
         from sagecupy._loader import device_capability
 
         if device_capability() != (9, 0):
-            pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
+            pytest.skip("the wgmma kernels need compute capability 9.0")
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", request.param)
+    monkeypatch.setenv("SAGECUPY_BWD_ENGINE", request.param)
     return request.param
 
 
@@ -245,7 +247,7 @@ TOL_GRAD = 2e-3
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype", CASES, ids=IDS)
-def test_qat_backward_vs_reference(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype):
+def test_qat_backward_vs_reference(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, engine):
     from sagecupy import qat
 
     (q, k, v, do), (qh, kh, vh, doh), o, res, r_sim, case = _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype)
@@ -270,7 +272,7 @@ def test_qat_backward_vs_reference(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype)
     assert bool((_raw(do) == before).all()), "do was modified"
 
 
-def test_qat_delta_must_come_from_o_prime():
+def test_qat_delta_must_come_from_o_prime(engine):
     """SPEC §6: delta = rowsum(dO o O'). The same kernel fed O instead of O' gives a dQ that is measurably
     wrong against the reference gradient, while the correct one matches it."""
     import dataclasses
@@ -291,7 +293,7 @@ def test_qat_delta_must_come_from_o_prime():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_qat_backward_is_bitwise_repeatable(causal):
+def test_qat_backward_is_bitwise_repeatable(causal, engine):
     """No atomics (dQ has its own kernel, summed in registers in key order): two runs agree bit for bit, with
     many key blocks per query (Nk = 517) and GQA."""
     from sagecupy import qat
@@ -304,7 +306,7 @@ def test_qat_backward_is_bitwise_repeatable(causal):
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{name} differs between two runs"
 
 
-def test_qat_fully_masked_rows_have_zero_gradients():
+def test_qat_fully_masked_rows_have_zero_gradients(engine):
     from sagecupy import qat
 
     (q, k, v, do), _ = _inputs(5, 1, 2, 2, 70, 20, 64, "HND", "float16")

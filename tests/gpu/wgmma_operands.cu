@@ -7,9 +7,8 @@ using namespace sage;
 
 // C (64 x N fp32, row-major) = A (64 x 64, row-major) B (64 x N, row-major), one warpgroup. A goes to registers
 // through ldmatrix (the m16n8k16 A fragment), B to shared memory as a [K][N] tile in 128-byte pieces, read
-// through desc_mn16. SWAP exchanges the descriptor's two byte offsets (the test checks that this is wrong,
-// i.e. that it can tell the fields apart).
-template <typename T, int N, bool SWAP>
+// through desc_mn16.
+template <typename T, int N>
 __global__ void __launch_bounds__(128) wgmma_rs_mn_product(const T* __restrict__ a, const T* __restrict__ b,
                                                            float* __restrict__ c) {
   extern __shared__ __align__(128) char smem_raw[];
@@ -33,12 +32,7 @@ __global__ void __launch_bounds__(128) wgmma_rs_mn_product(const T* __restrict__
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    unsigned long long d = desc_mn16<64>(sB, kk);
-    if (SWAP) {
-      const unsigned long long lbo = (d >> 16) & 0x3FFF, sbo = (d >> 32) & 0x3FFF;
-      d = (d & ~((0x3FFFull << 16) | (0x3FFFull << 32))) | (sbo << 16) | (lbo << 32);
-    }
-    wgmma_rs<T, true>(acc, af[kk], d, kk);
+    wgmma_rs<T, true>(acc, af[kk], desc_mn16<64>(sB, kk), kk);
   }
   wgmma_commit();
   wgmma_wait<0>();
