@@ -136,6 +136,9 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
             qkv_bytes_per_elem=bpe)
     elif family == "qat":
         row("sagecupy-qat", "fwd", "e2e", time_ms(lambda: qat.forward(q, k, v, causal=causal), warmup, rep))
+        for eng in ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",):
+            row("sagecupy-qat", "fwd", f"e2e-{eng}",
+                time_ms(lambda: qat.forward(q, k, v, causal=causal, engine=eng), warmup, rep))
         _, res = qat.forward(q, k, v, causal=causal)
         row("sagecupy-qat", "bwd", "e2e", time_ms(lambda: qat.backward(res, do), warmup, rep))
         # Both backward engines explicitly (end to end: the delta pass and operand conversions included).

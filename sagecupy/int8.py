@@ -132,7 +132,8 @@ def _quant_names(T, D):
 
 #: Source files that only build for one architecture (CI compiles them for that target alone).
 KERNEL_ARCHS = {"int8_attn_fwd_sm90.cu": ("sm_90a",), "int8_attn_bwd_sm90.cu": ("sm_90a",),
-                "fp4_attn_fwd_sm90.cu": ("sm_90a",), "qat_attn_bwd_sm90.cu": ("sm_90a",)}
+                "fp4_attn_fwd_sm90.cu": ("sm_90a",), "qat_attn_bwd_sm90.cu": ("sm_90a",),
+                "qat_attn_fwd_sm90.cu": ("sm_90a",)}
 _ENGINES = ("auto", "mma", "wgmma")
 
 

@@ -60,7 +60,8 @@ def fp4_engine(engine: str | None = None) -> str:
     environment variable ``SAGECUPY_FP4_ENGINE``, else ``"auto"``), ``"auto"`` (``"wgmma"`` on sm_90, ``"mma"``
     elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two share the per-tile softmax and P
     quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ only through the fp32 accumulation order inside
-    the tensor cores (tested against the simulator). The QAT forward runs on mma.sync either way."""
+    the tensor cores (tested against the simulator). The QAT forward (``sagecupy.qat.forward``) follows the same
+    choice (wgmma: ``kernels_cu/qat_attn_fwd_sm90.cu``)."""
     from .int8 import _pick_engine
 
     return _pick_engine(engine, "SAGECUPY_FP4_ENGINE")
@@ -79,13 +80,22 @@ def kernel_names() -> dict:
             attn.append(f"qat_attn_fwd<{T}, {D}, {w}>")
     attn90 = [f"nvfp4_attn_fwd_sm90<{T}, {D}, {w}, {tl}>" for T in _T.values() for D in (64, 128) for w in _WARPS
               for tl in ("true", "false")]
-    return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90}
+    qat90 = [f"qat_attn_fwd_sm90<{T}, {D}>" for T in _T.values() for D in (64, 128)]
+    return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
+            "qat_attn_fwd_sm90.cu": qat90}
+
+
+def qat_fwd_sm90_smem_bytes(D: int) -> int:
+    """Dynamic shared memory of the wgmma QAT forward (QatFwdSm90<D> in qat_attn_fwd_sm90.cu): fp16 Q~ (128 rows),
+    4 stages of K~ and V~^T tiles (64 keys), 12 mbarriers, 1024 for the tiles' alignment."""
+    return 128 * 2 * D + 4 * (_BKV * 2 * D + D * _BKV * 2) + 12 * 8 + 1024
 
 
 def kernel_constants() -> dict:
     """Host values the kernel sources define too ([(C++ expression, value)] per file; CI static_asserts them)."""
     return {"fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
-                                     for w in _WARPS]}
+                                     for w in _WARPS],
+            "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
 def _fn(kind, T):

@@ -116,18 +116,27 @@ def _fwd_fn(T, D, w):
     return get_function("fp4_attn_fwd.cu", f"qat_attn_fwd<{T}, {D}, {w}>")
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+def _fwd_fn_sm90(T, D):
+    from .nvfp4 import kernel_names
+
+    names = tuple(kernel_names()["qat_attn_fwd_sm90.cu"])
+    return get_function("qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}>", all_names=names, arch="sm_90a")
+
+
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
     """QAT forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     Arguments as :func:`sagecupy.int8.forward`: fp16 or bf16, D 64 or 128, GQA, both layouts, causal
     bottom-right aligned, any N. ``o = fq_P(P) V~`` in q's dtype and layout; ``lse`` float32 (B, Hq, Nq)
-    natural log. Inputs are never modified.
+    natural log. Inputs are never modified. ``engine``: as :func:`sagecupy.nvfp4.fp4_engine` (``"auto"``:
+    wgmma on sm_90, mma.sync elsewhere; ``SAGECUPY_FP4_ENGINE`` overrides the default).
     """
     import cupy
 
     from .int8 import _empty, _strides
-    from .nvfp4 import fp4_warps, fwd_smem_bytes
+    from .nvfp4 import fp4_engine, fp4_warps, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
 
+    eng = fp4_engine(engine)
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     nq_pad, nk_pad = _roundup(nq, _BQ_PAD), _roundup(nk, _BKV)
@@ -139,9 +148,11 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
     o_prime = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.float32)
-    w = fp4_warps()
-    fn = _fwd_fn(_T[p.dtype], D, w)
-    smem = fwd_smem_bytes(D, w)
+    if eng == "wgmma":
+        fn, smem, w = _fwd_fn_sm90(_T[p.dtype], D), qat_fwd_sm90_smem_bytes(D), 8
+    else:
+        w = fp4_warps()
+        fn, smem = _fwd_fn(_T[p.dtype], D, w), fwd_smem_bytes(D, w)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
@@ -154,9 +165,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     return (o, lse, res) if return_lse else (o, res)
 
 
-def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
+def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None):
     """The QAT forward alone (``o`` or ``(o, lse)``), e.g. to evaluate a QAT-trained model."""
-    out = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, return_lse=True)
+    out = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, return_lse=True,
+                  engine=engine)
     return (out[0], out[1]) if return_lse else out[0]
 
 

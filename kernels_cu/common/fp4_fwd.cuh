@@ -14,9 +14,10 @@ struct Fp4Rows {
   float l[2];  // running sum of the unquantized P~ (this thread's columns; quad-summed at the end)
 };
 
-// What one tile hands to the P.V update: O = alpha * O + beta * (P^ V^); rescale = any alpha != 1 in the warp.
+// What one tile hands to the P.V update: O = alpha * O + beta * (P^ V^); rescale = any alpha != 1 in the warp;
+// rmax = the tile's row maxima of the base-2 logits (-inf: the row sees no key in it).
 struct Fp4TileScale {
-  float alpha[2], beta[2];
+  float alpha[2], beta[2], rmax[2];
   bool rescale;
 };
 
@@ -55,6 +56,7 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     rmax[r] = quad_max(rmax[r]) * scale_log2;
+    ts.rmax[r] = rmax[r];
     const float m_new = fmaxf(rs.m[r], rmax[r]);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact

@@ -69,7 +69,11 @@ def test_qat_backward_engines_and_kernel_lists(monkeypatch):
     assert _qat_bwd.backward_engine("mma") == "mma"
     names = _qat_bwd.kernel_names()
     assert names["qat_attn_bwd.cu"] and len(names["qat_attn_bwd_sm90.cu"]) == len(set(names["qat_attn_bwd_sm90.cu"])) == 8
-    assert int8.KERNEL_ARCHS["qat_attn_bwd_sm90.cu"] == ("sm_90a",)
+    assert int8.KERNEL_ARCHS["qat_attn_bwd_sm90.cu"] == int8.KERNEL_ARCHS["qat_attn_fwd_sm90.cu"] == ("sm_90a",)
+    from sagecupy import nvfp4
+
+    assert len(nvfp4.kernel_names()["qat_attn_fwd_sm90.cu"]) == 4
+    assert nvfp4.qat_fwd_sm90_smem_bytes(128) <= 227 * 1024  # one CTA per SM
     for D in (64, 128):
         for smem in _qat_bwd.sm90_smem_bytes(D):
             assert 2 * (smem + 1024) <= 228 * 1024

@@ -23,7 +23,7 @@ TOL = 1e-3
 
 @pytest.fixture(params=["mma", "wgmma"])
 def engine(request, monkeypatch):
-    """Runs a test on both engines of the NVFP4 forward (SAGECUPY_FP4_ENGINE) and of the QAT backward
+    """Runs a test on both engines of the NVFP4 and QAT forwards (SAGECUPY_FP4_ENGINE) and of the QAT backward
     (SAGECUPY_BWD_ENGINE): mma.sync and, on sm_90, wgmma."""
     if request.param == "wgmma":
         from sagecupy._loader import device_capability
@@ -236,7 +236,7 @@ def _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, seed=0, sigma=1.
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype", CASES, ids=IDS)
-def test_qat_forward_vs_reference(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype):
+def test_qat_forward_vs_reference(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, engine):
     _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype)
 
 
