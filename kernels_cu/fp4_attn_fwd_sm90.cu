@@ -221,7 +221,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   auto issue_qk = [&](int kst) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_m64n64k16_ss_f32<__half>(accs, desc_k16<BQ>(sQw, kk),
+      wgmma_ss<__half>(accs, desc_k16<BQ>(sQw, kk),
                                      gmma_desc_advance(desc_k16<BKV>(sK, kk), kst * S::K_BYTES), kk);
     wgmma_commit();
   };

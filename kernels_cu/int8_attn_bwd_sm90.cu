@@ -32,7 +32,7 @@ __device__ __forceinline__ void issue_s_dp(int (&acc_s)[32], float (&acc_dp)[32]
     wgmma_m64n64k32_ss_s8(acc_s, gmma_desc_advance(da, 32 * ks), gmma_desc_advance(db, 32 * ks), ks);
   wgmma_commit();
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) wgmma_m64n64k16_ss_f32<T>(acc_dp, desc_k16<64>(sA16, ks), desc_k16<64>(sB16, ks), ks);
+  for (int ks = 0; ks < D / 16; ++ks) wgmma_ss<T>(acc_dp, desc_k16<64>(sA16, ks), desc_k16<64>(sB16, ks), ks);
   wgmma_commit();
 }
 

@@ -3,15 +3,17 @@
 // wgmma (fp16/bf16 operands, fp32 accumulation). One CTA = one warpgroup (4 warps, 64 rows of M):
 //   dK/dV kernel, per (query head of the kv head, 64-query tile):
 //     S^T  = K~ Q~^T        m64n64k16 SS   (K~, Q~ K-major)
-//     dP^T = V~ dO^T        m64n64k16 SS   (V~, dO K-major)
+//     dP^T = V~ dO^T        m64n64k16 SS   (V~ read M-major from its V~^T tile, dO K-major)
 //     dV  += P_q^T dO       m64nDk16 RS    (P_q^T registers; dO read N-major: the same tile)
 //     dK  += dS^T Q~        m64nDk16 RS    (dS^T registers; Q~ read N-major)
-//   dQ kernel, per 64-key tile: S = Q~ K~^T, dP = dO V~^T (SS), dQ += dS K~ (RS, K~ read N-major).
-// Every 16-bit tile is stored once, [rows][D] in 128-byte pieces (TileCopy<..., true>), and read K-major or
-// N-major through its descriptor (desc_k16 / desc_mn16), so no transposed copy exists. dV, dK and dQ
+//   dQ kernel, per 64-key tile: S = Q~ K~^T, dP = dO V~^T (SS; V~^T read N-major), dQ += dS K~ (RS, K~ read
+//   N-major).
+// Every 16-bit tile is stored once as it lies in memory ([rows][D] in 128-byte pieces, TileCopy<..., true>; V~ as
+// the forward saved it, V~^T [D][keys]) and read K-major or MN-major through its descriptor (desc_k16 /
+// desc_mn16), so no transposed copy exists. dV, dK and dQ
 // accumulate in the wgmma accumulators themselves. Operand tiles are double-buffered with cp.async.
 // Every wait is unconditional and no accumulator is touched while its product is in flight (C7514).
-// Operands as qat_attn_bwd.cu's: q (BHq, nq_pad, D), k, v (BHkv, nk_pad, D) in T (zero rows beyond nq / nk);
+// Operands: q (BHq, nq_pad, D), k (BHkv, nk_pad, D), vt = V~^T (BHkv, D, nk_pad) in T (zero beyond nq / nk);
 // dout (caller strides, rows >= nq zero-filled); lse2, delta (BHq, nq_pad: +inf and 0 on padded rows).
 #include "common/qat_bwd.cuh"
 #include "common/rows.cuh"
@@ -24,18 +26,20 @@ namespace {
 constexpr int QB_BQ = 64, QB_BKV = 64, QB_THREADS = 128;
 }
 
-// S (64 x 64) = A B^T and dP (64 x 64) = C E^T over D, all four K-major 64 x D tiles: two commit groups.
-template <typename T, int D>
+// S (64 x 64) = A B^T and dP (64 x 64) = C E^T over D: two commit groups. A, B: K-major 64 x D tiles; C, E too,
+// except the V~^T tile [D][64 keys], read M-major as C (V_IS_C) or N-major as E.
+template <typename T, int D, bool V_IS_C>
 __device__ __forceinline__ void qat_issue_s_dp(float (&acc_s)[8][4], float (&acc_dp)[8][4], const char* sA,
                                                const char* sB, const char* sC, const char* sE) {
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
-    wgmma_m64n64k16_ss_f32<T>(reinterpret_cast<float(&)[32]>(acc_s), desc_k16<64>(sA, ks), desc_k16<64>(sB, ks), ks);
+    wgmma_ss<T>(reinterpret_cast<float(&)[32]>(acc_s), desc_k16<64>(sA, ks), desc_k16<64>(sB, ks), ks);
   wgmma_commit();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
-    wgmma_m64n64k16_ss_f32<T>(reinterpret_cast<float(&)[32]>(acc_dp), desc_k16<64>(sC, ks), desc_k16<64>(sE, ks), ks);
+    wgmma_ss<T, V_IS_C, !V_IS_C>(reinterpret_cast<float(&)[32]>(acc_dp), V_IS_C ? desc_mn16<D>(sC, ks) : desc_k16<64>(sC, ks),
+                                 V_IS_C ? desc_k16<64>(sE, ks) : desc_mn16<D>(sE, ks), ks);
   wgmma_commit();
 }
 
@@ -52,7 +56,7 @@ __device__ __forceinline__ void qat_issue_rs(float (&acc)[D / 8][4], const unsig
 // _qat_bwd.sm90_smem_bytes(D)[0]).
 template <int D>
 struct QatBwdSm90 {
-  // K~, V~ (64 x D each), then two stages of Q~, dO (64 x D each) and lse2, delta (64 fp32 each), then the
+  // K~ (64 x D), V~^T (D x 64), then two stages of Q~, dO (64 x D each) and lse2, delta (64 fp32 each), then the
   // 4 x 64 per-warp column maxima and the 64 tile maxima (fp32).
   static constexpr int TILE = 128 * D;
   static constexpr int STAGE = (2 * TILE + 512 + 1023) / 1024 * 1024;
@@ -86,8 +90,9 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
   const int k0 = kb * QB_BKV, shift = nk - nq;
 
   const TileCopy<64, 2 * D, QB_THREADS, true> cp(tid);
+  const TileCopy<D, 2 * 64, QB_THREADS, true> cpv(tid);  // V~^T: D rows of 64 keys
   cp.copy(sK, reinterpret_cast<const char*>(kt + (bhk * nk_pad + k0) * D), 2 * D);
-  cp.copy(sV, reinterpret_cast<const char*>(vt + (bhk * nk_pad + k0) * D), 2 * D);
+  cpv.copy(sV, reinterpret_cast<const char*>(vt + bhk * D * nk_pad + k0), static_cast<long long>(nk_pad) * 2);
 
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
   float acc_dv[D / 8][4], acc_dk[D / 8][4];
@@ -135,7 +140,7 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
     const bool need_mask = (CAUSAL && k0 + QB_BKV - 1 > q0 + shift) || (k0 + QB_BKV > nk) || (q0 + QB_BQ > nq);
 
     float acc_s[8][4], acc_dp[8][4];
-    qat_issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K~ Q~^T, dP^T = V~ dO^T
+    qat_issue_s_dp<T, D, true>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K~ Q~^T, dP^T = V~ dO^T
     wgmma_wait<1>();
     fence_regs(reinterpret_cast<float(&)[32]>(acc_s));
     float cmax[8][2];
@@ -176,7 +181,7 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
 // _qat_bwd.sm90_smem_bytes(D)[1]).
 template <int D>
 struct QatBwdDqSm90 {
-  // Q~, dO (64 x D each), then two stages of K~, V~ (64 x D each).
+  // Q~, dO (64 x D each), then two stages of K~ (64 x D) and V~^T (D x 64).
   static constexpr int TILE = 128 * D;
   static constexpr int SMEM = 1024 + 2 * TILE + 2 * 2 * TILE;
 };
@@ -197,7 +202,7 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;
   char* sdO = sQ + TILE;
-  char* sStage = sdO + TILE;  // stage s: K~ at sStage + 2 s TILE, V~ after it
+  char* sStage = sdO + TILE;  // stage s: K~ at sStage + 2 s TILE, V~^T after it
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const QueryBlock qb = query_block(QB_BQ, CAUSAL, Hq, Hkv);
@@ -206,11 +211,12 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
   const KeyTiles tl = key_tiles(q0, QB_BQ, nq, nk, CAUSAL);
 
   const TileCopy<64, 2 * D, QB_THREADS, true> cp(tid);
+  const TileCopy<D, 2 * 64, QB_THREADS, true> cpv(tid);  // V~^T: D rows of 64 keys
   auto load_kv = [&](int tile) {
     char* st = sStage + (tile & 1) * 2 * TILE;
-    const long long off = (bhk * nk_pad + tile * QB_BKV) * D;
-    cp.copy(st, reinterpret_cast<const char*>(kt + off), 2 * D);
-    cp.copy(st + TILE, reinterpret_cast<const char*>(vt + off), 2 * D);
+    cp.copy(st, reinterpret_cast<const char*>(kt + (bhk * nk_pad + tile * QB_BKV) * D), 2 * D);
+    cpv.copy(st + TILE, reinterpret_cast<const char*>(vt + bhk * D * nk_pad + tile * QB_BKV),
+             static_cast<long long>(nk_pad) * 2);
   };
   cp.copy(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), 2 * D);
   cp.copy_rows(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0);
@@ -241,7 +247,7 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
     const bool need_mask = tile >= tl.first_masked || q0 + QB_BQ > nq;
 
     float acc_s[8][4], acc_dp[8][4];
-    qat_issue_s_dp<T, D>(acc_s, acc_dp, sQ, cK, sdO, cV);  // S = Q~ K~^T, dP = dO V~^T
+    qat_issue_s_dp<T, D, false>(acc_s, acc_dp, sQ, cK, sdO, cV);  // S = Q~ K~^T, dP = dO V~^T
     wgmma_wait<0>();
     fence_regs(reinterpret_cast<float(&)[32]>(acc_s));
     fence_regs(reinterpret_cast<float(&)[32]>(acc_dp));

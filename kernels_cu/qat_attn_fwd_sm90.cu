@@ -110,7 +110,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   auto issue_qk = [&](int kst) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_m64n64k16_ss_f32<__half>(accs, desc_k16<QF_BQ>(sQw, kk),
+      wgmma_ss<__half>(accs, desc_k16<QF_BQ>(sQw, kk),
                                      gmma_desc_advance(desc_k16<QF_BKV>(sK, kk), kst * S::K_BYTES), kk);
     wgmma_commit();
   };

@@ -83,10 +83,7 @@ def _as_dtype(x16, dtype):
 
 
 def backward(res, do, engine=None):
-    import cupy
-
-    from .int8 import _empty, _prepare, _strides
-    from .nvfp4 import kernel_names as nvfp4_kernel_names
+    from .int8 import _prepare
     from .qat import Residuals
 
     if not isinstance(res, Residuals):
@@ -100,8 +97,29 @@ def backward(res, do, engine=None):
     if _checks.dtype_name(do.dtype) != p.dtype:
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
     do = _prepare(do, "do", p.layout, True)
-    B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
-    nq_pad, nk_pad = res.q_t.shape[2], res.k_t.shape[2]
+    return _launch(res, _operands(res, do, eng), eng)
+
+
+def kernels_only(res, do, engine=None):
+    """A function that runs only the two backward kernels of ``backward(res, do, engine=engine)`` on operands
+    prepared once (for the benchmark's kernel-only rows)."""
+    from .int8 import _prepare
+
+    eng = backward_engine(engine)
+    ops = _operands(res, _prepare(_checks.as_cupy(do, "do"), "do", res.problem.layout, True), eng)
+    return lambda: _launch(res, ops, eng)
+
+
+def _operands(res, do, eng):
+    """delta and the kernels' 16-bit operands (the passes before the two kernels)."""
+    import cupy
+
+    from .int8 import _strides
+    from .nvfp4 import kernel_names as nvfp4_kernel_names
+
+    p = res.problem
+    B, Hq, D = p.batch, p.heads_q, p.head_dim
+    nq, nq_pad = p.nq, res.q_t.shape[2]
     T = _T[p.dtype]
     # delta = rowsum(dO o O') (O', not O: SPEC §6)
     dsb, dsh, dsn = _strides(do, p.layout)
@@ -112,7 +130,23 @@ def backward(res, do, engine=None):
          cupy.int32(D), delta))
     q_t = _as_dtype(res.q_t, p.dtype)
     k_t = _as_dtype(res.k_t, p.dtype)
-    v_n = _as_dtype(res.vt_t.transpose(0, 1, 3, 2), p.dtype)  # (B, Hkv, nk_pad, D)
+    # V~: the wgmma kernels read the forward's V~^T (B, Hkv, D, nk_pad) as it is; mma.sync wants (B, Hkv, nk_pad, D)
+    v_n = _as_dtype(res.vt_t if eng == "wgmma" else res.vt_t.transpose(0, 1, 3, 2), p.dtype)
+    return do, delta, q_t, k_t, v_n
+
+
+def _launch(res, ops, eng):
+    """The dK/dV and dQ kernels on prepared operands (_operands)."""
+    import cupy
+
+    from .int8 import _empty, _strides
+
+    do, delta, q_t, k_t, v_n = ops
+    p = res.problem
+    B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
+    nq_pad, nk_pad = res.q_t.shape[2], res.k_t.shape[2]
+    T = _T[p.dtype]
+    dsb, dsh, dsn = _strides(do, p.layout)
     dk = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
     ksb, ksh, ksn = _strides(dk, p.layout)

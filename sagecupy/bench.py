@@ -110,7 +110,7 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
     """Rows for the NVFP4 inference forward (kernel alone on packed operands, and end to end) or the FP4 QAT
     training pair (forward, backward, forward+backward, end to end). NVFP4 rows carry the bytes per element
     that packed Q, K, V occupy (fp16/bf16: 2)."""
-    from . import nvfp4, qat
+    from . import _qat_bwd, nvfp4, qat
     from ._loader import device_capability
 
     B, H, (q, k, v, do) = _inputs(D, N, dtype)
@@ -144,6 +144,7 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
         # Both backward engines explicitly (end to end: the delta pass and operand conversions included).
         for eng in ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",):
             row("sagecupy-qat", "bwd", f"e2e-{eng}", time_ms(lambda: qat.backward(res, do, engine=eng), warmup, rep))
+            row("sagecupy-qat", "bwd", f"kernel-{eng}", time_ms(_qat_bwd.kernels_only(res, do, eng), warmup, rep))
 
         def fb():
             _, r = qat.forward(q, k, v, causal=causal)

@@ -85,14 +85,19 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
         raise ValueError(f"n_pad={n_pad!r} must be an int >= {need} (N{' rounded up to 16' if along == 'tokens' else ''})"
                          f"{' and a multiple of 8' if along == 'tokens' else ''}")
     i32, i64 = cupy.int32, cupy.int64
+    # The kernels write rows < N (channels) / tokens < N rounded up to 16 (tokens); only the rest is zeroed here.
     if along == "channels":
-        out = cupy.zeros((B, H, n_pad, D), dtype=cupy.float16)
+        out = cupy.empty((B, H, n_pad, D), dtype=cupy.float16)
+        if n_pad > N:
+            out[:, :, N:] = 0
         nblk = N * D // 16
         _quant_fn("nvfp4_fq_rows", T)(((nblk + 255) // 256, H, B), (256,),
                                       (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out))
     else:  # tokens
         n16 = _roundup(N, 16)
-        out = cupy.zeros((B, H, D, n_pad), dtype=cupy.float16)
+        out = cupy.empty((B, H, D, n_pad), dtype=cupy.float16)
+        if n_pad > n16:
+            out[..., n16:] = 0
         work = D * (n16 // 16)
         _quant_fn("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
                                         (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), i32(n_pad), out))

@@ -110,30 +110,32 @@ __device__ __forceinline__ void wgmma_m64n128k32_rs_u8s8(int (&d)[64], const uns
 
 // ---- Backward (int8_attn_bwd_sm90.cu) ----
 
-// D(64x64 f32) (+)= A(64x16 f16/bf16, shared) * B(16x64, shared), both K-major (rows of K elements, stored
-// in 128-byte swizzled atoms of 64 elements: see TileCopy<..., true> in tile.cuh).
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n64k16_ss_f32(float (&d)[32], unsigned long long da, unsigned long long db,
-                                                       int accumulate);
-
-template <>
-__device__ __forceinline__ void wgmma_m64n64k16_ss_f32<__half>(float (&d)[32], unsigned long long da,
-                                                             unsigned long long db, int accumulate) {
+// D(64x64 f32) (+)= A(64x16 T, shared) * B(16x64 T, shared), T = __half or __nv_bfloat16. Each operand is K-major
+// (rows of K elements in 128-byte swizzled pieces: TileCopy<..., true>; gmma_desc / desc_k16) or, with TRANS_A /
+// TRANS_B, MN-major (desc_mn16). The trailing T argument only selects the element type: call wgmma_ss<T, ...>.
+template <bool TRANS_A, bool TRANS_B>
+__device__ __forceinline__ void wgmma_k16_ss(float (&d)[32], unsigned long long da, unsigned long long db, int accumulate,
+                                             __half) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));
 }
 
-template <>
-__device__ __forceinline__ void wgmma_m64n64k16_ss_f32<__nv_bfloat16>(float (&d)[32], unsigned long long da,
-                                                             unsigned long long db, int accumulate) {
+template <bool TRANS_A, bool TRANS_B>
+__device__ __forceinline__ void wgmma_k16_ss(float (&d)[32], unsigned long long da, unsigned long long db, int accumulate,
+                                             __nv_bfloat16) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));
+}
+
+template <typename T, bool TRANS_A = false, bool TRANS_B = false>
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], unsigned long long da, unsigned long long db, int accumulate) {
+  wgmma_k16_ss<TRANS_A, TRANS_B>(d, da, db, accumulate, T());
 }
 
 // D(64x64 s32) (+)= A(64x32 s8, registers: the warp's m16n8k32 A fragment) * B(32x64 s8, shared).
