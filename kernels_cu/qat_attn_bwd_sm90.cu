@@ -225,12 +225,7 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
   float l2[2], del[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = r_lo + 8 * r;
-    l2[r] = row < nq ? lse2[bh * nq_pad + row] : INFINITY;
-    del[r] = row < nq ? delta[bh * nq_pad + row] : 0.f;
-  }
+  qat_dq_rows(l2, del, lse2 + bh * nq_pad, delta + bh * nq_pad, r_lo, nq);
   float acc_dq[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;

@@ -91,6 +91,17 @@ __device__ __forceinline__ void qat_dst_tile(unsigned (&da)[4][4], const float (
   }
 }
 
+// dQ kernels: the base-2 LSE and delta of this thread's rows r_lo, r_lo + 8 (+inf and 0 beyond nq).
+__device__ __forceinline__ void qat_dq_rows(float (&l2)[2], float (&del)[2], const float* __restrict__ lse2_bh,
+                                            const float* __restrict__ delta_bh, int r_lo, int nq) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r_lo + 8 * r;
+    l2[r] = row < nq ? lse2_bh[row] : INFINITY;
+    del[r] = row < nq ? delta_bh[row] : 0.f;
+  }
+}
+
 // dQ kernels (rows = this warp's queries r_lo, r_lo + 8, columns = 64 keys from k0): P = exp2(S scale_log2 -
 // lse2) (masked), dS = P o (dP - delta) rounded to T, packed as the A operand (k = keys) of dQ += dS K~.
 template <typename T>
