@@ -70,20 +70,8 @@ __global__ void nvfp4_fq_rows(const T* __restrict__ x, long long sb, long long s
   const int row = static_cast<int>(blk / nblk_row), c0 = static_cast<int>(blk % nblk_row) * 16;
   const T* src = x + b * sb + h * sh + row * sn + c0;
   float v[16];
-  if ((reinterpret_cast<unsigned long long>(src) & 15) == 0) {  // two 16-byte loads (the usual case)
-    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(src)), hi = __ldg(reinterpret_cast<const uint4*>(src) + 1);
-    const unsigned w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      T e[2];
-      memcpy(e, &w[i], 4);
-      v[2 * i] = to_float(e[0]);
-      v[2 * i + 1] = to_float(e[1]);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
-  }
+  for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
   unsigned packed[2], hv[8];
   const unsigned sc = nvfp4_block(v, packed);
   dequant16_half(make_uint2(packed[0], packed[1]), sc, hv);
