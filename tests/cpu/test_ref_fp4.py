@@ -412,3 +412,67 @@ def test_kernel_e2m1_rounding_matches_the_reference():
     np.testing.assert_array_equal(_kernel_e2m1_round(x).astype(np.float64), fp4.e2m1_round(x.astype(np.float64)))
     special = _kernel_e2m1_round(np.array([np.inf, np.nan], dtype=np.float32))
     assert special.tolist() == [6.0, 6.0]
+
+
+def _o_frame_emulation(r, a, gap=60.0):
+    """The QAT wgmma forward's O accumulation for one row (kernels_cu/qat_attn_fwd_sm90.cu), in fp32: tile t has
+    row max r[t] (base-2 logits; -inf: the row sees no key in it) and product a[t] = P^_t V~ (a vector). O_f is kept
+    in the frame of the last tile taken; returns O = O_f 2^(r_f - m) / 2688 and how many tiles were skipped."""
+    f32 = np.float32
+    m, r_f = -np.inf, -np.inf
+    o_f = np.zeros(a.shape[1], dtype=f32)
+    skipped = 0
+    for t in range(len(r)):
+        m = max(m, r[t])
+        take = r[t] != -np.inf and not r[t] < m - gap
+        c = (f32(0.0) if r_f == -np.inf else np.exp2(f32(r_f - r[t]))) if take else f32(1.0)
+        o_f = o_f * c + (a[t].astype(f32) if take else f32(0.0))
+        skipped += int(r[t] != -np.inf and not take)
+        if take:
+            r_f = r[t]
+    fin = f32(0.0) if r_f == -np.inf else np.exp2(f32(r_f - m - np.log2(2688.0)))
+    return o_f * fin, skipped
+
+
+def test_qat_forward_o_frame_rule():
+    """The frame rule equals the two-level sum O = sum_t 2^(r_t - m) / 2688 * (P^_t V~) (what the mma.sync kernel
+    accumulates as O = alpha O + beta acc) to fp32 rounding when no tile is skipped; a skipped tile (max more
+    than 60 below the running max) changes O by less than its weight 2^-60; O_f stays finite for the largest
+    products a tile can give (64 keys x 2688 x 65504) with tile maxima that fall by up to the gap and climb
+    back (the comment's overflow bound); rows that see no key give exact zeros."""
+    rng = np.random.default_rng(0)
+    big = 64 * 2688.0 * 65504.0
+    for trial in range(200):
+        n = int(rng.integers(1, 40))
+        r = rng.uniform(-50, 5, n) + rng.normal(0, 2)  # tile maxima within 55 of each other: nothing skipped
+        r[rng.random(n) < 0.1] = -np.inf
+        a = rng.normal(0, 1, (n, 8)) * 2688 * 64
+        want, size = np.zeros(8), 0.0
+        m = np.max(r)
+        if m != -np.inf:
+            for t in range(n):
+                if r[t] != -np.inf:
+                    want += np.exp2(r[t] - m) / 2688 * a[t]
+                    size += np.exp2(r[t] - m) / 2688 * np.abs(a[t]).max()
+        got, skipped = _o_frame_emulation(r, a)
+        assert skipped == 0
+        # fp32 rounding, relative to partial sums bounded by the terms' total size (not to a sum that may cancel):
+        # per tile a multiply and an add (2^-24 each) and an exp2 whose fp32 argument (up to the spread of the
+        # tile maxima, + log2 2688 at the end) is itself rounded: 2^-24 (1 + ln 2 |argument|)
+        fin = r[np.isfinite(r)]
+        spread = (fin.max() - fin.min() if fin.size else 0.0) + 12
+        tol = n * 2.0 ** -24 * (4 + np.log(2) * spread) * size
+        assert np.all(np.isfinite(got)) and np.abs(got - want).max() <= tol, trial
+    # a tile far below the running max is skipped; its weight bounds the change
+    r = np.array([0.0, -61.0, -1.0])
+    a = np.ones((3, 4)) * big
+    got, skipped = _o_frame_emulation(r, a)
+    want = (np.exp2(0.0) + np.exp2(-1.0)) / 2688 * big
+    assert skipped == 1 and np.allclose(got, want, rtol=1e-6)
+    # adversarial for overflow: each tile's max is just within the gap below the running max, then a new max
+    r = np.array([0.0] + [-59.9, 0.0] * 50 + [-59.9] * 100)
+    got, _ = _o_frame_emulation(r, np.full((len(r), 2), big))
+    assert np.all(np.isfinite(got))
+    # no key seen anywhere: exact zeros (no inf * 0)
+    got, _ = _o_frame_emulation(np.array([-np.inf, -np.inf]), np.ones((2, 3)))
+    assert np.array_equal(got, np.zeros(3, dtype=np.float32))
