@@ -18,7 +18,7 @@ def main():
     _, res = qat.forward(q, k, v)
     rows = {
         "backward e2e (wgmma)": lambda: qat.backward(res, do, engine="wgmma"),
-        "kernels only (wgmma)": _qat_bwd.kernels_only(res, do, "wgmma"),
+        "kernels only (wgmma)": _qat_bwd._kernels_only(res, do, "wgmma"),
         "operands (delta + conversions)": lambda: _qat_bwd._operands(
             res, _prepare(bench_do(do), "do", "HND", True), "wgmma"),
         "conversion q_t": lambda: _qat_bwd._as_dtype(res.q_t, a.dtype),

@@ -168,7 +168,7 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
     hold_regs(pa);
     hold_regs(da);
   }
-  cp_async_wait<0>();  // a CTA without iterations still has its K~, V~ copies in flight
+  cp_async_wait<0>();  // (n_it >= 1 whenever nq, nk >= 1: every key block has a query that sees it; kept for safety)
   fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dv));
   fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dk));
 

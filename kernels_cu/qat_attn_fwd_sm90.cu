@@ -15,12 +15,16 @@
 // NVFP4 wgmma kernels keep, to form O = alpha O + beta P^V~) does not fit beside them. So O is accumulated in
 // place in the frame of the last tile it took: O_f = O / beta_f with beta_f = 2^(r_f - m) / 2688 (r_f: that
 // tile's row max, m the running max). Taking tile t (row max r_t) is O_f = 2^(r_f - r_t) O_f + P^_t V~ (alpha
-// cancels), then r_f = r_t; the end multiplies by 2^(r_f - m) / 2688. The products stay exact; only fp32
-// rounding of the frame changes differs from the mma.sync kernel's order. A row skips a tile whose max is more
-// than FRAME_GAP (base 2) below its running max: its P^ weights are below 2^-FRAME_GAP of the row's largest
-// (the mma.sync kernel adds them, below fp32 resolution unless O cancels to < 2^-36 of its terms); this bounds
-// O_f by 2^(FRAME_GAP + 11.4 + 17 + 16) (N <= 2^17 keys, |V~| <= 65504) < fp32 max. The row sum l and O' keep
-// every tile.
+// cancels), then r_f = r_t; the end multiplies by 2^(r_f - m) / 2688. The products stay exact. What differs
+// from the mma.sync kernel's O = alpha O + beta acc is the fp32 scaling: the frame changes on nearly every tile
+// (each tile's max differs), and each change is an ex2.approx (~2^-22 relative) applied to everything taken so
+// far, so an early tile's weight drifts by up to T 2^-22 after T tiles (about sqrt(T) 2^-22 for unbiased
+// errors): <= 6e-5 at 16K keys, ~5e-4 at 128K (the mma.sync kernel makes one such error per tile, not compounded;
+// tests/cpu/test_ref_fp4.py emulates the rule). A row skips a tile whose max is more than FRAME_GAP (base 2)
+// below its running max: its P^ weights are below 2^-FRAME_GAP of the row's largest (the mma.sync kernel adds
+// them, below fp32 resolution unless O cancels to < 2^-36 of its terms). Bound: |O_f| <= 2^FRAME_GAP (largest
+// frame change kept) x 2688 (largest P^) x 2688 (largest |V~|: NVFP4 saturates at 448 x 6) x N, below fp32's
+// maximum for any N < 2^45. The row sum l and O' keep every tile.
 //
 // Operands as qat_attn_fwd's: q16 (BHq, nq_pad, D), k16 (BHkv, nk_pad, D), vt16 (BHkv, D, nk_pad) fp16, zero
 // beyond nq / nk (nq_pad a multiple of 128, nk_pad of 64). Outputs as qat_attn_fwd's.
@@ -189,7 +193,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
     const bool more = tile + 1 < tl.n;
     if (more) mbar_wait(full + st1, ((tile + 1) >> 2) & 1);
     wgmma_fence();
-    issue_qk(st1);    // S(t+1) (after the last tile: a stale stage, dropped)
+    issue_qk(st1);    // S(t+1) (after the last tile: a stale or never-written stage, no copy in flight; dropped)
     wgmma_wait<1>();  // O, O' products of tile t done
     fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
     fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_op));

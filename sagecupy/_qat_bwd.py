@@ -86,7 +86,8 @@ def _as_dtype(x16, dtype):
 
         n8 = x16.size // 8
         fn = get_function("nvfp4_quant.cu", "fq_fp16_to_bf16", all_names=tuple(nvfp4_kernel_names()["nvfp4_quant.cu"]))
-        fn((min((n8 + 255) // 256, 132 * 16),), (256,), (x16, out, cupy.int64(n8)))
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        fn((min((n8 + 255) // 256, sms * 16),), (256,), (x16, out, cupy.int64(n8)))
         return out
     return _bf16_bits_kernel()(x16, out)
 
@@ -109,9 +110,9 @@ def backward(res, do, engine=None):
     return _launch(res, _operands(res, do, eng), eng)
 
 
-def kernels_only(res, do, engine=None):
+def _kernels_only(res, do, engine=None):
     """A function that runs only the two backward kernels of ``backward(res, do, engine=engine)`` on operands
-    prepared once (for the benchmark's kernel-only rows)."""
+    prepared once (the benchmark's kernel-only rows; ``do`` is not validated: pass what ``backward`` accepts)."""
     from .int8 import _prepare
 
     eng = backward_engine(engine)

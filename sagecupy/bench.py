@@ -144,7 +144,7 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
         # Both backward engines explicitly (end to end: the delta pass and operand conversions included).
         for eng in ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",):
             row("sagecupy-qat", "bwd", f"e2e-{eng}", time_ms(lambda: qat.backward(res, do, engine=eng), warmup, rep))
-            row("sagecupy-qat", "bwd", f"kernel-{eng}", time_ms(_qat_bwd.kernels_only(res, do, eng), warmup, rep))
+            row("sagecupy-qat", "bwd", f"kernel-{eng}", time_ms(_qat_bwd._kernels_only(res, do, eng), warmup, rep))
 
         def fb():
             _, r = qat.forward(q, k, v, causal=causal)

@@ -61,7 +61,9 @@ def fp4_engine(engine: str | None = None) -> str:
     elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two share the per-tile softmax and P
     quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ only through the fp32 accumulation order inside
     the tensor cores (tested against the simulator). The QAT forward (``sagecupy.qat.forward``) follows the same
-    choice (wgmma: ``kernels_cu/qat_attn_fwd_sm90.cu``)."""
+    choice (wgmma: ``kernels_cu/qat_attn_fwd_sm90.cu``); there the wgmma kernel also orders the fp32 scaling of O
+    differently (O kept in the frame of its last tile, see that file) and skips, for O only, tiles whose weights
+    are below 2^-60 of the row's largest."""
     from .int8 import _pick_engine
 
     return _pick_engine(engine, "SAGECUPY_FP4_ENGINE")
@@ -251,23 +253,30 @@ def _smem_optin(device_id: int) -> int:
     return int(rt.deviceGetAttribute(attr, device_id))
 
 
-def check_fwd_smem(D: int, engine: str = "mma") -> None:
+def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
     """ValueError if the FP4 forward's shared memory (at the configured CTA size) exceeds what the current
-    device allows a block (e.g. D=128 with 8 warps needs ~104 KiB; sm_86/sm_89 allow 99 KiB)."""
+    device allows a block (e.g. D=128 with 8 warps needs ~104 KiB; sm_86/sm_89 allow 99 KiB). ``qat``: the QAT
+    forward (on wgmma a kernel of its own, with a fixed CTA size)."""
     import cupy
 
+    have = _smem_optin(cupy.cuda.Device().id)
+    if qat and engine == "wgmma":
+        need = qat_fwd_sm90_smem_bytes(D)
+        if need > have:
+            raise ValueError(f"the wgmma QAT forward at head_dim={D} needs {need} bytes of shared memory per "
+                             f"block; this device allows {have}")
+        return
     w = fp4_warps(engine, D)
     need = fwd_smem_bytes(D, w, engine)
-    have = _smem_optin(cupy.cuda.Device().id)
     if need > have:
         raise ValueError(f"the FP4 forward at head_dim={D} with {w} warps per CTA needs {need} bytes of "
                          f"shared memory per block; this device allows {have} (try SAGECUPY_FP4_WARPS=4)")
 
 
-def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine="mma"):
-    """The checks of both FP4 families' entry points (:func:`attention`, :func:`sagecupy.qat.forward`), raising
-    the first failure: ``(q, k, v, problem, config)`` with q, k, v as CuPy arrays. ``engine``: "mma" (QAT) or
-    an NVFP4 ``engine`` argument (validated and resolved by :func:`fp4_engine`)."""
+def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine=None, qat=False):
+    """The checks of both FP4 families' entry points (:func:`attention`, :func:`sagecupy.qat.forward` with
+    ``qat=True``), raising the first failure: ``(q, k, v, problem, config)`` with q, k, v as CuPy arrays.
+    ``engine``: the caller's ``engine`` argument (validated and resolved by :func:`fp4_engine`)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
     cfg = get_config(config)
@@ -275,19 +284,19 @@ def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupporte
     if why:
         raise ValueError(f"config: {why}")
     _check_device()
-    check_fwd_smem(p.head_dim, fp4_engine(engine))
+    check_fwd_smem(p.head_dim, fp4_engine(engine), qat)
     return q, k, v, p, cfg
 
 
 def _is_supported(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config,
-                  engine="mma") -> tuple[bool, str]:
+                  engine=None, qat=False) -> tuple[bool, str]:
     """The ``is_supported`` of both FP4 families (this module's and :mod:`sagecupy.qat`'s): never raises."""
     try:
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
         cfg = get_config(config)
         _check_device()
-        check_fwd_smem(p.head_dim, fp4_engine(engine))
+        check_fwd_smem(p.head_dim, fp4_engine(engine), qat)
     except Exception as exc:
         return False, str(exc)
     why = unsupported_config(cfg)

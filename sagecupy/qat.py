@@ -53,10 +53,12 @@ def _unsupported_config(cfg: QATConfig) -> str | None:
     return None
 
 
-def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
-    """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, why).
-    Never raises."""
-    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None,
+                 engine=None) -> tuple[bool, str]:
+    """(True, "") if :func:`forward` accepts these arguments (``engine`` included) on the current device, else
+    (False, why). Never raises."""
+    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
+                         qat=True)
 
 
 def _roundup(n, m):
@@ -141,8 +143,9 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     from .int8 import _empty, _strides
     from .nvfp4 import fp4_engine, fp4_warps, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
 
+    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
+                                 qat=True)
     eng = fp4_engine(engine)
-    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     nq_pad, nk_pad = _roundup(nq, _BQ_PAD), _roundup(nk, _BKV)
     q_t = fake_quantize(q, layout=layout, along="channels", n_pad=nq_pad)

@@ -108,7 +108,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_rs_u8s8(int (&d)[64], const uns
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-// ---- Backward (int8_attn_bwd_sm90.cu) ----
+// ---- 16-bit products with both operands in shared memory (the INT8 backward's dP; the FP4 and QAT kernels) ----
 
 // D(64x64 f32) (+)= A(64x16 T, shared) * B(16x64 T, shared), T = __half or __nv_bfloat16. Each operand is K-major
 // (rows of K elements in 128-byte swizzled pieces: TileCopy<..., true>; gmma_desc / desc_k16) or, with TRANS_A /
@@ -230,10 +230,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[R], const unsigned (&a)[4], 
   wgmma_k16_rs<TRANS_B>(d, a, db, accumulate, T());
 }
 
-// Descriptor of k-step `ks` (16 rows of K) of a 16-bit MN-major B operand: a [K][N] tile of K_ROWS rows stored as
-// TileCopy<K_ROWS, 2 * N, ..., true> stores it (N cut into 64-element, 128-byte pieces; piece a is a swizzled
-// K_ROWS x 128-byte tile at tile + a * K_ROWS * 128). Leading byte offset: from one 64-element piece of N to the
-// next; stride byte offset: from 8 rows of K to the next 8 (1024 bytes). A k-step is 16 rows: 2048 bytes on.
+// Descriptor of k-step `ks` (16 rows of K) of a 16-bit MN-major operand (an N-major B, or an M-major A with
+// wgmma_ss<T, true, ...>): a [K][MN] tile of K_ROWS rows stored as TileCopy<K_ROWS, 2 * MN, ..., true> stores it
+// (MN cut into 64-element, 128-byte pieces; piece a is a swizzled K_ROWS x 128-byte tile at tile + a * K_ROWS *
+// 128). Leading byte offset: from one 64-element piece of MN to the next (unused when MN = 64); stride byte
+// offset: from 8 rows of K to the next 8 (1024 bytes). A k-step is 16 rows: 2048 bytes on.
 template <int K_ROWS>
 __device__ __forceinline__ unsigned long long desc_mn16(const char* tile, int ks) {
   const unsigned addr = smem_u32(tile + ks * 16 * 128);

@@ -272,6 +272,54 @@ def test_qat_backward_vs_reference(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype,
     assert bool((_raw(do) == before).all()), "do was modified"
 
 
+@pytest.mark.parametrize("sigma", [5.0, 10.0])
+def test_qat_forward_large_logit_spread(sigma, engine):
+    """SPEC §7's larger sigmas: tile row maxima spread over tens of log2 units, so the wgmma forward's O changes
+    frame by large factors on most tiles (kernels_cu/qat_attn_fwd_sm90.cu); against the simulator as above."""
+    _qat_fwd_case(1, 2, 1, 300, 517, 128, False, "HND", "bfloat16", seed=31, sigma=sigma)
+    _qat_fwd_case(1, 2, 2, 517, 300, 64, True, "NHD", "float16", seed=32, sigma=sigma)
+
+
+def test_qat_forward_tile_far_below_the_row_max(engine):
+    """Row 0 sees one key (tile 0) ~92 (log2) above every other: the wgmma forward skips tile 1 for O (weights
+    below 2^-60 of the largest) and keeps it for the row sum and O'; row 1 also sees a tile-1 key 40 below its
+    max (taken: a 2^40 frame change); row 2 sees flat logits. Against the simulator."""
+    from sagecupy import qat
+
+    rng = np.random.default_rng(41)
+    q = np.zeros((1, 1, 3, 64))
+    k = rng.standard_normal((1, 1, 128, 64)) * 0.01
+    v = rng.standard_normal((1, 1, 128, 64))
+    k[0, 0, 5, 0] = 32.0   # tile 0; sm_scale = 1/8: logit 16 * 32 / 8 = 64 (natural) = 92 (log2)
+    k[0, 0, 70, 1] = 18.0  # tile 1: 16 * 18 / 8 = 36 (natural) = 52 (log2) for a query with q[1] = 16
+    q[0, 0, 0, 0] = 16.0
+    q[0, 0, 1, 0] = q[0, 0, 1, 1] = 16.0
+    qd, kd, vd = (_to_dev(x, "float16") for x in (q, k, v))
+    qh, kh, vh = (_host(x) for x in (qd, kd, vd))
+    case = dict(test="tile far below the row max", engine=engine)
+    o, lse, res = qat.forward(qd, kd, vd, return_lse=True)
+    o_sim, r_sim = ref_qat.forward(qh, kh, vh)
+    o_ex, _ = ref_attn.attention_forward(qh, kh, vh)
+    _check("O", _host(o), o_sim, o_ex, "float16", case)
+    _check("O'", res.o_prime.get()[:, :, :3].astype(np.float64), r_sim["o_prime"], None, "float16", case)
+    _check_lse(lse.get().astype(np.float64), r_sim["lse"], case)
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_qat_ctas_that_see_no_key(engine, D):
+    """Causal with Nq - Nk = 610: whole 128-row CTAs of the QAT forward visit no key tile; against the simulator,
+    those rows exact zeros with LSE -inf, and their gradients zero."""
+    from sagecupy import qat
+
+    (q, k, v, do), _, o, res, _, _ = _qat_fwd_case(1, 2, 1, 700, 90, D, True, "HND", "bfloat16", seed=21)
+    _, lse, _ = qat.forward(q, k, v, causal=True, return_lse=True)
+    assert np.all(_host(o)[:, :, :610] == 0) and np.all(np.isneginf(lse.get()[:, :, :610]))
+    dq, dk, dv = qat.backward(res, do)
+    assert np.all(_host(dq)[:, :, :610] == 0)
+    for x in (dq, dk, dv):
+        assert np.isfinite(_host(x)).all()
+
+
 def test_qat_delta_must_come_from_o_prime(engine):
     """SPEC §6: delta = rowsum(dO o O'). The same kernel fed O instead of O' gives a dQ that is measurably
     wrong against the reference gradient, while the correct one matches it."""
@@ -392,7 +440,8 @@ def test_error_paths():
 @pytest.mark.parametrize("D", [128, 64])
 def test_cta_size_does_not_change_the_result(monkeypatch, engine, D):
     """4- and 8-warp CTAs (SAGECUPY_FP4_WARPS) compute every row the same way: bitwise equal outputs (the wgmma
-    kernel at D=64 with 8 warps leaves half its threads without a dequantization task)."""
+    kernel at D=64 with 8 warps leaves half its threads without a dequantization task). The wgmma QAT forward has
+    one CTA size (the variable does not reach it), so its half of the comparison is trivially equal there."""
     cp = _cp()
     from sagecupy import nvfp4, qat
 

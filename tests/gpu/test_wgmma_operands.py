@@ -15,7 +15,8 @@ _TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 def _names():
-    return tuple(f"wgmma_rs_mn_product<{T}, {n}>" for T in _TYPES.values() for n in (64, 128))
+    return (tuple(f"wgmma_rs_mn_product<{T}, {n}>" for T in _TYPES.values() for n in (64, 128))
+            + tuple(f"wgmma_ss_mn_product<{T}, {f}>" for T in _TYPES.values() for f in ("true", "false")))
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +32,22 @@ def module():
     return mod
 
 
-def _run(module, dtype, n, a, b):
+def _dev(dtype, *xs):
     import cupy
 
     from sagecupy.bf16 import BF16Array
 
+    if dtype == "float16":
+        return [cupy.asarray(x.astype(np.float16)) for x in xs]
+    return [BF16Array.from_float(cupy.asarray(x)).bits for x in xs]  # small integers: exact
+
+
+def _run(module, dtype, n, a, b):
+    import cupy
+
     T = _TYPES[dtype]
     fn = module.get_function(f"wgmma_rs_mn_product<{T}, {n}>")
-    if dtype == "float16":
-        da, db = cupy.asarray(a.astype(np.float16)), cupy.asarray(b.astype(np.float16))
-    else:
-        da, db = (BF16Array.from_float(cupy.asarray(x)).bits for x in (a, b))  # small integers: exact
+    da, db = _dev(dtype, a, b)
     c = cupy.full((64, n), np.nan, dtype=cupy.float32)
     smem = 1024 + 8192 + 64 * 2 * n
     fn.max_dynamic_shared_size_bytes = smem
@@ -58,3 +64,22 @@ def test_register_a_times_mn_major_b_is_exact(module, dtype, n):
     want = a.astype(np.float64) @ b.astype(np.float64)
     got = _run(module, dtype, n, a, b)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", list(_TYPES))
+@pytest.mark.parametrize("a_mn", [True, False])
+def test_shared_a_and_b_with_one_mn_major_operand_is_exact(module, dtype, a_mn):
+    """wgmma_ss with an M-major A (from A^T in memory) or an N-major B (from B as it lies), the QAT backward's
+    two dP products, against numpy."""
+    import cupy
+
+    rng = np.random.default_rng(7 + a_mn)
+    a = rng.integers(-8, 9, size=(64, 64)).astype(np.float32)
+    b = rng.integers(-8, 9, size=(64, 64)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    da, db = _dev(dtype, np.ascontiguousarray(a.T) if a_mn else a, np.ascontiguousarray(b.T) if a_mn else b)
+    fn = module.get_function(f"wgmma_ss_mn_product<{_TYPES[dtype]}, {'true' if a_mn else 'false'}>")
+    c = cupy.full((64, 64), np.nan, dtype=cupy.float32)
+    smem = 1024 + 2 * 8192
+    fn((1,), (128,), (da, db, c), shared_mem=smem)
+    np.testing.assert_array_equal(cupy.asnumpy(c), want)

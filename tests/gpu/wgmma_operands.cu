@@ -43,3 +43,42 @@ __global__ void __launch_bounds__(128) wgmma_rs_mn_product(const T* __restrict__
     for (int e = 0; e < 4; ++e)
       c[(warp * 16 + g + 8 * (e >> 1)) * N + 8 * j + 2 * t4 + (e & 1)] = acc[4 * j + e];
 }
+
+// C (64 x 64 fp32) = A (64 x 64) B (64 x 64), both operands from shared memory (wgmma_ss), one of them MN-major:
+// A_MN: `a` holds A^T ([k][m], read M-major through desc_mn16) and `b` holds B^T ([n][k], K-major); otherwise `a`
+// holds A ([m][k], K-major) and `b` holds B ([k][n], read N-major). The QAT backward's dP^T = V~ dO^T (V~ from its
+// V~^T tile) and dP = dO V~^T are these two forms.
+template <typename T, bool A_MN>
+__global__ void __launch_bounds__(128) wgmma_ss_mn_product(const T* __restrict__ a, const T* __restrict__ b,
+                                                           float* __restrict__ c) {
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sA = smem;
+  char* sB = smem + 8192;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const TileCopy<64, 128, 128, true> cp(tid);
+  cp.copy(sA, reinterpret_cast<const char*>(a), 128);
+  cp.copy(sB, reinterpret_cast<const char*>(b), 128);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    if constexpr (A_MN)
+      wgmma_ss<T, true, false>(acc, desc_mn16<64>(sA, ks), desc_k16<64>(sB, ks), ks);
+    else
+      wgmma_ss<T, false, true>(acc, desc_k16<64>(sA, ks), desc_mn16<64>(sB, ks), ks);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(acc);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[(warp * 16 + g + 8 * (e >> 1)) * 64 + 8 * j + 2 * t4 + (e & 1)] = acc[4 * j + e];
+}
