@@ -4,7 +4,8 @@
 #   bash bench/gpu_check.sh [quick|full|all|tests|bench|examples|tests+examples]
 #   quick: tests + N in {4K, 16K};  full: tests + N 1K..32K;  all: full + GPU accuracy sweeps (SPEC §7)
 #   SAGECUPY_BENCH_FAMILIES=int8,nvfp4,qat (default: all) picks the kernel families timed;
-#   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run; SAGECUPY_ACCURACY=1 adds the INT8 σ-sweep to any mode
+#   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run (SAGECUPY_K="qat or poisoned": a pytest -k expression,
+#   spaces allowed); SAGECUPY_ACCURACY=1 adds the INT8 σ-sweep to any mode
 #   (SAGECUPY_ACC_CONFIGS="default paper" by default); SAGECUPY_BENCH_CONFIGS=default,bkv128 picks the INT8 configs timed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,8 @@ print("cupy", cupy.__version__, "bfloat16:", hasattr(cupy, "bfloat16"), "gpu:", 
 PY
 status=0
 if [ "$what" != bench ] && [ "$what" != examples ]; then
-  timeout 420 python3 -m pytest ${SAGECUPY_TESTS:-tests/gpu} --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  kexpr=(); [ -n "${SAGECUPY_K:-}" ] && kexpr=(-k "$SAGECUPY_K")
+  timeout 500 python3 -m pytest ${SAGECUPY_TESTS:-tests/gpu} ${kexpr[@]+"${kexpr[@]}"} --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ] || [ -n "${SAGECUPY_ACCURACY:-}" ]; then  # INT8 σ-sweep (SPEC §7) on the GPU kernels
