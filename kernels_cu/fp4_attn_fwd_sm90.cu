@@ -43,6 +43,14 @@ using namespace sage;
 #ifndef SAGE_FP4_PINGPONG
 #define SAGE_FP4_PINGPONG 1
 #endif
+// Experiment, off by default and not yet run on a GPU: O accumulated in place in the frame of its last tile
+// (common/fp4_fwd.cuh fp4_frame_step, the wgmma QAT forward's rule) instead of O = alpha O + beta (P^ V^) through
+// a separate P^.V^ accumulator: 64 fewer registers per thread at D = 128 (D / 2 in general). Time it with
+// SAGECUPY_EXPERIMENT=SAGE_FP4_OFRAME=1 bash bench/gpu_check.sh bench; test it with
+// SAGECUPY_DEFINES=SAGE_FP4_OFRAME=1 on tests/gpu/test_fp4_attn.py.
+#ifndef SAGE_FP4_OFRAME
+#define SAGE_FP4_OFRAME 0
+#endif
 
 namespace {
 
@@ -213,7 +221,9 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
   float acc_s[8][4];   // S of the tile being softmaxed; then Q.K^T of the next one, in flight
-  float acc_pv[D / 2];  // P^.V^ of this tile
+  constexpr bool OFRAME = SAGE_FP4_OFRAME;
+  float acc_pv[OFRAME ? 32 : D / 2];  // P^.V^ of this tile (unused with OFRAME)
+  Fp4Frame fr = {{-INFINITY, -INFINITY}};  // OFRAME: the frame of O
   float(&accs)[32] = reinterpret_cast<float(&)[32]>(acc_s);
   const char* sQw = sQ + (warp / 4) * 64 * 128;  // this warpgroup's 64 rows, in every piece
   // Descriptors of stage 0; stage s is `s * bytes` further (the start-address field cannot carry over: shared
@@ -249,6 +259,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     unsigned pa[4][4], pp_unused[1][4];
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
                                                                CAUSAL, r_lo, t4, nk, shift, scale_log2);
+    if constexpr (OFRAME) fp4_frame_step<TWO_LEVEL>(acc_o, pa, fr, ts, rs);
     if (PING) {  // this warpgroup's turn to issue
       if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
       else asm volatile("bar.sync 2, 256;\n" ::: "memory");
@@ -257,7 +268,12 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     {  // P.V(t)
       const unsigned long long dv = gmma_desc_advance(dv0, st0 * S::V_BYTES);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(acc_pv, pa[kk], gmma_desc_advance(dv, 32 * kk), kk);
+      for (int kk = 0; kk < 4; ++kk) {
+        if constexpr (OFRAME)
+          wgmma_rs<__half, false>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk], gmma_desc_advance(dv, 32 * kk), 1);
+        else
+          wgmma_rs<__half, false>(acc_pv, pa[kk], gmma_desc_advance(dv, 32 * kk), kk);
+      }
       wgmma_commit();
     }
     // While P.V(t) runs: tile t+2 from this thread's staging slots into stage (t+2) % NST, once every thread is
@@ -287,10 +303,13 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
       else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
     }
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
-    fence_regs(acc_pv);
+    if constexpr (OFRAME)
+      fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
+    else
+      fence_regs(acc_pv);
     hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
     mbar_arrive(v_empty + st0);
-    fp4_pv_update<D / 8>(acc_o, reinterpret_cast<const float(&)[D / 8][4]>(acc_pv), ts);
+    if constexpr (!OFRAME) fp4_pv_update<D / 8>(acc_o, reinterpret_cast<const float(&)[D / 8][4]>(acc_pv), ts);
     wgmma_wait<0>();  // Q.K^T(t+1) done
     fence_regs(accs);
     if (more) mbar_arrive(k_empty + st1);
@@ -301,6 +320,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     ph2 ^= st2 == 0 ? 1u : 0u;
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
+  if constexpr (OFRAME) fp4_frame_finish<TWO_LEVEL>(acc_o, fr, rs);
   fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
                          qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
 }

@@ -20,9 +20,9 @@
 // (each tile's max differs), and each change is an ex2.approx (~2^-22 relative) applied to everything taken so
 // far, so an early tile's weight drifts by up to T 2^-22 after T tiles (about sqrt(T) 2^-22 for unbiased
 // errors): <= 6e-5 at 16K keys, ~5e-4 at 128K (the mma.sync kernel makes one such error per tile, not compounded;
-// tests/cpu/test_ref_fp4.py emulates the rule). A row skips a tile whose max is more than FRAME_GAP (base 2)
-// below its running max: its P^ weights are below 2^-FRAME_GAP of the row's largest (the mma.sync kernel adds
-// them, below fp32 resolution unless O cancels to < 2^-36 of its terms). Bound: |O_f| <= 2^FRAME_GAP (largest
+// tests/cpu/test_ref_fp4.py emulates the rule). A row skips a tile whose max is more than FP4_FRAME_GAP (base 2)
+// below its running max: its P^ weights are below 2^-FP4_FRAME_GAP of the row's largest (the mma.sync kernel adds
+// them, below fp32 resolution unless O cancels to < 2^-36 of its terms). Bound: |O_f| <= 2^FP4_FRAME_GAP (largest
 // frame change kept) x 2688 (largest P^) x 2688 (largest |V~|: NVFP4 saturates at 448 x 6) x N, below fp32's
 // maximum for any N < 2^45. The row sum l and O' keep every tile.
 //
@@ -38,7 +38,6 @@ using namespace sage;
 namespace {
 
 constexpr int QF_BKV = 64, QF_THREADS = 256, QF_BQ = 128, QF_NST = 4;
-constexpr float FRAME_GAP = 60.f;
 
 template <int D>
 struct QatFwdSm90 {
@@ -102,7 +101,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
   Fp4Rows rs = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
-  float r_f[2] = {-INFINITY, -INFINITY};  // the frame of O: row max of the last tile taken
+  Fp4Frame fr = {{-INFINITY, -INFINITY}};  // the frame of O: row max of the last tile taken
   float acc_o[D / 8][4], acc_op[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i)
@@ -134,28 +133,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
     unsigned pa[4][4], pp[4][4];
     const Fp4TileScale ts = fp4_softmax_tile<true, true>(acc_s, rs, pa, pp, tile, tile >= tl.first_masked, CAUSAL,
                                                          r_lo, t4, nk, shift, scale_log2);
-    // The frame change of O (see the top), per row: the tile's max r_t (log2 units) from beta = 2^(r_t - m)/2688.
-    float c[2];
-    bool any_c = false;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m = rs.m[r];
-      const float r_t = ts.rmax[r];  // (a NaN logit: taken, so that the NaN reaches O)
-      const bool take = r_t != -INFINITY && !(r_t < m - FRAME_GAP);
-      c[r] = take ? (r_f[r] == -INFINITY ? 0.f : fast_exp2(r_f[r] - r_t)) : 1.f;
-      if (take) r_f[r] = r_t;
-      if (!take) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) pa[kk][r] = pa[kk][2 + r] = 0u;
-      }
-      any_c |= c[r] != 1.f;
-    }
-    if (__any_sync(0xffffffffu, any_c)) {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[j][e] *= c[e >> 1];
-    }
+    fp4_frame_step<true>(acc_o, pa, fr, ts, rs);  // the frame change of O (see the top)
     if (ts.rescale) {  // O' = alpha O' + P~ V~ (the mma.sync kernel's order)
 #pragma unroll
       for (int j = 0; j < D / 8; ++j)
@@ -206,16 +184,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
 
-  // O = O_f 2^(r_f - m) / 2688 (rows that took no tile: O_f = 0)
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float f = r_f[r] == -INFINITY ? 0.f : fast_exp2(r_f[r] - rs.m[r] - 11.392317422778761f);
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      acc_o[j][2 * r] *= f;
-      acc_o[j][2 * r + 1] *= f;
-    }
-  }
+  fp4_frame_finish<true>(acc_o, fr, rs);  // O = O_f 2^(r_f - m) / 2688
   fp4_fwd_epilogue<T, D, true>(acc_o, acc_op, rs, o + b * osb + h * osh, osn, oprime + bh * nq_pad * D, lse + bh * nq,
                                lse2 + bh * nq_pad, nullptr, r_lo, t4, nq, nq_pad);
 }

@@ -120,6 +120,64 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
   return ts;
 }
 
+// O accumulated in place in the frame of the last tile it took (two-level P; the wgmma QAT forward, and the NVFP4
+// wgmma forward under SAGE_FP4_OFRAME): O_f = O / beta_f, beta_f = 2^(r_f - m) / 2688. See qat_attn_fwd_sm90.cu
+// for the rule, its error and its bounds. Per row: r_f (-inf until a tile is taken).
+constexpr float FP4_FRAME_GAP = 60.f;  // tiles more than this (log2) below the running max are skipped for O
+struct Fp4Frame {
+  float r[2];
+};
+
+// Before tile t's P^ V product accumulates into O: per row, take the tile (O_f *= 2^(r_f - r_t), r_f = r_t) or
+// skip it (its P^ row zeroed in pa). TWO_LEVEL = false (beta = 1): plain O *= alpha when some row's max moved.
+template <bool TWO_LEVEL, int N>
+__device__ __forceinline__ void fp4_frame_step(float (&o)[N][4], unsigned (&pa)[4][4], Fp4Frame& fr,
+                                               const Fp4TileScale& ts, const Fp4Rows& rs) {
+  float c[2];
+  bool any_c = false;
+  if constexpr (TWO_LEVEL) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m = rs.m[r];
+      const float r_t = ts.rmax[r];  // (a NaN logit: taken, so that the NaN reaches O)
+      const bool take = r_t != -INFINITY && !(r_t < m - FP4_FRAME_GAP);
+      c[r] = take ? (fr.r[r] == -INFINITY ? 0.f : fast_exp2(fr.r[r] - r_t)) : 1.f;
+      if (take) fr.r[r] = r_t;
+      if (!take) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) pa[kk][r] = pa[kk][2 + r] = 0u;
+      }
+      any_c |= c[r] != 1.f;
+    }
+  } else {
+    c[0] = ts.alpha[0];
+    c[1] = ts.alpha[1];
+    any_c = ts.rescale;
+  }
+  if (__any_sync(0xffffffffu, any_c)) {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] *= c[e >> 1];
+  }
+}
+
+// After the last tile: O = O_f 2^(r_f - m) / 2688 (rows that took no tile: O_f = 0). TWO_LEVEL = false: nothing.
+template <bool TWO_LEVEL, int N>
+__device__ __forceinline__ void fp4_frame_finish(float (&o)[N][4], const Fp4Frame& fr, const Fp4Rows& rs) {
+  if constexpr (TWO_LEVEL) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float f = fr.r[r] == -INFINITY ? 0.f : fast_exp2(fr.r[r] - rs.m[r] - 11.392317422778761f);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        o[j][2 * r] *= f;
+        o[j][2 * r + 1] *= f;
+      }
+    }
+  }
+}
+
 // N 8-column tiles of O (accumulator layout): O = alpha * O + beta * acc, alpha only when ts.rescale (tested
 // once for all N: per tile, ptxas allocated the mma.sync kernel's registers far worse, 52 -> 312 spilled bytes).
 template <int N>
