@@ -226,15 +226,8 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   Fp4Frame fr = {{-INFINITY, -INFINITY}};  // OFRAME: the frame of O
   float(&accs)[32] = reinterpret_cast<float(&)[32]>(acc_s);
   const char* sQw = sQ + (warp / 4) * 64 * 128;  // this warpgroup's 64 rows, in every piece
-  // Descriptors of stage 0; stage s is `s * bytes` further (the start-address field cannot carry over: shared
-  // memory addresses stay below 2^18).
-  auto issue_qk = [&](int kst) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<__half>(accs, desc_k16<BQ>(sQw, kk),
-                                     gmma_desc_advance(desc_k16<BKV>(sK, kk), kst * S::K_BYTES), kk);
-    wgmma_commit();
-  };
+  static_assert(BKV == 64, "64-key tiles");
+  auto issue_qk = [&](int kst) { wgmma_qk16<D, BQ>(accs, sQw, sK, kst * S::K_BYTES); };
   const unsigned long long dv0 = gmma_desc<128>(sV);
 
   // Ping-pong (see SAGE_FP4_PINGPONG): warpgroup 1 lets 0 go first.

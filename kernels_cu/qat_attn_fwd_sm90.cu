@@ -110,13 +110,8 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   float acc_s[8][4];
   float(&accs)[32] = reinterpret_cast<float(&)[32]>(acc_s);
   const char* sQw = sQ + (warp / 4) * 64 * 128;  // this warpgroup's 64 rows, in every piece
-  auto issue_qk = [&](int kst) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<__half>(accs, desc_k16<QF_BQ>(sQw, kk),
-                                     gmma_desc_advance(desc_k16<QF_BKV>(sK, kk), kst * S::K_BYTES), kk);
-    wgmma_commit();
-  };
+  static_assert(QF_BKV == 64, "64-key tiles");
+  auto issue_qk = [&](int kst) { wgmma_qk16<D, QF_BQ>(accs, sQw, sK, kst * S::K_BYTES); };
   const unsigned long long dv0 = gmma_desc<128>(sV);
   if (tl.n > 0) {
     mbar_wait(full, 0);

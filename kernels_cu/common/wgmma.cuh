@@ -230,6 +230,18 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[R], const unsigned (&a)[4], 
   wgmma_k16_rs<TRANS_B>(d, a, db, accumulate, T());
 }
 
+// S (64 x 64 f32) = Q K^T over D (fp16, one commit group) for the FP4 forwards: Q = this warpgroup's 64 rows of a
+// Q_ROWS-row tile, K = a 64-row tile `k_off` bytes past sK (a ring stage), both K-major in 128-byte pieces (desc_k16).
+// The stage offset is added to the descriptor (its start-address field cannot carry over: shared memory addresses
+// stay below 2^18).
+template <int D, int Q_ROWS>
+__device__ __forceinline__ void wgmma_qk16(float (&acc)[32], const char* sQw, const char* sK, int k_off) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<__half>(acc, desc_k16<Q_ROWS>(sQw, kk), gmma_desc_advance(desc_k16<64>(sK, kk), k_off), kk);
+  wgmma_commit();
+}
+
 // Descriptor of k-step `ks` (16 rows of K) of a 16-bit MN-major operand (an N-major B, or an M-major A with
 // wgmma_ss<T, true, ...>): a [K][MN] tile of K_ROWS rows stored as TileCopy<K_ROWS, 2 * MN, ..., true> stores it
 // (MN cut into 64-element, 128-byte pieces; piece a is a swizzled K_ROWS x 128-byte tile at tile + a * K_ROWS *
