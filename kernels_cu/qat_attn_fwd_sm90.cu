@@ -43,7 +43,7 @@ template <int D>
 struct QatFwdSm90 {
   static constexpr int Q_BYTES = QF_BQ * 2 * D, K_BYTES = QF_BKV * 2 * D, V_BYTES = D * QF_BKV * 2;
   static constexpr int BARS = 3 * QF_NST * 8;
-  // Q~, the K~ and V~^T rings, the mbarriers; + 1024 for the tiles' alignment (host: qat.fwd_sm90_smem_bytes)
+  // Q~, the K~ and V~^T rings, the mbarriers; + 1024 for the tiles' alignment (host: nvfp4.qat_fwd_sm90_smem_bytes)
   static constexpr int SMEM = Q_BYTES + QF_NST * (K_BYTES + V_BYTES) + BARS + 1024;
 };
 
