@@ -76,13 +76,13 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
-  const int first_qt = first_row / BWD_BQ, n_qt = (nq + BWD_BQ - 1) / BWD_BQ;
+  const QueryTiles qtl = query_tiles(k0, BWD_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  const int first_qt = qtl.first;
 
   // Flattened (head in group, query tile) iterations. Q^ and dO of iteration it+1 are prefetched during
   // iteration it (issued once every warp is past S and dP); Q^^T, dO^^T and the per-query arrays of it+1
   // into the other buffer at the top of iteration it (load_t).
-  const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;
+  const int n_it_q = qtl.per_head, n_it = qtl.iters;
   auto load_q_do = [&](int it) {
     const int hh = hk * group + it / n_it_q, qq0 = (first_qt + it % n_it_q) * BWD_BQ;
     const long long bhh = static_cast<long long>(b) * Hq + hh;

@@ -103,9 +103,8 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
-  const int first_qt = first_row / BWD_BQ, n_qt = (nq + BWD_BQ - 1) / BWD_BQ;
-  const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;  // (head in group, query tile) pairs
+  const QueryTiles qtl = query_tiles(k0, BWD_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
   // The per-query arrays are copied over the whole padded tile (the forward and the pre-passes write every
   // padded row); P of rows >= nq is zeroed by need_mask.
   int ld_h = hk * group, ld_t = first_qt;  // (query head, query tile) of the next stage to load

@@ -65,9 +65,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
-  const int first_qt = first_row / BQ, n_qt = (nq + BQ - 1) / BQ;
-  const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;
+  const QueryTiles qtl = query_tiles(k0, BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  const int first_qt = qtl.first, n_it_q = qtl.per_head, n_it = qtl.iters;
 
   for (int it = 0; it < n_it; ++it) {
     const int h = hk * group + it / n_it_q, q0 = (first_qt + it % n_it_q) * BQ;

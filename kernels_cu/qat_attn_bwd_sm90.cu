@@ -101,9 +101,8 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const int first_row = CAUSAL ? max(0, k0 - shift) : 0;
-  const int first_qt = first_row / QB_BQ, n_qt = (nq + QB_BQ - 1) / QB_BQ;
-  const int n_it_q = max(0, n_qt - first_qt), n_it = group * n_it_q;  // (head in group, query tile) pairs
+  const QueryTiles qtl = query_tiles(k0, QB_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
   int ld_h = hk * group, ld_t = first_qt;  // (query head, query tile) of the next stage to load
   auto load_stage = [&](int it) {
     const int qq0 = ld_t * QB_BQ;

@@ -41,6 +41,21 @@ __device__ __forceinline__ KeyTiles key_tiles(int q0, int bq, int nq, int nk, bo
   return t;
 }
 
+// The mirror for a block of keys k0 .. (the dK/dV kernels): the bq-row query tiles first .. n - 1 see them (causal:
+// from the first row that sees key k0), for each of the kv head's `group` query heads: per_head tiles, iters pairs.
+struct QueryTiles {
+  int first, n, per_head, iters;
+};
+__device__ __forceinline__ QueryTiles query_tiles(int k0, int bq, int nq, int nk, bool causal, int group) {
+  const int first_row = causal ? max(0, k0 - (nk - nq)) : 0;
+  QueryTiles t;
+  t.first = first_row / bq;
+  t.n = (nq + bq - 1) / bq;
+  t.per_head = max(0, t.n - t.first);
+  t.iters = group * t.per_head;
+  return t;
+}
+
 // dst[row, col] = acc * mult in T for this thread's rows r_lo, r_lo + 8 (those < n) of a 16 x D
 // accumulator tile (mma layout: acc[nt][2r + j] is row r_lo + 8r, column 8nt + 2t4 + j).
 template <typename T, int D>
