@@ -82,10 +82,10 @@ def _as_dtype(x16, dtype):
         return cupy.ascontiguousarray(x16)
     out = cupy.empty(x16.shape, dtype=cupy.uint16)
     if x16.flags.c_contiguous and x16.size % 8 == 0 and x16.data.ptr % 16 == 0:
-        from .nvfp4 import kernel_names as nvfp4_kernel_names
+        from .nvfp4 import _names as nvfp4_names
 
         n8 = x16.size // 8
-        fn = get_function("nvfp4_quant.cu", "fq_fp16_to_bf16", all_names=tuple(nvfp4_kernel_names()["nvfp4_quant.cu"]))
+        fn = get_function("nvfp4_quant.cu", "fq_fp16_to_bf16", all_names=nvfp4_names("nvfp4_quant.cu"))
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         fn((min((n8 + 255) // 256, sms * 16),), (256,), (x16, out, cupy.int64(n8)))
         return out
@@ -125,7 +125,7 @@ def _operands(res, do, eng):
     import cupy
 
     from .int8 import _strides
-    from .nvfp4 import kernel_names as nvfp4_kernel_names
+    from .nvfp4 import _fn
 
     p = res.problem
     B, Hq, D = p.batch, p.heads_q, p.head_dim
@@ -134,7 +134,7 @@ def _operands(res, do, eng):
     # delta = rowsum(dO o O') (O', not O: SPEC §6)
     dsb, dsh, dsn = _strides(do, p.layout)
     delta = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
-    get_function("nvfp4_quant.cu", f"qat_delta<{T}>", all_names=tuple(nvfp4_kernel_names()["nvfp4_quant.cu"]))(
+    _fn("qat_delta", T)(
         (nq_pad // 8, Hq, B), (256,),
         (do, cupy.int64(dsb), cupy.int64(dsh), cupy.int64(dsn), res.o_prime, cupy.int32(nq), cupy.int32(nq_pad),
          cupy.int32(D), delta))

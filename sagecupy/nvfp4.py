@@ -101,14 +101,14 @@ def kernel_constants() -> dict:
             "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
-def _fn(kind, T):
-    names = tuple(kernel_names()["nvfp4_quant.cu"])
-    return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=names)
-
-
 @functools.lru_cache(maxsize=None)
-def _sm90_names() -> tuple:
-    return tuple(kernel_names()["fp4_attn_fwd_sm90.cu"])
+def _names(filename: str) -> tuple:
+    """kernel_names()[filename] as a tuple, built once (launches pass it on every call)."""
+    return tuple(kernel_names()[filename])
+
+
+def _fn(kind, T):
+    return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=_names("nvfp4_quant.cu"))
 
 
 def _attn_fn(name):
@@ -363,7 +363,7 @@ def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_
     vc, vs = ops["v_packed"], ops["v_scales"]
     if engine == "wgmma":
         fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}>",
-                          all_names=_sm90_names(), arch="sm_90a")
+                          all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         vc, vs = _pad_tokens64(vc, vs, n16)
         v_args = (vc, vs, i32(vc.shape[-1]))
     else:

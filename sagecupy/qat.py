@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import _checks
 from ._loader import get_function
 from .config import QATConfig
-from .nvfp4 import _is_supported, _prep, _validated
+from .nvfp4 import _fn, _is_supported, _names, _prep, _validated
 
 __all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize"]
 
@@ -65,12 +65,6 @@ def _roundup(n, m):
     return (n + m - 1) // m * m
 
 
-def _quant_fn(kind, T):
-    from .nvfp4 import kernel_names
-
-    return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=tuple(kernel_names()["nvfp4_quant.cu"]))
-
-
 def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
     """``fq(x)`` in fp16, zero-padded: ``along="channels"`` -> ``(B, H, n_pad, D)`` (Q, K);
     ``along="tokens"`` -> ``fq(x)^T`` ``(B, H, D, n_pad)`` (V). ``n_pad`` defaults to N rounded up to 64."""
@@ -93,7 +87,7 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
         if n_pad > N:
             out[:, :, N:] = 0
         nblk = N * D // 16
-        _quant_fn("nvfp4_fq_rows", T)(((nblk + 255) // 256, H, B), (256,),
+        _fn("nvfp4_fq_rows", T)(((nblk + 255) // 256, H, B), (256,),
                                       (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out))
     else:  # tokens
         n16 = _roundup(N, 16)
@@ -101,7 +95,7 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
         if n_pad > n16:
             out[..., n16:] = 0
         work = D * (n16 // 16)
-        _quant_fn("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
+        _fn("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
                                         (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), i32(n_pad), out))
     return out
 
@@ -124,10 +118,8 @@ def _fwd_fn(T, D, w):
 
 
 def _fwd_fn_sm90(T, D):
-    from .nvfp4 import kernel_names
-
-    names = tuple(kernel_names()["qat_attn_fwd_sm90.cu"])
-    return get_function("qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}>", all_names=names, arch="sm_90a")
+    return get_function("qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}>",
+                        all_names=_names("qat_attn_fwd_sm90.cu"), arch="sm_90a")
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
