@@ -3,7 +3,8 @@
 // products on wgmma:
 //   S   = Q^ K^T   m64n64k16 f32.f16.f16   (dequantized Q^ and K^ tiles in shared memory)
 //   P.V = P^ V^    m64nDk16 f32.f16.f16    (P^ from registers: its fp16 values are exact; V^^T shared)
-// one warpgroup (4 warps, 64 query rows) per m64 product; CTAs of WARPS = 4 or 8 warps.
+// one warpgroup (4 warps, 64 query rows) per m64 product; CTAs of WARPS = 4, 8 or 12 warps (12: only with
+// SAGE_FP4_OFRAME, which leaves room for 168 registers per thread).
 //
 // Operands stay packed in device memory. Every thread owns "tasks" of 64 elements (4 units of 16: 32 code
 // bytes and 4 E4M3 scale bytes, contiguous in memory): a 64-element piece of one K row or one channel of a
@@ -63,9 +64,9 @@ struct Nv90 {
   static constexpr int Q_BYTES = BQ * 2 * D, K_BYTES = BKV * 2 * D, V_BYTES = D * BKV * 2;
   static constexpr int KTASKS = BKV * D / 64, TASKS = KTASKS + D;  // per key tile: K quarter-rows, V channels
   static constexpr int QTASKS = BQ * D / 64;
-  static_assert(QTASKS <= TASKS, "the Q tasks fit the staging area");
+  static constexpr int SLOTS = QTASKS > TASKS ? QTASKS : TASKS;  // staging slots (the Q tasks use them first)
   static constexpr int NJ = (TASKS + THREADS - 1) / THREADS;  // tasks per thread (D = 64, 8 warps: half idle)
-  static constexpr int STG_CODES = 32 * TASKS, STG = 36 * TASKS;
+  static constexpr int STG_CODES = 32 * SLOTS, STG = 36 * SLOTS;
   static constexpr int BARS = 3 * NST * 8;  // mbarriers: full[NST], k_empty[NST], v_empty[NST]
   // Q, the K and V rings, the staging area, the mbarriers; + 1024 for the alignment of the tiles
   // (host: nvfp4.fwd_smem_bytes)
@@ -137,6 +138,21 @@ __device__ __forceinline__ void dequant_tile(char* sKst, char* sVst, const char*
   }
 }
 
+// Named barrier `id` (1..3) of two warpgroups (256 threads): wait on it (SYNC) or arrive. The ids are constants in
+// the instructions (a register id would make ptxas reserve all 16 barriers).
+template <bool SYNC>
+__device__ __forceinline__ void pair_barrier(int id) {
+  if (SYNC) {
+    if (id == 1) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    else if (id == 2) asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    else asm volatile("bar.sync 3, 256;\n" ::: "memory");
+  } else {
+    if (id == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    else if (id == 2) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+    else asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+  }
+}
+
 }  // namespace
 
 // Grid (ceil(nq / (16 WARPS)), Hq, B), block 32 WARPS, dynamic shared memory Nv90<D, WARPS>::SMEM.
@@ -149,7 +165,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
                     float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
   using S = Nv90<D, WARPS>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
-  static_assert(WARPS == 4 || WARPS == 8, "one or two warpgroups");
+  static_assert(WARPS == 4 || WARPS == 8 || WARPS == 12, "one, two or three warpgroups");
   constexpr int BQ = S::BQ;
   const bool CAUSAL = causal != 0;
   extern __shared__ __align__(128) char smem_raw[];
@@ -230,10 +246,13 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   auto issue_qk = [&](int kst) { wgmma_qk16<D, BQ>(accs, sQw, sK, kst * S::K_BYTES); };
   const unsigned long long dv0 = gmma_desc<128>(sV);
 
-  // Ping-pong (see SAGE_FP4_PINGPONG): warpgroup 1 lets 0 go first.
-  constexpr bool PING = SAGE_FP4_PINGPONG && WARPS == 8 && D == 128;
+  // Ping-pong (see SAGE_FP4_PINGPONG): the warpgroups issue in turn 0, 1, .., NWG - 1, 0, ..; warpgroup wg waits
+  // on named barrier 1 + wg, which its predecessor arrives on after issuing (the last one lets 0 go first).
+  constexpr int NWG = WARPS / 4;
+  constexpr bool PING = SAGE_FP4_PINGPONG && NWG > 1 && D == 128;
   const int wg = warp / 4;
-  if (PING && wg == 1 && tl.n > 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+  const int my_turn = 1 + wg, next_turn = 1 + (wg + 1 == NWG ? 0 : wg + 1);
+  if (PING && wg == NWG - 1 && tl.n > 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
   if (tl.n > 0) {
     mbar_wait(full, 0);
     wgmma_fence();
@@ -253,10 +272,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
                                                                CAUSAL, r_lo, t4, nk, shift, scale_log2);
     if constexpr (OFRAME) fp4_frame_step<TWO_LEVEL>(acc_o, pa, fr, ts, rs);
-    if (PING) {  // this warpgroup's turn to issue
-      if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-      else asm volatile("bar.sync 2, 256;\n" ::: "memory");
-    }
+    if (PING) pair_barrier<true>(my_turn);  // this warpgroup's turn to issue
     wgmma_fence();
     {  // P.V(t)
       const unsigned long long dv = gmma_desc_advance(dv0, st0 * S::V_BYTES);
@@ -291,10 +307,8 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     if (more) mbar_wait(full + st1, ph1);
     wgmma_fence();
     issue_qk(st1);
-    if (PING && (tile + 1 < tl.n || wg == 0)) {  // the other warpgroup's turn (warpgroup 0 takes no turn after its last)
-      if (wg == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
-      else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-    }
+    // the next warpgroup's turn (after its last tile, warpgroup NWG - 1 hands none to warpgroup 0, which is done)
+    if (PING && (tile + 1 < tl.n || wg != NWG - 1)) pair_barrier<false>(next_turn);
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     if constexpr (OFRAME)
       fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));

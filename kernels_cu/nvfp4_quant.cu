@@ -72,9 +72,8 @@ __global__ void nvfp4_fq_rows(const T* __restrict__ x, long long sb, long long s
   float v[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
-  unsigned packed[2], hv[8];
-  const unsigned sc = nvfp4_block(v, packed);
-  dequant16_half(make_uint2(packed[0], packed[1]), sc, hv);
+  unsigned hv[8];
+  nvfp4_fq16(v, hv);
   uint4* dst = reinterpret_cast<uint4*>(out + ((static_cast<long long>(b) * H + h) * n_pad + row) * d + c0);
   dst[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
   dst[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
@@ -95,9 +94,8 @@ __global__ void nvfp4_fq_tokens(const T* __restrict__ x, long long sb, long long
     const int tok = tb * 16 + i;
     v[i] = tok < n ? to_float(src[tok * sn]) : 0.f;
   }
-  unsigned packed[2], hv[8];
-  const unsigned sc = nvfp4_block(v, packed);
-  dequant16_half(make_uint2(packed[0], packed[1]), sc, hv);
+  unsigned hv[8];
+  nvfp4_fq16(v, hv);
   uint4* dst = reinterpret_cast<uint4*>(out + ((static_cast<long long>(b) * H + h) * d + c) * n_pad + tb * 16);
   dst[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
   dst[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);

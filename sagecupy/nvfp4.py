@@ -44,13 +44,16 @@ def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
     once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel: 8
     at D=128 (two warpgroups share each dequantized tile: 1.6x the speed of 4 warps), 4 at D=64 (within a few
     percent of 8 there, either way between runs; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs
-    with less than ~104 KiB of shared memory per block at D=128). For finite inputs the result does not depend
+    with less than ~104 KiB of shared memory per block at D=128); ``12`` (wgmma only) is an experiment that needs
+    the kernel define ``SAGE_FP4_OFRAME=1`` (``SAGECUPY_DEFINES``) to fit its registers. For finite inputs the result does not depend
     on it (tested bitwise); with a NaN in V, rows that cannot see its block may or may not turn NaN depending on
     which CTAs load the tile."""
     default = (_WGMMA_WARPS if head_dim == 128 else 4) if engine == "wgmma" else 8
     env = os.environ.get("SAGECUPY_FP4_WARPS", str(default))
-    if env not in ("4", "8"):
-        raise ValueError(f"SAGECUPY_FP4_WARPS={env!r} is not supported; supported: '4', '8'")
+    ok = ("4", "8", "12") if engine == "wgmma" else ("4", "8")
+    if env not in ok:
+        raise ValueError(f"SAGECUPY_FP4_WARPS={env!r} is not supported with engine={engine!r}; supported: "
+                         + ", ".join(repr(x) for x in ok))
     return int(env)
 
 
@@ -118,11 +121,13 @@ def _attn_fn(name):
 def fwd_smem_bytes(D: int, warps: int, engine: str = "mma") -> int:
     """Dynamic shared memory of the FP4 forwards. mma.sync: fp16 Q tile, 2 stages of fp16 K and V^T tiles, the
     packed staging area, alignment. wgmma (``Nv90`` in fp4_attn_fwd_sm90.cu): fp16 Q, 3 stages of K and V,
-    36 staging bytes per 64-element task (64 D / 64 K tasks + D V tasks), 9 mbarriers, 1024 for alignment."""
+    36 staging bytes per 64-element task (64 D / 64 K tasks + D V tasks, or the Q tile's 16 warps D / 64 tasks
+    where those are more: 12 warps), 9 mbarriers, 1024 for alignment."""
     if engine not in ("mma", "wgmma"):
         raise ValueError(f"engine={engine!r}: a resolved engine ('mma' or 'wgmma') is needed here")
-    if engine == "wgmma":
-        return 16 * warps * 2 * D + 3 * (_BKV * 2 * D + D * _BKV * 2) + 36 * (_BKV * D // 64 + D) + 9 * 8 + 1024
+    if engine == "wgmma":  # (the staging slots: one per tile task, or per Q task where those are more)
+        slots = max(_BKV * D // 64 + D, 16 * warps * D // 64)
+        return 16 * warps * 2 * D + 3 * (_BKV * 2 * D + D * _BKV * 2) + 36 * slots + 9 * 8 + 1024
     return 16 * warps * 2 * D + 2 * (_BKV * 2 * D + D * _BKV * 2) + _BKV * D + 128
 
 

@@ -138,6 +138,42 @@ __device__ __forceinline__ __half2 e4m3_block_scale_fast2(float a0, float a1, fl
   return h;
 }
 
+// Fake quantization of one 16-block (fp32 values of fp16/bf16 inputs) straight to its NVFP4 values as fp16
+// (out[i]: elements 2i, 2i+1): bit for bit dequant16_half of nvfp4_block's codes and scale, without 16 IEEE
+// divisions and the midpoint comparisons. The block scale s as nvfp4_block; per element, with r = 1/s correctly
+// rounded, y = |x| r is within 2^-23 (relative) of |x| / s. An input of at most 11 significant bits divided by a
+// 4-bit scale is either exactly an E2M1 midpoint (a tie) or at least 2^-11 away from every midpoint, so rounding y
+// to 16 significant bits (+0x40, clear the low 7 bits) lands exactly on the midpoint in the first case and on
+// the quotient's side of it in the second; e2m1_round_nonneg then rounds as the reference does, and q s is exact
+// in fp16 (at most 6 significant bits in [2^-10, 2688]). Checked exhaustively against the reference for every
+// fp16 value and every fp32-normal bf16 value with every nonzero E4M3 scale (bench/NOTES.md, ninth session). The
+// sign is copied back (-0 and small negatives stay negative, as their codes keep the sign bit); a zero scale
+// gives +0 (nvfp4_block's +0 codes), a NaN scale (NaN/Inf in the block) NaN.
+__device__ __forceinline__ void nvfp4_fq16(const float (&x)[16], unsigned (&out)[8]) {
+  float amax = 0.f;
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    bad |= (x[i] != x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  const float s = e4m3_decode(e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax));
+  const float r = __frcp_rn(s);
+  const bool zero = s == 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float q[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float xv = x[2 * i + e];
+      const float y = __uint_as_float((__float_as_uint(fabsf(xv) * r) + 0x40u) & ~0x7Fu);
+      q[e] = zero ? 0.f : copysignf(e2m1_round_nonneg(y) * s, xv);
+    }
+    const __half2 h = __floats2half2_rn(q[0], q[1]);
+    out[i] = *reinterpret_cast<const unsigned*>(&h);
+  }
+}
+
 // Approximate reciprocal (MUFU.RCP, within an ulp), 0 for 0.
 __device__ __forceinline__ float rcp_approx(float x) {
   float y;

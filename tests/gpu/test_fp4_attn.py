@@ -489,6 +489,36 @@ def test_nvfp4_wgmma_pingpong_does_not_change_the_result(monkeypatch):
         assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1]))
 
 
+@pytest.mark.parametrize("warps", ["4", "8", "12"])
+def test_nvfp4_wgmma_o_frame_experiment(monkeypatch, warps):
+    """The experiment SAGE_FP4_OFRAME=1 (O accumulated in the frame of its last tile, fp4_frame_step; the only
+    way 12-warp CTAs fit their registers) against the simulator on odd shapes, and the 12-warp ping-pong (three
+    warpgroups taking turns) bitwise equal to no ping-pong."""
+    from sagecupy import _checks, nvfp4
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
+    cp = _cp()
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
+    monkeypatch.setenv("SAGECUPY_FP4_WARPS", warps)
+    monkeypatch.setenv("SAGECUPY_DEFINES", "SAGE_FP4_OFRAME=1")
+    for c in (CASES[1], CASES[3], CASES[6], CASES[7], CASES[8]):
+        _nvfp4_case(*c, NVFP4Config())
+    _nvfp4_case(1, 2, 1, 700, 90, 128, True, "HND", "bfloat16", NVFP4Config(), seed=21)
+    _nvfp4_case(1, 2, 2, 300, 1000, 128, False, "HND", "float16", NVFP4Config(two_level_p=False), seed=3, sigma=5.0)
+    if warps == "12":
+        for nq, nk, causal in ((300, 517, False), (517, 300, True), (200, 130, True)):
+            (q, k, v, _), _ = _inputs(23, 1, 2, 1, nq, nk, 128, "HND", "float16")
+            ops = nvfp4.quantize_inputs(q, k, v)
+            got = {}
+            for flag in ("1", "0"):
+                monkeypatch.setenv("SAGECUPY_DEFINES", f"SAGE_FP4_OFRAME=1,SAGE_FP4_PINGPONG={flag}")
+                o, lse = nvfp4.attention_packed(ops, causal=causal, return_lse=True, engine="wgmma")
+                got[flag] = (_checks.raw(o), lse)
+            assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1]))
+
+
 def test_misaligned_packed_operands_and_bad_arguments(engine):
     """Exchange-format arrays that start at an odd address (a slice of a byte pool) are copied, not
     handed to the 8-byte copies of the kernel; fake_quantize refuses a padding that would not fit."""

@@ -69,6 +69,49 @@ def test_tokens_bit_exact_with_padding(dtype):
     np.testing.assert_array_equal(codes.get(), F.pack_e2m1(ref_c, axis=-1))
 
 
+def _ties_at_every_scale(rng, shape):
+    """_adversarial plus blocks whose scale is s = f 2^e for every E4M3 mantissa f (1/s inexact unless f = 1):
+    one element 6 s (so the scale is exactly s), the others E2M1 midpoints times s (exact ties)."""
+    x = _adversarial(rng, shape)
+    flat = x.reshape(-1, 16)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    for i in range(1, flat.shape[0], 5):
+        s = (1 + rng.integers(0, 8) / 8) * 2.0 ** rng.integers(-8, 6)
+        flat[i] = np.concatenate([[6.0], rng.choice(mids, 15)]) * s * rng.choice([-1, 1], 16)
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("along", ["channels", "tokens"])
+def test_fake_quantize_bit_exact(dtype, along):
+    """qat.fake_quantize (the QAT forward's fq(Q), fq(K), fq(V)^T: multiplication by 1/s with a 16-bit snap
+    instead of division, kernels_cu/common/fp4.cuh nvfp4_fq16) equals the reference's quantize-then-dequantize
+    bit for bit, ties at scales with inexact reciprocals and NaN/Inf blocks included; padding is zero."""
+    import cupy as cp
+
+    from sagecupy import qat
+
+    rng = np.random.default_rng(3)
+    if along == "channels":
+        x = _ties_at_every_scale(rng, (2, 3, 45, 64))
+    else:  # blocks along the tokens: build them along the last axis, then swap
+        x = np.ascontiguousarray(_ties_at_every_scale(rng, (2, 3, 64, 48)).swapaxes(-1, -2)[:, :, :45])
+    x.reshape(-1)[7] = np.nan
+    x.reshape(-1)[300] = -np.inf
+    xd = _dev(x, dtype)
+    xh = _host(xd)
+    got = qat.fake_quantize(xd, along=along, n_pad=64).astype(cp.float32).get().astype(np.float64)
+    if along == "channels":
+        want = np.zeros((2, 3, 64, 64))
+        want[:, :, :45] = F.nvfp4_fake_quantize(xh, axis=-1)
+    else:
+        want = np.zeros((2, 3, 64, 64))
+        want[..., :48] = F.nvfp4_fake_quantize(F.pad_to_multiple(np.swapaxes(xh, -1, -2), 16, axis=-1), axis=-1)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), f"{(~same).sum()} values differ, first at {np.argwhere(~same)[:3].tolist()}"
+    assert np.array_equal(np.signbit(got[same & (got == 0)]), np.signbit(want[same & (got == 0)])), "signs of zeros"
+
+
 def test_nan_and_inf_blocks_get_nan_scales():
     from sagecupy import nvfp4
 
