@@ -3,8 +3,8 @@
 // products on wgmma:
 //   S   = Q^ K^T   m64n64k16 f32.f16.f16   (dequantized Q^ and K^ tiles in shared memory)
 //   P.V = P^ V^    m64nDk16 f32.f16.f16    (P^ from registers: its fp16 values are exact; V^^T shared)
-// one warpgroup (4 warps, 64 query rows) per m64 product; CTAs of WARPS = 4, 8 or 12 warps (12: only with
-// SAGE_FP4_OFRAME, which leaves room for 168 registers per thread).
+// one warpgroup (4 warps, 64 query rows) per m64 product; CTAs of WARPS = 4, 8 or 12 warps (12, the default at
+// D = 128: with O kept in the frame of its last tile, which leaves room for 168 registers per thread).
 //
 // Operands stay packed in device memory. Every thread owns "tasks" of 64 elements (4 units of 16: 32 code
 // bytes and 4 E4M3 scale bytes, contiguous in memory): a 64-element piece of one K row or one channel of a
@@ -40,15 +40,20 @@ using namespace sage;
 // barriers 1 and 2), so one's softmax overlaps the other's products: 1.03-1.05x on the H200 at D = 128 (two runs of
 // bench/fp4_variants.py; the results are bitwise the same). At D = 64 (8 warps) it measured 0.96-0.97x in one
 // run, within the ~3% spread that two timings of one and the same kernel showed later: left off there for now.
-// SAGE_FP4_PINGPONG=0 turns it off.
+// SAGE_FP4_PINGPONG=0 turns it off. SAGE_FP4_PINGPONG3=1 turns on the same round robin for three warpgroups (12
+// warps): measured 0.95-1.02x of no ping-pong there (bench/NOTES.md, ninth session), so off by default.
 #ifndef SAGE_FP4_PINGPONG
 #define SAGE_FP4_PINGPONG 1
 #endif
-// Experiment, off by default and not yet run on a GPU: O accumulated in place in the frame of its last tile
-// (common/fp4_fwd.cuh fp4_frame_step, the wgmma QAT forward's rule) instead of O = alpha O + beta (P^ V^) through
-// a separate P^.V^ accumulator: 64 fewer registers per thread at D = 128 (D / 2 in general). Time it with
-// SAGECUPY_EXPERIMENT=SAGE_FP4_OFRAME=1 bash bench/gpu_check.sh bench; test it with
-// SAGECUPY_DEFINES=SAGE_FP4_OFRAME=1 on tests/gpu/test_fp4_attn.py.
+#ifndef SAGE_FP4_PINGPONG3
+#define SAGE_FP4_PINGPONG3 0
+#endif
+// O accumulated in place in the frame of its last tile (common/fp4_fwd.cuh fp4_frame_step, the wgmma QAT forward's
+// rule) instead of O = alpha O + beta (P^ V^) through a separate P^.V^ accumulator: D / 2 fewer registers per
+// thread. Always on for 12-warp CTAs (the default at D = 128: 168 registers per thread, three warpgroups share
+// each dequantized K/V tile; 1.01-1.08x the 8-warp kernel on the H200); SAGE_FP4_OFRAME=1 turns it on for 4 and 8
+// warps too, where it measured 0.92-1.05x (mostly slower: the fold through a separate accumulator overlaps the
+// next Q.K^T, the frame rule's rescale does not).
 #ifndef SAGE_FP4_OFRAME
 #define SAGE_FP4_OFRAME 0
 #endif
@@ -237,7 +242,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
   float acc_s[8][4];   // S of the tile being softmaxed; then Q.K^T of the next one, in flight
-  constexpr bool OFRAME = SAGE_FP4_OFRAME;
+  constexpr bool OFRAME = SAGE_FP4_OFRAME || WARPS == 12;
   float acc_pv[OFRAME ? 32 : D / 2];  // P^.V^ of this tile (unused with OFRAME)
   Fp4Frame fr = {{-INFINITY, -INFINITY}};  // OFRAME: the frame of O
   float(&accs)[32] = reinterpret_cast<float(&)[32]>(acc_s);
@@ -249,7 +254,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   // Ping-pong (see SAGE_FP4_PINGPONG): the warpgroups issue in turn 0, 1, .., NWG - 1, 0, ..; warpgroup wg waits
   // on named barrier 1 + wg, which its predecessor arrives on after issuing (the last one lets 0 go first).
   constexpr int NWG = WARPS / 4;
-  constexpr bool PING = SAGE_FP4_PINGPONG && NWG > 1 && D == 128;
+  constexpr bool PING = D == 128 && ((NWG == 2 && SAGE_FP4_PINGPONG) || (NWG == 3 && SAGE_FP4_PINGPONG3));
   const int wg = warp / 4;
   const int my_turn = 1 + wg, next_turn = 1 + (wg + 1 == NWG ? 0 : wg + 1);
   if (PING && wg == NWG - 1 && tl.n > 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");

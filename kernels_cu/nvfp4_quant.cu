@@ -55,14 +55,64 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
 }
 
 // Fake quantization (quantize, then dequantize; SPEC §6) into fp16, for the FP4 QAT kernels. Every NVFP4
-// value (at most 6 significant bits in [2^-10, 2688]) is an fp16 value, so the output is exact.
-//   nvfp4_fq_rows:   x (B, H, N, D) -> out (B, H, n_pad, D) fp16, 16-blocks along D (rows >= N untouched)
-//   nvfp4_fq_tokens: x (B, H, N, D) -> out (B, H, D, n_pad) fp16 (V~ transposed), 16-token blocks
-//                    (tokens >= N are zeros; columns >= n16 untouched)
-// Grids as nvfp4_quant_rows / nvfp4_quant_tokens.
+// value (at most 6 significant bits in [2^-10, 2688]) is an fp16 value, so the output is exact; so is the same
+// value in bf16, which these kernels also write when out_bf16 is not null (the QAT backward's operands for bf16
+// inputs: one more store here instead of a conversion pass in the backward). Values by nvfp4_fq8 (fp4.cuh).
+//   nvfp4_fq_rows:     x (B, H, N, D) -> out (B, H, n_pad, D), 16-blocks along D (rows >= N untouched). One thread
+//                      per half block (8 channels: one 16-byte load and store; lanes 2j and 2j+1 share a block
+//                      and exchange their maxima). Rows 16-byte aligned (host-checked); N D / 8 < 2^31.
+//                      grid (ceil(N * D / 8 / 256), H, B), block 256.
+//   nvfp4_fq_rows_any: the same for any strides, one thread per block; grid (ceil(N * D / 16 / 256), H, B).
+//   nvfp4_fq_tokens:   x (B, H, N, D) -> out (B, H, D, n_pad) (V~ transposed), 16-token blocks (tokens >= N are
+//                      zeros; columns >= n16 untouched); grid as nvfp4_quant_tokens.
 template <typename T>
 __global__ void nvfp4_fq_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
-                              int n_pad, __half* __restrict__ out) {
+                              int n_pad, __half* __restrict__ out, unsigned short* __restrict__ out_bf16) {
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int halves = d / 8, i = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool ok = i < n * halves;
+  const int row = ok ? i / halves : 0, c0 = ok ? (i % halves) * 8 : 0;
+  uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+  if (ok) raw = __ldg(reinterpret_cast<const uint4*>(x + b * sb + h * sh + row * sn + c0));
+  const T* e = reinterpret_cast<const T*>(&raw);
+  float v[8], amax = 0.f;
+  bool bad = false;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    v[k] = to_float(e[k]);
+    bad |= (v[k] != v[k]);
+    amax = fmaxf(amax, fabsf(v[k]));
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the other half of the block (every lane takes part)
+  bad = __shfl_xor_sync(0xffffffffu, static_cast<int>(bad), 1) != 0 || bad;
+  if (!ok) return;
+  unsigned hv[4];
+  nvfp4_fq8(v, nvfp4_fq_scale(amax, bad), hv);
+  const long long o = ((static_cast<long long>(b) * H + h) * n_pad + row) * d + c0;
+  *reinterpret_cast<uint4*>(out + o) = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+  if (out_bf16)
+    *reinterpret_cast<uint4*>(out_bf16 + o) = make_uint4(half2_to_bf16x2_exact(hv[0]), half2_to_bf16x2_exact(hv[1]),
+                                                         half2_to_bf16x2_exact(hv[2]), half2_to_bf16x2_exact(hv[3]));
+}
+
+// 16 fp16 values (8 half2 words) -> two 16-byte stores at dst (and their bf16 bits at dst_bf16 unless null).
+__device__ __forceinline__ void store_fq16(__half* dst, unsigned short* dst_bf16, const unsigned (&hv)[8]) {
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  d[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+  d[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
+  if (dst_bf16) {
+    unsigned w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = half2_to_bf16x2_exact(hv[k]);
+    uint4* db = reinterpret_cast<uint4*>(dst_bf16);
+    db[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    db[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
+
+template <typename T>
+__global__ void nvfp4_fq_rows_any(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
+                                  int n_pad, __half* __restrict__ out, unsigned short* __restrict__ out_bf16) {
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const long long blk = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int nblk_row = d / 16;
@@ -74,14 +124,13 @@ __global__ void nvfp4_fq_rows(const T* __restrict__ x, long long sb, long long s
   for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
   unsigned hv[8];
   nvfp4_fq16(v, hv);
-  uint4* dst = reinterpret_cast<uint4*>(out + ((static_cast<long long>(b) * H + h) * n_pad + row) * d + c0);
-  dst[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
-  dst[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
+  const long long o = ((static_cast<long long>(b) * H + h) * n_pad + row) * d + c0;
+  store_fq16(out + o, out_bf16 ? out_bf16 + o : nullptr, hv);
 }
 
 template <typename T>
 __global__ void nvfp4_fq_tokens(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
-                                int n16, int n_pad, __half* __restrict__ out) {
+                                int n16, int n_pad, __half* __restrict__ out, unsigned short* __restrict__ out_bf16) {
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const long long id = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int tblocks = n16 / 16;
@@ -96,9 +145,8 @@ __global__ void nvfp4_fq_tokens(const T* __restrict__ x, long long sb, long long
   }
   unsigned hv[8];
   nvfp4_fq16(v, hv);
-  uint4* dst = reinterpret_cast<uint4*>(out + ((static_cast<long long>(b) * H + h) * d + c) * n_pad + tb * 16);
-  dst[0] = make_uint4(hv[0], hv[1], hv[2], hv[3]);
-  dst[1] = make_uint4(hv[4], hv[5], hv[6], hv[7]);
+  const long long o = ((static_cast<long long>(b) * H + h) * d + c) * n_pad + tb * 16;
+  store_fq16(out + o, out_bf16 ? out_bf16 + o : nullptr, hv);
 }
 
 // out[b, h, row] = scale * sum_c x[b, h, row, c] * mu[b, h / mu_group, c] in fp32 (the LSE correction of

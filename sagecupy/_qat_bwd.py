@@ -73,12 +73,14 @@ def _bf16_bits_kernel():
 
 
 def _as_dtype(x16, dtype):
-    """fp16 array (any strides) -> the backward's operand type, C-contiguous: fp16, or the bf16 bits of the
-    same values (exact: fake-quantized values have at most 6 significant bits), in one pass (16 bytes per thread
-    for contiguous input: CuPy's element-wise kernel ran at ~0.75 TB/s here, bench/qat_bwd_prep.py)."""
+    """A residual fq tensor (any strides) -> the backward's operand type, C-contiguous. The forward stores them
+    in that type already (bf16 bits, uint16, for bf16 inputs: then this only makes them contiguous); an fp16 array
+    with ``dtype="bfloat16"`` is converted to the bf16 bits of the same values (exact: fake-quantized values have
+    at most 6 significant bits), in one pass (16 bytes per thread for contiguous input: CuPy's element-wise kernel
+    ran at ~0.75 TB/s here, bench/qat_bwd_prep.py)."""
     import cupy
 
-    if dtype == "float16":
+    if dtype == "float16" or x16.dtype == cupy.uint16:
         return cupy.ascontiguousarray(x16)
     out = cupy.empty(x16.shape, dtype=cupy.uint16)
     if x16.flags.c_contiguous and x16.size % 8 == 0 and x16.data.ptr % 16 == 0:

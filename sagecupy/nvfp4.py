@@ -36,18 +36,19 @@ _BKV = 64
 
 
 #: Warps per CTA of the wgmma NVFP4 forward at D=128 by default (SAGECUPY_FP4_WARPS overrides it).
-_WGMMA_WARPS = 8
+_WGMMA_WARPS = 12
 
 
 def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
     """Warps per FP4 forward CTA (16 query rows each). mma.sync kernels: 8 by default (K/V tiles dequantized
-    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel: 8
-    at D=128 (two warpgroups share each dequantized tile: 1.6x the speed of 4 warps), 4 at D=64 (within a few
-    percent of 8 there, either way between runs; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both (experiments; and GPUs
-    with less than ~104 KiB of shared memory per block at D=128); ``12`` (wgmma only) is an experiment that needs
-    the kernel define ``SAGE_FP4_OFRAME=1`` (``SAGECUPY_DEFINES``) to fit its registers. For finite inputs the result does not depend
-    on it (tested bitwise); with a NaN in V, rows that cannot see its block may or may not turn NaN depending on
-    which CTAs load the tile."""
+    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel: 12
+    at D=128 (three warpgroups share each dequantized tile, O kept in the frame of its last tile to fit 168
+    registers: 1.01-1.08x the 8-warp kernel), 4 at D=64 (within a few percent of 8 and 12 there, either way
+    between runs; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both, ``12`` the wgmma
+    kernel only (experiments; and GPUs with less shared memory per block: ~104 KiB for 8 warps at D=128, ~159 KiB
+    for 12). 4 and 8 warps give bitwise equal results for finite inputs (tested); 12 warps (the frame rule) round
+    O's fp32 rescaling differently (within the simulator's 1e-3 bound, tested). With a NaN in V, rows that
+    cannot see its block may or may not turn NaN depending on which CTAs load the tile."""
     default = (_WGMMA_WARPS if head_dim == 128 else 4) if engine == "wgmma" else 8
     env = os.environ.get("SAGECUPY_FP4_WARPS", str(default))
     ok = ("4", "8", "12") if engine == "wgmma" else ("4", "8")
@@ -75,7 +76,8 @@ def fp4_engine(engine: str | None = None) -> str:
 def kernel_names() -> dict:
     """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them)."""
     quant = [f"{k}<{T}>" for T in _T.values()
-             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_tokens", "row_mu_dot",
+             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_rows_any", "nvfp4_fq_tokens",
+                       "row_mu_dot",
                                                                                 "qat_delta")]
     quant.append("fq_fp16_to_bf16")
     attn = []
@@ -84,8 +86,8 @@ def kernel_names() -> dict:
             w = 8  # the default; 4 (SAGECUPY_FP4_WARPS, experiments) compiles at run time only
             attn += [f"nvfp4_attn_fwd<{T}, {D}, {w}, {tl}>" for tl in ("true", "false")]
             attn.append(f"qat_attn_fwd<{T}, {D}, {w}>")
-    attn90 = [f"nvfp4_attn_fwd_sm90<{T}, {D}, {w}, {tl}>" for T in _T.values() for D in (64, 128) for w in _WARPS
-              for tl in ("true", "false")]
+    attn90 = [f"nvfp4_attn_fwd_sm90<{T}, {D}, {w}, {tl}>" for T in _T.values() for D in (64, 128)
+              for w in (_WARPS + (_WGMMA_WARPS,) if D == 128 else _WARPS) for tl in ("true", "false")]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}>" for T in _T.values() for D in (64, 128)]
     return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
             "qat_attn_fwd_sm90.cu": qat90}
@@ -100,7 +102,7 @@ def qat_fwd_sm90_smem_bytes(D: int) -> int:
 def kernel_constants() -> dict:
     """Host values the kernel sources define too ([(C++ expression, value)] per file; CI static_asserts them)."""
     return {"fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
-                                     for w in _WARPS],
+                                     for w in _WARPS + (12,)],
             "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 

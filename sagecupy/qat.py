@@ -68,6 +68,12 @@ def _roundup(n, m):
 def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
     """``fq(x)`` in fp16, zero-padded: ``along="channels"`` -> ``(B, H, n_pad, D)`` (Q, K);
     ``along="tokens"`` -> ``fq(x)^T`` ``(B, H, D, n_pad)`` (V). ``n_pad`` defaults to N rounded up to 64."""
+    return _fake_quantize(x, layout, along, n_pad, False)[0]
+
+
+def _fake_quantize(x, layout, along, n_pad, bf16_too):
+    """fake_quantize's work: ``(fp16 array, None)``, or with ``bf16_too`` also the same values as bf16 bits
+    (uint16, same shape), written by the same kernel (the QAT backward's operands for bf16 inputs)."""
     import cupy
 
     if along not in ("channels", "tokens"):
@@ -81,23 +87,29 @@ def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
         raise ValueError(f"n_pad={n_pad!r} must be an int >= {need} (N{' rounded up to 16' if along == 'tokens' else ''})"
                          f"{' and a multiple of 8' if along == 'tokens' else ''}")
     i32, i64 = cupy.int32, cupy.int64
+    shape = (B, H, n_pad, D) if along == "channels" else (B, H, D, n_pad)
+    out = cupy.empty(shape, dtype=cupy.float16)
+    out_b = cupy.empty(shape, dtype=cupy.uint16) if bf16_too else None
     # The kernels write rows < N (channels) / tokens < N rounded up to 16 (tokens); only the rest is zeroed here.
+    for o in (out, out_b) if bf16_too else (out,):
+        if along == "channels" and n_pad > N:
+            o[:, :, N:] = 0
+        elif along == "tokens" and n_pad > need:
+            o[..., need:] = 0
     if along == "channels":
-        out = cupy.empty((B, H, n_pad, D), dtype=cupy.float16)
-        if n_pad > N:
-            out[:, :, N:] = 0
-        nblk = N * D // 16
-        _fn("nvfp4_fq_rows", T)(((nblk + 255) // 256, H, B), (256,),
-                                      (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out))
+        if raw.data.ptr % 16 == 0 and sb % 8 == 0 and sh % 8 == 0 and sn % 8 == 0 and N * D // 8 < 2 ** 31:
+            halves = N * D // 8  # one thread per 8 channels, 16-byte loads
+            _fn("nvfp4_fq_rows", T)(((halves + 255) // 256, H, B), (256,),
+                                    (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out, out_b))
+        else:
+            nblk = N * D // 16
+            _fn("nvfp4_fq_rows_any", T)(((nblk + 255) // 256, H, B), (256,),
+                                        (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out, out_b))
     else:  # tokens
-        n16 = _roundup(N, 16)
-        out = cupy.empty((B, H, D, n_pad), dtype=cupy.float16)
-        if n_pad > n16:
-            out[..., n16:] = 0
-        work = D * (n16 // 16)
+        work = D * (need // 16)
         _fn("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
-                                        (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), i32(n_pad), out))
-    return out
+                                  (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(need), i32(n_pad), out, out_b))
+    return out, out_b
 
 
 @dataclass
@@ -106,9 +118,10 @@ class Residuals:
 
     problem: _checks.Problem
     config: QATConfig
-    q_t: object       # (B, Hq, nq_pad, D) fp16 fq(Q), zero rows beyond Nq
-    k_t: object       # (B, Hkv, nk_pad, D) fp16 fq(K)
-    vt_t: object      # (B, Hkv, D, nk_pad) fp16 fq(V)^T
+    # fq(Q), fq(K), fq(V)^T in the backward's operand type: fp16 for fp16 inputs, bf16 bits (uint16) for bf16
+    q_t: object       # (B, Hq, nq_pad, D) fq(Q), zero rows beyond Nq
+    k_t: object       # (B, Hkv, nk_pad, D) fq(K)
+    vt_t: object      # (B, Hkv, D, nk_pad) fq(V)^T
     o_prime: object   # (B, Hq, nq_pad, D) fp32 P V~ (rows beyond Nq unwritten)
     lse2: object      # (B, Hq, nq_pad) fp32 base-2 LSE of the logits (+inf where no key is seen)
 
@@ -140,9 +153,12 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     eng = fp4_engine(engine)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     nq_pad, nk_pad = _roundup(nq, _BQ_PAD), _roundup(nk, _BKV)
-    q_t = fake_quantize(q, layout=layout, along="channels", n_pad=nq_pad)
-    k_t = fake_quantize(k, layout=layout, along="channels", n_pad=nk_pad)
-    vt_t = fake_quantize(v, layout=layout, along="tokens", n_pad=nk_pad)
+    # fp16 operands for the forward kernel; for bf16 inputs the same values as bf16 in the same passes, kept for
+    # the backward (whose products need dO's type), and the fp16 copies freed when this returns
+    bf = p.dtype == "bfloat16"
+    q_t, q_b = _fake_quantize(q, layout, "channels", nq_pad, bf)
+    k_t, k_b = _fake_quantize(k, layout, "channels", nk_pad, bf)
+    vt_t, vt_b = _fake_quantize(v, layout, "tokens", nk_pad, bf)
     o = _empty((B, Hq, nq, D), layout, p.dtype)
     osb, osh, osn = _strides(o, layout)
     lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
@@ -160,7 +176,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
        (q_t, k_t, vt_t, o, i64(osb), i64(osh), i64(osn), lse, lse2, o_prime,
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * LOG2E), i32(int(p.causal))),
        shared_mem=smem)
-    res = Residuals(p, cfg, q_t, k_t, vt_t, o_prime, lse2)
+    res = Residuals(p, cfg, q_b, k_b, vt_b, o_prime, lse2) if bf else Residuals(p, cfg, q_t, k_t, vt_t, o_prime, lse2)
     o = _checks.wrap(o, p.dtype)
     return (o, lse, res) if return_lse else (o, res)
 

@@ -149,6 +149,33 @@ __device__ __forceinline__ __half2 e4m3_block_scale_fast2(float a0, float a1, fl
 // fp16 value and every fp32-normal bf16 value with every nonzero E4M3 scale (bench/NOTES.md, ninth session). The
 // sign is copied back (-0 and small negatives stay negative, as their codes keep the sign bit); a zero scale
 // gives +0 (nvfp4_block's +0 codes), a NaN scale (NaN/Inf in the block) NaN.
+struct FqScale {
+  float s, r;  // the block scale and its correctly rounded reciprocal
+  bool zero;   // s == 0: every value +0
+};
+
+// The scale of a 16-block from its max |x| and whether it holds a NaN (as nvfp4_block).
+__device__ __forceinline__ FqScale nvfp4_fq_scale(float amax, bool bad) {
+  const float s = e4m3_decode(e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax));
+  return {s, __frcp_rn(s), s == 0.f};
+}
+
+// 8 values of a block with scale f -> their NVFP4 values as 4 half2 words (out[i]: elements 2i, 2i+1).
+__device__ __forceinline__ void nvfp4_fq8(const float* x, const FqScale& f, unsigned (&out)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float q[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float xv = x[2 * i + e];
+      const float y = __uint_as_float((__float_as_uint(fabsf(xv) * f.r) + 0x40u) & ~0x7Fu);
+      q[e] = f.zero ? 0.f : copysignf(e2m1_round_nonneg(y) * f.s, xv);
+    }
+    const __half2 h = __floats2half2_rn(q[0], q[1]);
+    out[i] = *reinterpret_cast<const unsigned*>(&h);
+  }
+}
+
 __device__ __forceinline__ void nvfp4_fq16(const float (&x)[16], unsigned (&out)[8]) {
   float amax = 0.f;
   bool bad = false;
@@ -157,21 +184,16 @@ __device__ __forceinline__ void nvfp4_fq16(const float (&x)[16], unsigned (&out)
     bad |= (x[i] != x[i]);
     amax = fmaxf(amax, fabsf(x[i]));
   }
-  const float s = e4m3_decode(e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax));
-  const float r = __frcp_rn(s);
-  const bool zero = s == 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float q[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float xv = x[2 * i + e];
-      const float y = __uint_as_float((__float_as_uint(fabsf(xv) * r) + 0x40u) & ~0x7Fu);
-      q[e] = zero ? 0.f : copysignf(e2m1_round_nonneg(y) * s, xv);
-    }
-    const __half2 h = __floats2half2_rn(q[0], q[1]);
-    out[i] = *reinterpret_cast<const unsigned*>(&h);
-  }
+  const FqScale f = nvfp4_fq_scale(amax, bad);
+  nvfp4_fq8(x, f, reinterpret_cast<unsigned(&)[4]>(out[0]));
+  nvfp4_fq8(x + 8, f, reinterpret_cast<unsigned(&)[4]>(out[4]));
+}
+
+// Two fp16 values (a half2 word) that are exactly bf16 values (fake-quantized: at most 6 significant bits, in
+// bf16's range) -> the same two values as bf16 bits.
+__device__ __forceinline__ unsigned half2_to_bf16x2_exact(unsigned w) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+  return (__float_as_uint(f.x) >> 16) | (__float_as_uint(f.y) & 0xFFFF0000u);
 }
 
 // Approximate reciprocal (MUFU.RCP, within an ulp), 0 for 0.

@@ -49,10 +49,15 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     with pytest.raises(ValueError, match="resolved engine"):
         nvfp4.fwd_smem_bytes(128, 8, "auto")
     names = nvfp4.kernel_names()["fp4_attn_fwd_sm90.cu"]
-    assert len(names) == len(set(names)) == 16
-    # D=128, 8 warps: fits one CTA per SM on Hopper (227 KiB), leaves room for the L1 carve-out
+    assert len(names) == len(set(names)) == 20  # 4 and 8 warps at D 64/128, 12 at D=128; x 2 dtypes x 2 P modes
+    # D=128, 8 and 12 warps: one CTA per SM on Hopper (227 KiB); the 12-warp staging area holds Q's 384 tasks
     assert nvfp4.fwd_smem_bytes(128, 8, "wgmma") < 160 * 1024
-    assert nvfp4.fp4_warps("wgmma", 128) == 8 and nvfp4.fp4_warps("wgmma", 64) == 4 and nvfp4.fp4_warps() == 8
+    assert nvfp4.fwd_smem_bytes(128, 12, "wgmma") == 192 * 256 + 3 * 2 * 16384 + 36 * 384 + 72 + 1024 < 227 * 1024
+    assert nvfp4.fp4_warps("wgmma", 128) == 12 and nvfp4.fp4_warps("wgmma", 64) == 4 and nvfp4.fp4_warps() == 8
+    monkeypatch.setenv("SAGECUPY_FP4_WARPS", "12")
+    assert nvfp4.fp4_warps("wgmma", 64) == 12
+    with pytest.raises(ValueError, match="SAGECUPY_FP4_WARPS='12' is not supported with engine='mma'"):
+        nvfp4.fp4_warps("mma", 128)
 
 
 def test_qat_backward_engines_and_kernel_lists(monkeypatch):

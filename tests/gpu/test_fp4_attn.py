@@ -208,6 +208,14 @@ def test_nvfp4_nan_input_reaches_output(engine):
 # --------------------------------------------------------------------------------------------------- QAT
 
 
+def _fq_host(x):
+    """A residual fq tensor (fp16, or bf16 bits as uint16) -> float64 on the host."""
+    a = x.get()
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
 def _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, seed=0, sigma=1.0):
     from sagecupy import qat
 
@@ -223,10 +231,13 @@ def _qat_fwd_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, seed=0, sigma=1.
     # O' (fp32, P rounded to fp16 as the mma operand): against the simulator's P V~.
     op = res.o_prime.get()[:, :, :Nq].astype(np.float64)
     _check("O'", op, r_sim["o_prime"], None, "float16", case)
-    # the saved fake-quantized operands are exactly the reference's
-    q_t = res.q_t.get()[:, :, :Nq].astype(np.float64)
-    k_t = res.k_t.get()[:, :, :Nk].astype(np.float64)
-    v_t = np.swapaxes(res.vt_t.get()[..., :Nk], -1, -2).astype(np.float64)
+    # the saved fake-quantized operands are exactly the reference's, in the backward's operand type (bf16 bits
+    # written by the fake-quantization kernels beside the forward's fp16 operands, for bf16 inputs)
+    want_t = np.uint16 if dtype == "bfloat16" else np.float16
+    assert all(x.dtype == want_t for x in (res.q_t, res.k_t, res.vt_t)), case
+    q_t = _fq_host(res.q_t)[:, :, :Nq]
+    k_t = _fq_host(res.k_t)[:, :, :Nk]
+    v_t = np.swapaxes(_fq_host(res.vt_t)[..., :Nk], -1, -2)
     np.testing.assert_array_equal(q_t, r_sim["q_t"])
     np.testing.assert_array_equal(k_t, r_sim["k_t"])
     np.testing.assert_array_equal(v_t, r_sim["v_t"])
@@ -478,6 +489,7 @@ def test_nvfp4_wgmma_pingpong_does_not_change_the_result(monkeypatch):
     if device_capability() != (9, 0):
         pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
     cp = _cp()
+    monkeypatch.setenv("SAGECUPY_FP4_WARPS", "8")  # (the default at D=128 is 12 warps: SAGE_FP4_PINGPONG3)
     for nq, nk, causal in ((300, 517, False), (517, 300, True), (128, 64, False), (200, 130, True)):
         (q, k, v, _), _ = _inputs(23, 1, 2, 1, nq, nk, 128, "HND", "float16")
         ops = nvfp4.quantize_inputs(q, k, v)
@@ -490,10 +502,10 @@ def test_nvfp4_wgmma_pingpong_does_not_change_the_result(monkeypatch):
 
 
 @pytest.mark.parametrize("warps", ["4", "8", "12"])
-def test_nvfp4_wgmma_o_frame_experiment(monkeypatch, warps):
-    """The experiment SAGE_FP4_OFRAME=1 (O accumulated in the frame of its last tile, fp4_frame_step; the only
-    way 12-warp CTAs fit their registers) against the simulator on odd shapes, and the 12-warp ping-pong (three
-    warpgroups taking turns) bitwise equal to no ping-pong."""
+def test_nvfp4_wgmma_o_frame(monkeypatch, warps):
+    """O accumulated in the frame of its last tile (fp4_frame_step; always on with 12 warps, the default at
+    D=128, and SAGE_FP4_OFRAME=1 for 4 and 8) against the simulator on odd shapes, and the 12-warp ping-pong
+    (SAGE_FP4_PINGPONG3: three warpgroups taking turns, off by default) bitwise equal to no ping-pong."""
     from sagecupy import _checks, nvfp4
     from sagecupy._loader import device_capability
 
@@ -513,7 +525,7 @@ def test_nvfp4_wgmma_o_frame_experiment(monkeypatch, warps):
             ops = nvfp4.quantize_inputs(q, k, v)
             got = {}
             for flag in ("1", "0"):
-                monkeypatch.setenv("SAGECUPY_DEFINES", f"SAGE_FP4_OFRAME=1,SAGE_FP4_PINGPONG={flag}")
+                monkeypatch.setenv("SAGECUPY_DEFINES", f"SAGE_FP4_PINGPONG3={flag}")
                 o, lse = nvfp4.attention_packed(ops, causal=causal, return_lse=True, engine="wgmma")
                 got[flag] = (_checks.raw(o), lse)
             assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1]))

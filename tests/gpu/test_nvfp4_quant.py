@@ -85,8 +85,10 @@ def _ties_at_every_scale(rng, shape):
 @pytest.mark.parametrize("along", ["channels", "tokens"])
 def test_fake_quantize_bit_exact(dtype, along):
     """qat.fake_quantize (the QAT forward's fq(Q), fq(K), fq(V)^T: multiplication by 1/s with a 16-bit snap
-    instead of division, kernels_cu/common/fp4.cuh nvfp4_fq16) equals the reference's quantize-then-dequantize
-    bit for bit, ties at scales with inexact reciprocals and NaN/Inf blocks included; padding is zero."""
+    instead of division, kernels_cu/common/fp4.cuh nvfp4_fq8) equals the reference's quantize-then-dequantize
+    bit for bit, ties at scales with inexact reciprocals and NaN/Inf blocks included; padding is zero. Both
+    outputs (fp16, and the bf16 bits the QAT forward keeps for the backward), and for rows both kernels (16-byte
+    half blocks; one thread per block for rows that are not 16-byte aligned)."""
     import cupy as cp
 
     from sagecupy import qat
@@ -100,16 +102,25 @@ def test_fake_quantize_bit_exact(dtype, along):
     x.reshape(-1)[300] = -np.inf
     xd = _dev(x, dtype)
     xh = _host(xd)
-    got = qat.fake_quantize(xd, along=along, n_pad=64).astype(cp.float32).get().astype(np.float64)
+    fp16, bf16 = qat._fake_quantize(xd, "HND", along, 64, True)
+    outs = {"fp16": fp16.astype(cp.float32).get().astype(np.float64),
+            "bf16": (bf16.get().astype(np.uint32) << 16).view(np.float32).astype(np.float64),
+            "public": qat.fake_quantize(xd, along=along, n_pad=64).astype(cp.float32).get().astype(np.float64)}
+    if along == "channels" and dtype == "float16":  # rows not 16-byte aligned: the one-thread-per-block kernel
+        wide = cp.zeros((2, 3, 45, 68), dtype=cp.float16)
+        wide[..., :64] = xd
+        outs["strided"] = qat.fake_quantize(wide[..., :64], n_pad=64).astype(cp.float32).get().astype(np.float64)
     if along == "channels":
         want = np.zeros((2, 3, 64, 64))
         want[:, :, :45] = F.nvfp4_fake_quantize(xh, axis=-1)
     else:
         want = np.zeros((2, 3, 64, 64))
         want[..., :48] = F.nvfp4_fake_quantize(F.pad_to_multiple(np.swapaxes(xh, -1, -2), 16, axis=-1), axis=-1)
-    same = (got == want) | (np.isnan(got) & np.isnan(want))
-    assert same.all(), f"{(~same).sum()} values differ, first at {np.argwhere(~same)[:3].tolist()}"
-    assert np.array_equal(np.signbit(got[same & (got == 0)]), np.signbit(want[same & (got == 0)])), "signs of zeros"
+    for name, got in outs.items():
+        same = (got == want) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), f"{name}: {(~same).sum()} values differ, first at {np.argwhere(~same)[:3].tolist()}"
+        z = same & (got == 0)
+        assert np.array_equal(np.signbit(got[z]), np.signbit(want[z])), f"{name}: signs of zeros"
 
 
 def test_nan_and_inf_blocks_get_nan_scales():
