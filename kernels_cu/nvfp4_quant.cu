@@ -25,7 +25,8 @@ __global__ void nvfp4_quant_rows(const T* __restrict__ x, long long sb, long lon
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = m ? to_float(src[i]) - m[i] : to_float(src[i]);
   unsigned packed[2];
-  const unsigned sc = nvfp4_block(v, packed);
+  // (after a mean's subtraction the values are general fp32 numbers: the division path)
+  const unsigned sc = m ? nvfp4_block(v, packed) : nvfp4_block_exact16(v, packed);
   const long long bh = static_cast<long long>(b) * H + h;
   *reinterpret_cast<uint2*>(codes + ((bh * n + row) * d + c0) / 2) = make_uint2(packed[0], packed[1]);
   scales[(bh * n + row) * nblk_row + c0 / 16] = static_cast<unsigned char>(sc);
@@ -48,7 +49,7 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
     v[i] = tok < n ? to_float(src[tok * sn]) : 0.f;
   }
   unsigned packed[2];
-  const unsigned sc = nvfp4_block(v, packed);
+  const unsigned sc = nvfp4_block_exact16(v, packed);
   const long long bh = static_cast<long long>(b) * H + h;
   *reinterpret_cast<uint2*>(codes + ((bh * d + c) * n16 + tb * 16) / 2) = make_uint2(packed[0], packed[1]);
   scales[(bh * d + c) * tblocks + tb] = static_cast<unsigned char>(sc);

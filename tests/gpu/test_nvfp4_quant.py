@@ -37,6 +37,18 @@ def _adversarial(rng, shape):
     return x
 
 
+def _ties_at_every_scale(rng, shape):
+    """_adversarial plus blocks whose scale is s = f 2^e for every E4M3 mantissa f (1/s inexact unless f = 1):
+    one element 6 s (so the scale is exactly s), the others E2M1 midpoints times s (exact ties)."""
+    x = _adversarial(rng, shape)
+    flat = x.reshape(-1, 16)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    for i in range(1, flat.shape[0], 5):
+        s = (1 + rng.integers(0, 8) / 8) * 2.0 ** rng.integers(-8, 6)
+        flat[i] = np.concatenate([[6.0], rng.choice(mids, 15)]) * s * rng.choice([-1, 1], 16)
+    return x
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_rows_bit_exact(dtype, layout):
@@ -44,7 +56,8 @@ def test_rows_bit_exact(dtype, layout):
 
     rng = np.random.default_rng(0)
     shape = (2, 3, 37, 64) if layout == "HND" else (2, 37, 3, 64)
-    x = _adversarial(rng, shape)
+    x = _ties_at_every_scale(rng, shape) if layout == "HND" else _adversarial(rng, shape)
+    x.reshape(-1)[[5, 77]] = np.nan, -np.inf  # NaN-scale blocks: every code 7
     xd = _dev(x, dtype)
     xh = _host(xd)  # the exact values the kernel sees
     codes, scales = nvfp4.quantize_rows(xd, layout=layout)
@@ -59,7 +72,8 @@ def test_tokens_bit_exact_with_padding(dtype):
 
     rng = np.random.default_rng(1)
     # adversarial along the tokens (the quantization axis of V), then N = 45: the last block is zero-padded
-    x = np.ascontiguousarray(_adversarial(rng, (1, 2, 128, 48)).swapaxes(-1, -2)[:, :, :45])
+    x = np.ascontiguousarray(_ties_at_every_scale(rng, (1, 2, 128, 48)).swapaxes(-1, -2)[:, :, :45])
+    x[0, 0, 3, 5], x[0, 1, 40, 7] = np.nan, -np.inf
     xd = _dev(x, dtype)
     xh = _host(xd)
     codes, scales = nvfp4.quantize_tokens(xd)
@@ -67,18 +81,6 @@ def test_tokens_bit_exact_with_padding(dtype):
     ref_c, ref_s, _ = F.nvfp4_quantize(vt, axis=-1)
     np.testing.assert_array_equal(scales.get(), ref_s)
     np.testing.assert_array_equal(codes.get(), F.pack_e2m1(ref_c, axis=-1))
-
-
-def _ties_at_every_scale(rng, shape):
-    """_adversarial plus blocks whose scale is s = f 2^e for every E4M3 mantissa f (1/s inexact unless f = 1):
-    one element 6 s (so the scale is exactly s), the others E2M1 midpoints times s (exact ties)."""
-    x = _adversarial(rng, shape)
-    flat = x.reshape(-1, 16)
-    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    for i in range(1, flat.shape[0], 5):
-        s = (1 + rng.integers(0, 8) / 8) * 2.0 ** rng.integers(-8, 6)
-        flat[i] = np.concatenate([[6.0], rng.choice(mids, 15)]) * s * rng.choice([-1, 1], 16)
-    return x
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
