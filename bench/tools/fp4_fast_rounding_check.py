@@ -1,0 +1,71 @@
+"""Exhaustive numpy check of the fast NVFP4 rounding in kernels_cu/common/fp4.cuh (nvfp4_fq8, nvfp4_block_exact16):
+for every fp16 value and every fp32-normal bf16 value, both signs, and every nonzero finite E4M3 scale s,
+
+    y = snap16(|x| * rcp_rn(s)),  q = e2m1_round_nonneg(y)        (fp32 arithmetic, emulated exactly)
+    value: q * s          == reference  s * e2m1_round(x / s)      (nvfp4_fq8)
+    code:  byte of E4M3(copysign(q, x) * 2^-6) -> E2M1 code  == reference e2m1_encode(x / s)  (nvfp4_block_exact16)
+
+and that without the snap the check fails (so it can tell). ~1 minute on a laptop:
+    python bench/tools/fp4_fast_rounding_check.py
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sagecupy.reference import fp4 as F  # noqa: E402
+
+f32 = np.float32
+
+
+def e2m1_round_nonneg(a):
+    """fp4.cuh e2m1_round_nonneg: a + M - M with M = 2^(22 + max(e, 0)), then min(., 6)."""
+    e = (a.view(np.uint32) & np.uint32(0x7F800000)).astype(np.int64)
+    m = np.maximum(e + (22 << 23), 0x4A800000).astype(np.uint32).view(f32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = ((a + m).astype(f32) - m).astype(f32)
+    return np.fmin(r, f32(6))
+
+
+def values(name):
+    if name == "fp16":
+        a = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(f32)  # +0 .. the largest finite
+    else:
+        a = (np.arange(0, 0x7F80, dtype=np.uint32) << 16).view(f32)
+        a = a[(a == 0) | (a >= np.finfo(f32).tiny)]  # the kernels flush fp32 subnormals (CuPy's -ftz=true)
+    return np.concatenate([a, -a])
+
+
+def check(snap=True):
+    scales = F.e4m3_decode(np.arange(1, 0x7F)).astype(f32)
+    bad = {}
+    for name in ("fp16", "bf16"):
+        x = values(name)
+        n_val = n_code = 0
+        for s in scales:
+            r = f32(1.0 / np.float64(s))  # __frcp_rn
+            with np.errstate(over="ignore"):
+                y = (np.abs(x) * r).astype(f32)
+            fin = np.isfinite(y)
+            yb = y.view(np.uint32).copy()
+            if snap:
+                yb[fin] = (yb[fin] + np.uint32(0x40)) & np.uint32(0xFFFFFF80)
+            q = e2m1_round_nonneg(np.where(fin, yb.view(f32), f32(np.inf)))
+            exact = x.astype(np.float64) / np.float64(s)
+            n_val += int(np.sum(np.abs(q.astype(np.float64)) * s != np.abs(F.e2m1_round(exact)) * s))
+            byte = F.e4m3_encode((np.copysign(q, x) * f32(2.0 ** -6)).astype(np.float64)).astype(np.uint32)
+            code = ((byte >> 2) & 7) | ((byte >> 4) & 8)
+            n_code += int(np.sum(code != F.e2m1_encode(exact)))
+        bad[name] = (n_val, n_code)
+    return bad
+
+
+if __name__ == "__main__":
+    got = check(True)
+    print("with the snap   (value, code mismatches):", got)
+    ctrl = check(False)
+    print("without the snap (control, must be > 0):", ctrl)
+    ok = all(v == (0, 0) for v in got.values()) and any(sum(v) for v in ctrl.values())
+    print("OK" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
