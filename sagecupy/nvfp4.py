@@ -64,7 +64,8 @@ def fp4_engine(engine: str | None = None) -> str:
     environment variable ``SAGECUPY_FP4_ENGINE``, else ``"auto"``), ``"auto"`` (``"wgmma"`` on sm_90, ``"mma"``
     elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two share the per-tile softmax and P
     quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ only through the fp32 accumulation order inside
-    the tensor cores (tested against the simulator). The QAT forward (``sagecupy.qat.forward``) follows the same
+    the tensor cores and, for the 12-warp wgmma CTAs (the default at D=128), the order of O's fp32 rescaling
+    (O kept in the frame of its last tile; tested against the simulator). The QAT forward (``sagecupy.qat.forward``) follows the same
     choice (wgmma: ``kernels_cu/qat_attn_fwd_sm90.cu``); there the wgmma kernel also orders the fp32 scaling of O
     differently (O kept in the frame of its last tile, see that file) and skips, for O only, tiles whose weights
     are below 2^-60 of the row's largest."""
