@@ -39,16 +39,23 @@ __device__ __forceinline__ float e4m3_decode(unsigned code) {
   return __half2float(__half(h));
 }
 
-// Quantize 16 values: the scale code, and the 16 E2M1 codes packed two per byte (element 2i in the low
-// nibble) into two 32-bit words. A scale that decodes to 0 (zero or underflowed block) gives +0 codes.
-__device__ __forceinline__ unsigned nvfp4_block(const float (&x)[16], unsigned (&packed)[2]) {
-  float amax = 0.f;
-  bool bad = false;
+// max |x| over a 16-block and whether it holds a NaN (fmaxf drops NaNs, so they are tracked apart).
+__device__ __forceinline__ void block_amax(const float (&x)[16], float& amax, bool& bad) {
+  amax = 0.f;
+  bad = false;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     bad |= (x[i] != x[i]);
     amax = fmaxf(amax, fabsf(x[i]));
   }
+}
+
+// Quantize 16 values: the scale code, and the 16 E2M1 codes packed two per byte (element 2i in the low
+// nibble) into two 32-bit words. A scale that decodes to 0 (zero or underflowed block) gives +0 codes.
+__device__ __forceinline__ unsigned nvfp4_block(const float (&x)[16], unsigned (&packed)[2]) {
+  float amax;
+  bool bad;
+  block_amax(x, amax, bad);
   const unsigned sc = e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax);
   const float s = e4m3_decode(sc);
   packed[0] = packed[1] = 0u;
@@ -160,6 +167,12 @@ __device__ __forceinline__ FqScale nvfp4_fq_scale(float amax, bool bad) {
   return {s, __frcp_rn(s), s == 0.f};
 }
 
+// |x| / s rounded to the E2M1 grid, from r = 1/s (correctly rounded) and exact fp16/bf16 inputs: |x| r rounded
+// to 16 significant bits, then e2m1_round_nonneg (why this is exact: the comment above nvfp4_fq_scale).
+__device__ __forceinline__ float e2m1_round_by_rcp(float x, float r) {
+  return e2m1_round_nonneg(__uint_as_float((__float_as_uint(fabsf(x) * r) + 0x40u) & ~0x7Fu));
+}
+
 // 8 values of a block with scale f -> their NVFP4 values as 4 half2 words (out[i]: elements 2i, 2i+1).
 __device__ __forceinline__ void nvfp4_fq8(const float* x, const FqScale& f, unsigned (&out)[4]) {
 #pragma unroll
@@ -168,8 +181,7 @@ __device__ __forceinline__ void nvfp4_fq8(const float* x, const FqScale& f, unsi
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float xv = x[2 * i + e];
-      const float y = __uint_as_float((__float_as_uint(fabsf(xv) * f.r) + 0x40u) & ~0x7Fu);
-      q[e] = f.zero ? 0.f : copysignf(e2m1_round_nonneg(y) * f.s, xv);
+      q[e] = f.zero ? 0.f : copysignf(e2m1_round_by_rcp(xv, f.r) * f.s, xv);
     }
     const __half2 h = __floats2half2_rn(q[0], q[1]);
     out[i] = *reinterpret_cast<const unsigned*>(&h);
@@ -177,13 +189,9 @@ __device__ __forceinline__ void nvfp4_fq8(const float* x, const FqScale& f, unsi
 }
 
 __device__ __forceinline__ void nvfp4_fq16(const float (&x)[16], unsigned (&out)[8]) {
-  float amax = 0.f;
-  bool bad = false;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    bad |= (x[i] != x[i]);
-    amax = fmaxf(amax, fabsf(x[i]));
-  }
+  float amax;
+  bool bad;
+  block_amax(x, amax, bad);
   const FqScale f = nvfp4_fq_scale(amax, bad);
   nvfp4_fq8(x, f, reinterpret_cast<unsigned(&)[4]>(out[0]));
   nvfp4_fq8(x + 8, f, reinterpret_cast<unsigned(&)[4]>(out[4]));
@@ -195,13 +203,9 @@ __device__ __forceinline__ void nvfp4_fq16(const float (&x)[16], unsigned (&out)
 // whose byte holds the code (e2m1x4_to_e4m3_lo, inverted): two elements per conversion. Checked exhaustively
 // against the reference encoder for every fp16 and fp32-normal bf16 value, both signs, every nonzero scale.
 __device__ __forceinline__ unsigned nvfp4_block_exact16(const float (&x)[16], unsigned (&packed)[2]) {
-  float amax = 0.f;
-  bool bad = false;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    bad |= (x[i] != x[i]);
-    amax = fmaxf(amax, fabsf(x[i]));
-  }
+  float amax;
+  bool bad;
+  block_amax(x, amax, bad);
   const unsigned sc = e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax);
   if (sc == 0x7Fu) {  // NaN scale (NaN or Inf in the block): every code 7, as nvfp4_block's x / NaN gives
     packed[0] = packed[1] = 0x77777777u;
@@ -216,8 +220,7 @@ __device__ __forceinline__ unsigned nvfp4_block_exact16(const float (&x)[16], un
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float xv = x[2 * j + e];
-      const float y = __uint_as_float((__float_as_uint(fabsf(xv) * r) + 0x40u) & ~0x7Fu);
-      qv[e] = zero ? 0.f : copysignf(e2m1_round_nonneg(y), xv) * 0.015625f;  // x 2^-6: exact
+      qv[e] = zero ? 0.f : copysignf(e2m1_round_by_rcp(xv, r), xv) * 0.015625f;  // x 2^-6: exact
     }
     const unsigned p = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);  // .x: low byte
     const unsigned byte = ((p >> 2) & 0x07u) | ((p >> 4) & 0x08u) | ((p >> 6) & 0x70u) | ((p >> 8) & 0x80u);

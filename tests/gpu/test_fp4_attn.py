@@ -483,22 +483,30 @@ def test_nvfp4_ctas_that_see_no_key(engine, D):
 def test_nvfp4_wgmma_pingpong_does_not_change_the_result(monkeypatch):
     """The warpgroup ping-pong (8 warps, D=128) only orders when each warpgroup issues its products: bitwise the
     same output with it compiled out (SAGE_FP4_PINGPONG=0), causal and not, several tile counts."""
-    from sagecupy import _checks, nvfp4
     from sagecupy._loader import device_capability
 
     if device_capability() != (9, 0):
         pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
-    cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_WARPS", "8")  # (the default at D=128 is 12 warps: SAGE_FP4_PINGPONG3)
-    for nq, nk, causal in ((300, 517, False), (517, 300, True), (128, 64, False), (200, 130, True)):
+    _pingpong_is_bitwise_neutral(monkeypatch, "SAGE_FP4_PINGPONG",
+                                 ((300, 517, False), (517, 300, True), (128, 64, False), (200, 130, True)))
+
+
+def _pingpong_is_bitwise_neutral(monkeypatch, define, shapes):
+    """The wgmma NVFP4 forward (D=128) with ``define``=1 and =0 (SAGECUPY_DEFINES): bitwise equal O and LSE."""
+    from sagecupy import _checks, nvfp4
+
+    cp = _cp()
+    for nq, nk, causal in shapes:
         (q, k, v, _), _ = _inputs(23, 1, 2, 1, nq, nk, 128, "HND", "float16")
         ops = nvfp4.quantize_inputs(q, k, v)
         got = {}
         for flag in ("1", "0"):
-            monkeypatch.setenv("SAGECUPY_DEFINES", f"SAGE_FP4_PINGPONG={flag}")
+            monkeypatch.setenv("SAGECUPY_DEFINES", f"{define}={flag}")
             o, lse = nvfp4.attention_packed(ops, causal=causal, return_lse=True, engine="wgmma")
             got[flag] = (_checks.raw(o), lse)
-        assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1]))
+        assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1])), (
+            define, nq, nk, causal)
 
 
 @pytest.mark.parametrize("warps", ["4", "8", "12"])
@@ -506,12 +514,10 @@ def test_nvfp4_wgmma_o_frame(monkeypatch, warps):
     """O accumulated in the frame of its last tile (fp4_frame_step; always on with 12 warps, the default at
     D=128, and SAGE_FP4_OFRAME=1 for 4 and 8) against the simulator on odd shapes, and the 12-warp ping-pong
     (SAGE_FP4_PINGPONG3: three warpgroups taking turns, off by default) bitwise equal to no ping-pong."""
-    from sagecupy import _checks, nvfp4
     from sagecupy._loader import device_capability
 
     if device_capability() != (9, 0):
         pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
-    cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
     monkeypatch.setenv("SAGECUPY_FP4_WARPS", warps)
     monkeypatch.setenv("SAGECUPY_DEFINES", "SAGE_FP4_OFRAME=1")
@@ -520,15 +526,8 @@ def test_nvfp4_wgmma_o_frame(monkeypatch, warps):
     _nvfp4_case(1, 2, 1, 700, 90, 128, True, "HND", "bfloat16", NVFP4Config(), seed=21)
     _nvfp4_case(1, 2, 2, 300, 1000, 128, False, "HND", "float16", NVFP4Config(two_level_p=False), seed=3, sigma=5.0)
     if warps == "12":
-        for nq, nk, causal in ((300, 517, False), (517, 300, True), (200, 130, True)):
-            (q, k, v, _), _ = _inputs(23, 1, 2, 1, nq, nk, 128, "HND", "float16")
-            ops = nvfp4.quantize_inputs(q, k, v)
-            got = {}
-            for flag in ("1", "0"):
-                monkeypatch.setenv("SAGECUPY_DEFINES", f"SAGE_FP4_PINGPONG3={flag}")
-                o, lse = nvfp4.attention_packed(ops, causal=causal, return_lse=True, engine="wgmma")
-                got[flag] = (_checks.raw(o), lse)
-            assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1]))
+        _pingpong_is_bitwise_neutral(monkeypatch, "SAGE_FP4_PINGPONG3", ((300, 517, False), (517, 300, True),
+                                                                          (200, 130, True)))
 
 
 def test_misaligned_packed_operands_and_bad_arguments(engine):
