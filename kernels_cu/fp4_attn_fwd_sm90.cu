@@ -41,7 +41,7 @@ using namespace sage;
 // bench/fp4_variants.py; the results are bitwise the same). At D = 64 (8 warps) it measured 0.96-0.97x in one
 // run, within the ~3% spread that two timings of one and the same kernel showed later: left off there for now.
 // SAGE_FP4_PINGPONG=0 turns it off. SAGE_FP4_PINGPONG3=1 turns on the same round robin for three warpgroups (12
-// warps): measured 0.95-1.02x of no ping-pong there (bench/NOTES.md, ninth session), so off by default.
+// warps): measured 0.95-1.01x of no ping-pong there (bench/NOTES.md, ninth session), so off by default.
 #ifndef SAGE_FP4_PINGPONG
 #define SAGE_FP4_PINGPONG 1
 #endif
