@@ -1,4 +1,4 @@
-"""Time the QAT backward's passes before its two kernels (delta, operand conversions) one by one, beside the
+"""Time the QAT backward's passes before its two kernels (delta; the operands are the forward's residuals as they are) one by one, beside the
 kernels, at the benchmark's D = 128, N = 4K shape (bf16): where the backward's end-to-end time goes.
     python bench/qat_bwd_prep.py [--n 4096] [--dtype bfloat16]"""
 import argparse
@@ -19,10 +19,7 @@ def main():
     rows = {
         "backward e2e (wgmma)": lambda: qat.backward(res, do, engine="wgmma"),
         "kernels only (wgmma)": _qat_bwd._kernels_only(res, do, "wgmma"),
-        "operands (delta + conversions)": lambda: _qat_bwd._operands(
-            res, _prepare(bench_do(do), "do", "HND", True), "wgmma"),
-        "conversion q_t": lambda: _qat_bwd._as_dtype(res.q_t, a.dtype),
-        "conversion vt_t": lambda: _qat_bwd._as_dtype(res.vt_t, a.dtype),
+        "operands (delta)": lambda: _qat_bwd._operands(res, _prepare(bench_do(do), "do", "HND", True), "wgmma"),
         "forward e2e (wgmma)": lambda: qat.forward(q, k, v, engine="wgmma"),
         "fake_quantize q": lambda: qat.fake_quantize(q, n_pad=res.q_t.shape[2]),
         "fake_quantize v": lambda: qat.fake_quantize(v, along="tokens", n_pad=res.k_t.shape[2]),

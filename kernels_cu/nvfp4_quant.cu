@@ -187,22 +187,3 @@ __global__ void qat_delta(const T* __restrict__ dout, long long sb, long long sh
   for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   if (lane == 0) out[bh * n_pad + row] = acc;
 }
-
-// QAT backward operands in bf16: the bf16 bits of fp16 fake-quantized values (exact: at most 6 significant bits,
-// so dropping the fp32 value's low 16 bits loses nothing), 8 values (16 bytes) per thread and grid-stride step.
-// n8 = elements / 8; both buffers contiguous and 16-byte aligned.
-__global__ void fq_fp16_to_bf16(const uint4* __restrict__ in, uint4* __restrict__ out, long long n8) {
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldg(in + i);
-    const unsigned w[4] = {v.x, v.y, v.z, v.w};
-    unsigned r[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const __half2 h = *reinterpret_cast<const __half2*>(&w[j]);
-      const float2 f = __half22float2(h);
-      r[j] = (__float_as_uint(f.x) >> 16) | (__float_as_uint(f.y) & 0xFFFF0000u);
-    }
-    out[i] = make_uint4(r[0], r[1], r[2], r[3]);
-  }
-}

@@ -2,8 +2,6 @@
 wgmma, sm_90a); the public entry is :func:`sagecupy.qat.backward`."""
 from __future__ import annotations
 
-import functools
-
 from . import _checks
 from ._loader import get_function
 
@@ -64,36 +62,6 @@ def kernel_constants() -> dict:
     return {"qat_attn_bwd_sm90.cu": out}
 
 
-@functools.lru_cache(maxsize=None)
-def _bf16_bits_kernel():
-    import cupy
-
-    return cupy.ElementwiseKernel("float16 x", "uint16 y", "y = (unsigned short)(__float_as_uint((float)x) >> 16)",
-                                  "sagecupy_f16_to_bf16_bits")
-
-
-def _as_dtype(x16, dtype):
-    """A residual fq tensor (any strides) -> the backward's operand type, C-contiguous. The forward stores them
-    in that type already (bf16 bits, uint16, for bf16 inputs: then this only makes them contiguous); an fp16 array
-    with ``dtype="bfloat16"`` is converted to the bf16 bits of the same values (exact: fake-quantized values have
-    at most 6 significant bits), in one pass (16 bytes per thread for contiguous input: CuPy's element-wise kernel
-    ran at ~0.75 TB/s here, bench/qat_bwd_prep.py)."""
-    import cupy
-
-    if dtype == "float16" or x16.dtype == cupy.uint16:
-        return cupy.ascontiguousarray(x16)
-    out = cupy.empty(x16.shape, dtype=cupy.uint16)
-    if x16.flags.c_contiguous and x16.size % 8 == 0 and x16.data.ptr % 16 == 0:
-        from .nvfp4 import _names as nvfp4_names
-
-        n8 = x16.size // 8
-        fn = get_function("nvfp4_quant.cu", "fq_fp16_to_bf16", all_names=nvfp4_names("nvfp4_quant.cu"))
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        fn((min((n8 + 255) // 256, sms * 16),), (256,), (x16, out, cupy.int64(n8)))
-        return out
-    return _bf16_bits_kernel()(x16, out)
-
-
 def backward(res, do, engine=None):
     from .int8 import _prepare
     from .qat import Residuals
@@ -140,10 +108,11 @@ def _operands(res, do, eng):
         (nq_pad // 8, Hq, B), (256,),
         (do, cupy.int64(dsb), cupy.int64(dsh), cupy.int64(dsn), res.o_prime, cupy.int32(nq), cupy.int32(nq_pad),
          cupy.int32(D), delta))
-    q_t = _as_dtype(res.q_t, p.dtype)
-    k_t = _as_dtype(res.k_t, p.dtype)
+    # the forward keeps fq(Q), fq(K), fq(V)^T in the kernels' operand type (bf16 bits for bf16 inputs)
+    q_t = cupy.ascontiguousarray(res.q_t)
+    k_t = cupy.ascontiguousarray(res.k_t)
     # V~: the wgmma kernels read the forward's V~^T (B, Hkv, D, nk_pad) as it is; mma.sync wants (B, Hkv, nk_pad, D)
-    v_n = _as_dtype(res.vt_t if eng == "wgmma" else res.vt_t.transpose(0, 1, 3, 2), p.dtype)
+    v_n = cupy.ascontiguousarray(res.vt_t if eng == "wgmma" else res.vt_t.transpose(0, 1, 3, 2))
     return do, delta, q_t, k_t, v_n
 
 

@@ -80,7 +80,6 @@ def kernel_names() -> dict:
              for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_rows_any", "nvfp4_fq_tokens",
                        "row_mu_dot",
                                                                                 "qat_delta")]
-    quant.append("fq_fp16_to_bf16")
     attn = []
     for T in _T.values():
         for D in (64, 128):
