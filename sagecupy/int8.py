@@ -477,9 +477,10 @@ def _preprocess_backward(residuals, do):
     return dict(do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
 
 
-def _launch_backward(r, pre, engine=None):
+def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     """The two backward kernels alone (dK/dV, then dQ), after :func:`_preprocess_backward`. No atomics: the
-    gradients are bitwise repeatable."""
+    gradients are bitwise repeatable. ``kernels`` (benchmarks): launch only some of them; the gradients of
+    a kernel not launched are left uninitialized."""
     import cupy
 
     p, cfg = r.problem, r.config
@@ -509,24 +510,26 @@ def _launch_backward(r, pre, engine=None):
     fn = get_function(src, names[0], all_names=names, arch=arch)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    fn((nk_pad // 64, Hkv, B), (128,),
-       (r.q_codes, r.q_scale, pre["q_t"], r.k_codes, r.k_scale,
-        v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn),
-        pre["do_t"], pre["do_scale"], r.lse2, pre["delta"],
-        dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
-        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-        i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
-       shared_mem=smem)
+    if "dkdv" in kernels:
+        fn((nk_pad // 64, Hkv, B), (128,),
+           (r.q_codes, r.q_scale, pre["q_t"], r.k_codes, r.k_scale,
+            v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn),
+            pre["do_t"], pre["do_scale"], r.lse2, pre["delta"],
+            dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
+            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
+            i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
+           shared_mem=smem)
     fq = get_function(src, names[1], all_names=names, arch=arch)
     if smem_q > 48 * 1024:
         fq.max_dynamic_shared_size_bytes = smem_q
-    fq((nq_pad // 64, Hq, B), (128,),
-       (r.q_codes, r.q_scale, r.k_codes, r.k_scale, pre["k_t"],
-        v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn), r.lse2, pre["delta"],
-        dq, i64(qsb), i64(qsh), i64(qsn),
-        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale), i32(int(p.causal)),
-        ds_rowcol),
-       shared_mem=smem_q)
+    if "dq" in kernels:
+        fq((nq_pad // 64, Hq, B), (128,),
+           (r.q_codes, r.q_scale, r.k_codes, r.k_scale, pre["k_t"],
+            v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn), r.lse2, pre["delta"],
+            dq, i64(qsb), i64(qsh), i64(qsn),
+            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale), i32(int(p.causal)),
+            ds_rowcol),
+           shared_mem=smem_q)
     return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))
 
 
