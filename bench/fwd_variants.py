@@ -1,19 +1,79 @@
-"""Forward kernel time of the INT8 variants that compute the same function (warps per CTA, engine) or a
-near one (block_kv 64/128), in one process: which to make the default. On the GPU machine:
+"""Forward kernel time of the INT8 variants that compute the same function (warps per CTA, engine, kernel
+defines) or a near one (block_kv 64/128), in one process: which to make the default. On the GPU machine:
 
-    python bench/fwd_variants.py
+    python bench/fwd_variants.py                       # engines x warps x block_kv
+    python bench/fwd_variants.py --defines ";SAGE_FWD_PV_HALVES=1"   # wgmma, 4 warps, default config, per define set
+
+Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build); each row
+also prints the CTAs per SM the driver reports for that build.
 """
+import argparse
+import os
+
 from sagecupy import bench, int8
 from sagecupy.config import BKV128, DEFAULT
 
-for D, N in ((128, 4096), (128, 16384), (64, 16384)):
-    B, H, (q, k, v, _) = bench._inputs(D, N, "bfloat16")
-    for causal in (False, True):
-        for cfg in (DEFAULT, BKV128):
-            p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=cfg)
-            for engine in ("wgmma", "mma"):
-                for warps in (4, 8):
-                    ms = bench.time_ms(lambda: int8._launch_forward(p, c, pre, engine, warps), 3, 10)
-                    tops = bench.flops(B, H, N, N, D, causal) / ms / 1e9
-                    print(f"D={D:<4} N={N:<6} causal={causal!s:<5} block_kv={c.block_kv:<4} {engine:<6} warps={warps} "
-                          f"{ms:7.3f} ms {tops:6.1f} TOPS", flush=True)
+
+def engines_warps():
+    for D, N in ((128, 4096), (128, 16384), (64, 16384)):
+        B, H, (q, k, v, _) = bench._inputs(D, N, "bfloat16")
+        for causal in (False, True):
+            for cfg in (DEFAULT, BKV128):
+                p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=cfg)
+                for engine in ("wgmma", "mma"):
+                    for warps in (4, 8):
+                        ms = bench.time_ms(lambda: int8._launch_forward(p, c, pre, engine, warps), 3, 10)
+                        tops = bench.flops(B, H, N, N, D, causal) / ms / 1e9
+                        print(f"D={D:<4} N={N:<6} causal={causal!s:<5} block_kv={c.block_kv:<4} {engine:<6} "
+                              f"warps={warps} {ms:7.3f} ms {tops:6.1f} TOPS", flush=True)
+
+
+def occupancy(D, dtype="__nv_bfloat16", warps=4, bkv=64):
+    import cupy
+
+    from sagecupy._loader import get_function
+
+    name = f"int8_attn_fwd_sm90<{dtype}, {D}, {warps}, {bkv}>"
+    names = tuple(int8.kernel_names()["int8_attn_fwd_sm90.cu"])
+    fn = get_function("int8_attn_fwd_sm90.cu", name, all_names=names, arch="sm_90a")
+    nst = int8._fwd90_stages(D, bkv)
+    smem = (16 * warps + 2 * nst * bkv) * D + 4 * nst * bkv + 1024
+    fn.max_dynamic_shared_size_bytes = smem
+    ptr = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr
+    return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, 32 * warps, smem), fn.num_regs
+
+
+def defines(variants, ns=(4096, 16384), D=128):
+    import numpy as np
+
+    from sagecupy.bench import _inputs
+
+    for N in ns:
+        B, H, (q, k, v, _) = _inputs(D, N, "bfloat16")
+        for causal in (False, True):
+            p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=DEFAULT)
+            ref = None
+            line = f"D={D} N={N:<6} causal={causal!s:<5}"
+            for dfn in variants:
+                os.environ["SAGECUPY_DEFINES"] = dfn
+                ms = bench.time_ms(lambda: int8._launch_forward(p, c, pre, "wgmma", 4), 3, 10)
+                o = int8._launch_forward(p, c, pre, "wgmma", 4)[0]
+                bits = np.asarray(getattr(o, "bits", o).get())
+                same = "" if ref is None else (" =" if np.array_equal(bits, ref) else " DIFFERS")
+                ref = bits if ref is None else ref
+                ctas, regs = occupancy(D)  # under this variant's defines
+                line += (f" | [{dfn or 'default'}] {ms:.3f} ms {bench.flops(B, H, N, N, D, causal) / ms / 1e9:.0f} TOPS"
+                         f" {ctas} CTA/SM {regs} regs{same}")
+            os.environ.pop("SAGECUPY_DEFINES", None)
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--defines", default=None)
+    ap.add_argument("--d", type=int, default=128)
+    a = ap.parse_args()
+    if a.defines is None:
+        engines_warps()
+    else:
+        defines(a.defines.split(";"), D=a.d)

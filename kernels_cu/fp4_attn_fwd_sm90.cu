@@ -34,6 +34,13 @@
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"
 
+// CTAs per SM the D = 64 4-warp kernel's registers are budgeted for (__launch_bounds__; SAGE_FP4_MIN_CTAS
+// overrides): 3 measured 1.08-1.19x the unbounded build (164-165 registers either way), 4 (128 registers,
+// 144 bytes of spills) 1.02-1.10x (bench/fp4_d64_variants.py, tenth session; bitwise the same O).
+#ifndef SAGE_FP4_MIN_CTAS
+#define SAGE_FP4_MIN_CTAS 3
+#endif
+
 using namespace sage;
 
 // Warpgroup ping-pong (two-warpgroup CTAs at D = 128): the warpgroups take turns issuing their products (named
@@ -162,7 +169,7 @@ __device__ __forceinline__ void pair_barrier(int id) {
 
 // Grid (ceil(nq / (16 WARPS)), Hq, B), block 32 WARPS, dynamic shared memory Nv90<D, WARPS>::SMEM.
 template <typename T, int D, int WARPS, bool TWO_LEVEL>
-__global__ void __launch_bounds__(32 * WARPS)
+__global__ void __launch_bounds__(32 * WARPS, (D == 64 && WARPS == 4) ? SAGE_FP4_MIN_CTAS : 1)
 nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
                     const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
                     const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,

@@ -59,8 +59,19 @@ struct BwdSm90 {
   static constexpr int SMEM = 1024 + 192 * D + 2 * STAGE;
 };
 
+// CTAs per SM the D = 64 kernels' registers are budgeted for (__launch_bounds__): three, 168 registers (dK/dV
+// 203 -> 168 with 64 bytes of spills, dQ 181 -> 168 with 16), instead of two: both kernels together 1.13-1.20x
+// on the H200 (bench/bwd_variants.py, bench/NOTES.md tenth session; bitwise the same gradients). D = 128 is
+// held to two CTAs by its shared memory anyway. SAGE_BWD_KV_MIN_CTAS / SAGE_BWD_DQ_MIN_CTAS override.
+#ifndef SAGE_BWD_KV_MIN_CTAS
+#define SAGE_BWD_KV_MIN_CTAS 3
+#endif
+#ifndef SAGE_BWD_DQ_MIN_CTAS
+#define SAGE_BWD_DQ_MIN_CTAS 3
+#endif
+
 template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS)
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? SAGE_BWD_KV_MIN_CTAS : 1)
 int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
                    const signed char* __restrict__ kc, const float* __restrict__ ks,
                    const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
@@ -246,7 +257,7 @@ struct BwdDqSm90 {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS)
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? SAGE_BWD_DQ_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
                       const signed char* __restrict__ kc, const float* __restrict__ ks,
                       const signed char* __restrict__ ktp,

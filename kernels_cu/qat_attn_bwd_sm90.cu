@@ -20,6 +20,14 @@
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"
 
+// CTAs per SM the D = 64 dK/dV kernel's registers are budgeted for (__launch_bounds__; SAGE_QAT_BWD_KV_MIN_CTAS
+// overrides): three, 168 registers (191 -> 168, 76 bytes of spills), instead of two: QAT backward 1.11-1.15x
+// end to end on the H200 (bench/fp4_d64_variants.py, tenth session; bitwise the same gradients). The D = 64
+// dQ kernel already fits four (124 registers).
+#ifndef SAGE_QAT_BWD_KV_MIN_CTAS
+#define SAGE_QAT_BWD_KV_MIN_CTAS 3
+#endif
+
 using namespace sage;
 
 namespace {
@@ -64,7 +72,7 @@ struct QatBwdSm90 {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(QB_THREADS)
+__global__ void __launch_bounds__(QB_THREADS, D == 64 ? SAGE_QAT_BWD_KV_MIN_CTAS : 1)
 qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* __restrict__ vt,
                   const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
                   const float* __restrict__ lse2, const float* __restrict__ delta,

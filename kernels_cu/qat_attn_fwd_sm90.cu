@@ -33,6 +33,13 @@
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"
 
+// CTAs per SM the D = 64 kernel's registers are budgeted for (__launch_bounds__; SAGE_QAT_FWD_MIN_CTAS
+// overrides): two, 128 registers (166 -> 128, 56 bytes of spills), instead of one: QAT forward 1.00-1.08x end
+// to end on the H200 (bench/fp4_d64_variants.py, tenth session; bitwise the same outputs).
+#ifndef SAGE_QAT_FWD_MIN_CTAS
+#define SAGE_QAT_FWD_MIN_CTAS 2
+#endif
+
 using namespace sage;
 
 namespace {
@@ -51,7 +58,7 @@ struct QatFwdSm90 {
 
 // Grid (nq_pad / 128, Hq, B), block 256, dynamic shared memory QatFwdSm90<D>::SMEM.
 template <typename T, int D>
-__global__ void __launch_bounds__(QF_THREADS)
+__global__ void __launch_bounds__(QF_THREADS, D == 64 ? SAGE_QAT_FWD_MIN_CTAS : 1)
 qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16, const __half* __restrict__ vt16,
                   T* __restrict__ o, long long osb, long long osh, long long osn,
                   float* __restrict__ lse, float* __restrict__ lse2, float* __restrict__ oprime,

@@ -306,9 +306,26 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // agree bit for bit.
 // K/V: a ring of NST tiles loaded with cp.async (tile t+NST-1 loads while t+1 is read by
 // Q.K^T(t+1) and t by P.V(t)).
+// PV_HALVES (D = 128, BKV = 64; SAGE_FWD_PV_HALVES=0 turns it off): P.V(t) as two m64n64 products into one
+// 32-register accumulator, the first folded into O while the second and Q.K^T(t+1) run. With 64 fewer live
+// registers the 4-warp kernel is built for three CTAs per SM (168 registers, __launch_bounds__) instead of
+// two (254): 1.00-1.06x on the H200 (bench/NOTES.md, tenth session). The float operations per element are
+// the same: bitwise the same O. At D = 64 (BKV = 64) the 4-warp kernel is built for four CTAs per SM (128
+// registers instead of 185, 12 bytes of spills): 1.14-1.22x. SAGE_FWD_MIN_CTAS (experiment) overrides
+// that budget for D = 64.
+#ifndef SAGE_FWD_PV_HALVES
+#define SAGE_FWD_PV_HALVES 1
+#endif
+#ifndef SAGE_FWD_MIN_CTAS
+#define SAGE_FWD_MIN_CTAS 4
+#endif
 template <int D, int BKV>
 struct FwdSm90 {
-  static constexpr int NST = (D == 128 && BKV == 128) ? 3 : 4;  // two 4-warp CTAs per SM fit in shared memory
+  static constexpr bool PV_HALVES = SAGE_FWD_PV_HALVES && D == 128 && BKV == 64;
+  // K/V ring stages: two 4-warp CTAs per SM fit in shared memory (three with PV_HALVES: 75,776 bytes each)
+  static constexpr int NST = (D == 128 && BKV == 128) ? 3 : 4;
+  // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
+  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64) ? SAGE_FWD_MIN_CTAS : 1);
 };
 template <typename T, int D, int WARPS, int BKV>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
@@ -362,8 +379,9 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   float acc_o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  constexpr bool PV_HALVES = FwdSm90<D, BKV>::PV_HALVES;
   int acc_s[NT][4];  // S of the tile being softmaxed; then Q.K^T of the next one, in flight
-  int acc_pv[D / 2];  // P.V of this tile
+  int acc_pv[PV_HALVES ? D / 4 : D / 2];  // P.V of this tile (of half its columns with PV_HALVES)
   int(&accs)[4 * NT] = reinterpret_cast<int(&)[4 * NT]>(acc_s);
   const unsigned long long dq = gmma_desc<D>(sQ + (warp / 4) * 64 * D);
   auto issue_qk = [&](int stage) {
@@ -408,6 +426,31 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
                                                  tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
     // The waits and issues below are unconditional: ptxas proves the accumulators are not read while
     // in flight only on straight-line pipelines (else it serializes every wgmma, warning C7514).
+    if constexpr (PV_HALVES) {
+      // P.V(t) columns 0..63 and Q.K^T(t+1); fold the first half, then P.V(t) columns 64..127.
+      const char* cV = sV + (tile % NST) * D * BKV;
+      auto issue_pv_half = [&](int h) {
+        const unsigned long long dv = gmma_desc<BKV>(cV + h * 64 * BKV);
+        wgmma_m64n64k32_rs_u8s8(acc_pv, pa[0], dv, 0);
+        wgmma_m64n64k32_rs_u8s8(acc_pv, pa[1], gmma_desc_advance(dv, 32), 1);
+        wgmma_commit();
+      };
+      wgmma_fence();
+      issue_pv_half(0);
+      issue_qk((tile + 1) % NST);
+      wgmma_wait<1>();  // P.V(t) columns 0..63 done
+      fence_regs(acc_pv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[j], acc_pv + 4 * j, ts);
+      wgmma_fence();
+      issue_pv_half(1);
+      wgmma_wait<0>();  // Q.K^T(t+1) and P.V(t) columns 64..127 done
+      fence_regs(acc_pv);
+      fence_regs(accs);
+      hold_regs(pa);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[8 + j], acc_pv + 4 * j, ts);
+    } else {
     wgmma_fence();
     {  // P.V(t)
       const unsigned long long dv = gmma_desc<BKV>(sV + (tile % NST) * D * BKV);
@@ -429,6 +472,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     fwd_pv_update_all<D>(acc_o, acc_pv, ts);
     wgmma_wait<0>();  // Q.K^T(t+1) done
     fence_regs(accs);
+    }
   }
   cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or causal rows that see no key) still has Q in flight
   fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,

@@ -1,0 +1,43 @@
+"""Time the INT8 backward's kernels (wgmma engine) under kernel defines (SAGECUPY_DEFINES) in one process:
+which register budget / occupancy to make the default.
+
+    python bench/bwd_variants.py --d 64 --defines ";SAGE_BWD_KV_MIN_CTAS=1,SAGE_BWD_DQ_MIN_CTAS=1"
+
+Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build). Prints
+the dK/dV and dQ kernels' times and whether the gradients are bitwise those of the first variant.
+"""
+import argparse
+import os
+
+import numpy as np
+
+from sagecupy import bench, int8
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", default="4096,16384")
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--defines", default=";SAGE_BWD_KV_MIN_CTAS=1,SAGE_BWD_DQ_MIN_CTAS=1")
+    a = ap.parse_args()
+    for n in map(int, a.n.split(",")):
+        for causal in (False, True):
+            B, H, (q, k, v, do) = bench._inputs(a.d, n, "bfloat16")
+            _, res = int8.forward(q, k, v, causal=causal)
+            pre = int8._preprocess_backward(res, do)
+            line, ref = f"D={a.d} N={n:5d} causal={int(causal)}", None
+            for dfn in a.defines.split(";"):
+                os.environ["SAGECUPY_DEFINES"] = dfn
+                t = {w: bench.time_ms(lambda: int8._launch_backward(res, pre, "wgmma", kernels=w))
+                     for w in (("dkdv",), ("dq",), ("dkdv", "dq"))}
+                g = [np.asarray(getattr(x, "bits", x).get()) for x in int8._launch_backward(res, pre, "wgmma")]
+                same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(g, ref)) else " DIFFERS")
+                ref = g if ref is None else ref
+                line += (f" | [{dfn or 'default'}] dK/dV {t[('dkdv',)]:.3f} dQ {t[('dq',)]:.3f} "
+                         f"both {t[('dkdv', 'dq')]:.3f} ms{same}")
+            os.environ.pop("SAGECUPY_DEFINES", None)
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
