@@ -1,0 +1,48 @@
+"""README tables of the INT8 SageBwd kernels from bench JSON lines: every ratio is against the SDPA rows of the same
+file (the same run).
+
+    python bench/tools/int8_table.py RUN.jsonl            # speed table (default config)
+    python bench/tools/int8_table.py RUN.jsonl --engines  # kernel time of the mma.sync and wgmma engines
+
+"fwd kernel" is the ``kernel-wgmma`` row on sm_90 (the kernel the default call runs; the ``kernel`` row times
+the same call first in each case, after the inputs are made, and reads a few percent slower), else ``kernel``.
+"""
+import sys
+
+from fp4_table import load, pick
+
+
+def main():
+    rows = load(sys.argv[1])
+    sm90 = any(r.get("scope") == "kernel-wgmma" for r in rows)
+    if "--engines" in sys.argv:
+        print("| D | N | causal | fwd mma ms | fwd wgmma ms | × | bwd mma ms | bwd wgmma ms | × |")
+        print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|")
+    else:
+        print("| D | N | causal | fwd kernel TOPS | fwd e2e TOPS | fwd × flash | fwd × cuDNN | bwd e2e TOPS | bwd × flash "
+              "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN |")
+        print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for D in (64, 128):
+        for N in (4096, 16384):
+            for c in (False, True):
+                s = dict(impl="sagecupy-int8", config="default", D=D, N=N, causal=c)
+                t = dict(D=D, N=N, causal=c)
+                head = f"| {D} | {N // 1024}K | {'yes' if c else 'no'} |"
+                if "--engines" in sys.argv:
+                    fm, fw, bm, bw = (pick(rows, mode=m, scope=sc, **s)["ms"] for m, sc in
+                                      (("fwd", "kernel-mma"), ("fwd", "kernel-wgmma"), ("bwd", "kernel-mma"),
+                                       ("bwd", "kernel-wgmma")))
+                    print(f"{head} {fm:.2f} | {fw:.2f} | {fm / fw:.2f} | {bm:.2f} | {bw:.2f} | {bm / bw:.2f} |")
+                    continue
+                k = pick(rows, mode="fwd", scope="kernel-wgmma" if sm90 else "kernel", **s)
+                fe, be, fb = (pick(rows, mode=m, scope="e2e", **s) for m in ("fwd", "bwd", "fwdbwd"))
+                ff, fc = (pick(rows, impl=f"sdpa-{b}", mode="fwd", **t) for b in ("flash", "cudnn"))
+                bf = pick(rows, impl="sdpa-flash", mode="bwd", **t)
+                xf, xc = (pick(rows, impl=f"sdpa-{b}", mode="fwdbwd", **t) for b in ("flash", "cudnn"))
+                print(f"{head} {k['tops']:.0f} | {fe['tops']:.0f} | {ff['ms'] / fe['ms']:.2f} | {fc['ms'] / fe['ms']:.2f} | "
+                      f"{be['tops']:.0f} | {bf['ms'] / be['ms']:.2f} | {fb['tops']:.0f} | {xf['ms'] / fb['ms']:.2f} | "
+                      f"{xc['ms'] / fb['ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
