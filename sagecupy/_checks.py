@@ -120,3 +120,27 @@ def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16"
         if not math.isfinite(sm_scale) or sm_scale <= 0:
             raise ValueError(f"sm_scale={sm_scale} must be finite and > 0")
     return Problem(B, Hq, Hk, Nq, Nk, D, dtype_name(q.dtype), layout, bool(causal), sm_scale)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` (an int) exposed through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(ptr: int, device_id: int):
+    """A CuPy stream object for a stream another framework owns (PyTorch's, XLA's), for ``with`` blocks:
+    ``cupy.cuda.Stream.from_external`` on CuPy versions that have it (ExternalStream is deprecated there),
+    else ``cupy.cuda.ExternalStream``. The caller keeps the stream alive and makes ``device_id`` current."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_id)

@@ -19,7 +19,7 @@ How the kernels run
 Through ``jax.experimental.buffer_callback`` (JAX 0.7 or newer; :func:`is_available` says whether this
 JAX has it): XLA calls a Python function in the middle of its executable with the CUDA stream it
 computes on (``ExecutionContext.stream``) and its own device buffers (``Buffer``, with
-``__cuda_array_interface__``). The function wraps the stream as a ``cupy.cuda.ExternalStream``, views the
+``__cuda_array_interface__``). The function wraps the stream as a CuPy stream (``Stream.from_external``), views the
 buffers as CuPy arrays (zero-copy), runs the sagecupy kernels on that stream and copies the results into
 the output buffers XLA allocated, on the same stream. The kernels are therefore ordered after whatever
 produced q, k, v and before whatever reads the outputs, with no synchronization.
@@ -121,7 +121,7 @@ def _on_xla_stream(ctx, buf):
         raise RuntimeError(f"sagecupy.jax runs CUDA kernels, but this computation runs on DLPack device type "
                            f"{dev_type}, not CUDA ({_KDL_CUDA}); put the arrays on a GPU (is JAX on its CPU "
                            f"backend?)")
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(_stream_ptr(ctx), dev):
+    with cupy.cuda.Device(dev), _checks.external_stream(_stream_ptr(ctx), dev):
         yield dev
 
 

@@ -64,6 +64,7 @@ import typing
 
 import torch
 
+from . import _checks
 from .config import QATConfig, SageBwdConfig, get_config
 
 __all__ = ["sage_attention", "qat_attention", "SageAttentionFunction", "QATAttentionFunction", "to_cupy",
@@ -130,7 +131,7 @@ def on_torch_stream(device):
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, device_id=index):
+    with cupy.cuda.Device(index), _checks.external_stream(stream.cuda_stream, index):
         yield
 
 
@@ -331,7 +332,6 @@ def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, *, causal, s
     the forward's ``Problem`` field for field; ``v`` is prepared exactly as the forward prepared it (a
     view, or the same copy when its rows were not 16-byte aligned). ``mu_k`` is not used by the backward.
     """
-    from . import _checks
     from . import int8 as s8
 
     p = _checks.check_attention_args(o, v, v, causal=causal, sm_scale=sm_scale, layout=layout)
