@@ -2,7 +2,7 @@
 defines) or a near one (block_kv 64/128), in one process: which to make the default. On the GPU machine:
 
     python bench/fwd_variants.py                       # engines x warps x block_kv
-    python bench/fwd_variants.py --defines ";SAGE_FWD_PV_HALVES=1"   # wgmma, 4 warps, default config, per define set
+    python bench/fwd_variants.py --defines "SAGE_FWD_PV_HALVES=0;"   # wgmma, 4 warps, default config, per define set
 
 Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build); each row
 also prints the CTAs per SM the driver reports for that build.

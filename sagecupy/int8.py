@@ -209,7 +209,8 @@ def _bwd90_smem(D):
 
 def _fwd90_stages(D, bkv):
     """Stages of the wgmma forward's K/V ring (FwdSm90<D, BKV>::NST): the CTAs per SM the kernel's registers
-    are budgeted for must fit in shared memory (three 4-warp CTAs at D=128, four at D=64)."""
+    are budgeted for must fit in shared memory (with block_kv=64: three 4-warp CTAs at D=128, four at D=64;
+    with block_kv=128: two)."""
     return 3 if (D, bkv) == (128, 128) else 4
 
 
@@ -365,9 +366,9 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
 
 
 def forward_warps(warps: int | None = None) -> int:
-    """Warps per forward CTA (16 query rows each): 4 (default; on the wgmma engine three such CTAs fit an SM
-    at D=128 and four at D=64, bench/NOTES.md tenth session; the mma.sync kernel measured 3-7% faster with 4
-    than with 8) or 8; ``SAGECUPY_FWD_WARPS`` overrides the default. The result does not depend on it (every
+    """Warps per forward CTA (16 query rows each): 4 (default; on the wgmma engine with block_kv=64 three such
+    CTAs fit an SM at D=128 and four at D=64, bench/NOTES.md tenth session; the mma.sync kernel measured 3-7%
+    faster with 4 than with 8) or 8; ``SAGECUPY_FWD_WARPS`` overrides the default. The result does not depend on it (every
     row is computed the same way; tested bitwise)."""
     if warps is None:
         env = os.environ.get("SAGECUPY_FWD_WARPS", "4")
