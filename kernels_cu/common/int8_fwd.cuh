@@ -302,17 +302,17 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // P.V(t) is retired in the iteration that issued it, so no instruction ever writes a register a wgmma in
 // flight reads (its A operand: P^), and nothing is in flight across the loop's back edge (ptxas
 // serializes every wgmma otherwise: warning C7514, which CI fails on). The CTAs an SM holds (three at D = 128,
-// four at D = 64: MIN_CTAS below) fill each other's tensor-core gaps. The float operations on O keep the mma.sync kernel's order, so the two engines
-// agree bit for bit.
+// four at D = 64: MIN_CTAS below) fill each other's tensor-core gaps. The float operations on O keep the
+// mma.sync kernel's order, so the two engines agree bit for bit.
 // K/V: a ring of NST tiles loaded with cp.async (tile t+NST-1 loads while t+1 is read by
 // Q.K^T(t+1) and t by P.V(t)).
 // PV_HALVES (D = 128, BKV = 64; SAGE_FWD_PV_HALVES=0 turns it off): P.V(t) as two m64n64 products into one
 // 32-register accumulator: the first half is folded into O while Q.K^T(t+1) runs, then the second is issued,
 // waited for (with Q.K^T(t+1)) and folded. With 64 fewer live registers the 4-warp kernel is built for three
-// CTAs per SM (168 registers, __launch_bounds__) instead of two (254): 1.00-1.07x on the H200 (bench/NOTES.md, tenth session). The float operations per element are
-// the same: bitwise the same O. At D = 64 (BKV = 64) the 4-warp kernel is built for four CTAs per SM (128
-// registers instead of 185, 12 bytes of spills): 1.14-1.22x. SAGE_FWD_MIN_CTAS (experiment) overrides
-// that budget for D = 64.
+// CTAs per SM (168 registers, __launch_bounds__) instead of two (254): 1.00-1.07x on the H200 (bench/NOTES.md,
+// tenth session). The float operations per element are the same: bitwise the same O. At D = 64 (BKV = 64) the
+// 4-warp kernel is built for four CTAs per SM (128 registers instead of 185, 12 bytes of spills): 1.14-1.22x.
+// SAGE_FWD_MIN_CTAS (experiment) overrides that budget for D = 64.
 #ifndef SAGE_FWD_PV_HALVES
 #define SAGE_FWD_PV_HALVES 1
 #endif
