@@ -36,8 +36,7 @@ def occupancy(D, dtype="__nv_bfloat16", warps=4, bkv=64):
     name = f"int8_attn_fwd_sm90<{dtype}, {D}, {warps}, {bkv}>"
     names = tuple(int8.kernel_names()["int8_attn_fwd_sm90.cu"])
     fn = get_function("int8_attn_fwd_sm90.cu", name, all_names=names, arch="sm_90a")
-    nst = int8._fwd90_stages(D, bkv)
-    smem = (16 * warps + 2 * nst * bkv) * D + 4 * nst * bkv + 1024
+    smem = int8._fwd_smem(D, warps, bkv, int8._fwd90_stages(D, bkv))
     fn.max_dynamic_shared_size_bytes = smem
     ptr = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr
     return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, 32 * warps, smem), fn.num_regs

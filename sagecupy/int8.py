@@ -207,6 +207,12 @@ def _bwd90_smem(D):
     return 1024 + 192 * D + 2 * stage, 1024 + 192 * D + 2 * stage_dq
 
 
+def _fwd_smem(D, warps, bkv, stages):
+    """Dynamic shared memory of a forward CTA: Q, the K/V ring, the key scales of each stage, and alignment
+    of the tiles to 1024 bytes."""
+    return (16 * warps + 2 * stages * bkv) * D + stages * bkv * 4 + 1024
+
+
 def _fwd90_stages(D, bkv):
     """Stages of the wgmma forward's K/V ring (FwdSm90<D, BKV>::NST): the CTAs per SM the kernel's registers
     are budgeted for must fit in shared memory (with block_kv=64: three 4-warp CTAs at D=128, four at D=64;
@@ -399,8 +405,7 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     else:
         fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
         stages = 2
-    # Q, the K/V ring, the key scales of each stage, alignment of the tiles to 1024 bytes
-    smem = (16 * w + 2 * stages * bkv) * D + stages * bkv * 4 + 1024
+    smem = _fwd_smem(D, w, bkv, stages)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     fn((nq_pad // (16 * w), Hq, B), (32 * w,),
