@@ -42,10 +42,10 @@ for (B, H, N, D, causal) in [(1, 8, 4096, 128, False), (1, 4, 517, 128, True)]:
     def inv(p):
         h16, t, qq = (p >> 4) & 1, (p & 15) >> 2, p & 3
         return (h16 << 4) | ((qq >> 1) << 3) | (t << 1) | (qq & 1)
-    npad = pre1["v_t"].shape[3]
+    npad = int8.v_t_channels(pre1["v_t"]).shape[3]
     pos = np.arange(npad)
     tok = (pos & ~31) | np.vectorize(inv)(pos & 31)
-    vt = pre1["v_t"].astype(cp.float32)  # (B, H, D, npad), positions
+    vt = int8.v_t_channels(pre1["v_t"]).astype(cp.float32)  # (B, H, D, npad), positions
     vdq = cp.empty_like(vt)
     vdq[..., cp.asarray(tok)] = vt
     vdq = vdq[..., :N].transpose(0, 1, 3, 2) * pre1["v_scale"][:, :, None, :]

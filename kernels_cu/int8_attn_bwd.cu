@@ -97,9 +97,11 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
     const long long bhh = static_cast<long long>(b) * Hq + hh;
     char* buf = sBuf + (it & 1) * BUF;
     float* fb = reinterpret_cast<float*>(buf + 2 * D * BWD_BQ);
-    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0), nq_pad, tid);
-    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf + D * BWD_BQ, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0),
-                                            nq_pad, tid);
+    // Q^^T and dO^^T are tile-major (each 64-query block's D x 64 bytes contiguous: int8_quant.cu)
+    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0 * D), BWD_BQ,
+                                            tid);
+    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf + D * BWD_BQ,
+                                            reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0 * D), BWD_BQ, tid);
     load_vec_async<BWD_THREADS>(fb, qs + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
     load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
     load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
@@ -256,8 +258,8 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     char* st = sStage + (tile & 1) * STAGE;
     const int k0 = tile * BWD_BKV;
     load_tile_async<BWD_BKV, D, BWD_THREADS>(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);
-    load_tile_async<D, BWD_BKV, BWD_THREADS>(st + BWD_BKV * D,
-                                             reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + k0), nk_pad, tid);
+    load_tile_async<D, BWD_BKV, BWD_THREADS>(st + BWD_BKV * D,  // K^^T: tile-major
+                                             reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + k0 * D), BWD_BKV, tid);
     load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(st + 2 * BWD_BKV * D,
                                                 reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn),
                                                 vsn * 2, nk - k0, tid);

@@ -126,8 +126,9 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
     cp8.copy(st, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D);
     cp16.copy_rows(st + 64 * D, reinterpret_cast<const char*>(dout + b * dsb + ld_h * dsh + qq0 * dsn), dsn * 2,
                    nq - qq0);
-    cpt.copy(st + 192 * D, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0), nq_pad);
-    cpt.copy(st + 256 * D, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0), nq_pad);
+    // Q^^T and dO^^T are tile-major (each 64-query block's D x 64 bytes contiguous: int8_quant.cu)
+    cpt.copy(st + 192 * D, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0 * D), BWD_BQ);
+    cpt.copy(st + 256 * D, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0 * D), BWD_BQ);
     float* fb = reinterpret_cast<float*>(st + 320 * D);
     load_vec_async<BWD_THREADS>(fb, qs + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
     load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
@@ -291,7 +292,7 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
     char* st = sStage + (tile & 1) * STAGE;
     const int kk0 = tile * BWD_BKV;
     cp8.copy(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + kk0) * D), D);
-    cpt.copy(st + 64 * D, reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + kk0), nk_pad);
+    cpt.copy(st + 64 * D, reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + kk0 * D), BWD_BKV);  // tile-major
     cp16.copy_rows(st + 128 * D, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + kk0 * vsn), vsn * 2,
                    nk - kk0);
     load_vec_async<BWD_THREADS>(st + 256 * D, ks + bhk * nk_pad + kk0, BWD_BKV / 4, tid);

@@ -7,7 +7,8 @@
 // Inputs are the pre-processed codes of int8_quant.cu:
 //   qc (BHq, nq_pad, D) int8 of psi(sm_scale * Q), qs per row (times log2(e): the kernels use exp2);
 //   kc (BHkv, nk_pad, D) int8 of psi(K - mu_K), ks per row;
-//   vt (BHkv, D, nk_pad) int8 of psi(V), tokens mma-permuted in 32-groups (numeric.cuh: mma_perm32);
+//   vt int8 of psi(V), tokens mma-permuted in 32-groups (numeric.cuh: mma_perm32): (BHkv, nk_pad / 64, D, 64)
+//      (tile-major) for BKV = 64, (BHkv, D, nk_pad) for BKV = 128 (common/int8_fwd.cuh FwdVt);
 //   vs: per channel (BHkv, D) or, V_BLOCK, per 64-token block (BHkv, nk_pad / 64, D) (repeated over D).
 // Outputs: O in T with caller strides; lse (BHq, nq) natural log of the unsmoothed logits
 // (adds qmk = sm_scale * q . mu_K); lse2 (BHq, nq_pad) base-2 LSE of the logits the kernel computed

@@ -11,9 +11,11 @@
 namespace sage {
 
 __device__ __forceinline__ float absmax_or_nan(float m, float x) {
-  // NaN-propagating running max of |x| (fmaxf would drop the NaN).
-  float a = fabsf(x);
-  return (a != a || m != m) ? __int_as_float(0x7fffffff) : fmaxf(m, a);
+  // NaN-propagating running max of |x|: max.NaN gives the canonical NaN when either operand is NaN (fmaxf would
+  // drop it). One instruction (the |x| is an operand modifier).
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
+  return r;
 }
 
 __device__ __forceinline__ float psi_scale(float amax, float qmax) {
@@ -21,19 +23,25 @@ __device__ __forceinline__ float psi_scale(float amax, float qmax) {
   return amax / qmax;
 }
 
-// code = clamp(rint(x / s)) with the correctly rounded quotient, as the reference computes it (fp32 mode).
+// A scale that codes can be computed with (0 < s < inf); otherwise (zero block, NaN or Inf in it) every code is 0.
+__device__ __forceinline__ bool psi_valid(float s) { return s > 0.0f && s != INFINITY; }
+
+// psi's code of x as the low byte of the returned word (two's complement; the other bytes are not zero):
+// rint(x / s) with the correctly rounded quotient, as the reference computes it (fp32 mode), for a psi_valid s and
+// |x| <= 127 s (x in the block s was taken over).
 // inv_s = __frcp_rn(s), computed once per block: x * inv_s is within 2.3e-5 of fl32(x / s) for |x / s| <= 128
 // (two roundings of 2^-24 relative each, and fl32 itself), so its rint is the reference's unless it lies
-// within that of a tie (k + 0.5): only then (rare) is the quotient divided out exactly. One multiply per
-// element instead of an IEEE division (ncu: the row quantization 119 -> 115 us at B=4, H=16, N=4K, D=128).
-// (CuPy compiles with -ftz=true: a subnormal s is flushed to 0 by psi_scale already, so 1/s cannot overflow
-// here; the test of q's finiteness keeps the code right without FTZ too.)
-__device__ __forceinline__ int psi_code(float x, float s, float inv_s, float qmax) {
-  if (!(s > 0.0f) || s == INFINITY) return 0;  // zero block or NaN scale
+// within that of a tie (k + 0.5): only then (rare) is the quotient divided out exactly (ncu: the row quantization
+// 119 -> 115 us against a division per element at B=4, H=16, N=4K, D=128).
+// rint by the addend M = 1.5 * 2^23: fl(q + M) rounds to nearest even, and for |q| < 2^22 its low mantissa bits
+// hold rint(q) in two's complement, so neither a conversion nor a clamp is needed (|rint(q)| <= 127 here).
+// (CuPy compiles with -ftz=true: a subnormal s is flushed to 0 by psi_scale already, so 1/s cannot overflow.)
+__device__ __forceinline__ unsigned psi_code_word(float x, float s, float inv_s) {
+  constexpr float M = 12582912.0f;
   const float q = x * inv_s;
-  float c = rintf(q);
-  if (!(fabsf(q - c) <= 0.499f)) c = rintf(__fdiv_rn(x, s));  // near a tie, or q not finite (1/s overflowed)
-  return static_cast<int>(fminf(fmaxf(c, -qmax), qmax));
+  float t = q + M;
+  if (!(fabsf(q - (t - M)) <= 0.499f)) t = __fdiv_rn(x, s) + M;  // near a tie
+  return __float_as_uint(t);
 }
 
 // Eight consecutive elements (16-byte aligned) as floats, through one 16-byte load.
@@ -222,9 +230,13 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     if (row >= n_pad) continue;
     const float s = psi_scale(amax[st], 127.f), inv_s = __frcp_rn(s);
     unsigned w[2] = {0u, 0u};
+    if (psi_valid(s)) {
+      unsigned cw[8];
 #pragma unroll
-    for (int c = 0; c < 8; ++c)
-      w[c / 4] |= (static_cast<unsigned>(psi_code(v[st][c], s, inv_s, 127.f)) & 0xFFu) << (8 * (c % 4));
+      for (int c = 0; c < 8; ++c) cw[c] = psi_code_word(v[st][c], s, inv_s);
+      w[0] = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
+      w[1] = pack4_low_bytes(cw[4], cw[5], cw[6], cw[7]);
+    }
     *reinterpret_cast<uint2*>(codes + (bh * n_pad + row) * D + cl * 8) = make_uint2(w[0], w[1]);
     if (cl == 0) scales[bh * n_pad + row] = row < n ? s * scale_mult : 0.f;
   }
@@ -268,11 +280,15 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // MODE 0: per-channel scale given in `scale_in` (b, h, d) (computed over the whole sequence);
 // MODE 1: per (64-token block, channel) scale, computed here;  MODE 2: one scale per 64-token block.
 // Scales written to scale_out[b, h, blk, d] (MODE 1, 2; MODE 2 repeats the block scale over d).
+// tile_major = 0: out is (B, H, D, n_pad) (a channel's row runs over the whole sequence); 1: (B, H, n_pad / 64, D,
+// 64), each 64-token block's D x 64 bytes contiguous, so that a kernel's copy of one block reads whole 128-byte
+// lines (rows of 64 bytes n_pad apart each cost a request of their own and half-empty shared-memory wavefronts).
 // grid (n_pad / 64, H, B), block 2 * D; rows 16-byte aligned.
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(2 * D)
 quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
-                     const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out) {
+                     const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out,
+                     int tile_major) {
   // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
@@ -329,10 +345,11 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     unsigned w = 0u;
-    const float inv_s = __frcp_rn(sc[c]);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      w |= (static_cast<unsigned>(psi_code(v[k][c], sc[c], inv_s, 127.f)) & 0xFFu) << (8 * k);
+    if (psi_valid(sc[c])) {
+      const float inv_s = __frcp_rn(sc[c]);
+      w = pack4_low_bytes(psi_code_word(v[0][c], sc[c], inv_s), psi_code_word(v[1][c], sc[c], inv_s),
+                          psi_code_word(v[2][c], sc[c], inv_s), psi_code_word(v[3][c], sc[c], inv_s));
+    }
     words[c0 + c][tg] = w;
   }
   __syncthreads();
@@ -340,8 +357,9 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
 #pragma unroll
   for (int i = threadIdx.x; i < D * 4; i += 2 * D) {
     const int c = i / 4, q = i % 4;
-    *reinterpret_cast<uint4*>(out + (bh * D + c) * n_pad + blk * 64 + 16 * q) =
-        *reinterpret_cast<const uint4*>(&words[c][4 * q]);
+    const long long at = tile_major ? ((bh * (n_pad / 64) + blk) * D + c) * 64 + 16 * q
+                                    : (bh * D + c) * n_pad + blk * 64 + 16 * q;
+    *reinterpret_cast<uint4*>(out + at) = *reinterpret_cast<const uint4*>(&words[c][4 * q]);
   }
 }
 
@@ -382,8 +400,8 @@ __global__ void rowdot(const T* __restrict__ a, long long asb, long long ash, lo
   if (lane == 0) out[(static_cast<long long>(b) * H + h) * n_pad + row] = acc;
 }
 
-// int8 transpose of 64 tokens of (B*H, n_pad, D) codes into (B*H, D, n_pad), optionally mma-permuting the token
-// order within each 32-token group; block 256.
+// int8 transpose of 64 tokens of (B*H, n_pad, D) codes into the tile-major (B*H, n_pad / 64, D, 64), optionally
+// mma-permuting the token order within each 32-token group; block 256.
 template <int D, bool PERM>
 __device__ __forceinline__ void transpose_i8_body(const signed char* __restrict__ in, int n_pad,
                                                   signed char* __restrict__ out, int blk, long long bh) {
@@ -404,7 +422,8 @@ __device__ __forceinline__ void transpose_i8_body(const signed char* __restrict_
       const int tok = PERM ? ((p & ~31) | mma_perm32_inv(p & 31)) : p;
       packed |= (static_cast<unsigned>(static_cast<unsigned char>(tile[tok][c]))) << (8 * q);
     }
-    *reinterpret_cast<unsigned*>(out + (bh * D + c) * n_pad + blk * 64 + p0) = packed;
+    // tile-major: each 64-token block's D x 64 bytes contiguous (see quant_transpose_perm)
+    *reinterpret_cast<unsigned*>(out + (bh * (n_pad / 64) + blk) * D * 64 + c * 64 + p0) = packed;
   }
 }
 

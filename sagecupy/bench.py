@@ -6,7 +6,9 @@ convention): forward ``4 B Hq Nq Nk D``, halved for causal with ``Nq == Nk``; ba
 forward+backward 3.5x. INT8 rates are TOPS, the others TFLOPS; the ``tops`` field holds either.
 
 Modes: ``fwd`` / ``bwd`` / ``fwdbwd``; ``scope``: ``kernel`` (the attention kernel alone, inputs
-already quantized) or ``e2e`` (what a user calls: validation, smoothing, quantization, kernel).
+already quantized) or ``e2e`` (what a user calls: validation, smoothing, quantization, kernel), each call
+synchronized; ``e2e-b2b``: the same call issued back to back (:func:`time_ms_b2b`), the device time per call
+when the host keeps ahead, as in a training loop.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import json
 import statistics
 import time
 
-__all__ = ["flops", "time_ms", "bench_int8", "bench_fp4", "bench_sdpa", "default_cases", "run_suite", "peak_memory",
+__all__ = ["flops", "time_ms", "time_ms_b2b", "bench_int8", "bench_fp4", "bench_sdpa", "default_cases", "run_suite", "peak_memory",
            "format_rows", "plot"]
 
 
@@ -56,6 +58,31 @@ def time_ms(fn, warmup=3, rep=10) -> float:
         end.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, end))
     return statistics.median(times)
+
+
+def time_ms_b2b(fn, warmup=3, calls=10, rounds=5, *, event=None, sync=None) -> float:
+    """Device time per call of ``fn()`` issued ``calls`` times back to back (no synchronization between the calls:
+    the host issues ahead while the device works, as in a training or serving loop and as ``triton.testing.do_bench``
+    measures), the median over ``rounds``, in milliseconds. :func:`time_ms` synchronizes after every call, so the
+    host time spent before a call's first launch counts there (the ``e2e`` rows); here it overlaps the previous
+    call (the ``e2e-b2b`` rows). ``event``/``sync``: the framework's event class and synchronize (default CuPy)."""
+    import cupy
+
+    if event is None:
+        event, sync = cupy.cuda.Event, cupy.cuda.get_current_stream().synchronize
+    _warm_up(fn, warmup, sync)
+    sync()
+    out = []
+    for _ in range(rounds):
+        start, end = event(), event()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append((start.elapsed_time(end) if hasattr(start, "elapsed_time")
+                    else cupy.cuda.get_elapsed_time(start, end)) / calls)
+    return statistics.median(out)
 
 
 def default_cases(quick=False):
@@ -106,6 +133,7 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
         if device_capability() == (9, 0):
             row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
         row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
+        row("fwd", "e2e-b2b", time_ms_b2b(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup))
     o, res = int8.forward(q, k, v, causal=causal, config=config)
     if "bwd" in modes:
         bpre = int8._preprocess_backward(res, do)
@@ -119,6 +147,7 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
             _, r = int8.forward(q, k, v, causal=causal, config=config)
             int8.backward(r, do)
         row("fwdbwd", "e2e", time_ms(fb, warmup, rep))
+        row("fwdbwd", "e2e-b2b", time_ms_b2b(fb, warmup))
     return rows
 
 
@@ -150,6 +179,8 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
                 qkv_bytes_per_elem=bpe)
         row("sagecupy-nvfp4", "fwd", "e2e", time_ms(lambda: nvfp4.attention(q, k, v, causal=causal), warmup, rep),
             qkv_bytes_per_elem=bpe)
+        row("sagecupy-nvfp4", "fwd", "e2e-b2b", time_ms_b2b(lambda: nvfp4.attention(q, k, v, causal=causal), warmup),
+            qkv_bytes_per_elem=bpe)
     elif family == "qat":
         row("sagecupy-qat", "fwd", "e2e", time_ms(lambda: qat.forward(q, k, v, causal=causal), warmup, rep))
         for eng in ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",):
@@ -166,6 +197,7 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
             _, r = qat.forward(q, k, v, causal=causal)
             qat.backward(r, do)
         row("sagecupy-qat", "fwdbwd", "e2e", time_ms(fb, warmup, rep))
+        row("sagecupy-qat", "fwdbwd", "e2e-b2b", time_ms_b2b(fb, warmup))
     else:
         raise ValueError(f"family={family!r} is not supported; supported: 'nvfp4', 'qat'")
     return rows
@@ -198,14 +230,20 @@ def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, mod
                 ts.append(s.elapsed_time(e))
         return statistics.median(ts)
 
-    def row(mode, ms):
-        rows.append(dict(impl=f"sdpa-{backend}", config="", mode=mode, scope="e2e", D=D, N=N, B=B, H=H,
+    def b2b(fn):
+        with sdpa_kernel([be]):
+            return time_ms_b2b(fn, warmup, event=lambda: torch.cuda.Event(enable_timing=True),
+                               sync=torch.cuda.synchronize)
+
+    def row(mode, ms, scope="e2e"):
+        rows.append(dict(impl=f"sdpa-{backend}", config="", mode=mode, scope=scope, D=D, N=N, B=B, H=H,
                          causal=causal, dtype=dtype, ms=ms, tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
 
     try:
         if "fwd" in modes:
             with torch.no_grad():
                 row("fwd", timed(lambda: F(q, k, v, is_causal=causal)))
+                row("fwd", b2b(lambda: F(q, k, v, is_causal=causal)), "e2e-b2b")
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         if "bwd" in modes:
             with sdpa_kernel([be]):
@@ -216,6 +254,7 @@ def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, mod
                 out = F(qg, kg, vg, is_causal=causal)
                 torch.autograd.grad(out, (qg, kg, vg), do)
             row("fwdbwd", timed(fb))
+            row("fwdbwd", b2b(fb), "e2e-b2b")
     except RuntimeError as exc:  # backend unavailable for this shape
         rows.append(dict(impl=f"sdpa-{backend}", mode="error", D=D, N=N, causal=causal, error=str(exc)[:200]))
     return rows

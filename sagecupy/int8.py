@@ -355,8 +355,11 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
             (nk_pad // (8 * rpw), Hkv, B), (256,),
             (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
              k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None))
-    # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted.
-    v_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
+    # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted; tile-major
+    # (B, Hkv, nk_pad / 64, D, 64) for the kernels' 64-key tiles (whole 128-byte lines per copied tile row pair:
+    # 1.02x forward kernel on the H200, bench/NOTES.md eleventh session), (B, Hkv, D, nk_pad) for 128-key tiles.
+    tile_major = cfg.block_kv == 64
+    v_t = cupy.empty((B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), dtype=cupy.int8)
     if v_channel:
         mode = 0
     else:
@@ -364,11 +367,19 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
         mode = 2
     _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
         (nk_pad // 64, Hkv, B), (2 * D,),
-        (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t))
-
+        (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t, i32(int(tile_major))))
     pre = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale, v_t=v_t, v_scale=v_scale,
                qmk=qmk, mu_k=mu_k, v=v)
     return p, cfg, pre
+
+
+def v_t_channels(v_t):
+    """The forward's V^ codes (``pre["v_t"]``) as (B, Hkv, D, nk_pad), channel rows over the whole sequence (tokens
+    still mma-permuted in 32-groups), whichever of its two layouts it has: a view or a copy."""
+    if v_t.ndim == 4:
+        return v_t
+    B, H, nblk, D, w = v_t.shape
+    return v_t.transpose(0, 1, 3, 2, 4).reshape(B, H, D, nblk * w)
 
 
 def forward_warps(warps: int | None = None) -> int:
@@ -471,14 +482,16 @@ def _preprocess_backward(residuals, do):
     _qfn(f"rowdot<{T}>", T, D)((nq_pad // 8, Hq, B), (256,),
                               (do, i64(dsb), i64(dsh), i64(dsn), r.o, i64(osb), i64(osh), i64(osn),
                                i32(nq), i32(nq_pad), i32(D), delta))
-    do_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
+    # dO^T, Q^T and K^T codes tile-major, (B, H, n_pad / 64, D, 64): the backward kernels copy 64-token tiles of
+    # D rows x 64 bytes, which then read whole 128-byte lines (as V^T in the forward)
+    do_t = cupy.empty((B, Hq, nq_pad // 64, D, 64), dtype=cupy.int8)
     do_scale = cupy.empty((B, Hq, nq_pad // 64, D), dtype=f32)
     mode = 1 if cfg.do_granularity == "channel" else 2
     _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
         (nq_pad // 64, Hq, B), (2 * D,),
-        (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), None, do_scale, do_t))
-    q_t = cupy.empty((B, Hq, D, nq_pad), dtype=cupy.int8)
-    k_t = cupy.empty((B, Hkv, D, nk_pad), dtype=cupy.int8)
+        (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), None, do_scale, do_t, i32(1)))
+    q_t = cupy.empty((B, Hq, nq_pad // 64, D, 64), dtype=cupy.int8)
+    k_t = cupy.empty((B, Hkv, nk_pad // 64, D, 64), dtype=cupy.int8)
     _qfn(f"transpose_i8_qk<{D}, true>", T, D)((max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
                                               (r.q_codes, i32(nq_pad), q_t, r.k_codes, i32(nk_pad), k_t, i32(Hq),
                                                i32(Hkv)))

@@ -22,23 +22,30 @@ def main():
     nv = load(sys.argv[1])
     qa = load(sys.argv[2]) if len(sys.argv) > 2 else nv
     print("| D | N | causal | NVFP4 fwd kernel TFLOPS | fwd e2e TFLOPS | fwd e2e × flash | fwd e2e × cuDNN "
-          "| QAT fwd × flash | QAT bwd × flash | QAT fwd+bwd TFLOPS | × flash | × cuDNN |")
-    print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| QAT fwd × flash | QAT bwd × flash | QAT fwd+bwd TFLOPS | × flash | × cuDNN | NVFP4 fwd × flash, b2b "
+          "| QAT fwd+bwd × flash, b2b |")
+    print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for D in (64, 128):
         for N in (4096, 16384):
             for c in (False, True):
                 s = dict(D=D, N=N, causal=c)
                 k = pick(nv, impl="sagecupy-nvfp4", mode="fwd", scope="kernel", **s)
                 e = pick(nv, impl="sagecupy-nvfp4", mode="fwd", scope="e2e", **s)
-                fl, cu = (pick(nv, impl=f"sdpa-{b}", mode="fwd", **s) for b in ("flash", "cudnn"))
-                q = pick(qa, impl="sagecupy-qat", mode="fwdbwd", **s)
+                fl, cu = (pick(nv, impl=f"sdpa-{b}", mode="fwd", scope="e2e", **s) for b in ("flash", "cudnn"))
+                q = pick(qa, impl="sagecupy-qat", mode="fwdbwd", scope="e2e", **s)
                 qf, qb = (pick(qa, impl="sagecupy-qat", mode=m, scope="e2e", **s) for m in ("fwd", "bwd"))
-                qff, qbf = (pick(qa, impl="sdpa-flash", mode=m, **s) for m in ("fwd", "bwd"))
-                qfl, qcu = (pick(qa, impl=f"sdpa-{b}", mode="fwdbwd", **s) for b in ("flash", "cudnn"))
+                qff, qbf = (pick(qa, impl="sdpa-flash", mode=m, scope="e2e", **s) for m in ("fwd", "bwd"))
+                qfl, qcu = (pick(qa, impl=f"sdpa-{b}", mode="fwdbwd", scope="e2e", **s) for b in ("flash", "cudnn"))
+                # back to back (bench.time_ms_b2b): absent from runs before the eleventh session
+                eb, qbb = (pick(rows, impl=i, mode=m, scope="e2e-b2b", **s)
+                           for rows, i, m in ((nv, "sagecupy-nvfp4", "fwd"), (qa, "sagecupy-qat", "fwdbwd")))
+                flb, qflb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **s)
+                             for rows, m in ((nv, "fwd"), (qa, "fwdbwd")))
+                b2b = " ".join(f"{f['ms'] / x['ms']:.2f} |" if f and x else "– |" for f, x in ((flb, eb), (qflb, qbb)))
                 print(f"| {D} | {N // 1024}K | {'yes' if c else 'no'} | {k['tops']:.0f} | {e['tops']:.0f} | "
                       f"{fl['ms'] / e['ms']:.2f} | {cu['ms'] / e['ms']:.2f} | {qff['ms'] / qf['ms']:.2f} | "
                       f"{qbf['ms'] / qb['ms']:.2f} | {q['tops']:.0f} | "
-                      f"{qfl['ms'] / q['ms']:.2f} | {qcu['ms'] / q['ms']:.2f} |")
+                      f"{qfl['ms'] / q['ms']:.2f} | {qcu['ms'] / q['ms']:.2f} | {b2b}")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ def main():
         print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|")
     else:
         print("| D | N | causal | fwd kernel TOPS | fwd e2e TOPS | fwd × flash | fwd × cuDNN | bwd e2e TOPS | bwd × flash "
-              "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN |")
-        print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN | fwd × flash, b2b | fwd+bwd × flash, b2b |")
+        print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for D in (64, 128):
         for N in (4096, 16384):
             for c in (False, True):
@@ -36,12 +36,17 @@ def main():
                     continue
                 k = pick(rows, mode="fwd", scope="kernel-wgmma" if sm90 else "kernel", **s)
                 fe, be, fb = (pick(rows, mode=m, scope="e2e", **s) for m in ("fwd", "bwd", "fwdbwd"))
-                ff, fc = (pick(rows, impl=f"sdpa-{b}", mode="fwd", **t) for b in ("flash", "cudnn"))
-                bf = pick(rows, impl="sdpa-flash", mode="bwd", **t)
-                xf, xc = (pick(rows, impl=f"sdpa-{b}", mode="fwdbwd", **t) for b in ("flash", "cudnn"))
+                ff, fc = (pick(rows, impl=f"sdpa-{b}", mode="fwd", scope="e2e", **t) for b in ("flash", "cudnn"))
+                bf = pick(rows, impl="sdpa-flash", mode="bwd", scope="e2e", **t)
+                xf, xc = (pick(rows, impl=f"sdpa-{b}", mode="fwdbwd", scope="e2e", **t) for b in ("flash", "cudnn"))
+                # back to back (bench.time_ms_b2b): absent from runs before the eleventh session
+                fbb, xbb = (pick(rows, mode=m, scope="e2e-b2b", **s) for m in ("fwd", "fwdbwd"))
+                ffb, xfb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **t) for m in ("fwd", "fwdbwd"))
+                b2b = (f" {ffb['ms'] / fbb['ms']:.2f} | {xfb['ms'] / xbb['ms']:.2f} |" if fbb and ffb and xbb and xfb
+                       else " – | – |")
                 print(f"{head} {k['tops']:.0f} | {fe['tops']:.0f} | {ff['ms'] / fe['ms']:.2f} | {fc['ms'] / fe['ms']:.2f} | "
                       f"{be['tops']:.0f} | {bf['ms'] / be['ms']:.2f} | {fb['tops']:.0f} | {xf['ms'] / fb['ms']:.2f} | "
-                      f"{xc['ms'] / fb['ms']:.2f} |")
+                      f"{xc['ms'] / fb['ms']:.2f} |{b2b}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@
 
 namespace sage {
 
+// SAGE_FP4_RESCALE_SLACK (base-2 logit units, two-level P only; 0: the running max follows every tile max).
+#ifndef SAGE_FP4_RESCALE_SLACK
+#define SAGE_FP4_RESCALE_SLACK 8
+#endif
+
 // Per-thread row state of the online softmax: rows r_lo and r_lo + 8 of the warp's 16.
 struct Fp4Rows {
   float m[2];  // running max of the base-2 logits
@@ -57,7 +62,13 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
   for (int r = 0; r < 2; ++r) {
     rmax[r] = quad_max(rmax[r]) * scale_log2;
     ts.rmax[r] = rmax[r];
-    const float m_new = fmaxf(rs.m[r], rmax[r]);
+    // Two-level P is relative to the tile's own max, so the running max may lag (lazy frame, as the INT8 forward:
+    // common/int8_fwd.cuh): it moves only when a tile's max exceeds it by more than SAGE_FP4_RESCALE_SLACK, and
+    // O' (QAT) / O (alpha-beta kernels) skip their rescale on almost every tile. Single-level P quantizes
+    // 2^(S - m) itself, whose E4M3 scales depend on m: there m stays the exact running max.
+    const float m_new = (TWO_LEVEL && SAGE_FP4_RESCALE_SLACK > 0)
+                            ? (rmax[r] > rs.m[r] + static_cast<float>(SAGE_FP4_RESCALE_SLACK) ? rmax[r] : rs.m[r])
+                            : fmaxf(rs.m[r], rmax[r]);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact
     if (TWO_LEVEL) {

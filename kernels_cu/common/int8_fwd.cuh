@@ -15,6 +15,21 @@ namespace sage {
 // ---- Pieces shared by the two engines (the same float operations in the same order, so the engines
 // agree bit for bit) ----
 
+// SAGE_FWD_RESCALE_SLACK (base-2 logit units; 0: the running max follows every tile max): how far a tile's max may
+// exceed the running max before the softmax frame moves (fwd_softmax_tile).
+#ifndef SAGE_FWD_RESCALE_SLACK
+#define SAGE_FWD_RESCALE_SLACK 8
+#endif
+
+// Where key tile t of V^^T starts and the distance between its D channel rows. With 64-key tiles V^^T is stored
+// tile-major (the pre-pass, quant_transpose_perm tile_major = 1: each tile's D x 64 bytes contiguous), so a warp's
+// cp.async rows read whole 128-byte lines; 128-key tiles read 128-byte rows of the (D, nk_pad) layout.
+template <int D, int BKV>
+struct FwdVt {
+  __device__ static long long offset(int t) { return static_cast<long long>(t) * (BKV == 64 ? D * BKV : BKV); }
+  __device__ static long long stride(int nk_pad) { return BKV == 64 ? BKV : nk_pad; }
+};
+
 // Per-thread row state of the online softmax: rows r_lo and r_lo + 8 of the warp's 16.
 struct FwdRows {
   float sq[2];     // Q row scales (times log2 e)
@@ -73,10 +88,19 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = quad_max(mx[r]) * rs.sq[r];  // s_Q > 0, so the max commutes with the row scale
+#if SAGE_FWD_RESCALE_SLACK > 0
+    // Lazy frame: the running max m moves only when a tile's max exceeds it by more than the slack, so
+    // P~ = exp2(S - m) <= 2^SLACK and O's rescale (an FMUL per O element) is skipped on almost every tile.
+    // P^ does not depend on m (its factor carries exp2(m - tile max)), and O / l and LSE = m + log2 l are
+    // the same numbers up to fp32 rounding.
+    const float m_new = mx[r] > rs.m[r] + static_cast<float>(SAGE_FWD_RESCALE_SLACK) ? mx[r] : rs.m[r];
+#else
     const float m_new = fmaxf(rs.m[r], mx[r]);
+#endif
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact
-    const float gap = fminf(m_use - mx[r], 64.f);  // >= 0; clamped: such a tile contributes < 2^-64
+    // >= -SLACK; clamped above: such a tile contributes < 2^-64
+    const float gap = fminf(m_use - mx[r], 64.f);
     factor[r] = p_max * fast_exp2(gap);
     ts.spv[r] = fast_exp2(-gap) * inv_p_max;
     rs.m[r] = m_new;
@@ -242,7 +266,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   const float* gKs = ks + bhk * nk_pad;
   if (tl.n > 0) {
     load_tile_async<BKV, D, FWD_THREADS>(sK, gK, D, tid);
-    load_tile_async<D, BKV, FWD_THREADS>(sV, gV, nk_pad, tid);
+    load_tile_async<D, BKV, FWD_THREADS>(sV, gV, FwdVt<D, BKV>::stride(nk_pad), tid);
     load_vec_async<FWD_THREADS>(sKs, gKs, BKV / 4, tid);
   }
   cp_async_commit();
@@ -266,7 +290,8 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     // Prefetch (the barrier above freed the stage: every warp is done with the tile it held).
     if (tile + 1 < tl.n) {
       load_tile_async<BKV, D, FWD_THREADS>(sK + (st ^ 1) * BKV * D, gK + (tile + 1) * BKV * D, D, tid);
-      load_tile_async<D, BKV, FWD_THREADS>(sV + (st ^ 1) * D * BKV, gV + (tile + 1) * BKV, nk_pad, tid);
+      load_tile_async<D, BKV, FWD_THREADS>(sV + (st ^ 1) * D * BKV, gV + FwdVt<D, BKV>::offset(tile + 1),
+                                           FwdVt<D, BKV>::stride(nk_pad), tid);
       load_vec_async<FWD_THREADS>(sKs + (st ^ 1) * BKV, gKs + (tile + 1) * BKV, BKV / 4, tid);
     }
     cp_async_commit();
@@ -361,13 +386,14 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   const float* gKs = ks + bhk * nk_pad;
   const TileCopy<BKV, D, FWD_THREADS> cpk(tid);  // K^ tiles: BKV rows of D bytes
   const TileCopy<D, BKV, FWD_THREADS> cpv(tid);  // V^^T tiles: D rows of BKV bytes
+  const long long vt_stride = FwdVt<D, BKV>::stride(nk_pad);
   // Prologue: Q with tile 0 (one group), tiles 1 .. NST-2 (a group each).
   load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
 #pragma unroll
   for (int t = 0; t < NST - 1; ++t) {
     if (t < tl.n) {
       cpk.copy(sK + t * BKV * D, gK + t * BKV * D, D);
-      cpv.copy(sV + t * D * BKV, gV + t * BKV, nk_pad);
+      cpv.copy(sV + t * D * BKV, gV + FwdVt<D, BKV>::offset(t), vt_stride);
       load_vec_async<FWD_THREADS>(sKs + t * BKV, gKs + t * BKV, BKV / 4, tid);
     }
     cp_async_commit();
@@ -415,7 +441,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     if (tile + NST - 1 < tl.n) {
       const int st = (tile + NST - 1) % NST;
       cpk.copy(sK + st * BKV * D, gK + (tile + NST - 1) * BKV * D, D);
-      cpv.copy(sV + st * D * BKV, gV + (tile + NST - 1) * BKV, nk_pad);
+      cpv.copy(sV + st * D * BKV, gV + FwdVt<D, BKV>::offset(tile + NST - 1), vt_stride);
       load_vec_async<FWD_THREADS>(sKs + st * BKV, gKs + (tile + NST - 1) * BKV, BKV / 4, tid);
     }
     cp_async_commit();

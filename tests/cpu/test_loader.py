@@ -82,3 +82,20 @@ def test_qat_backward_engines_and_kernel_lists(monkeypatch):
     for D in (64, 128):
         for smem in _qat_bwd.sm90_smem_bytes(D):
             assert 2 * (smem + 1024) <= 228 * 1024
+
+
+def test_v_t_channels_undoes_the_tile_major_layout():
+    """int8.v_t_channels maps the forward's tile-major V^T codes (B, H, n_pad / 64, D, 64) back to channel rows
+    (B, H, D, n_pad): element (b, h, d, t) is tile t // 64, position t % 64 of channel d (NumPy stands in for
+    CuPy: the same transpose and reshape)."""
+    import numpy as np
+
+    from sagecupy.int8 import v_t_channels
+
+    B, H, D, n_pad = 2, 3, 8, 192
+    chan = np.arange(B * H * D * n_pad, dtype=np.int64).reshape(B, H, D, n_pad)
+    tiles = np.empty((B, H, n_pad // 64, D, 64), dtype=np.int64)
+    for t in range(n_pad // 64):
+        tiles[:, :, t] = chan[:, :, :, 64 * t:64 * (t + 1)]
+    assert np.array_equal(v_t_channels(tiles), chan)
+    assert v_t_channels(chan) is chan  # the (B, H, D, n_pad) layout of 128-key tiles passes through

@@ -322,7 +322,9 @@ def _assert_same_codes(pre, ref, nq, nk):
     """The pre-pass's Q, K, V codes (unpadded, V back in natural token order) equal the reference's."""
     qc = pre["q_codes"].get()[:, :, :nq]
     kc = pre["k_codes"].get()[:, :, :nk]
-    vc = _unpermute_tokens(pre["v_t"].get(), nk)
+    from sagecupy.int8 import v_t_channels
+
+    vc = _unpermute_tokens(v_t_channels(pre["v_t"]).get(), nk)
     for name, got, want in (("Q", qc, ref["q_codes"]), ("K", kc, ref["k_codes"]), ("V", vc, ref["v_codes"])):
         diff = np.argwhere(got.astype(np.int32) != want.astype(np.int32))
         assert diff.size == 0, f"{name} codes differ at {len(diff)} places, first {tuple(diff[0])}"
@@ -354,7 +356,8 @@ def test_quantized_operands_bit_identical_to_reference(config, dtype, shape):
     # Padding rows and tokens (up to the tile multiples) hold code 0 and scale 0.
     assert not pre["q_codes"].get()[:, :, Nq:].any() and not pre["q_scale"].get()[:, :, Nq:].any()
     assert not pre["k_codes"].get()[:, :, Nk:].any() and not pre["k_scale"].get()[:, :, Nk:].any()
-    assert not _unpermute_tokens(pre["v_t"].get(), pre["v_t"].shape[-1])[:, :, Nk:].any()
+    vt = s8.v_t_channels(pre["v_t"])
+    assert not _unpermute_tokens(vt.get(), vt.shape[-1])[:, :, Nk:].any()
     if config.k_smoothing:
         np.testing.assert_array_equal(pre["mu_k"].get(), ref["mu_k"].astype(np.float32))
 

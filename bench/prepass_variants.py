@@ -1,0 +1,43 @@
+"""Device time of the INT8 forward's pre-passes (smoothing mean, Q/K/V quantization) under kernel defines, calls
+issued back to back, with the codes compared bitwise against the first variant's. On the GPU machine:
+
+    python bench/prepass_variants.py --defines ";NAME=1"   # the default build against one with -DNAME=1
+"""
+import argparse
+import os
+
+import numpy as np
+
+from sagecupy import bench, int8
+from sagecupy.config import DEFAULT
+
+from e2e_probe import back_to_back_ms
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--defines", default="")
+    ap.add_argument("--d", type=int, default=128)
+    a = ap.parse_args()
+    variants = a.defines.split(";")
+    for N in (4096, 16384):
+        B, H, (q, k, v, _) = bench._inputs(a.d, N, "bfloat16")
+        line, ref = f"D={a.d} N={N:<6}", None
+        for dfn in variants:
+            os.environ["SAGECUPY_DEFINES"] = dfn
+
+            def prep():
+                return int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT)
+
+            ms = min(back_to_back_ms(prep) for _ in range(2))
+            pre = prep()[2]
+            got = [np.asarray(pre[n].get()) for n in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale")]
+            same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(got, ref)) else " DIFFERS")
+            ref = got if ref is None else ref
+            line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"
+        os.environ.pop("SAGECUPY_DEFINES", None)
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
