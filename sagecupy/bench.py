@@ -16,8 +16,8 @@ import json
 import statistics
 import time
 
-__all__ = ["flops", "time_ms", "time_ms_b2b", "bench_int8", "bench_fp4", "bench_sdpa", "default_cases", "run_suite", "peak_memory",
-           "format_rows", "plot"]
+__all__ = ["flops", "time_ms", "time_ms_b2b", "bench_int8", "bench_fp4", "bench_sdpa", "default_cases", "run_suite",
+           "peak_memory", "format_rows", "plot"]
 
 
 def flops(B, Hq, Nq, Nk, D, causal, mode="fwd") -> float:
