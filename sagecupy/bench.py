@@ -66,9 +66,9 @@ def time_ms_b2b(fn, warmup=3, calls=10, rounds=5, *, event=None, sync=None) -> f
     measures), the median over ``rounds``, in milliseconds. :func:`time_ms` synchronizes after every call, so the
     host time spent before a call's first launch counts there (the ``e2e`` rows); here it overlaps the previous
     call (the ``e2e-b2b`` rows). ``event``/``sync``: the framework's event class and synchronize (default CuPy)."""
-    import cupy
-
     if event is None:
+        import cupy
+
         event, sync = cupy.cuda.Event, cupy.cuda.get_current_stream().synchronize
     _warm_up(fn, warmup, sync)
     sync()
@@ -80,9 +80,14 @@ def time_ms_b2b(fn, warmup=3, calls=10, rounds=5, *, event=None, sync=None) -> f
             fn()
         end.record()
         end.synchronize()
-        out.append((start.elapsed_time(end) if hasattr(start, "elapsed_time")
-                    else cupy.cuda.get_elapsed_time(start, end)) / calls)
+        out.append((start.elapsed_time(end) if hasattr(start, "elapsed_time") else _cupy_elapsed(start, end)) / calls)
     return statistics.median(out)
+
+
+def _cupy_elapsed(start, end):
+    import cupy
+
+    return cupy.cuda.get_elapsed_time(start, end)
 
 
 def default_cases(quick=False):
@@ -357,7 +362,9 @@ def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) 
 
 def format_rows(rows) -> str:
     """An aligned table of benchmark rows with the ratio to each SDPA baseline of the same run."""
-    base = {(r["impl"], r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows if "ms" in r}
+    # SDPA rows by scope: back-to-back rows ("e2e-b2b") are compared with SDPA timed the same way, the rest with "e2e"
+    base = {(r["impl"], r.get("scope", "e2e"), r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows
+            if "ms" in r and r["impl"].startswith("sdpa-")}
     lines = [f"{'impl':<16}{'cfg':<9}{'mode':<8}{'scope':<8}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
              f"{'x flash':>9}{'x cudnn':>9}"]
     for r in rows:
@@ -368,7 +375,7 @@ def format_rows(rows) -> str:
         if "ms" not in r:
             lines.append(f"{r['impl']:<16} error D={r['D']} N={r['N']} causal={r['causal']}: {r.get('error')}")
             continue
-        key = (r["mode"], r["D"], r["N"], r["causal"])
+        key = ("e2e-b2b" if r.get("scope") == "e2e-b2b" else "e2e", r["mode"], r["D"], r["N"], r["causal"])
         fl, cu = base.get(("sdpa-flash",) + key), base.get(("sdpa-cudnn",) + key)
         rf = f"{fl / r['ms']:.2f}" if fl else "-"
         rc = f"{cu / r['ms']:.2f}" if cu else "-"

@@ -53,3 +53,35 @@ def test_plot_rejects_non_bench_file(tmp_path):
     bad.write_text('{"type": "env"}\n')
     r = CliRunner().invoke(main, ["plot", str(bad)])
     assert r.exit_code != 0 and "no benchmark rows" in r.output and "Traceback" not in r.output
+
+
+def test_format_rows_compares_back_to_back_rows_with_back_to_back_baselines():
+    """An ``e2e-b2b`` row is divided into SDPA's ``e2e-b2b`` time, every other row into SDPA's ``e2e`` time."""
+    common = dict(mode="fwd", D=128, N=4096, B=4, H=16, causal=False, dtype="bfloat16", tops=1.0)
+    rows = [dict(impl="sdpa-flash", config="", scope="e2e", ms=1.0, **common),
+            dict(impl="sdpa-flash", config="", scope="e2e-b2b", ms=3.0, **common),
+            dict(impl="sagecupy-int8", config="default", scope="e2e", ms=0.5, **common),
+            dict(impl="sagecupy-int8", config="default", scope="e2e-b2b", ms=1.5, **common)]
+    lines = bench.format_rows(rows).splitlines()
+    assert lines[3].split()[-2] == "2.00"  # e2e: 1.0 / 0.5
+    assert lines[4].split()[-2] == "2.00"  # e2e-b2b: 3.0 / 1.5 (not 1.0 / 1.5)
+
+
+def test_time_ms_b2b_divides_each_round_by_its_calls():
+    """time_ms_b2b records one event pair around ``calls`` calls per round and returns the median per-call time
+    (fake events: each round's elapsed time is the number of calls made inside it, in ms)."""
+    calls = []
+
+    class FakeEvent:
+        def record(self):
+            self.at = len(calls)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return float(end.at - self.at)
+
+    ms = bench.time_ms_b2b(lambda: calls.append(1), warmup=2, calls=7, rounds=3, event=FakeEvent, sync=lambda: None)
+    assert ms == 1.0
+    assert len(calls) >= 2 + 7 * 3
