@@ -12,7 +12,6 @@ host's own time per call (wall time of issuing 20 calls), and SDPA flash both wa
 import argparse
 import cProfile
 import pstats
-import statistics
 import time
 
 import cupy
@@ -20,20 +19,9 @@ import cupy
 from sagecupy import bench, int8, nvfp4, qat
 
 
-def back_to_back_ms(fn, n=20, rounds=5):
-    """Median over ``rounds`` of (time of ``n`` calls issued back to back) / n, after a warm-up."""
-    bench._warm_up(fn, 3, cupy.cuda.get_current_stream().synchronize)
-    cupy.cuda.get_current_stream().synchronize()
-    out = []
-    for _ in range(rounds):
-        s, e = cupy.cuda.Event(), cupy.cuda.Event()
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        out.append(cupy.cuda.get_elapsed_time(s, e) / n)
-    return statistics.median(out)
+def back_to_back_ms(fn):
+    """bench.time_ms_b2b with 20 calls per round (CuPy events)."""
+    return bench.time_ms_b2b(fn, 3, calls=20)
 
 
 def host_ms(fn, n=20):
@@ -57,7 +45,8 @@ def sdpa_ms(D, N, causal):
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.no_grad():
         fn = lambda: F(q, k, v, is_causal=causal)  # noqa: E731
         synced = bench.time_ms(fn, 3, 10)  # torch and cupy share the default (legacy) stream here
-        b2b = back_to_back_ms(fn)
+        b2b = bench.time_ms_b2b(fn, 3, calls=20, event=lambda: torch.cuda.Event(enable_timing=True),
+                                sync=torch.cuda.synchronize)
     return synced, b2b
 
 

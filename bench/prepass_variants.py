@@ -11,8 +11,6 @@ import numpy as np
 from sagecupy import bench, int8
 from sagecupy.config import DEFAULT
 
-from e2e_probe import back_to_back_ms
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -29,7 +27,7 @@ def main():
             def prep():
                 return int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT)
 
-            ms = min(back_to_back_ms(prep) for _ in range(2))
+            ms = min(bench.time_ms_b2b(prep, 3, calls=20) for _ in range(2))
             pre = prep()[2]
             got = [np.asarray(pre[n].get()) for n in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale")]
             same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(got, ref)) else " DIFFERS")
