@@ -69,6 +69,19 @@ struct BwdSm90 {
 #ifndef SAGE_BWD_DQ_MIN_CTAS
 #define SAGE_BWD_DQ_MIN_CTAS 3
 #endif
+// D = 128 dK/dV: the last dK product's fold (int32 -> fp32 into acc_dk's columns 64..127) is done in the next
+// iteration, while that iteration's S and dP run on the tensor cores, instead of before its barrier. Each
+// accumulator element still receives the tiles in order: the gradients are bitwise the same. Measured 1.04-1.05x
+// on the dK/dV kernel at N = 4K and 16K, 1.02-1.03x causal (bench/bwd_variants.py, three runs).
+#ifndef SAGE_BWD_DEFER_DK
+#define SAGE_BWD_DEFER_DK 1
+#endif
+// Issue S and dP first after the barrier, the next stage's copies (address arithmetic and cp.async) after them:
+// 1.04x on the D = 64 dK/dV kernel, 0.98-1.01x at D = 128 (bench/bwd_variants.py, two runs; bitwise the same).
+// -1 (default): D = 64 only; 0: never; 1: both.
+#ifndef SAGE_BWD_LOAD_AFTER_S
+#define SAGE_BWD_LOAD_AFTER_S -1
+#endif
 
 template <typename T, int D>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? SAGE_BWD_KV_MIN_CTAS : 1)
@@ -84,6 +97,7 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    int causal, int p_col, int ds_rowcol) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
+  constexpr bool LOAD_AFTER_S = SAGE_BWD_LOAD_AFTER_S < 0 ? D == 64 : SAGE_BWD_LOAD_AFTER_S != 0;
   constexpr int STAGE = BwdSm90<D>::STAGE;
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // wgmma tiles: 1024-byte aligned
@@ -142,6 +156,19 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   if (n_it > 0) load_stage(0);
   cp_async_commit();
 
+  // D = 128 with SAGE_BWD_DEFER_DK: dk_prev holds the previous iteration's last dK product (waited for, not yet
+  // folded; zeros before the first), s_y_prev its scales. A copy, not acc_b itself: ptxas would otherwise wait
+  // for every wgmma in flight before the fold (C7517: it does not track the wait across the loop's back edge).
+  int dk_prev[32];
+  float s_y_prev[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dk_prev[i] = 0;
+  auto add_dk = [&](const int (&acc)[32], int h, const float (&sy)[2]) {  // dK += Y^^T Q^ * s_Y[key]
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[8 * h + j][e] += i2f_small(acc[4 * j + e]) * sy[e >> 1];
+  };
   int cur_t = first_qt;  // query tile of iteration it
   for (int it = 0; it < n_it; ++it) {
     const int q0 = cur_t * BWD_BQ;
@@ -149,8 +176,10 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
     cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
     __syncthreads();      // stage it resident; every warp is done with stage it - 1, refilled next
-    if (it + 1 < n_it) load_stage(it + 1);
-    cp_async_commit();
+    if constexpr (!LOAD_AFTER_S) {
+      if (it + 1 < n_it) load_stage(it + 1);
+      cp_async_commit();
+    }
     const char* st = sStage + (it & 1) * STAGE;
     const char* sQ = st;
     const char* sdO = st + 64 * D;
@@ -165,6 +194,11 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
     int acc_s[32];
     float acc_dp[32];
     issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K^ Q^^T, dP^T = V dO^T
+    if constexpr (LOAD_AFTER_S) {  // the next stage's copies are issued while S and dP run
+      if (it + 1 < n_it) load_stage(it + 1);
+      cp_async_commit();
+    }
+    if constexpr (D == 128 && SAGE_BWD_DEFER_DK) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
     wgmma_wait<1>();
     fence_regs(acc_s);
     float p[8][4], pmax[2], s_p[2], inv_p[2];
@@ -198,12 +232,6 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
     bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, sRed, warp, lane);
     unsigned ya[2][4];
     quantize_acc_as_a(ya, p, inv_y);
-    auto add_dk = [&](const int (&acc)[32], int h) {  // dK += Y^^T Q^ * s_Y[key]
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[8 * h + j][e] += i2f_small(acc[4 * j + e]) * s_y[e >> 1];
-    };
     if constexpr (D == 128) {
       wgmma_fence();
       issue_a64_n64<true>(acc_b, pa, sdOt, 1);  // dV, columns 64..127
@@ -223,11 +251,18 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
       wgmma_commit();
       wgmma_wait<1>();
       fence_regs(acc_a);
-      add_dk(acc_a, 0);
+      add_dk(acc_a, 0, s_y);
       wgmma_wait<0>();
       fence_regs(acc_b);
       hold_regs(ya);
-      add_dk(acc_b, 1);
+      if constexpr (SAGE_BWD_DEFER_DK) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
+        s_y_prev[0] = s_y[0];
+        s_y_prev[1] = s_y[1];
+      } else {
+        add_dk(acc_b, 1, s_y);
+      }
     } else {
       wgmma_wait<0>();
       fence_regs(acc_a);
@@ -239,9 +274,10 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
       wgmma_wait<0>();
       fence_regs(acc_a);
       hold_regs(ya);
-      add_dk(acc_a, 0);
+      add_dk(acc_a, 0, s_y);
     }
   }
+  if constexpr (D == 128 && SAGE_BWD_DEFER_DK) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
   store_acc_rows<T, D>(dv + b * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
