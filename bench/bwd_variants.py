@@ -3,7 +3,9 @@ which register budget / occupancy to make the default.
 
     python bench/bwd_variants.py --d 64 --defines ";SAGE_BWD_KV_MIN_CTAS=1,SAGE_BWD_DQ_MIN_CTAS=1"
 
-Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build). Prints
+Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build); tokens named
+SAGECUPY_* are environment variables of that variant (`--defines ";SAGECUPY_BWD_WS=1"`: the warp-specialized dK/dV
+kernel against the default one). Prints
 the dK/dV and dQ kernels' times (variants interleaved over --rounds rounds, the best kept: identical builds
 read up to 3% apart in one pass) and whether the gradients are bitwise those of the first variant.
 """
@@ -13,6 +15,22 @@ import os
 import numpy as np
 
 from sagecupy import bench, int8
+
+
+def _set_variant(dfn):
+    """Kernel defines of one variant into SAGECUPY_DEFINES; tokens named SAGECUPY_* are set as environment variables
+    instead (SAGECUPY_BWD_WS=1: the experimental warp-specialized dK/dV kernel), every other variant unsets them."""
+    tokens = [t for t in dfn.split(",") if t]
+    env = dict(t.split("=", 1) for t in tokens if t.startswith("SAGECUPY_"))
+    for k in [k for k in os.environ if k.startswith("SAGECUPY_") and k != "SAGECUPY_DEFINES"]:
+        if k not in env and k in _VARIANT_ENV:
+            del os.environ[k]
+    _VARIANT_ENV.update(env)
+    os.environ.update(env)
+    os.environ["SAGECUPY_DEFINES"] = ",".join(t for t in tokens if not t.startswith("SAGECUPY_"))
+
+
+_VARIANT_ENV = {}
 
 
 def main():
@@ -32,7 +50,7 @@ def main():
             best, same = {}, {}
             for rnd in range(a.rounds):  # variants interleaved, the best of the rounds kept (cross-build noise)
                 for dfn in variants:
-                    os.environ["SAGECUPY_DEFINES"] = dfn
+                    _set_variant(dfn)
                     for w in (("dkdv",), ("dq",), ("dkdv", "dq")):
                         ms = bench.time_ms(lambda: int8._launch_backward(res, pre, "wgmma", kernels=w))
                         best[dfn, w] = min(best.get((dfn, w), ms), ms)
