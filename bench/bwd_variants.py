@@ -4,8 +4,8 @@ which register budget / occupancy to make the default.
     python bench/bwd_variants.py --d 64 --defines ";SAGE_BWD_KV_MIN_CTAS=1,SAGE_BWD_DQ_MIN_CTAS=1"
 
 Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build); tokens named
-SAGECUPY_* are environment variables of that variant (`--defines ";SAGECUPY_BWD_WS=1"`: the warp-specialized dK/dV
-kernel against the default one). Prints
+SAGECUPY_* are environment variables of that variant (on branch exp/ws-dkdv, `--defines ";SAGECUPY_BWD_WS=1"` times
+its warp-specialized dK/dV kernel against the default one). Prints
 the dK/dV and dQ kernels' times (variants interleaved over --rounds rounds, the best kept: identical builds
 read up to 3% apart in one pass) and whether the gradients are bitwise those of the first variant.
 """
@@ -19,7 +19,7 @@ from sagecupy import bench, int8
 
 def _set_variant(dfn):
     """Kernel defines of one variant into SAGECUPY_DEFINES; tokens named SAGECUPY_* are set as environment variables
-    instead (SAGECUPY_BWD_WS=1: the experimental warp-specialized dK/dV kernel), every other variant unsets them."""
+    instead (switches of the host code, e.g. an experiment branch's); every other variant unsets them."""
     tokens = [t for t in dfn.split(",") if t]
     env = dict(t.split("=", 1) for t in tokens if t.startswith("SAGECUPY_"))
     for k in [k for k in os.environ if k.startswith("SAGECUPY_") and k != "SAGECUPY_DEFINES"]:
