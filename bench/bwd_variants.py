@@ -19,14 +19,13 @@ from sagecupy import bench, int8
 
 def _set_variant(dfn):
     """Kernel defines of one variant into SAGECUPY_DEFINES; tokens named SAGECUPY_* are set as environment variables
-    instead (switches of the host code, e.g. an experiment branch's); every other variant unsets them."""
+    instead (switches of the host code, e.g. an experiment branch's), and those of the previous variant unset."""
     tokens = [t for t in dfn.split(",") if t]
-    env = dict(t.split("=", 1) for t in tokens if t.startswith("SAGECUPY_"))
-    for k in [k for k in os.environ if k.startswith("SAGECUPY_") and k != "SAGECUPY_DEFINES"]:
-        if k not in env and k in _VARIANT_ENV:
-            del os.environ[k]
-    _VARIANT_ENV.update(env)
-    os.environ.update(env)
+    for k in _VARIANT_ENV:
+        os.environ.pop(k, None)
+    _VARIANT_ENV.clear()
+    _VARIANT_ENV.update(t.split("=", 1) for t in tokens if t.startswith("SAGECUPY_"))
+    os.environ.update(_VARIANT_ENV)
     os.environ["SAGECUPY_DEFINES"] = ",".join(t for t in tokens if not t.startswith("SAGECUPY_"))
 
 
@@ -63,6 +62,7 @@ def main():
                 t = {w: best[dfn, w] for w in (("dkdv",), ("dq",), ("dkdv", "dq"))}
                 line += (f" | [{dfn or 'default'}] dK/dV {t[('dkdv',)]:.3f} dQ {t[('dq',)]:.3f} "
                          f"both {t[('dkdv', 'dq')]:.3f} ms{same[dfn]}")
+            _set_variant("")
             os.environ.pop("SAGECUPY_DEFINES", None)
             print(line, flush=True)
 
