@@ -10,26 +10,13 @@ the dK/dV and dQ kernels' times (variants interleaved over --rounds rounds, the 
 read up to 3% apart in one pass) and whether the gradients are bitwise those of the first variant.
 """
 import argparse
-import os
 
 import numpy as np
 
 from sagecupy import bench, int8
+from variant_env import set_variant
 
 
-def _set_variant(dfn):
-    """Kernel defines of one variant into SAGECUPY_DEFINES; tokens named SAGECUPY_* are set as environment variables
-    instead (switches of the host code, e.g. an experiment branch's), and those of the previous variant unset."""
-    tokens = [t for t in dfn.split(",") if t]
-    for k in _VARIANT_ENV:
-        os.environ.pop(k, None)
-    _VARIANT_ENV.clear()
-    _VARIANT_ENV.update(t.split("=", 1) for t in tokens if t.startswith("SAGECUPY_"))
-    os.environ.update(_VARIANT_ENV)
-    os.environ["SAGECUPY_DEFINES"] = ",".join(t for t in tokens if not t.startswith("SAGECUPY_"))
-
-
-_VARIANT_ENV = {}
 
 
 def main():
@@ -49,7 +36,7 @@ def main():
             best, same = {}, {}
             for rnd in range(a.rounds):  # variants interleaved, the best of the rounds kept (cross-build noise)
                 for dfn in variants:
-                    _set_variant(dfn)
+                    set_variant(dfn)
                     for w in (("dkdv",), ("dq",), ("dkdv", "dq")):
                         ms = bench.time_ms(lambda: int8._launch_backward(res, pre, "wgmma", kernels=w))
                         best[dfn, w] = min(best.get((dfn, w), ms), ms)
@@ -62,8 +49,7 @@ def main():
                 t = {w: best[dfn, w] for w in (("dkdv",), ("dq",), ("dkdv", "dq"))}
                 line += (f" | [{dfn or 'default'}] dK/dV {t[('dkdv',)]:.3f} dQ {t[('dq',)]:.3f} "
                          f"both {t[('dkdv', 'dq')]:.3f} ms{same[dfn]}")
-            _set_variant("")
-            os.environ.pop("SAGECUPY_DEFINES", None)
+            set_variant(None)
             print(line, flush=True)
 
 

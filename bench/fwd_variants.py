@@ -4,14 +4,14 @@ defines) or a near one (block_kv 64/128), in one process: which to make the defa
     python bench/fwd_variants.py                       # engines x warps x block_kv
     python bench/fwd_variants.py --defines "SAGE_FWD_PV_HALVES=0;"   # wgmma, 4 warps, default config, per define set
 
-Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build); each row
-also prints the CTAs per SM the driver reports for that build.
+Defines of one variant are comma-separated, variants semicolon-separated ("" = the default build; SAGECUPY_* tokens
+are environment variables: bench/variant_env.py); each row also prints the CTAs per SM the driver reports for that build.
 """
 import argparse
-import os
 
 from sagecupy import bench, int8
 from sagecupy.config import BKV128, DEFAULT
+from variant_env import set_variant
 
 
 def engines_warps():
@@ -57,7 +57,7 @@ def defines(variants, ns=(4096, 16384), D=128, rounds=2):
             outs = {}
             for _ in range(rounds):
                 for dfn in variants:
-                    os.environ["SAGECUPY_DEFINES"] = dfn
+                    set_variant(dfn)
                     p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND",
                                                          config=DEFAULT)
                     ms = bench.time_ms(lambda: int8._launch_forward(p, c, pre, "wgmma", 4), 3, 10)
@@ -66,7 +66,7 @@ def defines(variants, ns=(4096, 16384), D=128, rounds=2):
                         bits = np.asarray(int8._launch_forward(p, c, pre, "wgmma", 4)[0].get())  # raw bf16 bits
                         outs[dfn] = (bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
                         outs[dfn] += occupancy(D)  # under this variant's defines
-            os.environ.pop("SAGECUPY_DEFINES", None)
+            set_variant(None)
             line = f"D={D} N={N:<6} causal={causal!s:<5}"
             ref = outs[variants[0]]
             for dfn in variants:

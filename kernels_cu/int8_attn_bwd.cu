@@ -59,6 +59,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
   const int shift = nk - nq;
+  const float inv_p_max = 1.f / p_max;
   if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
 
   // Per-CTA operands: K^ (A of S^T), V (A of dP^T).
@@ -148,7 +149,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
       // P^T = exp2(S^T - lse2[query]), masked to 0; P^ per key (row of P^T) or per tile.
       float p[8][4], pmax[2], s_p[2], inv_p[2];
       bwd_pt_tile(p, pmax, &acc_s[0][0], sk, sQs, sL, key_lo, q0, t4, need_mask, CAUSAL, nq, nk, shift);
-      bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, sRed, warp, lane);
+      bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
       {  // packed as the A operand of dV (k = queries, mma-permuted)
         unsigned pa[2][4];
         quantize_acc_as_a(pa, p, inv_p);
@@ -202,7 +203,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
         // Y in place of dS (dS has no other use in this kernel).
         float ymax[2], s_y[2], inv[2];
         bwd_y_tile(p, ymax, sQs, t4);
-        bwd_group_scale(s_y, inv, ymax, DS_ROWCOL, 127.f, sRed, warp, lane);
+        bwd_group_scale(s_y, inv, ymax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
         unsigned ya[2][4];
         quantize_acc_as_a(ya, p, inv);
 #pragma unroll
@@ -324,7 +325,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     // X = dS diag(s_K), quantized per query row over the tile's keys, or per 64 x 64 tile.
     float xmax[2], s_x[2], inv[2];
     bwd_dq_x_tile(p, xmax, skk);
-    bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, sRed, warp, lane);
+    bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
     unsigned xa[2][4];
     quantize_acc_as_a(xa, p, inv);
     // dQ += X^ K^ * s_X * sm_scale (B = K^^T, keys mma-permuted like X^'s columns).

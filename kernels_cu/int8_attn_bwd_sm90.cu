@@ -112,6 +112,7 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
   const int shift = nk - nq;
+  const float inv_p_max = 1.f / p_max;
   if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
 
   const TileCopy<64, D, BWD_THREADS> cp8(tid);            // K^, Q^: 64 rows of D bytes
@@ -203,7 +204,7 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
     fence_regs(acc_s);
     float p[8][4], pmax[2], s_p[2], inv_p[2];
     bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, key_lo, q0, t4, need_mask, CAUSAL, nq, nk, shift);
-    bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, sRed, warp, lane);
+    bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
     unsigned pa[2][4];
     quantize_acc_as_a(pa, p, inv_p);
     wgmma_wait<0>();
@@ -229,7 +230,7 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
     wgmma_commit();
     float ymax[2], s_y[2], inv_y[2];
     bwd_y_tile(p, ymax, sQs, t4);  // Y = diag(s_Q) dS in place of dS^T
-    bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, sRed, warp, lane);
+    bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
     unsigned ya[2][4];
     quantize_acc_as_a(ya, p, inv_y);
     if constexpr (D == 128) {
@@ -329,8 +330,8 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
     const int kk0 = tile * BWD_BKV;
     cp8.copy(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + kk0) * D), D);
     cpt.copy(st + 64 * D, reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + kk0 * D), BWD_BKV);  // tile-major
-    cp16.copy_rows(st + 128 * D, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + kk0 * vsn), vsn * 2,
-                   nk - kk0);
+    cp16.copy_rows_split(st + 128 * D, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + kk0 * vsn), vsn * 2,
+                        nk - kk0);
     load_vec_async<BWD_THREADS>(st + 256 * D, ks + bhk * nk_pad + kk0, BWD_BKV / 4, tid);
   };
   cp8.copy(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D);
@@ -375,7 +376,7 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
       for (int e = 0; e < 4; ++e) p[nt][e] *= acc_dp[4 * nt + e] - del[e >> 1];  // dS = P o (dP - delta)
     float xmax[2], s_x[2], inv[2];
     bwd_dq_x_tile(p, xmax, skk);  // X = dS diag(s_K)
-    bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, sRed, warp, lane);
+    bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
     unsigned xa[2][4];
     quantize_acc_as_a(xa, p, inv);
     const float fx[2] = {s_x[0] * sm_scale, s_x[1] * sm_scale};

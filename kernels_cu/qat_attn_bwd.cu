@@ -110,14 +110,13 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         *reinterpret_cast<float2*>(sCmax + warp * BQ + nt * 8 + 2 * t4) = make_float2(cmax[nt][0], cmax[nt][1]);
     }
     __syncthreads();
-    if (tid < BQ)
-      sR[tid] = fmaxf(fmaxf(sCmax[tid], sCmax[BQ + tid]), fmaxf(sCmax[2 * BQ + tid], sCmax[3 * BQ + tid])) * scale_log2;
+    qat_tile_rows<BQ>(sR, sCmax, sL, tid, scale_log2);
     __syncthreads();
 
     // P, P_q (packed as the A operand of dV), per query column.
     float p[8][4];
     unsigned pa[4][4];
-    qat_pt_tile<T>(p, pa, s, cmax, sR, sL, t4, scale_log2);
+    qat_pt_tile<T>(p, pa, s, cmax, sR, sCmax, sL, t4, scale_log2);
 
     // dV += P_q^T dO   (B = dO stored [query][d]: transposed ldmatrix)
 #pragma unroll

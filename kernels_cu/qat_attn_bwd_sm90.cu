@@ -158,13 +158,11 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
         *reinterpret_cast<float2*>(sCmax + warp * QB_BQ + nt * 8 + 2 * t4) = make_float2(cmax[nt][0], cmax[nt][1]);
     }
     __syncthreads();
-    if (tid < QB_BQ)
-      sR[tid] = fmaxf(fmaxf(sCmax[tid], sCmax[QB_BQ + tid]), fmaxf(sCmax[2 * QB_BQ + tid], sCmax[3 * QB_BQ + tid])) *
-                scale_log2;
+    qat_tile_rows<QB_BQ>(sR, sCmax, sL, tid, scale_log2);
     __syncthreads();
     float p[8][4];
     unsigned pa[4][4];
-    qat_pt_tile<T>(p, pa, acc_s, cmax, sR, sL, t4, scale_log2);
+    qat_pt_tile<T>(p, pa, acc_s, cmax, sR, sCmax, sL, t4, scale_log2);
     qat_issue_rs<T, D>(acc_dv, pa, sdO);  // dV += P_q^T dO
     wgmma_wait<1>();                      // dP^T done (dV may still run)
     fence_regs(reinterpret_cast<float(&)[32]>(acc_dp));

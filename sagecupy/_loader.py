@@ -9,6 +9,8 @@
 * Modules are cached in memory, per process, per (device, source hash, options, name expressions).
 * ``SAGECUPY_DEFINES="A=1,B=2"`` adds ``-DA=1 -DB=2`` to every compile (tuning experiments; the
   defines are part of the cache key).
+* ``SAGECUPY_KERNELS_DIR=/path/kernels_cu`` compiles the sources of another folder instead (A/B timing of two
+  kernel trees in one process, e.g. ``bench/bwd_variants.py`` against a copy of an earlier commit's kernels).
 * ``SAGECUPY_JIT_DEBUG=1`` writes the generated source and compiler options to a temporary
   folder (and prints where) for every compile; a compile failure always says how to get them.
 """
@@ -29,7 +31,10 @@ _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[ \t]*(?://[^\n]*)?$', re.
 
 
 def kernel_dir() -> Path:
-    """Folder of the CUDA sources (``sagecupy/kernels_cu`` when installed, ``kernels_cu/`` in a checkout)."""
+    """Folder of the CUDA sources (``sagecupy/kernels_cu`` when installed, ``kernels_cu/`` in a checkout;
+    ``SAGECUPY_KERNELS_DIR`` overrides both)."""
+    if os.environ.get("SAGECUPY_KERNELS_DIR"):
+        return Path(os.environ["SAGECUPY_KERNELS_DIR"])
     try:
         base = resources.files("sagecupy.kernels_cu")
         path = Path(str(base))
@@ -57,10 +62,14 @@ def _inline(path: Path, seen: set) -> str:
     return _INCLUDE_RE.sub(repl, text)
 
 
-@functools.lru_cache(maxsize=None)
 def kernel_source(filename: str) -> str:
     """The self-contained source of ``kernels_cu/<filename>`` with a content hash on its first line."""
-    body = _inline((kernel_dir() / filename).resolve(), set())
+    return _kernel_source(str(kernel_dir()), filename)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_source(folder: str, filename: str) -> str:
+    body = _inline((Path(folder) / filename).resolve(), set())
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
     return f"// sagecupy {filename} sha256:{digest}\n{body}"
 
@@ -164,14 +173,15 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
     ``all_names``: instantiate these together in one module (one compile for several variants).
     ``arch``: a target such as ``"sm_90a"`` for kernels that need architecture-specific instructions
     (wgmma); default: CuPy's choice for the current device.
-    Every launch asks, so the answer is cached per (device, arguments, ``SAGECUPY_DEFINES``) in front of the
-    module cache.
+    Every launch asks, so the answer is cached per (device, arguments, ``SAGECUPY_DEFINES``,
+    ``SAGECUPY_KERNELS_DIR``) in front of the module cache.
     """
     import cupy
 
     if all_names is not None and not isinstance(all_names, tuple):
         all_names = tuple(all_names)
-    key = (cupy.cuda.runtime.getDevice(), filename, name, all_names, arch, os.environ.get("SAGECUPY_DEFINES", ""))
+    key = (cupy.cuda.runtime.getDevice(), filename, name, all_names, arch, os.environ.get("SAGECUPY_DEFINES", ""),
+           os.environ.get("SAGECUPY_KERNELS_DIR", ""))
     fn = _functions.get(key)
     if fn is None:
         names = all_names if all_names else (name,)

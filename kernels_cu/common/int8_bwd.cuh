@@ -36,17 +36,38 @@ __device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const flo
 }
 
 // Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over
-// the whole 64 x 64 tile (the CTA), divided by the code range. Returns the scales and their inverses (0 for 0).
+// the whole 64 x 64 tile (the CTA), times 1 / (the code range). Returns the scales and the inverses the codes
+// are rounded with (0 for a max of 0, NaN or Inf).
+// SAGE_BWD_FAST_SCALE (default 1): s = max * (1 / range) and inv = range * rcp.approx(max), both within two
+// ulps of max / range and range / max, with no IEEE division on the loop's critical path (each division
+// compiled to a checked fast path with a branch, 13% of the dK/dV kernel's stall samples in the twelfth
+// session's profile). The largest element still maps to `range` exactly: max * inv <= range (1 + 2^-21)
+// rounds to range. inv is capped at 2^126 so a max below 2^-126 (rcp of a flushed denormal is +inf) gives
+// small codes rather than inf * 0 = NaN bits. 0: the IEEE quotient and reciprocal (the eleventh session's
+// kernels). The codes differ from the 0 build's only where max / range or x * inv lands within an ulp of a
+// rounding boundary; both engines share this function, so they still agree bit for bit.
+#ifndef SAGE_BWD_FAST_SCALE
+#define SAGE_BWD_FAST_SCALE 1
+#endif
 __device__ __forceinline__ void bwd_group_scale(float (&s)[2], float (&inv)[2], const float (&mx)[2], bool per_row,
-                                                float range, float* scratch, int warp, int lane) {
+                                                float range, float inv_range, float* scratch, int warp, int lane) {
+  float m[2];
   if (per_row) {
-    s[0] = quad_max(mx[0]) / range;
-    s[1] = quad_max(mx[1]) / range;
+    m[0] = quad_max(mx[0]);
+    m[1] = quad_max(mx[1]);
   } else {
-    s[0] = s[1] = cta_max4(nan_max(mx[0], mx[1]), scratch, warp, lane) / range;
+    m[0] = m[1] = cta_max4(nan_max(mx[0], mx[1]), scratch, warp, lane);
   }
-  inv[0] = s[0] > 0.f ? 1.f / s[0] : 0.f;
-  inv[1] = s[1] > 0.f ? 1.f / s[1] : 0.f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#if SAGE_BWD_FAST_SCALE
+    s[r] = m[r] * inv_range;
+    inv[r] = m[r] > 0.f ? fminf(range * fast_rcp(m[r]), 0x1p126f) : 0.f;  // NaN and 0 -> 0; +inf -> rcp 0
+#else
+    s[r] = m[r] / range;
+    inv[r] = s[r] > 0.f ? 1.f / s[r] : 0.f;
+#endif
+  }
 }
 
 // dK/dV kernel: P^T = exp2(S^T * s_K[key] * s_Q[query] - lse2[query]) masked to 0, and its row (key) maxima.

@@ -58,6 +58,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 1/x on the special-function unit (rcp.approx.ftz: within an ulp of 1/x; 1/+-0 and denormals -> +-inf,
+// 1/+-inf -> +-0).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // max that propagates NaN (fmaxf drops it): a NaN input must reach the outputs, never a finite value.
 // One instruction on sm_80+ (max.NaN returns the canonical NaN), three without it.
 __device__ __forceinline__ float nan_max(float a, float b) {

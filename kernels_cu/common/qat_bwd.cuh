@@ -39,14 +39,29 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
   }
 }
 
+// The per-query values of fq(P) for this key tile, after the warps' column maxima are in sCmax (4 x BQ): thread
+// tid < BQ writes sR[tid] = r, the tile's max logit of query tid, and beta = exp2(r - lse2) / 2688 (0 for a query
+// that sees no key of the tile) over sCmax[tid], which only this thread reads. Once per query and tile here rather
+// than by every thread for each of its 16 columns inside qat_pt_tile (an exp2f and an IEEE division each, with
+// its checked slow path: the same float operations, so the same bits).
+template <int BQ>
+__device__ __forceinline__ void qat_tile_rows(float* sR, float* sCmax, const float* sL, int tid, float scale_log2) {
+  if (tid < BQ) {
+    const float r = fmaxf(fmaxf(sCmax[tid], sCmax[BQ + tid]), fmaxf(sCmax[2 * BQ + tid], sCmax[3 * BQ + tid])) *
+                    scale_log2;
+    sR[tid] = r;
+    sCmax[tid] = r != -INFINITY ? exp2f(r - sL[tid]) / QAT_X_MAX : 0.f;
+  }
+}
+
 // P^T = exp2(S^T scale_log2 - lse2) and P_q^T = fq_P(P)^T: per query and 64-key tile, x = 2688 exp2(S - r) with
 // r the tile's max logit (sR, as the forward computes it), NVFP4 of x in 16-key blocks, times
-// beta = exp2(r - lse2) / 2688. P_q^T is packed as the A operand (k = queries) of dV += P_q^T dO: accumulator
+// beta = exp2(r - lse2) / 2688 (sB: qat_tile_rows). P_q^T is packed as the A operand (k = queries) of dV += P_q^T dO: accumulator
 // n-tile nt -> A fragment of k16 chunk nt / 2 (a0/a1 from the even tile, a2/a3 from the odd one).
 template <typename T>
 __device__ __forceinline__ void qat_pt_tile(float (&p)[8][4], unsigned (&pa)[4][4], const float (&s)[8][4],
-                                            const float (&cmax)[8][2], const float* sR, const float* sL, int t4,
-                                            float scale_log2) {
+                                            const float (&cmax)[8][2], const float* sR, const float* sB,
+                                            const float* sL, int t4, float scale_log2) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     float pq[4];
@@ -56,7 +71,7 @@ __device__ __forceinline__ void qat_pt_tile(float (&p)[8][4], unsigned (&pa)[4][
       const float r = sR[qi], l2 = sL[qi];
       const bool seen = r != -INFINITY;
       const float base = seen ? QAT_LOG2_X_MAX - r : 0.f;
-      const float beta = seen ? exp2f(r - l2) / QAT_X_MAX : 0.f;
+      const float beta = sB[qi];
       const float amax = fast_exp2(fmaf(cmax[nt][j], scale_log2, base));
       const float sc = e4m3_block_scale_fast(amax);
       const float inv = rcp_approx(sc);

@@ -89,6 +89,16 @@ struct TileCopy {
       cp_async_16_zfill(s + j * RPP * SROW, ok ? g + j * RPP * gstride : gmem, ok);
     }
   }
+  // copy_rows with a branch: a whole tile (valid_rows >= ROWS: all but a sequence's last) takes copy()'s path,
+  // without copy_rows' predicate and select per chunk. Measured on the INT8 dQ kernel's per-tile V copy: 1.02-1.06x
+  // on that kernel; on the dK/dV kernel's per-stage dO copy 0.97-1.02x, so that one keeps copy_rows (bench/NOTES.md,
+  // thirteenth session).
+  __device__ __forceinline__ void copy_rows_split(char* smem, const char* gmem, long long gstride, int valid_rows) const {
+    if (valid_rows >= ROWS)
+      copy(smem, gmem, gstride);
+    else
+      copy_rows(smem, gmem, gstride, valid_rows);
+  }
 };
 
 // Copy n4 * 16 bytes (n4 <= NTHREADS) from global to shared, both 16-byte aligned: a tile's per-row scales.
