@@ -1,6 +1,7 @@
 """Run the speed sweep and print a table with ratios to SDPA (flash, cuDNN) from the same run.
 
     python bench/run_bench.py [--quick] [--memory] [--out FILE.jsonl] [--configs default,paper] [--families int8,nvfp4,qat]
+        [--ds 128] [--ns 8192,32768]
 
 (`sagecupy bench` is the same with CLI conventions; this script also logs every row to stderr.)
 """
@@ -21,11 +22,18 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=10)
     ap.add_argument("--memory", action="store_true", help="also measure peak memory of fwd+bwd at N=32K, D=128")
     ap.add_argument("--baselines", default="flash,cudnn", help="SDPA backends to time beside ('' for none)")
+    ap.add_argument("--ds", default=None, help="head dims to keep (e.g. 128; default: all of the sweep's)")
+    ap.add_argument("--ns", default=None, help="sequence lengths to keep (e.g. 8192,32768; default: all)")
     a = ap.parse_args(argv)
     out = open(a.out, "w") if a.out else None
     if out:
         out.write(json.dumps(dict(type="env", **environment())) + "\n")
-    rows = bench.run_suite(bench.default_cases(quick=a.quick), configs=tuple(a.configs.split(",")), out=out,
+    cases = bench.default_cases(quick=a.quick)
+    if a.ds:
+        cases = [c for c in cases if c[0] in {int(x) for x in a.ds.split(",")}]
+    if a.ns:
+        cases = [c for c in cases if c[1] in {int(x) for x in a.ns.split(",")}]
+    rows = bench.run_suite(cases, configs=tuple(a.configs.split(",")), out=out,
                            baselines=tuple(b for b in a.baselines.split(",") if b),
                            rep=a.rep, families=tuple(a.families.split(",")), log=lambda r: print(json.dumps(r), file=sys.stderr))
     if a.memory:
