@@ -2,6 +2,8 @@
 rows of the same file (the same run).
 
     python bench/tools/fp4_table.py NVFP4_RUN.jsonl [QAT_RUN.jsonl]
+
+A family absent from a file (e.g. a run with SAGECUPY_BENCH_FAMILIES=int8,qat) prints "–" in its columns.
 """
 import json
 import sys
@@ -42,10 +44,12 @@ def main():
                 flb, qflb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **s)
                              for rows, m in ((nv, "fwd"), (qa, "fwdbwd")))
                 b2b = " ".join(f"{f['ms'] / x['ms']:.2f} |" if f and x else "– |" for f, x in ((flb, eb), (qflb, qbb)))
-                print(f"| {D} | {N // 1024}K | {'yes' if c else 'no'} | {k['tops']:.0f} | {e['tops']:.0f} | "
-                      f"{fl['ms'] / e['ms']:.2f} | {cu['ms'] / e['ms']:.2f} | {qff['ms'] / qf['ms']:.2f} | "
-                      f"{qbf['ms'] / qb['ms']:.2f} | {q['tops']:.0f} | "
-                      f"{qfl['ms'] / q['ms']:.2f} | {qcu['ms'] / q['ms']:.2f} | {b2b}")
+                tops = lambda r: f"{r['tops']:.0f}" if r else "–"  # noqa: E731  (a family absent from the run)
+                ratio = lambda a, b: f"{a['ms'] / b['ms']:.2f}" if a and b else "–"  # noqa: E731
+                print(f"| {D} | {N // 1024}K | {'yes' if c else 'no'} | {tops(k)} | {tops(e)} | "
+                      f"{ratio(fl, e)} | {ratio(cu, e)} | {ratio(qff, qf)} | "
+                      f"{ratio(qbf, qb)} | {tops(q)} | "
+                      f"{ratio(qfl, q)} | {ratio(qcu, q)} | {b2b}")
 
 
 if __name__ == "__main__":
