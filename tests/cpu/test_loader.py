@@ -99,3 +99,41 @@ def test_v_t_channels_undoes_the_tile_major_layout():
         tiles[:, :, t] = chan[:, :, :, 64 * t:64 * (t + 1)]
     assert np.array_equal(v_t_channels(tiles), chan)
     assert v_t_channels(chan) is chan  # the (B, H, D, n_pad) layout of 128-key tiles passes through
+
+
+def test_kernels_dir_override_compiles_another_tree(tmp_path, monkeypatch):
+    """SAGECUPY_KERNELS_DIR (A/B timing of two kernel trees in one process) switches the sources the loader reads, and
+    the hash on their first line (part of the module cache key) follows the text."""
+    base = _loader.kernel_source("int8_quant.cu")
+    alt = tmp_path / "kernels_cu"
+    (alt / "common").mkdir(parents=True)
+    for p in _loader.kernel_dir().glob("common/*.cuh"):
+        (alt / "common" / p.name).write_text(p.read_text())
+    (alt / "int8_quant.cu").write_text((_loader.kernel_dir() / "int8_quant.cu").read_text() + "\n// edited\n")
+    monkeypatch.setenv("SAGECUPY_KERNELS_DIR", str(alt))
+    assert _loader.kernel_dir() == alt
+    other = _loader.kernel_source("int8_quant.cu")
+    assert other.rstrip().endswith("// edited") and other.splitlines()[0] != base.splitlines()[0]
+    monkeypatch.delenv("SAGECUPY_KERNELS_DIR")
+    assert _loader.kernel_source("int8_quant.cu") == base
+
+
+def test_bench_variant_environment(monkeypatch):
+    """bench/variant_env.py: defines go to SAGECUPY_DEFINES, SAGECUPY_* tokens to the environment, and the previous
+    variant's variables are unset."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    monkeypatch.delenv("SAGECUPY_X", raising=False)
+    sys.modules.pop("variant_env", None)
+    import variant_env
+
+    variant_env.set_variant("A=1,SAGECUPY_X=2,B=3")
+    import os
+
+    assert os.environ["SAGECUPY_DEFINES"] == "A=1,B=3" and os.environ["SAGECUPY_X"] == "2"
+    variant_env.set_variant("")
+    assert os.environ["SAGECUPY_DEFINES"] == "" and "SAGECUPY_X" not in os.environ
+    variant_env.set_variant(None)
+    assert "SAGECUPY_DEFINES" not in os.environ
