@@ -43,7 +43,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   char* sV = sK + BKV * ROWB;            // 64 keys x D
   char* sQ = sV + BKV * ROWB;            // 64 queries x D
   char* sdO = sQ + BQ * ROWB;            // 64 queries x D
-  float* sCmax = reinterpret_cast<float*>(sdO + BQ * ROWB);  // 4 warps x 64 queries: block max logits
+  float* sCmax = reinterpret_cast<float*>(sdO + BQ * ROWB);  // 4 warps x 64 queries: max logits; then beta
   float* sR = sCmax + 4 * BQ;            // per query: tile max logit
   float* sL = sR + BQ;                   // per query: lse2
   float* sDel = sL + BQ;                 // per query: delta

@@ -88,7 +88,7 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
   char* sK = smem;
   char* sV = sK + S::TILE;
   char* sStage = sV + S::TILE;
-  float* sCmax = reinterpret_cast<float*>(sStage + 2 * S::STAGE);  // 4 warps x 64 queries
+  float* sCmax = reinterpret_cast<float*>(sStage + 2 * S::STAGE);  // 4 warps x 64 queries; then beta (row 0)
   float* sR = sCmax + 4 * QB_BQ;                                   // per query: the tile's max logit
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;

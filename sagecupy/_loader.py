@@ -34,7 +34,7 @@ def kernel_dir() -> Path:
     """Folder of the CUDA sources (``sagecupy/kernels_cu`` when installed, ``kernels_cu/`` in a checkout;
     ``SAGECUPY_KERNELS_DIR`` overrides both)."""
     if os.environ.get("SAGECUPY_KERNELS_DIR"):
-        return Path(os.environ["SAGECUPY_KERNELS_DIR"])
+        return Path(os.environ["SAGECUPY_KERNELS_DIR"]).resolve()  # absolute: the caches key on it
     try:
         base = resources.files("sagecupy.kernels_cu")
         path = Path(str(base))

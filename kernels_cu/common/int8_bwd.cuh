@@ -37,15 +37,20 @@ __device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const flo
 
 // Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over
 // the whole 64 x 64 tile (the CTA), times 1 / (the code range). Returns the scales and the inverses the codes
-// are rounded with (0 for a max of 0, NaN or Inf).
+// are rounded with (0 for a max of 0, NaN or Inf, and above 2^126: see below).
 // SAGE_BWD_FAST_SCALE (default 1): s = max * (1 / range) and inv = range * rcp.approx(max), both within two
 // ulps of max / range and range / max, with no IEEE division on the loop's critical path (each division
-// compiled to a checked fast path with a branch, 13% of the dK/dV kernel's stall samples in the twelfth
-// session's profile). The largest element still maps to `range` exactly: max * inv <= range (1 + 2^-21)
-// rounds to range. inv is capped at 2^126 so a max below 2^-126 (rcp of a flushed denormal is +inf) gives
-// small codes rather than inf * 0 = NaN bits. 0: the IEEE quotient and reciprocal (the eleventh session's
-// kernels). The codes differ from the 0 build's only where max / range or x * inv lands within an ulp of a
-// rounding boundary; both engines share this function, so they still agree bit for bit.
+// compiled to a checked fast path with a branch: 14% of the dK/dV kernel's stall samples in the thirteenth
+// session's profile of the previous kernels). The largest element still maps to `range`: max * inv <= range
+// (1 + 2^-21) rounds to range. Limits (CuPy compiles with -ftz=true, so max is never denormal):
+// - max < range * 2^-126: range * rcp(max) would overflow to inf (and 0 * inf = NaN bits as a code), so inv is
+//   capped at 2^126; the codes are then below `range`, and s = max / range flushes to 0 as the IEEE build's
+//   did, so the group contributes 0 either way.
+// - max > 2^126 (~8.5e37; only Y = s_Q dS or X = dS s_K near fp32 overflow, never P <= 1): rcp.approx.ftz
+//   flushes its result to 0, so inv = 0 and the group's codes are all 0, where the IEEE build kept them.
+// 0: the IEEE quotient and reciprocal (the twelfth session's kernels). The codes differ from the 0 build's only
+// where max / range or x * inv lands within an ulp of a rounding boundary; both engines share this function, so
+// they still agree bit for bit.
 #ifndef SAGE_BWD_FAST_SCALE
 #define SAGE_BWD_FAST_SCALE 1
 #endif

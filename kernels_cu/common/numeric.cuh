@@ -58,8 +58,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 1/x on the special-function unit (rcp.approx.ftz: within an ulp of 1/x; 1/+-0 and denormals -> +-inf,
-// 1/+-inf -> +-0).
+// 1/x on the special-function unit (rcp.approx.ftz: within an ulp of 1/x; 1/+-0 and denormal x -> +-inf,
+// |x| > 2^126 (a denormal result) and 1/+-inf -> +-0).
 __device__ __forceinline__ float fast_rcp(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

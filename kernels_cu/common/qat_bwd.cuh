@@ -41,9 +41,12 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
 
 // The per-query values of fq(P) for this key tile, after the warps' column maxima are in sCmax (4 x BQ): thread
 // tid < BQ writes sR[tid] = r, the tile's max logit of query tid, and beta = exp2(r - lse2) / 2688 (0 for a query
-// that sees no key of the tile) over sCmax[tid], which only this thread reads. Once per query and tile here rather
-// than by every thread for each of its 16 columns inside qat_pt_tile (an exp2f and an IEEE division each, with
-// its checked slow path: the same float operations, so the same bits).
+// that sees no key of the tile) over sCmax[tid]: until the barrier that follows, only this thread reads that slot;
+// after it every thread reads beta there (qat_pt_tile's sB), and the next writes to sCmax come after the loop's
+// next barrier. Once per query and tile here rather than by every thread for each of its 16 columns inside
+// qat_pt_tile (an exp2f and an IEEE division each, with its checked slow path). The same float operations, so
+// the same bits with the ptxas of CUDA 13.0 (checked in SASS: FMUL, store, FADD, as before); r - lse2 is not
+// written with __fsub_rn, so a compiler that contracted r's product into it would change them.
 template <int BQ>
 __device__ __forceinline__ void qat_tile_rows(float* sR, float* sCmax, const float* sL, int tid, float scale_log2) {
   if (tid < BQ) {
@@ -56,8 +59,9 @@ __device__ __forceinline__ void qat_tile_rows(float* sR, float* sCmax, const flo
 
 // P^T = exp2(S^T scale_log2 - lse2) and P_q^T = fq_P(P)^T: per query and 64-key tile, x = 2688 exp2(S - r) with
 // r the tile's max logit (sR, as the forward computes it), NVFP4 of x in 16-key blocks, times
-// beta = exp2(r - lse2) / 2688 (sB: qat_tile_rows). P_q^T is packed as the A operand (k = queries) of dV += P_q^T dO: accumulator
-// n-tile nt -> A fragment of k16 chunk nt / 2 (a0/a1 from the even tile, a2/a3 from the odd one).
+// beta = exp2(r - lse2) / 2688 (sB, from qat_tile_rows). P_q^T is packed as the A operand (k = queries) of
+// dV += P_q^T dO: accumulator n-tile nt -> A fragment of k16 chunk nt / 2 (a0/a1 from the even tile, a2/a3 from
+// the odd one).
 template <typename T>
 __device__ __forceinline__ void qat_pt_tile(float (&p)[8][4], unsigned (&pa)[4][4], const float (&s)[8][4],
                                             const float (&cmax)[8][2], const float* sR, const float* sB,

@@ -93,7 +93,8 @@ struct TileCopy {
   // without copy_rows' predicate and select per chunk. Measured on the INT8 dQ kernel's per-tile V copy: 1.02-1.06x
   // on that kernel; on the dK/dV kernel's per-stage dO copy 0.97-1.02x, so that one keeps copy_rows (bench/NOTES.md,
   // thirteenth session).
-  __device__ __forceinline__ void copy_rows_split(char* smem, const char* gmem, long long gstride, int valid_rows) const {
+  __device__ __forceinline__ void copy_rows_split(char* smem, const char* gmem, long long gstride,
+                                                  int valid_rows) const {
     if (valid_rows >= ROWS)
       copy(smem, gmem, gstride);
     else
