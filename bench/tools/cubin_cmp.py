@@ -1,0 +1,47 @@
+"""Whether two kernel trees compile to the same machine code: every instantiation the host launches, per kernel
+file and target (nvcc sm_80 / sm_90a, as .ci/compile_kernels.py builds them), compared by the SHA-256 of the cubin.
+For edits meant to change no code (comments, formatting): same cubins, so a GPU run of the old tree stands.
+
+    git archive REV kernels_cu | tar -x -C /tmp/old
+    python bench/tools/cubin_cmp.py /tmp/old/kernels_cu [FILE.cu ...]
+"""
+import hashlib
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / ".ci")]
+
+import compile_kernels as ck  # noqa: E402
+
+
+def cubin_digest(tree, filename, names, flag, tmp):
+    wrap = Path(tmp) / "wrap.cu"  # the same path for both trees
+    refs = ",\n  ".join(f"(const void*)&{n}" for n in names)
+    wrap.write_text(f'#include "{tree}/{filename}"\nconst void* sagecupy_instances[] = {{\n  {refs}\n}};\n')
+    out = Path(tmp) / "k.cubin"
+    r = subprocess.run(["nvcc", "-std=c++17", flag, "-cubin", "-o", str(out), str(wrap)], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{tree}/{filename}: nvcc failed\n{r.stderr[-2000:]}")
+    return hashlib.sha256(out.read_bytes()).hexdigest()
+
+
+def main():
+    old = Path(sys.argv[1]).resolve()
+    names = ck.all_names()
+    files = sys.argv[2:] or sorted(names)
+    differ = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in files:
+            for arch, flag in ck.archs_for(f).items():
+                a, b = (cubin_digest(t, f, names[f], flag, tmp) for t in (old, ROOT / "kernels_cu"))
+                differ += a != b
+                print("same" if a == b else "DIFFERS", arch, f, flush=True)
+    print(f"{differ} of the cubins differ")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
