@@ -5,14 +5,14 @@ variant's (the knobs change register allocation only).
     python bench/fp4_d64_variants.py --defines ";SAGE_FP4_MIN_CTAS=1,SAGE_QAT_FWD_MIN_CTAS=1,SAGE_QAT_BWD_KV_MIN_CTAS=1"
 
 (the default build against the budgets before the tenth session). Variants are timed interleaved over --rounds
-rounds, the best kept.
+rounds, the best kept; SAGECUPY_* tokens of a variant are environment variables (bench/variant_env.py).
 """
 import argparse
-import os
 
 import numpy as np
 
 from sagecupy import bench, nvfp4, qat
+from variant_env import set_variant
 
 
 def _bits(x):
@@ -33,7 +33,7 @@ def main():
             out = {}
             for rnd in range(a.rounds):  # variants interleaved, the best of the rounds kept (cross-build noise)
                 for dfn in a.defines.split(";"):
-                    os.environ["SAGECUPY_DEFINES"] = dfn
+                    set_variant(dfn)
                     fp4 = lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16")  # noqa: E731
                     o, res = qat.forward(q, k, v, causal=causal)
                     t = dict(nvfp4=bench.time_ms(fp4),
@@ -50,7 +50,7 @@ def main():
                 print(f"D={a.d} N={n:5d} causal={int(causal)} [{dfn or 'default'}] "
                       + " ".join(f"{k} {v:.3f} ms ({base_t[k] / v:.2f}x)" for k, v in t.items())
                       + ("" if same else " OUTPUTS DIFFER"), flush=True)
-    os.environ.pop("SAGECUPY_DEFINES", None)
+    set_variant(None)
 
 
 if __name__ == "__main__":

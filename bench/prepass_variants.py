@@ -2,14 +2,16 @@
 issued back to back, with the codes compared bitwise against the first variant's. On the GPU machine:
 
     python bench/prepass_variants.py --defines ";NAME=1"   # the default build against one with -DNAME=1
+
+(SAGECUPY_* tokens of a variant are environment variables: bench/variant_env.py.)
 """
 import argparse
-import os
 
 import numpy as np
 
 from sagecupy import bench, int8
 from sagecupy.config import DEFAULT
+from variant_env import set_variant
 
 
 def main():
@@ -22,7 +24,7 @@ def main():
         B, H, (q, k, v, _) = bench._inputs(a.d, N, "bfloat16")
         line, ref = f"D={a.d} N={N:<6}", None
         for dfn in variants:
-            os.environ["SAGECUPY_DEFINES"] = dfn
+            set_variant(dfn)
 
             def prep():
                 return int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT)
@@ -33,7 +35,7 @@ def main():
             same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(got, ref)) else " DIFFERS")
             ref = got if ref is None else ref
             line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"
-        os.environ.pop("SAGECUPY_DEFINES", None)
+        set_variant(None)
         print(line, flush=True)
 
 

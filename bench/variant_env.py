@@ -1,4 +1,5 @@
-"""One variant of a `--defines` list (bench/fwd_variants.py, bench/bwd_variants.py) into the environment.
+"""One variant of a `--defines` list (bench/fwd_variants.py, bwd_variants.py, fp4_d64_variants.py,
+prepass_variants.py, ab_time.py) into the environment.
 
 A variant is comma-separated tokens: kernel defines (into SAGECUPY_DEFINES) and tokens named SAGECUPY_* that are set
 as environment variables instead (host switches, or SAGECUPY_KERNELS_DIR=/path/kernels_cu to time another kernel
