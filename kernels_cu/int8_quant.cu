@@ -1,5 +1,5 @@
 // INT8 pre-processing for SageBwd (SPEC §2-4): K-smoothing mean, per-token / per-block row
-// quantization of Q and K, transposed (mma-permuted) quantization of V and dO, delta = rowsum(dO*O),
+// quantization of Q and K, transposed (mma-permuted) quantization of V and dO (with delta = rowsum(dO*O)),
 // and int8 transposes of the saved Q/K codes for the backward.
 //
 // psi over a block: s = max|x| / 127, code = clamp(rint(x / s), -127, 127); a zero block has s = 0
@@ -44,6 +44,30 @@ __device__ __forceinline__ unsigned psi_code_word(float x, float s, float inv_s)
   return __float_as_uint(t);
 }
 
+// psi's codes of N values sharing the scale s (psi_valid) as low bytes of cw[]: psi_code_word's result, with one
+// branch per N values instead of one per value (the per-value tie branch was 3 of the row quantization's ~29
+// instructions per element, bench/NOTES.md fourteenth session). t = fma(x, 1/s, M) rounds the exact product
+// x * inv_s to an integer k; the exact quotient and fl32(x / s) both lie within 128 * 2^-23 < 1.6e-5 of that
+// product (inv_s and the quotient's own rounding, 2^-24 relative each, |x / s| <= 127), so where
+// |x * inv_s - k| <= 0.4999 (the FMA's residual, off by at most 2^-25), rint(fl32(x / s)) is k as well. Otherwise
+// (a value within 1e-4 of a tie: ~2e-4 of random values) the N values take psi_code_word's path, which re-divides
+// exactly near a tie.
+template <int N>
+__device__ __forceinline__ void psi_code_words(const float (&x)[N], float s, float inv_s, unsigned (&cw)[N]) {
+  constexpr float M = 12582912.0f;
+  float dev = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float t = __fmaf_rn(x[i], inv_s, M);
+    dev = fmaxf(dev, fabsf(__fmaf_rn(x[i], inv_s, M - t)));
+    cw[i] = __float_as_uint(t);
+  }
+  if (!(dev <= 0.4999f)) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) cw[i] = psi_code_word(x[i], s, inv_s);
+  }
+}
+
 // Eight consecutive elements (16-byte aligned) as floats, through one 16-byte load.
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
@@ -63,6 +87,13 @@ using namespace sage;
 // part[b, h, chunk, d] (sum, or NaN-propagating absmax when ABSMAX). Pass 2 reduces the chunks in order.
 // grid (ceil(n / CHUNK), H, B), block 256; rows 16-byte aligned.
 constexpr int STAT_CHUNK = 256;
+#ifndef SAGE_STAT_UNROLL
+#define SAGE_STAT_UNROLL 4
+#endif
+constexpr int kStatUnroll = SAGE_STAT_UNROLL;
+#ifndef SAGE_STAT_MIN_CTAS
+#define SAGE_STAT_MIN_CTAS 2
+#endif
 
 // Sums accumulate in double (the mean is then rounded once to fp32, as the reference does), maxima in float.
 template <bool ABSMAX> struct StatAcc { using type = double; };
@@ -83,6 +114,8 @@ __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, lon
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0;
   const T* base = x + b * sb + h * sh + cl * 8;
+  // Unrolled: SAGE_STAT_UNROLL loads in flight per thread (one was 70% of DRAM bandwidth at two CTAs per SM).
+#pragma unroll kStatUnroll
   for (int t = t0 + row0; t < t1; t += R) {
     float f[8];
     load8(base + t * sn, f);
@@ -114,7 +147,7 @@ __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x
 // The forward's two statistics in one launch: K's channel sums (z < B) and V's channel maxima (z >= B).
 // grid (ceil(n / CHUNK), H, 2 B), block 256.
 template <typename T, int D>
-__global__ void __launch_bounds__(256, 1) column_partial_kv(const T* __restrict__ k, long long ksb, long long ksh,
+__global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS) column_partial_kv(const T* __restrict__ k, long long ksb, long long ksh,
                                                          long long ksn, const T* __restrict__ v, long long vsb,
                                                          long long vsh, long long vsn, int n,
                                                          double* __restrict__ part_k, float* __restrict__ part_v) {
@@ -232,8 +265,7 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     unsigned w[2] = {0u, 0u};
     if (psi_valid(s)) {
       unsigned cw[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c) cw[c] = psi_code_word(v[st][c], s, inv_s);
+      psi_code_words<8>(v[st], s, inv_s, cw);
       w[0] = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
       w[1] = pack4_low_bytes(cw[4], cw[5], cw[6], cw[7]);
     }
@@ -284,11 +316,17 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // 64), each 64-token block's D x 64 bytes contiguous, so that a kernel's copy of one block reads whole 128-byte
 // lines (rows of 64 bytes n_pad apart each cost a request of their own and half-empty shared-memory wavefronts).
 // grid (n_pad / 64, H, B), block 2 * D; rows 16-byte aligned.
-template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(2 * D)
-quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
-                     const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out,
-                     int tile_major) {
+// DELTA (the backward's dO): also delta[b, h, token] = sum_d dO * O in fp32 (0 for tokens >= n) from O (strides
+// osb, osh, osn; rows 16-byte aligned), so that dO is read once for both (a separate rowdot pass read it again:
+// 45 us of the backward's 160 us of pre-passes at B = 4, H = 16, N = 4K, D = 128). Per token: this thread's 8
+// channels in order, the other half-warp's 8, then the warps' sums in warp order.
+template <typename T, int D, int MODE, bool DELTA>
+__device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
+                                                          long long sn, int n, int n_pad,
+                                                          const float* __restrict__ scale_in,
+                                                          float* __restrict__ scale_out, signed char* __restrict__ out,
+                                                          int tile_major, const T* __restrict__ o, long long osb,
+                                                          long long osh, long long osn, float* __restrict__ delta) {
   // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
@@ -300,14 +338,31 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
   const int hf = tg / 4, t = tg % 4;
   float v[4][8];
+  float ov[DELTA ? 4 : 1][8];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int tok = blk * 64 + 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
     if (tok < n) {
       load8(x + b * sb + h * sh + tok * sn + c0, v[k]);
+      if constexpr (DELTA) load8(o + b * osb + h * osh + tok * osn + c0, ov[k]);
     } else {
 #pragma unroll
       for (int c = 0; c < 8; ++c) v[k][c] = 0.f;
+      if constexpr (DELTA) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) ov[k][c] = 0.f;
+      }
+    }
+  }
+  __shared__ float sdelta[DELTA ? WARPS : 1][64];
+  if constexpr (DELTA) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float d = 0.f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) d = fmaf(v[k][c], ov[k][c], d);
+      d += __shfl_xor_sync(0xffffffffu, d, 16);  // the other 8 channels of this warp's 16
+      if (lane < 16) sdelta[warp][16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)] = d;
     }
   }
   float sc[8];
@@ -346,13 +401,22 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
   for (int c = 0; c < 8; ++c) {
     unsigned w = 0u;
     if (psi_valid(sc[c])) {
-      const float inv_s = __frcp_rn(sc[c]);
-      w = pack4_low_bytes(psi_code_word(v[0][c], sc[c], inv_s), psi_code_word(v[1][c], sc[c], inv_s),
-                          psi_code_word(v[2][c], sc[c], inv_s), psi_code_word(v[3][c], sc[c], inv_s));
+      const float xc[4] = {v[0][c], v[1][c], v[2][c], v[3][c]};
+      unsigned cw[4];
+      psi_code_words<4>(xc, sc[c], __frcp_rn(sc[c]), cw);
+      w = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
     }
     words[c0 + c][tg] = w;
   }
   __syncthreads();
+  if constexpr (DELTA) {
+    if (threadIdx.x < 64) {
+      float d = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) d += sdelta[w][threadIdx.x];
+      delta[bh * n_pad + blk * 64 + threadIdx.x] = d;  // 0 beyond n: the values there were zeros
+    }
+  }
   // D rows x 4 chunks of 16 bytes; 8 consecutive lanes read two whole rows (conflict-free).
 #pragma unroll
   for (int i = threadIdx.x; i < D * 4; i += 2 * D) {
@@ -363,67 +427,71 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
   }
 }
 
-// delta[b, h, r] = sum_d dO[b,h,r,d] * O[b,h,r,d] in fp32 (0 for padding rows r >= n).
-// One warp per row. grid (ceil(n_pad / 8), H, B), block 256.
-template <typename T>
-__global__ void rowdot(const T* __restrict__ a, long long asb, long long ash, long long asn,
-                       const T* __restrict__ c, long long csb, long long csh, long long csn,
-                       int n, int n_pad, int d, float* __restrict__ out) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-  if (row >= n_pad) return;
-  float acc = 0.f;
-  if (row < n) {
-    const T* ar = a + b * asb + h * ash + row * asn;
-    const T* cr = c + b * csb + h * csh + row * csn;
-    if (d % 128 == 0) {  // 4 consecutive elements per lane and step (8-byte loads; rows 16-byte aligned)
-      for (int i = lane * 4; i < d; i += 128) {
-        const uint2 ua = *reinterpret_cast<const uint2*>(ar + i), uc = *reinterpret_cast<const uint2*>(cr + i);
-        const T* ea = reinterpret_cast<const T*>(&ua);
-        const T* ec = reinterpret_cast<const T*>(&uc);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc += to_float(ea[e]) * to_float(ec[e]);
-      }
-    } else if (d % 64 == 0) {  // 2 per lane (4-byte loads)
-      for (int i = lane * 2; i < d; i += 64) {
-        const unsigned ua = *reinterpret_cast<const unsigned*>(ar + i), uc = *reinterpret_cast<const unsigned*>(cr + i);
-        const T* ea = reinterpret_cast<const T*>(&ua);
-        const T* ec = reinterpret_cast<const T*>(&uc);
-        acc += to_float(ea[0]) * to_float(ec[0]);
-        acc += to_float(ea[1]) * to_float(ec[1]);
-      }
-    } else {
-      for (int i = lane; i < d; i += 32) acc += to_float(ar[i]) * to_float(cr[i]);
-    }
-  }
-  for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (lane == 0) out[(static_cast<long long>(b) * H + h) * n_pad + row] = acc;
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(2 * D)
+quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+                     const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out,
+                     int tile_major) {
+  quant_transpose_perm_body<T, D, MODE, false>(x, sb, sh, sn, n, n_pad, scale_in, scale_out, out, tile_major, nullptr,
+                                               0, 0, 0, nullptr);
+}
+
+// The backward's dO pass: quant_transpose_perm (MODE 1 or 2, tile-major) and delta = rowsum(dO * O) in one launch.
+// grid (n_pad / 64, H, B), block 2 * D. (The minimum of one CTA lets ptxas take 80 registers at D = 64, where it
+// chose 72 with 24 bytes of spills.)
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(2 * D, 1)
+quant_transpose_perm_delta(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+                           float* __restrict__ scale_out, signed char* __restrict__ out, const T* __restrict__ o,
+                           long long osb, long long osh, long long osn, float* __restrict__ delta) {
+  quant_transpose_perm_body<T, D, MODE, true>(x, sb, sh, sn, n, n_pad, nullptr, scale_out, out, 1, o, osb, osh, osn,
+                                              delta);
 }
 
 // int8 transpose of 64 tokens of (B*H, n_pad, D) codes into the tile-major (B*H, n_pad / 64, D, 64), optionally
-// mma-permuting the token order within each 32-token group; block 256.
+// mma-permuting the token order within each 32-token group (position 16 hf + 4 t + k of a 32-group holds token
+// 16 hf + 2 t + (k & 1) + 8 (k >> 1), as quant_transpose_perm writes V and dO); block 256.
+// The block is staged as 32-bit words with one word of row padding (16-byte coalesced loads); each thread then
+// takes 4 tokens x 4 channels (four words), transposes them in registers (eight byte permutes) and stores four
+// words, 16 threads per 64-byte output row. (The byte-wise version before it: 64 us at B = 4, H = 16, N = 4K,
+// D = 128, 37% of DRAM bandwidth, ALU-bound.)
 template <int D, bool PERM>
 __device__ __forceinline__ void transpose_i8_body(const signed char* __restrict__ in, int n_pad,
                                                   signed char* __restrict__ out, int blk, long long bh) {
-  __shared__ signed char tile[64][D + 4];
-  for (int i = threadIdx.x; i < 64 * D / 4; i += blockDim.x) {
-    const int r = i / (D / 4), c4 = (i % (D / 4)) * 4;
-    const unsigned v = *reinterpret_cast<const unsigned*>(in + (bh * n_pad + blk * 64 + r) * D + c4);
+  constexpr int W = D / 4 + 1;           // words per staged row
+  constexpr int PIECES = 64 * D / 16;    // 16-byte pieces of the block
+  constexpr int UNITS = 16 * (D / 4);    // (4 positions, 4 channels) units of the output
+  static_assert(PIECES % 256 == 0 && UNITS % 256 == 0, "whole passes of 256 threads");
+  __shared__ unsigned tile[64][W];
+  const signed char* src = in + (bh * n_pad + blk * 64) * D;
+  uint4 ld[PIECES / 256];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) tile[r][c4 + q] = static_cast<signed char>((v >> (8 * q)) & 0xFF);
+  for (int i = 0; i < PIECES / 256; ++i) ld[i] = *reinterpret_cast<const uint4*>(src + (threadIdx.x + 256 * i) * 16);
+#pragma unroll
+  for (int i = 0; i < PIECES / 256; ++i) {
+    const int idx = threadIdx.x + 256 * i, r = idx / (D / 16), w = (idx % (D / 16)) * 4;
+    tile[r][w] = ld[i].x;
+    tile[r][w + 1] = ld[i].y;
+    tile[r][w + 2] = ld[i].z;
+    tile[r][w + 3] = ld[i].w;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < D * 16; i += blockDim.x) {
-    const int c = i / 16, p0 = (i % 16) * 4;
-    unsigned packed = 0;
+  const int tg = threadIdx.x % 16, hf = tg / 4, t = tg % 4;
+  signed char* dst = out + (bh * (n_pad / 64) + blk) * D * 64 + 4 * tg;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int p = p0 + q;
-      const int tok = PERM ? ((p & ~31) | mma_perm32_inv(p & 31)) : p;
-      packed |= (static_cast<unsigned>(static_cast<unsigned char>(tile[tok][c]))) << (8 * q);
-    }
-    // tile-major: each 64-token block's D x 64 bytes contiguous (see quant_transpose_perm)
-    *reinterpret_cast<unsigned*>(out + (bh * (n_pad / 64) + blk) * D * 64 + c * 64 + p0) = packed;
+  for (int j = 0; j < UNITS / 256; ++j) {
+    const int cq = threadIdx.x / 16 + 16 * j;  // channels 4 cq .. 4 cq + 3
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = tile[PERM ? 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1) : 4 * tg + k][cq];
+    // 4 x 4 bytes: word k holds token k's channels; output word c holds channel c's tokens.
+    const unsigned a = __byte_perm(w[0], w[1], 0x5140), bb = __byte_perm(w[0], w[1], 0x7362);
+    const unsigned c = __byte_perm(w[2], w[3], 0x5140), d = __byte_perm(w[2], w[3], 0x7362);
+    unsigned* row = reinterpret_cast<unsigned*>(dst + 4 * cq * 64);
+    row[0] = __byte_perm(a, c, 0x5410);
+    row[16] = __byte_perm(a, c, 0x7632);
+    row[32] = __byte_perm(bb, d, 0x5410);
+    row[48] = __byte_perm(bb, d, 0x7632);
   }
 }
 

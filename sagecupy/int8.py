@@ -122,10 +122,10 @@ def _quant_names(T, D):
     return (
         f"column_partial<{T}, {D}, false>", f"column_partial<{T}, {D}, true>", "column_finish<false>",
         "column_finish<true>", f"column_partial_kv<{T}, {D}>", "column_finish_kv", f"quant_rows_qk<{T}, {D}, {_QK_RPW}>",
-        f"rowdot<{T}>",
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
         f"quant_transpose_perm<{T}, {D}, 2>",
+        f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
     )
 
@@ -478,18 +478,17 @@ def _preprocess_backward(residuals, do):
     dsb, dsh, dsn = _strides(do, p.layout)
     osb, osh, osn = _strides(r.o, p.layout)
 
-    delta = cupy.empty((B, Hq, nq_pad), dtype=f32)
-    _qfn(f"rowdot<{T}>", T, D)((nq_pad // 8, Hq, B), (256,),
-                              (do, i64(dsb), i64(dsh), i64(dsn), r.o, i64(osb), i64(osh), i64(osn),
-                               i32(nq), i32(nq_pad), i32(D), delta))
     # dO^T, Q^T and K^T codes tile-major, (B, H, n_pad / 64, D, 64): the backward kernels copy 64-token tiles of
-    # D rows x 64 bytes, which then read whole 128-byte lines (as V^T in the forward)
+    # D rows x 64 bytes, which then read whole 128-byte lines (as V^T in the forward). delta = rowsum(dO * O) in
+    # the same pass over dO.
+    delta = cupy.empty((B, Hq, nq_pad), dtype=f32)
     do_t = cupy.empty((B, Hq, nq_pad // 64, D, 64), dtype=cupy.int8)
     do_scale = cupy.empty((B, Hq, nq_pad // 64, D), dtype=f32)
     mode = 1 if cfg.do_granularity == "channel" else 2
-    _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
+    _qfn(f"quant_transpose_perm_delta<{T}, {D}, {mode}>", T, D)(
         (nq_pad // 64, Hq, B), (2 * D,),
-        (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), None, do_scale, do_t, i32(1)))
+        (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale, do_t,
+         r.o, i64(osb), i64(osh), i64(osn), delta))
     q_t = cupy.empty((B, Hq, nq_pad // 64, D, 64), dtype=cupy.int8)
     k_t = cupy.empty((B, Hkv, nk_pad // 64, D, 64), dtype=cupy.int8)
     _qfn(f"transpose_i8_qk<{D}, true>", T, D)((max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),

@@ -64,7 +64,7 @@ def main():
         for r in rows[: a.top]:
             top = max(((k, num(v)) for k, v in r.items() if k.startswith("stall_") and "Not" not in k), key=lambda x: x[1])
             print(f"  {100 * num(r['Warp Stall Sampling (All Samples)']) / samp:5.2f}%  {r['Address'][-5:]} "
-                  f"{r['Source'].strip()[:60]:<60} {top[0][6:]} excess_smem={r['L1 Wavefronts Shared Excessive']}")
+                  f"{r['Source'].strip()[:60]:<60} {top[0][6:]} excess_smem={r.get('L1 Wavefronts Shared Excessive', '-')}")
 
 
 if __name__ == "__main__":

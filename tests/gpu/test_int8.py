@@ -362,6 +362,46 @@ def test_quantized_operands_bit_identical_to_reference(config, dtype, shape):
         np.testing.assert_array_equal(pre["mu_k"].get(), ref["mu_k"].astype(np.float32))
 
 
+BWD_PREP_SHAPES = [(2, 4, 2, 200, 333, 128, "NHD"), (1, 8, 2, 17, 65, 64, "HND"), (1, 2, 1, 130, 4100, 128, "HND")]
+
+
+@pytest.mark.parametrize("shape", BWD_PREP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", [DEFAULT, PAPER], ids=["default", "paper"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_preprocess_matches_reference(config, dtype, shape):
+    """The backward's pre-pass: dO's codes and scales bit-identical to the reference's fp32-mode quantizer (per
+    64-token tile and channel, or per tile); delta = rowsum(dO * O) within fp32 rounding of the float64 sum (the
+    kernel sums 8 channels per thread, then halves and warps: a different order than numpy's, so not bitwise) and 0
+    on padding rows; Q^T and K^T exactly the forward's codes, transposed tile-major and mma-permuted."""
+    import sagecupy.int8 as s8
+    from sagecupy.reference.quant import quantize_tiles
+
+    B, Hq, Hkv, Nq, Nk, D, layout = shape
+    (q, k, v, do), (_, _, _, doh) = _inputs(23, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=3.0)
+    o, res = s8.forward(q, k, v, layout=layout, config=config)
+    pre = s8._preprocess_backward(res, do)
+    for name, codes, n_pad in (("Q^T", res.q_codes, res.nq_pad), ("K^T", res.k_codes, res.nk_pad)):
+        got = _unpermute_tokens(s8.v_t_channels(pre[name[0].lower() + "_t"]).get(), n_pad)
+        assert np.array_equal(got, codes.get()), f"{name} is not the transposed codes"
+    do64 = ref_attn.to_hnd(doh, layout)
+    per_channel = config.do_granularity == "channel"
+    want_codes, want_scale = quantize_tiles(do64, 64, 1 if per_channel else None, fp32=True)
+    got_codes = _unpermute_tokens(s8.v_t_channels(pre["do_t"]).get(), Nq)
+    diff = np.argwhere(got_codes.astype(np.int32) != want_codes.astype(np.int32))
+    assert diff.size == 0, f"dO codes differ at {len(diff)} places, first {tuple(diff[0])}"
+    ntile = -(-Nq // 64)
+    got_scale = pre["do_scale"].get()[:, :, :ntile, :]
+    np.testing.assert_array_equal(got_scale, np.broadcast_to(want_scale[:, :, ::64, :], got_scale.shape).astype(np.float32))
+    o64 = ref_attn.to_hnd(_to_host(o), layout)
+    prod = do64 * o64
+    want = prod.sum(axis=-1)
+    got = pre["delta"].get()
+    bound = 1e-5 * np.abs(prod).sum(axis=-1) + 1e-30  # D = 128 fp32 additions: <= 128 * 2^-24 relative to sum|.|
+    err = np.abs(got[:, :, :Nq] - want)
+    assert (err <= bound).all(), f"delta off by {float((err / bound).max()):.2f}x its fp32 bound"
+    assert not got[:, :, Nq:].any(), "delta on padding rows must be 0"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantizer_ties_and_tiny_scales_bit_identical(dtype):
     """Rows (and V's channels) built so that x / s lands exactly on k + 0.5 for many elements (the row max is
