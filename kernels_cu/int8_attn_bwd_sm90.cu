@@ -13,7 +13,10 @@
 // are exact either way, so the two engines differ only through the fp32 accumulation order of dP inside
 // the tensor cores. Every wait is unconditional and no accumulator is touched while its product is in
 // flight (ptxas would serialize all wgmma otherwise: warning C7514, which CI treats as an error).
-// Operand tiles are double-buffered with cp.async: the next iteration's arrive during this one.
+// Operand tiles are double-buffered: each stage is a pre-built image of the tile's operands in global memory
+// (common/bwd_img.cuh), copied by one thread with one cp.async.bulk whose completion the others wait for on an
+// mbarrier; the next iteration's arrives during this one.
+#include "common/bwd_img.cuh"
 #include "common/int8_bwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
@@ -85,26 +88,24 @@ struct BwdSm90 {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? SAGE_BWD_KV_MIN_CTAS : 1)
-int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
-                   const signed char* __restrict__ kc, const float* __restrict__ ks,
-                   const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
-                   const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
-                   const signed char* __restrict__ dot, const float* __restrict__ dos,
-                   const float* __restrict__ lse2, const float* __restrict__ delta,
+int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
                    int causal, int p_col, int ds_rowcol) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
+  using Img = BwdImg<D>;
   const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
   constexpr bool LOAD_AFTER_S = SAGE_BWD_LOAD_AFTER_S < 0 ? D == 64 : SAGE_BWD_LOAD_AFTER_S != 0;
   constexpr int STAGE = BwdSm90<D>::STAGE;
+  static_assert(Img::Q_STAGE <= STAGE && Img::Q_QS == 320 * D, "a stage image is the stage's layout");
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // wgmma tiles: 1024-byte aligned
   char* sK = smem;
   char* sV = sK + BWD_BKV * D;
   char* sStage = sV + BWD_BKV * D * 2;
   __shared__ float sRed[4];
+  __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -114,12 +115,6 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   const int shift = nk - nq;
   const float inv_p_max = 1.f / p_max;
   if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
-
-  const TileCopy<64, D, BWD_THREADS> cp8(tid);            // K^, Q^: 64 rows of D bytes
-  const TileCopy<64, 2 * D, BWD_THREADS, true> cp16(tid);  // V, dO: 64 rows of D 16-bit elements
-  const TileCopy<D, 64, BWD_THREADS> cpt(tid);             // Q^^T, dO^^T: D rows of 64 bytes
-  cp8.copy(sK, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D);
-  cp16.copy_rows(sV, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn), vsn * 2, nk - k0);
 
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
   const float sk[2] = {ks[bhk * nk_pad + key_lo], ks[bhk * nk_pad + key_lo + 8]};
@@ -131,31 +126,31 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
 
   const QueryTiles qtl = query_tiles(k0, BWD_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
   const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
-  // The per-query arrays are copied over the whole padded tile (the forward and the pre-passes write every
-  // padded row); P of rows >= nq is zeroed by need_mask.
+  // Stage it is the image of its (query head, query tile) (common/bwd_img.cuh: Q^, dO, Q^^T, dO^^T, the per-query
+  // vectors over the whole padded tile, the tile's dO scales), copied by thread 0 with one bulk copy; its
+  // completion is phase it / 2 of full[it % 2]. K^ and V of this block (its key-side image) come with stage 0.
+  if (tid == 0) {
+    mbar_init(&full[0], 1);
+    mbar_init(&full[1], 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
   int ld_h = hk * group, ld_t = first_qt;  // (query head, query tile) of the next stage to load
-  auto load_stage = [&](int it) {
-    const int qq0 = ld_t * BWD_BQ;
-    const long long bhh = static_cast<long long>(b) * Hq + ld_h;
-    char* st = sStage + (it & 1) * STAGE;
-    cp8.copy(st, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D);
-    cp16.copy_rows(st + 64 * D, reinterpret_cast<const char*>(dout + b * dsb + ld_h * dsh + qq0 * dsn), dsn * 2,
-                   nq - qq0);
-    // Q^^T and dO^^T are tile-major (each 64-query block's D x 64 bytes contiguous: int8_quant.cu)
-    cpt.copy(st + 192 * D, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0 * D), BWD_BQ);
-    cpt.copy(st + 256 * D, reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0 * D), BWD_BQ);
-    float* fb = reinterpret_cast<float*>(st + 320 * D);
-    load_vec_async<BWD_THREADS>(fb, qs + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + (bhh * (nq_pad / BWD_BQ) + ld_t) * D, D / 4, tid);
+  auto load_stage = [&](int it) {          // thread 0
+    const long long tile = (static_cast<long long>(b) * Hq + ld_h) * (nq_pad / BWD_BQ) + ld_t;
+    bulk_copy_g2s(sStage + (it & 1) * STAGE, q_img + tile * Img::Q_STAGE, Img::Q_STAGE, &full[it & 1]);
     if (++ld_t == n_qt) {
       ld_t = first_qt;
       ++ld_h;
     }
   };
-  if (n_it > 0) load_stage(0);
-  cp_async_commit();
+  if (tid == 0 && n_it > 0) {  // (no query tile: nothing is copied, the outputs are zeros)
+    const char* kimg = k_img + (bhk * (nk_pad / BWD_BKV) + kb) * Img::K_STAGE;
+    mbar_arrive_expect_tx(&full[0], Img::Q_STAGE + 192 * D);
+    bulk_copy_g2s(sK, kimg + Img::K_K, 64 * D, &full[0]);
+    bulk_copy_g2s(sV, kimg + Img::K_V, 128 * D, &full[0]);
+    load_stage(0);
+  }
 
   // D = 128 with SAGE_BWD_DEFER_DK: dk_prev holds the previous iteration's last dK product (waited for, not yet
   // folded; zeros before the first), s_y_prev its scales. A copy, not acc_b itself: ptxas would otherwise wait
@@ -174,13 +169,15 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   for (int it = 0; it < n_it; ++it) {
     const int q0 = cur_t * BWD_BQ;
     cur_t = cur_t + 1 == n_qt ? first_qt : cur_t + 1;
-    cp_async_wait<0>();
-    fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
-    __syncthreads();      // stage it resident; every warp is done with stage it - 1, refilled next
-    if constexpr (!LOAD_AFTER_S) {
-      if (it + 1 < n_it) load_stage(it + 1);
-      cp_async_commit();
-    }
+    mbar_wait(&full[it & 1], (it >> 1) & 1);  // stage it resident (visible to this thread and its wgmma)
+    __syncthreads();                          // every warp is done with stage it - 1, refilled next
+    auto issue_next = [&]() {
+      if (tid == 0 && it + 1 < n_it) {
+        mbar_arrive_expect_tx(&full[(it + 1) & 1], Img::Q_STAGE);
+        load_stage(it + 1);
+      }
+    };
+    if constexpr (!LOAD_AFTER_S) issue_next();
     const char* st = sStage + (it & 1) * STAGE;
     const char* sQ = st;
     const char* sdO = st + 64 * D;
@@ -195,10 +192,7 @@ int8_attn_bwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
     int acc_s[32];
     float acc_dp[32];
     issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K^ Q^^T, dP^T = V dO^T
-    if constexpr (LOAD_AFTER_S) {  // the next stage's copies are issued while S and dP run
-      if (it + 1 < n_it) load_stage(it + 1);
-      cp_async_commit();
-    }
+    if constexpr (LOAD_AFTER_S) issue_next();  // the next stage's copy is issued while S and dP run
     if constexpr (D == 128 && SAGE_BWD_DEFER_DK) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
     wgmma_wait<1>();
     fence_regs(acc_s);
@@ -296,24 +290,23 @@ struct BwdDqSm90 {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? SAGE_BWD_DQ_MIN_CTAS : 1)
-int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
-                      const signed char* __restrict__ kc, const float* __restrict__ ks,
-                      const signed char* __restrict__ ktp,
-                      const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
-                      const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                       int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int causal,
                       int ds_rowcol) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
+  using Img = BwdImg<D>;
   const bool CAUSAL = causal != 0, DS_ROWCOL = ds_rowcol != 0;
   constexpr int STAGE = BwdDqSm90<D>::STAGE;
+  static_assert(Img::K_STAGE <= STAGE && Img::K_KS == 256 * D && Img::Q_DO == 64 * D, "images are the stages' layout");
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;
   char* sdO = sQ + BWD_BQ * D;
   char* sStage = sdO + BWD_BQ * D * 2;
   __shared__ float sRed[4];
+  __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const QueryBlock qb = query_block(BWD_BQ, CAUSAL, Hq, Hkv);
@@ -322,24 +315,28 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
   const int shift = nk - nq;
   const KeyTiles tl = key_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
 
-  const TileCopy<64, D, BWD_THREADS> cp8(tid);            // Q^, K^: 64 rows of D bytes
-  const TileCopy<64, 2 * D, BWD_THREADS, true> cp16(tid);  // dO, V: 64 rows of D 16-bit elements
-  const TileCopy<D, 64, BWD_THREADS> cpt(tid);             // K^^T: D rows of 64 bytes
-  auto load_kv = [&](int tile) {
-    char* st = sStage + (tile & 1) * STAGE;
-    const int kk0 = tile * BWD_BKV;
-    cp8.copy(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + kk0) * D), D);
-    cpt.copy(st + 64 * D, reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + kk0 * D), BWD_BKV);  // tile-major
-    cp16.copy_rows_split(st + 128 * D, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + kk0 * vsn), vsn * 2,
-                        nk - kk0);
-    load_vec_async<BWD_THREADS>(st + 256 * D, ks + bhk * nk_pad + kk0, BWD_BKV / 4, tid);
+  // Key tile t's stage is its key-side image (common/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0 with
+  // one bulk copy; its completion is phase t / 2 of full[t % 2]. Q^ and dO (the first 192 D bytes of this query
+  // tile's image, laid out as sQ, sdO) come with tile 0.
+  if (tid == 0) {
+    mbar_init(&full[0], 1);
+    mbar_init(&full[1], 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  auto load_kv = [&](int tile) {  // thread 0, after its mbar_arrive_expect_tx
+    bulk_copy_g2s(sStage + (tile & 1) * STAGE, k_img + (bhk * (nk_pad / BWD_BKV) + tile) * Img::K_STAGE, Img::K_STAGE,
+                  &full[tile & 1]);
   };
-  cp8.copy(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D);
-  cp16.copy_rows(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0);
-  if (tl.n > 0) load_kv(0);
-  cp_async_commit();
-  if (tl.n > 1) load_kv(1);
-  cp_async_commit();
+  if (tid == 0) {
+    mbar_arrive_expect_tx(&full[0], 192 * D + (tl.n > 0 ? Img::K_STAGE : 0));
+    bulk_copy_g2s(sQ, q_img + (bh * (nq_pad / BWD_BQ) + q0 / BWD_BQ) * Img::Q_STAGE, 192 * D, &full[0]);
+    if (tl.n > 0) load_kv(0);
+    if (tl.n > 1) {
+      mbar_arrive_expect_tx(&full[1], Img::K_STAGE);
+      load_kv(1);
+    }
+  }
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
   float sq[2], lse_r[2], del[2];
@@ -352,9 +349,7 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
   // tile 0 are issued here (on whatever the stage holds when the CTA has no tile: waited for, dropped).
   int acc_s[32];
   float acc_dp[32];
-  cp_async_wait<1>();
-  fence_proxy_async();
-  __syncthreads();  // Q^, dO, tile 0 resident
+  mbar_wait(&full[0], 0);  // Q^, dO, tile 0 resident
   issue_s_dp<T, D>(acc_s, acc_dp, sQ, sStage, sdO, sStage + 128 * D);  // S = Q^ K^^T, dP = dO V^T
   wgmma_wait<1>();
   fence_regs(acc_s);
@@ -395,10 +390,9 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
       wgmma_commit();
     }
     // Tile t + 1 resident (its copy was issued an iteration ago): S and dP of it in flight during the
-    // conversion below. On the last tile they multiply a stale stage; the result is dropped.
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
+    // conversion below. On the last tile they multiply a stale stage (no copy in flight to it); the result is
+    // dropped.
+    if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) & 1], ((tile + 1) >> 1) & 1);
     {
       const char* nK = sStage + ((tile + 1) & 1) * STAGE;
       issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + 128 * D);
@@ -413,8 +407,10 @@ int8_attn_bwd_dq_sm90(const signed char* __restrict__ qc, const float* __restric
     wgmma_wait<1>();  // S(t + 1) done (dP(t + 1) may still run)
     fence_regs(acc_s);
     __syncthreads();  // every warp past dQ(t): its stage is free for tile t + 2
-    if (tile + 2 < tl.n) load_kv(tile + 2);
-    cp_async_commit();
+    if (tid == 0 && tile + 2 < tl.n) {
+      mbar_arrive_expect_tx(&full[tile & 1], Img::K_STAGE);
+      load_kv(tile + 2);
+    }
   }
   wgmma_wait<0>();  // the last (dropped) S and dP
   fence_regs(acc_s);

@@ -7,6 +7,7 @@
 // All outputs are padded: rows (tokens) up to a multiple of the attention tile, padding rows have
 // code 0 and scale 0.
 #include "common/numeric.cuh"
+#include "common/bwd_img.cuh"
 
 namespace sage {
 
@@ -320,7 +321,9 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // osb, osh, osn; rows 16-byte aligned), so that dO is read once for both (a separate rowdot pass read it again:
 // 45 us of the backward's 160 us of pre-passes at B = 4, H = 16, N = 4K, D = 128). Per token: this thread's 8
 // channels in order, the other half-warp's 8, then the warps' sums in warp order.
-template <typename T, int D, int MODE, bool DELTA>
+// IMG (with DELTA; the wgmma backward): out is the query-side stage images (common/bwd_img.cuh) and the block's
+// dO^^T, its scales, delta (also into `delta`) and dO itself (the caller's values, K128-swizzled) go into its image.
+template <typename T, int D, int MODE, bool DELTA, bool IMG = false>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
                                                           const float* __restrict__ scale_in,
@@ -352,6 +355,18 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
 #pragma unroll
         for (int c = 0; c < 8; ++c) ov[k][c] = 0.f;
       }
+    }
+  }
+  using Img = BwdImg<D>;
+  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(Img::Q_STAGE)
+                  : nullptr;
+  if constexpr (IMG) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
+      const uint4 w = make_uint4(pack2<T>(v[k][0], v[k][1]), pack2<T>(v[k][2], v[k][3]), pack2<T>(v[k][4], v[k][5]),
+                                 pack2<T>(v[k][6], v[k][7]));
+      *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c0 / 8)) = w;
     }
   }
   __shared__ float sdelta[DELTA ? WARPS : 1][64];
@@ -394,8 +409,9 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     for (int c = 0; c < 8; ++c) sc[c] = s;
   }
   if (MODE != 0 && tg == 0) {
+    float* so = IMG ? reinterpret_cast<float*>(img + Img::Q_DOS) : scale_out + (bh * (n_pad / 64) + blk) * D;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) scale_out[(bh * (n_pad / 64) + blk) * D + c0 + c] = sc[c];
+    for (int c = 0; c < 8; ++c) so[c0 + c] = sc[c];
   }
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
@@ -415,15 +431,20 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) d += sdelta[w][threadIdx.x];
       delta[bh * n_pad + blk * 64 + threadIdx.x] = d;  // 0 beyond n: the values there were zeros
+      if constexpr (IMG) reinterpret_cast<float*>(img + Img::Q_DELTA)[threadIdx.x] = d;
     }
   }
   // D rows x 4 chunks of 16 bytes; 8 consecutive lanes read two whole rows (conflict-free).
 #pragma unroll
   for (int i = threadIdx.x; i < D * 4; i += 2 * D) {
     const int c = i / 4, q = i % 4;
-    const long long at = tile_major ? ((bh * (n_pad / 64) + blk) * D + c) * 64 + 16 * q
-                                    : (bh * D + c) * n_pad + blk * 64 + 16 * q;
-    *reinterpret_cast<uint4*>(out + at) = *reinterpret_cast<const uint4*>(&words[c][4 * q]);
+    if constexpr (IMG) {
+      *reinterpret_cast<uint4*>(img + Img::Q_DOT + swz<64>(c, q)) = *reinterpret_cast<const uint4*>(&words[c][4 * q]);
+    } else {
+      const long long at = tile_major ? ((bh * (n_pad / 64) + blk) * D + c) * 64 + 16 * q
+                                      : (bh * D + c) * n_pad + blk * 64 + 16 * q;
+      *reinterpret_cast<uint4*>(out + at) = *reinterpret_cast<const uint4*>(&words[c][4 * q]);
+    }
   }
 }
 
@@ -446,6 +467,17 @@ quant_transpose_perm_delta(const T* __restrict__ x, long long sb, long long sh, 
                            long long osb, long long osh, long long osn, float* __restrict__ delta) {
   quant_transpose_perm_body<T, D, MODE, true>(x, sb, sh, sn, n, n_pad, nullptr, scale_out, out, 1, o, osb, osh, osn,
                                               delta);
+}
+
+// The wgmma backward's dO pass: quant_transpose_perm_delta's work written into the query-side stage images
+// q_img (B, H, n_pad / 64, BwdImg<D>::Q_STAGE bytes), delta also into `delta`. grid (n_pad / 64, H, B), block 2 * D.
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(2 * D, 1)
+bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+             char* __restrict__ q_img, const T* __restrict__ o, long long osb, long long osh, long long osn,
+             float* __restrict__ delta) {
+  quant_transpose_perm_body<T, D, MODE, true, true>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
+                                                    reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta);
 }
 
 // int8 transpose of 64 tokens of (B*H, n_pad, D) codes into the tile-major (B*H, n_pad / 64, D, 64), optionally
@@ -492,6 +524,77 @@ __device__ __forceinline__ void transpose_i8_body(const signed char* __restrict_
     row[16] = __byte_perm(a, c, 0x7632);
     row[32] = __byte_perm(bb, d, 0x5410);
     row[48] = __byte_perm(bb, d, 0x7632);
+  }
+}
+
+// The wgmma backward's stage images from the forward's residuals (common/bwd_img.cuh): heads y < Hq fill the
+// query side of q_img (Q^, Q^^T, q scales, lse2; bwd_do_image adds dO's parts), the others k_img (K^, K^^T, V
+// with zero rows beyond nk, key scales). Codes as in transpose_i8_body; the untransposed tile is stored swizzled
+// from the same loads. grid (max(nq_pad, nk_pad) / 64, Hq + Hkv, B), block 256; V's rows 16-byte aligned.
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, const float* __restrict__ lse2,
+              int nq_pad, char* __restrict__ q_img, const signed char* __restrict__ kc, const float* __restrict__ ks,
+              int nk_pad, const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk,
+              char* __restrict__ k_img, int Hq, int Hkv) {
+  using Img = BwdImg<D>;
+  constexpr int W = D / 4 + 1, PIECES = 64 * D / 16, UNITS = 16 * (D / 4);
+  static_assert(PIECES % 256 == 0 && UNITS % 256 == 0 && (8 * D) % 256 == 0, "whole passes of 256 threads");
+  __shared__ unsigned tile[64][W];
+  const int y = blockIdx.y, blk = blockIdx.x, b = blockIdx.z;
+  const bool qside = y < Hq;
+  const int n_pad = qside ? nq_pad : nk_pad, hk = y - Hq;
+  if (blk * 64 >= n_pad) return;
+  const long long bh = qside ? static_cast<long long>(b) * Hq + y : static_cast<long long>(b) * Hkv + hk;
+  const long long tile_idx = bh * (n_pad / 64) + blk;
+  char* img = qside ? q_img + tile_idx * Img::Q_STAGE : k_img + tile_idx * Img::K_STAGE;
+  const signed char* src = (qside ? qc : kc) + (bh * n_pad + blk * 64) * D;
+  uint4 ld[PIECES / 256];
+#pragma unroll
+  for (int i = 0; i < PIECES / 256; ++i) ld[i] = *reinterpret_cast<const uint4*>(src + (threadIdx.x + 256 * i) * 16);
+#pragma unroll
+  for (int i = 0; i < PIECES / 256; ++i) {
+    const int idx = threadIdx.x + 256 * i, r = idx / (D / 16), c = idx % (D / 16), w = 4 * c;
+    *reinterpret_cast<uint4*>(img + swz<D>(r, c)) = ld[i];  // Q^ / K^ at offset 0 of either image
+    tile[r][w] = ld[i].x;
+    tile[r][w + 1] = ld[i].y;
+    tile[r][w + 2] = ld[i].z;
+    tile[r][w + 3] = ld[i].w;
+  }
+  // The tile's vectors: q scales and lse2, or key scales.
+  const float* vec = qside ? (threadIdx.x < 16 ? qs : lse2) : ks;
+  if (threadIdx.x < (qside ? 32 : 16)) {
+    const int j = threadIdx.x % 16;
+    reinterpret_cast<float4*>(img + (qside ? (threadIdx.x < 16 ? Img::Q_QS : Img::Q_LSE) : Img::K_KS))[j] =
+        reinterpret_cast<const float4*>(vec + bh * n_pad + blk * 64)[j];
+  }
+  if (!qside) {  // V (16-bit, the caller's layout) as the dQ stage's K128 operand
+#pragma unroll
+    for (int i = 0; i < 8 * D / 256; ++i) {
+      const int idx = threadIdx.x + 256 * i, r = idx / (D / 8), c = idx % (D / 8), tok = blk * 64 + r;
+      const uint4 val = tok < nk ? *reinterpret_cast<const uint4*>(v + b * vsb + hk * vsh + tok * vsn + 8 * c)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(img + Img::K_V + k128_offset(r, c)) = val;
+    }
+  }
+  __syncthreads();
+  const int tg = threadIdx.x % 16, hf = tg / 4, t = tg % 4;
+  char* dst_t = img + (qside ? Img::Q_QT : Img::K_KT) + 4 * t;
+#pragma unroll
+  for (int j = 0; j < UNITS / 256; ++j) {
+    const int cq = threadIdx.x / 16 + 16 * j;  // channels 4 cq .. 4 cq + 3
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = tile[16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)][cq];
+    const unsigned a = __byte_perm(w[0], w[1], 0x5140), bb = __byte_perm(w[0], w[1], 0x7362);
+    const unsigned c = __byte_perm(w[2], w[3], 0x5140), d = __byte_perm(w[2], w[3], 0x7362);
+    const unsigned out[4] = {__byte_perm(a, c, 0x5410), __byte_perm(a, c, 0x7632), __byte_perm(bb, d, 0x5410),
+                             __byte_perm(bb, d, 0x7632)};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ch = 4 * cq + e;  // row of the transposed tile; positions 4 tg .. 4 tg + 3 = 16-byte chunk hf
+      *reinterpret_cast<unsigned*>(dst_t + swz<64>(ch, hf)) = out[e];
+    }
   }
 }
 

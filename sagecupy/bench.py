@@ -143,7 +143,9 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     if "bwd" in modes:
         bpre = int8._preprocess_backward(res, do)
         row("bwd", "kernel", time_ms(lambda: int8._launch_backward(res, bpre), warmup, rep))
-        row("bwd", "kernel-mma", time_ms(lambda: int8._launch_backward(res, bpre, "mma"), warmup, rep))
+        bpre_m = int8._preprocess_backward(res, do, "mma")  # each engine's own pre-pass outputs
+        row("bwd", "kernel-mma", time_ms(lambda: int8._launch_backward(res, bpre_m, "mma"), warmup, rep))
+        del bpre_m
         if device_capability() == (9, 0):
             row("bwd", "kernel-wgmma", time_ms(lambda: int8._launch_backward(res, bpre, "wgmma"), warmup, rep))
         row("bwd", "e2e", time_ms(lambda: int8.backward(res, do), warmup, rep))

@@ -126,6 +126,7 @@ def _quant_names(T, D):
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
         f"quant_transpose_perm<{T}, {D}, 2>",
         f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
+        f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
         f"transpose_i8_qk<{D}, true>",
     )
 
@@ -227,6 +228,7 @@ def kernel_constants() -> dict:
     for D in _checks.SUPPORTED_HEAD_DIMS:
         kv, dq = _bwd90_smem(D)
         out += [(f"BwdSm90<{D}>::SMEM", kv), (f"BwdDqSm90<{D}>::SMEM", dq)]
+        out += [(f"BwdImg<{D}>::Q_STAGE", bwd_images(D)[0]), (f"BwdImg<{D}>::K_STAGE", bwd_images(D)[1])]
     fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
            for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
     return {"int8_attn_bwd_sm90.cu": out, "int8_attn_fwd_sm90.cu": fwd}
@@ -457,8 +459,16 @@ def _bwd_smem(D):
     return 6 * 64 * D + 2 * (2 * D * 64 + (3 * 64 + D) * 4) + 16
 
 
-def _preprocess_backward(residuals, do):
-    """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed (mma-permuted) Q and K codes."""
+def bwd_images(D):
+    """Bytes of one query-side and one key-side stage image of the wgmma backward (BwdImg<D> in
+    kernels_cu/common/bwd_img.cuh): (Q_STAGE, K_STAGE)."""
+    return 320 * D + (192 + D) * 4, 256 * D + 256
+
+
+def _preprocess_backward(residuals, do, engine=None):
+    """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed (mma-permuted) Q and K codes. On the wgmma engine
+    they go, with Q^, K^, dO, V and the per-token vectors, into per-tile stage images (kernels_cu/common/bwd_img.cuh)
+    that the kernels copy with one bulk copy per stage."""
     import cupy
 
     if not isinstance(residuals, Residuals):
@@ -478,13 +488,28 @@ def _preprocess_backward(residuals, do):
     dsb, dsh, dsn = _strides(do, p.layout)
     osb, osh, osn = _strides(r.o, p.layout)
 
+    engine = backward_engine(engine)
+    delta = cupy.empty((B, Hq, nq_pad), dtype=f32)
+    mode = 1 if cfg.do_granularity == "channel" else 2
+    if engine == "wgmma":
+        qst, kst = bwd_images(D)
+        q_img = cupy.empty((B, Hq, nq_pad // 64, qst), dtype=cupy.uint8)
+        k_img = cupy.empty((B, Hkv, nk_pad // 64, kst), dtype=cupy.uint8)
+        v = r.v
+        vsb, vsh, vsn = _strides(v, p.layout)
+        _qfn(f"bwd_qk_images<{T}, {D}>", T, D)(
+            (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
+            (r.q_codes, r.q_scale, r.lse2, i32(nq_pad), q_img, r.k_codes, r.k_scale, i32(nk_pad),
+             v, i64(vsb), i64(vsh), i64(vsn), i32(p.nk), k_img, i32(Hq), i32(Hkv)))
+        _qfn(f"bwd_do_image<{T}, {D}, {mode}>", T, D)(
+            (nq_pad // 64, Hq, B), (2 * D,),
+            (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), q_img, r.o, i64(osb), i64(osh), i64(osn), delta))
+        return dict(engine=engine, do=do, delta=delta, q_img=q_img, k_img=k_img)
     # dO^T, Q^T and K^T codes tile-major, (B, H, n_pad / 64, D, 64): the backward kernels copy 64-token tiles of
     # D rows x 64 bytes, which then read whole 128-byte lines (as V^T in the forward). delta = rowsum(dO * O) in
     # the same pass over dO.
-    delta = cupy.empty((B, Hq, nq_pad), dtype=f32)
     do_t = cupy.empty((B, Hq, nq_pad // 64, D, 64), dtype=cupy.int8)
     do_scale = cupy.empty((B, Hq, nq_pad // 64, D), dtype=f32)
-    mode = 1 if cfg.do_granularity == "channel" else 2
     _qfn(f"quant_transpose_perm_delta<{T}, {D}, {mode}>", T, D)(
         (nq_pad // 64, Hq, B), (2 * D,),
         (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale, do_t,
@@ -494,7 +519,7 @@ def _preprocess_backward(residuals, do):
     _qfn(f"transpose_i8_qk<{D}, true>", T, D)((max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
                                               (r.q_codes, i32(nq_pad), q_t, r.k_codes, i32(nk_pad), k_t, i32(Hq),
                                                i32(Hkv)))
-    return dict(do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
+    return dict(engine=engine, do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
 
 
 def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
@@ -519,7 +544,10 @@ def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     vvb, vvh, vvn = _strides(dv, p.layout)
     qsb, qsh, qsn = _strides(dq, p.layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
-    engine = backward_engine(engine)
+    engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its stage images)
+    if engine_arg and backward_engine(engine_arg) != engine:
+        raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
+                         f"call _preprocess_backward(..., engine={engine_arg!r})")
     names = _bwd_names(T, D, engine)
     if engine == "wgmma":
         src, arch = "int8_attn_bwd_sm90.cu", "sm_90a"
@@ -530,7 +558,14 @@ def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     fn = get_function(src, names[0], all_names=names, arch=arch)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    if "dkdv" in kernels:
+    if "dkdv" in kernels and engine == "wgmma":
+        fn((nk_pad // 64, Hkv, B), (128,),
+           (pre["q_img"], pre["k_img"], r.k_scale,
+            dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
+            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
+            i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
+           shared_mem=smem)
+    elif "dkdv" in kernels:
         fn((nk_pad // 64, Hkv, B), (128,),
            (r.q_codes, r.q_scale, pre["q_t"], r.k_codes, r.k_scale,
             v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn),
@@ -542,7 +577,14 @@ def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     fq = get_function(src, names[1], all_names=names, arch=arch)
     if smem_q > 48 * 1024:
         fq.max_dynamic_shared_size_bytes = smem_q
-    if "dq" in kernels:
+    if "dq" in kernels and engine == "wgmma":
+        fq((nq_pad // 64, Hq, B), (128,),
+           (pre["q_img"], pre["k_img"], r.q_scale, r.lse2, pre["delta"],
+            dq, i64(qsb), i64(qsh), i64(qsn),
+            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale), i32(int(p.causal)),
+            ds_rowcol),
+           shared_mem=smem_q)
+    elif "dq" in kernels:
         fq((nq_pad // 64, Hq, B), (128,),
            (r.q_codes, r.q_scale, r.k_codes, r.k_scale, pre["k_t"],
             v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn), r.lse2, pre["delta"],
@@ -557,4 +599,4 @@ def backward(residuals: Residuals, do, *, engine=None):
     """SageBwd backward: ``(dq, dk, dv)`` in the forward's layout and dtype (fp32 accumulation inside).
     ``engine``: see :func:`backward_engine`."""
     backward_engine(engine)  # validate before any work
-    return _launch_backward(residuals, _preprocess_backward(residuals, do), engine)
+    return _launch_backward(residuals, _preprocess_backward(residuals, do, engine), engine)

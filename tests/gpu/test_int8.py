@@ -365,41 +365,106 @@ def test_quantized_operands_bit_identical_to_reference(config, dtype, shape):
 BWD_PREP_SHAPES = [(2, 4, 2, 200, 333, 128, "NHD"), (1, 8, 2, 17, 65, 64, "HND"), (1, 2, 1, 130, 4100, 128, "HND")]
 
 
+def _unswizzle(x, rows, row_bytes):
+    """(..., rows * row_bytes) bytes of a swizzled shared-memory tile (kernels_cu/common/tile.cuh swz) -> (..., rows,
+    row_bytes) in row order."""
+    cpr = row_bytes // 16
+    r, c = np.arange(rows)[:, None], np.arange(cpr)[None, :]
+    pc = c ^ ((r >> 1) & 3) if cpr == 4 else c ^ (r & 7)
+    idx = (r * row_bytes + pc * 16)[..., None] + np.arange(16)
+    return np.ascontiguousarray(x[..., idx.reshape(rows, row_bytes)])
+
+
+def _unk128(x, rows, row_bytes):
+    """A 16-bit operand stored K-major in swizzled 128-byte pieces (TileCopy K128) -> (..., rows, row_bytes)."""
+    n = rows * 128
+    return np.concatenate([_unswizzle(x[..., a * n:(a + 1) * n], rows, 128) for a in range(row_bytes // 128)], -1)
+
+
+def _image_views(pre, res, D):
+    """The wgmma pre-pass's stage images (kernels_cu/common/bwd_img.cuh) decoded into the mma.sync pre-pass's
+    arrays (q_t, k_t, do_t tile-major, do_scale, delta), plus what only the images hold."""
+    qi, ki = pre["q_img"].get(), pre["k_img"].get()
+    B, Hq, ntq, _ = qi.shape
+    Hkv, ntk = ki.shape[1], ki.shape[2]
+    rows = lambda x, n: x.reshape(*x.shape[:2], n * 64, -1)  # (B, H, ntiles, 64, X) -> (B, H, N_pad, X)
+    out = dict(delta=pre["delta"])
+    out["q_codes"] = rows(_unswizzle(qi[..., :64 * D], 64, D).view(np.int8), ntq)
+    out["k_codes"] = rows(_unswizzle(ki[..., :64 * D], 64, D).view(np.int8), ntk)
+    out["q_t"] = _unswizzle(qi[..., 192 * D:256 * D], D, 64).view(np.int8)
+    out["do_t"] = _unswizzle(qi[..., 256 * D:320 * D], D, 64).view(np.int8)
+    out["k_t"] = _unswizzle(ki[..., 64 * D:128 * D], D, 64).view(np.int8)
+    out["do_bits"] = rows(_unk128(qi[..., 64 * D:192 * D], 64, 2 * D).view(np.uint16), ntq)
+    out["v_bits"] = rows(_unk128(ki[..., 128 * D:256 * D], 64, 2 * D).view(np.uint16), ntk)
+    f = 320 * D
+    vec = lambda x, a, n: np.ascontiguousarray(x[..., a:a + 4 * n]).view(np.float32)
+    out["q_scale"] = vec(qi, f, 64).reshape(B, Hq, -1)
+    out["lse2"] = vec(qi, f + 256, 64).reshape(B, Hq, -1)
+    out["delta_img"] = vec(qi, f + 512, 64).reshape(B, Hq, -1)
+    out["do_scale"] = vec(qi, f + 768, D)
+    out["k_scale"] = vec(ki, 256 * D, 64).reshape(B, Hkv, -1)
+    return out
+
+
+def _host_bits(x, layout):
+    """A device fp16/bf16 array's raw 16-bit patterns on the host, as (B, H, N, D)."""
+    return ref_attn.to_hnd(_raw(x).get().view(np.uint16), layout)
+
+
+@pytest.mark.parametrize("engine", ["mma", "wgmma"])
 @pytest.mark.parametrize("shape", BWD_PREP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("config", [DEFAULT, PAPER], ids=["default", "paper"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_preprocess_matches_reference(config, dtype, shape):
+def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
     """The backward's pre-pass: dO's codes and scales bit-identical to the reference's fp32-mode quantizer (per
     64-token tile and channel, or per tile); delta = rowsum(dO * O) within fp32 rounding of the float64 sum (the
     kernel sums 8 channels per thread, then halves and warps: a different order than numpy's, so not bitwise) and 0
-    on padding rows; Q^T and K^T exactly the forward's codes, transposed tile-major and mma-permuted."""
+    on padding rows; Q^T and K^T exactly the forward's codes, transposed tile-major and mma-permuted. wgmma: the same
+    read back from the stage images, which also hold Q^, K^, dO, V (zero rows beyond N) and the per-token vectors
+    exactly."""
     import sagecupy.int8 as s8
+    from sagecupy._loader import device_capability
     from sagecupy.reference.quant import quantize_tiles
 
+    if engine == "wgmma" and device_capability() != (9, 0):
+        pytest.skip("the wgmma engine needs sm_90")
     B, Hq, Hkv, Nq, Nk, D, layout = shape
     (q, k, v, do), (_, _, _, doh) = _inputs(23, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=3.0)
     o, res = s8.forward(q, k, v, layout=layout, config=config)
-    pre = s8._preprocess_backward(res, do)
+    pre = s8._preprocess_backward(res, do, engine)
+    if engine == "wgmma":
+        got = _image_views(pre, res, D)
+        for name in ("q_codes", "k_codes", "q_scale", "k_scale", "lse2"):
+            assert np.array_equal(got[name], getattr(res, name).get()), f"{name} in the stage images differs"
+        assert np.array_equal(got["delta_img"], pre["delta"].get()), "delta in the images differs"
+        for name, x, n in (("do_bits", do, Nq), ("v_bits", v, Nk)):
+            want = _host_bits(x, layout)
+            assert np.array_equal(got[name][:, :, :n], want), f"{name}: the images' copy differs"
+            assert not got[name][:, :, n:].any(), f"{name}: rows beyond N must be zero"
+    else:
+        got = {n: pre[n].get() for n in ("q_t", "k_t", "do_t", "do_scale")}
+        got["delta"] = pre["delta"]
     for name, codes, n_pad in (("Q^T", res.q_codes, res.nq_pad), ("K^T", res.k_codes, res.nk_pad)):
-        got = _unpermute_tokens(s8.v_t_channels(pre[name[0].lower() + "_t"]).get(), n_pad)
-        assert np.array_equal(got, codes.get()), f"{name} is not the transposed codes"
+        x_t = got[name[0].lower() + "_t"]
+        tt = _unpermute_tokens(s8.v_t_channels(x_t), n_pad)
+        assert np.array_equal(tt, codes.get()), f"{name} is not the transposed codes"
     do64 = ref_attn.to_hnd(doh, layout)
     per_channel = config.do_granularity == "channel"
     want_codes, want_scale = quantize_tiles(do64, 64, 1 if per_channel else None, fp32=True)
-    got_codes = _unpermute_tokens(s8.v_t_channels(pre["do_t"]).get(), Nq)
+    got_codes = _unpermute_tokens(s8.v_t_channels(got["do_t"]), Nq)
     diff = np.argwhere(got_codes.astype(np.int32) != want_codes.astype(np.int32))
     assert diff.size == 0, f"dO codes differ at {len(diff)} places, first {tuple(diff[0])}"
     ntile = -(-Nq // 64)
-    got_scale = pre["do_scale"].get()[:, :, :ntile, :]
+    got_scale = got["do_scale"][:, :, :ntile, :]
     np.testing.assert_array_equal(got_scale, np.broadcast_to(want_scale[:, :, ::64, :], got_scale.shape).astype(np.float32))
     o64 = ref_attn.to_hnd(_to_host(o), layout)
     prod = do64 * o64
     want = prod.sum(axis=-1)
-    got = pre["delta"].get()
+    dl = got["delta"].get()
     bound = 1e-5 * np.abs(prod).sum(axis=-1) + 1e-30  # D = 128 fp32 additions: <= 128 * 2^-24 relative to sum|.|
-    err = np.abs(got[:, :, :Nq] - want)
+    err = np.abs(dl[:, :, :Nq] - want)
     assert (err <= bound).all(), f"delta off by {float((err / bound).max()):.2f}x its fp32 bound"
-    assert not got[:, :, Nq:].any(), "delta on padding rows must be 0"
+    assert not dl[:, :, Nq:].any(), "delta on padding rows must be 0"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
