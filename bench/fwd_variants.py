@@ -19,8 +19,9 @@ def engines_warps():
         B, H, (q, k, v, _) = bench._inputs(D, N, "bfloat16")
         for causal in (False, True):
             for cfg in (DEFAULT, BKV128):
-                p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=cfg)
                 for engine in ("wgmma", "mma"):
+                    p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND",
+                                                         config=cfg, engine=engine)  # the engine's own operands
                     for warps in (4, 8):
                         ms = bench.time_ms(lambda: int8._launch_forward(p, c, pre, engine, warps), 3, 10)
                         tops = bench.flops(B, H, N, N, D, causal) / ms / 1e9

@@ -1,7 +1,8 @@
 // SageBwd forward on Hopper tensor cores (sm_90a only): the same algorithm and operands as
 // int8_attn_fwd.cu, with Q.K^T and P.V on wgmma (one m64nNk32 per warpgroup of 4 warps; Q, K and V^T
 // read from the swizzled shared tiles through descriptors, P from registers), software-pipelined
-// (common/int8_fwd.cuh). Compile with --gpu-architecture=sm_90a.
+// (common/int8_fwd.cuh). With 64-key tiles (kv_img: the pre-pass's K/V stage images) each stage is copied by one
+// thread with bulk copies. Compile with --gpu-architecture=sm_90a.
 #include "common/int8_fwd.cuh"
 
 using namespace sage;
@@ -16,7 +17,8 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    const float* __restrict__ qmk,
                    T* __restrict__ o, long long osb, long long osh, long long osn,
                    float* __restrict__ lse, float* __restrict__ lse2,
-                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
+                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block,
+                   const char* __restrict__ kv_img) {
   int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                 nk_pad, p_max, causal, v_block);
+                                 nk_pad, p_max, causal, v_block, kv_img);
 }

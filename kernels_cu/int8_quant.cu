@@ -203,7 +203,8 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
                                                 int n_pad, const float* __restrict__ mu, int mu_group, float mult,
                                                 signed char* __restrict__ codes, float* __restrict__ scales,
                                                 float scale_mult, const float* __restrict__ dot_vec, int dot_group,
-                                                float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H) {
+                                                float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H,
+                                                char* __restrict__ kv_img = nullptr) {
   constexpr int LPR = D / 8, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
   static_assert(RPW % RPI == 0, "whole steps");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPR, cl = lane % LPR;
@@ -271,7 +272,13 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
       w[1] = pack4_low_bytes(cw[4], cw[5], cw[6], cw[7]);
     }
     *reinterpret_cast<uint2*>(codes + (bh * n_pad + row) * D + cl * 8) = make_uint2(w[0], w[1]);
-    if (cl == 0) scales[bh * n_pad + row] = row < n ? s * scale_mult : 0.f;
+    const float stored = row < n ? s * scale_mult : 0.f;
+    if (cl == 0) scales[bh * n_pad + row] = stored;
+    if (kv_img) {  // K^ for the wgmma forward's stage images (common/bwd_img.cuh FwdImg): the same bytes, swizzled
+      char* img = kv_img + (bh * (n_pad / 64) + row / 64) * static_cast<long long>(FwdImg<D>::STAGE);
+      *reinterpret_cast<uint2*>(img + FwdImg<D>::K + swz<D>(row % 64, cl / 2) + 8 * (cl % 2)) = make_uint2(w[0], w[1]);
+      if (cl == 0) reinterpret_cast<float*>(img + FwdImg<D>::KS)[row % 64] = stored;
+    }
   }
 }
 
@@ -280,9 +287,10 @@ __global__ void __launch_bounds__(256, 1)
 quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
            const float* __restrict__ mu, int mu_group, float mult,
            signed char* __restrict__ codes, float* __restrict__ scales, float scale_mult,
-           const float* __restrict__ dot_vec, int dot_group, float dot_mult, float* __restrict__ dot) {
+           const float* __restrict__ dot_vec, int dot_group, float dot_mult, float* __restrict__ dot,
+           char* __restrict__ kv_img) {
   quant_rows_body<T, D, RPW, GROUPED>(x, sb, sh, sn, n, n_pad, mu, mu_group, mult, codes, scales, scale_mult, dot_vec,
-                                      dot_group, dot_mult, dot, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
+                                      dot_group, dot_mult, dot, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, kv_img);
 }
 
 // The forward's per-token quantization of Q and K in one launch (the same arithmetic as two quant_rows
@@ -294,7 +302,7 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
               signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
               float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn, int nk,
               int nk_pad, signed char* __restrict__ k_codes, float* __restrict__ k_scales,
-              const float* __restrict__ mu_k, int Hq, int Hkv) {
+              const float* __restrict__ mu_k, int Hq, int Hkv, char* __restrict__ kv_img) {
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
@@ -303,7 +311,7 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
   } else {
     if (bx * rows >= nk_pad) return;
     quant_rows_body<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes, k_scales, 1.f, nullptr, 1,
-                                      0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv);
+                                      0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
   }
 }
 
@@ -321,9 +329,10 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // osb, osh, osn; rows 16-byte aligned), so that dO is read once for both (a separate rowdot pass read it again:
 // 45 us of the backward's 160 us of pre-passes at B = 4, H = 16, N = 4K, D = 128). Per token: this thread's 8
 // channels in order, the other half-warp's 8, then the warps' sums in warp order.
-// IMG (with DELTA; the wgmma backward): out is the query-side stage images (common/bwd_img.cuh) and the block's
+// IMG = 1 (with DELTA; the wgmma backward): out is the query-side stage images (common/bwd_img.cuh) and the block's
 // dO^^T, its scales, delta (also into `delta`) and dO itself (the caller's values, K128-swizzled) go into its image.
-template <typename T, int D, int MODE, bool DELTA, bool IMG = false>
+// IMG = 2 (the wgmma forward's V): out is the K/V stage images (FwdImg) and the V^^T codes go into their VT part.
+template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
                                                           const float* __restrict__ scale_in,
@@ -358,9 +367,10 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     }
   }
   using Img = BwdImg<D>;
-  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(Img::Q_STAGE)
+  constexpr int IMG_STAGE = IMG == 1 ? Img::Q_STAGE : FwdImg<D>::STAGE;
+  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
                   : nullptr;
-  if constexpr (IMG) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
+  if constexpr (IMG == 1) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int r = 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
@@ -409,7 +419,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     for (int c = 0; c < 8; ++c) sc[c] = s;
   }
   if (MODE != 0 && tg == 0) {
-    float* so = IMG ? reinterpret_cast<float*>(img + Img::Q_DOS) : scale_out + (bh * (n_pad / 64) + blk) * D;
+    float* so = IMG == 1 ? reinterpret_cast<float*>(img + Img::Q_DOS) : scale_out + (bh * (n_pad / 64) + blk) * D;
 #pragma unroll
     for (int c = 0; c < 8; ++c) so[c0 + c] = sc[c];
   }
@@ -431,15 +441,16 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) d += sdelta[w][threadIdx.x];
       delta[bh * n_pad + blk * 64 + threadIdx.x] = d;  // 0 beyond n: the values there were zeros
-      if constexpr (IMG) reinterpret_cast<float*>(img + Img::Q_DELTA)[threadIdx.x] = d;
+      if constexpr (IMG == 1) reinterpret_cast<float*>(img + Img::Q_DELTA)[threadIdx.x] = d;
     }
   }
   // D rows x 4 chunks of 16 bytes; 8 consecutive lanes read two whole rows (conflict-free).
 #pragma unroll
   for (int i = threadIdx.x; i < D * 4; i += 2 * D) {
     const int c = i / 4, q = i % 4;
-    if constexpr (IMG) {
-      *reinterpret_cast<uint4*>(img + Img::Q_DOT + swz<64>(c, q)) = *reinterpret_cast<const uint4*>(&words[c][4 * q]);
+    if constexpr (IMG != 0) {
+      *reinterpret_cast<uint4*>(img + (IMG == 1 ? Img::Q_DOT : FwdImg<D>::VT) + swz<64>(c, q)) =
+          *reinterpret_cast<const uint4*>(&words[c][4 * q]);
     } else {
       const long long at = tile_major ? ((bh * (n_pad / 64) + blk) * D + c) * 64 + 16 * q
                                       : (bh * D + c) * n_pad + blk * 64 + 16 * q;
@@ -455,6 +466,17 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
                      int tile_major) {
   quant_transpose_perm_body<T, D, MODE, false>(x, sb, sh, sn, n, n_pad, scale_in, scale_out, out, tile_major, nullptr,
                                                0, 0, 0, nullptr);
+}
+
+// The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
+// scale_out as there) written into the K/V stage images kv_img (B, H, n_pad / 64, FwdImg<D>::STAGE bytes).
+// grid (n_pad / 64, H, B), block 2 * D.
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(2 * D)
+fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+            const float* __restrict__ scale_in, float* __restrict__ scale_out, char* __restrict__ kv_img) {
+  quant_transpose_perm_body<T, D, MODE, false, 2>(x, sb, sh, sn, n, n_pad, scale_in, scale_out,
+                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr);
 }
 
 // The backward's dO pass: quant_transpose_perm (MODE 1 or 2, tile-major) and delta = rowsum(dO * O) in one launch.
@@ -476,7 +498,7 @@ __global__ void __launch_bounds__(2 * D, 1)
 bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
              char* __restrict__ q_img, const T* __restrict__ o, long long osb, long long osh, long long osn,
              float* __restrict__ delta) {
-  quant_transpose_perm_body<T, D, MODE, true, true>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
+  quant_transpose_perm_body<T, D, MODE, true, 1>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
                                                     reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta);
 }
 

@@ -134,7 +134,10 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     if "fwd" in modes:
         row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
         # Both engines explicitly, for comparison in the same run ("kernel" is the automatic choice).
-        row("fwd", "kernel-mma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "mma"), warmup, rep))
+        pre_m = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config,
+                                         engine="mma")[2]  # each engine's own pre-pass outputs
+        row("fwd", "kernel-mma", time_ms(lambda: int8._launch_forward(p, cfg, pre_m, "mma"), warmup, rep))
+        del pre_m
         if device_capability() == (9, 0):
             row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
         row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))

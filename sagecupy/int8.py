@@ -127,6 +127,7 @@ def _quant_names(T, D):
         f"quant_transpose_perm<{T}, {D}, 2>",
         f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
+        f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
     )
 
@@ -311,7 +312,7 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     if why:
         raise ValueError(f"config: {why}")
     _check_device()
-    forward_engine(engine)  # validate before any work
+    engine = forward_engine(engine)  # validate before any work
     forward_warps(warps)
     q = _prepare(q, "q", layout, True)  # the pre-passes read rows with 16-byte loads
     k = _prepare(k, "k", layout, True)
@@ -341,37 +342,49 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     qmk = cupy.empty((B, Hq, nq_pad), dtype=f32) if mu_k is not None else None
     k_codes = cupy.empty((B, Hkv, nk_pad, D), dtype=cupy.int8)
     k_scale = cupy.empty((B, Hkv, nk_pad), dtype=f32)
+    # The wgmma kernel with 64-key tiles copies each K/V stage from a per-tile image (K^ swizzled, V^T, key scales:
+    # kernels_cu/common/bwd_img.cuh FwdImg) with bulk copies; the K pass and the V pass write it.
+    kv_img = (cupy.empty((B, Hkv, nk_pad // 64, fwd_image(D)), dtype=cupy.uint8)
+              if engine == "wgmma" and cfg.block_kv == 64 else None)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         _qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D)(
             (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
             (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
-             qmk, k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv)))
+             qmk, k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
+             kv_img))
     else:
         rpw, grouped = (4, "false") if cfg.q_granularity == "token" else (16, "true")
         _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
             (nq_pad // (8 * rpw), Hq, B), (256,),
             (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale),
-             q_codes, q_scale, f32(LOG2E), mu_k, i32(p.group), f32(p.sm_scale), qmk))
+             q_codes, q_scale, f32(LOG2E), mu_k, i32(p.group), f32(p.sm_scale), qmk, None))
         rpw, grouped = (4, "false") if cfg.k_granularity == "token" else (8, "true")
         _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
             (nk_pad // (8 * rpw), Hkv, B), (256,),
             (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
-             k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None))
+             k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None, kv_img))
     # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted; tile-major
     # (B, Hkv, nk_pad / 64, D, 64) for the kernels' 64-key tiles (whole 128-byte lines per copied tile row pair:
     # 1.02x forward kernel on the H200, bench/NOTES.md eleventh session), (B, Hkv, D, nk_pad) for 128-key tiles.
+    # With kv_img, the same codes go into the images instead.
     tile_major = cfg.block_kv == 64
-    v_t = cupy.empty((B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), dtype=cupy.int8)
     if v_channel:
         mode = 0
     else:
         v_scale = cupy.empty((B, Hkv, nk_pad // 64, D), dtype=f32)
         mode = 2
-    _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
-        (nk_pad // 64, Hkv, B), (2 * D,),
-        (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t, i32(int(tile_major))))
+    if kv_img is not None:
+        v_t = None
+        _qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D)(
+            (nk_pad // 64, Hkv, B), (2 * D,),
+            (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))
+    else:
+        v_t = cupy.empty((B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), dtype=cupy.int8)
+        _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
+            (nk_pad // 64, Hkv, B), (2 * D,),
+            (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t, i32(int(tile_major))))
     pre = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale, v_t=v_t, v_scale=v_scale,
-               qmk=qmk, mu_k=mu_k, v=v)
+               qmk=qmk, mu_k=mu_k, v=v, kv_img=kv_img, engine=engine)
     return p, cfg, pre
 
 
@@ -412,7 +425,11 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     lse = cupy.empty((B, Hq, nq), dtype=f32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
     w, bkv = forward_warps(warps), cfg.block_kv
-    if forward_engine(engine, D) == "wgmma":
+    engine_arg, engine = engine, pre.get("engine") or forward_engine(engine)
+    if engine_arg and forward_engine(engine_arg) != engine:
+        raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
+                         f"call _preprocess_forward(..., engine={engine_arg!r})")
+    if engine == "wgmma":
         fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
         stages = _fwd90_stages(D, bkv)
     else:
@@ -425,7 +442,8 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
        (pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v_t"], pre["v_scale"], pre["qmk"],
         o, i64(osb), i64(osh), i64(osn), lse, lse2,
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-        i32(int(p.causal)), i32(int(cfg.v_granularity == "block"))),
+        i32(int(p.causal)), i32(int(cfg.v_granularity == "block")))
+       + ((pre.get("kv_img"),) if engine == "wgmma" else ()),
        shared_mem=smem)
     return o, lse, lse2
 
@@ -457,6 +475,12 @@ def _bwd_smem(D):
     """Dynamic shared memory of the dK/dV kernel: K^, V, Q^, dO tiles; two buffers of Q^^T, dO^^T, the
     per-query q scale, lse2, delta and the query tile's dO scales; 4 floats of scratch."""
     return 6 * 64 * D + 2 * (2 * D * 64 + (3 * 64 + D) * 4) + 16
+
+
+def fwd_image(D):
+    """Bytes of one K/V stage image of the wgmma forward with 64-key tiles (FwdImg<D> in
+    kernels_cu/common/bwd_img.cuh): K^, V^T and the key scales of 64 keys."""
+    return 128 * D + 256
 
 
 def bwd_images(D):

@@ -1,4 +1,4 @@
-// Stage images of the wgmma backward (int8_attn_bwd_sm90.cu): each 64-token tile's operands laid out in global
+// Stage images of the wgmma kernels (int8_attn_bwd_sm90.cu, and the forward's K/V: int8_fwd.cuh): each 64-token tile's operands laid out in global
 // memory exactly as one stage of the kernel's shared memory (swizzled tiles, then the tile's fp32 vectors), so that
 // one thread copies a stage with one bulk copy (cp.async.bulk + mbarrier) instead of every thread issuing ~20
 // cp.async with their addressing: that code was ~15% of both kernels' instructions (bench/NOTES.md, fourteenth
@@ -18,6 +18,14 @@ struct BwdImg {
   // Key side, per (b, hk, 64-key tile), the dQ kernel's stage: K^ | K^^T | V (16-bit, K-major 128-byte pieces; rows
   // beyond nk zero) | key scales (64 fp32).
   static constexpr int K_K = 0, K_KT = 64 * D, K_V = 128 * D, K_KS = 256 * D, K_STAGE = K_KS + 256;
+};
+
+// The wgmma forward's K/V stage, per (b, hk, 64-key tile) (block_kv = 64): K^ (64 x D codes, swizzled D-byte rows) |
+// V^^T (D x 64 codes, keys mma-permuted, swizzled 64-byte rows) | key scales (64 fp32). The kernel keeps K, V and
+// the scales in three rings, so one stage is three bulk copies from one image.
+template <int D>
+struct FwdImg {
+  static constexpr int K = 0, VT = 64 * D, KS = 128 * D, STAGE = KS + 256;
 };
 
 // Byte offset of 16-byte chunk c of row r in a 64-row 16-bit operand stored K-major in 128-byte pieces (the

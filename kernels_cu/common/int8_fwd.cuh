@@ -3,6 +3,7 @@
 #pragma once
 #include "mma.cuh"
 #include "numeric.cuh"
+#include "bwd_img.cuh"
 #include "rows.cuh"
 #include "tile.cuh"
 #include "wgmma.cuh"
@@ -359,9 +360,14 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               const float* __restrict__ qmk,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
-              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block,
+              const char* __restrict__ kv_img) {
   static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
   static_assert(D == 64 || D == 128, "wgmma N = D");
+  // 64-key tiles: each stage is the tile's K/V image (common/bwd_img.cuh FwdImg: K^, V^^T, key scales), three bulk
+  // copies by thread 0 completing on full[stage]; kc, vt and ks are then not read. 128-key tiles: cp.async.
+  constexpr bool IMG = BKV == 64;
+  using KvImg = FwdImg<D>;
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV>::NST, NT = BKV / 8;
   const bool CAUSAL = causal != 0, V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
@@ -387,16 +393,43 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   const TileCopy<BKV, D, FWD_THREADS> cpk(tid);  // K^ tiles: BKV rows of D bytes
   const TileCopy<D, BKV, FWD_THREADS> cpv(tid);  // V^^T tiles: D rows of BKV bytes
   const long long vt_stride = FwdVt<D, BKV>::stride(nk_pad);
-  // Prologue: Q with tile 0 (one group), tiles 1 .. NST-2 (a group each).
-  load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
+  __shared__ __align__(8) unsigned long long full[IMG ? NST : 1];  // IMG: stage s resident
+  const char* gImg = IMG ? kv_img + bhk * (nk_pad / 64) * static_cast<long long>(KvImg::STAGE) : nullptr;
+  auto load_stage = [&](int t) {  // IMG, thread 0: tile t into stage t % NST
+    const int st = t % NST;
+    const char* src = gImg + t * static_cast<long long>(KvImg::STAGE);
+    mbar_arrive_expect_tx(&full[st], KvImg::STAGE);
+    bulk_copy_g2s(sK + st * BKV * D, src + KvImg::K, 64 * D, &full[st]);
+    bulk_copy_g2s(sV + st * D * BKV, src + KvImg::VT, 64 * D, &full[st]);
+    bulk_copy_g2s(sKs + st * BKV, src + KvImg::KS, 256, &full[st]);
+  };
+  if constexpr (IMG) {
+    if (tid == 0) {
 #pragma unroll
-  for (int t = 0; t < NST - 1; ++t) {
-    if (t < tl.n) {
-      cpk.copy(sK + t * BKV * D, gK + t * BKV * D, D);
-      cpv.copy(sV + t * D * BKV, gV + FwdVt<D, BKV>::offset(t), vt_stride);
-      load_vec_async<FWD_THREADS>(sKs + t * BKV, gKs + t * BKV, BKV / 4, tid);
+      for (int s = 0; s < NST; ++s) mbar_init(&full[s], 1);
+      fence_mbar_init();
     }
+    __syncthreads();
+  }
+  // Prologue: Q with tile 0 (one group), tiles 1 .. NST-2 (a group each; IMG: bulk copies, Q alone in its group).
+  load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
+  if constexpr (IMG) {
     cp_async_commit();
+    if (tid == 0) {
+#pragma unroll
+      for (int t = 0; t < NST - 1; ++t)
+        if (t < tl.n) load_stage(t);
+    }
+  } else {
+#pragma unroll
+    for (int t = 0; t < NST - 1; ++t) {
+      if (t < tl.n) {
+        cpk.copy(sK + t * BKV * D, gK + t * BKV * D, D);
+        cpv.copy(sV + t * D * BKV, gV + FwdVt<D, BKV>::offset(t), vt_stride);
+        load_vec_async<FWD_THREADS>(sKs + t * BKV, gKs + t * BKV, BKV / 4, tid);
+      }
+      cp_async_commit();
+    }
   }
   const float inv_p_max = 1.f / p_max;
 
@@ -423,8 +456,14 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   };
 
   if (tl.n > 0) {
-    cp_async_wait<NST - 2>();  // Q and tile 0
-    fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
+    if constexpr (IMG) {
+      cp_async_wait<0>();  // Q
+      fence_proxy_async();
+      mbar_wait(&full[0], 0);  // tile 0
+    } else {
+      cp_async_wait<NST - 2>();  // Q and tile 0
+      fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
+    }
     __syncthreads();
     wgmma_fence();
     issue_qk(0);
@@ -435,16 +474,22 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   for (int tile = 0; tile < tl.n; ++tile) {
     // Tile t+1 resident and visible to the tensor cores; every warp past P.V(t-1), whose stage the
     // prefetch below overwrites.
-    cp_async_wait<NST - 3>();
-    fence_proxy_async();
-    __syncthreads();
-    if (tile + NST - 1 < tl.n) {
-      const int st = (tile + NST - 1) % NST;
-      cpk.copy(sK + st * BKV * D, gK + (tile + NST - 1) * BKV * D, D);
-      cpv.copy(sV + st * D * BKV, gV + FwdVt<D, BKV>::offset(tile + NST - 1), vt_stride);
-      load_vec_async<FWD_THREADS>(sKs + st * BKV, gKs + (tile + NST - 1) * BKV, BKV / 4, tid);
+    if constexpr (IMG) {
+      if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) % NST], ((tile + 1) / NST) & 1);
+      __syncthreads();
+      if (tid == 0 && tile + NST - 1 < tl.n) load_stage(tile + NST - 1);
+    } else {
+      cp_async_wait<NST - 3>();
+      fence_proxy_async();
+      __syncthreads();
+      if (tile + NST - 1 < tl.n) {
+        const int st = (tile + NST - 1) % NST;
+        cpk.copy(sK + st * BKV * D, gK + (tile + NST - 1) * BKV * D, D);
+        cpv.copy(sV + st * D * BKV, gV + FwdVt<D, BKV>::offset(tile + NST - 1), vt_stride);
+        load_vec_async<FWD_THREADS>(sKs + st * BKV, gKs + (tile + NST - 1) * BKV, BKV / 4, tid);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
 
     unsigned pa[NT / 4][4];
     const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (tile % NST) * BKV,

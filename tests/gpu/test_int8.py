@@ -318,13 +318,29 @@ def _unpermute_tokens(x_t, n):
     return np.swapaxes(out, -1, -2)[..., :n, :]
 
 
+def _v_channels(pre):
+    """The forward pre-pass's V^T codes as (B, Hkv, D, nk_pad) channel rows (tokens mma-permuted), from its v_t array
+    or, on the wgmma engine with 64-key tiles, from its K/V stage images (which must then also hold K^ and the key
+    scales exactly)."""
+    from sagecupy.int8 import v_t_channels
+
+    if pre["v_t"] is not None:
+        return v_t_channels(pre["v_t"]).get()
+    ki = pre["kv_img"].get()
+    D = pre["k_codes"].shape[-1]
+    ntk = ki.shape[2]
+    kc = _unswizzle(ki[..., :64 * D], 64, D).view(np.int8).reshape(*ki.shape[:2], ntk * 64, D)
+    assert np.array_equal(kc, pre["k_codes"].get()), "K^ in the K/V images differs from the codes"
+    ks = np.ascontiguousarray(ki[..., 128 * D:128 * D + 256]).view(np.float32).reshape(*ki.shape[:2], -1)
+    assert np.array_equal(ks, pre["k_scale"].get()), "key scales in the K/V images differ"
+    return v_t_channels(_unswizzle(ki[..., 64 * D:128 * D], D, 64).view(np.int8))
+
+
 def _assert_same_codes(pre, ref, nq, nk):
     """The pre-pass's Q, K, V codes (unpadded, V back in natural token order) equal the reference's."""
     qc = pre["q_codes"].get()[:, :, :nq]
     kc = pre["k_codes"].get()[:, :, :nk]
-    from sagecupy.int8 import v_t_channels
-
-    vc = _unpermute_tokens(v_t_channels(pre["v_t"]).get(), nk)
+    vc = _unpermute_tokens(_v_channels(pre), nk)
     for name, got, want in (("Q", qc, ref["q_codes"]), ("K", kc, ref["k_codes"]), ("V", vc, ref["v_codes"])):
         diff = np.argwhere(got.astype(np.int32) != want.astype(np.int32))
         assert diff.size == 0, f"{name} codes differ at {len(diff)} places, first {tuple(diff[0])}"
@@ -356,8 +372,8 @@ def test_quantized_operands_bit_identical_to_reference(config, dtype, shape):
     # Padding rows and tokens (up to the tile multiples) hold code 0 and scale 0.
     assert not pre["q_codes"].get()[:, :, Nq:].any() and not pre["q_scale"].get()[:, :, Nq:].any()
     assert not pre["k_codes"].get()[:, :, Nk:].any() and not pre["k_scale"].get()[:, :, Nk:].any()
-    vt = s8.v_t_channels(pre["v_t"])
-    assert not _unpermute_tokens(vt.get(), vt.shape[-1])[:, :, Nk:].any()
+    vt = _v_channels(pre)
+    assert not _unpermute_tokens(vt, vt.shape[-1])[:, :, Nk:].any()
     if config.k_smoothing:
         np.testing.assert_array_equal(pre["mu_k"].get(), ref["mu_k"].astype(np.float32))
 
