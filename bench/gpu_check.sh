@@ -21,7 +21,7 @@ PY
 status=0
 if [ "$what" != bench ] && [ "$what" != examples ]; then
   kexpr=(); [ -n "${SAGECUPY_K:-}" ] && kexpr=(-k "$SAGECUPY_K")
-  timeout 500 python3 -m pytest ${SAGECUPY_TESTS:-tests/gpu} ${kexpr[@]+"${kexpr[@]}"} --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  timeout ${SAGECUPY_TEST_TIMEOUT:-570} python3 -m pytest ${SAGECUPY_TESTS:-tests/gpu} ${kexpr[@]+"${kexpr[@]}"} --require-gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ] || [ -n "${SAGECUPY_ACCURACY:-}" ]; then  # INT8 σ-sweep (SPEC §7) on the GPU kernels
