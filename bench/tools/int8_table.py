@@ -3,6 +3,7 @@ file (the same run).
 
     python bench/tools/int8_table.py RUN.jsonl            # speed table (default config)
     python bench/tools/int8_table.py RUN.jsonl --engines  # kernel time of the mma.sync and wgmma engines
+    python bench/tools/int8_table.py RUN.jsonl --all-n    # every N the run has (default: 4K and 16K)
 
 "fwd kernel" is the ``kernel-wgmma`` row on sm_90 (the kernel the default call runs; the ``kernel`` row times
 the same call first in each case, after the inputs are made, and reads a few percent slower), else ``kernel``.
@@ -22,8 +23,12 @@ def main():
         print("| D | N | causal | fwd kernel TOPS | fwd e2e TOPS | fwd × flash | fwd × cuDNN | bwd e2e TOPS | bwd × flash "
               "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN | fwd × flash, b2b | fwd+bwd × flash, b2b |")
         print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    present = {(r.get("D"), r.get("N")) for r in rows if r.get("impl") == "sagecupy-int8"}
+    ns = sorted({n for _, n in present}) if "--all-n" in sys.argv else (4096, 16384)
     for D in (64, 128):
-        for N in (4096, 16384):
+        for N in ns:
+            if (D, N) not in present:  # a run that timed other shapes (e.g. run_bench.py --ds/--ns)
+                continue
             for c in (False, True):
                 s = dict(impl="sagecupy-int8", config="default", D=D, N=N, causal=c)
                 t = dict(D=D, N=N, causal=c)
