@@ -29,8 +29,9 @@ for (B, H, N, D, causal) in [(1, 8, 4096, 128, False), (1, 4, 517, 128, True)]:
         rows = cp.unique(bad[:, 2]).get() if bad.size else []
         print(f"  {key}: rel_l2 vs exact {rel(o, exact):.5f}; differs from mma/4 in {int(bad.shape[0])} values,"
               f" rows {list(rows[:8])}{'...' if len(rows) > 8 else ''} (n={len(rows)})")
-    pre1 = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=None)[2]
-    pre2 = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=None)[2]
+    # the mma.sync engine's pre-pass: the same codes, with V^T in its own array (the wgmma one writes K/V images)
+    pre1 = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=None, engine="mma")[2]
+    pre2 = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=None, engine="mma")[2]
     for name in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "kv_img", "v_scale", "mu_k", "qmk"):
         a, b = pre1[name], pre2[name]
         if a is None:

@@ -31,7 +31,8 @@ def main():
 
             ms = min(bench.time_ms_b2b(prep, 3, calls=20) for _ in range(2))
             pre = prep()[2]
-            got = [np.asarray(pre[n].get()) for n in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale")]
+            got = [np.asarray(pre[n].get()) for n in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "kv_img", "v_scale")
+                   if pre[n] is not None]  # (wgmma, 64-key tiles: V^T lives in the K/V images, no v_t)
             same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(got, ref)) else " DIFFERS")
             ref = got if ref is None else ref
             line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"

@@ -63,7 +63,8 @@ struct BwdSm90 {
 };
 
 // CTAs per SM the D = 64 kernels' registers are budgeted for (__launch_bounds__): three, 168 registers (dK/dV
-// 203 -> 168 with 64 bytes of spills, dQ 181 -> 168 with 16), instead of two: both kernels together 1.13-1.20x
+// 203 -> 168 with 64 bytes of spills, dQ 181 -> 168 with 16, in the tenth session; with the fourteenth session's
+// stage images dK/dV spills 140 bytes and dQ fits 158 registers), instead of two: both kernels together 1.13-1.20x
 // on the H200 (bench/bwd_variants.py, bench/NOTES.md tenth session; bitwise the same gradients). D = 128 is
 // held to two CTAs by its shared memory anyway. SAGE_BWD_KV_MIN_CTAS / SAGE_BWD_DQ_MIN_CTAS override.
 #ifndef SAGE_BWD_KV_MIN_CTAS

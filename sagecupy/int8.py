@@ -232,6 +232,7 @@ def kernel_constants() -> dict:
         out += [(f"BwdImg<{D}>::Q_STAGE", bwd_images(D)[0]), (f"BwdImg<{D}>::K_STAGE", bwd_images(D)[1])]
     fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
            for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
+    fwd += [(f"FwdImg<{D}>::STAGE", fwd_image(D)) for D in _checks.SUPPORTED_HEAD_DIMS]
     return {"int8_attn_bwd_sm90.cu": out, "int8_attn_fwd_sm90.cu": fwd}
 
 
@@ -429,6 +430,9 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     if engine_arg and forward_engine(engine_arg) != engine:
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
                          f"call _preprocess_forward(..., engine={engine_arg!r})")
+    if engine == "wgmma" and bkv == 64 and pre.get("kv_img") is None:
+        raise ValueError(f"config.block_kv={bkv}: the pre-pass has no K/V stage images (prepared for another "
+                         f"block_kv); call _preprocess_forward with the same config")
     if engine == "wgmma":
         fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
         stages = _fwd90_stages(D, bkv)

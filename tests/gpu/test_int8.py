@@ -592,6 +592,25 @@ def test_engine_argument_errors():
         s8.forward_warps(6)
 
 
+def test_pre_pass_of_another_engine_is_refused():
+    """The wgmma kernels read stage images that only the wgmma pre-passes write (and the mma.sync kernels arrays that
+    only theirs write): launching one engine on the other's pre-pass is a ValueError, not a bad memory access."""
+    import sagecupy.int8 as s8
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("both engines run only on sm_90")
+    (q, k, v, do), _ = _inputs(5, 1, 2, 2, 130, 130, 64, "HND", "float16")
+    p, cfg, pre = s8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=None,
+                                         engine="wgmma")
+    with pytest.raises(ValueError, match="prepared for engine='wgmma'"):
+        s8._launch_forward(p, cfg, pre, "mma")
+    _, res = s8.forward(q, k, v)
+    bpre = s8._preprocess_backward(res, do, "mma")
+    with pytest.raises(ValueError, match="prepared for engine='mma'"):
+        s8._launch_backward(res, bpre, "wgmma")
+
+
 @pytest.mark.parametrize("where", ["q", "k", "v", "do"])
 def test_nan_input_reaches_the_outputs(where):
     """A NaN in an input must show up as NaN where it flows, never as a silent finite value (or a zero
