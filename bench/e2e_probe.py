@@ -6,8 +6,9 @@ Per case (D = 128, N = 4K and 16K, causal and not): the call timed as ``bench.ti
 call, synchronized after each: host time before the first launch counts), the same call back to back (20 calls
 between two events, no synchronization between them: the device's time when the host keeps ahead, as
 ``triton.testing.do_bench`` and ``torch.utils.benchmark`` measure), the kernel alone, the pre-passes alone, the
-host's own time per call (wall time of issuing 20 calls), and SDPA flash both ways. ``--profile``: cProfile of
-100 calls, the 20 functions with the most own time.
+host's own time per call (wall time of issuing 20 calls), and SDPA flash both ways; the kernel and the pre-passes
+are also timed synchronized (their share of the call's synchronization overhead). ``--profile``: cProfile of 100
+calls, the 20 functions with the most own time and the 20 with the most cumulative time.
 """
 import argparse
 import cProfile
@@ -75,7 +76,9 @@ def main():
                 kern = prep = None
             r = dict(synced=bench.time_ms(call, 3, 10), b2b=back_to_back_ms(call), host=host_ms(call))
             if kern is not None:
-                r.update(kernel=back_to_back_ms(kern), prepass=back_to_back_ms(prep), prepass_host=host_ms(prep))
+                r.update(kernel=back_to_back_ms(kern), kernel_synced=bench.time_ms(kern, 3, 10),
+                         prepass=back_to_back_ms(prep), prepass_synced=bench.time_ms(prep, 3, 10),
+                         prepass_host=host_ms(prep))
             try:
                 r["flash_synced"], r["flash_b2b"] = sdpa_ms(D, N, causal)
                 r["x_flash_synced"] = r["flash_synced"] / r["synced"]
@@ -92,7 +95,8 @@ def main():
                     call()
                 pr.disable()
                 cupy.cuda.get_current_stream().synchronize()
-                pstats.Stats(pr).sort_stats("tottime").print_stats(20)
+                for order in ("tottime", "cumulative"):
+                    pstats.Stats(pr).sort_stats(order).print_stats(20)
 
 
 if __name__ == "__main__":

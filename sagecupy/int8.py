@@ -426,11 +426,11 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     lse = cupy.empty((B, Hq, nq), dtype=f32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
     w, bkv = forward_warps(warps), cfg.block_kv
-    engine_arg, engine = engine, pre.get("engine") or forward_engine(engine)
+    engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its K/V images)
     if engine_arg and forward_engine(engine_arg) != engine:
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
                          f"call _preprocess_forward(..., engine={engine_arg!r})")
-    if engine == "wgmma" and bkv == 64 and pre.get("kv_img") is None:
+    if engine == "wgmma" and bkv == 64 and pre["kv_img"] is None:
         raise ValueError(f"config.block_kv={bkv}: the pre-pass has no K/V stage images (prepared for another "
                          f"block_kv); call _preprocess_forward with the same config")
     if engine == "wgmma":
@@ -447,7 +447,7 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
         o, i64(osb), i64(osh), i64(osn), lse, lse2,
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
         i32(int(p.causal)), i32(int(cfg.v_granularity == "block")))
-       + ((pre.get("kv_img"),) if engine == "wgmma" else ()),
+       + ((pre["kv_img"],) if engine == "wgmma" else ()),
        shared_mem=smem)
     return o, lse, lse2
 
