@@ -332,6 +332,12 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // IMG = 1 (with DELTA; the wgmma backward): out is the query-side stage images (common/bwd_img.cuh) and the block's
 // dO^^T, its scales, delta (also into `delta`) and dO itself (the caller's values, K128-swizzled) go into its image.
 // IMG = 2 (the wgmma forward's V): out is the K/V stage images (FwdImg) and the V^^T codes go into their VT part.
+// SAGE_QTP_ROWLOAD (default 1): the block's rows are first staged in shared memory with row-contiguous loads (the
+// per-thread 4 tokens x 8 channels loads read 16 rows x 32 bytes per warp instruction: ~2 TB/s), and the delta of
+// each row is summed along the row. 0: the direct per-thread loads.
+#ifndef SAGE_QTP_ROWLOAD
+#define SAGE_QTP_ROWLOAD 1
+#endif
 template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
@@ -343,6 +349,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
   constexpr int WARPS = D / 16;
+  constexpr bool ROWLOAD = SAGE_QTP_ROWLOAD != 0;
   __shared__ __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
   __shared__ float wmax[WARPS];
   const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
@@ -350,9 +357,58 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
   const int hf = tg / 4, t = tg % 4;
   float v[4][8];
-  float ov[DELTA ? 4 : 1][8];
+  float ov[DELTA && !ROWLOAD ? 4 : 1][8];
+  using Img = BwdImg<D>;
+  constexpr int IMG_STAGE = IMG == 1 ? Img::Q_STAGE : FwdImg<D>::STAGE;
+  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
+                  : nullptr;
+  if constexpr (ROWLOAD) {
+    // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
+    // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
+    // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
+    constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
+    __shared__ __align__(16) char stile[64 * RS];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
+    for (int j = 0; j < PASSES; ++j) {
+      const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
+      const bool ok = tok < n;
+      const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
+                         : make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
+      if constexpr (IMG == 1) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
+      if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
+        float f[8], g8[8];
+        const uint4 uo = ok ? *reinterpret_cast<const uint4*>(o + b * osb + h * osh + tok * osn + 8 * c)
+                            : make_uint4(0u, 0u, 0u, 0u);
+        const T* e = reinterpret_cast<const T*>(&u);
+        const T* eo = reinterpret_cast<const T*>(&uo);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          f[i] = to_float(e[i]);
+          g8[i] = to_float(eo[i]);
+        }
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d = fmaf(f[i], g8[i], d);
+#pragma unroll
+        for (int m = 1; m < CPR; m <<= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+        if (c == 0) {
+          delta[bh * n_pad + blk * 64 + r] = d;  // 0 beyond n
+          if constexpr (IMG == 1) reinterpret_cast<float*>(img + Img::Q_DELTA)[r] = d;
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint4 u = *reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[k][i] = to_float(e[i]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4 && !ROWLOAD; ++k) {
     const int tok = blk * 64 + 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
     if (tok < n) {
       load8(x + b * sb + h * sh + tok * sn + c0, v[k]);
@@ -366,11 +422,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       }
     }
   }
-  using Img = BwdImg<D>;
-  constexpr int IMG_STAGE = IMG == 1 ? Img::Q_STAGE : FwdImg<D>::STAGE;
-  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
-                  : nullptr;
-  if constexpr (IMG == 1) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
+  if constexpr (IMG == 1 && !ROWLOAD) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int r = 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
@@ -380,7 +432,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     }
   }
   __shared__ float sdelta[DELTA ? WARPS : 1][64];
-  if constexpr (DELTA) {
+  if constexpr (DELTA && !ROWLOAD) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       float d = 0.f;
@@ -435,7 +487,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     words[c0 + c][tg] = w;
   }
   __syncthreads();
-  if constexpr (DELTA) {
+  if constexpr (DELTA && !ROWLOAD) {
     if (threadIdx.x < 64) {
       float d = 0.f;
 #pragma unroll
