@@ -1,5 +1,7 @@
-"""Device time of the INT8 forward's pre-passes (smoothing mean, Q/K/V quantization) under kernel defines, calls
-issued back to back, with the codes compared bitwise against the first variant's. On the GPU machine:
+"""Device time of the INT8 pre-passes (backward: delta, dO quantization, transposes or stage images; forward:
+smoothing mean, Q/K/V quantization) under kernel defines, calls issued back to back, with the codes compared bitwise
+against the first variant's (the backward's delta to fp32 rounding: its summation order may differ). On the GPU
+machine:
 
     python bench/prepass_variants.py --defines ";NAME=1"   # the default build against one with -DNAME=1
 
@@ -21,8 +23,25 @@ def main():
     a = ap.parse_args()
     variants = a.defines.split(";")
     for N in (4096, 16384):
-        B, H, (q, k, v, _) = bench._inputs(a.d, N, "bfloat16")
-        line, ref = f"D={a.d} N={N:<6}", None
+        B, H, (q, k, v, do) = bench._inputs(a.d, N, "bfloat16")
+        _, res = int8.forward(q, k, v)
+        line, ref = f"backward D={a.d} N={N:<6}", None
+        for dfn in variants:  # the backward's pre-passes: images bitwise, delta to fp32 rounding
+            set_variant(dfn)
+            ms = min(bench.time_ms_b2b(lambda: int8._preprocess_backward(res, do), 3, calls=20) for _ in range(2))
+            pre = int8._preprocess_backward(res, do)
+            got = [np.asarray(pre[n].get()) for n in ("q_img", "k_img", "do_t", "q_t", "k_t", "do_scale") if n in pre]
+            dl = np.asarray(pre["delta"].get())
+            if ref is None:
+                same = ""
+            else:
+                img_same = all(np.array_equal(x, y) for x, y in zip(got, ref[0]))
+                same = f" {'=' if img_same else 'DIFFERS'} delta max rel {np.max(np.abs(dl - ref[1]) / (np.abs(ref[1]) + 1e-30)):.1e}"
+            ref = (got, dl) if ref is None else ref
+            line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"
+        set_variant(None)
+        print(line, flush=True)
+        line, ref = f"forward  D={a.d} N={N:<6}", None
         for dfn in variants:
             set_variant(dfn)
 

@@ -332,6 +332,12 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // IMG = 1 (with DELTA; the wgmma backward): out is the query-side stage images (common/bwd_img.cuh) and the block's
 // dO^^T, its scales, delta (also into `delta`) and dO itself (the caller's values, K128-swizzled) go into its image.
 // IMG = 2 (the wgmma forward's V): out is the K/V stage images (FwdImg) and the V^^T codes go into their VT part.
+// SAGE_QTP_ROWLOAD (default 1): the block's rows are first staged in shared memory with row-contiguous loads (the
+// per-thread 4 tokens x 8 channels loads read 16 rows x 32 bytes per warp instruction: ~2 TB/s), and the delta of
+// each row is summed along the row. 0: the direct per-thread loads.
+#ifndef SAGE_QTP_ROWLOAD
+#define SAGE_QTP_ROWLOAD 1
+#endif
 template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
@@ -343,6 +349,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
   constexpr int WARPS = D / 16;
+  constexpr bool ROWLOAD = SAGE_QTP_ROWLOAD != 0;
   __shared__ __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
   __shared__ float wmax[WARPS];
   const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
@@ -350,9 +357,58 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
   const int hf = tg / 4, t = tg % 4;
   float v[4][8];
-  float ov[DELTA ? 4 : 1][8];
+  float ov[DELTA && !ROWLOAD ? 4 : 1][8];
+  using Img = BwdImg<D>;
+  constexpr int IMG_STAGE = IMG == 1 ? Img::Q_STAGE : FwdImg<D>::STAGE;
+  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
+                  : nullptr;
+  if constexpr (ROWLOAD) {
+    // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
+    // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
+    // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
+    constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
+    __shared__ __align__(16) char stile[64 * RS];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
+    for (int j = 0; j < PASSES; ++j) {
+      const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
+      const bool ok = tok < n;
+      const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
+                         : make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
+      if constexpr (IMG == 1) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
+      if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
+        float f[8], g8[8];
+        const uint4 uo = ok ? *reinterpret_cast<const uint4*>(o + b * osb + h * osh + tok * osn + 8 * c)
+                            : make_uint4(0u, 0u, 0u, 0u);
+        const T* e = reinterpret_cast<const T*>(&u);
+        const T* eo = reinterpret_cast<const T*>(&uo);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          f[i] = to_float(e[i]);
+          g8[i] = to_float(eo[i]);
+        }
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d = fmaf(f[i], g8[i], d);
+#pragma unroll
+        for (int m = 1; m < CPR; m <<= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+        if (c == 0) {
+          delta[bh * n_pad + blk * 64 + r] = d;  // 0 beyond n
+          if constexpr (IMG == 1) reinterpret_cast<float*>(img + Img::Q_DELTA)[r] = d;
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint4 u = *reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[k][i] = to_float(e[i]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4 && !ROWLOAD; ++k) {
     const int tok = blk * 64 + 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
     if (tok < n) {
       load8(x + b * sb + h * sh + tok * sn + c0, v[k]);
@@ -366,11 +422,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       }
     }
   }
-  using Img = BwdImg<D>;
-  constexpr int IMG_STAGE = IMG == 1 ? Img::Q_STAGE : FwdImg<D>::STAGE;
-  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
-                  : nullptr;
-  if constexpr (IMG == 1) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
+  if constexpr (IMG == 1 && !ROWLOAD) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int r = 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
@@ -380,7 +432,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     }
   }
   __shared__ float sdelta[DELTA ? WARPS : 1][64];
-  if constexpr (DELTA) {
+  if constexpr (DELTA && !ROWLOAD) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       float d = 0.f;
@@ -435,7 +487,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     words[c0 + c][tg] = w;
   }
   __syncthreads();
-  if constexpr (DELTA) {
+  if constexpr (DELTA && !ROWLOAD) {
     if (threadIdx.x < 64) {
       float d = 0.f;
 #pragma unroll
@@ -502,51 +554,70 @@ bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, 
                                                     reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta);
 }
 
-// int8 transpose of 64 tokens of (B*H, n_pad, D) codes into the tile-major (B*H, n_pad / 64, D, 64), optionally
-// mma-permuting the token order within each 32-token group (position 16 hf + 4 t + k of a 32-group holds token
-// 16 hf + 2 t + (k & 1) + 8 (k >> 1), as quant_transpose_perm writes V and dO); block 256.
-// The block is staged as 32-bit words with one word of row padding (16-byte coalesced loads); each thread then
-// takes 4 tokens x 4 channels (four words), transposes them in registers (eight byte permutes) and stores four
-// words, 16 threads per 64-byte output row. (The byte-wise version before it: 64 us at B = 4, H = 16, N = 4K,
-// D = 128, 37% of DRAM bandwidth, ALU-bound.)
-template <int D, bool PERM>
-__device__ __forceinline__ void transpose_i8_body(const signed char* __restrict__ in, int n_pad,
-                                                  signed char* __restrict__ out, int blk, long long bh) {
-  constexpr int W = D / 4 + 1;           // words per staged row
-  constexpr int PIECES = 64 * D / 16;    // 16-byte pieces of the block
-  constexpr int UNITS = 16 * (D / 4);    // (4 positions, 4 channels) units of the output
-  static_assert(PIECES % 256 == 0 && UNITS % 256 == 0, "whole passes of 256 threads");
-  __shared__ unsigned tile[64][W];
-  const signed char* src = in + (bh * n_pad + blk * 64) * D;
+template <int D>
+using CodeWords = unsigned[64][D / 4 + 1];  // a staged block: 32-bit words, one word of row padding
+
+// Stage 64 rows of D code bytes (16-byte coalesced loads) as words; with `img`, also store the block's swizzled
+// image (swz<D>, the kernels' tile layout) from the same loads. Block 256.
+template <int D>
+__device__ __forceinline__ void stage_code_words(CodeWords<D>& tile, const signed char* __restrict__ src, char* img) {
+  constexpr int PIECES = 64 * D / 16;  // 16-byte pieces of the block
+  static_assert(PIECES % 256 == 0, "whole passes of 256 threads");
   uint4 ld[PIECES / 256];
 #pragma unroll
   for (int i = 0; i < PIECES / 256; ++i) ld[i] = *reinterpret_cast<const uint4*>(src + (threadIdx.x + 256 * i) * 16);
 #pragma unroll
   for (int i = 0; i < PIECES / 256; ++i) {
-    const int idx = threadIdx.x + 256 * i, r = idx / (D / 16), w = (idx % (D / 16)) * 4;
+    const int idx = threadIdx.x + 256 * i, r = idx / (D / 16), c = idx % (D / 16), w = 4 * c;
+    if (img) *reinterpret_cast<uint4*>(img + swz<D>(r, c)) = ld[i];
     tile[r][w] = ld[i].x;
     tile[r][w + 1] = ld[i].y;
     tile[r][w + 2] = ld[i].z;
     tile[r][w + 3] = ld[i].w;
   }
-  __syncthreads();
+}
+
+// The staged block transposed, 4 positions x 4 channels per unit: this thread's units (tg = tid % 16: positions
+// 4 tg .. 4 tg + 3; channels 4 cq .. 4 cq + 3) go to store(cq, out), out[e] = channel 4 cq + e's 4 tokens (one
+// word). PERM: position 16 hf + 4 t + k of a 32-group holds token 16 hf + 2 t + (k & 1) + 8 (k >> 1) (hf = tg / 4,
+// t = tg % 4), as quant_transpose_perm writes V and dO. Eight byte permutes per unit.
+template <int D, bool PERM, typename F>
+__device__ __forceinline__ void transposed_code_units(const CodeWords<D>& tile, F&& store) {
+  constexpr int UNITS = 16 * (D / 4);
+  static_assert(UNITS % 256 == 0, "whole passes of 256 threads");
   const int tg = threadIdx.x % 16, hf = tg / 4, t = tg % 4;
-  signed char* dst = out + (bh * (n_pad / 64) + blk) * D * 64 + 4 * tg;
 #pragma unroll
   for (int j = 0; j < UNITS / 256; ++j) {
-    const int cq = threadIdx.x / 16 + 16 * j;  // channels 4 cq .. 4 cq + 3
+    const int cq = threadIdx.x / 16 + 16 * j;
     unsigned w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) w[k] = tile[PERM ? 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1) : 4 * tg + k][cq];
-    // 4 x 4 bytes: word k holds token k's channels; output word c holds channel c's tokens.
+    // 4 x 4 bytes: word k holds token k's channels; output word e holds channel e's tokens.
     const unsigned a = __byte_perm(w[0], w[1], 0x5140), bb = __byte_perm(w[0], w[1], 0x7362);
     const unsigned c = __byte_perm(w[2], w[3], 0x5140), d = __byte_perm(w[2], w[3], 0x7362);
-    unsigned* row = reinterpret_cast<unsigned*>(dst + 4 * cq * 64);
-    row[0] = __byte_perm(a, c, 0x5410);
-    row[16] = __byte_perm(a, c, 0x7632);
-    row[32] = __byte_perm(bb, d, 0x5410);
-    row[48] = __byte_perm(bb, d, 0x7632);
+    const unsigned out[4] = {__byte_perm(a, c, 0x5410), __byte_perm(a, c, 0x7632), __byte_perm(bb, d, 0x5410),
+                             __byte_perm(bb, d, 0x7632)};
+    store(cq, out);
   }
+}
+
+// int8 transpose of 64 tokens of (B*H, n_pad, D) codes into the tile-major (B*H, n_pad / 64, D, 64), optionally
+// mma-permuting the token order within each 32-token group; block 256. (The byte-wise version before the staged
+// words and the register transpose: 64 us at B = 4, H = 16, N = 4K, D = 128, 37% of DRAM bandwidth, ALU-bound.)
+template <int D, bool PERM>
+__device__ __forceinline__ void transpose_i8_body(const signed char* __restrict__ in, int n_pad,
+                                                  signed char* __restrict__ out, int blk, long long bh) {
+  __shared__ CodeWords<D> tile;
+  stage_code_words<D>(tile, in + (bh * n_pad + blk * 64) * D, nullptr);
+  __syncthreads();
+  signed char* dst = out + (bh * (n_pad / 64) + blk) * D * 64 + 4 * (threadIdx.x % 16);
+  transposed_code_units<D, PERM>(tile, [&](int cq, const unsigned (&o)[4]) {
+    unsigned* row = reinterpret_cast<unsigned*>(dst + 4 * cq * 64);  // 16 threads per 64-byte output row
+    row[0] = o[0];
+    row[16] = o[1];
+    row[32] = o[2];
+    row[48] = o[3];
+  });
 }
 
 // The wgmma backward's stage images from the forward's residuals (common/bwd_img.cuh): heads y < Hq fill the
@@ -560,9 +631,8 @@ bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               int nk_pad, const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk,
               char* __restrict__ k_img, int Hq, int Hkv) {
   using Img = BwdImg<D>;
-  constexpr int W = D / 4 + 1, PIECES = 64 * D / 16, UNITS = 16 * (D / 4);
-  static_assert(PIECES % 256 == 0 && UNITS % 256 == 0 && (8 * D) % 256 == 0, "whole passes of 256 threads");
-  __shared__ unsigned tile[64][W];
+  static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
+  __shared__ CodeWords<D> tile;
   const int y = blockIdx.y, blk = blockIdx.x, b = blockIdx.z;
   const bool qside = y < Hq;
   const int n_pad = qside ? nq_pad : nk_pad, hk = y - Hq;
@@ -570,19 +640,7 @@ bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   const long long bh = qside ? static_cast<long long>(b) * Hq + y : static_cast<long long>(b) * Hkv + hk;
   const long long tile_idx = bh * (n_pad / 64) + blk;
   char* img = qside ? q_img + tile_idx * Img::Q_STAGE : k_img + tile_idx * Img::K_STAGE;
-  const signed char* src = (qside ? qc : kc) + (bh * n_pad + blk * 64) * D;
-  uint4 ld[PIECES / 256];
-#pragma unroll
-  for (int i = 0; i < PIECES / 256; ++i) ld[i] = *reinterpret_cast<const uint4*>(src + (threadIdx.x + 256 * i) * 16);
-#pragma unroll
-  for (int i = 0; i < PIECES / 256; ++i) {
-    const int idx = threadIdx.x + 256 * i, r = idx / (D / 16), c = idx % (D / 16), w = 4 * c;
-    *reinterpret_cast<uint4*>(img + swz<D>(r, c)) = ld[i];  // Q^ / K^ at offset 0 of either image
-    tile[r][w] = ld[i].x;
-    tile[r][w + 1] = ld[i].y;
-    tile[r][w + 2] = ld[i].z;
-    tile[r][w + 3] = ld[i].w;
-  }
+  stage_code_words<D>(tile, (qside ? qc : kc) + (bh * n_pad + blk * 64) * D, img);  // Q^ / K^ at offset 0
   // The tile's vectors: q scales and lse2, or key scales.
   const float* vec = qside ? (threadIdx.x < 16 ? qs : lse2) : ks;
   if (threadIdx.x < (qside ? 32 : 16)) {
@@ -602,22 +660,11 @@ bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   __syncthreads();
   const int tg = threadIdx.x % 16, hf = tg / 4, t = tg % 4;
   char* dst_t = img + (qside ? Img::Q_QT : Img::K_KT) + 4 * t;
+  transposed_code_units<D, true>(tile, [&](int cq, const unsigned (&o)[4]) {
 #pragma unroll
-  for (int j = 0; j < UNITS / 256; ++j) {
-    const int cq = threadIdx.x / 16 + 16 * j;  // channels 4 cq .. 4 cq + 3
-    unsigned w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = tile[16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)][cq];
-    const unsigned a = __byte_perm(w[0], w[1], 0x5140), bb = __byte_perm(w[0], w[1], 0x7362);
-    const unsigned c = __byte_perm(w[2], w[3], 0x5140), d = __byte_perm(w[2], w[3], 0x7362);
-    const unsigned out[4] = {__byte_perm(a, c, 0x5410), __byte_perm(a, c, 0x7632), __byte_perm(bb, d, 0x5410),
-                             __byte_perm(bb, d, 0x7632)};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int ch = 4 * cq + e;  // row of the transposed tile; positions 4 tg .. 4 tg + 3 = 16-byte chunk hf
-      *reinterpret_cast<unsigned*>(dst_t + swz<64>(ch, hf)) = out[e];
-    }
-  }
+    for (int e = 0; e < 4; ++e)  // row 4 cq + e of the transposed tile; positions 4 tg .. 4 tg + 3 = 16-byte chunk hf
+      *reinterpret_cast<unsigned*>(dst_t + swz<64>(4 * cq + e, hf)) = o[e];
+  });
 }
 
 // The backward's two transposes (Q codes: heads y < Hq, K codes: the others) in one launch.
