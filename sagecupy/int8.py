@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from . import _checks
 
 from ._loader import device_capability, get_function
+from ._program import Plans, Program, Ref, env_key, signature
 from .config import SageBwdConfig, get_config
 
 __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
@@ -90,10 +91,7 @@ def _prepare(x, name, layout, need_aligned):
     import cupy
 
     x = _checks.raw(_checks.as_cupy(x, name))
-    ok = x.strides[3] == x.itemsize
-    if ok and need_aligned:
-        ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:3])
-    if ok:
+    if not _needs_copy(x, need_aligned):
         return x
     y = cupy.ascontiguousarray(x)
     # ascontiguousarray returns a C-contiguous array itself, even at a misaligned address (a view at an odd
@@ -285,28 +283,100 @@ def _column_stat(x, strides, T, shape, absmax):
     return out
 
 
-def _column_stats_kv(k, kstrides, v, vstrides, T, shape):
-    """:func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: (mu_k, v_scale)."""
+def _column_stats_kv(prog, T, shape, strides_k, strides_v):
+    """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale)
+    to views of one (2, B, H, D) float32 array. Inputs ``"k"``, ``"v"`` of the program's namespace."""
     import cupy
 
     B, H, n, D = shape
     i32, i64 = cupy.int32, cupy.int64
     nchunk = (n + 255) // 256
-    part_k = cupy.empty((B, H, nchunk, D), dtype=cupy.float64)
-    part_v = cupy.empty((B, H, nchunk, D), dtype=cupy.float32)
-    _qfn(f"column_partial_kv<{T}, {D}>", T, D)(
-        (nchunk, H, 2 * B), (256,),
-        (k, *(i64(s) for s in kstrides), v, *(i64(s) for s in vstrides), i32(n), part_k, part_v))
-    out = cupy.empty((2, B, H, D), dtype=cupy.float32)
-    _qfn("column_finish_kv", T, D)((2 * B * H,), (D,), (part_k, part_v, i32(nchunk), i32(n), i32(D), out[0], out[1]))
-    return out[0], out[1]
+    part_k = prog.empty("part_k", (B, H, nchunk, D), cupy.float64)
+    part_v = prog.empty("part_v", (B, H, nchunk, D), cupy.float32)
+    prog.launch(_qfn(f"column_partial_kv<{T}, {D}>", T, D), (nchunk, H, 2 * B), (256,),
+                (Ref("k"), *(i64(s) for s in strides_k), Ref("v"), *(i64(s) for s in strides_v), i32(n), part_k,
+                 part_v))
+    out = prog.empty("colstats", (2, B, H, D), cupy.float32)
+    mu_k, v_scale = prog.view("mu_k", out, 0), prog.view("v_scale", out, 1)
+    prog.launch(_qfn("column_finish_kv", T, D), (2 * B * H,), (D,),
+                (part_k, part_v, i32(nchunk), i32(n), i32(D), mu_k, v_scale))
+    return mu_k, v_scale
+
+
+def _column_stat_rec(prog, name, x, strides, T, shape, absmax):
+    """Record :func:`_column_stat` of input ``x`` (a Ref) into ``name``."""
+    import cupy
+
+    B, H, n, D = shape
+    i32, i64 = cupy.int32, cupy.int64
+    nchunk = (n + 255) // 256
+    part = prog.empty(name + "_part", (B, H, nchunk, D), cupy.float32 if absmax else cupy.float64)
+    flag = "true" if absmax else "false"
+    prog.launch(_qfn(f"column_partial<{T}, {D}, {flag}>", T, D), (nchunk, H, B), (256,),
+                (x, *(i64(s) for s in strides), i32(n), part))
+    out = prog.empty(name, (B, H, D), cupy.float32)
+    prog.launch(_qfn(f"column_finish<{flag}>", T, D), (B * H,), (D,), (part, i32(nchunk), i32(n), i32(D), out))
+    return out
+
+
+def _c_strides(shape, layout):
+    """:func:`_strides` of a C-contiguous array of ``shape`` (the layout's own order)."""
+    _, a1, a2, d = shape
+    s = (a1 * a2 * d, a2 * d, d)
+    return s if layout == "HND" else (s[0], s[2], s[1])
+
+
+def _needs_copy(x, need_aligned):
+    """Whether :func:`_prepare` copies the raw CuPy array ``x``."""
+    ok = x.strides[3] == x.itemsize
+    if ok and need_aligned:
+        ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:3])
+    return not ok
+
+
+class _FwdPlan:
+    """What a forward call signature determines: the problem, the config, the engine, which inputs are copied
+    (strided or misaligned), the pre-pass program and the attention launch programs (by launch options)."""
+
+    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches")
+
+    def __init__(self, p, cfg, engine, copy, prog):
+        self.p, self.cfg, self.engine, self.copy, self.prog, self.launches = p, cfg, engine, copy, prog, {}
+
+
+_FWD_PLANS = Plans()
+_PRE_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale", "qmk", "mu_k", "v", "kv_img")
 
 
 def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None):
-    """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state)."""
+    """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state).
+    The first call with a signature validates and records its program (sagecupy/_program.py); later ones replay
+    it."""
+    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    try:
+        key = (signature(q), signature(k), signature(v), causal, type(causal), sm_scale, type(sm_scale), layout,
+               config, engine, warps, type(warps), env_key())
+        plan = _FWD_PLANS.get(key)
+    except TypeError:  # an unhashable argument: the validation names it
+        key = plan = None
+    if plan is None:
+        plan = _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
+                             engine=engine, warps=warps)
+        if key is not None:
+            _FWD_PLANS.put(key, plan)
+    layout = plan.p.layout
+    ns = {n: (_prepare(x, n, layout, True) if c else _checks.raw(x))
+          for n, x, c in (("q", q, plan.copy[0]), ("k", k, plan.copy[1]), ("v", v, plan.copy[2]))}
+    plan.prog.run(ns)
+    pre = {n: ns.get(n) for n in _PRE_NAMES}
+    pre["engine"], pre["plan"] = plan.engine, plan
+    return plan.p, plan.cfg, pre
+
+
+def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
+    """Validate a forward call (CuPy arrays or BF16Arrays) and record its pre-pass program: a :class:`_FwdPlan`."""
     import cupy
 
-    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
     cfg = get_config(config)
     why = _unsupported_config(cfg)
@@ -315,9 +385,9 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     _check_device()
     engine = forward_engine(engine)  # validate before any work
     forward_warps(warps)
-    q = _prepare(q, "q", layout, True)  # the pre-passes read rows with 16-byte loads
-    k = _prepare(k, "k", layout, True)
-    v = _prepare(v, "v", layout, True)
+    # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)
+    copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
+    q, k, v = (_prepare(x, n, layout, True) if c else _checks.raw(x) for x, n, c in zip((q, k, v), "qkv", copy))
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
     nq_pad, nk_pad = _roundup(nq, _FWD_BQ), _roundup(nk, _FWD_BKV)
@@ -325,45 +395,44 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     ksb, ksh, ksn = _strides(k, layout)
     vsb, vsh, vsn = _strides(v, layout)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-
-    def column_stat(x, strides, absmax):
-        return _column_stat(x, strides, T, (B, Hkv, nk, D), absmax)
+    prog = Program()
+    rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
 
     # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
     v_channel = cfg.v_granularity == "channel"
     if cfg.k_smoothing and v_channel:
-        mu_k, v_scale = _column_stats_kv(k, (ksb, ksh, ksn), v, (vsb, vsh, vsn), T, (B, Hkv, nk, D))
+        mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn))
     else:
-        mu_k = column_stat(k, (ksb, ksh, ksn), False) if cfg.k_smoothing else None
-        v_scale = column_stat(v, (vsb, vsh, vsn), True) if v_channel else None
+        mu_k = (_column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
+                if cfg.k_smoothing else None)
+        v_scale = (_column_stat_rec(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True)
+                   if v_channel else None)
     # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
     # qmk = sm_scale * q . mu_K for the LSE. K: psi(K - mu_K) per token or per 64-row block.
-    q_codes = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.int8)
-    q_scale = cupy.empty((B, Hq, nq_pad), dtype=f32)
-    qmk = cupy.empty((B, Hq, nq_pad), dtype=f32) if mu_k is not None else None
-    k_codes = cupy.empty((B, Hkv, nk_pad, D), dtype=cupy.int8)
-    k_scale = cupy.empty((B, Hkv, nk_pad), dtype=f32)
+    q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8)
+    q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32)
+    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32) if mu_k is not None else None
+    k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8)
+    k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32)
     # The wgmma kernel with 64-key tiles copies each K/V stage from a per-tile image (K^ swizzled, V^T, key scales:
     # kernels_cu/common/bwd_img.cuh FwdImg) with bulk copies; the K pass and the V pass write it.
-    kv_img = (cupy.empty((B, Hkv, nk_pad // 64, fwd_image(D)), dtype=cupy.uint8)
+    kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
               if engine == "wgmma" and cfg.block_kv == 64 else None)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
-        _qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D)(
-            (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
-            (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
-             qmk, k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
-             kv_img))
+        prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),
+                    (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
+                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
+                     f32(LOG2E), qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k,
+                     i32(Hq), i32(Hkv), kv_img))
     else:
         rpw, grouped = (4, "false") if cfg.q_granularity == "token" else (16, "true")
-        _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
-            (nq_pad // (8 * rpw), Hq, B), (256,),
-            (q, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale),
-             q_codes, q_scale, f32(LOG2E), mu_k, i32(p.group), f32(p.sm_scale), qmk, None))
+        prog.launch(_qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D), (nq_pad // (8 * rpw), Hq, B), (256,),
+                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), None, i32(1), f32(p.sm_scale),
+                     q_codes, q_scale, f32(LOG2E), mu_k, i32(p.group), f32(p.sm_scale), qmk, None))
         rpw, grouped = (4, "false") if cfg.k_granularity == "token" else (8, "true")
-        _qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D)(
-            (nk_pad // (8 * rpw), Hkv, B), (256,),
-            (k, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
-             k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None, kv_img))
+        prog.launch(_qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D), (nk_pad // (8 * rpw), Hkv, B), (256,),
+                    (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
+                     k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None, kv_img))
     # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted; tile-major
     # (B, Hkv, nk_pad / 64, D, 64) for the kernels' 64-key tiles (whole 128-byte lines per copied tile row pair:
     # 1.02x forward kernel on the H200, bench/NOTES.md eleventh session), (B, Hkv, D, nk_pad) for 128-key tiles.
@@ -372,21 +441,17 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     if v_channel:
         mode = 0
     else:
-        v_scale = cupy.empty((B, Hkv, nk_pad // 64, D), dtype=f32)
+        v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32)
         mode = 2
     if kv_img is not None:
-        v_t = None
-        _qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D)(
-            (nk_pad // 64, Hkv, B), (2 * D,),
-            (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))
+        prog.launch(_qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
+                    (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))
     else:
-        v_t = cupy.empty((B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), dtype=cupy.int8)
-        _qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D)(
-            (nk_pad // 64, Hkv, B), (2 * D,),
-            (v, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t, i32(int(tile_major))))
-    pre = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale, v_t=v_t, v_scale=v_scale,
-               qmk=qmk, mu_k=mu_k, v=v, kv_img=kv_img, engine=engine)
-    return p, cfg, pre
+        v_t = prog.empty("v_t", (B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), cupy.int8)
+        prog.launch(_qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
+                    (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t,
+                     i32(int(tile_major))))
+    return _FwdPlan(p, cfg, engine, copy, prog)
 
 
 def v_t_channels(v_t):
@@ -414,17 +479,29 @@ def forward_warps(warps: int | None = None) -> int:
 
 
 def _launch_forward(p, cfg, pre, engine=None, warps=None):
-    """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2)."""
+    """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
+    recorded once per (pre-pass plan, engine, warps, environment)."""
+    plan = pre.get("plan")
+    try:
+        key = (engine, warps, type(warps), env_key())
+        prog = plan.launches.get(key) if plan is not None and plan.p is p and plan.cfg is cfg else None
+    except TypeError:
+        key = prog = None
+    if prog is None:
+        prog = _forward_launch_program(p, cfg, pre, engine, warps)
+        if key is not None and plan is not None and plan.p is p and plan.cfg is cfg:
+            plan.launches[key] = prog
+    ns = prog.run({n: pre[n] for n in _PRE_NAMES})
+    return ns["o"], ns["lse"], ns["lse2"]
+
+
+def _forward_launch_program(p, cfg, pre, engine, warps):
     import cupy
 
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
     nq_pad, nk_pad = pre["q_codes"].shape[2], pre["k_codes"].shape[2]
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    o = _empty((B, Hq, nq, D), layout, p.dtype)
-    osb, osh, osn = _strides(o, layout)
-    lse = cupy.empty((B, Hq, nq), dtype=f32)
-    lse2 = cupy.empty((B, Hq, nq_pad), dtype=f32)
     w, bkv = forward_warps(warps), cfg.block_kv
     engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its K/V images)
     if engine_arg and forward_engine(engine_arg) != engine:
@@ -442,14 +519,24 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     smem = _fwd_smem(D, w, bkv, stages)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    fn((nq_pad // (16 * w), Hq, B), (32 * w,),
-       (pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v_t"], pre["v_scale"], pre["qmk"],
-        o, i64(osb), i64(osh), i64(osn), lse, lse2,
-        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-        i32(int(p.causal)), i32(int(cfg.v_granularity == "block")))
-       + ((pre["kv_img"],) if engine == "wgmma" else ()),
-       shared_mem=smem)
-    return o, lse, lse2
+    prog = Program()
+    o_shape = (B, Hq, nq, D) if layout == "HND" else (B, nq, Hq, D)
+    o = prog.empty("o", o_shape, cupy.float16 if p.dtype == "float16" else cupy.uint16)
+    osb, osh, osn = _c_strides(o_shape, layout)
+    lse = prog.empty("lse", (B, Hq, nq), f32)
+    lse2 = prog.empty("lse2", (B, Hq, nq_pad), f32)
+
+    def arg(name):  # a pre-pass array (None stays None: the kernel ignores it)
+        return Ref(name) if pre[name] is not None else None
+
+    prog.launch(fn, (nq_pad // (16 * w), Hq, B), (32 * w,),
+                (arg("q_codes"), arg("q_scale"), arg("k_codes"), arg("k_scale"), arg("v_t"), arg("v_scale"),
+                 arg("qmk"), o, i64(osb), i64(osh), i64(osn), lse, lse2,
+                 i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
+                 i32(int(p.causal)), i32(int(cfg.v_granularity == "block")))
+                + ((arg("kv_img"),) if engine == "wgmma" else ()),
+                shared_mem=smem)
+    return prog
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
@@ -493,89 +580,141 @@ def bwd_images(D):
     return 320 * D + (192 + D) * 4, 256 * D + 256
 
 
+class _BwdPlan:
+    """What a backward call signature determines: whether dO is copied, the engine, the pre-pass program and the
+    kernel launch programs (by launch options)."""
+
+    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches")
+
+    def __init__(self, p, cfg, engine, copy, prog):
+        self.p, self.cfg, self.engine, self.copy, self.prog, self.launches = p, cfg, engine, copy, prog, {}
+
+
+_BWD_PLANS = Plans()
+_RES_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v", "o", "lse2")
+_BPRE_NAMES = ("do", "delta", "q_img", "k_img", "do_t", "do_scale", "q_t", "k_t")
+
+
 def _preprocess_backward(residuals, do, engine=None):
     """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed (mma-permuted) Q and K codes. On the wgmma engine
     they go, with Q^, K^, dO, V and the per-token vectors, into per-tile stage images (kernels_cu/common/bwd_img.cuh)
-    that the kernels copy with one bulk copy per stage."""
-    import cupy
-
+    that the kernels copy with one bulk copy per stage. Recorded once per call signature (sagecupy/_program.py)."""
     if not isinstance(residuals, Residuals):
         raise TypeError(f"residuals must be the Residuals returned by sagecupy.int8.forward, got "
                         f"{type(residuals).__name__}")
-    r, p, cfg = residuals, residuals.problem, residuals.config
+    r = residuals
     do = _checks.as_cupy(do, "do")
+    try:
+        key = (r.problem, r.config, signature(r.v), signature(r.o), r.q_codes.shape, r.k_codes.shape, signature(do),
+               engine, env_key())
+        plan = _BWD_PLANS.get(key)
+    except TypeError:
+        key = plan = None
+    if plan is None:
+        plan = _backward_plan(r, do, engine)
+        if key is not None:
+            _BWD_PLANS.put(key, plan)
+    ns = {n: getattr(r, n) for n in _RES_NAMES}
+    ns["do"] = _prepare(do, "do", plan.p.layout, True) if plan.copy else _checks.raw(do)
+    plan.prog.run(ns)
+    pre = {n: ns[n] for n in _BPRE_NAMES if n in ns}
+    pre["engine"], pre["plan"] = plan.engine, plan
+    return pre
+
+
+def _backward_plan(r, do, engine):
+    import cupy
+
+    p, cfg = r.problem, r.config
     if tuple(do.shape) != tuple(r.o.shape):
         raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {tuple(r.o.shape)}")
     if _checks.dtype_name(do.dtype) != p.dtype:
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
-    do = _prepare(do, "do", p.layout, True)
+    copy = _needs_copy(_checks.raw(do), True)
+    do = _prepare(do, "do", p.layout, True) if copy else _checks.raw(do)
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq = p.batch, p.heads_q, p.heads_kv, p.nq
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     dsb, dsh, dsn = _strides(do, p.layout)
     osb, osh, osn = _strides(r.o, p.layout)
-
     engine = backward_engine(engine)
-    delta = cupy.empty((B, Hq, nq_pad), dtype=f32)
+    prog = Program()
+    rdo, ro = Ref("do"), Ref("o")
+    delta = prog.empty("delta", (B, Hq, nq_pad), f32)
     mode = 1 if cfg.do_granularity == "channel" else 2
     if engine == "wgmma":
         qst, kst = bwd_images(D)
-        q_img = cupy.empty((B, Hq, nq_pad // 64, qst), dtype=cupy.uint8)
-        k_img = cupy.empty((B, Hkv, nk_pad // 64, kst), dtype=cupy.uint8)
-        v = r.v
-        vsb, vsh, vsn = _strides(v, p.layout)
-        _qfn(f"bwd_qk_images<{T}, {D}>", T, D)(
-            (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
-            (r.q_codes, r.q_scale, r.lse2, i32(nq_pad), q_img, r.k_codes, r.k_scale, i32(nk_pad),
-             v, i64(vsb), i64(vsh), i64(vsn), i32(p.nk), k_img, i32(Hq), i32(Hkv)))
-        _qfn(f"bwd_do_image<{T}, {D}, {mode}>", T, D)(
-            (nq_pad // 64, Hq, B), (2 * D,),
-            (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), q_img, r.o, i64(osb), i64(osh), i64(osn), delta))
-        return dict(engine=engine, do=do, delta=delta, q_img=q_img, k_img=k_img)
+        q_img = prog.empty("q_img", (B, Hq, nq_pad // 64, qst), cupy.uint8)
+        k_img = prog.empty("k_img", (B, Hkv, nk_pad // 64, kst), cupy.uint8)
+        vsb, vsh, vsn = _strides(r.v, p.layout)
+        prog.launch(_qfn(f"bwd_qk_images<{T}, {D}>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
+                    (Ref("q_codes"), Ref("q_scale"), Ref("lse2"), i32(nq_pad), q_img, Ref("k_codes"), Ref("k_scale"),
+                     i32(nk_pad), Ref("v"), i64(vsb), i64(vsh), i64(vsn), i32(p.nk), k_img, i32(Hq), i32(Hkv)))
+        prog.launch(_qfn(f"bwd_do_image<{T}, {D}, {mode}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
+                    (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), q_img, ro, i64(osb), i64(osh), i64(osn),
+                     delta))
+        return _BwdPlan(p, cfg, engine, copy, prog)
     # dO^T, Q^T and K^T codes tile-major, (B, H, n_pad / 64, D, 64): the backward kernels copy 64-token tiles of
     # D rows x 64 bytes, which then read whole 128-byte lines (as V^T in the forward). delta = rowsum(dO * O) in
     # the same pass over dO.
-    do_t = cupy.empty((B, Hq, nq_pad // 64, D, 64), dtype=cupy.int8)
-    do_scale = cupy.empty((B, Hq, nq_pad // 64, D), dtype=f32)
-    _qfn(f"quant_transpose_perm_delta<{T}, {D}, {mode}>", T, D)(
-        (nq_pad // 64, Hq, B), (2 * D,),
-        (do, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale, do_t,
-         r.o, i64(osb), i64(osh), i64(osn), delta))
-    q_t = cupy.empty((B, Hq, nq_pad // 64, D, 64), dtype=cupy.int8)
-    k_t = cupy.empty((B, Hkv, nk_pad // 64, D, 64), dtype=cupy.int8)
-    _qfn(f"transpose_i8_qk<{D}, true>", T, D)((max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
-                                              (r.q_codes, i32(nq_pad), q_t, r.k_codes, i32(nk_pad), k_t, i32(Hq),
-                                               i32(Hkv)))
-    return dict(engine=engine, do=do, delta=delta, do_t=do_t, do_scale=do_scale, q_t=q_t, k_t=k_t)
+    do_t = prog.empty("do_t", (B, Hq, nq_pad // 64, D, 64), cupy.int8)
+    do_scale = prog.empty("do_scale", (B, Hq, nq_pad // 64, D), f32)
+    prog.launch(_qfn(f"quant_transpose_perm_delta<{T}, {D}, {mode}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
+                (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale, do_t,
+                 ro, i64(osb), i64(osh), i64(osn), delta))
+    q_t = prog.empty("q_t", (B, Hq, nq_pad // 64, D, 64), cupy.int8)
+    k_t = prog.empty("k_t", (B, Hkv, nk_pad // 64, D, 64), cupy.int8)
+    prog.launch(_qfn(f"transpose_i8_qk<{D}, true>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
+                (Ref("q_codes"), i32(nq_pad), q_t, Ref("k_codes"), i32(nk_pad), k_t, i32(Hq), i32(Hkv)))
+    return _BwdPlan(p, cfg, engine, copy, prog)
 
 
 def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     """The two backward kernels alone (dK/dV, then dQ), after :func:`_preprocess_backward`. No atomics: the
     gradients are bitwise repeatable. ``kernels`` (benchmarks): launch only some of them; the gradients of
-    a kernel not launched are left uninitialized."""
+    a kernel not launched are left uninitialized. Recorded once per (pre-pass plan, engine, kernels)."""
+    plan = pre.get("plan")
+    try:
+        key = (engine, tuple(kernels), env_key())
+        prog = (plan.launches.get(key) if plan is not None and plan.p is r.problem and plan.cfg is r.config
+                else None)
+    except TypeError:
+        key = prog = None
+    if prog is None:
+        prog = _backward_launch_program(r, pre, engine, kernels)
+        if key is not None and plan is not None and plan.p is r.problem and plan.cfg is r.config:
+            plan.launches[key] = prog
+    ns = {n: getattr(r, n) for n in _RES_NAMES}
+    ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)
+    prog.run(ns)
+    dt = r.problem.dtype
+    return _checks.wrap(ns["dq"], dt), _checks.wrap(ns["dk"], dt), _checks.wrap(ns["dv"], dt)
+
+
+def _backward_launch_program(r, pre, engine, kernels):
     import cupy
 
     p, cfg = r.problem, r.config
     T, D = _T[p.dtype], p.head_dim
-    B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
+    B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    do = pre["do"]
-    dsb, dsh, dsn = _strides(do, p.layout)
-    v = r.v
-    vsb, vsh, vsn = _strides(v, p.layout)
-    dk = _empty((B, Hkv, nk, D), p.layout, p.dtype)
-    dv = _empty((B, Hkv, nk, D), p.layout, p.dtype)
-    dq = _empty((B, Hq, nq, D), p.layout, p.dtype)
-    ksb_, ksh_, ksn_ = _strides(dk, p.layout)
-    vvb, vvh, vvn = _strides(dv, p.layout)
-    qsb, qsh, qsn = _strides(dq, p.layout)
-    ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
+    dsb, dsh, dsn = _strides(pre["do"], layout)
+    vsb, vsh, vsn = _strides(r.v, layout)
     engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its stage images)
     if engine_arg and backward_engine(engine_arg) != engine:
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
                          f"call _preprocess_backward(..., engine={engine_arg!r})")
+    prog = Program()
+    bits = cupy.float16 if p.dtype == "float16" else cupy.uint16
+    kv_shape = (B, Hkv, nk, D) if layout == "HND" else (B, nk, Hkv, D)
+    q_shape = (B, Hq, nq, D) if layout == "HND" else (B, nq, Hq, D)
+    dk, dv, dq = prog.empty("dk", kv_shape, bits), prog.empty("dv", kv_shape, bits), prog.empty("dq", q_shape, bits)
+    ksb_, ksh_, ksn_ = _c_strides(kv_shape, layout)
+    vvb, vvh, vvn = ksb_, ksh_, ksn_
+    qsb, qsh, qsn = _c_strides(q_shape, layout)
+    ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     names = _bwd_names(T, D, engine)
     if engine == "wgmma":
         src, arch = "int8_attn_bwd_sm90.cu", "sm_90a"
@@ -586,41 +725,42 @@ def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     fn = get_function(src, names[0], all_names=names, arch=arch)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
+    R = Ref
     if "dkdv" in kernels and engine == "wgmma":
-        fn((nk_pad // 64, Hkv, B), (128,),
-           (pre["q_img"], pre["k_img"], r.k_scale,
-            dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
-            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-            i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
-           shared_mem=smem)
+        prog.launch(fn, (nk_pad // 64, Hkv, B), (128,),
+                    (R("q_img"), R("k_img"), R("k_scale"),
+                     dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
+                     i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
+                     i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
+                    shared_mem=smem)
     elif "dkdv" in kernels:
-        fn((nk_pad // 64, Hkv, B), (128,),
-           (r.q_codes, r.q_scale, pre["q_t"], r.k_codes, r.k_scale,
-            v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn),
-            pre["do_t"], pre["do_scale"], r.lse2, pre["delta"],
-            dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
-            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-            i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
-           shared_mem=smem)
+        prog.launch(fn, (nk_pad // 64, Hkv, B), (128,),
+                    (R("q_codes"), R("q_scale"), R("q_t"), R("k_codes"), R("k_scale"),
+                     R("v"), i64(vsb), i64(vsh), i64(vsn), R("do"), i64(dsb), i64(dsh), i64(dsn),
+                     R("do_t"), R("do_scale"), R("lse2"), R("delta"),
+                     dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
+                     i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
+                     i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
+                    shared_mem=smem)
     fq = get_function(src, names[1], all_names=names, arch=arch)
     if smem_q > 48 * 1024:
         fq.max_dynamic_shared_size_bytes = smem_q
     if "dq" in kernels and engine == "wgmma":
-        fq((nq_pad // 64, Hq, B), (128,),
-           (pre["q_img"], pre["k_img"], r.q_scale, r.lse2, pre["delta"],
-            dq, i64(qsb), i64(qsh), i64(qsn),
-            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale), i32(int(p.causal)),
-            ds_rowcol),
-           shared_mem=smem_q)
+        prog.launch(fq, (nq_pad // 64, Hq, B), (128,),
+                    (R("q_img"), R("k_img"), R("q_scale"), R("lse2"), R("delta"),
+                     dq, i64(qsb), i64(qsh), i64(qsn),
+                     i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale),
+                     i32(int(p.causal)), ds_rowcol),
+                    shared_mem=smem_q)
     elif "dq" in kernels:
-        fq((nq_pad // 64, Hq, B), (128,),
-           (r.q_codes, r.q_scale, r.k_codes, r.k_scale, pre["k_t"],
-            v, i64(vsb), i64(vsh), i64(vsn), do, i64(dsb), i64(dsh), i64(dsn), r.lse2, pre["delta"],
-            dq, i64(qsb), i64(qsh), i64(qsn),
-            i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale), i32(int(p.causal)),
-            ds_rowcol),
-           shared_mem=smem_q)
-    return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))
+        prog.launch(fq, (nq_pad // 64, Hq, B), (128,),
+                    (R("q_codes"), R("q_scale"), R("k_codes"), R("k_scale"), R("k_t"),
+                     R("v"), i64(vsb), i64(vsh), i64(vsn), R("do"), i64(dsb), i64(dsh), i64(dsn), R("lse2"),
+                     R("delta"), dq, i64(qsb), i64(qsh), i64(qsn),
+                     i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale),
+                     i32(int(p.causal)), ds_rowcol),
+                    shared_mem=smem_q)
+    return prog
 
 
 def backward(residuals: Residuals, do, *, engine=None):

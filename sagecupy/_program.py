@@ -1,0 +1,114 @@
+"""Launch programs: a call's allocations and kernel launches recorded once per call signature and replayed.
+
+A public call (``int8.forward``, ``int8.backward``) validates its arguments, derives shapes, strides, padded
+sizes, kernel names and launch geometry, looks the kernels up and converts the scalar arguments; that host work
+depends only on the *signature* of the call (shapes, strides, dtypes, 16-byte alignment of the inputs, the keyword
+arguments, the device and the ``SAGECUPY_*`` environment variables that choose kernels), not on the data. So the
+first call with a signature records a :class:`Program` (the arrays to allocate, by name and shape, and the launches
+with their constant arguments and the names of the arrays they take) and later calls with the same signature
+replay it: allocations and launches only. On the H200 the synchronized 4K INT8 forward spent more host time before
+and between its launches than its pre-pass kernels take on the device (``bench/host_costs.py``; bench/NOTES.md,
+fifteenth session).
+
+Every call, the first one included, runs the recorded program, so the tests exercise the replay path.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["Ref", "Program", "signature", "env_key", "Plans"]
+
+_ALLOC, _VIEW, _LAUNCH = 0, 1, 2
+
+#: Environment variables that choose kernels (engines, CTA sizes, compile-time defines, another kernel tree):
+#: part of every program's key, so that changing one between calls takes effect as it did before programs.
+_ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_DEFINES",
+             "SAGECUPY_KERNELS_DIR")
+
+
+class Ref:
+    """A per-call array in a recorded launch's arguments: the name it has in the program's namespace."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"Ref({self.name!r})"
+
+
+class Program:
+    """Allocations and launches, replayed by :meth:`run` into a namespace (a dict of arrays by name)."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self):
+        self.steps = []
+
+    def empty(self, name: str, shape, dtype) -> Ref:
+        """Record ``cupy.empty(shape, dtype)`` under ``name``."""
+        self.steps.append((_ALLOC, name, tuple(int(s) for s in shape), dtype))
+        return Ref(name)
+
+    def view(self, name: str, parent: Ref, index) -> Ref:
+        """Record ``name = parent[index]`` (a view)."""
+        self.steps.append((_VIEW, name, parent.name, index))
+        return Ref(name)
+
+    def launch(self, fn, grid, block, args, shared_mem: int = 0):
+        """Record ``fn(grid, block, args, shared_mem=shared_mem)``; :class:`Ref` arguments are looked up per run,
+        the others (numpy scalars, None) are used as they are."""
+        template = list(args)
+        refs = tuple((i, a.name) for i, a in enumerate(template) if type(a) is Ref)
+        for i, _ in refs:
+            template[i] = None
+        self.steps.append((_LAUNCH, fn, tuple(grid), tuple(block), template, refs, int(shared_mem)))
+
+    def run(self, ns: dict) -> dict:
+        """Replay into ``ns`` (which holds the per-call inputs by name); returns ``ns``."""
+        import cupy
+
+        empty = cupy.empty
+        for step in self.steps:
+            kind = step[0]
+            if kind == _LAUNCH:
+                _, fn, grid, block, template, refs, smem = step
+                args = template.copy()
+                for i, name in refs:
+                    args[i] = ns[name]
+                fn(grid, block, tuple(args), shared_mem=smem)
+            elif kind == _ALLOC:
+                ns[step[1]] = empty(step[2], dtype=step[3])
+            else:
+                ns[step[1]] = ns[step[2]][step[3]]
+        return ns
+
+
+def signature(x):
+    """What a program depends on in an input array (CuPy array or BF16Array): its type, shape, strides, dtype and
+    the 16-byte alignment of its address (a misaligned input is copied first)."""
+    r = getattr(x, "bits", x)
+    return type(x), r.shape, r.strides, r.dtype, r.data.ptr & 15
+
+
+def env_key() -> tuple:
+    """The current device and the kernel-choosing environment variables."""
+    import cupy
+
+    get = os.environ.get
+    return (cupy.cuda.runtime.getDevice(),) + tuple(get(n) for n in _ENV_VARS)
+
+
+class Plans(dict):
+    """A bounded cache of plans by key (cleared when full: call signatures are few in any real workload)."""
+
+    def __init__(self, cap: int = 256):
+        super().__init__()
+        self.cap = cap
+
+    def put(self, key, plan):
+        if len(self) >= self.cap:
+            self.clear()
+        self[key] = plan
+        return plan
