@@ -1,6 +1,6 @@
 """Host time of the pieces of an INT8 forward call (on the GPU machine): what a synchronized call spends before and
 between its launches, per operation, in microseconds (best of 5 rounds of 2000 calls, no synchronization inside a
-round; the device queue never fills at these counts).
+round; 20 calls of the public functions, whose launches queue on the device).
 
     python bench/host_costs.py
 
@@ -11,7 +11,7 @@ import time
 
 import cupy
 
-from sagecupy import _checks, bench, int8
+from sagecupy import _checks, bench, int8, nvfp4
 from sagecupy.config import DEFAULT
 
 _SRC = r"""
@@ -66,7 +66,7 @@ def main():
     rows["check_attention_args"] = per_call_us(
         lambda: _checks.check_attention_args(q, k, v, causal=False, sm_scale=None, layout="HND"))
     rows["int8._prepare"] = per_call_us(lambda: int8._prepare(q, "q", "HND", True))
-    n = 100  # 5 launches per call: stay well under the device's queue of pending launches
+    n = 20  # several launches per call: stay well under the device's queue of pending launches
     rows["int8._preprocess_forward"] = per_call_us(lambda: int8._preprocess_forward(
         q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT), n)
     pp, cfg, pre = int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT)
@@ -77,6 +77,7 @@ def main():
     pb = int8._preprocess_backward(res, do)
     rows["int8._launch_backward"] = per_call_us(lambda: int8._launch_backward(res, pb), n)
     rows["int8.backward"] = per_call_us(lambda: int8.backward(res, do), n)
+    rows["nvfp4.attention"] = per_call_us(lambda: nvfp4.attention(q, k, v), n)
     w = max(len(k_) for k_ in rows)
     for k_, v_ in rows.items():
         print(f"{k_:<{w}}  {v_:8.2f} us")

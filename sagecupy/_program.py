@@ -18,12 +18,12 @@ import os
 
 __all__ = ["Ref", "Program", "signature", "env_key", "Plans"]
 
-_ALLOC, _VIEW, _LAUNCH = 0, 1, 2
+_ALLOC, _VIEW, _LAUNCH, _CALL = 0, 1, 2, 3
 
 #: Environment variables that choose kernels (engines, CTA sizes, compile-time defines, another kernel tree):
 #: part of every program's key, so that changing one between calls takes effect as it did before programs.
-_ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_DEFINES",
-             "SAGECUPY_KERNELS_DIR")
+_ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
+             "SAGECUPY_FP4_WARPS", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR")
 
 
 class Ref:
@@ -65,6 +65,12 @@ class Program:
             template[i] = None
         self.steps.append((_LAUNCH, fn, tuple(grid), tuple(block), template, refs, int(shared_mem)))
 
+    def call(self, names, fn, args) -> tuple:
+        """Record ``names = fn(*args)`` (host glue that is neither an allocation nor a launch; ``args``: Refs or
+        constants); returns Refs to the results."""
+        self.steps.append((_CALL, tuple(names), fn, tuple(args)))
+        return tuple(Ref(n) for n in names)
+
     def run(self, ns: dict) -> dict:
         """Replay into ``ns`` (which holds the per-call inputs by name); returns ``ns``."""
         import cupy
@@ -80,8 +86,12 @@ class Program:
                 fn(grid, block, tuple(args), shared_mem=smem)
             elif kind == _ALLOC:
                 ns[step[1]] = empty(step[2], dtype=step[3])
-            else:
+            elif kind == _VIEW:
                 ns[step[1]] = ns[step[2]][step[3]]
+            else:
+                _, names, fn, args = step
+                out = fn(*(ns[a.name] if type(a) is Ref else a for a in args))
+                ns.update(zip(names, out))
         return ns
 
 

@@ -24,6 +24,7 @@ import os
 
 from . import _checks
 from ._loader import device_capability, get_function
+from ._program import Plans, Program, Ref, env_key, signature
 from .config import NVFP4Config
 
 __all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
@@ -354,37 +355,58 @@ def _pad_tokens64(codes, scales, n16):
     return c, sc
 
 
-def _launch(ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine):
+def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine):
+    """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
+    scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
+    ``"o"`` (raw, in ``layout``) and ``"lse"``."""
     import cupy
 
-    from .int8 import _empty, _strides
+    from .int8 import _c_strides
 
     n16 = (nk + 15) // 16 * 16
     w = fp4_warps(engine, D)
     bq = 16 * w
-    o = _empty((B, Hq, nq, D), layout, dtype)
-    osb, osh, osn = _strides(o, layout)
-    lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
+    o_shape = (B, Hq, nq, D) if layout == "HND" else (B, nq, Hq, D)
+    o = prog.empty("o", o_shape, cupy.float16 if dtype == "float16" else cupy.uint16)
+    osb, osh, osn = _c_strides(o_shape, layout)
+    lse = prog.empty("lse", (B, Hq, nq), cupy.float32)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     tl = "true" if two_level else "false"
     vc, vs = ops["v_packed"], ops["v_scales"]
     if engine == "wgmma":
         fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}>",
                           all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
-        vc, vs = _pad_tokens64(vc, vs, n16)
-        v_args = (vc, vs, i32(vc.shape[-1]))
+        n64 = (n16 + 63) // 64 * 64
+        if n64 != n16:  # rows padded to whole 64-token tiles (a copy per call)
+            vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
+        v_args = (vc, vs, i32(n64 // 2))
     else:
         fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {tl}>")
         v_args = (vc, vs)
     smem = fwd_smem_bytes(D, w, engine)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    fn(((nq + bq - 1) // bq, Hq, B), (32 * w,),
-       (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk,
-        o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
-        f32(sm_scale * LOG2E), i32(int(causal))),
-       shared_mem=smem)
-    return _checks.wrap(o, dtype), lse
+    prog.launch(fn, ((nq + bq - 1) // bq, Hq, B), (32 * w,),
+                (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk,
+                 o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
+                 f32(sm_scale * LOG2E), i32(int(causal))),
+                shared_mem=smem)
+
+
+_OPS = ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales")
+
+
+class _AttnPlan:
+    """What an :func:`attention` call signature determines: its dtype and layout, which inputs are copied
+    (strided or misaligned) and the program (pre-passes and the kernel launch)."""
+
+    __slots__ = ("dtype", "layout", "copy", "prog")
+
+    def __init__(self, dtype, layout, copy, prog):
+        self.dtype, self.layout, self.copy, self.prog = dtype, layout, copy, prog
+
+
+_ATTN_PLANS = Plans()
 
 
 def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None):
@@ -395,25 +417,69 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     bottom-right aligned. ``config``: :class:`~sagecupy.config.NVFP4Config` (default: two-level P, K-smoothing).
     ``lse`` float32 ``(B, Hq, Nq)``, natural log, of the unsmoothed logits ``sm_scale * q k^T`` as the
     kernel computes them (from the quantized operands). ``engine``: see :func:`fp4_engine`. Inputs are never
-    modified.
+    modified. The first call with a signature validates and records its launches (sagecupy/_program.py); later
+    ones replay them.
     """
+    from .int8 import _prepare
+
+    q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    try:
+        key = (signature(q), signature(k), signature(v), causal, type(causal), sm_scale, type(sm_scale), layout,
+               config, engine, env_key())
+        plan = _ATTN_PLANS.get(key)
+    except TypeError:  # an unhashable argument: the validation names it
+        key = plan = None
+    if plan is None:
+        plan = _attention_plan(q, k, v, causal, sm_scale, layout, config, engine)
+        if key is not None:
+            _ATTN_PLANS.put(key, plan)
+    ns = {n: (_prepare(x, n, plan.layout, True) if c else _checks.raw(x))
+          for n, x, c in (("q", q, plan.copy[0]), ("k", k, plan.copy[1]), ("v", v, plan.copy[2]))}
+    plan.prog.run(ns)
+    o = _checks.wrap(ns["o"], plan.dtype)
+    return (o, ns["lse"]) if return_lse else o
+
+
+def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
+    """Validate an :func:`attention` call and record its program: the pre-passes of :func:`quantize_inputs` (on
+    16-byte aligned rows: a misaligned input is copied per call), qmk = sm_scale * q . mu_K for the LSE, and the
+    kernel."""
     import cupy
+
+    from .int8 import _column_stat_rec, _needs_copy, _prepare, _strides
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
-    ops = quantize_inputs(q, k, v, layout=layout, k_smoothing=cfg.k_smoothing)
+    copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
+    q, k, v = (_prepare(x, n, layout, True) if c else _checks.raw(x) for x, n, c in zip((q, k, v), "qkv", copy))
+    T = _T[p.dtype]
+    B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
+    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_strides(x, layout) for x in (q, k, v))
+    i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
+    prog = Program()
+    rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
+    mu = _column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False) if cfg.k_smoothing else None
+    ops = {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
+           "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8),
+           "k_packed": prog.empty("k_packed", (B, Hkv, nk, D // 2), u8),
+           "k_scales": prog.empty("k_scales", (B, Hkv, nk, D // 16), u8)}
+    prog.launch(_fn("nvfp4_quant_rows", T), ((nq * D // 16 + 255) // 256, Hq, B), (256,),
+                (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"], ops["q_scales"]))
+    prog.launch(_fn("nvfp4_quant_rows", T), ((nk * D // 16 + 255) // 256, Hkv, B), (256,),
+                (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"]))
+    n16 = (nk + 15) // 16 * 16
+    ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
+    ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
+    prog.launch(_fn("nvfp4_quant_tokens", T), ((D * (n16 // 16) + 255) // 256, Hkv, B), (256,),
+                (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]))
     qmk = None
-    if ops["mu_k"] is not None:  # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE
-        raw, T, (B, Hq, nq, D), (sb, sh, sn) = _prep(q, "q", layout)
-        mu = cupy.ascontiguousarray(ops["mu_k"], dtype=cupy.float32)
-        qmk = cupy.empty((B, Hq, nq), dtype=cupy.float32)
-        _fn("row_mu_dot", T)(((nq + 7) // 8, Hq, B), (256,),
-                             (raw, cupy.int64(sb), cupy.int64(sh), cupy.int64(sn), cupy.int32(nq), cupy.int32(D), mu,
-                              cupy.int32(Hq // mu.shape[1]), cupy.float32(p.sm_scale), qmk))
-    o, lse = _launch(ops, B=p.batch, Hq=p.heads_q, Hkv=p.heads_kv, nq=p.nq, nk=p.nk, D=p.head_dim, dtype=p.dtype,
-                     layout=layout, causal=p.causal, sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk,
-                     engine=engine)
-    return (o, lse) if return_lse else o
+    if mu is not None:  # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE
+        qmk = prog.empty("qmk", (B, Hq, nq), f32)
+        prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
+                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
+    _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
+                   sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine)
+    return _AttnPlan(p.dtype, layout, copy, prog)
 
 
 def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND", out_dtype="float16",
@@ -479,9 +545,13 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     _check_device()
     engine = fp4_engine(engine)
     check_fwd_smem(D, engine)
-    o, lse = _launch(ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype, layout=layout, causal=causal,
-                     sm_scale=sm_scale, two_level=two_level_p, qmk=lse_offset, engine=engine)
-    return (o, lse) if return_lse else o
+    prog = Program()
+    _record_launch(prog, {n: Ref(n) for n in _OPS}, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype,
+                   layout=layout, causal=causal, sm_scale=sm_scale, two_level=two_level_p,
+                   qmk=None if lse_offset is None else Ref("qmk"), engine=engine)
+    ns = prog.run({**ops, "qmk": lse_offset})
+    o = _checks.wrap(ns["o"], out_dtype)
+    return (o, ns["lse"]) if return_lse else o
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
