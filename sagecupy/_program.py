@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["Ref", "Program", "signature", "env_key", "Plans"]
+__all__ = ["Ref", "Program", "signature", "scale_key", "env_key", "Plans", "NOT_KERNEL_CHOOSING"]
 
 _ALLOC, _VIEW, _LAUNCH, _CALL = 0, 1, 2, 3
 
 #: Environment variables that choose kernels (engines, CTA sizes, compile-time defines, another kernel tree):
-#: part of every program's key, so that changing one between calls takes effect as it did before programs.
+#: part of every program's key, so that changing one between calls takes effect as it did before programs. A new
+#: ``SAGECUPY_*`` switch read by the package must be added here (``tests/cpu/test_program.py`` checks the package's
+#: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
 _ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
              "SAGECUPY_FP4_WARPS", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR")
+#: Variables the package reads that do not change which kernels run or how (debug output only).
+NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG")
 
 
 class Ref:
@@ -95,6 +99,12 @@ class Program:
         return ns
 
 
+def scale_key(sm_scale):
+    """``sm_scale`` as a key: its float value (what the validation keeps), None as None. Raises TypeError or
+    ValueError when it is not a number (the caller then takes the uncached path, whose validation names it)."""
+    return None if sm_scale is None else float(sm_scale)
+
+
 def signature(x):
     """What a program depends on in an input array (CuPy array or BF16Array): its type, shape, strides, dtype and
     the 16-byte alignment of its address (a misaligned input is copied first)."""
@@ -111,14 +121,14 @@ def env_key() -> tuple:
 
 
 class Plans(dict):
-    """A bounded cache of plans by key (cleared when full: call signatures are few in any real workload)."""
+    """A bounded cache of plans by key: when full, the oldest entry goes (insertion order)."""
 
     def __init__(self, cap: int = 256):
         super().__init__()
         self.cap = cap
 
     def put(self, key, plan):
-        if len(self) >= self.cap:
-            self.clear()
+        while len(self) >= self.cap:
+            del self[next(iter(self))]
         self[key] = plan
         return plan

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from . import _checks
 
 from ._loader import device_capability, get_function
-from ._program import Plans, Program, Ref, env_key, signature
+from ._program import Plans, Program, Ref, env_key, scale_key, signature
 from .config import SageBwdConfig, get_config
 
 __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
@@ -326,6 +326,12 @@ def _c_strides(shape, layout):
     return s if layout == "HND" else (s[0], s[2], s[1])
 
 
+def _run_strides(x, copied, layout):
+    """:func:`_strides` of what a run passes for input ``x``: its own, or a C-contiguous copy's (:func:`_prepare`)."""
+    raw = _checks.raw(x)
+    return _c_strides(raw.shape, layout) if copied else _strides(raw, layout)
+
+
 def _needs_copy(x, need_aligned):
     """Whether :func:`_prepare` copies the raw CuPy array ``x``."""
     ok = x.strides[3] == x.itemsize
@@ -354,10 +360,10 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     it."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     try:
-        key = (signature(q), signature(k), signature(v), causal, type(causal), sm_scale, type(sm_scale), layout,
-               config, engine, warps, type(warps), env_key())
+        key = (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
+               engine, warps, type(warps), env_key())
         plan = _FWD_PLANS.get(key)
-    except TypeError:  # an unhashable argument: the validation names it
+    except (TypeError, ValueError):  # an unhashable or non-numeric argument: the validation names it
         key = plan = None
     if plan is None:
         plan = _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
@@ -387,13 +393,10 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     forward_warps(warps)
     # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)
     copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
-    q, k, v = (_prepare(x, n, layout, True) if c else _checks.raw(x) for x, n, c in zip((q, k, v), "qkv", copy))
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
     nq_pad, nk_pad = _roundup(nq, _FWD_BQ), _roundup(nk, _FWD_BKV)
-    qsb, qsh, qsn = _strides(q, layout)
-    ksb, ksh, ksn = _strides(k, layout)
-    vsb, vsh, vsn = _strides(v, layout)
+    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
@@ -482,14 +485,15 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
     recorded once per (pre-pass plan, engine, warps, environment)."""
     plan = pre.get("plan")
+    mine = plan is not None and plan.p == p and plan.cfg == cfg  # (by value: adapters rebuild equal objects)
     try:
         key = (engine, warps, type(warps), env_key())
-        prog = plan.launches.get(key) if plan is not None and plan.p is p and plan.cfg is cfg else None
+        prog = plan.launches.get(key) if mine else None
     except TypeError:
         key = prog = None
     if prog is None:
         prog = _forward_launch_program(p, cfg, pre, engine, warps)
-        if key is not None and plan is not None and plan.p is p and plan.cfg is cfg:
+        if key is not None and mine:
             plan.launches[key] = prog
     ns = prog.run({n: pre[n] for n in _PRE_NAMES})
     return ns["o"], ns["lse"], ns["lse2"]
@@ -631,12 +635,11 @@ def _backward_plan(r, do, engine):
     if _checks.dtype_name(do.dtype) != p.dtype:
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
     copy = _needs_copy(_checks.raw(do), True)
-    do = _prepare(do, "do", p.layout, True) if copy else _checks.raw(do)
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq = p.batch, p.heads_q, p.heads_kv, p.nq
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    dsb, dsh, dsn = _strides(do, p.layout)
+    dsb, dsh, dsn = _run_strides(do, copy, p.layout)
     osb, osh, osn = _strides(r.o, p.layout)
     engine = backward_engine(engine)
     prog = Program()
@@ -675,15 +678,15 @@ def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     gradients are bitwise repeatable. ``kernels`` (benchmarks): launch only some of them; the gradients of
     a kernel not launched are left uninitialized. Recorded once per (pre-pass plan, engine, kernels)."""
     plan = pre.get("plan")
-    try:
-        key = (engine, tuple(kernels), env_key())
-        prog = (plan.launches.get(key) if plan is not None and plan.p is r.problem and plan.cfg is r.config
-                else None)
+    mine = plan is not None and plan.p == r.problem and plan.cfg == r.config  # (by value: adapters rebuild them)
+    try:  # V's strides are in the launch (mma.sync kernels), so they are in its key
+        key = (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), env_key())
+        prog = plan.launches.get(key) if mine else None
     except TypeError:
         key = prog = None
     if prog is None:
         prog = _backward_launch_program(r, pre, engine, kernels)
-        if key is not None and plan is not None and plan.p is r.problem and plan.cfg is r.config:
+        if key is not None and mine:
             plan.launches[key] = prog
     ns = {n: getattr(r, n) for n in _RES_NAMES}
     ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)

@@ -24,7 +24,7 @@ import os
 
 from . import _checks
 from ._loader import device_capability, get_function
-from ._program import Plans, Program, Ref, env_key, signature
+from ._program import Plans, Program, Ref, env_key, scale_key, signature
 from .config import NVFP4Config
 
 __all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
@@ -424,10 +424,10 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
 
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     try:
-        key = (signature(q), signature(k), signature(v), causal, type(causal), sm_scale, type(sm_scale), layout,
-               config, engine, env_key())
+        key = (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
+               engine, env_key())
         plan = _ATTN_PLANS.get(key)
-    except TypeError:  # an unhashable argument: the validation names it
+    except (TypeError, ValueError):  # an unhashable or non-numeric argument: the validation names it
         key = plan = None
     if plan is None:
         plan = _attention_plan(q, k, v, causal, sm_scale, layout, config, engine)
@@ -446,15 +446,14 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     kernel."""
     import cupy
 
-    from .int8 import _column_stat_rec, _needs_copy, _prepare, _strides
+    from .int8 import _column_stat_rec, _needs_copy, _run_strides
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
     copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
-    q, k, v = (_prepare(x, n, layout, True) if c else _checks.raw(x) for x, n, c in zip((q, k, v), "qkv", copy))
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
-    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_strides(x, layout) for x in (q, k, v))
+    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
     i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")

@@ -1,0 +1,100 @@
+"""Launch programs (sagecupy/_program.py) without a GPU: recording, replay, keys, the cache bound, and the rule that
+every kernel-choosing SAGECUPY_* variable the package reads is part of the key."""
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sagecupy import _program
+from sagecupy._program import Plans, Program, Ref
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A stand-in `cupy` module: empty() gives numpy arrays, the device is 0."""
+    mod = types.SimpleNamespace(empty=lambda shape, dtype: np.zeros(shape, dtype=dtype),
+                                cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    return mod
+
+
+class _Kernel:
+    """Records each launch's arguments (a stand-in RawKernel)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert isinstance(args, tuple)
+        self.calls.append((grid, block, args, shared_mem))
+
+
+def test_replay_substitutes_per_call_arrays(fake_cupy):
+    k = _Kernel()
+    prog = Program()
+    out = prog.empty("out", (2, 3), np.float32)
+    half = prog.view("half", out, 0)
+    prog.launch(k, (4, 1, 1), (128,), (Ref("x"), np.int32(7), None, out, half), shared_mem=1024)
+    (y,) = prog.call(("y",), lambda a, c: (a * c,), (Ref("x"), 2))
+    prog.launch(k, (1,), (32,), (y,))
+    for x in (np.arange(3.0), np.ones(3)):
+        ns = prog.run({"x": x})
+        grid, block, args, smem = k.calls[-2]
+        assert (grid, block, smem) == ((4, 1, 1), (128,), 1024)
+        assert args[0] is x and args[1] == 7 and args[2] is None
+        assert args[3] is ns["out"] and ns["out"].shape == (2, 3)
+        assert np.shares_memory(ns["half"], ns["out"]) and ns["half"].shape == (3,)
+        np.testing.assert_array_equal(k.calls[-1][2][0], 2 * x)
+    # each run allocates its own outputs: nothing is shared between calls
+    assert k.calls[0][2][3] is not k.calls[2][2][3]
+
+
+def test_template_is_not_mutated_by_runs(fake_cupy):
+    k = _Kernel()
+    prog = Program()
+    prog.launch(k, (1,), (1,), (Ref("a"), Ref("b")))
+    prog.run({"a": 1, "b": 2})
+    prog.run({"a": 3, "b": 4})
+    assert [c[2] for c in k.calls] == [(1, 2), (3, 4)]
+
+
+def test_scale_key():
+    assert _program.scale_key(None) is None
+    assert _program.scale_key(1) == _program.scale_key(1.0) == _program.scale_key(np.float32(1.0))
+    for bad in ("x", [1.0]):
+        with pytest.raises((TypeError, ValueError)):
+            _program.scale_key(bad)
+
+
+def test_plans_drop_the_oldest_when_full():
+    plans = Plans(cap=3)
+    for i in range(5):
+        plans.put(i, str(i))
+    assert list(plans) == [2, 3, 4]
+
+
+def test_env_key_holds_every_kernel_choosing_variable(fake_cupy):
+    """A SAGECUPY_* variable read by the package either chooses kernels (then the program key must hold it, else a
+    change after the first call of a signature would be ignored) or is listed as not doing so."""
+    src = Path(_program.__file__).parent
+    names = set()
+    for f in src.glob("*.py"):
+        names |= set(re.findall(r"SAGECUPY_[A-Z0-9_]+", f.read_text()))
+    missing = names - set(_program._ENV_VARS) - set(_program.NOT_KERNEL_CHOOSING)
+    assert not missing, f"add to sagecupy._program._ENV_VARS (or NOT_KERNEL_CHOOSING): {sorted(missing)}"
+    assert len(_program.env_key()) == 1 + len(_program._ENV_VARS)
+
+
+def test_signature_sees_alignment_and_strides():
+    class Arr:  # the attributes signature() reads from a CuPy array
+        def __init__(self, ptr, strides):
+            self.shape, self.strides, self.dtype = (1, 2, 3, 8), strides, np.dtype(np.float16)
+            self.data = types.SimpleNamespace(ptr=ptr)
+
+    a, b, c = Arr(4096, (96, 48, 16, 2)), Arr(4098, (96, 48, 16, 2)), Arr(4096, (96, 16, 32, 2))
+    assert _program.signature(a) != _program.signature(b)  # misaligned: copied per call
+    assert _program.signature(a) != _program.signature(c)  # other strides
+    assert _program.signature(a) == _program.signature(Arr(8192, (96, 48, 16, 2)))
