@@ -345,6 +345,13 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 #ifndef SAGE_FWD_MIN_CTAS
 #define SAGE_FWD_MIN_CTAS 4
 #endif
+// Causal grids dispatched heaviest first across groups of this many (batch, head) pairs (common/rows.cuh
+// query_block): forward kernel 1.05x (4K) and 1.07x (16K) causal at D = 128 with 16, 1.07x / 1.07x with 64, against
+// one head at a time (`python bench/fwd_variants.py`, fifteenth session; O bitwise the same). 16 keeps the K/V of
+// fewer heads in flight for large batch x heads.
+#ifndef SAGE_FWD_CAUSAL_GROUP
+#define SAGE_FWD_CAUSAL_GROUP 16
+#endif
 template <int D, int BKV>
 struct FwdSm90 {
   static constexpr bool PV_HALVES = SAGE_FWD_PV_HALVES && D == 128 && BKV == 64;
@@ -381,7 +388,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV
   float* sKs = reinterpret_cast<float*>(sV + NST * D * BKV);  // NST stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<SAGE_FWD_CAUSAL_GROUP>(FWD_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;

@@ -6,16 +6,39 @@
 namespace sage {
 
 // The CTA's query block: grid (n_blocks, Hq, B); causal grids run the heavy (late) blocks first.
+// G > 1 (causal grids only): the grid is dispatched in groups of G (batch, head) pairs, each group's blocks heaviest
+// first across its G heads (block n-1 of the G heads, then block n-2, ...), so the grid ends on light blocks of many
+// heads instead of on all the blocks of one head, heavy ones included, and the CTAs that run together read the K/V of
+// up to G heads. A bijection of the grid: every CTA computes the same rows, so results do not change. The INT8 wgmma
+// forward uses G = 16 (SAGE_FWD_CAUSAL_GROUP in int8_fwd.cuh; bench/NOTES.md, fifteenth session); G = 1 everywhere else.
 struct QueryBlock {
   int q0, h, b;
   long long bh, bhk;  // (b, h) and (b, kv head of h) flattened
 };
+template <int G = 1>
 __device__ __forceinline__ QueryBlock query_block(int rows, bool causal, int Hq, int Hkv) {
   QueryBlock qb;
-  const int blk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-  qb.q0 = blk * rows;
-  qb.h = blockIdx.y;
-  qb.b = blockIdx.z;
+  if constexpr (G == 1) {
+    const int blk = causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    qb.q0 = blk * rows;
+    qb.h = blockIdx.y;
+    qb.b = blockIdx.z;
+  } else {
+    int blk = blockIdx.x;
+    qb.h = blockIdx.y;
+    qb.b = blockIdx.z;
+    if (causal) {  // linear dispatch index -> (group, rank in the group) -> (block, head pair)
+      const int nblk = gridDim.x, bh_count = gridDim.y * gridDim.z;
+      const int lin = blockIdx.x + nblk * (blockIdx.y + gridDim.y * blockIdx.z);
+      const int g = lin / (G * nblk), r = lin - g * G * nblk;
+      const int gs = min(G, bh_count - g * G);  // the last group may be smaller
+      blk = nblk - 1 - r / gs;
+      const int bh = g * G + r % gs;
+      qb.h = bh % gridDim.y;
+      qb.b = bh / gridDim.y;
+    }
+    qb.q0 = blk * rows;
+  }
   qb.bh = static_cast<long long>(qb.b) * Hq + qb.h;
   qb.bhk = static_cast<long long>(qb.b) * Hkv + qb.h / (Hq / Hkv);
   return qb;
