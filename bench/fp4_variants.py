@@ -5,6 +5,7 @@ backend on the same shapes: which to make the default. Each variant's output is 
     python bench/fp4_variants.py            # wgmma: the default, 12 warps with the O-frame rule, without ping-pong
     python bench/fp4_variants.py --all      # also the O-frame rule at 8 and 4 warps
     python bench/fp4_variants.py --mma      # also the mma.sync kernels
+    python bench/fp4_variants.py --causal-group   # also the causal dispatch across 16 / 64 heads
 """
 import os
 import sys
@@ -23,6 +24,9 @@ if "--all" in sys.argv:  # (the ninth session measured these: O-frame rule at 8 
     VARIANTS += [("oframe-w8", "wgmma", "8", "SAGE_FP4_OFRAME=1"), ("oframe-w4", "wgmma", "4", "SAGE_FP4_OFRAME=1")]
 if "--mma" in sys.argv:
     VARIANTS += [("mma-w8", "mma", "8", ""), ("mma-w4", "mma", "4", "")]
+if "--causal-group" in sys.argv:  # causal grids heaviest first across 16 / 64 heads (common/fp4_fwd.cuh); O bitwise equal
+    VARIANTS += [("causal-group16", "wgmma", None, "SAGE_FP4_CAUSAL_GROUP=16"),
+                 ("causal-group64", "wgmma", None, "SAGE_FP4_CAUSAL_GROUP=64")]
 
 
 def _set(warps, defines):

@@ -193,7 +193,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   unsigned long long* k_empty = bars + S::NST;   // every thread's Q.K^T on K stage s retired
   unsigned long long* v_empty = bars + 2 * S::NST;  // every thread's P.V on V stage s retired
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<SAGE_FP4_CAUSAL_GROUP>(BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;

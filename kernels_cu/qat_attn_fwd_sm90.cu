@@ -76,7 +76,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   unsigned long long* k_empty = bars + QF_NST;
   unsigned long long* v_empty = bars + 2 * QF_NST;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(QF_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<SAGE_FP4_CAUSAL_GROUP>(QF_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
