@@ -98,3 +98,13 @@ def test_signature_sees_alignment_and_strides():
     assert _program.signature(a) != _program.signature(b)  # misaligned: copied per call
     assert _program.signature(a) != _program.signature(c)  # other strides
     assert _program.signature(a) == _program.signature(Arr(8192, (96, 48, 16, 2)))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 64), (1, 1, 1, 128), (4, 16, 7, 64)])
+def test_c_strides_match_strides_of_a_fresh_array(shape, layout):
+    """int8._c_strides (what a recorded launch passes for an output it allocates, or for an input it copies) equals
+    int8._strides of a C-contiguous array of that shape."""
+    from sagecupy import int8
+
+    assert int8._c_strides(shape, layout) == int8._strides(np.empty(shape, dtype=np.float16), layout)
