@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["Ref", "Program", "signature", "scale_key", "env_key", "Plans", "NOT_KERNEL_CHOOSING"]
+__all__ = ["Ref", "Program", "Plan", "Plans", "signature", "scale_key", "env_key", "NOT_KERNEL_CHOOSING"]
 
 _ALLOC, _VIEW, _LAUNCH, _CALL = 0, 1, 2, 3
 
@@ -121,7 +121,7 @@ def env_key() -> tuple:
 
 
 class Plans(dict):
-    """A bounded cache of plans by key: when full, the oldest entry goes (insertion order)."""
+    """A bounded cache of plans (or programs) by key: when full, the oldest entry goes (insertion order)."""
 
     def __init__(self, cap: int = 256):
         super().__init__()
@@ -132,3 +132,36 @@ class Plans(dict):
             del self[next(iter(self))]
         self[key] = plan
         return plan
+
+    def get_or_build(self, make_key, build):
+        """The entry under ``make_key()``, built by ``build()`` (which validates) on a miss. A key that cannot be made
+        or hashed (an argument of the wrong type: ``build`` then raises the error that names it) is not cached."""
+        try:
+            key = make_key()
+            hit = self.get(key)
+        except (TypeError, ValueError):
+            key = hit = None
+        if hit is None:
+            hit = build()
+            if key is not None:
+                self.put(key, hit)
+        return hit
+
+
+class Plan:
+    """What a call signature determines: the problem (``p``), the config, the engine, which inputs are copied per
+    call (``copy``: strided or misaligned), the recorded program, and the programs recorded after it by launch
+    options (``launches``)."""
+
+    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches")
+
+    def __init__(self, p, cfg, engine, copy, prog):
+        self.p, self.cfg, self.engine, self.copy, self.prog = p, cfg, engine, copy, prog
+        self.launches = Plans(cap=16)
+
+    def launch_program(self, p, cfg, make_key, build):
+        """The launch program for ``make_key()``, recorded by ``build()`` once, when the caller's problem and config
+        are this plan's (by value: the adapters rebuild equal objects); else built for this call only."""
+        if self.p == p and self.cfg == cfg:
+            return self.launches.get_or_build(make_key, build)
+        return build()

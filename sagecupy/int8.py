@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from . import _checks
 
 from ._loader import device_capability, get_function
-from ._program import Plans, Program, Ref, env_key, scale_key, signature
+from ._program import Plan, Plans, Program, Ref, env_key, scale_key, signature
 from .config import SageBwdConfig, get_config
 
 __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
@@ -103,13 +103,24 @@ def _roundup(n, m):
     return (n + m - 1) // m * m
 
 
+def _layout_shape(shape, layout):
+    """An HND shape ``(B, H, N, D)`` in ``layout``'s order."""
+    b, h, n, d = shape
+    return (b, h, n, d) if layout == "HND" else (b, n, h, d)
+
+
+def _bits_dtype(dtype: str):
+    """The CuPy dtype holding ``dtype``'s values (uint16 bits for bfloat16)."""
+    import cupy
+
+    return cupy.float16 if dtype == "float16" else cupy.uint16
+
+
 def _empty(shape, layout, dtype: str):
     """Raw output buffer (uint16 bits for bfloat16) in the caller's layout."""
     import cupy
 
-    b, h, n, d = shape
-    return cupy.empty((b, h, n, d) if layout == "HND" else (b, n, h, d),
-                      dtype=cupy.float16 if dtype == "float16" else cupy.uint16)
+    return cupy.empty(_layout_shape(shape, layout), dtype=_bits_dtype(dtype))
 
 
 _QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
@@ -270,17 +281,9 @@ def _column_stat(x, strides, T, shape, absmax):
     """Mean (``absmax=False``: summed in float64, rounded to float32) or psi scale (``True``) of every channel
     of ``x`` (raw (B, H, N, D) memory with 16-byte aligned rows, element ``strides`` (batch, head, token))
     over its N tokens: (B, H, D) float32. Two kernels, no host round trip."""
-    import cupy
-
-    B, H, n, D = shape
-    i32, i64 = cupy.int32, cupy.int64
-    nchunk = (n + 255) // 256
-    part = cupy.empty((B, H, nchunk, D), dtype=cupy.float32 if absmax else cupy.float64)
-    flag = "true" if absmax else "false"
-    _qfn(f"column_partial<{T}, {D}, {flag}>", T, D)((nchunk, H, B), (256,), (x, *(i64(s) for s in strides), i32(n), part))
-    out = cupy.empty((B, H, D), dtype=cupy.float32)
-    _qfn(f"column_finish<{flag}>", T, D)((B * H,), (D,), (part, i32(nchunk), i32(n), i32(D), out))
-    return out
+    prog = Program()
+    _column_stat_rec(prog, "out", Ref("x"), strides, T, shape, absmax)
+    return prog.run({"x": x})["out"]
 
 
 def _column_stats_kv(prog, T, shape, strides_k, strides_v):
@@ -340,14 +343,9 @@ def _needs_copy(x, need_aligned):
     return not ok
 
 
-class _FwdPlan:
-    """What a forward call signature determines: the problem, the config, the engine, which inputs are copied
-    (strided or misaligned), the pre-pass program and the attention launch programs (by launch options)."""
-
-    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches")
-
-    def __init__(self, p, cfg, engine, copy, prog):
-        self.p, self.cfg, self.engine, self.copy, self.prog, self.launches = p, cfg, engine, copy, prog, {}
+def _input_ns(plan, layout, **inputs):
+    """A run's namespace: each input as it is (raw) or, where ``plan.copy`` says so, its aligned copy."""
+    return {n: (_prepare(x, n, layout, True) if c else _checks.raw(x)) for (n, x), c in zip(inputs.items(), plan.copy)}
 
 
 _FWD_PLANS = Plans()
@@ -359,28 +357,19 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     The first call with a signature validates and records its program (sagecupy/_program.py); later ones replay
     it."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    try:
-        key = (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
-               engine, warps, type(warps), env_key())
-        plan = _FWD_PLANS.get(key)
-    except (TypeError, ValueError):  # an unhashable or non-numeric argument: the validation names it
-        key = plan = None
-    if plan is None:
-        plan = _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                             engine=engine, warps=warps)
-        if key is not None:
-            _FWD_PLANS.put(key, plan)
-    layout = plan.p.layout
-    ns = {n: (_prepare(x, n, layout, True) if c else _checks.raw(x))
-          for n, x, c in (("q", q, plan.copy[0]), ("k", k, plan.copy[1]), ("v", v, plan.copy[2]))}
-    plan.prog.run(ns)
+    plan = _FWD_PLANS.get_or_build(
+        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
+                 engine, warps, type(warps), env_key()),
+        lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
+                              engine=engine, warps=warps))
+    ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
     pre["engine"], pre["plan"] = plan.engine, plan
     return plan.p, plan.cfg, pre
 
 
 def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
-    """Validate a forward call (CuPy arrays or BF16Arrays) and record its pre-pass program: a :class:`_FwdPlan`."""
+    """Validate a forward call (CuPy arrays or BF16Arrays) and record its pre-pass program: a :class:`Plan`."""
     import cupy
 
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
@@ -454,7 +443,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
         prog.launch(_qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t,
                      i32(int(tile_major))))
-    return _FwdPlan(p, cfg, engine, copy, prog)
+    return Plan(p, cfg, engine, copy, prog)
 
 
 def v_t_channels(v_t):
@@ -484,17 +473,8 @@ def forward_warps(warps: int | None = None) -> int:
 def _launch_forward(p, cfg, pre, engine=None, warps=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
     recorded once per (pre-pass plan, engine, warps, environment)."""
-    plan = pre.get("plan")
-    mine = plan is not None and plan.p == p and plan.cfg == cfg  # (by value: adapters rebuild equal objects)
-    try:
-        key = (engine, warps, type(warps), env_key())
-        prog = plan.launches.get(key) if mine else None
-    except TypeError:
-        key = prog = None
-    if prog is None:
-        prog = _forward_launch_program(p, cfg, pre, engine, warps)
-        if key is not None and mine:
-            plan.launches[key] = prog
+    prog = pre["plan"].launch_program(p, cfg, lambda: (engine, warps, type(warps), env_key()),
+                                      lambda: _forward_launch_program(p, cfg, pre, engine, warps))
     ns = prog.run({n: pre[n] for n in _PRE_NAMES})
     return ns["o"], ns["lse"], ns["lse2"]
 
@@ -524,8 +504,8 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     prog = Program()
-    o_shape = (B, Hq, nq, D) if layout == "HND" else (B, nq, Hq, D)
-    o = prog.empty("o", o_shape, cupy.float16 if p.dtype == "float16" else cupy.uint16)
+    o_shape = _layout_shape((B, Hq, nq, D), layout)
+    o = prog.empty("o", o_shape, _bits_dtype(p.dtype))
     osb, osh, osn = _c_strides(o_shape, layout)
     lse = prog.empty("lse", (B, Hq, nq), f32)
     lse2 = prog.empty("lse2", (B, Hq, nq_pad), f32)
@@ -584,16 +564,6 @@ def bwd_images(D):
     return 320 * D + (192 + D) * 4, 256 * D + 256
 
 
-class _BwdPlan:
-    """What a backward call signature determines: whether dO is copied, the engine, the pre-pass program and the
-    kernel launch programs (by launch options)."""
-
-    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches")
-
-    def __init__(self, p, cfg, engine, copy, prog):
-        self.p, self.cfg, self.engine, self.copy, self.prog, self.launches = p, cfg, engine, copy, prog, {}
-
-
 _BWD_PLANS = Plans()
 _RES_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v", "o", "lse2")
 _BPRE_NAMES = ("do", "delta", "q_img", "k_img", "do_t", "do_scale", "q_t", "k_t")
@@ -608,18 +578,12 @@ def _preprocess_backward(residuals, do, engine=None):
                         f"{type(residuals).__name__}")
     r = residuals
     do = _checks.as_cupy(do, "do")
-    try:
-        key = (r.problem, r.config, signature(r.v), signature(r.o), r.q_codes.shape, r.k_codes.shape, signature(do),
-               engine, env_key())
-        plan = _BWD_PLANS.get(key)
-    except TypeError:
-        key = plan = None
-    if plan is None:
-        plan = _backward_plan(r, do, engine)
-        if key is not None:
-            _BWD_PLANS.put(key, plan)
-    ns = {n: getattr(r, n) for n in _RES_NAMES}
-    ns["do"] = _prepare(do, "do", plan.p.layout, True) if plan.copy else _checks.raw(do)
+    plan = _BWD_PLANS.get_or_build(
+        lambda: (r.problem, r.config, signature(r.v), signature(r.o), r.q_codes.shape, r.k_codes.shape,
+                 signature(do), engine, env_key()),
+        lambda: _backward_plan(r, do, engine))
+    ns = _input_ns(plan, plan.p.layout, do=do)
+    ns.update((n, getattr(r, n)) for n in _RES_NAMES)
     plan.prog.run(ns)
     pre = {n: ns[n] for n in _BPRE_NAMES if n in ns}
     pre["engine"], pre["plan"] = plan.engine, plan
@@ -634,12 +598,12 @@ def _backward_plan(r, do, engine):
         raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {tuple(r.o.shape)}")
     if _checks.dtype_name(do.dtype) != p.dtype:
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
-    copy = _needs_copy(_checks.raw(do), True)
+    copy = (_needs_copy(_checks.raw(do), True),)
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq = p.batch, p.heads_q, p.heads_kv, p.nq
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    dsb, dsh, dsn = _run_strides(do, copy, p.layout)
+    dsb, dsh, dsn = _run_strides(do, copy[0], p.layout)
     osb, osh, osn = _strides(r.o, p.layout)
     engine = backward_engine(engine)
     prog = Program()
@@ -657,7 +621,7 @@ def _backward_plan(r, do, engine):
         prog.launch(_qfn(f"bwd_do_image<{T}, {D}, {mode}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
                     (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), q_img, ro, i64(osb), i64(osh), i64(osn),
                      delta))
-        return _BwdPlan(p, cfg, engine, copy, prog)
+        return Plan(p, cfg, engine, copy, prog)
     # dO^T, Q^T and K^T codes tile-major, (B, H, n_pad / 64, D, 64): the backward kernels copy 64-token tiles of
     # D rows x 64 bytes, which then read whole 128-byte lines (as V^T in the forward). delta = rowsum(dO * O) in
     # the same pass over dO.
@@ -670,24 +634,17 @@ def _backward_plan(r, do, engine):
     k_t = prog.empty("k_t", (B, Hkv, nk_pad // 64, D, 64), cupy.int8)
     prog.launch(_qfn(f"transpose_i8_qk<{D}, true>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
                 (Ref("q_codes"), i32(nq_pad), q_t, Ref("k_codes"), i32(nk_pad), k_t, i32(Hq), i32(Hkv)))
-    return _BwdPlan(p, cfg, engine, copy, prog)
+    return Plan(p, cfg, engine, copy, prog)
 
 
 def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     """The two backward kernels alone (dK/dV, then dQ), after :func:`_preprocess_backward`. No atomics: the
     gradients are bitwise repeatable. ``kernels`` (benchmarks): launch only some of them; the gradients of
     a kernel not launched are left uninitialized. Recorded once per (pre-pass plan, engine, kernels)."""
-    plan = pre.get("plan")
-    mine = plan is not None and plan.p == r.problem and plan.cfg == r.config  # (by value: adapters rebuild them)
-    try:  # V's strides are in the launch (mma.sync kernels), so they are in its key
-        key = (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), env_key())
-        prog = plan.launches.get(key) if mine else None
-    except TypeError:
-        key = prog = None
-    if prog is None:
-        prog = _backward_launch_program(r, pre, engine, kernels)
-        if key is not None and mine:
-            plan.launches[key] = prog
+    prog = pre["plan"].launch_program(  # V's and dO's strides are in the mma.sync kernels' launches: in the key
+        r.problem, r.config,
+        lambda: (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), env_key()),
+        lambda: _backward_launch_program(r, pre, engine, kernels))
     ns = {n: getattr(r, n) for n in _RES_NAMES}
     ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)
     prog.run(ns)
@@ -710,9 +667,8 @@ def _backward_launch_program(r, pre, engine, kernels):
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
                          f"call _preprocess_backward(..., engine={engine_arg!r})")
     prog = Program()
-    bits = cupy.float16 if p.dtype == "float16" else cupy.uint16
-    kv_shape = (B, Hkv, nk, D) if layout == "HND" else (B, nk, Hkv, D)
-    q_shape = (B, Hq, nq, D) if layout == "HND" else (B, nq, Hq, D)
+    bits = _bits_dtype(p.dtype)
+    kv_shape, q_shape = _layout_shape((B, Hkv, nk, D), layout), _layout_shape((B, Hq, nq, D), layout)
     dk, dv, dq = prog.empty("dk", kv_shape, bits), prog.empty("dv", kv_shape, bits), prog.empty("dq", q_shape, bits)
     ksb_, ksh_, ksn_ = _c_strides(kv_shape, layout)
     vvb, vvh, vvn = ksb_, ksh_, ksn_

@@ -24,7 +24,7 @@ import os
 
 from . import _checks
 from ._loader import device_capability, get_function
-from ._program import Plans, Program, Ref, env_key, scale_key, signature
+from ._program import Plan, Plans, Program, Ref, env_key, scale_key, signature
 from .config import NVFP4Config
 
 __all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
@@ -361,13 +361,13 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     ``"o"`` (raw, in ``layout``) and ``"lse"``."""
     import cupy
 
-    from .int8 import _c_strides
+    from .int8 import _bits_dtype, _c_strides, _layout_shape
 
     n16 = (nk + 15) // 16 * 16
     w = fp4_warps(engine, D)
     bq = 16 * w
-    o_shape = (B, Hq, nq, D) if layout == "HND" else (B, nq, Hq, D)
-    o = prog.empty("o", o_shape, cupy.float16 if dtype == "float16" else cupy.uint16)
+    o_shape = _layout_shape((B, Hq, nq, D), layout)
+    o = prog.empty("o", o_shape, _bits_dtype(dtype))
     osb, osh, osn = _c_strides(o_shape, layout)
     lse = prog.empty("lse", (B, Hq, nq), cupy.float32)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
@@ -396,16 +396,6 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
 _OPS = ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales")
 
 
-class _AttnPlan:
-    """What an :func:`attention` call signature determines: its dtype and layout, which inputs are copied
-    (strided or misaligned) and the program (pre-passes and the kernel launch)."""
-
-    __slots__ = ("dtype", "layout", "copy", "prog")
-
-    def __init__(self, dtype, layout, copy, prog):
-        self.dtype, self.layout, self.copy, self.prog = dtype, layout, copy, prog
-
-
 _ATTN_PLANS = Plans()
 
 
@@ -420,23 +410,15 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     modified. The first call with a signature validates and records its launches (sagecupy/_program.py); later
     ones replay them.
     """
-    from .int8 import _prepare
+    from .int8 import _input_ns
 
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    try:
-        key = (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
-               engine, env_key())
-        plan = _ATTN_PLANS.get(key)
-    except (TypeError, ValueError):  # an unhashable or non-numeric argument: the validation names it
-        key = plan = None
-    if plan is None:
-        plan = _attention_plan(q, k, v, causal, sm_scale, layout, config, engine)
-        if key is not None:
-            _ATTN_PLANS.put(key, plan)
-    ns = {n: (_prepare(x, n, plan.layout, True) if c else _checks.raw(x))
-          for n, x, c in (("q", q, plan.copy[0]), ("k", k, plan.copy[1]), ("v", v, plan.copy[2]))}
-    plan.prog.run(ns)
-    o = _checks.wrap(ns["o"], plan.dtype)
+    plan = _ATTN_PLANS.get_or_build(
+        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
+                 engine, env_key()),
+        lambda: _attention_plan(q, k, v, causal, sm_scale, layout, config, engine))
+    ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
+    o = _checks.wrap(ns["o"], plan.p.dtype)
     return (o, ns["lse"]) if return_lse else o
 
 
@@ -478,7 +460,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
                    sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine)
-    return _AttnPlan(p.dtype, layout, copy, prog)
+    return Plan(p, cfg, engine, copy, prog)
 
 
 def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND", out_dtype="float16",

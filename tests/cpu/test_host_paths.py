@@ -1,0 +1,185 @@
+"""The INT8 and NVFP4 host paths without a GPU: a stand-in `cupy` (arrays that carry only shape, strides, dtype and
+an address) and recording kernels. Checks that a replayed call (sagecupy/_program.py) launches exactly what the
+first call of its signature launched, on its own new outputs, and that validation still runs where it must."""
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+
+
+class FakeArray:
+    """What the host code reads from a CuPy array; each allocation gets its own 256-byte aligned address."""
+
+    _next = [1 << 20]
+
+    def __init__(self, shape, dtype, strides=None, ptr=None):
+        self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)
+        if strides is None:
+            strides, acc = [], self.itemsize
+            for s in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= s
+        self.strides = tuple(strides)
+        if ptr is None:
+            ptr = FakeArray._next[0]
+            FakeArray._next[0] += (math.prod(self.shape) * self.itemsize + 511) // 256 * 256
+        self.data = types.SimpleNamespace(ptr=ptr)
+        self.device = types.SimpleNamespace(id=0)
+
+    def __getitem__(self, i):
+        assert isinstance(i, int)
+        return FakeArray(self.shape[1:], self.dtype, self.strides[1:], self.data.ptr + i * self.strides[0])
+
+    def copy(self):
+        return FakeArray(self.shape, self.dtype)
+
+
+def _ascontiguousarray(x, dtype=None):
+    """CuPy's: the array itself when it already is C-contiguous in that dtype, else a copy."""
+    same = dtype is None or np.dtype(dtype) == x.dtype
+    return x if same and x.strides == FakeArray(x.shape, x.dtype, ptr=0).strides else FakeArray(x.shape, dtype or x.dtype)
+
+
+class Kernel:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert isinstance(args, tuple)
+        self.log.append((self.name, tuple(grid), tuple(block), args, shared_mem))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake cupy module and recording kernels; returns the launch log."""
+    log = []
+    kernels = {}
+    fake = types.SimpleNamespace(
+        ndarray=FakeArray, empty=lambda shape, dtype: FakeArray(shape, dtype),
+        ascontiguousarray=_ascontiguousarray,
+        int8=np.int8, uint8=np.uint8, float16=np.float16, uint16=np.uint16, float32=np.float32,
+        float64=np.float64, int32=np.int32, int64=np.int64,
+        cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
+                                   runtime=types.SimpleNamespace(getDevice=lambda: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from sagecupy import int8, nvfp4
+
+    def get_function(filename, name, all_names=None, arch=None):
+        return kernels.setdefault(name, Kernel(name, log))
+
+    for mod in (int8, nvfp4):
+        monkeypatch.setattr(mod, "get_function", get_function)
+        monkeypatch.setattr(mod, "device_capability", lambda: (9, 0))
+    monkeypatch.setattr(nvfp4, "_smem_optin", lambda device_id: 227 * 1024)
+    for var in ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
+                "SAGECUPY_FP4_WARPS", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    return log
+
+
+def _summary(launch, inputs):
+    """A launch with its arrays described by shape and dtype (and by name for the call's inputs)."""
+    name, grid, block, args, smem = launch
+
+    def arg(a):
+        if isinstance(a, FakeArray):
+            for n, x in inputs.items():
+                if a is x:
+                    return ("input", n)
+            return ("array", a.shape, a.dtype.str)
+        return a if a is None else (type(a).__name__, a.item())
+
+    return name, grid, block, tuple(arg(a) for a in args), smem
+
+
+def _inputs(layout="HND", dtype=np.float16, nq=100, nk=70, d=128):
+    shp = (lambda h, n: (2, h, n, d)) if layout == "HND" else (lambda h, n: (2, n, h, d))
+    return FakeArray(shp(4, nq), dtype), FakeArray(shp(2, nk), dtype), FakeArray(shp(2, nk), dtype)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("engine", ["wgmma", "mma"])
+def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine):
+    from sagecupy import int8
+
+    q, k, v = _inputs(layout)
+    do = FakeArray(q.shape, q.dtype)
+    runs = []
+    for _ in range(2):
+        start = len(gpu)
+        o, res = int8.forward(q, k, v, causal=True, layout=layout, engine=engine)
+        dq, dk, dv = int8.backward(res, do, engine=engine)
+        runs.append((gpu[start:], (o, res, dq, dk, dv)))
+    (first, out1), (second, out2) = runs
+    names = dict(q=q, k=k, v=v, do=do)
+    assert [_summary(x, names) for x in first] == [_summary(x, names) for x in second]
+    assert len(first) == 9  # forward: K/V statistics (2), Q/K, V, attention; backward: 2 pre-passes, 2 kernels
+    # every call its own outputs
+    for a, b in zip(out1, out2):
+        assert a is not b
+    assert out1[1].q_codes is not out2[1].q_codes
+    # the forward kernel reads this call's pre-pass outputs and writes this call's o
+    fwd = next(x for x in second if x[0].startswith("int8_attn_fwd"))
+    assert out2[1].q_codes in fwd[3] and out2[0] in fwd[3] and out1[0] not in fwd[3]
+
+
+def test_int8_validation_runs_on_replayed_calls(gpu):
+    from sagecupy import int8
+
+    q, k, v = _inputs()
+    int8.forward(q, k, v)
+    int8.forward(q, k, v)  # replayed
+    with pytest.raises(TypeError, match="causal"):
+        int8.forward(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="sm_scale"):
+        int8.forward(q, k, v, sm_scale=float("nan"))
+    with pytest.raises(ValueError, match="device"):
+        q.device = types.SimpleNamespace(id=1)
+        int8.forward(q, k, v)
+    q.device = types.SimpleNamespace(id=0)
+    _, res = int8.forward(q, k, v)
+    with pytest.raises(ValueError, match="do.shape"):
+        int8.backward(res, FakeArray((2, 4, 99, 128), np.float16))
+    with pytest.raises(TypeError, match="residuals"):
+        int8.backward(object(), FakeArray(q.shape, q.dtype))
+
+
+def test_int8_copies_misaligned_inputs_on_every_call(gpu):
+    """A misaligned input is copied per call (its strides in the launch are the copy's)."""
+    from sagecupy import int8
+
+    q, k, v = _inputs()
+    k_odd = FakeArray(k.shape, k.dtype, ptr=k.data.ptr + 2)
+    for _ in range(2):
+        start = len(gpu)
+        int8.forward(q, k_odd, v)
+        for launch in gpu[start:]:
+            assert k_odd not in launch[3]
+
+
+def test_nvfp4_replay_launches_what_the_first_call_launched(gpu):
+    from sagecupy import nvfp4
+
+    q, k, v = _inputs(nk=128)  # (a length that needs no V padding: the fake has no cupy.zeros)
+    nvfp4.attention(q, k, v, causal=True)
+    n = len(gpu)
+    nvfp4.attention(q, k, v, causal=True)
+    names = dict(q=q, k=k, v=v)
+    assert [_summary(x, names) for x in gpu[:n]] == [_summary(x, names) for x in gpu[n:]]
+
+
+def test_nvfp4_quantize_inputs_takes_the_k_mean_in_two_launches(gpu):
+    """quantize_inputs' K mean (int8._column_stat, a one-off program): the column kernels on K, then the
+    quantizers, the mean's output reaching the K quantizer."""
+    from sagecupy import nvfp4
+
+    q, k, v = _inputs(nk=128)
+    ops = nvfp4.quantize_inputs(q, k, v)
+    names = [x[0] for x in gpu]
+    assert names[:2] == ["column_partial<__half, 128, false>", "column_finish<false>"]
+    assert ops["mu_k"].shape == (2, 2, 128) and ops["mu_k"] in gpu[1][3]
+    k_quant = [x for x in gpu if x[0].startswith("nvfp4_quant_rows") and ops["mu_k"] in x[3]]
+    assert len(k_quant) == 1 and k in k_quant[0][3]
