@@ -194,10 +194,28 @@ __global__ void column_finish_kv(const double* __restrict__ part_k, const float*
 // GROUP rows, all in fp32 (the reference's fp32 mode gives the same codes); the stored scale is
 // s * scale_mult (log2 e for Q, so the attention kernels work in base 2), and
 // groups are GROUP rows (GROUP = 1: per token; GROUP = 8 * RPW: the CTA's rows share one scale).
-// Each of the 8 warps owns RPW rows; D/8 lanes share a row, each with 8 consecutive columns (one 16-byte
-// load; rows 16-byte aligned).
+// Each of the 8 warps owns RPW rows; LPR = D / (8 C) lanes share a row, each with C pieces of 8 consecutive
+// columns (16-byte loads; rows 16-byte aligned): piece j of lane l holds columns 8 (j LPR + l) .. + 7, so that one
+// load instruction reads whole 16 LPR-byte row segments.
 // Optional: dot[b, h, r] = dot_mult * <x[b, h, r, :], dot_vec[b, h_dot, :]> (the LSE correction of K-smoothing).
 // grid (ceil(n_pad / (8 * RPW)), H, B), block 256. Rows >= n are written as padding.
+//
+// C (pieces per lane, quant_rows_cpl): the per-row work (the row max's shuffles, the scale's division and
+// reciprocal with their range checks, the stores' addresses and branches) is shared by D / LPR = 8 C elements per
+// lane. With C = 1 (16 lanes per row at D = 128) it was ~60% of the ~28 instructions per element the profile
+// counted (bench/NOTES.md fifteenth/sixteenth sessions). SAGE_QROWS_MAX_CPL caps C (1: the old mapping).
+#ifndef SAGE_QROWS_MAX_CPL
+#define SAGE_QROWS_MAX_CPL 4
+#endif
+template <int D, int RPW, bool GROUPED>
+__host__ __device__ constexpr int quant_rows_cpl() {
+  // the largest C <= the cap with 32 / LPR = 256 C / D rows per warp step dividing RPW; grouped rows (one scale
+  // per CTA: no per-row scale work to share) keep C = 1 (C = 4 took the 16-row-per-warp build to 168 registers)
+  int c = GROUPED ? 1 : (SAGE_QROWS_MAX_CPL < D / 8 ? SAGE_QROWS_MAX_CPL : D / 8);
+  while (c > 1 && (256 * c / D > RPW || RPW % (256 * c / D) != 0)) c /= 2;
+  return c;
+}
+
 template <typename T, int D, int RPW, bool GROUPED>
 __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
                                                 int n_pad, const float* __restrict__ mu, int mu_group, float mult,
@@ -205,46 +223,59 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
                                                 float scale_mult, const float* __restrict__ dot_vec, int dot_group,
                                                 float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H,
                                                 char* __restrict__ kv_img = nullptr) {
-  constexpr int LPR = D / 8, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
-  static_assert(RPW % RPI == 0, "whole steps");
+  constexpr int C = quant_rows_cpl<D, RPW, GROUPED>(), E = 8 * C;  // pieces and elements per lane and row
+  constexpr int LPR = D / E, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
+  static_assert(LPR * E == D && RPI * LPR == 32 && RPW % RPI == 0, "whole steps");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPR, cl = lane % LPR;
   const int row_base = bx * 8 * RPW + warp * RPW;
   const long long bh = static_cast<long long>(b) * H + h;
-  float v[STEPS][8];
+  float v[STEPS][E];
   float amax[STEPS];
-  float muv[8], dv[8];  // this lane's 8 columns of mu and of dot_vec, loaded once for all its rows
+  float muv[E], dv[E];  // this lane's columns of mu and of dot_vec, loaded once for all its rows
+  const float* mu_row = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D : nullptr;
+  const float* dv_row = dot_vec ? dot_vec + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D : nullptr;
 #pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    muv[c] = mu ? mu[(static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D + cl * 8 + c] : 0.f;
-    dv[c] = dot_vec ? dot_vec[(static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D + cl * 8 + c] : 0.f;
+  for (int j = 0; j < 2 * C; ++j) {  // 16-byte loads (mu, dot_vec: the package's own 16-byte aligned (.., D) rows)
+    const int col = ((j / 2) * LPR + cl) * 8 + 4 * (j % 2);
+    const float4 m4 = mu_row ? *reinterpret_cast<const float4*>(mu_row + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 d4 = dv_row ? *reinterpret_cast<const float4*>(dv_row + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+    muv[4 * j] = m4.x, muv[4 * j + 1] = m4.y, muv[4 * j + 2] = m4.z, muv[4 * j + 3] = m4.w;
+    dv[4 * j] = d4.x, dv[4 * j + 1] = d4.y, dv[4 * j + 2] = d4.z, dv[4 * j + 3] = d4.w;
   }
   // Every row's load first (all in flight together), then the arithmetic.
 #pragma unroll
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
-    if (row < n) {
-      load8(x + b * sb + h * sh + row * sn + cl * 8, v[st]);
-    } else {
 #pragma unroll
-      for (int c = 0; c < 8; ++c) v[st][c] = 0.f;
+    for (int j = 0; j < C; ++j) {
+      float f[8];
+      if (row < n) {
+        load8(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8, f);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) f[c] = 0.f;
+      }
+#pragma unroll
+      for (int c = 0; c < 8; ++c) v[st][8 * j + c] = f[c];
     }
   }
 #pragma unroll
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
-    amax[st] = 0.f;
-    float dacc = 0.f;
+    float a = 0.f, dacc = 0.f;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < E; ++c) {
       if (dot_vec) dacc += v[st][c] * dv[c];  // the input is 0 beyond n
-      v[st][c] = row < n ? (v[st][c] - muv[c]) * mult : 0.f;
-      amax[st] = absmax_or_nan(amax[st], v[st][c]);
+      v[st][c] = (v[st][c] - muv[c]) * mult;
+      a = absmax_or_nan(a, v[st][c]);
     }
     if (dot) {
       for (int m = LPR / 2; m >= 1; m >>= 1) dacc += __shfl_xor_sync(0xffffffffu, dacc, m);
       if (cl == 0 && row < n_pad) dot[bh * n_pad + row] = row < n ? dacc * dot_mult : 0.f;
     }
-    amax[st] = warp_max_xor(amax[st], 1, LPR / 2);
+    // rows >= n hold -mu * mult: they count as 0 (their codes are written as 0 below)
+    a = warp_max_xor(a, 1, LPR / 2);  // (every lane: the shuffles need the whole warp)
+    amax[st] = row < n ? a : 0.f;
   }
   if (GROUPED) {
     __shared__ float wmax[8];
@@ -264,19 +295,29 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     const int row = row_base + st * RPI + sub;
     if (row >= n_pad) continue;
     const float s = psi_scale(amax[st], 127.f), inv_s = __frcp_rn(s);
-    unsigned w[2] = {0u, 0u};
-    if (psi_valid(s)) {
-      unsigned cw[8];
-      psi_code_words<8>(v[st], s, inv_s, cw);
-      w[0] = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
-      w[1] = pack4_low_bytes(cw[4], cw[5], cw[6], cw[7]);
+    unsigned w[2 * C];
+#pragma unroll
+    for (int i = 0; i < 2 * C; ++i) w[i] = 0u;
+    if (row < n && psi_valid(s)) {
+      unsigned cw[E];
+      psi_code_words<E>(v[st], s, inv_s, cw);
+#pragma unroll
+      for (int i = 0; i < 2 * C; ++i) w[i] = pack4_low_bytes(cw[4 * i], cw[4 * i + 1], cw[4 * i + 2], cw[4 * i + 3]);
     }
-    *reinterpret_cast<uint2*>(codes + (bh * n_pad + row) * D + cl * 8) = make_uint2(w[0], w[1]);
+    signed char* crow = codes + (bh * n_pad + row) * D;
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+      *reinterpret_cast<uint2*>(crow + (j * LPR + cl) * 8) = make_uint2(w[2 * j], w[2 * j + 1]);
     const float stored = row < n ? s * scale_mult : 0.f;
     if (cl == 0) scales[bh * n_pad + row] = stored;
     if (kv_img) {  // K^ for the wgmma forward's stage images (common/bwd_img.cuh FwdImg): the same bytes, swizzled
       char* img = kv_img + (bh * (n_pad / 64) + row / 64) * static_cast<long long>(FwdImg<D>::STAGE);
-      *reinterpret_cast<uint2*>(img + FwdImg<D>::K + swz<D>(row % 64, cl / 2) + 8 * (cl % 2)) = make_uint2(w[0], w[1]);
+#pragma unroll
+      for (int j = 0; j < C; ++j) {
+        const int piece = j * LPR + cl;
+        *reinterpret_cast<uint2*>(img + FwdImg<D>::K + swz<D>(row % 64, piece / 2) + 8 * (piece % 2)) =
+            make_uint2(w[2 * j], w[2 * j + 1]);
+      }
       if (cl == 0) reinterpret_cast<float*>(img + FwdImg<D>::KS)[row % 64] = stored;
     }
   }
