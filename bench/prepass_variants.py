@@ -5,7 +5,6 @@ summation order may differ). On the GPU
 machine:
 
     python bench/prepass_variants.py --defines ";NAME=1"   # the default build against one with -DNAME=1
-    python bench/prepass_variants.py --no-lse              # also the forward pre-pass of a call without the LSE
 
 (SAGECUPY_* tokens of a variant are environment variables: bench/variant_env.py.)
 """
@@ -22,8 +21,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--defines", default="")
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--no-lse", action="store_true",
-                    help="also the forward pre-pass without qmk (Q quantized with the K/V statistics): codes must be =")
     a = ap.parse_args()
     variants = a.defines.split(";")
     for N in (4096, 16384):
@@ -48,13 +45,11 @@ def main():
         set_variant(None)
         print(line, flush=True)
         line, ref = f"forward  D={a.d} N={N:<6}", None
-        runs = [(dfn, True) for dfn in variants] + ([(variants[0], False)] if a.no_lse else [])
-        for dfn, need_lse in runs:
+        for dfn in variants:
             set_variant(dfn)
 
             def prep():
-                return int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT,
-                                                need_lse=need_lse)
+                return int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT)
 
             ms = min(bench.time_ms_b2b(prep, 3, calls=20) for _ in range(2))
             pre = prep()[2]
@@ -62,7 +57,7 @@ def main():
                    if pre[n] is not None]  # (wgmma, 64-key tiles: V^T lives in the K/V images, no v_t)
             same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(got, ref)) else " DIFFERS")
             ref = got if ref is None else ref
-            line += f" | [{dfn or 'default'}{'' if need_lse else ', need_lse=False'}] {ms * 1e3:.1f} us{same}"
+            line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"
         set_variant(None)
         print(line, flush=True)
 

@@ -356,42 +356,6 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
   }
 }
 
-// The forward's first launch when the caller does not ask for the LSE (no qmk = q . mu_K needed, so Q's
-// quantization does not wait for K's mean): column_partial_kv's CTAs (K's channel sums, V's channel maxima; memory-
-// bound) and the Q half of quant_rows_qk (issue-bound) in one launch, so that the two kinds share the SMs. The same
-// bodies with the same arguments: the same partials and Q codes as the two launches they replace (quant_rows_qk
-// writes qmk besides, which this path leaves out). 1-D grid of n_stat = nchunk * Hkv * 2B stat CTAs and n_q =
-// (nq_pad / (8 RPW)) * Hq * B Q CTAs, interleaved (even blocks stat, odd blocks Q) while both kinds remain.
-template <typename T, int D, int RPW>
-__global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS)
-stats_kv_quant_q(const T* __restrict__ k, long long ksb, long long ksh, long long ksn, const T* __restrict__ v,
-                 long long vsb, long long vsh, long long vsn, int nk, int nchunk, int Hkv, int B,
-                 double* __restrict__ part_k, float* __restrict__ part_v,
-                 const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad, float q_mult,
-                 signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult, int Hq) {
-  const int n_stat = nchunk * Hkv * 2 * B, nqb = nq_pad / (8 * RPW), n_q = nqb * Hq * B;
-  const int i = blockIdx.x, pairs = min(n_stat, n_q);
-  int kind, idx;  // kind 0: a statistics CTA, 1: a Q CTA; idx: its index among its kind
-  if (i < 2 * pairs) {
-    kind = i & 1;
-    idx = i >> 1;
-  } else {
-    kind = n_stat > n_q ? 0 : 1;
-    idx = i - pairs;
-  }
-  if (kind == 0) {  // (chunk, kv head, z) as column_partial_kv's grid
-    const int chunk = idx % nchunk, rest = idx / nchunk, h = rest % Hkv, z = rest / Hkv;
-    if (z < B)
-      column_partial_body<T, D, false>(k, ksb, ksh, ksn, nk, part_k, chunk, h, z, Hkv, nchunk);
-    else
-      column_partial_body<T, D, true>(v, vsb, vsh, vsn, nk, part_v, chunk, h, z - B, Hkv, nchunk);
-  } else {  // (row block, head, batch) as quant_rows_qk's Q grid
-    const int bx = idx % nqb, rest = idx / nqb, h = rest % Hq, b = rest / Hq;
-    quant_rows_body<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes, q_scales,
-                                      q_scale_mult, nullptr, 1, 0.f, nullptr, bx, h, b, Hq);
-  }
-}
-
 // Transposed, mma-permuted quantization of a (tokens x D) operand that meets a re-packed
 // accumulator along the token dimension (V in P.V, dO in P^T.dO):
 //   out[b, h, d, blk*64 + mma_perm32-position of token] = psi(x[b, h, token, d]) for 64-token blocks.

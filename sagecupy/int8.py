@@ -286,28 +286,19 @@ def _column_stat(x, strides, T, shape, absmax):
     return prog.run({"x": x})["out"]
 
 
-def _column_stats_kv(prog, T, shape, strides_k, strides_v, q=None):
+def _column_stats_kv(prog, T, shape, strides_k, strides_v):
     """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale)
-    to views of one (2, B, H, D) float32 array. Inputs ``"k"``, ``"v"`` of the program's namespace.
-    ``q = (Hq, nq, nq_pad, q strides, sm_scale, q_codes, q_scale)``: the first launch also quantizes Q per token
-    (``stats_kv_quant_q``; input ``"q"``), without qmk."""
+    to views of one (2, B, H, D) float32 array. Inputs ``"k"``, ``"v"`` of the program's namespace."""
     import cupy
 
     B, H, n, D = shape
-    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    i32, i64 = cupy.int32, cupy.int64
     nchunk = (n + 255) // 256
     part_k = prog.empty("part_k", (B, H, nchunk, D), cupy.float64)
     part_v = prog.empty("part_v", (B, H, nchunk, D), cupy.float32)
-    stat_args = (Ref("k"), *(i64(s) for s in strides_k), Ref("v"), *(i64(s) for s in strides_v), i32(n))
-    if q is None:
-        prog.launch(_qfn(f"column_partial_kv<{T}, {D}>", T, D), (nchunk, H, 2 * B), (256,),
-                    (*stat_args, part_k, part_v))
-    else:
-        Hq, nq, nq_pad, qs, sm_scale, q_codes, q_scale = q
-        n_ctas = nchunk * H * 2 * B + nq_pad // (8 * _QK_RPW) * Hq * B
-        prog.launch(_qfn(f"stats_kv_quant_q<{T}, {D}, {_QK_RPW}>", T, D), (n_ctas,), (256,),
-                    (*stat_args, i32(nchunk), i32(H), i32(B), part_k, part_v, Ref("q"), *(i64(s) for s in qs),
-                     i32(nq), i32(nq_pad), f32(sm_scale), q_codes, q_scale, f32(LOG2E), i32(Hq)))
+    prog.launch(_qfn(f"column_partial_kv<{T}, {D}>", T, D), (nchunk, H, 2 * B), (256,),
+                (Ref("k"), *(i64(s) for s in strides_k), Ref("v"), *(i64(s) for s in strides_v), i32(n), part_k,
+                 part_v))
     out = prog.empty("colstats", (2, B, H, D), cupy.float32)
     mu_k, v_scale = prog.view("mu_k", out, 0), prog.view("v_scale", out, 1)
     prog.launch(_qfn("column_finish_kv", T, D), (2 * B * H,), (D,),
@@ -361,25 +352,23 @@ _FWD_PLANS = Plans()
 _PRE_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale", "qmk", "mu_k", "v", "kv_img")
 
 
-def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None, need_lse=True):
+def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state).
     The first call with a signature validates and records its program (sagecupy/_program.py); later ones replay
-    it. ``need_lse=False``: the caller will not read the LSE, so qmk = sm_scale * q . mu_K (its K-smoothing
-    correction) is not computed (``pre["qmk"]`` is None) and, where the config allows, Q is quantized in the launch
-    that takes K's mean (the same codes)."""
+    it."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
-                 engine, warps, type(warps), bool(need_lse), env_key()),
+                 engine, warps, type(warps), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                              engine=engine, warps=warps, need_lse=bool(need_lse)))
+                              engine=engine, warps=warps))
     ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
     pre["engine"], pre["plan"] = plan.engine, plan
     return plan.p, plan.cfg, pre
 
 
-def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, need_lse=True):
+def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     """Validate a forward call (CuPy arrays or BF16Arrays) and record its pre-pass program: a :class:`Plan`."""
     import cupy
 
@@ -401,38 +390,27 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, n
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
 
-    # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
-    # qmk = sm_scale * q . mu_K for the LSE. K: psi(K - mu_K) per token or per 64-row block.
-    q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8)
-    q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32)
     # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
     v_channel = cfg.v_granularity == "channel"
-    per_token = cfg.q_granularity == "token" and cfg.k_granularity == "token"
-    # Without the LSE, Q's quantization waits for nothing: per-token Q is quantized by CTAs of the statistics
-    # launch (stats_kv_quant_q: memory-bound statistics CTAs and issue-bound Q CTAs share the SMs), then K alone.
-    q_in_stats = not need_lse and cfg.k_smoothing and v_channel and per_token
-    if q_in_stats:
-        mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn),
-                                         q=(Hq, nq, nq_pad, (qsb, qsh, qsn), p.sm_scale, q_codes, q_scale))
-    elif cfg.k_smoothing and v_channel:
+    if cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn))
     else:
         mu_k = (_column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
                 if cfg.k_smoothing else None)
         v_scale = (_column_stat_rec(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True)
                    if v_channel else None)
-    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32) if mu_k is not None and need_lse else None
+    # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
+    # qmk = sm_scale * q . mu_K for the LSE. K: psi(K - mu_K) per token or per 64-row block.
+    q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8)
+    q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32)
+    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32) if mu_k is not None else None
     k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8)
     k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32)
     # The wgmma kernel with 64-key tiles copies each K/V stage from a per-tile image (K^ swizzled, V^T, key scales:
     # kernels_cu/common/bwd_img.cuh FwdImg) with bulk copies; the K pass and the V pass write it.
     kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
               if engine == "wgmma" and cfg.block_kv == 64 else None)
-    if q_in_stats:  # K alone (Q is done)
-        prog.launch(_qfn(f"quant_rows<{T}, {D}, {_QK_RPW}, false>", T, D), (nk_pad // (8 * _QK_RPW), Hkv, B), (256,),
-                    (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0), k_codes, k_scale,
-                     f32(1.0), None, i32(1), f32(0.0), None, kv_img))
-    elif per_token:  # both in one launch
+    if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
@@ -554,7 +532,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     float32 ``(B, Hq, Nq)``. ``engine``, ``warps``: see :func:`forward_engine`, :func:`forward_warps`.
     """
     p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                                      engine=engine, warps=warps, need_lse=return_lse)
+                                      engine=engine, warps=warps)
     o, lse, lse2 = _launch_forward(p, cfg, pre, engine, warps)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
@@ -564,7 +542,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
 
 def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
     """Inference entry point: INT8 attention forward; ``o`` or ``(o, lse)``."""
-    out = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, return_lse=return_lse)
+    out = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, return_lse=True)
     return (out[0], out[1]) if return_lse else out[0]
 
 
