@@ -202,10 +202,12 @@ __global__ void column_finish_kv(const double* __restrict__ part_k, const float*
 //
 // C (pieces per lane, quant_rows_cpl): the per-row work (the row max's shuffles, the scale's division and
 // reciprocal with their range checks, the stores' addresses and branches) is shared by D / LPR = 8 C elements per
-// lane. With C = 1 (16 lanes per row at D = 128) it was ~60% of the ~28 instructions per element the profile
-// counted (bench/NOTES.md fifteenth/sixteenth sessions). SAGE_QROWS_MAX_CPL caps C (1: the old mapping).
+// lane. With C = 1 (16 lanes per row at D = 128) it was much of the ~28 instructions per element the fifteenth
+// session's profile counted. SAGE_QROWS_MAX_CPL caps C: 2 (the default) measured the forward pre-pass 179.8 ->
+// 168.7 us at D = 128, N = 4K (C = 4, with 84 registers: 186.7; bench/NOTES.md sixteenth session); 1 is the old
+// mapping.
 #ifndef SAGE_QROWS_MAX_CPL
-#define SAGE_QROWS_MAX_CPL 4
+#define SAGE_QROWS_MAX_CPL 2
 #endif
 template <int D, int RPW, bool GROUPED>
 __host__ __device__ constexpr int quant_rows_cpl() {
