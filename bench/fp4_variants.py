@@ -5,7 +5,7 @@ backend on the same shapes: which to make the default. Each variant's output is 
     python bench/fp4_variants.py            # wgmma: the default, 12 warps with the O-frame rule, without ping-pong
     python bench/fp4_variants.py --all      # also the O-frame rule at 8 and 4 warps
     python bench/fp4_variants.py --mma      # also the mma.sync kernels
-    python bench/fp4_variants.py --causal-group   # also the causal dispatch across 16 / 64 heads
+    python bench/fp4_variants.py --causal-group   # also the causal dispatch one head at a time and across 64
 """
 import os
 import sys
@@ -24,13 +24,20 @@ if "--all" in sys.argv:  # (the ninth session measured these: O-frame rule at 8 
     VARIANTS += [("oframe-w8", "wgmma", "8", "SAGE_FP4_OFRAME=1"), ("oframe-w4", "wgmma", "4", "SAGE_FP4_OFRAME=1")]
 if "--mma" in sys.argv:
     VARIANTS += [("mma-w8", "mma", "8", ""), ("mma-w4", "mma", "4", "")]
-if "--causal-group" in sys.argv:  # causal grids heaviest first across 16 / 64 heads (common/fp4_fwd.cuh); O bitwise equal
-    VARIANTS += [("causal-group16", "wgmma", None, "SAGE_FP4_CAUSAL_GROUP=16"),
-                 ("causal-group64", "wgmma", None, "SAGE_FP4_CAUSAL_GROUP=64")]
+if "--causal-group" in sys.argv:  # causal grids heaviest first across G heads (nvfp4.FP4_CAUSAL_GROUP); O bitwise equal
+    VARIANTS += [("causal-group1", "wgmma", None, "SAGECUPY_FP4_CAUSAL_GROUP=1"),
+                 ("causal-group64", "wgmma", None, "SAGECUPY_FP4_CAUSAL_GROUP=64")]
 
 
 def _set(warps, defines):
-    for key, val in (("SAGECUPY_FP4_WARPS", warps), ("SAGECUPY_DEFINES", defines)):
+    """SAGECUPY_FP4_WARPS, and the defines: SAGECUPY_* tokens as environment variables, the others as kernel
+    defines (SAGECUPY_DEFINES)."""
+    toks = [t for t in defines.split(",") if t]
+    env = dict(t.split("=", 1) for t in toks if t.startswith("SAGECUPY_"))
+    kernel_defines = ",".join(t for t in toks if not t.startswith("SAGECUPY_"))
+    os.environ.pop("SAGECUPY_FP4_CAUSAL_GROUP", None)
+    os.environ.update(env)
+    for key, val in (("SAGECUPY_FP4_WARPS", warps), ("SAGECUPY_DEFINES", kernel_defines)):
         if val:
             os.environ[key] = val
         else:

@@ -168,7 +168,9 @@ __device__ __forceinline__ void pair_barrier(int id) {
 }  // namespace
 
 // Grid (ceil(nq / (16 WARPS)), Hq, B), block 32 WARPS, dynamic shared memory Nv90<D, WARPS>::SMEM.
-template <typename T, int D, int WARPS, bool TWO_LEVEL>
+// CG: causal grids dispatched heaviest block first across groups of CG (batch, head) pairs (common/rows.cuh
+// query_block); the host instantiates CG = FP4_CAUSAL_GROUP for causal calls and CG = 1 (the plain order) otherwise.
+template <typename T, int D, int WARPS, bool TWO_LEVEL, int CG = 1>
 __global__ void __launch_bounds__(32 * WARPS, (D == 64 && WARPS == 4) ? SAGE_FP4_MIN_CTAS : 1)
 nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
                     const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
@@ -193,7 +195,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   unsigned long long* k_empty = bars + S::NST;   // every thread's Q.K^T on K stage s retired
   unsigned long long* v_empty = bars + 2 * S::NST;  // every thread's P.V on V stage s retired
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<SAGE_FP4_CAUSAL_GROUP>(BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<CG>(BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;

@@ -56,8 +56,9 @@ struct QatFwdSm90 {
 
 }  // namespace
 
-// Grid (nq_pad / 128, Hq, B), block 256, dynamic shared memory QatFwdSm90<D>::SMEM.
-template <typename T, int D>
+// Grid (nq_pad / 128, Hq, B), block 256, dynamic shared memory QatFwdSm90<D>::SMEM. CG: as nvfp4_attn_fwd_sm90's
+// (causal dispatch groups; the host instantiates FP4_CAUSAL_GROUP for causal calls, 1 otherwise).
+template <typename T, int D, int CG = 1>
 __global__ void __launch_bounds__(QF_THREADS, D == 64 ? SAGE_QAT_FWD_MIN_CTAS : 1)
 qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16, const __half* __restrict__ vt16,
                   T* __restrict__ o, long long osb, long long osh, long long osn,
@@ -76,7 +77,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   unsigned long long* k_empty = bars + QF_NST;
   unsigned long long* v_empty = bars + 2 * QF_NST;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<SAGE_FP4_CAUSAL_GROUP>(QF_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<CG>(QF_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;

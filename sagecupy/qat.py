@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import _checks
 from ._loader import get_function
 from .config import QATConfig
-from .nvfp4 import _fn, _is_supported, _names, _prep, _validated
+from .nvfp4 import _cg_suffix, _fn, _is_supported, _names, _prep, _validated, fp4_causal_group
 
 __all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize"]
 
@@ -130,8 +130,8 @@ def _fwd_fn(T, D, w):
     return get_function("fp4_attn_fwd.cu", f"qat_attn_fwd<{T}, {D}, {w}>")
 
 
-def _fwd_fn_sm90(T, D):
-    return get_function("qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}>",
+def _fwd_fn_sm90(T, D, causal):
+    return get_function("qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(fp4_causal_group(causal))}>",
                         all_names=_names("qat_attn_fwd_sm90.cu"), arch="sm_90a")
 
 
@@ -165,7 +165,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
     o_prime = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.float32)
     if eng == "wgmma":
-        fn, smem, w = _fwd_fn_sm90(_T[p.dtype], D), qat_fwd_sm90_smem_bytes(D), 8
+        fn, smem, w = _fwd_fn_sm90(_T[p.dtype], D, p.causal), qat_fwd_sm90_smem_bytes(D), 8
     else:
         w = fp4_warps()
         fn, smem = _fwd_fn(_T[p.dtype], D, w), fwd_smem_bytes(D, w)

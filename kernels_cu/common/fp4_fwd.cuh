@@ -8,14 +8,6 @@
 
 namespace sage {
 
-// SAGE_FP4_CAUSAL_GROUP (experiment; default 1, the old order): the wgmma NVFP4 and QAT forwards' causal grids
-// dispatched heaviest first across groups of this many (batch, head) pairs (common/rows.cuh query_block<G>; the INT8
-// forward uses 16: 1.05-1.07x causal, bench/NOTES.md fifteenth session). Not measured for these kernels yet:
-// `python bench/fp4_variants.py --causal-group`.
-#ifndef SAGE_FP4_CAUSAL_GROUP
-#define SAGE_FP4_CAUSAL_GROUP 1
-#endif
-
 // SAGE_FP4_RESCALE_SLACK (base-2 logit units, two-level P only; 0: the running max follows every tile max).
 #ifndef SAGE_FP4_RESCALE_SLACK
 #define SAGE_FP4_RESCALE_SLACK 8

@@ -75,7 +75,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(mod, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(nvfp4, "_smem_optin", lambda device_id: 227 * 1024)
     for var in ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
-                "SAGECUPY_FP4_WARPS", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR"):
+                "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR"):
         monkeypatch.delenv(var, raising=False)
     return log
 

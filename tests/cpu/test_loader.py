@@ -49,7 +49,22 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     with pytest.raises(ValueError, match="resolved engine"):
         nvfp4.fwd_smem_bytes(128, 8, "auto")
     names = nvfp4.kernel_names()["fp4_attn_fwd_sm90.cu"]
-    assert len(names) == len(set(names)) == 20  # 4 and 8 warps at D 64/128, 12 at D=128; x 2 dtypes x 2 P modes
+    # 4 and 8 warps at D 64/128, 12 at D=128; x 2 dtypes x 2 P modes; and the causal instances (dispatch groups) of
+    # the default CTA sizes, the only ones the host launches with a group
+    assert len(names) == len(set(names)) == 20 + 8
+    for D in (64, 128):
+        w = nvfp4.fp4_warps("wgmma", D)
+        for causal in (False, True):
+            cg = nvfp4.fp4_causal_group(causal, w, D)
+            assert (cg > 1) == causal
+            assert f"nvfp4_attn_fwd_sm90<__half, {D}, {w}, true{nvfp4._cg_suffix(cg)}>" in names
+        assert nvfp4.fp4_causal_group(True, 8, D) == 1  # another CTA size: the plain order
+    monkeypatch.setenv("SAGECUPY_FP4_CAUSAL_GROUP", "1")
+    assert nvfp4.fp4_causal_group(True, 12, 128) == 1
+    monkeypatch.setenv("SAGECUPY_FP4_CAUSAL_GROUP", "zero")
+    with pytest.raises(ValueError, match="SAGECUPY_FP4_CAUSAL_GROUP='zero'"):
+        nvfp4.fp4_causal_group(True, 12, 128)
+    monkeypatch.delenv("SAGECUPY_FP4_CAUSAL_GROUP")
     # D=128, 8 and 12 warps: one CTA per SM on Hopper (227 KiB); the 12-warp staging area holds Q's 384 tasks
     assert nvfp4.fwd_smem_bytes(128, 8, "wgmma") < 160 * 1024
     assert nvfp4.fwd_smem_bytes(128, 12, "wgmma") == 192 * 256 + 3 * 2 * 16384 + 36 * 384 + 72 + 1024 < 227 * 1024
@@ -77,7 +92,7 @@ def test_qat_backward_engines_and_kernel_lists(monkeypatch):
     assert int8.KERNEL_ARCHS["qat_attn_bwd_sm90.cu"] == int8.KERNEL_ARCHS["qat_attn_fwd_sm90.cu"] == ("sm_90a",)
     from sagecupy import nvfp4
 
-    assert len(nvfp4.kernel_names()["qat_attn_fwd_sm90.cu"]) == 4
+    assert len(nvfp4.kernel_names()["qat_attn_fwd_sm90.cu"]) == 8  # 2 dtypes x D 64/128 x plain / causal dispatch
     assert nvfp4.qat_fwd_sm90_smem_bytes(128) <= 227 * 1024  # one CTA per SM
     for D in (64, 128):
         for smem in _qat_bwd.sm90_smem_bytes(D):
