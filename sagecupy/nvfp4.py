@@ -52,14 +52,12 @@ def fp4_causal_group(causal: bool, warps: int | None = None, head_dim: int = 128
     """The dispatch group (CG template argument) of a wgmma FP4 forward launch: 1 without the causal mask or for
     an NVFP4 CTA size other than the default (``warps``; experiments, whose causal instances are not in the list CI
     compiles), else ``SAGECUPY_FP4_CAUSAL_GROUP`` (a positive integer) or :data:`FP4_CAUSAL_GROUP`."""
+    env = os.environ.get("SAGECUPY_FP4_CAUSAL_GROUP")
+    if env is not None and (not env.isdigit() or not 1 <= int(env) <= 4096):
+        raise ValueError(f"SAGECUPY_FP4_CAUSAL_GROUP={env!r}: an integer from 1 (the plain dispatch order) to 4096")
     if not causal or (warps is not None and warps != (_WGMMA_WARPS if head_dim == 128 else 4)):
         return 1
-    env = os.environ.get("SAGECUPY_FP4_CAUSAL_GROUP")
-    if env is None:
-        return FP4_CAUSAL_GROUP
-    if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"SAGECUPY_FP4_CAUSAL_GROUP={env!r}: a positive integer (1: the plain dispatch order)")
-    return int(env)
+    return FP4_CAUSAL_GROUP if env is None else int(env)
 
 
 def _cg_suffix(cg: int) -> str:

@@ -46,6 +46,7 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     from sagecupy import nvfp4
 
     monkeypatch.delenv("SAGECUPY_FP4_WARPS", raising=False)
+    monkeypatch.delenv("SAGECUPY_FP4_CAUSAL_GROUP", raising=False)
     with pytest.raises(ValueError, match="resolved engine"):
         nvfp4.fwd_smem_bytes(128, 8, "auto")
     names = nvfp4.kernel_names()["fp4_attn_fwd_sm90.cu"]
@@ -61,9 +62,11 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
         assert nvfp4.fp4_causal_group(True, 8, D) == 1  # another CTA size: the plain order
     monkeypatch.setenv("SAGECUPY_FP4_CAUSAL_GROUP", "1")
     assert nvfp4.fp4_causal_group(True, 12, 128) == 1
-    monkeypatch.setenv("SAGECUPY_FP4_CAUSAL_GROUP", "zero")
-    with pytest.raises(ValueError, match="SAGECUPY_FP4_CAUSAL_GROUP='zero'"):
-        nvfp4.fp4_causal_group(True, 12, 128)
+    for bad in ("zero", "0", "100000"):  # rejected with or without the mask
+        monkeypatch.setenv("SAGECUPY_FP4_CAUSAL_GROUP", bad)
+        for causal in (False, True):
+            with pytest.raises(ValueError, match=f"SAGECUPY_FP4_CAUSAL_GROUP='{bad}'"):
+                nvfp4.fp4_causal_group(causal, 12, 128)
     monkeypatch.delenv("SAGECUPY_FP4_CAUSAL_GROUP")
     # D=128, 8 and 12 warps: one CTA per SM on Hopper (227 KiB); the 12-warp staging area holds Q's 384 tasks
     assert nvfp4.fwd_smem_bytes(128, 8, "wgmma") < 160 * 1024
