@@ -39,6 +39,11 @@ _BKV = 64
 #: Warps per CTA of the wgmma NVFP4 forward at D=128 by default (SAGECUPY_FP4_WARPS overrides it).
 _WGMMA_WARPS = 12
 
+
+def _wgmma_default_warps(head_dim: int) -> int:
+    """The wgmma NVFP4 forward's default CTA size: 12 warps at D=128, 4 at D=64 (see :func:`fp4_warps`)."""
+    return _WGMMA_WARPS if head_dim == 128 else 4
+
 #: Causal calls of the wgmma FP4 forwards (NVFP4, QAT) dispatch their query blocks heaviest first across groups of
 #: this many (batch, head) pairs (kernels_cu/common/rows.cuh query_block), not one pair after another: then the last
 #: wave does not hold the heavy blocks of the last heads alone. On the H200 at D=128 (``bench/ab_time.py``, sixteenth
@@ -55,7 +60,7 @@ def fp4_causal_group(causal: bool, warps: int | None = None, head_dim: int = 128
     env = os.environ.get("SAGECUPY_FP4_CAUSAL_GROUP")
     if env is not None and (not env.isdigit() or not 1 <= int(env) <= 4096):
         raise ValueError(f"SAGECUPY_FP4_CAUSAL_GROUP={env!r}: an integer from 1 (the plain dispatch order) to 4096")
-    if not causal or (warps is not None and warps != (_WGMMA_WARPS if head_dim == 128 else 4)):
+    if not causal or (warps is not None and warps != _wgmma_default_warps(head_dim)):
         return 1
     return FP4_CAUSAL_GROUP if env is None else int(env)
 
@@ -75,7 +80,7 @@ def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
     for 12). 4 and 8 warps give bitwise equal results for finite inputs (tested); 12 warps (the frame rule) round
     O's fp32 rescaling differently (within the simulator's 1e-3 bound, tested). With a NaN in V, rows that
     cannot see its block may or may not turn NaN depending on which CTAs load the tile."""
-    default = (_WGMMA_WARPS if head_dim == 128 else 4) if engine == "wgmma" else 8
+    default = _wgmma_default_warps(head_dim) if engine == "wgmma" else 8
     env = os.environ.get("SAGECUPY_FP4_WARPS", str(default))
     ok = ("4", "8", "12") if engine == "wgmma" else ("4", "8")
     if env not in ok:
@@ -115,7 +120,7 @@ def kernel_names() -> dict:
     attn90 = [f"nvfp4_attn_fwd_sm90<{T}, {D}, {w}, {tl}>" for T in _T.values() for D in (64, 128)
               for w in (_WARPS + (_WGMMA_WARPS,) if D == 128 else _WARPS) for tl in ("true", "false")]
     # causal instances: the default CTA sizes only (others compile on first use)
-    attn90 += [f"nvfp4_attn_fwd_sm90<{T}, {D}, {_WGMMA_WARPS if D == 128 else 4}, {tl}, {FP4_CAUSAL_GROUP}>"
+    attn90 += [f"nvfp4_attn_fwd_sm90<{T}, {D}, {_wgmma_default_warps(D)}, {tl}, {FP4_CAUSAL_GROUP}>"
                for T in _T.values() for D in (64, 128) for tl in ("true", "false")]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
