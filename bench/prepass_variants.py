@@ -1,5 +1,5 @@
 """Device time of the INT8 pre-passes (backward: delta, dO quantization, transposes or stage images; forward:
-smoothing mean, Q/K/V quantization) under kernel defines, calls issued back to back, with the codes compared bitwise
+smoothing mean, Q/K/V quantization, qmk: the LSE's K-smoothing term) under kernel defines, calls issued back to back, with the codes compared bitwise
 against the first variant's (the backward's delta, also inside the wgmma stage images, to fp32 rounding: its
 summation order may differ). On the GPU
 machine:
@@ -53,7 +53,7 @@ def main():
 
             ms = min(bench.time_ms_b2b(prep, 3, calls=20) for _ in range(2))
             pre = prep()[2]
-            got = [np.asarray(pre[n].get()) for n in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "kv_img", "v_scale")
+            got = [np.asarray(pre[n].get()) for n in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "kv_img", "v_scale", "qmk")
                    if pre[n] is not None]  # (wgmma, 64-key tiles: V^T lives in the K/V images, no v_t)
             same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(got, ref)) else " DIFFERS")
             ref = got if ref is None else ref

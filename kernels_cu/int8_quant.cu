@@ -264,14 +264,24 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
 #pragma unroll
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
-    float a = 0.f, dacc = 0.f;
+    float a = 0.f, dp[C];
+#pragma unroll
+    for (int j = 0; j < C; ++j) dp[j] = 0.f;
 #pragma unroll
     for (int c = 0; c < E; ++c) {
-      if (dot_vec) dacc += v[st][c] * dv[c];  // the input is 0 beyond n
+      if (dot_vec) dp[c / 8] += v[st][c] * dv[c];  // the input is 0 beyond n
       v[st][c] = (v[st][c] - muv[c]) * mult;
       a = absmax_or_nan(a, v[st][c]);
     }
     if (dot) {
+      // The addition tree of one 8-column piece per lane (C = 1), so the sum is bitwise independent of C: piece j
+      // of this lane is piece j LPR + cl of that mapping, whose first log2 C shuffle levels added piece p to
+      // piece p + D / 16, i.e. here j to j + C / 2 (fp32 addition commutes, so every lane's order is the same).
+#pragma unroll
+      for (int w = C / 2; w >= 1; w >>= 1)
+#pragma unroll
+        for (int j = 0; j < w; ++j) dp[j] += dp[j + w];
+      float dacc = dp[0];
       for (int m = LPR / 2; m >= 1; m >>= 1) dacc += __shfl_xor_sync(0xffffffffu, dacc, m);
       if (cl == 0 && row < n_pad) dot[bh * n_pad + row] = row < n ? dacc * dot_mult : 0.f;
     }

@@ -43,9 +43,9 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
   char* sV = sK + BKV * ROWB;            // 64 keys x D
   char* sQ = sV + BKV * ROWB;            // 64 queries x D
   char* sdO = sQ + BQ * ROWB;            // 64 queries x D
-  float* sCmax = reinterpret_cast<float*>(sdO + BQ * ROWB);  // 4 warps x 64 queries: max logits; then beta
-  float* sR = sCmax + 4 * BQ;            // per query: tile max logit
-  float* sL = sR + BQ;                   // per query: lse2
+  float* sCmax = reinterpret_cast<float*>(sdO + BQ * ROWB);  // 4 warps x 64 queries: max logits
+  float2* sKS = reinterpret_cast<float2*>(sCmax + 4 * BQ);   // 4 x 64 blocks of fq(P): (k, s beta)
+  float* sL = reinterpret_cast<float*>(sKS + 4 * BQ);        // per query: lse2
   float* sDel = sL + BQ;                 // per query: delta
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -110,26 +110,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         *reinterpret_cast<float2*>(sCmax + warp * BQ + nt * 8 + 2 * t4) = make_float2(cmax[nt][0], cmax[nt][1]);
     }
     __syncthreads();
-    qat_tile_rows<BQ>(sR, sCmax, sL, tid, scale_log2);
+    qat_block_scales<BQ, THREADS>(sKS, sCmax, sL, tid, scale_log2);
     __syncthreads();
-
-    // P, P_q (packed as the A operand of dV), per query column.
-    float p[8][4];
-    unsigned pa[4][4];
-    qat_pt_tile<T>(p, pa, s, cmax, sR, sCmax, sL, t4, scale_log2);
-
-    // dV += P_q^T dO   (B = dO stored [query][d]: transposed ldmatrix)
-#pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        unsigned bv[4];
-        ldsm_x4_trans<ROWB, true>(bv, sdO, kk * 16, 2 * dp, lane);
-        const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
-        mma_f16<T>(acc_dv[2 * dp], pa[kk], b0);
-        mma_f16<T>(acc_dv[2 * dp + 1], pa[kk], b1);
-      }
-    }
 
     // dP^T = V~ dO^T (16 keys x 64 queries per warp)
     float dpt[8][4];
@@ -148,9 +130,22 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
         mma_f16<T>(dpt[2 * np + 1], a, b1);
       }
     }
-    // dS^T = P^T (dP^T - delta): A operand of dK.
-    unsigned da[4][4];
-    qat_dst_tile<T>(da, p, dpt, sDel, t4);
+    // P_q^T (A operand of dV) and dS^T = P^T (dP^T - delta) (A operand of dK), per query column.
+    unsigned pa[4][4], da[4][4];
+    qat_pq_ds_tile<T>(pa, da, s, dpt, sKS + warp * BQ, sL, sDel, t4, scale_log2);
+
+    // dV += P_q^T dO   (B = dO stored [query][d]: transposed ldmatrix)
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        unsigned bv[4];
+        ldsm_x4_trans<ROWB, true>(bv, sdO, kk * 16, 2 * dp, lane);
+        const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
+        mma_f16<T>(acc_dv[2 * dp], pa[kk], b0);
+        mma_f16<T>(acc_dv[2 * dp + 1], pa[kk], b1);
+      }
+    }
     // dK += dS^T Q~   (B = Q~ stored [query][d]: transposed ldmatrix)
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {

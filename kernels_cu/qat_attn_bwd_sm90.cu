@@ -65,10 +65,10 @@ __device__ __forceinline__ void qat_issue_rs(float (&acc)[D / 8][4], const unsig
 template <int D>
 struct QatBwdSm90 {
   // K~ (64 x D), V~^T (D x 64), then two stages of Q~, dO (64 x D each) and lse2, delta (64 fp32 each), then the
-  // 4 x 64 per-warp column maxima and the 64 tile maxima (fp32).
+  // 4 x 64 per-warp column maxima (fp32) and the 4 x 64 block values of fq(P) (float2).
   static constexpr int TILE = 128 * D;
   static constexpr int STAGE = (2 * TILE + 512 + 1023) / 1024 * 1024;
-  static constexpr int SMEM = 1024 + 2 * TILE + 2 * STAGE + 5 * 64 * 4;
+  static constexpr int SMEM = 1024 + 2 * TILE + 2 * STAGE + 12 * 64 * 4;
 };
 
 template <typename T, int D>
@@ -88,8 +88,8 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
   char* sK = smem;
   char* sV = sK + S::TILE;
   char* sStage = sV + S::TILE;
-  float* sCmax = reinterpret_cast<float*>(sStage + 2 * S::STAGE);  // 4 warps x 64 queries; then beta (row 0)
-  float* sR = sCmax + 4 * QB_BQ;                                   // per query: the tile's max logit
+  float* sCmax = reinterpret_cast<float*>(sStage + 2 * S::STAGE);  // 4 warps x 64 queries: column maxima
+  float2* sKS = reinterpret_cast<float2*>(sCmax + 4 * QB_BQ);      // 4 x 64 blocks of fq(P): (k, s beta)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -136,7 +136,7 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
     cur_t = cur_t + 1 == n_qt ? first_qt : cur_t + 1;
     cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
-    __syncthreads();      // stage it resident; every warp is done with stage it - 1 (refilled next) and sR
+    __syncthreads();      // stage it resident; every warp is done with stage it - 1 (refilled next) and sKS
     if (it + 1 < n_it) load_stage(it + 1);
     cp_async_commit();
     const char* st = sStage + (it & 1) * S::STAGE;
@@ -158,17 +158,14 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
         *reinterpret_cast<float2*>(sCmax + warp * QB_BQ + nt * 8 + 2 * t4) = make_float2(cmax[nt][0], cmax[nt][1]);
     }
     __syncthreads();
-    qat_tile_rows<QB_BQ>(sR, sCmax, sL, tid, scale_log2);
+    qat_block_scales<QB_BQ, QB_THREADS>(sKS, sCmax, sL, tid, scale_log2);
     __syncthreads();
-    float p[8][4];
-    unsigned pa[4][4];
-    qat_pt_tile<T>(p, pa, acc_s, cmax, sR, sCmax, sL, t4, scale_log2);
-    qat_issue_rs<T, D>(acc_dv, pa, sdO);  // dV += P_q^T dO
-    wgmma_wait<1>();                      // dP^T done (dV may still run)
+    wgmma_wait<0>();  // dP^T done
     fence_regs(reinterpret_cast<float(&)[32]>(acc_dp));
-    unsigned da[4][4];
-    qat_dst_tile<T>(da, p, acc_dp, sDel, t4);
-    qat_issue_rs<T, D>(acc_dk, da, sQ);  // dK += dS^T Q~
+    unsigned pa[4][4], da[4][4];
+    qat_pq_ds_tile<T>(pa, da, acc_s, acc_dp, sKS + warp * QB_BQ, sL, sDel, t4, scale_log2);
+    qat_issue_rs<T, D>(acc_dv, pa, sdO);  // dV += P_q^T dO
+    qat_issue_rs<T, D>(acc_dk, da, sQ);   // dK += dS^T Q~
     wgmma_wait<0>();
     hold_regs(pa);
     hold_regs(da);

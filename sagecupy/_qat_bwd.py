@@ -36,8 +36,8 @@ def backward_engine(engine: str | None = None) -> str:
 
 
 def smem_bytes(D: int) -> int:
-    """The dK/dV kernel's: K~, V~, Q~, dO tiles, per-query arrays, alignment."""
-    return 4 * 64 * 2 * D + (4 * 64 + 3 * 64) * 4 + 128
+    """The dK/dV kernel's: K~, V~, Q~, dO tiles, column maxima, block values of fq(P), per-query arrays, alignment."""
+    return 4 * 64 * 2 * D + (4 * 64 + 8 * 64 + 2 * 64) * 4 + 128
 
 
 def dq_smem_bytes(D: int) -> int:
@@ -50,7 +50,7 @@ def sm90_smem_bytes(D: int) -> tuple:
     dQ) bytes, each with 1024 bytes of slack for the 1024-byte alignment wgmma tiles need."""
     tile = 128 * D
     stage = -(-(2 * tile + 512) // 1024) * 1024
-    return 1024 + 2 * tile + 2 * stage + 5 * 64 * 4, 1024 + 2 * tile + 4 * tile
+    return 1024 + 2 * tile + 2 * stage + 12 * 64 * 4, 1024 + 2 * tile + 4 * tile
 
 
 def kernel_constants() -> dict:

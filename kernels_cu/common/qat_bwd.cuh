@@ -39,74 +39,71 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
   }
 }
 
-// The per-query values of fq(P) for this key tile, after the warps' column maxima are in sCmax (4 x BQ): thread
-// tid < BQ writes sR[tid] = r, the tile's max logit of query tid, and beta = exp2(r - lse2) / 2688 (0 for a query
-// that sees no key of the tile) over sCmax[tid]: until the barrier that follows, only this thread reads that slot;
-// after it every thread reads beta there (qat_pt_tile's sB), and the next writes to sCmax come after the loop's
-// next barrier. Once per query and tile here rather than by every thread for each of its 16 columns inside
-// qat_pt_tile (an exp2f and an IEEE division each, with its checked slow path). The same float operations, so
-// the same bits with the ptxas of CUDA 13.0 (checked in SASS: FMUL, store, FADD, as before); r - lse2 is not
-// written with __fsub_rn, so a compiler that contracted r's product into it would change them.
-template <int BQ>
-__device__ __forceinline__ void qat_tile_rows(float* sR, float* sCmax, const float* sL, int tid, float scale_log2) {
-  if (tid < BQ) {
-    const float r = fmaxf(fmaxf(sCmax[tid], sCmax[BQ + tid]), fmaxf(sCmax[2 * BQ + tid], sCmax[3 * BQ + tid])) *
-                    scale_log2;
-    sR[tid] = r;
-    sCmax[tid] = r != -INFINITY ? exp2f(r - sL[tid]) / QAT_X_MAX : 0.f;
+// The 16-key blocks of fq(P) for this key tile, after the warps' column maxima are in sCmax (4 x BQ: warp w's
+// 16 keys = one block per query), computed once per block here rather than by each of the 8 lanes that hold a
+// block's values (the fifteenth session's per-column form spent ~300 of ~1200 instructions per warp and tile on it,
+// and most of its MUFU and shared-memory latency). Thread tid handles query q = tid % BQ and the blocks of warps
+// 2 (tid / BQ) and 2 (tid / BQ) + 1 (THREADS = 2 BQ). Per query: r = the tile's max logit (as the forward
+// computes it), beta = exp2(r - lse2) / 2688 (0 for a query that sees no key of the tile). Per block: the E4M3
+// scale s of its x = 2688 exp2(S - r) (from the block's max), and sKS[w BQ + q] = (k, s beta) with
+// k = 2688 exp2(lse2 - r) / s, so that qat_pq_ds_tile forms x / s = P k from P = exp2(S - lse2) with one product
+// instead of a second exponent (x / s within a few ulps of the forward's: a value within that of an E2M1 midpoint,
+// ~1e-6 of them, may round the other way; S^T here already differs from the forward's S by the tensor cores'
+// accumulation order). A block whose k overflows (lse2 - r > ~116: beta < 2^-127) is dropped (k = s beta = 0); its
+// values would be below fp32 resolution of dV's sums. NaN stays NaN.
+template <int BQ, int THREADS>
+__device__ __forceinline__ void qat_block_scales(float2* sKS, const float* sCmax, const float* sL, int tid,
+                                                 float scale_log2) {
+  static_assert(THREADS == 2 * BQ, "two blocks per thread");
+  const int q = tid % BQ, w0 = 2 * (tid / BQ);
+  const float r = fmaxf(fmaxf(sCmax[q], sCmax[BQ + q]), fmaxf(sCmax[2 * BQ + q], sCmax[3 * BQ + q])) * scale_log2;
+  const float l2 = sL[q];
+  const bool seen = r != -INFINITY;
+  const float base = seen ? QAT_LOG2_X_MAX - r : 0.f;
+  const float beta = seen ? exp2f(r - l2) / QAT_X_MAX : 0.f;
+  const float c = seen ? fast_exp2(l2 + base) : 0.f;  // 2688 exp2(lse2 - r); +inf: dropped
+  const bool drop = c == INFINITY;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int w = w0 + i;
+    const float amax = fast_exp2(fmaf(sCmax[w * BQ + q], scale_log2, base));
+    const float sc = e4m3_block_scale_fast(amax);
+    const float inv = rcp_approx(sc);
+    sKS[w * BQ + q] = drop ? make_float2(0.f, 0.f) : make_float2(c * inv, sc * beta);
   }
 }
 
-// P^T = exp2(S^T scale_log2 - lse2) and P_q^T = fq_P(P)^T: per query and 64-key tile, x = 2688 exp2(S - r) with
-// r the tile's max logit (sR, as the forward computes it), NVFP4 of x in 16-key blocks, times
-// beta = exp2(r - lse2) / 2688 (sB, from qat_tile_rows). P_q^T is packed as the A operand (k = queries) of
-// dV += P_q^T dO: accumulator n-tile nt -> A fragment of k16 chunk nt / 2 (a0/a1 from the even tile, a2/a3 from
-// the odd one).
+// One pass over a warp's 16 keys x 64 queries (transposed tiles, accumulator layout) once S^T and dP^T are both in:
+// P^T = exp2(S^T scale_log2 - lse2); P_q^T = fq_P(P)^T: E2M1(P k) (s beta) with the block's (k, s beta) from
+// qat_block_scales (sKSw: this warp's row of sKS), packed as the A operand (k = queries) of dV += P_q^T dO; and
+// dS^T = P^T o (dP^T - delta), rounded to T as FlashAttention does (fp16 dS can overflow when |dP - delta|
+// approaches 65504; bf16 cannot), packed as the A operand of dK += dS^T Q~. Accumulator n-tile nt -> A fragment
+// of k16 chunk nt / 2 (a0/a1 from the even tile, a2/a3 from the odd one). S^T and dP^T die as the operands fill.
 template <typename T>
-__device__ __forceinline__ void qat_pt_tile(float (&p)[8][4], unsigned (&pa)[4][4], const float (&s)[8][4],
-                                            const float (&cmax)[8][2], const float* sR, const float* sB,
-                                            const float* sL, int t4, float scale_log2) {
+__device__ __forceinline__ void qat_pq_ds_tile(unsigned (&pa)[4][4], unsigned (&da)[4][4], const float (&s)[8][4],
+                                               const float (&dpt)[8][4], const float2* sKSw, const float* sL,
+                                               const float* sDel, int t4, float scale_log2) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
-    float pq[4];
+    float pq[4], ds[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int qi = nt * 8 + 2 * t4 + j;
-      const float r = sR[qi], l2 = sL[qi];
-      const bool seen = r != -INFINITY;
-      const float base = seen ? QAT_LOG2_X_MAX - r : 0.f;
-      const float beta = sB[qi];
-      const float amax = fast_exp2(fmaf(cmax[nt][j], scale_log2, base));
-      const float sc = e4m3_block_scale_fast(amax);
-      const float inv = rcp_approx(sc);
+      const float2 ks = sKSw[qi];
+      const float l2 = sL[qi], d = sDel[qi];
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
-        const float sv = s[nt][2 * hi + j];
-        const float x = fast_exp2(fmaf(sv, scale_log2, base));
-        pq[2 * hi + j] = e2m1_round_nonneg(x * inv) * sc * beta;
-        p[nt][2 * hi + j] = fast_exp2(fmaf(sv, scale_log2, -l2));
+        const int e = 2 * hi + j;
+        const float p = fast_exp2(fmaf(s[nt][e], scale_log2, -l2));
+        pq[e] = e2m1_round_nonneg(p * ks.x) * ks.y;
+        ds[e] = p * (dpt[nt][e] - d);
       }
     }
-    const int kk = nt >> 1, hi = nt & 1;
-    pa[kk][2 * hi] = pack2<T>(pq[0], pq[1]);
-    pa[kk][2 * hi + 1] = pack2<T>(pq[2], pq[3]);
-  }
-}
-
-// dS^T = P^T o (dP^T - delta), rounded to T as FlashAttention does (fp16 dS can overflow when |dP - delta|
-// approaches 65504; bf16 cannot), packed as the A operand (k = queries) of dK += dS^T Q~.
-template <typename T>
-__device__ __forceinline__ void qat_dst_tile(unsigned (&da)[4][4], const float (&p)[8][4], const float (&dpt)[8][4],
-                                             const float* sDel, int t4) {
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int qc = nt * 8 + 2 * t4;
-    const float d0 = sDel[qc], d1 = sDel[qc + 1];
-    const unsigned lo = pack2<T>(p[nt][0] * (dpt[nt][0] - d0), p[nt][1] * (dpt[nt][1] - d1));
-    const unsigned hi = pack2<T>(p[nt][2] * (dpt[nt][2] - d0), p[nt][3] * (dpt[nt][3] - d1));
     const int kk = nt >> 1, h2 = nt & 1;
-    da[kk][2 * h2] = lo;
-    da[kk][2 * h2 + 1] = hi;
+    pa[kk][2 * h2] = pack2<T>(pq[0], pq[1]);
+    pa[kk][2 * h2 + 1] = pack2<T>(pq[2], pq[3]);
+    da[kk][2 * h2] = pack2<T>(ds[0], ds[1]);
+    da[kk][2 * h2 + 1] = pack2<T>(ds[2], ds[3]);
   }
 }
 
