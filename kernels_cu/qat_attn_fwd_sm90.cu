@@ -8,8 +8,9 @@
 // (each thread copies its share) in 4-stage rings handed over with mbarriers (full: every thread's copies of the
 // tile landed; k_empty / v_empty: every thread's products on the stage retired). Per key tile t, per warpgroup:
 // softmax(t); issue the O, O' products of t; copy tile t+3 into the stage tile t-1 held (once it is free); this
-// thread's copies of t+2 landed -> arrive on full(t+2); wait for full(t+1), issue S(t+1); retire. A warpgroup
-// thus waits for the other only a tile behind.
+// thread's copies of t+2 landed -> arrive on full(t+2); wait for full(t+1), issue S(t+1); retire (D = 64: retire
+// the O, O' products first, then issue S(t+1): RETIRE_PV_FIRST below). A warpgroup thus waits for the other only a
+// tile behind.
 //
 // Registers: O and O' take D / 2 each per thread; a separate accumulator for P^ V~ (which the mma.sync and the
 // NVFP4 wgmma kernels keep, to form O = alpha O + beta P^V~) does not fit beside them. So O is accumulated in
@@ -46,8 +47,17 @@ namespace {
 
 constexpr int QF_BKV = 64, QF_THREADS = 256, QF_BQ = 128, QF_NST = 4;
 
+// D = 64: O and O' of tile t retired before Q.K^T(t+1) is issued (SAGE_QAT_FWD_RETIRE_PV_FIRST, default 1), instead of
+// all three in flight together: at the 2-CTA budget (128 registers) ptxas otherwise serializes every wgmma (C7512,
+// now flagged by .ci/compile_kernels.py). QAT forward 1.065-1.083x end to end at D = 64 (bench/ab_time.py, seventeenth
+// session; the same float operations, so the same outputs).
+#ifndef SAGE_QAT_FWD_RETIRE_PV_FIRST
+#define SAGE_QAT_FWD_RETIRE_PV_FIRST 1
+#endif
+
 template <int D>
 struct QatFwdSm90 {
+  static constexpr bool RETIRE_PV_FIRST = D == 64 && SAGE_QAT_FWD_RETIRE_PV_FIRST;
   static constexpr int Q_BYTES = QF_BQ * 2 * D, K_BYTES = QF_BKV * 2 * D, V_BYTES = D * QF_BKV * 2;
   static constexpr int BARS = 3 * QF_NST * 8;
   // Q~, the K~ and V~^T rings, the mbarriers; + 1024 for the tiles' alignment (host: nvfp4.qat_fwd_sm90_smem_bytes)
@@ -172,17 +182,32 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
       mbar_arrive(full + ((tile + 2) & 3));
     }
     const bool more = tile + 1 < tl.n;
-    if (more) mbar_wait(full + st1, ((tile + 1) >> 2) & 1);
-    wgmma_fence();
-    issue_qk(st1);    // S(t+1) (after the last tile: a stale or never-written stage, no copy in flight; dropped)
-    wgmma_wait<1>();  // O, O' products of tile t done
-    fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
-    fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_op));
-    hold_regs(pa);
-    hold_regs(pp);
-    mbar_arrive(v_empty + st0);
-    wgmma_wait<0>();  // S(t+1) done
-    fence_regs(accs);
+    if constexpr (QatFwdSm90<D>::RETIRE_PV_FIRST) {
+      // O, O' of tile t retired before S(t+1) is issued: P^ / P~ (32 registers) are free for S(t+1)'s accumulator
+      wgmma_wait<0>();
+      fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
+      fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_op));
+      hold_regs(pa);
+      hold_regs(pp);
+      mbar_arrive(v_empty + st0);
+      if (more) mbar_wait(full + st1, ((tile + 1) >> 2) & 1);
+      wgmma_fence();
+      issue_qk(st1);    // S(t+1) (after the last tile: a stale or never-written stage, no copy in flight; dropped)
+      wgmma_wait<0>();  // S(t+1) done
+      fence_regs(accs);
+    } else {
+      if (more) mbar_wait(full + st1, ((tile + 1) >> 2) & 1);
+      wgmma_fence();
+      issue_qk(st1);    // S(t+1) (after the last tile: a stale or never-written stage, no copy in flight; dropped)
+      wgmma_wait<1>();  // O, O' products of tile t done
+      fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
+      fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_op));
+      hold_regs(pa);
+      hold_regs(pp);
+      mbar_arrive(v_empty + st0);
+      wgmma_wait<0>();  // S(t+1) done
+      fence_regs(accs);
+    }
     if (more) mbar_arrive(k_empty + st1);
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits

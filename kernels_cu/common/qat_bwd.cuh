@@ -41,8 +41,8 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
 
 // The 16-key blocks of fq(P) for this key tile, after the warps' column maxima are in sCmax (4 x BQ: warp w's
 // 16 keys = one block per query), computed once per block here rather than by each of the 8 lanes that hold a
-// block's values (the fifteenth session's per-column form spent ~300 of ~1200 instructions per warp and tile on it,
-// and most of its MUFU and shared-memory latency). Thread tid handles query q = tid % BQ and the blocks of warps
+// block's values (that per-column form spent ~300 of ~1200 instructions per warp and tile on it, and most of
+// its MUFU and shared-memory latency: bench/NOTES.md, seventeenth session). Thread tid handles query q = tid % BQ and the blocks of warps
 // 2 (tid / BQ) and 2 (tid / BQ) + 1 (THREADS = 2 BQ). Per query: r = the tile's max logit (as the forward
 // computes it), beta = exp2(r - lse2) / 2688 (0 for a query that sees no key of the tile). Per block: the E4M3
 // scale s of its x = 2688 exp2(S - r) (from the block's max), and sKS[w BQ + q] = (k, s beta) with
