@@ -163,7 +163,7 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
     wgmma_wait<0>();  // dP^T done
     fence_regs(reinterpret_cast<float(&)[32]>(acc_dp));
     unsigned pa[4][4], da[4][4];
-    qat_pq_ds_tile<T>(pa, da, acc_s, acc_dp, sKS + warp * QB_BQ, sL, sDel, t4, scale_log2);
+    qat_pq_ds_tile<T, D == 128>(pa, da, acc_s, acc_dp, sKS + warp * QB_BQ, sL, sDel, t4, scale_log2);
     qat_issue_rs<T, D>(acc_dv, pa, sdO);  // dV += P_q^T dO
     qat_issue_rs<T, D>(acc_dk, da, sQ);   // dK += dS^T Q~
     wgmma_wait<0>();

@@ -79,18 +79,28 @@ __device__ __forceinline__ void qat_block_scales(float2* sKS, const float* sCmax
 // dS^T = P^T o (dP^T - delta), rounded to T as FlashAttention does (fp16 dS can overflow when |dP - delta|
 // approaches 65504; bf16 cannot), packed as the A operand of dK += dS^T Q~. Accumulator n-tile nt -> A fragment
 // of k16 chunk nt / 2 (a0/a1 from the even tile, a2/a3 from the odd one). S^T and dP^T die as the operands fill.
-template <typename T>
+// VEC: one vector load per two columns (sKSw, sL and sDel then 16-, 8- and 8-byte aligned): the wgmma kernel at
+// D = 128 measured 1.02-1.03x with them, at D = 64 0.98-0.99x (more live registers, more spills at its 168);
+// bench/NOTES.md, seventeenth session.
+template <typename T, bool VEC = false>
 __device__ __forceinline__ void qat_pq_ds_tile(unsigned (&pa)[4][4], unsigned (&da)[4][4], const float (&s)[8][4],
                                                const float (&dpt)[8][4], const float2* sKSw, const float* sL,
                                                const float* sDel, int t4, float scale_log2) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     float pq[4], ds[4];
+    const int qc = nt * 8 + 2 * t4;  // this thread's two query columns qc, qc + 1 (qc is even)
+    float4 ks2;
+    float2 l22, d2;
+    if constexpr (VEC) {
+      ks2 = *reinterpret_cast<const float4*>(sKSw + qc);
+      l22 = *reinterpret_cast<const float2*>(sL + qc);
+      d2 = *reinterpret_cast<const float2*>(sDel + qc);
+    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int qi = nt * 8 + 2 * t4 + j;
-      const float2 ks = sKSw[qi];
-      const float l2 = sL[qi], d = sDel[qi];
+      const float2 ks = VEC ? (j == 0 ? make_float2(ks2.x, ks2.y) : make_float2(ks2.z, ks2.w)) : sKSw[qc + j];
+      const float l2 = VEC ? (j == 0 ? l22.x : l22.y) : sL[qc + j], d = VEC ? (j == 0 ? d2.x : d2.y) : sDel[qc + j];
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
         const int e = 2 * hi + j;
