@@ -160,7 +160,7 @@ def main(argv=None):
                     print(f"FAIL nvcc {arch} {filename}: wgmma serialized\n  " + "\n  ".join(serial))
                 # ptxas C7512: wgmma serialized for want of registers (the kernel's register budget): reported
                 # per function, not a failure (a budget choice measured against the serialization it costs).
-                short = set(re.findall(r"\(C7512\)[^']*'([^']+)'", log))
+                short = set(re.findall(r"\(C7512\)[^'\n]*'([^'\n]+)'", log))
                 rows = parse_ptxas(log)
                 for (fn, regs, st, ld), pretty in zip(rows, demangle([r[0] for r in rows])):
                     flag_s = ("  SPILLS" if (st or ld) else "") + ("  WGMMA-SERIALIZED(C7512)" if fn in short else "")

@@ -7,8 +7,8 @@
 //   P_q^T = fq_P(P)^T: per query and 64-key tile, x = 2688 exp2(S - r) with r the tile's max logit (as the
 //           forward computes it), NVFP4 of x in 16-key blocks (one warp's 16 keys), times
 //           beta = exp2(r - lse2) / 2688
-//   dV   += P_q^T dO
 //   dP^T  = V~ dO^T
+//   dV   += P_q^T dO                (P_q^T and dS^T formed in one pass once S^T and dP^T are in: common/qat_bwd.cuh)
 //   dS^T  = P^T o (dP^T - delta),   delta = rowsum(dO o O')   (pre-computed)
 //   dK   += dS^T Q~                 (times sm_scale at the end)
 // dQ has its own kernel (qat_attn_bwd_dq, below: one CTA per 64 query rows, recomputing S, P, dP and dS of

@@ -21,8 +21,9 @@
 #include "common/wgmma.cuh"
 
 // CTAs per SM the D = 64 dK/dV kernel's registers are budgeted for (__launch_bounds__; SAGE_QAT_BWD_KV_MIN_CTAS
-// overrides): three, 168 registers (191 -> 168, 76 bytes of spills), instead of two: QAT backward 1.11-1.15x
-// end to end on the H200 (bench/fp4_d64_variants.py, tenth session; bitwise the same gradients). The D = 64
+// overrides): three, 168 registers (191 -> 168, 76 bytes of spills then; 28 since the seventeenth session's one-pass
+// element step, which also ended ptxas's serialization of the kernel's wgmma, C7512), instead of two: QAT backward
+// 1.11-1.15x end to end on the H200 (bench/fp4_d64_variants.py, tenth session; bitwise the same gradients). The D = 64
 // dQ kernel already fits four (124 registers).
 #ifndef SAGE_QAT_BWD_KV_MIN_CTAS
 #define SAGE_QAT_BWD_KV_MIN_CTAS 3

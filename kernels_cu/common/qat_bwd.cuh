@@ -42,15 +42,20 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
 // The 16-key blocks of fq(P) for this key tile, after the warps' column maxima are in sCmax (4 x BQ: warp w's
 // 16 keys = one block per query), computed once per block here rather than by each of the 8 lanes that hold a
 // block's values (that per-column form spent ~300 of ~1200 instructions per warp and tile on it, and most of
-// its MUFU and shared-memory latency: bench/NOTES.md, seventeenth session). Thread tid handles query q = tid % BQ and the blocks of warps
-// 2 (tid / BQ) and 2 (tid / BQ) + 1 (THREADS = 2 BQ). Per query: r = the tile's max logit (as the forward
+// its MUFU and shared-memory latency: bench/NOTES.md, seventeenth session). Thread tid handles query q = tid % BQ
+// and the blocks of warps 2 (tid / BQ) and 2 (tid / BQ) + 1 (THREADS = 2 BQ). Per query: r = the tile's max logit (as the forward
 // computes it), beta = exp2(r - lse2) / 2688 (0 for a query that sees no key of the tile). Per block: the E4M3
 // scale s of its x = 2688 exp2(S - r) (from the block's max), and sKS[w BQ + q] = (k, s beta) with
 // k = 2688 exp2(lse2 - r) / s, so that qat_pq_ds_tile forms x / s = P k from P = exp2(S - lse2) with one product
-// instead of a second exponent (x / s within a few ulps of the forward's: a value within that of an E2M1 midpoint,
-// ~1e-6 of them, may round the other way; S^T here already differs from the forward's S by the tensor cores'
-// accumulation order). A block whose k overflows (lse2 - r > ~116: beta < 2^-127) is dropped (k = s beta = 0); its
-// values would be below fp32 resolution of dV's sums. NaN stays NaN.
+// instead of a second exponent (x / s within a few ulps of the forward's x (1/s) where it matters -- more, tens of
+// ulps, only where lse2 - r is ~100 and the values are ~2^-100: a value within that of an E2M1 midpoint, ~1e-6 of
+// them, may round the other way; S^T here already differs from the forward's S by the tensor cores' accumulation
+// order), and P_q = E2M1 (s beta) rounds once more than (E2M1 s) beta did for the levels 1.5, 3 and 6 (the last
+// fp32 bit, before P_q is rounded to T). A query whose c = 2688 exp2(lse2 - r) overflows (lse2 - r > ~116:
+// beta < 2^-127) has its blocks dropped (k = s beta = 0). k = c / s itself can still overflow for a block far below
+// r (s < 1); then P k is +inf (or NaN where P = 0), E2M1 saturates it to 6 and s beta is below 2^-126, which the
+// kernels' flush-to-zero build (CuPy always compiles with -ftz=true) makes 0, as the old per-column form gave.
+// NaN stays NaN.
 template <int BQ, int THREADS>
 __device__ __forceinline__ void qat_block_scales(float2* sKS, const float* sCmax, const float* sL, int tid,
                                                  float scale_log2) {
@@ -80,7 +85,8 @@ __device__ __forceinline__ void qat_block_scales(float2* sKS, const float* sCmax
 // approaches 65504; bf16 cannot), packed as the A operand of dK += dS^T Q~. Accumulator n-tile nt -> A fragment
 // of k16 chunk nt / 2 (a0/a1 from the even tile, a2/a3 from the odd one). S^T and dP^T die as the operands fill.
 // VEC: one vector load per two columns (sKSw, sL and sDel then 16-, 8- and 8-byte aligned): the wgmma kernel at
-// D = 128 measured 1.02-1.03x with them, at D = 64 0.98-0.99x (more live registers, more spills at its 168);
+// D = 128 measured 1.02-1.03x with them in three of four cases (1.00x at 16K causal) although ptxas spills 20-24
+// bytes there at 255 registers (none without), at D = 64 0.98-0.99x (more live registers, more spills at its 168);
 // bench/NOTES.md, seventeenth session.
 template <typename T, bool VEC = false>
 __device__ __forceinline__ void qat_pq_ds_tile(unsigned (&pa)[4][4], unsigned (&da)[4][4], const float (&s)[8][4],
@@ -90,8 +96,8 @@ __device__ __forceinline__ void qat_pq_ds_tile(unsigned (&pa)[4][4], unsigned (&
   for (int nt = 0; nt < 8; ++nt) {
     float pq[4], ds[4];
     const int qc = nt * 8 + 2 * t4;  // this thread's two query columns qc, qc + 1 (qc is even)
-    float4 ks2;
-    float2 l22, d2;
+    float4 ks2 = make_float4(0.f, 0.f, 0.f, 0.f);
+    float2 l22 = make_float2(0.f, 0.f), d2 = make_float2(0.f, 0.f);
     if constexpr (VEC) {
       ks2 = *reinterpret_cast<const float4*>(sKSw + qc);
       l22 = *reinterpret_cast<const float2*>(sL + qc);
