@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: ncu SASS-level counts and stall samples of the INT8 kernels matching a regex, launched by
 # bench/profile_int8.py (D = 128, N = 4096, B = 4, H = 16), written to $OUT; prints the per-opcode summary
-# (bench/tools/sass_stats.py) and dumps each kernel's SASS with executed counts (bench/tools/sass_dump.py).
+# (bench/tools/sass_stats.py), dumps each kernel's SASS with executed counts (bench/tools/sass_dump.py) and its regions
+# (bench/tools/sass_regions.py; PER=warps x tiles gives instructions per warp and tile).
 #   KREGEX="int8_attn_fwd_sm90" SKIP=1 COUNT=1 bash bench/profile_sass.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ $NCU --import "$OUT/$TAG.ncu-rep" --page details >"$OUT/details_$TAG.txt" 2>&1
 $NCU --import "$OUT/$TAG.ncu-rep" --page source --csv --print-source sass >"$OUT/sass_$TAG.csv" 2>&1
 rm -f "$OUT/$TAG.ncu-rep"
 (cd bench/tools && python3 sass_stats.py "$OUT/sass_$TAG.csv" --top 12 && \
-  for k in ${DUMP:-int8_attn_fwd_sm90}; do python3 sass_dump.py "$OUT/sass_$TAG.csv" --kernel "$k" > "$OUT/sass_${TAG}_$(echo "$k" | tr -c "A-Za-z0-9_\n" _).txt"; done)
+  for k in ${DUMP:-int8_attn_fwd_sm90}; do python3 sass_dump.py "$OUT/sass_$TAG.csv" --kernel "$k" > "$OUT/sass_${TAG}_$(echo "$k" | tr -c "A-Za-z0-9_\n" _).txt";
+    echo "== regions of $k (instructions / ${PER:-1})"; python3 sass_regions.py "$OUT/sass_$TAG.csv" --kernel "$k" --per "${PER:-1}" --min-share 2; done)
 gzip -f "$OUT/sass_$TAG.csv"
 grep -E "^  [a-z_0-9]+|Duration|Issue Slots|Issued Ipc|highest-utilized|Warp Cycles Per Issued" "$OUT/details_$TAG.txt"
