@@ -58,10 +58,15 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
                                                          float inv_p_max) {
   static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
   float s[NT][4];
+  // This thread's key scales: columns 8 nt + 2 t4, 8 nt + 2 t4 + 1 of the tile, one 8-byte shared load each at an
+  // immediate offset from one address (NVRTC compiled ks_tile[kt] to two address instructions per load). The loads
+  // are plain asm (the compiler schedules them: volatile ones measured the forward kernel 10% slower) on an address
+  // that after_barriers keeps behind the stage's barriers. Kernel 1.01-1.02x (bench/NOTES.md, eighteenth session).
+  const unsigned ks_addr = after_barriers(smem_u32(ks_tile) + 8 * t4);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int kt = nt * 8 + 2 * t4, key = tile * (8 * NT) + kt;
-    const float2 sk = *reinterpret_cast<const float2*>(ks_tile + kt);
+    const float2 sk = lds_f2(ks_addr + 32 * nt);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float v = i2f_small(acc_s[nt][e]) * ((e & 1) ? sk.y : sk.x);
@@ -109,7 +114,8 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   }
   // Rescaling O by alpha only when some row's max moved (warp-uniform; alpha == 1 is exact otherwise).
   ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
-  float lsum[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  // -0 + p is p for every p (0 + p needs an FADD: the compiler cannot assume p != -0)
+  float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
 #pragma unroll
   for (int np = 0; np < NT / 2; ++np) {
     unsigned c[2][4];

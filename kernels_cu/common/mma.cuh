@@ -46,6 +46,22 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// addr through a volatile asm: the compiler keeps volatile asms (barriers, mbarrier waits) in order, so a plain asm
+// load from the result (lds_f2, which it may otherwise move like arithmetic) stays after the barriers before it.
+__device__ __forceinline__ unsigned after_barriers(unsigned addr) {
+  unsigned r;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(addr));
+  return r;
+}
+
+// Two floats from shared memory at byte address addr (ptxas folds a constant added to addr into the load). Not
+// volatile and without a memory clobber: take addr from after_barriers when the data is written behind a barrier.
+__device__ __forceinline__ float2 lds_f2(unsigned addr) {
+  float2 v;
+  asm("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+
 // Four 8x8 b16 matrices (or 8 rows x 16 bytes each); lane l supplies the row address of
 // matrix l/8, row l%8. Thread t receives row t/4, bytes 4*(t%4)..+3 of each matrix.
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
