@@ -30,7 +30,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("trees", nargs="+")
-    ap.add_argument("--kernel", default="int8_attn_fwd_sm90<__nv_bfloat16, (int)128, (int)4, (int)64>")
+    ap.add_argument("--kernel", default="int8_attn_fwd_sm90<__nv_bfloat16, 128, 4, 64>")
     a = ap.parse_args()
     cuobjdump = "cuobjdump" if subprocess.run(["which", "cuobjdump"], capture_output=True).returncode == 0 \
         else "/usr/local/cuda/bin/cuobjdump"
