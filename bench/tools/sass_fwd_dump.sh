@@ -1,4 +1,8 @@
-# usage: bash sassdump.sh OUTDIR tree1 tree2 ...  (tree = path to a kernels_cu dir)
+# nvcc's SASS of the INT8 wgmma forward (bf16, D = 128, 4 warps, 64-key tiles) for each kernel tree, on the GPU machine
+# (cuobjdump is there, not here). Caveat: the kernel CuPy builds at run time is not this code: the eighteenth
+# session's ncu profile showed address arithmetic per key-scale load that nvcc's cubin of the same source does not
+# have. Read ncu's source page (bench/profile_sass.sh) for what runs; use this for quick nvcc-level diffs.
+#   bash bench/tools/sass_fwd_dump.sh OUTDIR kernels_cu /tmp/old/kernels_cu ...
 out=$1; shift
 CUOBJ=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
 for t in "$@"; do

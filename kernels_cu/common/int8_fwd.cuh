@@ -59,9 +59,10 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
   float s[NT][4];
   // This thread's key scales: columns 8 nt + 2 t4, 8 nt + 2 t4 + 1 of the tile, one 8-byte shared load each at an
-  // immediate offset from one address (NVRTC compiled ks_tile[kt] to two address instructions per load). The loads
-  // are plain asm (the compiler schedules them: volatile ones measured the forward kernel 10% slower) on an address
-  // that after_barriers keeps behind the stage's barriers. Kernel 1.01-1.02x (bench/NOTES.md, eighteenth session).
+  // immediate offset from one address (in the build CuPy runs, ks_tile[kt] took two address instructions per
+  // load). The loads are plain asm (the compiler schedules them: volatile ones measured the forward kernel 10%
+  // slower) on an address that after_barriers keeps behind the stage's barriers. Kernel 1.01-1.02x (bench/NOTES.md,
+  // eighteenth session).
   const unsigned ks_addr = after_barriers(smem_u32(ks_tile) + 8 * t4);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
