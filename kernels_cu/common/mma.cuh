@@ -56,6 +56,8 @@ __device__ __forceinline__ unsigned after_barriers(unsigned addr) {
 
 // Two floats from shared memory at byte address addr (ptxas folds a constant added to addr into the load). Not
 // volatile and without a memory clobber: take addr from after_barriers when the data is written behind a barrier.
+// Nothing keeps the load above the *next* barrier (after which the data may be overwritten) but its use: the
+// result must feed work that the next barrier waits for (in the forward: P^, read by the tensor cores before it).
 __device__ __forceinline__ float2 lds_f2(unsigned addr) {
   float2 v;
   asm("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
