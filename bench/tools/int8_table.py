@@ -49,9 +49,11 @@ def main():
                 ffb, xfb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **t) for m in ("fwd", "fwdbwd"))
                 b2b = (f" {ffb['ms'] / fbb['ms']:.2f} | {xfb['ms'] / xbb['ms']:.2f} |" if fbb and ffb and xbb and xfb
                        else " – | – |")
-                print(f"{head} {k['tops']:.0f} | {fe['tops']:.0f} | {ff['ms'] / fe['ms']:.2f} | {fc['ms'] / fe['ms']:.2f} | "
-                      f"{be['tops']:.0f} | {bf['ms'] / be['ms']:.2f} | {fb['tops']:.0f} | {xf['ms'] / fb['ms']:.2f} | "
-                      f"{xc['ms'] / fb['ms']:.2f} |{b2b}")
+                def x(base, ours):  # a ratio, or '–' for a baseline the run did not time (--baselines flash)
+                    return f"{base['ms'] / ours['ms']:.2f}" if base else "–"
+
+                print(f"{head} {k['tops']:.0f} | {fe['tops']:.0f} | {x(ff, fe)} | {x(fc, fe)} | "
+                      f"{be['tops']:.0f} | {x(bf, be)} | {fb['tops']:.0f} | {x(xf, fb)} | {x(xc, fb)} |{b2b}")
 
 
 if __name__ == "__main__":
