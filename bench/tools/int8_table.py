@@ -13,6 +13,12 @@ import sys
 from fp4_table import load, pick
 
 
+def ratio(base, ours):
+    """base / ours as a table cell, or '–' when either row is missing (a baseline the run did not time, e.g.
+    --baselines flash; back-to-back rows, absent from runs before the eleventh session)."""
+    return f"{base['ms'] / ours['ms']:.2f}" if base and ours else "–"
+
+
 def main():
     rows = load(sys.argv[1])
     sm90 = any(r.get("scope") == "kernel-wgmma" for r in rows)
@@ -23,7 +29,7 @@ def main():
         print("| D | N | causal | fwd kernel TOPS | fwd e2e TOPS | fwd × flash | fwd × cuDNN | bwd e2e TOPS | bwd × flash "
               "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN | fwd × flash, b2b | fwd+bwd × flash, b2b |")
         print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    present = {(r.get("D"), r.get("N")) for r in rows if r.get("impl") == "sagecupy-int8"}
+    present = {(r.get("D"), r.get("N")) for r in rows if r.get("impl") == "sagecupy-int8" and r.get("mode") == "fwd"}
     ns = sorted({n for _, n in present}) if "--all-n" in sys.argv else (4096, 16384)
     for D in (64, 128):
         for N in ns:
@@ -47,13 +53,10 @@ def main():
                 # back to back (bench.time_ms_b2b): absent from runs before the eleventh session
                 fbb, xbb = (pick(rows, mode=m, scope="e2e-b2b", **s) for m in ("fwd", "fwdbwd"))
                 ffb, xfb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **t) for m in ("fwd", "fwdbwd"))
-                b2b = (f" {ffb['ms'] / fbb['ms']:.2f} | {xfb['ms'] / xbb['ms']:.2f} |" if fbb and ffb and xbb and xfb
-                       else " – | – |")
-                def x(base, ours):  # a ratio, or '–' for a baseline the run did not time (--baselines flash)
-                    return f"{base['ms'] / ours['ms']:.2f}" if base else "–"
-
+                x = ratio
                 print(f"{head} {k['tops']:.0f} | {fe['tops']:.0f} | {x(ff, fe)} | {x(fc, fe)} | "
-                      f"{be['tops']:.0f} | {x(bf, be)} | {fb['tops']:.0f} | {x(xf, fb)} | {x(xc, fb)} |{b2b}")
+                      f"{be['tops']:.0f} | {x(bf, be)} | {fb['tops']:.0f} | {x(xf, fb)} | {x(xc, fb)} | "
+                      f"{x(ffb, fbb)} | {x(xfb, xbb)} |")
 
 
 if __name__ == "__main__":
