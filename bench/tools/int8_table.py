@@ -29,7 +29,8 @@ def main():
         print("| D | N | causal | fwd kernel TOPS | fwd e2e TOPS | fwd × flash | fwd × cuDNN | bwd e2e TOPS | bwd × flash "
               "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN | fwd × flash, b2b | fwd+bwd × flash, b2b |")
         print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    present = {(r.get("D"), r.get("N")) for r in rows if r.get("impl") == "sagecupy-int8" and r.get("mode") == "fwd"}
+    present = {(r.get("D"), r.get("N")) for r in rows
+               if r.get("impl") == "sagecupy-int8" and r.get("mode") == "fwd"}  # not the peak-memory rows
     ns = sorted({n for _, n in present}) if "--all-n" in sys.argv else (4096, 16384)
     for D in (64, 128):
         for N in ns:
