@@ -62,19 +62,19 @@ def nvcc_compile(nvcc, filename, names, arch_flag, tmp):
 
 
 def parse_ptxas(log):
-    """[(function, registers, spill_stores, spill_loads)] from ptxas -v output."""
-    out, cur, spills = [], None, (0, 0)
+    """[(function, registers, spill_stores, spill_loads, stack_frame)] from ptxas -v output."""
+    out, cur, spills = [], None, (0, 0, 0)
     for line in log.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
             cur = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m:
-            spills = (int(m.group(1)), int(m.group(2)))
+            spills = (int(m.group(2)), int(m.group(3)), int(m.group(1)))
         m = re.search(r"Used (\d+) registers", line)
         if m and cur:
             out.append((cur, int(m.group(1)), *spills))
-            cur, spills = None, (0, 0)
+            cur, spills = None, (0, 0, 0)
     return out
 
 
@@ -162,11 +162,13 @@ def main(argv=None):
                 # per function, not a failure (a budget choice measured against the serialization it costs).
                 short = set(re.findall(r"\(C7512\)[^'\n]*'([^'\n]+)'", log))
                 rows = parse_ptxas(log)
-                for (fn, regs, st, ld), pretty in zip(rows, demangle([r[0] for r in rows])):
-                    flag_s = ("  SPILLS" if (st or ld) else "") + ("  WGMMA-SERIALIZED(C7512)" if fn in short else "")
+                for (fn, regs, st, ld, stack), pretty in zip(rows, demangle([r[0] for r in rows])):
+                    # a stack frame without spills: a local array indexed at run time (a loop not unrolled)
+                    flag_s = (("  SPILLS" if (st or ld) else "") + ("  STACK" if stack and not (st or ld) else "")
+                              + ("  WGMMA-SERIALIZED(C7512)" if fn in short else ""))
                     spilled |= bool(st or ld)
                     print(f"ok   nvcc {arch:<7} {filename:<18} regs={regs:<4} spill_st={st:<5} spill_ld={ld:<5} "
-                          f"{pretty[:90]}{flag_s}")
+                          f"stack={stack:<5} {pretty[:90]}{flag_s}")
     lib = find_nvrtc()
     if lib is None:
         print("NVRTC not found: skipped the NVRTC pass")

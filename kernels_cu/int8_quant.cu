@@ -277,10 +277,7 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
       // The addition tree of one 8-column piece per lane (C = 1), so the sum is bitwise independent of C: piece j
       // of this lane is piece j LPR + cl of that mapping, whose first log2 C shuffle levels added piece p to
       // piece p + D / 16, i.e. here j to j + C / 2 (fp32 addition commutes, so every lane's order is the same).
-#pragma unroll
-      for (int w = C / 2; w >= 1; w >>= 1)
-#pragma unroll
-        for (int j = 0; j < w; ++j) dp[j] += dp[j + w];
+      tree_fold(dp, FAddOp());
       float dacc = dp[0];
       for (int m = LPR / 2; m >= 1; m >>= 1) dacc += __shfl_xor_sync(0xffffffffu, dacc, m);
       if (cl == 0 && row < n_pad) dot[bh * n_pad + row] = row < n ? dacc * dot_mult : 0.f;

@@ -406,10 +406,11 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     qmk = prog.empty("qmk", (B, Hq, nq_pad), f32) if mu_k is not None else None
     k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8)
     k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32)
-    # The wgmma kernel with 64-key tiles copies each K/V stage from a per-tile image (K^ swizzled, V^T, key scales:
-    # kernels_cu/common/bwd_img.cuh FwdImg) with bulk copies; the K pass and the V pass write it.
+    # The wgmma kernel copies each K/V stage from per-64-key images (K^ swizzled, V^T, key scales:
+    # kernels_cu/common/bwd_img.cuh FwdImg; a 128-key tile is two) with bulk copies; the K pass and the V pass
+    # write them.
     kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
-              if engine == "wgmma" and cfg.block_kv == 64 else None)
+              if engine == "wgmma" else None)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
@@ -491,9 +492,9 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
     if engine_arg and forward_engine(engine_arg) != engine:
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
                          f"call _preprocess_forward(..., engine={engine_arg!r})")
-    if engine == "wgmma" and bkv == 64 and pre["kv_img"] is None:
-        raise ValueError(f"config.block_kv={bkv}: the pre-pass has no K/V stage images (prepared for another "
-                         f"block_kv); call _preprocess_forward with the same config")
+    if engine == "wgmma" and pre["kv_img"] is None:
+        raise ValueError("the pre-pass has no K/V stage images (kv_img), which the wgmma kernel reads; call "
+                         "_preprocess_forward(..., engine='wgmma')")
     if engine == "wgmma":
         fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
         stages = _fwd90_stages(D, bkv)

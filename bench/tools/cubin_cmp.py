@@ -3,7 +3,9 @@ file and target (nvcc sm_80 / sm_90a, as .ci/compile_kernels.py builds them), co
 For edits meant to change no code (comments, formatting): same cubins, so a GPU run of the old tree stands.
 
     git archive REV kernels_cu | tar -x -C /tmp/old
-    python bench/tools/cubin_cmp.py /tmp/old/kernels_cu [FILE.cu ...]
+    python bench/tools/cubin_cmp.py /tmp/old/kernels_cu [FILE.cu ...] [--each]
+
+--each: one cubin per instantiation (which template instances changed).
 """
 import hashlib
 import subprocess
@@ -29,16 +31,19 @@ def cubin_digest(tree, filename, names, flag, tmp):
 
 
 def main():
-    old = Path(sys.argv[1]).resolve()
+    args = [a for a in sys.argv[1:] if a != "--each"]
+    each = len(args) < len(sys.argv) - 1
+    old = Path(args[0]).resolve()
     names = ck.all_names()
-    files = sys.argv[2:] or sorted(names)
+    files = args[1:] or sorted(names)
     differ = 0
     with tempfile.TemporaryDirectory() as tmp:
         for f in files:
             for arch, flag in ck.archs_for(f).items():
-                a, b = (cubin_digest(t, f, names[f], flag, tmp) for t in (old, ROOT / "kernels_cu"))
-                differ += a != b
-                print("same" if a == b else "DIFFERS", arch, f, flush=True)
+                for group in ([[n] for n in names[f]] if each else [names[f]]):
+                    a, b = (cubin_digest(t, f, group, flag, tmp) for t in (old, ROOT / "kernels_cu"))
+                    differ += a != b
+                    print("same" if a == b else "DIFFERS", arch, f, group[0] if each else "", flush=True)
     print(f"{differ} of the cubins differ")
     return 1 if differ else 0
 

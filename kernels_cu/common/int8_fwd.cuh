@@ -84,10 +84,7 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
     float t[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
-#pragma unroll
-    for (int w = NT / 2; w >= 1; w >>= 1)
-#pragma unroll
-      for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+    tree_fold(t, FMaxOp());
     mx[r] = t[0];
   }
   FwdTileScale ts;
@@ -337,8 +334,8 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // serializes every wgmma otherwise: warning C7514, which CI fails on). The CTAs an SM holds (three at D = 128,
 // four at D = 64: MIN_CTAS below) fill each other's tensor-core gaps. The float operations on O keep the
 // mma.sync kernel's order, so the two engines agree bit for bit.
-// K/V: a ring of NST tiles loaded with cp.async (tile t+NST-1 loads while t+1 is read by
-// Q.K^T(t+1) and t by P.V(t)).
+// K/V: a ring of NST tiles, each copied from the pre-pass's per-64-key stage images by thread 0 with bulk copies (tile
+// t+NST-1 loads while t+1 is read by Q.K^T(t+1) and t by P.V(t)).
 // PV_HALVES (D = 128, BKV = 64; SAGE_FWD_PV_HALVES=0 turns it off): P.V(t) as two m64n64 products into one
 // 32-register accumulator: the first half is folded into O while Q.K^T(t+1) runs, then the second is issued,
 // waited for (with Q.K^T(t+1)) and folded. With 64 fewer live registers the 4-warp kernel is built for three
@@ -378,11 +375,13 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               const char* __restrict__ kv_img) {
   static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
   static_assert(D == 64 || D == 128, "wgmma N = D");
-  // 64-key tiles: each stage is the tile's K/V image (common/bwd_img.cuh FwdImg: K^, V^^T, key scales), three bulk
-  // copies by thread 0 completing on full[stage]; kc, vt and ks are then not read. 128-key tiles: cp.async.
-  constexpr bool IMG = BKV == 64;
+  // Each stage is its tile's K/V images (common/bwd_img.cuh FwdImg: K^, V^^T, key scales of 64 keys; NI = BKV / 64
+  // of them), three bulk copies per image by thread 0, completing on full[stage]; kc, vt and ks are not read.
+  // In a stage, the NI images' K^ rows follow each other (one BKV-row swizzled tile, as Q.K^T reads it), and so do
+  // their key scales; image i's V^^T (D rows of 64 keys, 64-byte swizzled rows) is P.V's k-steps 2 i, 2 i + 1.
   using KvImg = FwdImg<D>;
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
+  constexpr int NI = BKV / 64;
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV>::NST, NT = BKV / 8;
   const bool CAUSAL = causal != 0, V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
   extern __shared__ __align__(128) char smem_raw[];
@@ -401,49 +400,32 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   const int shift = nk - nq;
   const KeyTiles tl = key_tiles<BKV>(q0, FWD_BQ, nq, nk, CAUSAL);
 
-  const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
-  const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
-  const float* gKs = ks + bhk * nk_pad;
-  const TileCopy<BKV, D, FWD_THREADS> cpk(tid);  // K^ tiles: BKV rows of D bytes
-  const TileCopy<D, BKV, FWD_THREADS> cpv(tid);  // V^^T tiles: D rows of BKV bytes
-  const long long vt_stride = FwdVt<D, BKV>::stride(nk_pad);
-  __shared__ __align__(8) unsigned long long full[IMG ? NST : 1];  // IMG: stage s resident
-  const char* gImg = IMG ? kv_img + bhk * (nk_pad / 64) * static_cast<long long>(KvImg::STAGE) : nullptr;
-  auto load_stage = [&](int t) {  // IMG, thread 0: tile t into stage t % NST
+  __shared__ __align__(8) unsigned long long full[NST];  // stage s resident
+  const char* gImg = kv_img + bhk * (nk_pad / 64) * static_cast<long long>(KvImg::STAGE);
+  auto load_stage = [&](int t) {  // thread 0: tile t (images NI t .. NI t + NI - 1) into stage t % NST
     const int st = t % NST;
-    const char* src = gImg + t * static_cast<long long>(KvImg::STAGE);
-    mbar_arrive_expect_tx(&full[st], KvImg::STAGE);
-    bulk_copy_g2s(sK + st * BKV * D, src + KvImg::K, 64 * D, &full[st]);
-    bulk_copy_g2s(sV + st * D * BKV, src + KvImg::VT, 64 * D, &full[st]);
-    bulk_copy_g2s(sKs + st * BKV, src + KvImg::KS, 256, &full[st]);
+    mbar_arrive_expect_tx(&full[st], NI * KvImg::STAGE);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const char* src = gImg + (NI * t + i) * static_cast<long long>(KvImg::STAGE);
+      bulk_copy_g2s(sK + st * BKV * D + i * 64 * D, src + KvImg::K, 64 * D, &full[st]);
+      bulk_copy_g2s(sV + st * D * BKV + i * 64 * D, src + KvImg::VT, 64 * D, &full[st]);
+      bulk_copy_g2s(sKs + st * BKV + 64 * i, src + KvImg::KS, 256, &full[st]);
+    }
   };
-  if constexpr (IMG) {
-    if (tid == 0) {
+  if (tid == 0) {
 #pragma unroll
-      for (int s = 0; s < NST; ++s) mbar_init(&full[s], 1);
-      fence_mbar_init();
-    }
-    __syncthreads();
+    for (int s = 0; s < NST; ++s) mbar_init(&full[s], 1);
+    fence_mbar_init();
   }
-  // Prologue: Q with tile 0 (one group), tiles 1 .. NST-2 (a group each; IMG: bulk copies, Q alone in its group).
+  __syncthreads();
+  // Prologue: Q (one cp.async group), tiles 0 .. NST-2 (bulk copies).
   load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
-  if constexpr (IMG) {
-    cp_async_commit();
-    if (tid == 0) {
+  cp_async_commit();
+  if (tid == 0) {
 #pragma unroll
-      for (int t = 0; t < NST - 1; ++t)
-        if (t < tl.n) load_stage(t);
-    }
-  } else {
-#pragma unroll
-    for (int t = 0; t < NST - 1; ++t) {
-      if (t < tl.n) {
-        cpk.copy(sK + t * BKV * D, gK + t * BKV * D, D);
-        cpv.copy(sV + t * D * BKV, gV + FwdVt<D, BKV>::offset(t), vt_stride);
-        load_vec_async<FWD_THREADS>(sKs + t * BKV, gKs + t * BKV, BKV / 4, tid);
-      }
-      cp_async_commit();
-    }
+    for (int t = 0; t < NST - 1; ++t)
+      if (t < tl.n) load_stage(t);
   }
   const float inv_p_max = 1.f / p_max;
 
@@ -470,14 +452,9 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   };
 
   if (tl.n > 0) {
-    if constexpr (IMG) {
-      cp_async_wait<0>();  // Q
-      fence_proxy_async();
-      mbar_wait(&full[0], 0);  // tile 0
-    } else {
-      cp_async_wait<NST - 2>();  // Q and tile 0
-      fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
-    }
+    cp_async_wait<0>();  // Q
+    fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
+    mbar_wait(&full[0], 0);  // tile 0
     __syncthreads();
     wgmma_fence();
     issue_qk(0);
@@ -488,22 +465,9 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   for (int tile = 0; tile < tl.n; ++tile) {
     // Tile t+1 resident and visible to the tensor cores; every warp past P.V(t-1), whose stage the
     // prefetch below overwrites.
-    if constexpr (IMG) {
-      if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) % NST], ((tile + 1) / NST) & 1);
-      __syncthreads();
-      if (tid == 0 && tile + NST - 1 < tl.n) load_stage(tile + NST - 1);
-    } else {
-      cp_async_wait<NST - 3>();
-      fence_proxy_async();
-      __syncthreads();
-      if (tile + NST - 1 < tl.n) {
-        const int st = (tile + NST - 1) % NST;
-        cpk.copy(sK + st * BKV * D, gK + (tile + NST - 1) * BKV * D, D);
-        cpv.copy(sV + st * D * BKV, gV + FwdVt<D, BKV>::offset(tile + NST - 1), vt_stride);
-        load_vec_async<FWD_THREADS>(sKs + st * BKV, gKs + (tile + NST - 1) * BKV, BKV / 4, tid);
-      }
-      cp_async_commit();
-    }
+    if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) % NST], ((tile + 1) / NST) & 1);
+    __syncthreads();
+    if (tid == 0 && tile + NST - 1 < tl.n) load_stage(tile + NST - 1);
 
     unsigned pa[NT / 4][4];
     const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (tile % NST) * BKV,
@@ -537,14 +501,15 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[8 + j], acc_pv + 4 * j, ts);
     } else {
     wgmma_fence();
-    {  // P.V(t)
-      const unsigned long long dv = gmma_desc<BKV>(sV + (tile % NST) * D * BKV);
+    {  // P.V(t): k-steps 2 i, 2 i + 1 read image i's V^^T
+      const char* cV = sV + (tile % NST) * D * BKV;
 #pragma unroll
       for (int kstep = 0; kstep < BKV / 32; ++kstep) {
+        const unsigned long long dv = gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D), 32 * (kstep % 2));
         if constexpr (D == 128)
-          wgmma_m64n128k32_rs_u8s8(acc_pv, pa[kstep], gmma_desc_advance(dv, 32 * kstep), kstep);
+          wgmma_m64n128k32_rs_u8s8(acc_pv, pa[kstep], dv, kstep);
         else
-          wgmma_m64n64k32_rs_u8s8(acc_pv, pa[kstep], gmma_desc_advance(dv, 32 * kstep), kstep);
+          wgmma_m64n64k32_rs_u8s8(acc_pv, pa[kstep], dv, kstep);
       }
       wgmma_commit();
     }

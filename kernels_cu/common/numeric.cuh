@@ -86,6 +86,26 @@ __device__ __forceinline__ float quad_max(float v) {
   v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return nan_max(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
+// Folds t[0 .. N) into t[0] as a tree (short dependency chain): level w = N / 2, N / 4, .., 1 folds t[i + w] into
+// t[i] for i < w, with op(t[i], t[i + w]). N a power of two. The loops have constant trip counts: written as
+// `for (w = N / 2; w >= 1; w >>= 1)`, nvcc kept the N = 16 tree a loop over a local-memory array (the INT8 forward
+// with 128-key tiles: LDL/STL on every tile, bench/NOTES.md nineteenth session).
+template <int N, typename Op>
+__device__ __forceinline__ void tree_fold(float (&t)[N], Op op) {
+  static_assert(N >= 1 && (N & (N - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int lv = 1; (N >> lv) >= 1; ++lv)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i)
+      if (i < (N >> lv)) t[i] = op(t[i], t[i + (N >> lv)]);
+}
+struct FMaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct FAddOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
 // Maximum of one row half of a thread's 16 x 8NT accumulator tile (R = 0: elements 0, 1 of each 8-column
 // group; R = 1: elements 2, 3) as a tree (short dependency chain); fmaxf: a NaN is dropped unless all are NaN.
 template <int NT, int R>
@@ -93,10 +113,7 @@ __device__ __forceinline__ float acc_row_max(const float (&s)[NT][4]) {
   float t[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) t[nt] = fmaxf(s[nt][2 * R], s[nt][2 * R + 1]);
-#pragma unroll
-  for (int w = NT / 2; w >= 1; w >>= 1)
-#pragma unroll
-    for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+  tree_fold(t, FMaxOp());
   return t[0];
 }
 __device__ __forceinline__ float quad_sum(float v) {

@@ -320,7 +320,7 @@ def _unpermute_tokens(x_t, n):
 
 def _v_channels(pre):
     """The forward pre-pass's V^T codes as (B, Hkv, D, nk_pad) channel rows (tokens mma-permuted), from its v_t array
-    or, on the wgmma engine with 64-key tiles, from its K/V stage images (which must then also hold K^ and the key
+    or, on the wgmma engine, from its K/V stage images (which must then also hold K^ and the key
     scales exactly)."""
     from sagecupy.int8 import v_t_channels
 
