@@ -10,7 +10,7 @@ are environment variables: bench/variant_env.py); each row also prints the CTAs 
 import argparse
 
 from sagecupy import bench, int8
-from sagecupy.config import BKV128, DEFAULT
+from sagecupy.config import BKV64, DEFAULT
 from variant_env import set_variant
 
 
@@ -18,7 +18,7 @@ def engines_warps():
     for D, N in ((128, 4096), (128, 16384), (64, 16384)):
         B, H, (q, k, v, _) = bench._inputs(D, N, "bfloat16")
         for causal in (False, True):
-            for cfg in (DEFAULT, BKV128):
+            for cfg in (BKV64, DEFAULT):
                 for engine in ("wgmma", "mma"):
                     p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND",
                                                          config=cfg, engine=engine)  # the engine's own operands

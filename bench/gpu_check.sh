@@ -6,7 +6,7 @@
 #   SAGECUPY_BENCH_FAMILIES=int8,nvfp4,qat (default: all) picks the kernel families timed;
 #   SAGECUPY_TESTS="tests/gpu/x.py ..." narrows the test run (SAGECUPY_K="qat or poisoned": a pytest -k expression,
 #   spaces allowed); SAGECUPY_ACCURACY=1 adds the INT8 σ-sweep to any mode
-#   (SAGECUPY_ACC_CONFIGS="default paper" by default); SAGECUPY_BENCH_CONFIGS=default,bkv128 picks the INT8 configs timed.
+#   (SAGECUPY_ACC_CONFIGS="default paper" by default); SAGECUPY_BENCH_CONFIGS=default,bkv64 picks the INT8 configs timed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"

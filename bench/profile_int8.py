@@ -15,7 +15,7 @@ from sagecupy.bf16 import BF16Array
 B, H, N, D = 4, 16, 4096, 128
 rng = cupy.random.default_rng(0)
 q, k, v, do = (BF16Array.from_float(rng.standard_normal((B, H, N, D), dtype=cupy.float32)) for _ in range(4))
-cfg = {"default": config.DEFAULT, "bkv128": config.BKV128}[os.environ.get("PROF_CFG", "default")]  # SageBwdConfig
+cfg = {"default": config.DEFAULT, "bkv64": config.BKV64}[os.environ.get("PROF_CFG", "default")]  # SageBwdConfig
 for _ in range(2):  # warm-up (compiles), then the profiled launches
     int8.forward(q, k, v, engine="mma", config=cfg)
     o, res = int8.forward(q, k, v, engine="wgmma", config=cfg)

@@ -86,11 +86,11 @@ DTYPES = ("fp16", "bf16")
 #: Named configs per family (``--config``): SageBwd's presets, and the NVFP4 / QAT variants the accuracy
 #: tables compare (two-level P and K-smoothing on or off).
 FAMILY_CONFIGS = {
-    "int8": ("default", "paper", "bkv128"),
+    "int8": ("default", "paper", "bkv64"),
     "nvfp4": ("default", "single-level-p", "no-smoothing", "plain"),
     "qat": ("default",),
 }
-CONFIG_NAMES = ("default", "paper", "bkv128", "single-level-p", "no-smoothing", "plain")
+CONFIG_NAMES = ("default", "paper", "bkv64", "single-level-p", "no-smoothing", "plain")
 #: SPEC §7: the σ of Q and K in the sweep.
 SIGMAS = (1.0, 3.0, 5.0, 8.0, 10.0)
 #: SPEC §7 default sequence length on a GPU.

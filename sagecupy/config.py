@@ -38,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["SageBwdConfig", "NVFP4Config", "QATConfig", "PAPER", "DEFAULT", "BKV128", "get_config"]
+__all__ = ["SageBwdConfig", "NVFP4Config", "QATConfig", "PAPER", "DEFAULT", "BKV64", "get_config"]
 
 _CHOICES = {
     "q_granularity": ("token", "block"),
@@ -56,7 +56,7 @@ class SageBwdConfig:
 
     name: str = "default"
     block_q: int = 128
-    block_kv: int = 64
+    block_kv: int = 128
     bwd_block_q: int = 64
     bwd_block_kv: int = 64
     q_granularity: Literal["token", "block"] = "token"
@@ -93,9 +93,11 @@ class SageBwdConfig:
         return dataclasses.replace(self, **changes)
 
 
-#: The published SageBwd: per-block Q, K, V, P (backward), dO, dS; P forward per token on [0, 127].
+#: The published SageBwd: per-block Q, K, V, P (backward), dO, dS; P forward per token on [0, 127]; 64-key
+#: forward tiles (the K and V blocks).
 PAPER = SageBwdConfig(
     name="paper",
+    block_kv=64,
     q_granularity="block",
     k_granularity="block",
     v_granularity="block",
@@ -105,12 +107,14 @@ PAPER = SageBwdConfig(
     ds_granularity="block",
 )
 
-#: The project default: the finest granularities integer matmuls allow.
+#: The project default: the finest granularities integer matmuls allow, with the forward's P quantized per token
+#: over 128-key tiles (``block_kv=128``).
 DEFAULT = SageBwdConfig()
 
-#: The default's granularities with the forward's P quantized per token over 128-key tiles (fewer
-#: conversions and rescales of P.V per key in the kernels; see README for its accuracy and speed).
-BKV128 = SageBwdConfig(name="bkv128", block_kv=128)
+#: The default's granularities with the forward's P quantized per token over 64-key tiles: the finer P (O's
+#: relative error ~4% lower at sigma = 1, the same at sigma >= 3) at 1.11-1.19x the forward kernel's time on
+#: the H200 at D = 128 (README, bench/NOTES.md nineteenth session). The default until 2026-12-01.
+BKV64 = SageBwdConfig(name="bkv64", block_kv=64)
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,7 @@ class QATConfig:
         return dataclasses.replace(self, **changes)
 
 
-_NAMED = {"default": DEFAULT, "paper": PAPER, "bkv128": BKV128}
+_NAMED = {"default": DEFAULT, "paper": PAPER, "bkv64": BKV64}
 
 
 def get_config(name_or_config=None) -> SageBwdConfig:
@@ -165,5 +169,5 @@ def get_config(name_or_config=None) -> SageBwdConfig:
         return name_or_config
     if isinstance(name_or_config, str) and name_or_config in _NAMED:
         return _NAMED[name_or_config]
-    raise ValueError(f"config={name_or_config!r} is not supported; supported: 'default', 'paper', 'bkv128' or a "
+    raise ValueError(f"config={name_or_config!r} is not supported; supported: 'default', 'paper', 'bkv64' or a "
                      f"SageBwdConfig")

@@ -15,9 +15,9 @@ Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
 
   A row that sees no key gives ``O = 0``, ``LSE = -inf`` and zero gradients.
 * ``sm_scale=None`` means ``1/sqrt(D)``; the LSE is float32, natural log, of the *unsmoothed* logits.
-* Granularities come from a :class:`~sagecupy.config.SageBwdConfig` (``"default"`` or ``"paper"``).
+* Granularities come from a :class:`~sagecupy.config.SageBwdConfig` (``"default"``, ``"paper"`` or ``"bkv64"``).
   The kernels implement ``block_q=128, bwd_block_q=64, bwd_block_kv=64`` and ``block_kv`` 64 or 128 (the
-  forward's P tile; 128 with per-token K and per-channel V only).
+  forward's P tile; 128, the default, with per-token K and per-channel V only).
 * Inputs are never modified.
 """
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _unsupported_config(cfg: SageBwdConfig) -> str | None:
                 f"kernels; supported: (128, 64 or 128, 64, 64)")
     if cfg.block_kv != 64 and (cfg.k_granularity, cfg.v_granularity) != ("token", "channel"):
         return (f"block_kv={cfg.block_kv} needs k_granularity='token' and v_granularity='channel' in the kernels "
-                f"(got {cfg.k_granularity!r}, {cfg.v_granularity!r}); per-block K and V use block_kv=64")
+                f"(got {cfg.k_granularity!r}, {cfg.v_granularity!r}); per-block K and V need block_kv=64, e.g. "
+                f"config.replace(block_kv=64)")
     if cfg.q_smoothing:
         return "q_smoothing=True is not implemented in the GPU kernels yet (reference only)"
     if cfg.ds_rowsum_correction:

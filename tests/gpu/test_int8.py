@@ -13,7 +13,7 @@ import pytest
 from sagecupy.config import DEFAULT, PAPER
 
 # The default granularities with P quantized per token over 128-key forward tiles instead of 64.
-BKV128 = DEFAULT.replace(name="default-bkv128", block_kv=128)
+BKV64 = DEFAULT.replace(name="default-bkv64", block_kv=64)
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import metrics
 from sagecupy.reference import sagebwd as ref_sage
@@ -139,11 +139,11 @@ CASES = [
     (1, 2, 2, 300, 1000, 64, True, "HND", "bfloat16", PAPER),
     (1, 3, 3, 1000, 300, 128, False, "HND", "float16", PAPER),
     (1, 1, 1, 4224, 4224, 64, True, "HND", "float16", DEFAULT),
-    (2, 4, 2, 113, 239, 64, False, "NHD", "float16", BKV128),
-    (1, 4, 1, 239, 113, 128, True, "HND", "bfloat16", BKV128),
-    (1, 2, 2, 1, 17, 128, False, "HND", "float16", BKV128),
-    (1, 2, 2, 300, 1000, 128, True, "NHD", "float16", BKV128),
-    (1, 1, 1, 4224, 4224, 64, True, "HND", "bfloat16", BKV128),
+    (2, 4, 2, 113, 239, 64, False, "NHD", "float16", BKV64),
+    (1, 4, 1, 239, 113, 128, True, "HND", "bfloat16", BKV64),
+    (1, 2, 2, 1, 17, 128, False, "HND", "float16", BKV64),
+    (1, 2, 2, 300, 1000, 128, True, "NHD", "float16", BKV64),
+    (1, 1, 1, 4224, 4224, 64, True, "HND", "bfloat16", BKV64),
 ]
 
 
@@ -270,7 +270,7 @@ def test_error_paths():
     assert not ok and "block_kv" in why
     ok, why = s8.is_supported(q, q, q, config=PAPER.replace(block_kv=128))  # per-block K/V: 64-key tiles only
     assert not ok and "block_kv" in why
-    assert s8.is_supported(q, q, q, config=BKV128) == (True, "")
+    assert s8.is_supported(q, q, q, config=BKV64) == (True, "")
     assert s8.is_supported(q, q, q) == (True, "")
     ok, why = s8.is_supported(np.zeros((1, 2, 16, 64), np.float16), q, q)  # host arrays: not supported, no raise
     assert not ok and "CUDA" in why
@@ -528,9 +528,9 @@ ENGINE_CASES = [(1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", DEFAULT),
                 # Long enough for the race the wgmma pipeline once had (P codes overwritten while their
                 # P.V was in flight): it showed at N = 4096 in ~5% of rows, not at the shorter shapes.
                 (1, 8, 8, 4096, 4096, 128, False, "HND", "float16", DEFAULT),
-                (1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", BKV128),
-                (1, 2, 2, 1000, 1000, 64, True, "HND", "bfloat16", BKV128),
-                (1, 8, 8, 4096, 4096, 128, False, "HND", "float16", BKV128)]
+                (1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", BKV64),
+                (1, 2, 2, 1000, 1000, 64, True, "HND", "bfloat16", BKV64),
+                (1, 8, 8, 4096, 4096, 128, False, "HND", "float16", BKV64)]
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", ENGINE_CASES)
