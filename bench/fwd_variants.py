@@ -29,7 +29,7 @@ def engines_warps():
                               f"warps={warps} {ms:7.3f} ms {tops:6.1f} TOPS", flush=True)
 
 
-def occupancy(D, dtype="__nv_bfloat16", warps=4, bkv=64):
+def occupancy(D, dtype="__nv_bfloat16", warps=4, bkv=DEFAULT.block_kv):
     import cupy
 
     from sagecupy._loader import get_function

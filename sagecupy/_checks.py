@@ -26,9 +26,10 @@ def as_cupy(x, name: str):
     from .bf16 import BF16Array
 
     if isinstance(x, (cupy.ndarray, BF16Array)):
-        dev = getattr(x, "bits", x).device.id
-        if dev != cupy.cuda.Device().id:
-            raise ValueError(f"{name} is on CUDA device {dev}, the current device is {cupy.cuda.Device().id}; "
+        # the pointer's device id and the runtime's current device: no Device objects on this per-call path
+        dev, cur = getattr(x, "bits", x).data.device_id, cupy.cuda.runtime.getDevice()
+        if dev != cur:
+            raise ValueError(f"{name} is on CUDA device {dev}, the current device is {cur}; "
                              f"call inside `with cupy.cuda.Device({dev}):`")
         return x
     if hasattr(x, "__dlpack__"):

@@ -26,8 +26,7 @@ class FakeArray:
         if ptr is None:
             ptr = FakeArray._next[0]
             FakeArray._next[0] += (math.prod(self.shape) * self.itemsize + 511) // 256 * 256
-        self.data = types.SimpleNamespace(ptr=ptr)
-        self.device = types.SimpleNamespace(id=0)
+        self.data = types.SimpleNamespace(ptr=ptr, device_id=0)  # a MemoryPointer's address and device
 
     def __getitem__(self, i):
         assert isinstance(i, int)
@@ -137,9 +136,9 @@ def test_int8_validation_runs_on_replayed_calls(gpu):
     with pytest.raises(ValueError, match="sm_scale"):
         int8.forward(q, k, v, sm_scale=float("nan"))
     with pytest.raises(ValueError, match="device"):
-        q.device = types.SimpleNamespace(id=1)
+        q.data.device_id = 1
         int8.forward(q, k, v)
-    q.device = types.SimpleNamespace(id=0)
+    q.data.device_id = 0
     _, res = int8.forward(q, k, v)
     with pytest.raises(ValueError, match="do.shape"):
         int8.backward(res, FakeArray((2, 4, 99, 128), np.float16))

@@ -88,6 +88,21 @@ def test_env_key_holds_every_kernel_choosing_variable(fake_cupy):
     assert len(_program.env_key()) == 1 + len(_program._ENV_VARS)
 
 
+def test_env_key_follows_os_environ(fake_cupy, monkeypatch):
+    """env_key reads os.environ's own store where it can (a fast path): a variable set, changed or removed through
+    os.environ (as monkeypatch and users do) changes the key, and an unrelated one does not."""
+    monkeypatch.delenv("SAGECUPY_FWD_WARPS", raising=False)
+    k0 = _program.env_key()
+    monkeypatch.setenv("SAGECUPY_FWD_WARPS", "8")
+    k1 = _program.env_key()
+    monkeypatch.setenv("SAGECUPY_FWD_WARPS", "4")
+    k2 = _program.env_key()
+    monkeypatch.setenv("SAGECUPY_UNRELATED_TEST_VARIABLE", "1")
+    assert len({k0, k1, k2}) == 3 and _program.env_key() == k2
+    monkeypatch.delenv("SAGECUPY_FWD_WARPS")
+    assert _program.env_key() == k0
+
+
 def test_signature_sees_alignment_and_strides():
     class Arr:  # the attributes signature() reads from a CuPy array
         def __init__(self, ptr, strides):
