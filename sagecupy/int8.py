@@ -427,10 +427,10 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
         prog.launch(_qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D), (nk_pad // (8 * rpw), Hkv, B), (256,),
                     (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), mu_k, i32(1), f32(1.0),
                      k_codes, k_scale, f32(1.0), None, i32(1), f32(0.0), None, kv_img))
-    # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted; tile-major
-    # (B, Hkv, nk_pad / 64, D, 64) for the kernels' 64-key tiles (whole 128-byte lines per copied tile row pair:
-    # 1.02x forward kernel on the H200, bench/NOTES.md eleventh session), (B, Hkv, D, nk_pad) for 128-key tiles.
-    # With kv_img, the same codes go into the images instead.
+    # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted. The wgmma engine
+    # (kv_img) gets the codes in the images; the mma.sync engine gets v_t, tile-major (B, Hkv, nk_pad / 64, D, 64)
+    # for 64-key tiles (whole 128-byte lines per copied tile row pair: 1.02x forward kernel on the H200,
+    # bench/NOTES.md eleventh session) or (B, Hkv, D, nk_pad) for 128-key tiles.
     tile_major = cfg.block_kv == 64
     if v_channel:
         mode = 0
@@ -555,8 +555,8 @@ def _bwd_smem(D):
 
 
 def fwd_image(D):
-    """Bytes of one K/V stage image of the wgmma forward with 64-key tiles (FwdImg<D> in
-    kernels_cu/common/bwd_img.cuh): K^, V^T and the key scales of 64 keys."""
+    """Bytes of one K/V stage image of the wgmma forward (FwdImg<D> in kernels_cu/common/bwd_img.cuh): K^, V^T and
+    the key scales of 64 keys (a 128-key tile is two images)."""
     return 128 * D + 256
 
 

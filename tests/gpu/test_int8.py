@@ -12,7 +12,7 @@ import pytest
 
 from sagecupy.config import DEFAULT, PAPER
 
-# The default granularities with P quantized per token over 128-key forward tiles instead of 64.
+# The default granularities with P quantized per token over 64-key forward tiles instead of the default 128.
 BKV64 = DEFAULT.replace(name="default-bkv64", block_kv=64)
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import metrics
