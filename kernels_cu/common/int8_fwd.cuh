@@ -514,7 +514,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       wgmma_commit();
     }
     // Q.K^T(t+1). On the last tile it multiplies a stale stage (no bulk copy is in flight then: the last tile's
-    // was waited for at the top of the iteration before) and the result is dropped.
+    // was waited for before this iteration) and the result is dropped.
     issue_qk((tile + 1) % NST);
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     fence_regs(acc_pv);
