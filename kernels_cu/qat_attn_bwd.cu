@@ -26,6 +26,24 @@ namespace {
 constexpr int BQ = 64, BKV = 64, THREADS = 128;
 }
 
+// acc (a warp's 16 rows x D, fp32 accumulator tiles) += A (16 x 64: a[kk] the A operand of k16 chunk kk) * B, B a
+// 64 x D tile of T stored [k][d] in shared memory (2 D-byte rows: read with transposed ldmatrix).
+template <typename T, int D>
+__device__ __forceinline__ void mma_acc_a64(float (&acc)[D / 8][4], const unsigned (&a)[4][4], const char* sB,
+                                            int lane) {
+#pragma unroll
+  for (int dp = 0; dp < D / 16; ++dp) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      unsigned b[4];
+      ldsm_x4_trans<2 * D, true>(b, sB, kk * 16, 2 * dp, lane);
+      const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma_f16<T>(acc[2 * dp], a[kk], b0);
+      mma_f16<T>(acc[2 * dp + 1], a[kk], b1);
+    }
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(THREADS)
 qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __restrict__ vt,
@@ -135,29 +153,9 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
     qat_pq_ds_tile<T>(pa, da, s, dpt, sKS + warp * BQ, sL, sDel, t4, scale_log2);
 
     // dV += P_q^T dO   (B = dO stored [query][d]: transposed ldmatrix)
-#pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        unsigned bv[4];
-        ldsm_x4_trans<ROWB, true>(bv, sdO, kk * 16, 2 * dp, lane);
-        const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
-        mma_f16<T>(acc_dv[2 * dp], pa[kk], b0);
-        mma_f16<T>(acc_dv[2 * dp + 1], pa[kk], b1);
-      }
-    }
+    mma_acc_a64<T, D>(acc_dv, pa, sdO, lane);
     // dK += dS^T Q~   (B = Q~ stored [query][d]: transposed ldmatrix)
-#pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        unsigned bq[4];
-        ldsm_x4_trans<ROWB, true>(bq, sQ, kk * 16, 2 * dp, lane);
-        const unsigned b0[2] = {bq[0], bq[1]}, b1[2] = {bq[2], bq[3]};
-        mma_f16<T>(acc_dk[2 * dp], da[kk], b0);
-        mma_f16<T>(acc_dk[2 * dp + 1], da[kk], b1);
-      }
-    }
+    mma_acc_a64<T, D>(acc_dk, da, sQ, lane);
   }
 
   // Epilogue: dK * sm_scale, dV, in T with the caller's strides.
@@ -249,17 +247,7 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
     unsigned da[4][4];
     qat_ds_tile<T>(da, s, dpv, need_mask, k0, r_lo, t4, l2, del, nq, nk, CAUSAL, shift, scale_log2);
     // dQ += dS K~   (B = K~ stored [key][d]: transposed ldmatrix)
-#pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        unsigned bk[4];
-        ldsm_x4_trans<ROWB, true>(bk, cK, kk * 16, 2 * dp, lane);
-        const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
-        mma_f16<T>(acc_dq[2 * dp], da[kk], b0);
-        mma_f16<T>(acc_dq[2 * dp + 1], da[kk], b1);
-      }
-    }
+    mma_acc_a64<T, D>(acc_dq, da, cK, lane);
   }
 
   // Epilogue: dQ * sm_scale in T with the caller's strides (rows that see no key get 0).

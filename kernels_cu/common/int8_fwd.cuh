@@ -22,7 +22,8 @@ namespace sage {
 #define SAGE_FWD_RESCALE_SLACK 8
 #endif
 
-// Where key tile t of V^^T starts and the distance between its D channel rows. With 64-key tiles V^^T is stored
+// Where key tile t of V^^T starts and the distance between its D channel rows (the mma.sync engine; the wgmma engine
+// reads the pre-pass's K/V stage images instead). With 64-key tiles V^^T is stored
 // tile-major (the pre-pass, quant_transpose_perm tile_major = 1: each tile's D x 64 bytes contiguous), so a warp's
 // cp.async rows read whole 128-byte lines; 128-key tiles read 128-byte rows of the (D, nk_pad) layout.
 template <int D, int BKV>
