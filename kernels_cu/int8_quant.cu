@@ -105,10 +105,10 @@ template <> struct StatAcc<true> { using type = float; };
 template <typename T, int D, bool ABSMAX>
 __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, long long sb, long long sh, long long sn,
                                                     int n, typename StatAcc<ABSMAX>::type* __restrict__ part,
-                                                    int chunk, int h, int b, int H, int nchunk) {
+                                                    int chunk, int h, int b, int H, int nchunk,
+                                                    typename StatAcc<ABSMAX>::type (*red)[D]) {
   using Acc = typename StatAcc<ABSMAX>::type;
-  constexpr int LPR = D / 8, R = 256 / LPR;  // threads per token, tokens in parallel
-  __shared__ Acc red[R][D];
+  constexpr int LPR = D / 8, R = 256 / LPR;  // threads per token, tokens in parallel (red: R x D, shared)
   const int cl = threadIdx.x % LPR, row0 = threadIdx.x / LPR;
   const int t0 = chunk * STAT_CHUNK, t1 = min(n, t0 + STAT_CHUNK);
   Acc acc[8];
@@ -142,7 +142,9 @@ __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, lon
 template <typename T, int D, bool ABSMAX>
 __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn,
                                                       int n, typename StatAcc<ABSMAX>::type* __restrict__ part) {
-  column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x);
+  __shared__ typename StatAcc<ABSMAX>::type red[256 / (D / 8)][D];
+  column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x,
+                                    red);
 }
 
 // The forward's two statistics in one launch: K's channel sums (z < B) and V's channel maxima (z >= B).
@@ -153,12 +155,14 @@ __global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS) column_partial_kv(con
                                                          long long vsh, long long vsn, int n,
                                                          double* __restrict__ part_k, float* __restrict__ part_v) {
   const int B = gridDim.z / 2;
+  __shared__ double red_k[256 / (D / 8)][D];
+  __shared__ float red_v[256 / (D / 8)][D];
   if (static_cast<int>(blockIdx.z) < B)
     column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y,
-                                     gridDim.x);
+                                     gridDim.x, red_k);
   else
     column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, blockIdx.x, blockIdx.y, blockIdx.z - B, gridDim.y,
-                                    gridDim.x);
+                                    gridDim.x, red_v);
 }
 
 // out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
@@ -169,7 +173,7 @@ __device__ __forceinline__ void column_finish_body(const typename StatAcc<ABSMAX
   const int c = threadIdx.x;
   Acc s = 0;
   for (int k = 0; k < nchunk; ++k) {
-    const Acc v = part[(bh * nchunk + k) * d + c];
+    const Acc v = __ldcg(part + (bh * nchunk + k) * d + c);  // L2 (the fused pre-pass: written in this launch)
     if (ABSMAX) s = absmax_or_nan(static_cast<float>(s), static_cast<float>(v));
     else s += v;
   }
@@ -218,13 +222,14 @@ __host__ __device__ constexpr int quant_rows_cpl() {
   return c;
 }
 
+// quant_rows_body with this head's rows of mu and dot_vec given (mu_row, dv_row: D floats each, or null).
 template <typename T, int D, int RPW, bool GROUPED>
-__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
-                                                int n_pad, const float* __restrict__ mu, int mu_group, float mult,
+__device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
+                                                int n_pad, const float* mu_row, float mult,
                                                 signed char* __restrict__ codes, float* __restrict__ scales,
-                                                float scale_mult, const float* __restrict__ dot_vec, int dot_group,
-                                                float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H,
-                                                char* __restrict__ kv_img = nullptr) {
+                                                float scale_mult, const float* dv_row, float dot_mult,
+                                                float* __restrict__ dot, int bx, int h, int b, int H,
+                                                char* __restrict__ kv_img) {
   constexpr int C = quant_rows_cpl<D, RPW, GROUPED>(), E = 8 * C;  // pieces and elements per lane and row
   constexpr int LPR = D / E, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
   static_assert(LPR * E == D && RPI * LPR == 32 && RPW % RPI == 0, "whole steps");
@@ -234,8 +239,6 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
   float v[STEPS][E];
   float amax[STEPS];
   float muv[E], dv[E];  // this lane's columns of mu and of dot_vec, loaded once for all its rows
-  const float* mu_row = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D : nullptr;
-  const float* dv_row = dot_vec ? dot_vec + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D : nullptr;
 #pragma unroll
   for (int j = 0; j < 2 * C; ++j) {  // 16-byte loads (mu, dot_vec: the package's own 16-byte aligned (.., D) rows)
     const int col = ((j / 2) * LPR + cl) * 8 + 4 * (j % 2);
@@ -269,7 +272,7 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     for (int j = 0; j < C; ++j) dp[j] = 0.f;
 #pragma unroll
     for (int c = 0; c < E; ++c) {
-      if (dot_vec) dp[c / 8] += v[st][c] * dv[c];  // the input is 0 beyond n
+      if (dv_row) dp[c / 8] += v[st][c] * dv[c];  // the input is 0 beyond n
       v[st][c] = (v[st][c] - muv[c]) * mult;
       a = absmax_or_nan(a, v[st][c]);
     }
@@ -333,6 +336,19 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
 }
 
 template <typename T, int D, int RPW, bool GROUPED>
+__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
+                                                int n_pad, const float* __restrict__ mu, int mu_group, float mult,
+                                                signed char* __restrict__ codes, float* __restrict__ scales,
+                                                float scale_mult, const float* __restrict__ dot_vec, int dot_group,
+                                                float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H,
+                                                char* __restrict__ kv_img = nullptr) {
+  const float* mu_row = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D : nullptr;
+  const float* dv_row = dot_vec ? dot_vec + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D : nullptr;
+  quant_rows_core<T, D, RPW, GROUPED>(x, sb, sh, sn, n, n_pad, mu_row, mult, codes, scales, scale_mult, dv_row,
+                                      dot_mult, dot, bx, h, b, H, kv_img);
+}
+
+template <typename T, int D, int RPW, bool GROUPED>
 __global__ void __launch_bounds__(256, 1)
 quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
            const float* __restrict__ mu, int mu_group, float mult,
@@ -388,21 +404,33 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 #ifndef SAGE_QTP_ROWLOAD
 #define SAGE_QTP_ROWLOAD 1
 #endif
+// The body's shared memory (the caller's: the fused forward pre-pass shares it with its other work).
+template <int D>
+struct QtpSmem {
+  __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
+  __align__(16) char stile[64 * (2 * D + 16)];  // SAGE_QTP_ROWLOAD's staged rows (padded by 16 bytes)
+  float wmax[D / 16];
+  float sdelta[D / 16][64];
+};
+
+// Block blk of head h (of H) of batch b; scale_in (MODE 0): (B, H, D) with scale_rows = 1, or this head's D scales
+// with scale_rows = 0.
 template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
-                                                          const float* __restrict__ scale_in,
+                                                          const float* scale_in,
                                                           float* __restrict__ scale_out, signed char* __restrict__ out,
                                                           int tile_major, const T* __restrict__ o, long long osb,
-                                                          long long osh, long long osn, float* __restrict__ delta) {
+                                                          long long osh, long long osn, float* __restrict__ delta,
+                                                          int blk, int h, int b, int H, QtpSmem<D>& sm,
+                                                          int scale_rows = 1) {
   // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
   constexpr int WARPS = D / 16;
   constexpr bool ROWLOAD = SAGE_QTP_ROWLOAD != 0;
-  __shared__ __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
-  __shared__ float wmax[WARPS];
-  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  auto& words = sm.words;
+  auto& wmax = sm.wmax;
   const long long bh = static_cast<long long>(b) * H + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
   const int hf = tg / 4, t = tg % 4;
@@ -417,7 +445,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
     // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
     constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
-    __shared__ __align__(16) char stile[64 * RS];
+    char* stile = sm.stile;
 #pragma unroll
     for (int j = 0; j < PASSES; ++j) {
       const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
@@ -481,7 +509,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c0 / 8)) = w;
     }
   }
-  __shared__ float sdelta[DELTA ? WARPS : 1][64];
+  auto& sdelta = sm.sdelta;
   if constexpr (DELTA && !ROWLOAD) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -495,7 +523,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   float sc[8];
   if (MODE == 0) {
 #pragma unroll
-    for (int c = 0; c < 8; ++c) sc[c] = scale_in[bh * D + c0 + c];
+    for (int c = 0; c < 8; ++c) sc[c] = scale_in[(scale_rows ? bh * D : 0) + c0 + c];
   } else if (MODE == 1) {  // per channel over the block's 64 tokens: the 16 lanes of this half-warp
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
@@ -566,8 +594,9 @@ __global__ void __launch_bounds__(2 * D)
 quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
                      const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out,
                      int tile_major) {
+  __shared__ QtpSmem<D> sm;
   quant_transpose_perm_body<T, D, MODE, false>(x, sb, sh, sn, n, n_pad, scale_in, scale_out, out, tile_major, nullptr,
-                                               0, 0, 0, nullptr);
+                                               0, 0, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
 }
 
 // The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
@@ -577,8 +606,126 @@ template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(2 * D)
 fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
             const float* __restrict__ scale_in, float* __restrict__ scale_out, char* __restrict__ kv_img) {
+  __shared__ QtpSmem<D> sm;
   quant_transpose_perm_body<T, D, MODE, false, 2>(x, sb, sh, sn, n, n_pad, scale_in, scale_out,
-                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr);
+                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr,
+                                                  blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The whole forward pre-pass of the default config in one launch (wgmma engine; per-token Q and K, K-smoothing,
+// per-channel V): the work of column_partial_kv, column_finish_kv, quant_rows_qk and fwd_v_image, bitwise.
+// Why: the split pre-pass reads K and V twice from DRAM (statistics, then quantization), 134 of its ~470 MB at
+// B = 4, H = 16, N = 4K, D = 128. Here the quantization of a KV head follows its statistics by SAGE_PREPASS_LAG heads
+// of work, while its K and V are still in L2.
+// Items (one per CTA, 256 threads), in order: round r holds KV head r's statistics items (nchunk K chunks, nchunk V
+// chunks) and then the quantization items of head r - LAG (K row blocks, V 64-token blocks, the Q row blocks of the
+// head's query heads). A CTA takes the next item from an atomic ticket (not blockIdx), so every item before it
+// belongs to a CTA that is already running: waiting on earlier items cannot deadlock. The last statistics CTA of a
+// head (arrival counter) reduces the chunk partials in order (column_finish_body: bitwise the split pass's) and
+// releases the head's flag; quantization items acquire it first. sync: 1 + 4 G words, zero before the launch
+// (ticket, K and V arrival counters, K and V flags; G = B * Hkv).
+#ifndef SAGE_PREPASS_LAG
+#define SAGE_PREPASS_LAG 2
+#endif
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+template <int D>
+union PrepassSmem {
+  double red_k[256 / (D / 8)][D];
+  float red_v[256 / (D / 8)][D];
+  QtpSmem<D> qtp;
+};
+
+#ifndef SAGE_PREPASS_MIN_CTAS
+#define SAGE_PREPASS_MIN_CTAS 3
+#endif
+template <typename T, int D, int RPW>
+__global__ void __launch_bounds__(256, SAGE_PREPASS_MIN_CTAS)
+prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad,
+                  float q_mult, signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
+                  float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn,
+                  const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk, int nk_pad,
+                  signed char* __restrict__ k_codes, float* __restrict__ k_scales, double* __restrict__ part_k,
+                  float* __restrict__ part_v, float* __restrict__ mu_k, float* __restrict__ v_scale,
+                  char* __restrict__ kv_img, int B, int Hq, int Hkv, unsigned* __restrict__ sync) {
+  static_assert(2 * D == 256, "the V items run quant_transpose_perm_body with 2 D threads");
+  __shared__ PrepassSmem<D> sm;
+  __shared__ __align__(16) float vec[D];  // the head's mu_K or V scales, read once after the flag
+  __shared__ int s_item, s_last;
+  const int G = B * Hkv, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
+  const int KI = nk_pad / (8 * RPW), VI = nk_pad / 64, QI = nq_pad / (8 * RPW), GQ = Hq / Hkv;
+  const int C = KI + VI + GQ * QI, L = min(SAGE_PREPASS_LAG, G);
+  unsigned* cnt = sync + 1;  // [2][G]: K, V arrivals
+  unsigned* flag = sync + 1 + 2 * G;  // [2][G]: K, V statistics final
+  if (threadIdx.x == 0) s_item = static_cast<int>(atomicAdd(sync, 1u));
+  __syncthreads();
+  long long id = s_item;
+  // Decode the item: statistics item j of head g (stat), or quantization item j of head g.
+  int g, j;
+  bool stat;
+  if (id < static_cast<long long>(L) * S) {
+    g = static_cast<int>(id / S), j = static_cast<int>(id % S), stat = true;
+  } else {
+    id -= static_cast<long long>(L) * S;
+    const long long full = static_cast<long long>(G - L) * (S + C);
+    if (id < full) {
+      const int r = L + static_cast<int>(id / (S + C)), jj = static_cast<int>(id % (S + C));
+      stat = jj < S;
+      g = stat ? r : r - L, j = stat ? jj : jj - S;
+    } else {
+      id -= full;
+      g = G - L + static_cast<int>(id / C), j = static_cast<int>(id % C), stat = false;
+    }
+  }
+  const int b = g / Hkv, hk = g % Hkv;
+  if (stat) {
+    const bool isv = j >= nchunk;
+    const int chunk = isv ? j - nchunk : j;
+    if (!isv) column_partial_body<T, D, false>(k, ksb, ksh, ksn, nk, part_k, chunk, hk, b, Hkv, nchunk, sm.red_k);
+    else column_partial_body<T, D, true>(v, vsb, vsh, vsn, nk, part_v, chunk, hk, b, Hkv, nchunk, sm.red_v);
+    __threadfence();  // this CTA's partial before its arrival
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(cnt + (isv ? G : 0) + g, 1u) == static_cast<unsigned>(nchunk - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // every partial before the reduction
+    if (threadIdx.x < D) {
+      if (!isv) column_finish_body<false>(part_k, nchunk, nk, D, mu_k, g);
+      else column_finish_body<true>(part_v, nchunk, nk, D, v_scale, g);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_gpu(flag + (isv ? G : 0) + g, 1u);
+    return;
+  }
+  const bool isv = j >= KI && j < KI + VI;
+  if (threadIdx.x == 0) {
+    const unsigned* f = flag + (isv ? G : 0) + g;
+    while (ld_acquire_gpu(f) == 0u) __nanosleep(64);
+  }
+  __syncthreads();
+  if (threadIdx.x < D) vec[threadIdx.x] = __ldcg((isv ? v_scale : mu_k) + static_cast<long long>(g) * D + threadIdx.x);
+  __syncthreads();
+  if (j < KI) {
+    quant_rows_core<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, vec, 1.f, k_codes, k_scales, 1.f, nullptr, 0.f,
+                                      nullptr, j, hk, b, Hkv, kv_img);
+  } else if (isv) {
+    quant_transpose_perm_body<T, D, 0, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, vec, nullptr,
+                                                 reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr,
+                                                 j - KI, hk, b, Hkv, sm.qtp, 0);
+  } else {
+    const int jq = j - KI - VI, hq = hk * GQ + jq / QI;
+    quant_rows_core<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, q_mult, q_codes, q_scales, q_scale_mult,
+                                      vec, q_mult, qmk, jq % QI, hq, b, Hq, nullptr);
+  }
 }
 
 // The backward's dO pass: quant_transpose_perm (MODE 1 or 2, tile-major) and delta = rowsum(dO * O) in one launch.
@@ -589,8 +736,9 @@ __global__ void __launch_bounds__(2 * D, 1)
 quant_transpose_perm_delta(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
                            float* __restrict__ scale_out, signed char* __restrict__ out, const T* __restrict__ o,
                            long long osb, long long osh, long long osn, float* __restrict__ delta) {
+  __shared__ QtpSmem<D> sm;
   quant_transpose_perm_body<T, D, MODE, true>(x, sb, sh, sn, n, n_pad, nullptr, scale_out, out, 1, o, osb, osh, osn,
-                                              delta);
+                                              delta, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
 }
 
 // The wgmma backward's dO pass: quant_transpose_perm_delta's work written into the query-side stage images
@@ -600,8 +748,10 @@ __global__ void __launch_bounds__(2 * D, 1)
 bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
              char* __restrict__ q_img, const T* __restrict__ o, long long osb, long long osh, long long osn,
              float* __restrict__ delta) {
+  __shared__ QtpSmem<D> sm;
   quant_transpose_perm_body<T, D, MODE, true, 1>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
-                                                    reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta);
+                                                    reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta,
+                                                    blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
 }
 
 template <int D>

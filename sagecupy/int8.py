@@ -125,6 +125,19 @@ def _empty(shape, layout, dtype: str):
 
 
 _QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
+_FUSED_PREPASS_DIMS = (128,)  # head dims of prepass_fwd_fused (its V items take 2 D = 256 threads)
+_PREPASS_MODES = ("fused", "split")
+
+
+def forward_prepass() -> str:
+    """How the forward's pre-pass runs where it can be fused (wgmma engine, the default config's granularities, D =
+    128): ``"fused"`` (default; one launch, ``prepass_fwd_fused`` in ``kernels_cu/int8_quant.cu``, K and V read
+    from DRAM once) or ``"split"`` (the statistics, Q/K and V launches). ``SAGECUPY_FWD_PREPASS`` chooses; both
+    write the same bytes."""
+    mode = os.environ.get("SAGECUPY_FWD_PREPASS") or "fused"
+    if mode not in _PREPASS_MODES:
+        raise ValueError(f"SAGECUPY_FWD_PREPASS={mode!r} is not supported; supported: {_PREPASS_MODES}")
+    return mode
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +152,7 @@ def _quant_names(T, D):
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
-    )
+    ) + ((f"prepass_fwd_fused<{T}, {D}, {_QK_RPW}>",) if D in _FUSED_PREPASS_DIMS else ())
 
 
 #: Source files that only build for one architecture (CI compiles them for that target alone).
@@ -278,6 +291,35 @@ class Residuals:
         return self.k_codes.shape[2]
 
 
+def _fused_forward_prepass(prog, p, T, qs, ks, vs, nq_pad, nk_pad):
+    """Record the default config's wgmma pre-pass as one launch (``prepass_fwd_fused``): the same arrays, bytes and
+    names as the split launches of :func:`_forward_plan`, plus a zeroed word array for its ticket, arrival
+    counters and flags."""
+    import cupy
+
+    D, B, Hq, Hkv, nq, nk = p.head_dim, p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    G, nchunk = B * Hkv, (nk + 255) // 256
+    part_k = prog.empty("part_k", (B, Hkv, nchunk, D), cupy.float64)
+    part_v = prog.empty("part_v", (B, Hkv, nchunk, D), cupy.float32)
+    out = prog.empty("colstats", (2, B, Hkv, D), f32)
+    mu_k, v_scale = prog.view("mu_k", out, 0), prog.view("v_scale", out, 1)
+    q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8)
+    q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32)
+    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32)
+    k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8)
+    k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32)
+    kv_img = prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
+    sync = prog.zeros("prepass_sync", (1 + 4 * G,), cupy.uint32)
+    rows = 8 * _QK_RPW
+    items = G * (2 * nchunk + nk_pad // rows + nk_pad // 64 + (Hq // Hkv) * (nq_pad // rows))
+    prog.launch(_qfn(f"prepass_fwd_fused<{T}, {D}, {_QK_RPW}>", T, D), (items,), (256,),
+                (Ref("q"), *(i64(s) for s in qs), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
+                 f32(LOG2E), qmk, Ref("k"), *(i64(s) for s in ks), Ref("v"), *(i64(s) for s in vs), i32(nk),
+                 i32(nk_pad), k_codes, k_scale, part_k, part_v, mu_k, v_scale, kv_img, i32(B), i32(Hq), i32(Hkv),
+                 sync))
+
+
 def _column_stat(x, strides, T, shape, absmax):
     """Mean (``absmax=False``: summed in float64, rounded to float32) or psi scale (``True``) of every channel
     of ``x`` (raw (B, H, N, D) memory with 16-byte aligned rows, element ``strides`` (batch, head, token))
@@ -391,8 +433,12 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
 
-    # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
     v_channel = cfg.v_granularity == "channel"
+    if (forward_prepass() == "fused" and engine == "wgmma" and D in _FUSED_PREPASS_DIMS and cfg.k_smoothing
+            and v_channel and cfg.q_granularity == "token" and cfg.k_granularity == "token"):
+        _fused_forward_prepass(prog, p, T, (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn), nq_pad, nk_pad)
+        return Plan(p, cfg, engine, copy, prog)
+    # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
     if cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn))
     else:
