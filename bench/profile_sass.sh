@@ -2,7 +2,8 @@
 # One device call: ncu SASS-level counts and stall samples of the INT8 kernels matching a regex, launched by
 # bench/profile_int8.py (D = 128, N = 4096, B = 4, H = 16), written to $OUT; prints the per-opcode summary
 # (bench/tools/sass_stats.py), dumps each kernel's SASS with executed counts (bench/tools/sass_dump.py) and its regions
-# (bench/tools/sass_regions.py; PER=warps x tiles gives instructions per warp and tile).
+# (bench/tools/sass_regions.py; PER=warps x tiles gives instructions per warp and tile). SECTIONS="--section X ..."
+# adds ncu sections (e.g. MemoryWorkloadAnalysis for L2 hit rates and DRAM bytes).
 #   KREGEX="int8_attn_fwd_sm90" SKIP=1 COUNT=1 bash bench/profile_sass.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ python3 -m pip install -e . --no-deps --no-build-isolation -q >/tmp/pip.log 2>&1
 NCU=/usr/local/cuda/bin/ncu
 $NCU --clock-control none --kernel-name regex:"$KREGEX" --launch-skip "$SKIP" --launch-count "$COUNT" \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \
-  --section SourceCounters --section Occupancy -o "$OUT/$TAG" python3 "$SCRIPT" >"$OUT/ncu_$TAG.log" 2>&1 \
+  --section SourceCounters --section Occupancy ${SECTIONS:-} -o "$OUT/$TAG" python3 "$SCRIPT" >"$OUT/ncu_$TAG.log" 2>&1 \
   || tail -5 "$OUT/ncu_$TAG.log"
 $NCU --import "$OUT/$TAG.ncu-rep" --page details >"$OUT/details_$TAG.txt" 2>&1
 $NCU --import "$OUT/$TAG.ncu-rep" --page source --csv --print-source sass >"$OUT/sass_$TAG.csv" 2>&1

@@ -222,14 +222,21 @@ __host__ __device__ constexpr int quant_rows_cpl() {
   return c;
 }
 
+// A hook that does nothing (quant_rows_core, quant_transpose_perm_body: what the fused pre-pass waits on).
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // quant_rows_body with this head's rows of mu and dot_vec given (mu_row, dv_row: D floats each, or null).
-template <typename T, int D, int RPW, bool GROUPED>
+// hook() runs after the rows' loads are issued and before mu_row / dv_row are read (the fused pre-pass waits there
+// for the statistics those rows hold, with its own loads in flight).
+template <typename T, int D, int RPW, bool GROUPED, typename Hook = NoHook>
 __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
                                                 int n_pad, const float* mu_row, float mult,
                                                 signed char* __restrict__ codes, float* __restrict__ scales,
                                                 float scale_mult, const float* dv_row, float dot_mult,
                                                 float* __restrict__ dot, int bx, int h, int b, int H,
-                                                char* __restrict__ kv_img) {
+                                                char* __restrict__ kv_img, Hook hook = {}) {
   constexpr int C = quant_rows_cpl<D, RPW, GROUPED>(), E = 8 * C;  // pieces and elements per lane and row
   constexpr int LPR = D / E, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
   static_assert(LPR * E == D && RPI * LPR == 32 && RPW % RPI == 0, "whole steps");
@@ -239,6 +246,17 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
   float v[STEPS][E];
   float amax[STEPS];
   float muv[E], dv[E];  // this lane's columns of mu and of dot_vec, loaded once for all its rows
+  // Every row's load first (all in flight together, kept as raw words until after the hook), then the arithmetic.
+  uint4 raw[STEPS][C];
+#pragma unroll
+  for (int st = 0; st < STEPS; ++st) {
+    const int row = row_base + st * RPI + sub;
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+      raw[st][j] = row < n ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8)
+                           : make_uint4(0u, 0u, 0u, 0u);  // (bits 0: +0.0 in fp16 and bf16)
+  }
+  hook();
 #pragma unroll
   for (int j = 0; j < 2 * C; ++j) {  // 16-byte loads (mu, dot_vec: the package's own 16-byte aligned (.., D) rows)
     const int col = ((j / 2) * LPR + cl) * 8 + 4 * (j % 2);
@@ -247,23 +265,14 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
     muv[4 * j] = m4.x, muv[4 * j + 1] = m4.y, muv[4 * j + 2] = m4.z, muv[4 * j + 3] = m4.w;
     dv[4 * j] = d4.x, dv[4 * j + 1] = d4.y, dv[4 * j + 2] = d4.z, dv[4 * j + 3] = d4.w;
   }
-  // Every row's load first (all in flight together), then the arithmetic.
 #pragma unroll
-  for (int st = 0; st < STEPS; ++st) {
-    const int row = row_base + st * RPI + sub;
+  for (int st = 0; st < STEPS; ++st)
 #pragma unroll
     for (int j = 0; j < C; ++j) {
-      float f[8];
-      if (row < n) {
-        load8(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8, f);
-      } else {
+      const T* e = reinterpret_cast<const T*>(&raw[st][j]);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) f[c] = 0.f;
-      }
-#pragma unroll
-      for (int c = 0; c < 8; ++c) v[st][8 * j + c] = f[c];
+      for (int c = 0; c < 8; ++c) v[st][8 * j + c] = to_float(e[c]);
     }
-  }
 #pragma unroll
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
@@ -415,7 +424,7 @@ struct QtpSmem {
 
 // Block blk of head h (of H) of batch b; scale_in (MODE 0): (B, H, D) with scale_rows = 1, or this head's D scales
 // with scale_rows = 0.
-template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
+template <typename T, int D, int MODE, bool DELTA, int IMG = 0, typename Hook = NoHook>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
                                                           const float* scale_in,
@@ -423,7 +432,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
                                                           int tile_major, const T* __restrict__ o, long long osb,
                                                           long long osh, long long osn, float* __restrict__ delta,
                                                           int blk, int h, int b, int H, QtpSmem<D>& sm,
-                                                          int scale_rows = 1) {
+                                                          int scale_rows = 1, Hook hook = {}) {
   // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
@@ -433,6 +442,11 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   auto& wmax = sm.wmax;
   const long long bh = static_cast<long long>(b) * H + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
+  float sc[8];  // the 8 channels' scales
+  auto load_scales = [&] {  // MODE 0: given (after hook(): the fused pre-pass waits there for them)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) sc[c] = scale_in[(scale_rows ? bh * D : 0) + c0 + c];
+  };
   const int hf = tg / 4, t = tg % 4;
   float v[4][8];
   float ov[DELTA && !ROWLOAD ? 4 : 1][8];
@@ -446,12 +460,20 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
     constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
     char* stile = sm.stile;
+    uint4 us[PASSES];  // every load in flight before the hook and the stores
+#pragma unroll
+    for (int j = 0; j < PASSES; ++j) {
+      const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
+      us[j] = tok < n ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
+                      : make_uint4(0u, 0u, 0u, 0u);
+    }
+    hook();
+    if constexpr (MODE == 0) load_scales();
 #pragma unroll
     for (int j = 0; j < PASSES; ++j) {
       const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
       const bool ok = tok < n;
-      const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
-                         : make_uint4(0u, 0u, 0u, 0u);
+      const uint4 u = us[j];
       *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
       if constexpr (IMG == 1) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
       if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
@@ -520,10 +542,11 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       if (lane < 16) sdelta[warp][16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)] = d;
     }
   }
-  float sc[8];
   if (MODE == 0) {
-#pragma unroll
-    for (int c = 0; c < 8; ++c) sc[c] = scale_in[(scale_rows ? bh * D : 0) + c0 + c];
+    if constexpr (!ROWLOAD) {
+      hook();
+      load_scales();
+    }
   } else if (MODE == 1) {  // per channel over the block's 64 tokens: the 16 lanes of this half-warp
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
@@ -658,14 +681,16 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
                   char* __restrict__ kv_img, int B, int Hq, int Hkv, unsigned* __restrict__ sync) {
   static_assert(2 * D == 256, "the V items run quant_transpose_perm_body with 2 D threads");
   __shared__ PrepassSmem<D> sm;
-  __shared__ __align__(16) float vec[D];  // the head's mu_K or V scales, read once after the flag
   __shared__ int s_item, s_last;
   const int G = B * Hkv, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
   const int KI = nk_pad / (8 * RPW), VI = nk_pad / 64, QI = nq_pad / (8 * RPW), GQ = Hq / Hkv;
   const int C = KI + VI + GQ * QI, L = min(SAGE_PREPASS_LAG, G);
   unsigned* cnt = sync + 1;  // [2][G]: K, V arrivals
   unsigned* flag = sync + 1 + 2 * G;  // [2][G]: K, V statistics final
-  if (threadIdx.x == 0) s_item = static_cast<int>(atomicAdd(sync, 1u));
+#ifndef SAGE_PREPASS_TICKET
+#define SAGE_PREPASS_TICKET 1
+#endif
+  if (threadIdx.x == 0) s_item = SAGE_PREPASS_TICKET ? static_cast<int>(atomicAdd(sync, 1u)) : blockIdx.x;
   __syncthreads();
   long long id = s_item;
   // Decode the item: statistics item j of head g (stat), or quantization item j of head g.
@@ -706,25 +731,25 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
     if (threadIdx.x == 0) st_release_gpu(flag + (isv ? G : 0) + g, 1u);
     return;
   }
+  // Quantization: every thread acquires its head's flag itself (no barrier), after its row loads are issued and
+  // before it reads the statistics (plain loads of what the finishing CTA wrote before its release).
   const bool isv = j >= KI && j < KI + VI;
-  if (threadIdx.x == 0) {
-    const unsigned* f = flag + (isv ? G : 0) + g;
-    while (ld_acquire_gpu(f) == 0u) __nanosleep(64);
-  }
-  __syncthreads();
-  if (threadIdx.x < D) vec[threadIdx.x] = __ldcg((isv ? v_scale : mu_k) + static_cast<long long>(g) * D + threadIdx.x);
-  __syncthreads();
+  const unsigned* f = flag + (isv ? G : 0) + g;
+  const auto wait = [f] {
+    while (ld_acquire_gpu(f) == 0u) __nanosleep(32);
+  };
+  const float* vec = (isv ? v_scale : mu_k) + static_cast<long long>(g) * D;
   if (j < KI) {
     quant_rows_core<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, vec, 1.f, k_codes, k_scales, 1.f, nullptr, 0.f,
-                                      nullptr, j, hk, b, Hkv, kv_img);
+                                      nullptr, j, hk, b, Hkv, kv_img, wait);
   } else if (isv) {
     quant_transpose_perm_body<T, D, 0, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, vec, nullptr,
                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr,
-                                                 j - KI, hk, b, Hkv, sm.qtp, 0);
+                                                 j - KI, hk, b, Hkv, sm.qtp, 0, wait);
   } else {
     const int jq = j - KI - VI, hq = hk * GQ + jq / QI;
     quant_rows_core<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, q_mult, q_codes, q_scales, q_scale_mult,
-                                      vec, q_mult, qmk, jq % QI, hq, b, Hq, nullptr);
+                                      vec, q_mult, qmk, jq % QI, hq, b, Hq, nullptr, wait);
   }
 }
 
