@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS) column_partial_kv(con
 
 // out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
 template <bool ABSMAX>
-__device__ __forceinline__ void column_finish_body(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk,
-                                                   int n, int d, float* __restrict__ out, long long bh) {
+__device__ __forceinline__ float column_finish_body(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk,
+                                                    int n, int d, float* __restrict__ out, long long bh) {
   using Acc = typename StatAcc<ABSMAX>::type;
   const int c = threadIdx.x;
   Acc s = 0;
@@ -177,7 +177,9 @@ __device__ __forceinline__ void column_finish_body(const typename StatAcc<ABSMAX
     if (ABSMAX) s = absmax_or_nan(static_cast<float>(s), static_cast<float>(v));
     else s += v;
   }
-  out[bh * d + c] = ABSMAX ? psi_scale(static_cast<float>(s), 127.f) : static_cast<float>(s / static_cast<double>(n));
+  const float r = ABSMAX ? psi_scale(static_cast<float>(s), 127.f) : static_cast<float>(s / static_cast<double>(n));
+  out[bh * d + c] = r;
+  return r;
 }
 
 template <bool ABSMAX>
@@ -222,6 +224,11 @@ __host__ __device__ constexpr int quant_rows_cpl() {
   return c;
 }
 
+// SAGE_QTP_ROWLOAD's staged rows: 64 rows of 2 D bytes, padded to qtp_rs<D>() bytes (the read-back then hits each bank at
+// most twice).
+template <int D>
+__host__ __device__ constexpr int qtp_rs() { return 2 * D + 16; }
+
 // A hook that does nothing (quant_rows_core, quant_transpose_perm_body: what the fused pre-pass waits on).
 struct NoHook {
   __device__ __forceinline__ void operator()() const {}
@@ -236,7 +243,8 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
                                                 signed char* __restrict__ codes, float* __restrict__ scales,
                                                 float scale_mult, const float* dv_row, float dot_mult,
                                                 float* __restrict__ dot, int bx, int h, int b, int H,
-                                                char* __restrict__ kv_img, Hook hook = {}) {
+                                                char* __restrict__ kv_img, Hook hook = {},
+                                                const char* staged = nullptr) {
   constexpr int C = quant_rows_cpl<D, RPW, GROUPED>(), E = 8 * C;  // pieces and elements per lane and row
   constexpr int LPR = D / E, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
   static_assert(LPR * E == D && RPI * LPR == 32 && RPW % RPI == 0, "whole steps");
@@ -252,9 +260,14 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
 #pragma unroll
-    for (int j = 0; j < C; ++j)
-      raw[st][j] = row < n ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8)
-                           : make_uint4(0u, 0u, 0u, 0u);  // (bits 0: +0.0 in fp16 and bf16)
+    for (int j = 0; j < C; ++j) {
+      // staged: the CTA's 8 RPW rows in shared memory, qtp_rs<D>() bytes apart (the fused pre-pass's stages)
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);  // rows >= n: bits 0, +0.0 in fp16 and bf16
+      if (row < n)
+        u = staged ? *reinterpret_cast<const uint4*>(staged + (row - bx * 8 * RPW) * qtp_rs<D>() + 16 * (j * LPR + cl))
+                   : *reinterpret_cast<const uint4*>(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8);
+      raw[st][j] = u;
+    }
   }
   hook();
 #pragma unroll
@@ -417,13 +430,13 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 template <int D>
 struct QtpSmem {
   __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
-  __align__(16) char stile[64 * (2 * D + 16)];  // SAGE_QTP_ROWLOAD's staged rows (padded by 16 bytes)
   float wmax[D / 16];
   float sdelta[D / 16][64];
 };
 
 // Block blk of head h (of H) of batch b; scale_in (MODE 0): (B, H, D) with scale_rows = 1, or this head's D scales
-// with scale_rows = 0.
+// with scale_rows = 0. stile: 64 x qtp_rs<D>() bytes of shared memory; staged (ROWLOAD, MODE 0, no DELTA or IMG 1): the
+// caller has put the block's rows there already (rows >= n zero) and synchronized.
 template <typename T, int D, int MODE, bool DELTA, int IMG = 0, typename Hook = NoHook>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
@@ -432,7 +445,8 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
                                                           int tile_major, const T* __restrict__ o, long long osb,
                                                           long long osh, long long osn, float* __restrict__ delta,
                                                           int blk, int h, int b, int H, QtpSmem<D>& sm,
-                                                          int scale_rows = 1, Hook hook = {}) {
+                                                          char* stile, int scale_rows = 1, Hook hook = {},
+                                                          bool staged = false) {
   // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
@@ -458,8 +472,11 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
     // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
     // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
-    constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
-    char* stile = sm.stile;
+    constexpr int CPR = D / 8, RS = qtp_rs<D>(), PASSES = 64 * CPR / (2 * D);
+    if (staged) {
+      hook();
+      if constexpr (MODE == 0) load_scales();
+    } else {
     uint4 us[PASSES];  // every load in flight before the hook and the stores
 #pragma unroll
     for (int j = 0; j < PASSES; ++j) {
@@ -499,6 +516,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       }
     }
     __syncthreads();
+    }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint4 u = *reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0);
@@ -618,8 +636,9 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
                      const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out,
                      int tile_major) {
   __shared__ QtpSmem<D> sm;
+  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, false>(x, sb, sh, sn, n, n_pad, scale_in, scale_out, out, tile_major, nullptr,
-                                               0, 0, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
+                                               0, 0, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
 }
 
 // The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
@@ -630,46 +649,124 @@ __global__ void __launch_bounds__(2 * D)
 fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
             const float* __restrict__ scale_in, float* __restrict__ scale_out, char* __restrict__ kv_img) {
   __shared__ QtpSmem<D> sm;
+  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, false, 2>(x, sb, sh, sn, n, n_pad, scale_in, scale_out,
                                                   reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr,
-                                                  blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
+                                                  blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // The whole forward pre-pass of the default config in one launch (wgmma engine; per-token Q and K, K-smoothing,
-// per-channel V): the work of column_partial_kv, column_finish_kv, quant_rows_qk and fwd_v_image, bitwise.
-// Why: the split pre-pass reads K and V twice from DRAM (statistics, then quantization), 134 of its ~470 MB at
-// B = 4, H = 16, N = 4K, D = 128. Here the quantization of a KV head follows its statistics by SAGE_PREPASS_LAG heads
-// of work, while its K and V are still in L2.
-// Items (one per CTA, 256 threads), in order: round r holds KV head r's statistics items (nchunk K chunks, nchunk V
-// chunks) and then the quantization items of head r - LAG (K row blocks, V 64-token blocks, the Q row blocks of the
-// head's query heads). A CTA takes the next item from an atomic ticket (not blockIdx), so every item before it
-// belongs to a CTA that is already running: waiting on earlier items cannot deadlock. The last statistics CTA of a
-// head (arrival counter) reduces the chunk partials in order (column_finish_body: bitwise the split pass's) and
-// releases the head's flag; quantization items acquire it first. sync: 1 + 4 G words, zero before the launch
-// (ticket, K and V arrival counters, K and V flags; G = B * Hkv).
+// per-channel V; D = 128): the work of column_partial_kv, column_finish_kv, quant_rows_qk and fwd_v_image, writing
+// the same bytes.
+//
+// Why: the split pre-pass reads K and V twice from DRAM (statistics, then quantization), and each of its launches
+// loads a CTA's rows, then computes, then stores, with 2-3 CTAs per SM: ~55% of DRAM bandwidth at ~60% issue
+// (bench/NOTES.md, twentieth session).
+//
+// Work: items, each of 64-row blocks of one head (rows 2 D bytes): a K or V statistics item (one 256-token chunk:
+// up to 4 blocks; column_partial_body's partial), a K row block (quant_rows), a V block (fwd_v_image's V^^T codes)
+// or a Q row block (quant_rows with qmk). Item order: round r holds KV head r's statistics items, then the
+// quantization items of head r - LAG (SAGE_PREPASS_LAG), so that a head's K and V are still in L2 when they are
+// read again, and its statistics are final by then (almost always).
+//
+// Persistent CTAs take items in order from an atomic ticket (thread 0 holds the next ticket one item ahead) and run
+// a pipeline of NST block stages: the cp.async copies of block t + NST - 1 are in flight while block t is computed.
+// Progress: a CTA computes its blocks in ticket order, and a quantization item needs only statistics items with
+// smaller tickets, so the CTA holding the smallest unfinished ticket can always proceed.
+//
+// Statistics: the CTA whose partial arrives last (per head and kind: arrival counter) reduces the partials in order
+// (column_finish_body: bitwise the split pass's), writes mu_K or V's scales, and writes them also as ~bits into
+// `enc` (zero = not final yet: ~bits is never 0, as no mean or scale has bits 0xffffffff; mu's NaNs keep the low
+// payload bits of a 16-bit NaN, which are 0, and psi_scale's NaN is 0x7fffffff). A quantization block copies its
+// head's encoded row with its rows (cp.async through L2), and re-reads it from L2 with relaxed loads only where a
+// word is still 0. No flags, fences or barriers on that path.
+//
+// sync (zero before the launch; 32-bit words): enc[2][G][D] (K's mean, V's scales), the ticket, arrival counters
+// [2][G]; G = B * Hkv.
 #ifndef SAGE_PREPASS_LAG
 #define SAGE_PREPASS_LAG 2
 #endif
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-template <int D>
-union PrepassSmem {
-  double red_k[256 / (D / 8)][D];
-  float red_v[256 / (D / 8)][D];
-  QtpSmem<D> qtp;
-};
-
+#ifndef SAGE_PREPASS_STAGES
+#define SAGE_PREPASS_STAGES 3
+#endif
 #ifndef SAGE_PREPASS_MIN_CTAS
 #define SAGE_PREPASS_MIN_CTAS 3
 #endif
+
+template <int D>
+struct Prepass {
+  static constexpr int NST = SAGE_PREPASS_STAGES;
+  static constexpr int RS = qtp_rs<D>();
+  static constexpr int ROWS = 64 * RS;  // a stage's rows
+  static constexpr int STAGE = ROWS + 4 * D;  // + the head's statistics row
+  static constexpr int R = 256 / (D / 8);  // rows a statistics block step covers (16 lanes per row at D = 128)
+  union Aux {
+    double red_k[R][D];
+    float red_v[R][D];
+    QtpSmem<D> qtp;
+  };
+  static constexpr int SMEM = NST * STAGE + static_cast<int>(sizeof(Aux));
+};
+
+__device__ __forceinline__ unsigned ld_relaxed_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_gpu(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// A block task: kind (0 K statistics, 1 V statistics, 2 K rows, 3 V block, 4 Q rows, -1 none), KV head g, index j
+// (statistics: chunk; rows: row block; V: 64-token block; Q: query row block over the head's query heads), block
+// `sub` of a statistics chunk and whether it is the chunk's last.
+struct PrepassTask {
+  int kind, g, j, sub;
+};
+
+struct PrepassItems {
+  int G, nchunk, S, KI, VI, QI, GQ, C, L, total, nk;
+  __device__ __forceinline__ PrepassItems(int B, int Hq, int Hkv, int nk_, int nk_pad, int nq_pad, int RPW) {
+    G = B * Hkv, nk = nk_, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
+    KI = nk_pad / (8 * RPW), VI = nk_pad / 64, QI = nq_pad / (8 * RPW), GQ = Hq / Hkv;
+    C = KI + VI + GQ * QI, L = min(SAGE_PREPASS_LAG, G), total = G * (S + C);
+  }
+  // item -> (kind, g, j) and its number of blocks
+  __device__ __forceinline__ int decode(int id, PrepassTask& t) const {
+    if (id >= total) {
+      t.kind = -1;
+      return 0;
+    }
+    int jj;
+    bool stat;
+    if (id < L * S) {
+      t.g = id / S, jj = id % S, stat = true;
+    } else {
+      id -= L * S;
+      const int full = (G - L) * (S + C);
+      if (id < full) {
+        const int r = L + id / (S + C);
+        jj = id % (S + C), stat = jj < S;
+        t.g = stat ? r : r - L;
+        if (!stat) jj -= S;
+      } else {
+        id -= full;
+        t.g = G - L + id / C, jj = id % C, stat = false;
+      }
+    }
+    t.sub = 0;
+    if (stat) {
+      t.kind = jj < nchunk ? 0 : 1;
+      t.j = jj < nchunk ? jj : jj - nchunk;
+      return (min(nk - t.j * STAT_CHUNK, STAT_CHUNK) + 63) / 64;
+    }
+    t.kind = jj < KI ? 2 : jj < KI + VI ? 3 : 4;
+    t.j = jj < KI ? jj : jj < KI + VI ? jj - KI : jj - KI - VI;
+    return 1;
+  }
+};
+
 template <typename T, int D, int RPW>
 __global__ void __launch_bounds__(256, SAGE_PREPASS_MIN_CTAS)
 prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad,
@@ -679,78 +776,180 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
                   signed char* __restrict__ k_codes, float* __restrict__ k_scales, double* __restrict__ part_k,
                   float* __restrict__ part_v, float* __restrict__ mu_k, float* __restrict__ v_scale,
                   char* __restrict__ kv_img, int B, int Hq, int Hkv, unsigned* __restrict__ sync) {
-  static_assert(2 * D == 256, "the V items run quant_transpose_perm_body with 2 D threads");
-  __shared__ PrepassSmem<D> sm;
-  __shared__ int s_item, s_last;
-  const int G = B * Hkv, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
-  const int KI = nk_pad / (8 * RPW), VI = nk_pad / 64, QI = nq_pad / (8 * RPW), GQ = Hq / Hkv;
-  const int C = KI + VI + GQ * QI, L = min(SAGE_PREPASS_LAG, G);
-  unsigned* cnt = sync + 1;  // [2][G]: K, V arrivals
-  unsigned* flag = sync + 1 + 2 * G;  // [2][G]: K, V statistics final
-#ifndef SAGE_PREPASS_TICKET
-#define SAGE_PREPASS_TICKET 1
-#endif
-  if (threadIdx.x == 0) s_item = SAGE_PREPASS_TICKET ? static_cast<int>(atomicAdd(sync, 1u)) : blockIdx.x;
-  __syncthreads();
-  long long id = s_item;
-  // Decode the item: statistics item j of head g (stat), or quantization item j of head g.
-  int g, j;
-  bool stat;
-  if (id < static_cast<long long>(L) * S) {
-    g = static_cast<int>(id / S), j = static_cast<int>(id % S), stat = true;
-  } else {
-    id -= static_cast<long long>(L) * S;
-    const long long full = static_cast<long long>(G - L) * (S + C);
-    if (id < full) {
-      const int r = L + static_cast<int>(id / (S + C)), jj = static_cast<int>(id % (S + C));
-      stat = jj < S;
-      g = stat ? r : r - L, j = stat ? jj : jj - S;
-    } else {
-      id -= full;
-      g = G - L + static_cast<int>(id / C), j = static_cast<int>(id % C), stat = false;
-    }
+  using P = Prepass<D>;
+  constexpr int NST = P::NST, RS = P::RS, NDESC = 2 * NST;
+  static_assert(2 * D == 256 && 8 * RPW == 64, "256 threads: V blocks of 2 D threads, row blocks of 64 rows");
+  extern __shared__ __align__(128) char smem[];
+  typename P::Aux& aux = *reinterpret_cast<typename P::Aux*>(smem + NST * P::STAGE);
+  __shared__ PrepassTask desc[NDESC];
+  __shared__ int s_last;
+  const PrepassItems it(B, Hq, Hkv, nk, nk_pad, nq_pad, RPW);
+  const int G = it.G, tid = threadIdx.x;
+  if (tid == 0) {  // the host sizes the dynamic shared memory from the same defines (int8._prepass_geometry)
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < static_cast<unsigned>(P::NST * P::STAGE + sizeof(typename P::Aux))) __trap();
   }
-  const int b = g / Hkv, hk = g % Hkv;
-  if (stat) {
-    const bool isv = j >= nchunk;
-    const int chunk = isv ? j - nchunk : j;
-    if (!isv) column_partial_body<T, D, false>(k, ksb, ksh, ksn, nk, part_k, chunk, hk, b, Hkv, nchunk, sm.red_k);
-    else column_partial_body<T, D, true>(v, vsb, vsh, vsn, nk, part_v, chunk, hk, b, Hkv, nchunk, sm.red_v);
-    __threadfence();  // this CTA's partial before its arrival
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(cnt + (isv ? G : 0) + g, 1u) == static_cast<unsigned>(nchunk - 1);
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();  // every partial before the reduction
-    if (threadIdx.x < D) {
-      if (!isv) column_finish_body<false>(part_k, nchunk, nk, D, mu_k, g);
-      else column_finish_body<true>(part_v, nchunk, nk, D, v_scale, g);
+  unsigned* enc = sync;  // [2][G][D]
+  unsigned* ticket = sync + 2 * G * D;
+  unsigned* cnt = ticket + 1;  // [2][G]
+
+  // The producer's state (thread 0): the item being split into tasks, its blocks left, and the next ticket.
+  PrepassTask cur{-1, 0, 0, 0};
+  int left = 0, next = 0;
+  auto advance = [&]() -> PrepassTask {  // thread 0: the next task in ticket order
+    if (left == 0 && cur.kind != -2) {
+      left = it.decode(next, cur);
+      if (cur.kind == -1) {
+        cur.kind = -2;  // no more items: stop taking tickets
+      } else {
+        next = static_cast<int>(atomicAdd(ticket, 1u));  // one item ahead
+        cur.sub = 0;
+      }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) st_release_gpu(flag + (isv ? G : 0) + g, 1u);
-    return;
-  }
-  // Quantization: every thread acquires its head's flag itself (no barrier), after its row loads are issued and
-  // before it reads the statistics (plain loads of what the finishing CTA wrote before its release).
-  const bool isv = j >= KI && j < KI + VI;
-  const unsigned* f = flag + (isv ? G : 0) + g;
-  const auto wait = [f] {
-    while (ld_acquire_gpu(f) == 0u) __nanosleep(32);
+    if (cur.kind < 0) return PrepassTask{-1, 0, 0, 0};
+    PrepassTask t = cur;
+    ++cur.sub;
+    --left;
+    t.sub |= left == 0 ? 0x100 : 0;  // the chunk's last block
+    return t;
   };
-  const float* vec = (isv ? v_scale : mu_k) + static_cast<long long>(g) * D;
-  if (j < KI) {
-    quant_rows_core<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, vec, 1.f, k_codes, k_scales, 1.f, nullptr, 0.f,
-                                      nullptr, j, hk, b, Hkv, kv_img, wait);
-  } else if (isv) {
-    quant_transpose_perm_body<T, D, 0, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, vec, nullptr,
-                                                 reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr,
-                                                 j - KI, hk, b, Hkv, sm.qtp, 0, wait);
-  } else {
-    const int jq = j - KI - VI, hq = hk * GQ + jq / QI;
-    quant_rows_core<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, q_mult, q_codes, q_scales, q_scale_mult,
-                                      vec, q_mult, qmk, jq % QI, hq, b, Hq, nullptr, wait);
+  auto issue = [&](const PrepassTask& t, int stage) {  // every thread: the task's copies, one group
+    char* st = smem + stage * P::STAGE;
+    if (t.kind >= 0) {
+      const int b = t.g / Hkv, hk = t.g % Hkv;
+      const T* x;
+      long long off;
+      int n, row0;
+      if (t.kind == 4) {
+        const int hq = hk * it.GQ + t.j / it.QI;
+        x = q, off = b * qsb + hq * qsh, n = nq, row0 = 64 * (t.j % it.QI);
+      } else {
+        const bool isk = t.kind == 0 || t.kind == 2;
+        x = isk ? k : v, off = isk ? b * ksb + hk * ksh : b * vsb + hk * vsh, n = nk;
+        row0 = t.kind <= 1 ? t.j * STAT_CHUNK + 64 * (t.sub & 0xff) : 64 * t.j;
+      }
+      const long long sn = t.kind == 4 ? qsn : (t.kind == 0 || t.kind == 2) ? ksn : vsn;
+#pragma unroll
+      for (int p = 0; p < 64 * D / 8 / 256; ++p) {
+        const int idx = tid + 256 * p, r = idx / (D / 8), c = idx % (D / 8), row = row0 + r;
+        const bool ok = row < n;
+        cp_async_16_zfill(smem_u32(st + r * RS + 16 * c), ok ? x + off + row * sn + 8 * c : x, ok);
+      }
+      if (t.kind >= 2 && tid < D / 4)  // the head's encoded statistics (V's scales for V blocks, else mu_K)
+        cp_async_16(smem_u32(st + P::ROWS + 16 * tid), enc + ((t.kind == 3 ? G : 0) + t.g) * D + 4 * tid);
+    }
+    cp_async_commit();
+  };
+
+  // Prologue: tickets 0 and 1, tasks 0 .. NST - 1 described, 0 .. NST - 2 issued.
+  if (tid == 0) {
+    next = static_cast<int>(atomicAdd(ticket, 1u));
+    for (int i = 0; i < NST; ++i) desc[i] = advance();
   }
+  __syncthreads();
+  for (int i = 0; i < NST - 1; ++i) issue(desc[i], i);
+
+  const int cl = tid % (D / 8), row0 = tid / (D / 8);
+  for (int t = 0;; ++t) {
+    cp_async_wait<NST - 2>();
+    __syncthreads();  // stage t landed for every thread; stage t - 1 is free
+    const PrepassTask task = desc[t % NDESC];
+    if (task.kind < 0) break;
+    issue(desc[(t + NST - 1) % NDESC], (t + NST - 1) % NST);
+    char* st = smem + (t % NST) * P::STAGE;
+    const int b = task.g / Hkv, hk = task.g % Hkv, sub = task.sub & 0xff;
+    const bool last = task.sub & 0x100;
+    if (task.kind <= 1) {  // statistics: column_partial_body's order (rows row0 + 16 i of each block, in order)
+      // The running sums / maxima live in this thread's own slots of the reduction array between a chunk's blocks
+      // (consecutive tasks of this CTA), not in registers across the loop.
+      const bool isv = task.kind == 1;
+      double acck[8];
+      float accv[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        acck[i] = sub == 0 || isv ? 0.0 : aux.red_k[row0][cl * 8 + i];
+        accv[i] = sub == 0 || !isv ? 0.f : aux.red_v[row0][cl * 8 + i];
+      }
+      const int base = task.j * STAT_CHUNK + 64 * sub;
+#pragma unroll
+      for (int s4 = 0; s4 < 64 / P::R; ++s4) {
+        const int r = row0 + P::R * s4;
+        if (base + r < nk) {
+          const uint4 u = *reinterpret_cast<const uint4*>(st + r * RS + 16 * cl);
+          const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float f = to_float(e[i]);
+            if (isv) accv[i] = absmax_or_nan(accv[i], f);
+            else acck[i] += static_cast<double>(f);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (isv) aux.red_v[row0][cl * 8 + i] = accv[i];
+        else aux.red_k[row0][cl * 8 + i] = acck[i];
+      }
+      if (last) {
+        __syncthreads();
+        if (tid < D) {
+          const long long at = (static_cast<long long>(task.g) * it.nchunk + task.j) * D + tid;
+          if (isv) {
+            float a = 0.f;
+            for (int r = 0; r < P::R; ++r) a = nan_max(a, aux.red_v[r][tid]);
+            part_v[at] = a;
+          } else {
+            double a = 0.0;
+            for (int r = 0; r < P::R; ++r) a += aux.red_k[r][tid];
+            part_k[at] = a;
+          }
+        }
+        __threadfence();  // this partial before the arrival
+        __syncthreads();
+        if (tid == 0)
+          s_last = atomicAdd(cnt + (isv ? G : 0) + task.g, 1u) == static_cast<unsigned>(it.nchunk - 1);
+        __syncthreads();
+        if (s_last) {
+          __threadfence();  // every partial before the reduction
+          if (tid < D) {
+            const float r = isv ? column_finish_body<true>(part_v, it.nchunk, nk, D, v_scale, task.g)
+                                : column_finish_body<false>(part_k, it.nchunk, nk, D, mu_k, task.g);
+            st_relaxed_gpu(enc + ((isv ? G : 0) + task.g) * D + tid, ~__float_as_uint(r));
+          }
+        }
+      }
+    } else {
+      // The head's statistics: decoded in place (threads < D / 4, 4 words each), re-read from L2 while not final.
+      float* vec = reinterpret_cast<float*>(st + P::ROWS);
+      if (tid < D / 4) {
+        uint4 w = reinterpret_cast<const uint4*>(vec)[tid];
+        const unsigned* src = enc + ((task.kind == 3 ? G : 0) + task.g) * D + 4 * tid;
+        while (w.x == 0u || w.y == 0u || w.z == 0u || w.w == 0u) {
+          __nanosleep(64);
+          w = make_uint4(ld_relaxed_gpu(src), ld_relaxed_gpu(src + 1), ld_relaxed_gpu(src + 2), ld_relaxed_gpu(src + 3));
+        }
+        reinterpret_cast<float4*>(vec)[tid] =
+            make_float4(__uint_as_float(~w.x), __uint_as_float(~w.y), __uint_as_float(~w.z), __uint_as_float(~w.w));
+      }
+      __syncthreads();
+      if (task.kind == 2) {
+        quant_rows_core<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, vec, 1.f, k_codes, k_scales, 1.f, nullptr,
+                                          0.f, nullptr, task.j, hk, b, Hkv, kv_img, NoHook{}, st);
+      } else if (task.kind == 3) {
+        quant_transpose_perm_body<T, D, 0, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, vec, nullptr,
+                                                     reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
+                                                     nullptr, task.j, hk, b, Hkv, aux.qtp, st, 0, NoHook{}, true);
+      } else {
+        const int hq = hk * it.GQ + task.j / it.QI;
+        quant_rows_core<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, q_mult, q_codes, q_scales,
+                                          q_scale_mult, vec, q_mult, qmk, task.j % it.QI, hq, b, Hq, nullptr,
+                                          NoHook{}, st);
+      }
+    }
+    if (tid == 0) desc[(t + NST) % NDESC] = advance();
+  }
+  cp_async_wait<0>();
 }
 
 // The backward's dO pass: quant_transpose_perm (MODE 1 or 2, tile-major) and delta = rowsum(dO * O) in one launch.
@@ -762,8 +961,9 @@ quant_transpose_perm_delta(const T* __restrict__ x, long long sb, long long sh, 
                            float* __restrict__ scale_out, signed char* __restrict__ out, const T* __restrict__ o,
                            long long osb, long long osh, long long osn, float* __restrict__ delta) {
   __shared__ QtpSmem<D> sm;
+  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, true>(x, sb, sh, sn, n, n_pad, nullptr, scale_out, out, 1, o, osb, osh, osn,
-                                              delta, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
+                                              delta, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
 }
 
 // The wgmma backward's dO pass: quant_transpose_perm_delta's work written into the query-side stage images
@@ -774,9 +974,10 @@ bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, 
              char* __restrict__ q_img, const T* __restrict__ o, long long osb, long long osh, long long osn,
              float* __restrict__ delta) {
   __shared__ QtpSmem<D> sm;
+  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, true, 1>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
                                                     reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta,
-                                                    blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm);
+                                                    blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
 }
 
 template <int D>

@@ -64,7 +64,8 @@ def gpu(monkeypatch):
         ascontiguousarray=_ascontiguousarray,
         int8=np.int8, uint8=np.uint8, float16=np.float16, uint16=np.uint16, uint32=np.uint32, float32=np.float32,
         float64=np.float64, int32=np.int32, int64=np.int64,
-        cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
+        cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0,
+                                                                           attributes={"MultiProcessorCount": 132}),
                                    runtime=types.SimpleNamespace(getDevice=lambda: 0)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from sagecupy import int8, nvfp4
@@ -205,9 +206,11 @@ def test_int8_fused_prepass_launch(gpu, monkeypatch, nq, nk, hq, hkv):
     assert len(names) == 2 and names[0].startswith("prepass_fwd_fused<")
     nq_pad, nk_pad = -(-nq // 128) * 128, -(-nk // 128) * 128
     per_head = 2 * (-(-nk // 256)) + nk_pad // 64 + nk_pad // 64 + (hq // hkv) * (nq_pad // 64)
-    assert gpu[start][1] == (2 * hkv * per_head,) and gpu[start][2] == (256,)
-    sync = gpu[start][3][-1]
-    assert sync.shape == (1 + 4 * 2 * hkv,) and (sync.data.ptr, 0, sync.nbytes) in FakeArray.memsets
+    # persistent CTAs: at most 3 per SM (132 here), never more than items
+    assert gpu[start][1] == (min(2 * hkv * per_head, 3 * 132),) and gpu[start][2] == (256,)
+    assert gpu[start][4] == 3 * (64 * 272 + 512) + 16 * 128 * 8  # stages and the statistics reduction
+    sync = gpu[start][3][-1]  # encoded statistics (2 x G x D), the ticket, arrival counters (2 x G)
+    assert sync.shape == (2 * 2 * hkv * 128 + 1 + 2 * 2 * hkv,) and (sync.data.ptr, 0, sync.nbytes) in FakeArray.memsets
     monkeypatch.setenv("SAGECUPY_FWD_PREPASS", "split")
     start = len(gpu)
     int8.forward(q, k, v, engine="wgmma")
