@@ -667,8 +667,8 @@ fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, i
 // Work: items, each of 64-row blocks of one head (rows 2 D bytes): a K or V statistics item (one 256-token chunk:
 // up to 4 blocks; column_partial_body's partial), a K row block (quant_rows), a V block (fwd_v_image's V^^T codes)
 // or a Q row block (quant_rows with qmk). Item order: round r holds KV head r's statistics items, then the
-// quantization items of head r - LAG (SAGE_PREPASS_LAG), so that a head's K and V are still in L2 when they are
-// read again, and its statistics are final by then (almost always).
+// quantization items of head r - lag (the host's choice: enough items between them for the statistics to be final
+// when the quantization starts, few enough heads for their K and V to be still in L2).
 //
 // Persistent CTAs take items in order from an atomic ticket (thread 0 holds the next ticket one item ahead) and run
 // a pipeline of NST block stages: the cp.async copies of block t + NST - 1 are in flight while block t is computed.
@@ -684,9 +684,6 @@ fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, i
 //
 // sync (zero before the launch; 32-bit words): enc[2][G][D] (K's mean, V's scales), the ticket, arrival counters
 // [2][G]; G = B * Hkv.
-#ifndef SAGE_PREPASS_LAG
-#define SAGE_PREPASS_LAG 2
-#endif
 #ifndef SAGE_PREPASS_STAGES
 #define SAGE_PREPASS_STAGES 3
 #endif
@@ -727,10 +724,10 @@ struct PrepassTask {
 
 struct PrepassItems {
   int G, nchunk, S, KI, VI, QI, GQ, C, L, total, nk;
-  __device__ __forceinline__ PrepassItems(int B, int Hq, int Hkv, int nk_, int nk_pad, int nq_pad, int RPW) {
+  __device__ __forceinline__ PrepassItems(int B, int Hq, int Hkv, int nk_, int nk_pad, int nq_pad, int RPW, int lag) {
     G = B * Hkv, nk = nk_, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
     KI = nk_pad / (8 * RPW), VI = nk_pad / 64, QI = nq_pad / (8 * RPW), GQ = Hq / Hkv;
-    C = KI + VI + GQ * QI, L = min(SAGE_PREPASS_LAG, G), total = G * (S + C);
+    C = KI + VI + GQ * QI, L = max(1, min(lag, G)), total = G * (S + C);
   }
   // item -> (kind, g, j) and its number of blocks
   __device__ __forceinline__ int decode(int id, PrepassTask& t) const {
@@ -775,7 +772,7 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
                   const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk, int nk_pad,
                   signed char* __restrict__ k_codes, float* __restrict__ k_scales, double* __restrict__ part_k,
                   float* __restrict__ part_v, float* __restrict__ mu_k, float* __restrict__ v_scale,
-                  char* __restrict__ kv_img, int B, int Hq, int Hkv, unsigned* __restrict__ sync) {
+                  char* __restrict__ kv_img, int B, int Hq, int Hkv, int lag, unsigned* __restrict__ sync) {
   using P = Prepass<D>;
   constexpr int NST = P::NST, RS = P::RS, NDESC = 2 * NST;
   static_assert(2 * D == 256 && 8 * RPW == 64, "256 threads: V blocks of 2 D threads, row blocks of 64 rows");
@@ -783,7 +780,7 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
   typename P::Aux& aux = *reinterpret_cast<typename P::Aux*>(smem + NST * P::STAGE);
   __shared__ PrepassTask desc[NDESC];
   __shared__ int s_last;
-  const PrepassItems it(B, Hq, Hkv, nk, nk_pad, nq_pad, RPW);
+  const PrepassItems it(B, Hq, Hkv, nk, nk_pad, nq_pad, RPW, lag);
   const int G = it.G, tid = threadIdx.x;
   if (tid == 0) {  // the host sizes the dynamic shared memory from the same defines (int8._prepass_geometry)
     unsigned dyn;

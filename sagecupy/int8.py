@@ -301,14 +301,14 @@ def _prepass_items(p, nq_pad, nk_pad):
 
 
 def _prepass_geometry(D):
-    """prepass_fwd_fused's dynamic shared memory (bytes) and CTAs per SM, from the kernel's defaults and any
-    SAGE_PREPASS_STAGES / SAGE_PREPASS_MIN_CTAS in SAGECUPY_DEFINES (the kernel traps if given less memory than
-    it needs). A stage: 64 rows of 2 D + 16 bytes and a row of D statistics; then a union of the statistics
+    """prepass_fwd_fused's dynamic shared memory (bytes), CTAs per SM and lag (in waves of statistics items), from
+    the kernel's defaults and any SAGE_PREPASS_STAGES / SAGE_PREPASS_MIN_CTAS / SAGE_PREPASS_LAG_WAVES (host only) in
+    SAGECUPY_DEFINES (the kernel traps if given less memory than it needs). A stage: 64 rows of 2 D + 16 bytes and a row of D statistics; then a union of the statistics
     reduction (16 x D doubles) and the V blocks' words (D x 64 bytes, D / 16 + D / 16 x 64 floats)."""
     defs = dict((d.split("=", 1) + ["1"])[:2] for d in filter(None, os.environ.get("SAGECUPY_DEFINES", "").split(",")))
     nst, ctas = int(defs.get("SAGE_PREPASS_STAGES", 3)), int(defs.get("SAGE_PREPASS_MIN_CTAS", 3))
     aux = max(8 * (256 // (D // 8)) * D, 64 * D + 4 * (D // 16) * 65)
-    return nst * (64 * (2 * D + 16) + 4 * D) + aux, ctas
+    return nst * (64 * (2 * D + 16) + 4 * D) + aux, ctas, int(defs.get("SAGE_PREPASS_LAG_WAVES", 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -345,14 +345,18 @@ def _fused_forward_prepass(prog, p, T, qs, ks, vs, nq_pad, nk_pad):
     k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32)
     kv_img = prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
     sync = prog.zeros("prepass_sync", (2 * G * D + 1 + 2 * G,), cupy.uint32)
-    smem, ctas = _prepass_geometry(D)
+    smem, ctas, lag_waves = _prepass_geometry(D)
+    grid = min(items, ctas * _sm_count())
+    # A head's quantization items start `lag` heads after its statistics items: at least lag_waves x 4 x grid items
+    # later (a statistics item is up to 4 blocks), so that its statistics are final by then.
+    lag = min(G, -(-lag_waves * 4 * grid // (items // G)))
     fn = _qfn(f"prepass_fwd_fused<{T}, {D}, {_QK_RPW}>", T, D)
     fn.max_dynamic_shared_size_bytes = smem
-    prog.launch(fn, (min(items, ctas * _sm_count()),), (256,),
+    prog.launch(fn, (grid,), (256,),
                 (Ref("q"), *(i64(s) for s in qs), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
                  f32(LOG2E), qmk, Ref("k"), *(i64(s) for s in ks), Ref("v"), *(i64(s) for s in vs), i32(nk),
                  i32(nk_pad), k_codes, k_scale, part_k, part_v, mu_k, v_scale, kv_img, i32(B), i32(Hq), i32(Hkv),
-                 sync), shared_mem=smem)
+                 i32(lag), sync), shared_mem=smem)
 
 
 def _column_stat(x, strides, T, shape, absmax):
