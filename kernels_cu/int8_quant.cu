@@ -715,54 +715,74 @@ __device__ __forceinline__ void st_relaxed_gpu(unsigned* p, unsigned v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// A block task: kind (0 K statistics, 1 V statistics, 2 K rows, 3 V block, 4 Q rows, -1 none), KV head g, index j
-// (statistics: chunk; rows: row block; V: 64-token block; Q: query row block over the head's query heads), block
-// `sub` of a statistics chunk and whether it is the chunk's last.
+// A block task, described by the producer (thread 0) for every thread: kind (0 K statistics, 1 V statistics, 2 K rows,
+// 3 V block, 4 Q rows, -1 none) with flags (bits 8..: block of a statistics chunk; LAST: its chunk's last block), the
+// KV head g, batch b, head h (the query head for Q rows), block index bx (statistics: the chunk), rows present in
+// the block (nvalid) and its first row's address and row stride in bytes.
 struct PrepassTask {
-  int kind, g, j, sub;
+  int kind, g, b, h, bx, nvalid;
+  const char* src;
+  long long snb;
 };
+constexpr int PREPASS_LAST = 1 << 16;
 
-struct PrepassItems {
-  int G, nchunk, S, KI, VI, QI, GQ, C, L, total, nk;
-  __device__ __forceinline__ PrepassItems(int B, int Hq, int Hkv, int nk_, int nk_pad, int nq_pad, int RPW, int lag) {
-    G = B * Hkv, nk = nk_, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
+// The item order (see prepass_fwd_fused) as a cursor that thread 0 steps one item at a time without divisions:
+// phase 0: rounds r < L (statistics items jj < S of head r); phase 1: rounds L <= r < G (jj < S: statistics of head
+// r, else quantization item jj - S of head r - L); phase 2: heads G - L <= r < G (quantization items jj < C).
+struct PrepassOrder {
+  int G, B_, Hkv, nk, nchunk, S, KI, VI, QI, GQ, C, L, total;
+  PrepassOrder() = default;
+  __device__ __forceinline__ PrepassOrder(int B, int Hq, int Hkv_, int nk_, int nk_pad, int nq_pad, int RPW, int lag) {
+    B_ = B, Hkv = Hkv_, G = B * Hkv, nk = nk_, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
     KI = nk_pad / (8 * RPW), VI = nk_pad / 64, QI = nq_pad / (8 * RPW), GQ = Hq / Hkv;
     C = KI + VI + GQ * QI, L = max(1, min(lag, G)), total = G * (S + C);
   }
-  // item -> (kind, g, j) and its number of blocks
-  __device__ __forceinline__ int decode(int id, PrepassTask& t) const {
-    if (id >= total) {
-      t.kind = -1;
-      return 0;
-    }
-    int jj;
-    bool stat;
-    if (id < L * S) {
-      t.g = id / S, jj = id % S, stat = true;
+};
+struct PrepassCursor {
+  int phase, r, jj, id;
+  __device__ __forceinline__ void normalize(const PrepassOrder& o) {  // round transitions
+    if (phase == 0 && r >= o.L) phase = 1;
+    if (phase == 1 && r >= o.G) phase = 2, r = o.G - o.L;
+  }
+  __device__ __forceinline__ void seek(const PrepassOrder& o, int id_) {  // (divisions: once per ticket batch)
+    id = id_;
+    int i = id_;
+    if (i < o.L * o.S) {
+      phase = 0, r = i / o.S, jj = i % o.S;
+    } else if ((i -= o.L * o.S) < (o.G - o.L) * (o.S + o.C)) {
+      phase = 1, r = o.L + i / (o.S + o.C), jj = i % (o.S + o.C);
     } else {
-      id -= L * S;
-      const int full = (G - L) * (S + C);
-      if (id < full) {
-        const int r = L + id / (S + C);
-        jj = id % (S + C), stat = jj < S;
-        t.g = stat ? r : r - L;
-        if (!stat) jj -= S;
-      } else {
-        id -= full;
-        t.g = G - L + id / C, jj = id % C, stat = false;
-      }
+      i -= (o.G - o.L) * (o.S + o.C);
+      phase = 2, r = o.G - o.L + i / o.C, jj = i % o.C;
     }
-    t.sub = 0;
+  }
+  __device__ __forceinline__ void step(const PrepassOrder& o) {
+    ++id;
+    if (++jj == (phase == 0 ? o.S : phase == 1 ? o.S + o.C : o.C)) {
+      jj = 0, ++r;
+      normalize(o);
+    }
+  }
+  // The item here: kind, KV head g, index j (statistics chunk / K row block / V block / Q index over the head's
+  // query heads), and its number of blocks.
+  __device__ __forceinline__ int item(const PrepassOrder& o, int& kind, int& g, int& j) const {
+    bool stat = phase == 0 || (phase == 1 && jj < o.S);
+    g = phase == 0 ? r : phase == 1 ? (stat ? r : r - o.L) : r;
+    const int x = phase == 1 && !stat ? jj - o.S : jj;
     if (stat) {
-      t.kind = jj < nchunk ? 0 : 1;
-      t.j = jj < nchunk ? jj : jj - nchunk;
-      return (min(nk - t.j * STAT_CHUNK, STAT_CHUNK) + 63) / 64;
+      kind = x < o.nchunk ? 0 : 1;
+      j = x < o.nchunk ? x : x - o.nchunk;
+      return (min(o.nk - j * STAT_CHUNK, STAT_CHUNK) + 63) / 64;
     }
-    t.kind = jj < KI ? 2 : jj < KI + VI ? 3 : 4;
-    t.j = jj < KI ? jj : jj < KI + VI ? jj - KI : jj - KI - VI;
+    kind = x < o.KI ? 2 : x < o.KI + o.VI ? 3 : 4;
+    j = x < o.KI ? x : x < o.KI + o.VI ? x - o.KI : x - o.KI - o.VI;
     return 1;
   }
 };
+
+#ifndef SAGE_PREPASS_BATCH
+#define SAGE_PREPASS_BATCH 4  // items per ticket
+#endif
 
 template <typename T, int D, int RPW>
 __global__ void __launch_bounds__(256, SAGE_PREPASS_MIN_CTAS)
@@ -774,93 +794,129 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
                   float* __restrict__ part_v, float* __restrict__ mu_k, float* __restrict__ v_scale,
                   char* __restrict__ kv_img, int B, int Hq, int Hkv, int lag, unsigned* __restrict__ sync) {
   using P = Prepass<D>;
-  constexpr int NST = P::NST, RS = P::RS, NDESC = 2 * NST;
+  constexpr int NST = P::NST, RS = P::RS, NDESC = 2 * NST, TB = SAGE_PREPASS_BATCH;
   static_assert(2 * D == 256 && 8 * RPW == 64, "256 threads: V blocks of 2 D threads, row blocks of 64 rows");
   extern __shared__ __align__(128) char smem[];
   typename P::Aux& aux = *reinterpret_cast<typename P::Aux*>(smem + NST * P::STAGE);
   __shared__ PrepassTask desc[NDESC];
   __shared__ int s_last;
-  const PrepassItems it(B, Hq, Hkv, nk, nk_pad, nq_pad, RPW, lag);
-  const int G = it.G, tid = threadIdx.x;
+  const int tid = threadIdx.x;
   if (tid == 0) {  // the host sizes the dynamic shared memory from the same defines (int8._prepass_geometry)
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < static_cast<unsigned>(P::NST * P::STAGE + sizeof(typename P::Aux))) __trap();
+    if (dyn < static_cast<unsigned>(P::SMEM)) __trap();
   }
+  const int G = B * Hkv, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK;
   unsigned* enc = sync;  // [2][G][D]
   unsigned* ticket = sync + 2 * G * D;
   unsigned* cnt = ticket + 1;  // [2][G]
 
-  // The producer's state (thread 0): the item being split into tasks, its blocks left, and the next ticket.
-  PrepassTask cur{-1, 0, 0, 0};
-  int left = 0, next = 0;
+  // The producer (thread 0), its state in shared memory (no registers held across the loop by the other threads):
+  // a cursor over the items of its ticket batch, the blocks left of the current item, the next batch's first
+  // ticket (taken one batch ahead).
+  struct Producer {
+    PrepassOrder ord;
+    PrepassCursor cur;
+    int left, in_batch, next, kind, g, j, sub, done;
+  };
+  __shared__ Producer prod;
   auto advance = [&]() -> PrepassTask {  // thread 0: the next task in ticket order
-    if (left == 0 && cur.kind != -2) {
-      left = it.decode(next, cur);
-      if (cur.kind == -1) {
-        cur.kind = -2;  // no more items: stop taking tickets
+    const PrepassOrder& ord = prod.ord;
+    PrepassCursor& cur = prod.cur;
+    int &left = prod.left, &in_batch = prod.in_batch, &next = prod.next, &kind = prod.kind, &g = prod.g,
+        &j = prod.j, &sub = prod.sub, &done = prod.done;
+    PrepassTask t;
+    if (left == 0 && !done) {
+      if (in_batch == 0) {  // a new batch
+        cur.seek(ord, next);
+        next = static_cast<int>(atomicAdd(ticket, static_cast<unsigned>(TB)));
+        in_batch = TB;
       } else {
-        next = static_cast<int>(atomicAdd(ticket, 1u));  // one item ahead
-        cur.sub = 0;
+        cur.step(ord);
+      }
+      --in_batch;
+      if (cur.id >= ord.total) {
+        done = 1;
+      } else {
+        left = cur.item(ord, kind, g, j);
+        sub = 0;
       }
     }
-    if (cur.kind < 0) return PrepassTask{-1, 0, 0, 0};
-    PrepassTask t = cur;
-    ++cur.sub;
+    if (done) {
+      t.kind = -1;
+      return t;
+    }
+    const int b = g / Hkv, hk = g - b * Hkv;
+    int row0, n;
+    const T* x;
+    long long sn;
+    t.h = hk, t.bx = j;
+    if (kind <= 1) {  // statistics block `sub` of chunk j
+      row0 = j * STAT_CHUNK + 64 * sub, n = nk;
+      x = kind == 0 ? k + b * ksb + hk * ksh : v + b * vsb + hk * vsh, sn = kind == 0 ? ksn : vsn;
+    } else if (kind == 4) {  // Q rows: query head hk GQ + j / QI, row block j % QI
+      const int hq = hk * ord.GQ + j / ord.QI;
+      t.h = hq, t.bx = j - (j / ord.QI) * ord.QI;
+      row0 = 64 * t.bx, n = nq, x = q + b * qsb + hq * qsh, sn = qsn;
+    } else {
+      row0 = 64 * j, n = nk;
+      x = kind == 2 ? k + b * ksb + hk * ksh : v + b * vsb + hk * vsh, sn = kind == 2 ? ksn : vsn;
+    }
     --left;
-    t.sub |= left == 0 ? 0x100 : 0;  // the chunk's last block
+    t.kind = kind | (sub << 8) | (left == 0 ? PREPASS_LAST : 0);
+    ++sub;
+    t.g = g, t.b = b;
+    t.nvalid = n - row0;
+    t.src = reinterpret_cast<const char*>(x + row0 * sn);
+    t.snb = sn * static_cast<long long>(sizeof(T));
     return t;
   };
-  auto issue = [&](const PrepassTask& t, int stage) {  // every thread: the task's copies, one group
+  auto issue = [&](int slot, int stage) {  // every thread: the task's copies, one group
+    const PrepassTask& t = desc[slot];
     char* st = smem + stage * P::STAGE;
+    const int kd = t.kind & 0xff;
     if (t.kind >= 0) {
-      const int b = t.g / Hkv, hk = t.g % Hkv;
-      const T* x;
-      long long off;
-      int n, row0;
-      if (t.kind == 4) {
-        const int hq = hk * it.GQ + t.j / it.QI;
-        x = q, off = b * qsb + hq * qsh, n = nq, row0 = 64 * (t.j % it.QI);
-      } else {
-        const bool isk = t.kind == 0 || t.kind == 2;
-        x = isk ? k : v, off = isk ? b * ksb + hk * ksh : b * vsb + hk * vsh, n = nk;
-        row0 = t.kind <= 1 ? t.j * STAT_CHUNK + 64 * (t.sub & 0xff) : 64 * t.j;
-      }
-      const long long sn = t.kind == 4 ? qsn : (t.kind == 0 || t.kind == 2) ? ksn : vsn;
+      const char* src = t.src;
+      const long long snb = t.snb;
+      const int nvalid = t.nvalid, c = tid % (D / 8), r0 = tid / (D / 8);
 #pragma unroll
       for (int p = 0; p < 64 * D / 8 / 256; ++p) {
-        const int idx = tid + 256 * p, r = idx / (D / 8), c = idx % (D / 8), row = row0 + r;
-        const bool ok = row < n;
-        cp_async_16_zfill(smem_u32(st + r * RS + 16 * c), ok ? x + off + row * sn + 8 * c : x, ok);
+        const int r = r0 + p * (256 / (D / 8));
+        const bool ok = r < nvalid;
+        cp_async_16_zfill(smem_u32(st + r * RS + 16 * c), ok ? src + r * snb + 16 * c : src, ok);
       }
-      if (t.kind >= 2 && tid < D / 4)  // the head's encoded statistics (V's scales for V blocks, else mu_K)
-        cp_async_16(smem_u32(st + P::ROWS + 16 * tid), enc + ((t.kind == 3 ? G : 0) + t.g) * D + 4 * tid);
+      if (kd >= 2 && tid < D / 4)  // the head's encoded statistics (V's scales for V blocks, else mu_K)
+        cp_async_16(smem_u32(st + P::ROWS + 16 * tid), enc + ((kd == 3 ? G : 0) + t.g) * D + 4 * tid);
     }
     cp_async_commit();
   };
 
-  // Prologue: tickets 0 and 1, tasks 0 .. NST - 1 described, 0 .. NST - 2 issued.
+  // Prologue: the first batch, tasks 0 .. NST - 1 described, 0 .. NST - 2 issued.
   if (tid == 0) {
-    next = static_cast<int>(atomicAdd(ticket, 1u));
+    prod.ord = PrepassOrder(B, Hq, Hkv, nk, nk_pad, nq_pad, RPW, lag);
+    prod.left = prod.in_batch = prod.done = 0;
+    prod.next = static_cast<int>(atomicAdd(ticket, static_cast<unsigned>(TB)));
     for (int i = 0; i < NST; ++i) desc[i] = advance();
   }
   __syncthreads();
-  for (int i = 0; i < NST - 1; ++i) issue(desc[i], i);
+  for (int i = 0; i < NST - 1; ++i) issue(i, i);
 
   const int cl = tid % (D / 8), row0 = tid / (D / 8);
   for (int t = 0;; ++t) {
     cp_async_wait<NST - 2>();
     __syncthreads();  // stage t landed for every thread; stage t - 1 is free
-    const PrepassTask task = desc[t % NDESC];
-    if (task.kind < 0) break;
-    issue(desc[(t + NST - 1) % NDESC], (t + NST - 1) % NST);
+    const int slot = t % NDESC;
+    const int tk = desc[slot].kind;
+    if (tk < 0) break;
+    issue((t + NST - 1) % NDESC, (t + NST - 1) % NST);
+    const int kd = tk & 0xff, sub = (tk >> 8) & 0xff;
+    const int tg = desc[slot].g, tb = desc[slot].b, th = desc[slot].h, tbx = desc[slot].bx;
+    const int nvalid = desc[slot].nvalid;
     char* st = smem + (t % NST) * P::STAGE;
-    const int b = task.g / Hkv, hk = task.g % Hkv, sub = task.sub & 0xff;
-    const bool last = task.sub & 0x100;
-    if (task.kind <= 1) {  // statistics: column_partial_body's order (rows row0 + 16 i of each block, in order)
+    if (kd <= 1) {  // statistics: column_partial_body's order (rows row0 + 16 i of each block, in order)
       // The running sums / maxima live in this thread's own slots of the reduction array between a chunk's blocks
       // (consecutive tasks of this CTA), not in registers across the loop.
-      const bool isv = task.kind == 1;
+      const bool isv = kd == 1;
       double acck[8];
       float accv[8];
 #pragma unroll
@@ -868,11 +924,10 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
         acck[i] = sub == 0 || isv ? 0.0 : aux.red_k[row0][cl * 8 + i];
         accv[i] = sub == 0 || !isv ? 0.f : aux.red_v[row0][cl * 8 + i];
       }
-      const int base = task.j * STAT_CHUNK + 64 * sub;
 #pragma unroll
       for (int s4 = 0; s4 < 64 / P::R; ++s4) {
         const int r = row0 + P::R * s4;
-        if (base + r < nk) {
+        if (r < nvalid) {
           const uint4 u = *reinterpret_cast<const uint4*>(st + r * RS + 16 * cl);
           const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
@@ -888,10 +943,10 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
         if (isv) aux.red_v[row0][cl * 8 + i] = accv[i];
         else aux.red_k[row0][cl * 8 + i] = acck[i];
       }
-      if (last) {
+      if (tk & PREPASS_LAST) {
         __syncthreads();
         if (tid < D) {
-          const long long at = (static_cast<long long>(task.g) * it.nchunk + task.j) * D + tid;
+          const long long at = (static_cast<long long>(tg) * nchunk + tbx) * D + tid;
           if (isv) {
             float a = 0.f;
             for (int r = 0; r < P::R; ++r) a = nan_max(a, aux.red_v[r][tid]);
@@ -904,15 +959,14 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
         }
         __threadfence();  // this partial before the arrival
         __syncthreads();
-        if (tid == 0)
-          s_last = atomicAdd(cnt + (isv ? G : 0) + task.g, 1u) == static_cast<unsigned>(it.nchunk - 1);
+        if (tid == 0) s_last = atomicAdd(cnt + (isv ? G : 0) + tg, 1u) == static_cast<unsigned>(nchunk - 1);
         __syncthreads();
         if (s_last) {
           __threadfence();  // every partial before the reduction
           if (tid < D) {
-            const float r = isv ? column_finish_body<true>(part_v, it.nchunk, nk, D, v_scale, task.g)
-                                : column_finish_body<false>(part_k, it.nchunk, nk, D, mu_k, task.g);
-            st_relaxed_gpu(enc + ((isv ? G : 0) + task.g) * D + tid, ~__float_as_uint(r));
+            const float r = isv ? column_finish_body<true>(part_v, nchunk, nk, D, v_scale, tg)
+                                : column_finish_body<false>(part_k, nchunk, nk, D, mu_k, tg);
+            st_relaxed_gpu(enc + ((isv ? G : 0) + tg) * D + tid, ~__float_as_uint(r));
           }
         }
       }
@@ -921,7 +975,7 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
       float* vec = reinterpret_cast<float*>(st + P::ROWS);
       if (tid < D / 4) {
         uint4 w = reinterpret_cast<const uint4*>(vec)[tid];
-        const unsigned* src = enc + ((task.kind == 3 ? G : 0) + task.g) * D + 4 * tid;
+        const unsigned* src = enc + ((kd == 3 ? G : 0) + tg) * D + 4 * tid;
         while (w.x == 0u || w.y == 0u || w.z == 0u || w.w == 0u) {
           __nanosleep(64);
           w = make_uint4(ld_relaxed_gpu(src), ld_relaxed_gpu(src + 1), ld_relaxed_gpu(src + 2), ld_relaxed_gpu(src + 3));
@@ -930,18 +984,16 @@ prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long lo
             make_float4(__uint_as_float(~w.x), __uint_as_float(~w.y), __uint_as_float(~w.z), __uint_as_float(~w.w));
       }
       __syncthreads();
-      if (task.kind == 2) {
+      if (kd == 2) {
         quant_rows_core<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, vec, 1.f, k_codes, k_scales, 1.f, nullptr,
-                                          0.f, nullptr, task.j, hk, b, Hkv, kv_img, NoHook{}, st);
-      } else if (task.kind == 3) {
+                                          0.f, nullptr, tbx, th, tb, Hkv, kv_img, NoHook{}, st);
+      } else if (kd == 3) {
         quant_transpose_perm_body<T, D, 0, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, vec, nullptr,
                                                      reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
-                                                     nullptr, task.j, hk, b, Hkv, aux.qtp, st, 0, NoHook{}, true);
+                                                     nullptr, tbx, th, tb, Hkv, aux.qtp, st, 0, NoHook{}, true);
       } else {
-        const int hq = hk * it.GQ + task.j / it.QI;
         quant_rows_core<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, q_mult, q_codes, q_scales,
-                                          q_scale_mult, vec, q_mult, qmk, task.j % it.QI, hq, b, Hq, nullptr,
-                                          NoHook{}, st);
+                                          q_scale_mult, vec, q_mult, qmk, tbx, th, tb, Hq, nullptr, NoHook{}, st);
       }
     }
     if (tid == 0) desc[(t + NST) % NDESC] = advance();
