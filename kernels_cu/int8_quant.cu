@@ -105,10 +105,10 @@ template <> struct StatAcc<true> { using type = float; };
 template <typename T, int D, bool ABSMAX>
 __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, long long sb, long long sh, long long sn,
                                                     int n, typename StatAcc<ABSMAX>::type* __restrict__ part,
-                                                    int chunk, int h, int b, int H, int nchunk,
-                                                    typename StatAcc<ABSMAX>::type (*red)[D]) {
+                                                    int chunk, int h, int b, int H, int nchunk) {
   using Acc = typename StatAcc<ABSMAX>::type;
-  constexpr int LPR = D / 8, R = 256 / LPR;  // threads per token, tokens in parallel (red: R x D, shared)
+  constexpr int LPR = D / 8, R = 256 / LPR;  // threads per token, tokens in parallel
+  __shared__ Acc red[R][D];
   const int cl = threadIdx.x % LPR, row0 = threadIdx.x / LPR;
   const int t0 = chunk * STAT_CHUNK, t1 = min(n, t0 + STAT_CHUNK);
   Acc acc[8];
@@ -142,9 +142,7 @@ __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, lon
 template <typename T, int D, bool ABSMAX>
 __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn,
                                                       int n, typename StatAcc<ABSMAX>::type* __restrict__ part) {
-  __shared__ typename StatAcc<ABSMAX>::type red[256 / (D / 8)][D];
-  column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x,
-                                    red);
+  column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x);
 }
 
 // The forward's two statistics in one launch: K's channel sums (z < B) and V's channel maxima (z >= B).
@@ -155,31 +153,27 @@ __global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS) column_partial_kv(con
                                                          long long vsh, long long vsn, int n,
                                                          double* __restrict__ part_k, float* __restrict__ part_v) {
   const int B = gridDim.z / 2;
-  __shared__ double red_k[256 / (D / 8)][D];
-  __shared__ float red_v[256 / (D / 8)][D];
   if (static_cast<int>(blockIdx.z) < B)
     column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y,
-                                     gridDim.x, red_k);
+                                     gridDim.x);
   else
     column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, blockIdx.x, blockIdx.y, blockIdx.z - B, gridDim.y,
-                                    gridDim.x, red_v);
+                                    gridDim.x);
 }
 
 // out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
 template <bool ABSMAX>
-__device__ __forceinline__ float column_finish_body(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk,
-                                                    int n, int d, float* __restrict__ out, long long bh) {
+__device__ __forceinline__ void column_finish_body(const typename StatAcc<ABSMAX>::type* __restrict__ part, int nchunk,
+                                                   int n, int d, float* __restrict__ out, long long bh) {
   using Acc = typename StatAcc<ABSMAX>::type;
   const int c = threadIdx.x;
   Acc s = 0;
   for (int k = 0; k < nchunk; ++k) {
-    const Acc v = __ldcg(part + (bh * nchunk + k) * d + c);  // L2 (the fused pre-pass: written in this launch)
+    const Acc v = part[(bh * nchunk + k) * d + c];
     if (ABSMAX) s = absmax_or_nan(static_cast<float>(s), static_cast<float>(v));
     else s += v;
   }
-  const float r = ABSMAX ? psi_scale(static_cast<float>(s), 127.f) : static_cast<float>(s / static_cast<double>(n));
-  out[bh * d + c] = r;
-  return r;
+  out[bh * d + c] = ABSMAX ? psi_scale(static_cast<float>(s), 127.f) : static_cast<float>(s / static_cast<double>(n));
 }
 
 template <bool ABSMAX>
@@ -224,27 +218,13 @@ __host__ __device__ constexpr int quant_rows_cpl() {
   return c;
 }
 
-// SAGE_QTP_ROWLOAD's staged rows: 64 rows of 2 D bytes, padded to qtp_rs<D>() bytes (the read-back then hits each bank at
-// most twice).
-template <int D>
-__host__ __device__ constexpr int qtp_rs() { return 2 * D + 16; }
-
-// A hook that does nothing (quant_rows_core, quant_transpose_perm_body: what the fused pre-pass waits on).
-struct NoHook {
-  __device__ __forceinline__ void operator()() const {}
-};
-
-// quant_rows_body with this head's rows of mu and dot_vec given (mu_row, dv_row: D floats each, or null).
-// hook() runs after the rows' loads are issued and before mu_row / dv_row are read (the fused pre-pass waits there
-// for the statistics those rows hold, with its own loads in flight).
-template <typename T, int D, int RPW, bool GROUPED, typename Hook = NoHook>
-__device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
-                                                int n_pad, const float* mu_row, float mult,
+template <typename T, int D, int RPW, bool GROUPED>
+__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
+                                                int n_pad, const float* __restrict__ mu, int mu_group, float mult,
                                                 signed char* __restrict__ codes, float* __restrict__ scales,
-                                                float scale_mult, const float* dv_row, float dot_mult,
-                                                float* __restrict__ dot, int bx, int h, int b, int H,
-                                                char* __restrict__ kv_img, Hook hook = {},
-                                                const char* staged = nullptr) {
+                                                float scale_mult, const float* __restrict__ dot_vec, int dot_group,
+                                                float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H,
+                                                char* __restrict__ kv_img = nullptr) {
   constexpr int C = quant_rows_cpl<D, RPW, GROUPED>(), E = 8 * C;  // pieces and elements per lane and row
   constexpr int LPR = D / E, RPI = 32 / LPR, STEPS = RPW / RPI;  // lanes per row, rows per step
   static_assert(LPR * E == D && RPI * LPR == 32 && RPW % RPI == 0, "whole steps");
@@ -254,22 +234,8 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
   float v[STEPS][E];
   float amax[STEPS];
   float muv[E], dv[E];  // this lane's columns of mu and of dot_vec, loaded once for all its rows
-  // Every row's load first (all in flight together, kept as raw words until after the hook), then the arithmetic.
-  uint4 raw[STEPS][C];
-#pragma unroll
-  for (int st = 0; st < STEPS; ++st) {
-    const int row = row_base + st * RPI + sub;
-#pragma unroll
-    for (int j = 0; j < C; ++j) {
-      // staged: the CTA's 8 RPW rows in shared memory, qtp_rs<D>() bytes apart (the fused pre-pass's stages)
-      uint4 u = make_uint4(0u, 0u, 0u, 0u);  // rows >= n: bits 0, +0.0 in fp16 and bf16
-      if (row < n)
-        u = staged ? *reinterpret_cast<const uint4*>(staged + (row - bx * 8 * RPW) * qtp_rs<D>() + 16 * (j * LPR + cl))
-                   : *reinterpret_cast<const uint4*>(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8);
-      raw[st][j] = u;
-    }
-  }
-  hook();
+  const float* mu_row = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D : nullptr;
+  const float* dv_row = dot_vec ? dot_vec + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D : nullptr;
 #pragma unroll
   for (int j = 0; j < 2 * C; ++j) {  // 16-byte loads (mu, dot_vec: the package's own 16-byte aligned (.., D) rows)
     const int col = ((j / 2) * LPR + cl) * 8 + 4 * (j % 2);
@@ -278,14 +244,23 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
     muv[4 * j] = m4.x, muv[4 * j + 1] = m4.y, muv[4 * j + 2] = m4.z, muv[4 * j + 3] = m4.w;
     dv[4 * j] = d4.x, dv[4 * j + 1] = d4.y, dv[4 * j + 2] = d4.z, dv[4 * j + 3] = d4.w;
   }
+  // Every row's load first (all in flight together), then the arithmetic.
 #pragma unroll
-  for (int st = 0; st < STEPS; ++st)
+  for (int st = 0; st < STEPS; ++st) {
+    const int row = row_base + st * RPI + sub;
 #pragma unroll
     for (int j = 0; j < C; ++j) {
-      const T* e = reinterpret_cast<const T*>(&raw[st][j]);
+      float f[8];
+      if (row < n) {
+        load8(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8, f);
+      } else {
 #pragma unroll
-      for (int c = 0; c < 8; ++c) v[st][8 * j + c] = to_float(e[c]);
+        for (int c = 0; c < 8; ++c) f[c] = 0.f;
+      }
+#pragma unroll
+      for (int c = 0; c < 8; ++c) v[st][8 * j + c] = f[c];
     }
+  }
 #pragma unroll
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
@@ -294,7 +269,7 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
     for (int j = 0; j < C; ++j) dp[j] = 0.f;
 #pragma unroll
     for (int c = 0; c < E; ++c) {
-      if (dv_row) dp[c / 8] += v[st][c] * dv[c];  // the input is 0 beyond n
+      if (dot_vec) dp[c / 8] += v[st][c] * dv[c];  // the input is 0 beyond n
       v[st][c] = (v[st][c] - muv[c]) * mult;
       a = absmax_or_nan(a, v[st][c]);
     }
@@ -358,19 +333,6 @@ __device__ __forceinline__ void quant_rows_core(const T* __restrict__ x, long lo
 }
 
 template <typename T, int D, int RPW, bool GROUPED>
-__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
-                                                int n_pad, const float* __restrict__ mu, int mu_group, float mult,
-                                                signed char* __restrict__ codes, float* __restrict__ scales,
-                                                float scale_mult, const float* __restrict__ dot_vec, int dot_group,
-                                                float dot_mult, float* __restrict__ dot, int bx, int h, int b, int H,
-                                                char* __restrict__ kv_img = nullptr) {
-  const float* mu_row = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D : nullptr;
-  const float* dv_row = dot_vec ? dot_vec + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D : nullptr;
-  quant_rows_core<T, D, RPW, GROUPED>(x, sb, sh, sn, n, n_pad, mu_row, mult, codes, scales, scale_mult, dv_row,
-                                      dot_mult, dot, bx, h, b, H, kv_img);
-}
-
-template <typename T, int D, int RPW, bool GROUPED>
 __global__ void __launch_bounds__(256, 1)
 quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
            const float* __restrict__ mu, int mu_group, float mult,
@@ -426,41 +388,23 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 #ifndef SAGE_QTP_ROWLOAD
 #define SAGE_QTP_ROWLOAD 1
 #endif
-// The body's shared memory (the caller's: the fused forward pre-pass shares it with its other work).
-template <int D>
-struct QtpSmem {
-  __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
-  float wmax[D / 16];
-  float sdelta[D / 16][64];
-};
-
-// Block blk of head h (of H) of batch b; scale_in (MODE 0): (B, H, D) with scale_rows = 1, or this head's D scales
-// with scale_rows = 0. stile: 64 x qtp_rs<D>() bytes of shared memory; staged (ROWLOAD, MODE 0, no DELTA or IMG 1): the
-// caller has put the block's rows there already (rows >= n zero) and synchronized.
-template <typename T, int D, int MODE, bool DELTA, int IMG = 0, typename Hook = NoHook>
+template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
-                                                          const float* scale_in,
+                                                          const float* __restrict__ scale_in,
                                                           float* __restrict__ scale_out, signed char* __restrict__ out,
                                                           int tile_major, const T* __restrict__ o, long long osb,
-                                                          long long osh, long long osn, float* __restrict__ delta,
-                                                          int blk, int h, int b, int H, QtpSmem<D>& sm,
-                                                          char* stile, int scale_rows = 1, Hook hook = {},
-                                                          bool staged = false) {
+                                                          long long osh, long long osn, float* __restrict__ delta) {
   // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
   constexpr int WARPS = D / 16;
   constexpr bool ROWLOAD = SAGE_QTP_ROWLOAD != 0;
-  auto& words = sm.words;
-  auto& wmax = sm.wmax;
+  __shared__ __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
+  __shared__ float wmax[WARPS];
+  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const long long bh = static_cast<long long>(b) * H + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
-  float sc[8];  // the 8 channels' scales
-  auto load_scales = [&] {  // MODE 0: given (after hook(): the fused pre-pass waits there for them)
-#pragma unroll
-    for (int c = 0; c < 8; ++c) sc[c] = scale_in[(scale_rows ? bh * D : 0) + c0 + c];
-  };
   const int hf = tg / 4, t = tg % 4;
   float v[4][8];
   float ov[DELTA && !ROWLOAD ? 4 : 1][8];
@@ -472,25 +416,14 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
     // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
     // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
-    constexpr int CPR = D / 8, RS = qtp_rs<D>(), PASSES = 64 * CPR / (2 * D);
-    if (staged) {
-      hook();
-      if constexpr (MODE == 0) load_scales();
-    } else {
-    uint4 us[PASSES];  // every load in flight before the hook and the stores
-#pragma unroll
-    for (int j = 0; j < PASSES; ++j) {
-      const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
-      us[j] = tok < n ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
-                      : make_uint4(0u, 0u, 0u, 0u);
-    }
-    hook();
-    if constexpr (MODE == 0) load_scales();
+    constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
+    __shared__ __align__(16) char stile[64 * RS];
 #pragma unroll
     for (int j = 0; j < PASSES; ++j) {
       const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
       const bool ok = tok < n;
-      const uint4 u = us[j];
+      const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
+                         : make_uint4(0u, 0u, 0u, 0u);
       *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
       if constexpr (IMG == 1) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
       if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
@@ -516,7 +449,6 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       }
     }
     __syncthreads();
-    }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint4 u = *reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0);
@@ -549,7 +481,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c0 / 8)) = w;
     }
   }
-  auto& sdelta = sm.sdelta;
+  __shared__ float sdelta[DELTA ? WARPS : 1][64];
   if constexpr (DELTA && !ROWLOAD) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -560,11 +492,10 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       if (lane < 16) sdelta[warp][16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)] = d;
     }
   }
+  float sc[8];
   if (MODE == 0) {
-    if constexpr (!ROWLOAD) {
-      hook();
-      load_scales();
-    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c) sc[c] = scale_in[bh * D + c0 + c];
   } else if (MODE == 1) {  // per channel over the block's 64 tokens: the 16 lanes of this half-warp
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
@@ -635,10 +566,8 @@ __global__ void __launch_bounds__(2 * D)
 quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
                      const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out,
                      int tile_major) {
-  __shared__ QtpSmem<D> sm;
-  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, false>(x, sb, sh, sn, n, n_pad, scale_in, scale_out, out, tile_major, nullptr,
-                                               0, 0, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
+                                               0, 0, 0, nullptr);
 }
 
 // The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
@@ -648,357 +577,8 @@ template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(2 * D)
 fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
             const float* __restrict__ scale_in, float* __restrict__ scale_out, char* __restrict__ kv_img) {
-  __shared__ QtpSmem<D> sm;
-  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, false, 2>(x, sb, sh, sn, n, n_pad, scale_in, scale_out,
-                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr,
-                                                  blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// The whole forward pre-pass of the default config in one launch (wgmma engine; per-token Q and K, K-smoothing,
-// per-channel V; D = 128): the work of column_partial_kv, column_finish_kv, quant_rows_qk and fwd_v_image, writing
-// the same bytes.
-//
-// Why: the split pre-pass reads K and V twice from DRAM (statistics, then quantization), and each of its launches
-// loads a CTA's rows, then computes, then stores, with 2-3 CTAs per SM: ~55% of DRAM bandwidth at ~60% issue
-// (bench/NOTES.md, twentieth session).
-//
-// Work: items, each of 64-row blocks of one head (rows 2 D bytes): a K or V statistics item (one 256-token chunk:
-// up to 4 blocks; column_partial_body's partial), a K row block (quant_rows), a V block (fwd_v_image's V^^T codes)
-// or a Q row block (quant_rows with qmk). Item order: round r holds KV head r's statistics items, then the
-// quantization items of head r - lag (the host's choice: enough items between them for the statistics to be final
-// when the quantization starts, few enough heads for their K and V to be still in L2).
-//
-// Persistent CTAs take items in order from an atomic ticket (thread 0 holds the next ticket one item ahead) and run
-// a pipeline of NST block stages: the cp.async copies of block t + NST - 1 are in flight while block t is computed.
-// Progress: a CTA computes its blocks in ticket order, and a quantization item needs only statistics items with
-// smaller tickets, so the CTA holding the smallest unfinished ticket can always proceed.
-//
-// Statistics: the CTA whose partial arrives last (per head and kind: arrival counter) reduces the partials in order
-// (column_finish_body: bitwise the split pass's), writes mu_K or V's scales, and writes them also as ~bits into
-// `enc` (zero = not final yet: ~bits is never 0, as no mean or scale has bits 0xffffffff; mu's NaNs keep the low
-// payload bits of a 16-bit NaN, which are 0, and psi_scale's NaN is 0x7fffffff). A quantization block copies its
-// head's encoded row with its rows (cp.async through L2), and re-reads it from L2 with relaxed loads only where a
-// word is still 0. No flags, fences or barriers on that path.
-//
-// sync (zero before the launch; 32-bit words): enc[2][G][D] (K's mean, V's scales), the ticket, arrival counters
-// [2][G]; G = B * Hkv.
-#ifndef SAGE_PREPASS_STAGES
-#define SAGE_PREPASS_STAGES 3
-#endif
-#ifndef SAGE_PREPASS_MIN_CTAS
-#define SAGE_PREPASS_MIN_CTAS 3
-#endif
-
-template <int D>
-struct Prepass {
-  static constexpr int NST = SAGE_PREPASS_STAGES;
-  static constexpr int RS = qtp_rs<D>();
-  static constexpr int ROWS = 64 * RS;  // a stage's rows
-  static constexpr int STAGE = ROWS + 4 * D;  // + the head's statistics row
-  static constexpr int R = 256 / (D / 8);  // rows a statistics block step covers (16 lanes per row at D = 128)
-  union Aux {
-    double red_k[R][D];
-    float red_v[R][D];
-    QtpSmem<D> qtp;
-  };
-  static constexpr int SMEM = NST * STAGE + static_cast<int>(sizeof(Aux));
-};
-
-__device__ __forceinline__ unsigned ld_relaxed_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_relaxed_gpu(unsigned* p, unsigned v) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// A block task, described by the producer (thread 0) for every thread: kind (0 K statistics, 1 V statistics, 2 K rows,
-// 3 V block, 4 Q rows, -1 none) with flags (bits 8..: block of a statistics chunk; LAST: its chunk's last block), the
-// KV head g, batch b, head h (the query head for Q rows), block index bx (statistics: the chunk), rows present in
-// the block (nvalid) and its first row's address and row stride in bytes.
-struct PrepassTask {
-  int kind, g, b, h, bx, nvalid;
-  const char* src;
-  long long snb;
-};
-constexpr int PREPASS_LAST = 1 << 16;
-
-// The item order (see prepass_fwd_fused) as a cursor that thread 0 steps one item at a time without divisions:
-// phase 0: rounds r < L (statistics items jj < S of head r); phase 1: rounds L <= r < G (jj < S: statistics of head
-// r, else quantization item jj - S of head r - L); phase 2: heads G - L <= r < G (quantization items jj < C).
-struct PrepassOrder {
-  int G, B_, Hkv, nk, nchunk, S, KI, VI, QI, GQ, C, L, total;
-  PrepassOrder() = default;
-  __device__ __forceinline__ PrepassOrder(int B, int Hq, int Hkv_, int nk_, int nk_pad, int nq_pad, int RPW, int lag) {
-    B_ = B, Hkv = Hkv_, G = B * Hkv, nk = nk_, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK, S = 2 * nchunk;
-    KI = nk_pad / (8 * RPW), VI = nk_pad / 64, QI = nq_pad / (8 * RPW), GQ = Hq / Hkv;
-    C = KI + VI + GQ * QI, L = max(1, min(lag, G)), total = G * (S + C);
-  }
-};
-struct PrepassCursor {
-  int phase, r, jj, id;
-  __device__ __forceinline__ void normalize(const PrepassOrder& o) {  // round transitions
-    if (phase == 0 && r >= o.L) phase = 1;
-    if (phase == 1 && r >= o.G) phase = 2, r = o.G - o.L;
-  }
-  __device__ __forceinline__ void seek(const PrepassOrder& o, int id_) {  // (divisions: once per ticket batch)
-    id = id_;
-    int i = id_;
-    if (i < o.L * o.S) {
-      phase = 0, r = i / o.S, jj = i % o.S;
-    } else if ((i -= o.L * o.S) < (o.G - o.L) * (o.S + o.C)) {
-      phase = 1, r = o.L + i / (o.S + o.C), jj = i % (o.S + o.C);
-    } else {
-      i -= (o.G - o.L) * (o.S + o.C);
-      phase = 2, r = o.G - o.L + i / o.C, jj = i % o.C;
-    }
-  }
-  __device__ __forceinline__ void step(const PrepassOrder& o) {
-    ++id;
-    if (++jj == (phase == 0 ? o.S : phase == 1 ? o.S + o.C : o.C)) {
-      jj = 0, ++r;
-      normalize(o);
-    }
-  }
-  // The item here: kind, KV head g, index j (statistics chunk / K row block / V block / Q index over the head's
-  // query heads), and its number of blocks.
-  __device__ __forceinline__ int item(const PrepassOrder& o, int& kind, int& g, int& j) const {
-    bool stat = phase == 0 || (phase == 1 && jj < o.S);
-    g = phase == 0 ? r : phase == 1 ? (stat ? r : r - o.L) : r;
-    const int x = phase == 1 && !stat ? jj - o.S : jj;
-    if (stat) {
-      kind = x < o.nchunk ? 0 : 1;
-      j = x < o.nchunk ? x : x - o.nchunk;
-      return (min(o.nk - j * STAT_CHUNK, STAT_CHUNK) + 63) / 64;
-    }
-    kind = x < o.KI ? 2 : x < o.KI + o.VI ? 3 : 4;
-    j = x < o.KI ? x : x < o.KI + o.VI ? x - o.KI : x - o.KI - o.VI;
-    return 1;
-  }
-};
-
-#ifndef SAGE_PREPASS_BATCH
-#define SAGE_PREPASS_BATCH 4  // items per ticket
-#endif
-
-template <typename T, int D, int RPW>
-__global__ void __launch_bounds__(256, SAGE_PREPASS_MIN_CTAS)
-prepass_fwd_fused(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad,
-                  float q_mult, signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
-                  float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn,
-                  const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk, int nk_pad,
-                  signed char* __restrict__ k_codes, float* __restrict__ k_scales, double* __restrict__ part_k,
-                  float* __restrict__ part_v, float* __restrict__ mu_k, float* __restrict__ v_scale,
-                  char* __restrict__ kv_img, int B, int Hq, int Hkv, int lag, unsigned* __restrict__ sync) {
-  using P = Prepass<D>;
-  constexpr int NST = P::NST, RS = P::RS, NDESC = 2 * NST, TB = SAGE_PREPASS_BATCH;
-  static_assert(2 * D == 256 && 8 * RPW == 64, "256 threads: V blocks of 2 D threads, row blocks of 64 rows");
-  extern __shared__ __align__(128) char smem[];
-  typename P::Aux& aux = *reinterpret_cast<typename P::Aux*>(smem + NST * P::STAGE);
-  __shared__ PrepassTask desc[NDESC];
-  __shared__ int s_last;
-  const int tid = threadIdx.x;
-  if (tid == 0) {  // the host sizes the dynamic shared memory from the same defines (int8._prepass_geometry)
-    unsigned dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < static_cast<unsigned>(P::SMEM)) __trap();
-  }
-  const int G = B * Hkv, nchunk = (nk + STAT_CHUNK - 1) / STAT_CHUNK;
-  unsigned* enc = sync;  // [2][G][D]
-  unsigned* ticket = sync + 2 * G * D;
-  unsigned* cnt = ticket + 1;  // [2][G]
-
-  // The producer (thread 0), its state in shared memory (no registers held across the loop by the other threads):
-  // a cursor over the items of its ticket batch, the blocks left of the current item, the next batch's first
-  // ticket (taken one batch ahead).
-  struct Producer {
-    PrepassOrder ord;
-    PrepassCursor cur;
-    int left, in_batch, next, kind, g, j, sub, done;
-  };
-  __shared__ Producer prod;
-  auto advance = [&]() -> PrepassTask {  // thread 0: the next task in ticket order
-    const PrepassOrder& ord = prod.ord;
-    PrepassCursor& cur = prod.cur;
-    int &left = prod.left, &in_batch = prod.in_batch, &next = prod.next, &kind = prod.kind, &g = prod.g,
-        &j = prod.j, &sub = prod.sub, &done = prod.done;
-    PrepassTask t;
-    if (left == 0 && !done) {
-      if (in_batch == 0) {  // a new batch
-        cur.seek(ord, next);
-        next = static_cast<int>(atomicAdd(ticket, static_cast<unsigned>(TB)));
-        in_batch = TB;
-      } else {
-        cur.step(ord);
-      }
-      --in_batch;
-      if (cur.id >= ord.total) {
-        done = 1;
-      } else {
-        left = cur.item(ord, kind, g, j);
-        sub = 0;
-      }
-    }
-    if (done) {
-      t.kind = -1;
-      return t;
-    }
-    const int b = g / Hkv, hk = g - b * Hkv;
-    int row0, n;
-    const T* x;
-    long long sn;
-    t.h = hk, t.bx = j;
-    if (kind <= 1) {  // statistics block `sub` of chunk j
-      row0 = j * STAT_CHUNK + 64 * sub, n = nk;
-      x = kind == 0 ? k + b * ksb + hk * ksh : v + b * vsb + hk * vsh, sn = kind == 0 ? ksn : vsn;
-    } else if (kind == 4) {  // Q rows: query head hk GQ + j / QI, row block j % QI
-      const int hq = hk * ord.GQ + j / ord.QI;
-      t.h = hq, t.bx = j - (j / ord.QI) * ord.QI;
-      row0 = 64 * t.bx, n = nq, x = q + b * qsb + hq * qsh, sn = qsn;
-    } else {
-      row0 = 64 * j, n = nk;
-      x = kind == 2 ? k + b * ksb + hk * ksh : v + b * vsb + hk * vsh, sn = kind == 2 ? ksn : vsn;
-    }
-    --left;
-    t.kind = kind | (sub << 8) | (left == 0 ? PREPASS_LAST : 0);
-    ++sub;
-    t.g = g, t.b = b;
-    t.nvalid = n - row0;
-    t.src = reinterpret_cast<const char*>(x + row0 * sn);
-    t.snb = sn * static_cast<long long>(sizeof(T));
-    return t;
-  };
-  auto issue = [&](int slot, int stage) {  // every thread: the task's copies, one group
-    const PrepassTask& t = desc[slot];
-    char* st = smem + stage * P::STAGE;
-    const int kd = t.kind & 0xff;
-    if (t.kind >= 0) {
-      const char* src = t.src;
-      const long long snb = t.snb;
-      const int nvalid = t.nvalid, c = tid % (D / 8), r0 = tid / (D / 8);
-#pragma unroll
-      for (int p = 0; p < 64 * D / 8 / 256; ++p) {
-        const int r = r0 + p * (256 / (D / 8));
-        const bool ok = r < nvalid;
-        cp_async_16_zfill(smem_u32(st + r * RS + 16 * c), ok ? src + r * snb + 16 * c : src, ok);
-      }
-      if (kd >= 2 && tid < D / 4)  // the head's encoded statistics (V's scales for V blocks, else mu_K)
-        cp_async_16(smem_u32(st + P::ROWS + 16 * tid), enc + ((kd == 3 ? G : 0) + t.g) * D + 4 * tid);
-    }
-    cp_async_commit();
-  };
-
-  // Prologue: the first batch, tasks 0 .. NST - 1 described, 0 .. NST - 2 issued.
-  if (tid == 0) {
-    prod.ord = PrepassOrder(B, Hq, Hkv, nk, nk_pad, nq_pad, RPW, lag);
-    prod.left = prod.in_batch = prod.done = 0;
-    prod.next = static_cast<int>(atomicAdd(ticket, static_cast<unsigned>(TB)));
-    for (int i = 0; i < NST; ++i) desc[i] = advance();
-  }
-  __syncthreads();
-  for (int i = 0; i < NST - 1; ++i) issue(i, i);
-
-  const int cl = tid % (D / 8), row0 = tid / (D / 8);
-  for (int t = 0;; ++t) {
-    cp_async_wait<NST - 2>();
-    __syncthreads();  // stage t landed for every thread; stage t - 1 is free
-    const int slot = t % NDESC;
-    const int tk = desc[slot].kind;
-    if (tk < 0) break;
-    issue((t + NST - 1) % NDESC, (t + NST - 1) % NST);
-    const int kd = tk & 0xff, sub = (tk >> 8) & 0xff;
-    const int tg = desc[slot].g, tb = desc[slot].b, th = desc[slot].h, tbx = desc[slot].bx;
-    const int nvalid = desc[slot].nvalid;
-    char* st = smem + (t % NST) * P::STAGE;
-    if (kd <= 1) {  // statistics: column_partial_body's order (rows row0 + 16 i of each block, in order)
-      // The running sums / maxima live in this thread's own slots of the reduction array between a chunk's blocks
-      // (consecutive tasks of this CTA), not in registers across the loop.
-      const bool isv = kd == 1;
-      double acck[8];
-      float accv[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        acck[i] = sub == 0 || isv ? 0.0 : aux.red_k[row0][cl * 8 + i];
-        accv[i] = sub == 0 || !isv ? 0.f : aux.red_v[row0][cl * 8 + i];
-      }
-#pragma unroll
-      for (int s4 = 0; s4 < 64 / P::R; ++s4) {
-        const int r = row0 + P::R * s4;
-        if (r < nvalid) {
-          const uint4 u = *reinterpret_cast<const uint4*>(st + r * RS + 16 * cl);
-          const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float f = to_float(e[i]);
-            if (isv) accv[i] = absmax_or_nan(accv[i], f);
-            else acck[i] += static_cast<double>(f);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (isv) aux.red_v[row0][cl * 8 + i] = accv[i];
-        else aux.red_k[row0][cl * 8 + i] = acck[i];
-      }
-      if (tk & PREPASS_LAST) {
-        __syncthreads();
-        if (tid < D) {
-          const long long at = (static_cast<long long>(tg) * nchunk + tbx) * D + tid;
-          if (isv) {
-            float a = 0.f;
-            for (int r = 0; r < P::R; ++r) a = nan_max(a, aux.red_v[r][tid]);
-            part_v[at] = a;
-          } else {
-            double a = 0.0;
-            for (int r = 0; r < P::R; ++r) a += aux.red_k[r][tid];
-            part_k[at] = a;
-          }
-        }
-        __threadfence();  // this partial before the arrival
-        __syncthreads();
-        if (tid == 0) s_last = atomicAdd(cnt + (isv ? G : 0) + tg, 1u) == static_cast<unsigned>(nchunk - 1);
-        __syncthreads();
-        if (s_last) {
-          __threadfence();  // every partial before the reduction
-          if (tid < D) {
-            const float r = isv ? column_finish_body<true>(part_v, nchunk, nk, D, v_scale, tg)
-                                : column_finish_body<false>(part_k, nchunk, nk, D, mu_k, tg);
-            st_relaxed_gpu(enc + ((isv ? G : 0) + tg) * D + tid, ~__float_as_uint(r));
-          }
-        }
-      }
-    } else {
-      // The head's statistics: decoded in place (threads < D / 4, 4 words each), re-read from L2 while not final.
-      float* vec = reinterpret_cast<float*>(st + P::ROWS);
-      if (tid < D / 4) {
-        uint4 w = reinterpret_cast<const uint4*>(vec)[tid];
-        const unsigned* src = enc + ((kd == 3 ? G : 0) + tg) * D + 4 * tid;
-        while (w.x == 0u || w.y == 0u || w.z == 0u || w.w == 0u) {
-          __nanosleep(64);
-          w = make_uint4(ld_relaxed_gpu(src), ld_relaxed_gpu(src + 1), ld_relaxed_gpu(src + 2), ld_relaxed_gpu(src + 3));
-        }
-        reinterpret_cast<float4*>(vec)[tid] =
-            make_float4(__uint_as_float(~w.x), __uint_as_float(~w.y), __uint_as_float(~w.z), __uint_as_float(~w.w));
-      }
-      __syncthreads();
-      if (kd == 2) {
-        quant_rows_core<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, vec, 1.f, k_codes, k_scales, 1.f, nullptr,
-                                          0.f, nullptr, tbx, th, tb, Hkv, kv_img, NoHook{}, st);
-      } else if (kd == 3) {
-        quant_transpose_perm_body<T, D, 0, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, vec, nullptr,
-                                                     reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
-                                                     nullptr, tbx, th, tb, Hkv, aux.qtp, st, 0, NoHook{}, true);
-      } else {
-        quant_rows_core<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, q_mult, q_codes, q_scales,
-                                          q_scale_mult, vec, q_mult, qmk, tbx, th, tb, Hq, nullptr, NoHook{}, st);
-      }
-    }
-    if (tid == 0) desc[(t + NST) % NDESC] = advance();
-  }
-  cp_async_wait<0>();
+                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr);
 }
 
 // The backward's dO pass: quant_transpose_perm (MODE 1 or 2, tile-major) and delta = rowsum(dO * O) in one launch.
@@ -1009,10 +589,8 @@ __global__ void __launch_bounds__(2 * D, 1)
 quant_transpose_perm_delta(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
                            float* __restrict__ scale_out, signed char* __restrict__ out, const T* __restrict__ o,
                            long long osb, long long osh, long long osn, float* __restrict__ delta) {
-  __shared__ QtpSmem<D> sm;
-  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, true>(x, sb, sh, sn, n, n_pad, nullptr, scale_out, out, 1, o, osb, osh, osn,
-                                              delta, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
+                                              delta);
 }
 
 // The wgmma backward's dO pass: quant_transpose_perm_delta's work written into the query-side stage images
@@ -1022,11 +600,8 @@ __global__ void __launch_bounds__(2 * D, 1)
 bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
              char* __restrict__ q_img, const T* __restrict__ o, long long osb, long long osh, long long osn,
              float* __restrict__ delta) {
-  __shared__ QtpSmem<D> sm;
-  __shared__ __align__(16) char stile[SAGE_QTP_ROWLOAD ? 64 * qtp_rs<D>() : 16];
   quant_transpose_perm_body<T, D, MODE, true, 1>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
-                                                    reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta,
-                                                    blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, sm, stile);
+                                                    reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta);
 }
 
 template <int D>

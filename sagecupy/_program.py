@@ -18,15 +18,14 @@ import os
 
 __all__ = ["Ref", "Program", "Plan", "Plans", "signature", "scale_key", "env_key", "NOT_KERNEL_CHOOSING"]
 
-_ALLOC, _VIEW, _LAUNCH, _CALL, _ZEROS = 0, 1, 2, 3, 4
+_ALLOC, _VIEW, _LAUNCH, _CALL = 0, 1, 2, 3
 
 #: Environment variables that choose kernels (engines, CTA sizes, compile-time defines, another kernel tree):
 #: part of every program's key, so that changing one between calls takes effect as it did before programs. A new
 #: ``SAGECUPY_*`` switch read by the package must be added here (``tests/cpu/test_program.py`` checks the package's
 #: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
 _ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
-             "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
-             "SAGECUPY_FWD_PREPASS")
+             "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR")
 #: Variables the package reads that do not change which kernels run or how (debug output only).
 NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG")
 
@@ -54,12 +53,6 @@ class Program:
     def empty(self, name: str, shape, dtype) -> Ref:
         """Record ``cupy.empty(shape, dtype)`` under ``name``."""
         self.steps.append((_ALLOC, name, tuple(int(s) for s in shape), dtype))
-        return Ref(name)
-
-    def zeros(self, name: str, shape, dtype) -> Ref:
-        """Record ``cupy.empty(shape, dtype)`` under ``name``, zeroed by one asynchronous memset on the current
-        stream (no kernel launch)."""
-        self.steps.append((_ZEROS, name, tuple(int(s) for s in shape), dtype))
         return Ref(name)
 
     def view(self, name: str, parent: Ref, index) -> Ref:
@@ -99,10 +92,6 @@ class Program:
                 ns[step[1]] = empty(step[2], dtype=step[3])
             elif kind == _VIEW:
                 ns[step[1]] = ns[step[2]][step[3]]
-            elif kind == _ZEROS:
-                a = empty(step[2], dtype=step[3])
-                a.data.memset_async(0, a.nbytes)
-                ns[step[1]] = a
             else:
                 _, names, fn, args = step
                 out = fn(*(ns[a.name] if type(a) is Ref else a for a in args))

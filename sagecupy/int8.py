@@ -125,19 +125,6 @@ def _empty(shape, layout, dtype: str):
 
 
 _QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
-_FUSED_PREPASS_DIMS = (128,)  # head dims of prepass_fwd_fused (its V items take 2 D = 256 threads)
-_PREPASS_MODES = ("fused", "split")
-
-
-def forward_prepass() -> str:
-    """How the forward's pre-pass runs where it can be fused (wgmma engine, the default config's granularities, D =
-    128): ``"fused"`` (default; one launch, ``prepass_fwd_fused`` in ``kernels_cu/int8_quant.cu``, K and V read
-    from DRAM once) or ``"split"`` (the statistics, Q/K and V launches). ``SAGECUPY_FWD_PREPASS`` chooses; both
-    write the same bytes."""
-    mode = os.environ.get("SAGECUPY_FWD_PREPASS") or "fused"
-    if mode not in _PREPASS_MODES:
-        raise ValueError(f"SAGECUPY_FWD_PREPASS={mode!r} is not supported; supported: {_PREPASS_MODES}")
-    return mode
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,7 +139,7 @@ def _quant_names(T, D):
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
-    ) + ((f"prepass_fwd_fused<{T}, {D}, {_QK_RPW}>",) if D in _FUSED_PREPASS_DIMS else ())
+    )
 
 
 #: Source files that only build for one architecture (CI compiles them for that target alone).
@@ -256,8 +243,7 @@ def kernel_constants() -> dict:
     fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
            for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
     fwd += [(f"FwdImg<{D}>::STAGE", fwd_image(D)) for D in _checks.SUPPORTED_HEAD_DIMS]
-    pre = [(f"Prepass<{D}>::SMEM", _prepass_geometry(D)[0]) for D in _FUSED_PREPASS_DIMS]
-    return {"int8_attn_bwd_sm90.cu": out, "int8_attn_fwd_sm90.cu": fwd, "int8_quant.cu": pre}
+    return {"int8_attn_bwd_sm90.cu": out, "int8_attn_fwd_sm90.cu": fwd}
 
 
 def _qfn(name, T, D):
@@ -290,73 +276,6 @@ class Residuals:
     @property
     def nk_pad(self):
         return self.k_codes.shape[2]
-
-
-def _prepass_items(p, nq_pad, nk_pad):
-    """prepass_fwd_fused's items: per KV head, K and V statistics chunks of 256 keys, K row blocks of 64, V blocks of
-    64 keys, and the row blocks of 64 of its query heads."""
-    rows = 8 * _QK_RPW
-    return p.batch * p.heads_kv * (2 * (-(-p.nk // 256)) + nk_pad // rows + nk_pad // 64
-                                   + (p.heads_q // p.heads_kv) * (nq_pad // rows))
-
-
-def _prepass_geometry(D):
-    """prepass_fwd_fused's dynamic shared memory (bytes), CTAs per SM and lag (in waves of statistics items), from
-    the kernel's defaults and any SAGE_PREPASS_STAGES / SAGE_PREPASS_MIN_CTAS / SAGE_PREPASS_LAG_WAVES (host only) in
-    SAGECUPY_DEFINES (the kernel traps if given less memory than it needs). A stage: 64 rows of 2 D + 16 bytes and a row of D statistics; then a union of the statistics
-    reduction (16 x D doubles) and the V blocks' words (D x 64 bytes, D / 16 + D / 16 x 64 floats)."""
-    defs = dict((d.split("=", 1) + ["1"])[:2] for d in filter(None, os.environ.get("SAGECUPY_DEFINES", "").split(",")))
-    nst, ctas = int(defs.get("SAGE_PREPASS_STAGES", 3)), int(defs.get("SAGE_PREPASS_MIN_CTAS", 3))
-    aux = max(8 * (256 // (D // 8)) * D, 64 * D + 4 * (D // 16) * 65)
-    return nst * (64 * (2 * D + 16) + 4 * D) + aux, ctas, int(defs.get("SAGE_PREPASS_LAG_WAVES", 1))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(device_id):
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
-def _sm_count():
-    import cupy
-
-    return _sm_count_of(cupy.cuda.runtime.getDevice())
-
-
-def _fused_forward_prepass(prog, p, T, qs, ks, vs, nq_pad, nk_pad):
-    """Record the default config's wgmma pre-pass as one launch (``prepass_fwd_fused``): the same arrays, bytes and
-    names as the split launches of :func:`_forward_plan`, plus a zeroed word array for its ticket, arrival
-    counters and flags."""
-    import cupy
-
-    D, B, Hq, Hkv, nq, nk = p.head_dim, p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
-    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    G, nchunk = B * Hkv, (nk + 255) // 256
-    items = _prepass_items(p, nq_pad, nk_pad)
-    part_k = prog.empty("part_k", (B, Hkv, nchunk, D), cupy.float64)
-    part_v = prog.empty("part_v", (B, Hkv, nchunk, D), cupy.float32)
-    out = prog.empty("colstats", (2, B, Hkv, D), f32)
-    mu_k, v_scale = prog.view("mu_k", out, 0), prog.view("v_scale", out, 1)
-    q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8)
-    q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32)
-    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32)
-    k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8)
-    k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32)
-    kv_img = prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
-    sync = prog.zeros("prepass_sync", (2 * G * D + 1 + 2 * G,), cupy.uint32)
-    smem, ctas, lag_waves = _prepass_geometry(D)
-    grid = min(items, ctas * _sm_count())
-    # A head's quantization items start `lag` heads after its statistics items: at least lag_waves x 4 x grid items
-    # later (a statistics item is up to 4 blocks), so that its statistics are final by then.
-    lag = min(G, -(-lag_waves * 4 * grid // (items // G)))
-    fn = _qfn(f"prepass_fwd_fused<{T}, {D}, {_QK_RPW}>", T, D)
-    fn.max_dynamic_shared_size_bytes = smem
-    prog.launch(fn, (grid,), (256,),
-                (Ref("q"), *(i64(s) for s in qs), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
-                 f32(LOG2E), qmk, Ref("k"), *(i64(s) for s in ks), Ref("v"), *(i64(s) for s in vs), i32(nk),
-                 i32(nk_pad), k_codes, k_scale, part_k, part_v, mu_k, v_scale, kv_img, i32(B), i32(Hq), i32(Hkv),
-                 i32(lag), sync), shared_mem=smem)
 
 
 def _column_stat(x, strides, T, shape, absmax):
@@ -472,13 +391,8 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
 
-    v_channel = cfg.v_granularity == "channel"
-    if (forward_prepass() == "fused" and engine == "wgmma" and D in _FUSED_PREPASS_DIMS and cfg.k_smoothing
-            and v_channel and cfg.q_granularity == "token" and cfg.k_granularity == "token"
-            and _prepass_items(p, nq_pad, nk_pad) < 2**31 - 64):  # (the kernel counts items in 32-bit ints)
-        _fused_forward_prepass(prog, p, T, (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn), nq_pad, nk_pad)
-        return Plan(p, cfg, engine, copy, prog)
     # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
+    v_channel = cfg.v_granularity == "channel"
     if cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn))
     else:

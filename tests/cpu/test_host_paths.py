@@ -13,7 +13,6 @@ class FakeArray:
     """What the host code reads from a CuPy array; each allocation gets its own 256-byte aligned address."""
 
     _next = [1 << 20]
-    memsets = []  # (address, value, bytes) of every memset_async
 
     def __init__(self, shape, dtype, strides=None, ptr=None):
         self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
@@ -27,9 +26,7 @@ class FakeArray:
         if ptr is None:
             ptr = FakeArray._next[0]
             FakeArray._next[0] += (math.prod(self.shape) * self.itemsize + 511) // 256 * 256
-        self.nbytes = math.prod(self.shape) * self.itemsize
-        self.data = types.SimpleNamespace(ptr=ptr, device_id=0,  # a MemoryPointer's address and device
-                                          memset_async=lambda value, size: FakeArray.memsets.append((ptr, value, size)))
+        self.data = types.SimpleNamespace(ptr=ptr, device_id=0)  # a MemoryPointer's address and device
 
     def __getitem__(self, i):
         assert isinstance(i, int)
@@ -62,10 +59,9 @@ def gpu(monkeypatch):
     fake = types.SimpleNamespace(
         ndarray=FakeArray, empty=lambda shape, dtype: FakeArray(shape, dtype),
         ascontiguousarray=_ascontiguousarray,
-        int8=np.int8, uint8=np.uint8, float16=np.float16, uint16=np.uint16, uint32=np.uint32, float32=np.float32,
+        int8=np.int8, uint8=np.uint8, float16=np.float16, uint16=np.uint16, float32=np.float32,
         float64=np.float64, int32=np.int32, int64=np.int64,
-        cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0,
-                                                                           attributes={"MultiProcessorCount": 132}),
+        cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
                                    runtime=types.SimpleNamespace(getDevice=lambda: 0)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from sagecupy import int8, nvfp4
@@ -78,8 +74,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(mod, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(nvfp4, "_smem_optin", lambda device_id: 227 * 1024)
     for var in ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
-                "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
-                "SAGECUPY_FWD_PREPASS"):
+                "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR"):
         monkeypatch.delenv(var, raising=False)
     return log
 
@@ -120,9 +115,7 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine):
     (first, out1), (second, out2) = runs
     names = dict(q=q, k=k, v=v, do=do)
     assert [_summary(x, names) for x in first] == [_summary(x, names) for x in second]
-    # forward: K/V statistics (2), Q/K, V, attention (wgmma: the fused pre-pass, attention); backward: 2 pre-passes,
-    # 2 kernels
-    assert len(first) == (6 if engine == "wgmma" else 9)
+    assert len(first) == 9  # forward: K/V statistics (2), Q/K, V, attention; backward: 2 pre-passes, 2 kernels
     # every call its own outputs
     for a, b in zip(out1, out2):
         assert a is not b
@@ -189,33 +182,3 @@ def test_nvfp4_quantize_inputs_takes_the_k_mean_in_two_launches(gpu):
     assert ops["mu_k"].shape == (2, 2, 128) and ops["mu_k"] in gpu[1][3]
     k_quant = [x for x in gpu if x[0].startswith("nvfp4_quant_rows") and ops["mu_k"] in x[3]]
     assert len(k_quant) == 1 and k in k_quant[0][3]
-
-
-@pytest.mark.parametrize("nq,nk,hq,hkv", [(100, 70, 4, 2), (4096, 4096, 16, 16), (1, 300, 8, 1)])
-def test_int8_fused_prepass_launch(gpu, monkeypatch, nq, nk, hq, hkv):
-    """The default wgmma forward at D = 128 runs its pre-pass as one launch: one CTA per item (K and V statistics
-    chunks of 256 keys, K row blocks of 64, V blocks of 64 keys, each query head's row blocks of 64, per KV head),
-    its ticket/counter/flag words zeroed by a memset first; SAGECUPY_FWD_PREPASS=split gives the four launches."""
-    from sagecupy import int8
-
-    q, k, v = (FakeArray((2, h, n, 128), np.float16) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
-    FakeArray.memsets.clear()
-    start = len(gpu)
-    int8.forward(q, k, v, engine="wgmma")
-    names = [x[0] for x in gpu[start:]]
-    assert len(names) == 2 and names[0].startswith("prepass_fwd_fused<")
-    nq_pad, nk_pad = -(-nq // 128) * 128, -(-nk // 128) * 128
-    per_head = 2 * (-(-nk // 256)) + nk_pad // 64 + nk_pad // 64 + (hq // hkv) * (nq_pad // 64)
-    # persistent CTAs: at most 3 per SM (132 here), never more than items
-    assert gpu[start][1] == (min(2 * hkv * per_head, 3 * 132),) and gpu[start][2] == (256,)
-    assert gpu[start][4] == 3 * (64 * 272 + 512) + 16 * 128 * 8  # stages and the statistics reduction
-    sync = gpu[start][3][-1]  # encoded statistics (2 x G x D), the ticket, arrival counters (2 x G)
-    assert sync.shape == (2 * 2 * hkv * 128 + 1 + 2 * 2 * hkv,) and (sync.data.ptr, 0, sync.nbytes) in FakeArray.memsets
-    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", "split")
-    start = len(gpu)
-    int8.forward(q, k, v, engine="wgmma")
-    assert [x[0].split("<")[0] for x in gpu[start:]] == ["column_partial_kv", "column_finish_kv", "quant_rows_qk",
-                                                        "fwd_v_image", "int8_attn_fwd_sm90"]
-    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", "fuse")
-    with pytest.raises(ValueError, match="SAGECUPY_FWD_PREPASS='fuse'"):
-        int8.forward(q, k, v, engine="wgmma")

@@ -581,52 +581,6 @@ def test_backward_engines_agree(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, co
         assert err <= 1e-5, f"{name}: wgmma vs mma.sync relative L2 {err:.3e} ({(a != b).mean():.2%} differ)"
 
 
-FUSED_PREPASS_SHAPES = [(1, 1, 1, 1, 1, "HND"), (2, 4, 2, 200, 333, "NHD"), (1, 8, 1, 17, 4100, "HND"),
-                        (3, 6, 3, 1000, 130, "NHD"), (1, 16, 16, 300, 517, "HND"), (2, 4, 4, 4224, 4224, "HND")]
-
-
-@pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan"])
-@pytest.mark.parametrize("shape", FUSED_PREPASS_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_forward_prepass_matches_split(monkeypatch, dtype, shape, poison):
-    """The one-launch forward pre-pass (wgmma, default config, D = 128) writes the same bytes as the split launches:
-    codes, scales, K/V stage images, mu_K, V's channel scales and qmk, bit for bit, on fewer KV heads than its lag
-    and on many, on one statistics chunk and on 17, and on a NaN in K and in V (which must reach mu_K and the V
-    scales of their heads only). Each mode runs twice: the second call must not see the first's counters."""
-    import sagecupy.int8 as s8
-    from sagecupy._loader import device_capability
-
-    if device_capability() != (9, 0):
-        pytest.skip("the fused pre-pass serves the wgmma engine (sm_90)")
-    B, Hq, Hkv, Nq, Nk, layout = shape
-    (q, k, v, _), (qh, kh, vh, _) = _inputs(31, B, Hq, Hkv, Nq, Nk, 128, layout, dtype, sigma=2.0)
-    if poison:
-        kh, vh = kh.copy(), vh.copy()
-        idx = (0, Nk - 1, 0, 5) if layout == "NHD" else (0, 0, Nk - 1, 5)
-        kh[idx] = np.nan
-        vh[(B - 1,) + idx[1:]] = np.nan
-        k, v = _to_dev(kh, dtype), _to_dev(vh, dtype)
-    names = ("q_codes", "q_scale", "k_codes", "k_scale", "kv_img", "mu_k", "v_scale", "qmk")
-    got = {}
-    for mode in ("split", "fused", "fused"):
-        monkeypatch.setenv("SAGECUPY_FWD_PREPASS", mode)
-        _, _, pre = s8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout=layout, config=DEFAULT,
-                                           engine="wgmma")
-        arrays = [np.ascontiguousarray(pre[n].get()).view(np.uint8) for n in names]
-        if mode in got:
-            got[mode + "2"] = arrays
-        else:
-            got[mode] = arrays
-    for mode in ("fused", "fused2"):
-        for name, a, b in zip(names, got["split"], got[mode]):
-            assert a.shape == b.shape and np.array_equal(a, b), f"{name}: {mode} differs from split"
-    if poison:
-        mu = got["fused"][names.index("mu_k")].view(np.float32).reshape(B, Hkv, 128)
-        vs = got["fused"][names.index("v_scale")].view(np.float32).reshape(B, Hkv, 128)
-        assert np.isnan(mu[0, 0, 5]) and np.isnan(vs[B - 1, 0, 5])
-        assert np.isnan(mu).sum() == 1 and np.isnan(vs).sum() == 1
-
-
 def test_engine_argument_errors():
     import sagecupy.int8 as s8
 
