@@ -21,13 +21,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--defines", default="")
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--forward-only", action="store_true", help="skip the backward's pre-passes")
     a = ap.parse_args()
     variants = a.defines.split(";")
     for N in (4096, 16384):
-        B, H, (q, k, v, do) = bench._inputs(a.d, N, "bfloat16")
+        B, H, (q, k, v, do) = bench._inputs(a.d, N, a.dtype)
         _, res = int8.forward(q, k, v)
         line, ref = f"backward D={a.d} N={N:<6}", None
-        for dfn in variants:  # the backward's pre-passes: images bitwise, delta to fp32 rounding
+        for dfn in ([] if a.forward_only else variants):  # the backward's pre-passes: images bitwise, delta to fp32 rounding
             set_variant(dfn)
             ms = min(bench.time_ms_b2b(lambda: int8._preprocess_backward(res, do), 3, calls=20) for _ in range(2))
             pre = int8._preprocess_backward(res, do)
@@ -43,8 +45,9 @@ def main():
             ref = (got, dl) if ref is None else ref
             line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"
         set_variant(None)
-        print(line, flush=True)
-        line, ref = f"forward  D={a.d} N={N:<6}", None
+        if not a.forward_only:
+            print(line, flush=True)
+        line, ref = f"forward  D={a.d} N={N:<6} {a.dtype}", None
         for dfn in variants:
             set_variant(dfn)
 

@@ -30,8 +30,8 @@ __device__ __forceinline__ bool psi_valid(float s) { return s > 0.0f && s != INF
 // psi's code of x as the low byte of the returned word (two's complement; the other bytes are not zero):
 // rint(x / s) with the correctly rounded quotient, as the reference computes it (fp32 mode), for a psi_valid s and
 // |x| <= 127 s (x in the block s was taken over).
-// inv_s = __frcp_rn(s), computed once per block: x * inv_s is within 2.3e-5 of fl32(x / s) for |x / s| <= 128
-// (two roundings of 2^-24 relative each, and fl32 itself), so its rint is the reference's unless it lies
+// inv_s = psi_rcp(s), computed once per block: x * inv_s is within 3e-5 of fl32(x / s) for |x / s| <= 128
+// (the reciprocal's 2^-23, the product's 2^-24 and fl32's own 2^-24, relative), so its rint is the reference's unless it lies
 // within that of a tie (k + 0.5): only then (rare) is the quotient divided out exactly (ncu: the row quantization
 // 119 -> 115 us against a division per element at B=4, H=16, N=4K, D=128).
 // rint by the addend M = 1.5 * 2^23: fl(q + M) rounds to nearest even, and for |q| < 2^22 its low mantissa bits
@@ -43,6 +43,16 @@ __device__ __forceinline__ unsigned psi_code_word(float x, float s, float inv_s)
   float t = q + M;
   if (!(fabsf(q - (t - M)) <= 0.499f)) t = __fdiv_rn(x, s) + M;  // near a tie
   return __float_as_uint(t);
+}
+
+// The reciprocal psi_code_word(s) and psi_code_words take: one MUFU.RCP (rcp.approx.ftz, relative error below
+// 2^-23 for the normal s that psi_valid lets through) instead of __frcp_rn's correctly rounded ~10 instructions. Their
+// arguments need x * inv_s within 1e-4 of x / s for |x / s| <= 127: the approximation adds at most 127 * 2^-23 =
+// 1.5e-5 to the 2^-24 relative roundings counted there (2.3e-5 in all), so every code is the same.
+__device__ __forceinline__ float psi_rcp(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  return r;
 }
 
 // psi's codes of N values sharing the scale s (psi_valid) as low bytes of cw[]: psi_code_word's result, with one
@@ -270,7 +280,7 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
 #pragma unroll
     for (int c = 0; c < E; ++c) {
       if (dot_vec) dp[c / 8] += v[st][c] * dv[c];  // the input is 0 beyond n
-      v[st][c] = (v[st][c] - muv[c]) * mult;
+      v[st][c] = mu_row ? (v[st][c] - muv[c]) * mult : v[st][c] * mult;  // (the same bits under -ftz)
       a = absmax_or_nan(a, v[st][c]);
     }
     if (dot) {
@@ -303,7 +313,7 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
   for (int st = 0; st < STEPS; ++st) {
     const int row = row_base + st * RPI + sub;
     if (row >= n_pad) continue;
-    const float s = psi_scale(amax[st], 127.f), inv_s = __frcp_rn(s);
+    const float s = psi_scale(amax[st], 127.f), inv_s = psi_rcp(s);
     unsigned w[2 * C];
 #pragma unroll
     for (int i = 0; i < 2 * C; ++i) w[i] = 0u;
@@ -346,8 +356,11 @@ quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, in
 // The forward's per-token quantization of Q and K in one launch (the same arithmetic as two quant_rows
 // launches): heads y < Hq are Q's (psi(q_mult * Q), scale * q_scale_mult, qmk = q_mult * q . mu_K of the
 // head's KV head), the others K's (psi(K - mu_K)). grid (max(nq_pad, nk_pad) / (8 RPW), Hq + Hkv, B).
+#ifndef SAGE_QROWS_QK_MIN_CTAS
+#define SAGE_QROWS_QK_MIN_CTAS 4
+#endif
 template <typename T, int D, int RPW>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(256, SAGE_QROWS_QK_MIN_CTAS)
 quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad, float q_mult,
               signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
               float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn, int nk,
@@ -525,15 +538,42 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
 #pragma unroll
     for (int c = 0; c < 8; ++c) so[c0 + c] = sc[c];
   }
+  // The 8 channels' codes with one tie branch for all 32 values (psi_code_words' test, over channels of their own
+  // scales), packed as they are made: a channel without a valid scale gets inv_s = 0 (residuals 0 for finite x)
+  // and the word 0.
+  unsigned w8[8];
+  {
+    constexpr float M = 12582912.0f;
+    float dev = 0.f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float inv = psi_valid(sc[c]) ? psi_rcp(sc[c]) : 0.f;
+      unsigned cw[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float t = __fmaf_rn(v[k][c], inv, M);
+        dev = fmaxf(dev, fabsf(__fmaf_rn(v[k][c], inv, M - t)));
+        cw[k] = __float_as_uint(t);
+      }
+      w8[c] = psi_valid(sc[c]) ? pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]) : 0u;
+    }
+    if (!(dev <= 0.4999f)) {  // a value near a tie (or a NaN / Inf in a channel whose scale is NaN): per channel
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        unsigned w = 0u;
+        if (psi_valid(sc[c])) {
+          const float xc[4] = {v[0][c], v[1][c], v[2][c], v[3][c]};
+          unsigned cw[4];
+          psi_code_words<4>(xc, sc[c], psi_rcp(sc[c]), cw);
+          w = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
+        }
+        w8[c] = w;
+      }
+    }
+  }
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    unsigned w = 0u;
-    if (psi_valid(sc[c])) {
-      const float xc[4] = {v[0][c], v[1][c], v[2][c], v[3][c]};
-      unsigned cw[4];
-      psi_code_words<4>(xc, sc[c], __frcp_rn(sc[c]), cw);
-      w = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
-    }
+    const unsigned w = w8[c];
     words[c0 + c][tg] = w;
   }
   __syncthreads();
@@ -573,8 +613,11 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
 // The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
 // scale_out as there) written into the K/V stage images kv_img (B, H, n_pad / 64, FwdImg<D>::STAGE bytes).
 // grid (n_pad / 64, H, B), block 2 * D.
+#ifndef SAGE_FWD_V_MIN_CTAS
+#define SAGE_FWD_V_MIN_CTAS 4
+#endif
 template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(2 * D)
+__global__ void __launch_bounds__(2 * D, SAGE_FWD_V_MIN_CTAS)
 fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
             const float* __restrict__ scale_in, float* __restrict__ scale_out, char* __restrict__ kv_img) {
   quant_transpose_perm_body<T, D, MODE, false, 2>(x, sb, sh, sn, n, n_pad, scale_in, scale_out,
