@@ -48,7 +48,7 @@ __device__ __forceinline__ unsigned psi_code_word(float x, float s, float inv_s)
 // The reciprocal psi_code_word(s) and psi_code_words take: one MUFU.RCP (rcp.approx.ftz, relative error below
 // 2^-23 for the normal s that psi_valid lets through) instead of __frcp_rn's correctly rounded ~10 instructions. Their
 // arguments need x * inv_s within 1e-4 of x / s for |x / s| <= 127: the approximation adds at most 127 * 2^-23 =
-// 1.5e-5 to the 2^-24 relative roundings counted there (2.3e-5 in all), so every code is the same.
+// 1.5e-5 to the 2^-24 relative roundings counted there (3e-5 in all), so every code is the same.
 __device__ __forceinline__ float psi_rcp(float s) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
@@ -538,42 +538,15 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
 #pragma unroll
     for (int c = 0; c < 8; ++c) so[c0 + c] = sc[c];
   }
-  // The 8 channels' codes with one tie branch for all 32 values (psi_code_words' test, over channels of their own
-  // scales), packed as they are made: a channel without a valid scale gets inv_s = 0 (residuals 0 for finite x)
-  // and the word 0.
-  unsigned w8[8];
-  {
-    constexpr float M = 12582912.0f;
-    float dev = 0.f;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const float inv = psi_valid(sc[c]) ? psi_rcp(sc[c]) : 0.f;
-      unsigned cw[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float t = __fmaf_rn(v[k][c], inv, M);
-        dev = fmaxf(dev, fabsf(__fmaf_rn(v[k][c], inv, M - t)));
-        cw[k] = __float_as_uint(t);
-      }
-      w8[c] = psi_valid(sc[c]) ? pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]) : 0u;
-    }
-    if (!(dev <= 0.4999f)) {  // a value near a tie (or a NaN / Inf in a channel whose scale is NaN): per channel
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        unsigned w = 0u;
-        if (psi_valid(sc[c])) {
-          const float xc[4] = {v[0][c], v[1][c], v[2][c], v[3][c]};
-          unsigned cw[4];
-          psi_code_words<4>(xc, sc[c], psi_rcp(sc[c]), cw);
-          w = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
-        }
-        w8[c] = w;
-      }
-    }
-  }
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
-    const unsigned w = w8[c];
+    unsigned w = 0u;
+    if (psi_valid(sc[c])) {
+      const float xc[4] = {v[0][c], v[1][c], v[2][c], v[3][c]};
+      unsigned cw[4];
+      psi_code_words<4>(xc, sc[c], psi_rcp(sc[c]), cw);
+      w = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
+    }
     words[c0 + c][tg] = w;
   }
   __syncthreads();
@@ -614,7 +587,7 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
 // scale_out as there) written into the K/V stage images kv_img (B, H, n_pad / 64, FwdImg<D>::STAGE bytes).
 // grid (n_pad / 64, H, B), block 2 * D.
 #ifndef SAGE_FWD_V_MIN_CTAS
-#define SAGE_FWD_V_MIN_CTAS 4
+#define SAGE_FWD_V_MIN_CTAS 1
 #endif
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(2 * D, SAGE_FWD_V_MIN_CTAS)
