@@ -103,7 +103,7 @@ constexpr int STAT_CHUNK = 256;
 #endif
 constexpr int kStatUnroll = SAGE_STAT_UNROLL;
 #ifndef SAGE_STAT_MIN_CTAS
-#define SAGE_STAT_MIN_CTAS 2
+#define SAGE_STAT_MIN_CTAS 4
 #endif
 
 // Sums accumulate in double (the mean is then rounded once to fp32, as the reference does), maxima in float.
