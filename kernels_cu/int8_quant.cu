@@ -45,10 +45,12 @@ __device__ __forceinline__ unsigned psi_code_word(float x, float s, float inv_s)
   return __float_as_uint(t);
 }
 
-// The reciprocal psi_code_word(s) and psi_code_words take: one MUFU.RCP (rcp.approx.ftz, relative error below
-// 2^-23 for the normal s that psi_valid lets through) instead of __frcp_rn's correctly rounded ~10 instructions. Their
-// arguments need x * inv_s within 1e-4 of x / s for |x / s| <= 127: the approximation adds at most 127 * 2^-23 =
-// 1.5e-5 to the 2^-24 relative roundings counted there (3e-5 in all), so every code is the same.
+// The reciprocal psi_code_word and psi_code_words take: one MUFU.RCP (rcp.approx.ftz, at most 1 ulp, 2^-23 relative,
+// for the normal s that psi_valid lets through; 1/s is normal too, as s <= FLT_MAX / 127) instead of __frcp_rn's
+// correctly rounded ~10 instructions. Their arguments need x * inv_s within 1e-4 (psi_code_words) or 1e-3
+// (psi_code_word) of fl32(x / s) for |x / s| <= 127 (1 + 2^-24): the approximation adds at most 127 * 2^-23 = 1.5e-5
+// to the roundings counted there (~3e-5 in all), so every code is the same (an emulation with inv_s the correctly
+// rounded 1/s and 1 ulp off it, 615 M values near ties, uniform and at +-127 s, found no code that differs).
 __device__ __forceinline__ float psi_rcp(float s) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
@@ -58,8 +60,8 @@ __device__ __forceinline__ float psi_rcp(float s) {
 // psi's codes of N values sharing the scale s (psi_valid) as low bytes of cw[]: psi_code_word's result, with one
 // branch per N values instead of one per value (the per-value tie branch was 3 of the row quantization's ~29
 // instructions per element, bench/NOTES.md fourteenth session). t = fma(x, 1/s, M) rounds the exact product
-// x * inv_s to an integer k; the exact quotient and fl32(x / s) both lie within 128 * 2^-23 < 1.6e-5 of that
-// product (inv_s and the quotient's own rounding, 2^-24 relative each, |x / s| <= 127), so where
+// x * inv_s to an integer k; the exact quotient and fl32(x / s) both lie within ~3e-5 of that product (inv_s's 2^-23
+// relative, psi_rcp, and the quotient's own rounding, 2^-24, at |x / s| <= 127), so where
 // |x * inv_s - k| <= 0.4999 (the FMA's residual, off by at most 2^-25), rint(fl32(x / s)) is k as well. Otherwise
 // (a value within 1e-4 of a tie: ~2e-4 of random values) the N values take psi_code_word's path, which re-divides
 // exactly near a tie.
@@ -280,7 +282,7 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
 #pragma unroll
     for (int c = 0; c < E; ++c) {
       if (dot_vec) dp[c / 8] += v[st][c] * dv[c];  // the input is 0 beyond n
-      v[st][c] = mu_row ? (v[st][c] - muv[c]) * mult : v[st][c] * mult;  // (the same bits under -ftz)
+      v[st][c] = mu_row ? (v[st][c] - muv[c]) * mult : v[st][c] * mult;  // (x - +0 is x, -0 and denormals included)
       a = absmax_or_nan(a, v[st][c]);
     }
     if (dot) {
