@@ -104,6 +104,8 @@ constexpr int STAT_CHUNK = 256;
 #define SAGE_STAT_UNROLL 4
 #endif
 constexpr int kStatUnroll = SAGE_STAT_UNROLL;
+// Minimum CTAs per SM of column_partial_kv: 4 (61 registers) measured the forward pre-pass 158.3 -> 153.5 us at
+// D = 128, 4K against 2 (84 registers; 3: 155.1), bench/NOTES.md twentieth session: the pass is latency-bound.
 #ifndef SAGE_STAT_MIN_CTAS
 #define SAGE_STAT_MIN_CTAS 4
 #endif
@@ -358,6 +360,9 @@ quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, in
 // The forward's per-token quantization of Q and K in one launch (the same arithmetic as two quant_rows
 // launches): heads y < Hq are Q's (psi(q_mult * Q), scale * q_scale_mult, qmk = q_mult * q . mu_K of the
 // head's KV head), the others K's (psi(K - mu_K)). grid (max(nq_pad, nk_pad) / (8 RPW), Hq + Hkv, B).
+// 4 CTAs per SM (64 registers; ptxas then saves 2-3 registers on the stack around the rare __fdiv_rn slow path):
+// quant_rows_qk 83 -> 72 us at D = 128, 4K against 3 (77 registers); 5 spills 400 bytes (bench/NOTES.md, twentieth
+// session).
 #ifndef SAGE_QROWS_QK_MIN_CTAS
 #define SAGE_QROWS_QK_MIN_CTAS 4
 #endif
@@ -588,6 +593,7 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
 // The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
 // scale_out as there) written into the K/V stage images kv_img (B, H, n_pad / 64, FwdImg<D>::STAGE bytes).
 // grid (n_pad / 64, H, B), block 2 * D.
+// (A tuning knob: at D = 128 the kernel already fits 4 CTAs per SM in 64 registers; 5 spills.)
 #ifndef SAGE_FWD_V_MIN_CTAS
 #define SAGE_FWD_V_MIN_CTAS 1
 #endif
