@@ -5,7 +5,8 @@ round; 20 calls of the public functions, whose launches queue on the device).
     python bench/host_costs.py
 
 Rows: CuPy allocations, views into one buffer, a launch of a kernel with 1 and with 25 arguments (arrays and numpy
-scalars, or Python ints and raw pointers), the validation helpers, and the public calls' pre-pass and launch halves.
+scalars, or Python ints and raw pointers; a recorded program's packed driver launch), the validation helpers, and the
+public calls' pre-pass and launch halves (the forward also with CuPy's kernel call, ``SAGECUPY_LAUNCH=cupy``).
 """
 import time
 
@@ -55,6 +56,14 @@ def main():
     rows["launch, 25 args (numpy scalars built per call)"] = per_call_us(lambda: k25((1,), (32,), (
         buf, x, i64(1), i64(2), i64(3), i32(4), i32(5), f32(1.0), buf, x, f32(2.0), x, buf, i64(1), i64(2),
         i64(3), i32(4), i32(5), buf, x, x, i32(6), i32(7), buf, i32(8))))
+    from sagecupy._program import Program, Ref
+    prog = Program()
+    prog.launch(k25, (1,), (32,), (Ref("a"), Ref("b"), i64(1), i64(2), i64(3), i32(4), i32(5), f32(1.0), Ref("c"),
+                                   Ref("d"), f32(2.0), x, buf, i64(1), i64(2), i64(3), i32(4), i32(5), Ref("e"),
+                                   Ref("f"), x, i32(6), i32(7), Ref("g"), i32(8)))
+    ns = dict(a=buf, b=x, c=buf, d=x, e=buf, f=x, g=buf)
+    rows["Program.run: one packed driver launch, 25 args (7 per call)"] = per_call_us(lambda: prog.run(ns))
+    rows["cupy.cuda.alloc(64 MB)"] = per_call_us(lambda: cupy.cuda.alloc(1 << 26))
     rows["numpy scalar cupy.int32(5)"] = per_call_us(lambda: i32(5))
     rows["set max_dynamic_shared_size_bytes"] = per_call_us(lambda: setattr(k1, "max_dynamic_shared_size_bytes", 1024))
     rows["cupy.cuda.Device().id"] = per_call_us(lambda: cupy.cuda.Device().id)
@@ -66,12 +75,32 @@ def main():
     rows["check_attention_args"] = per_call_us(
         lambda: _checks.check_attention_args(q, k, v, causal=False, sm_scale=None, layout="HND"))
     rows["int8._prepare"] = per_call_us(lambda: int8._prepare(q, "q", "HND", True))
+    from sagecupy import _program
+
+    def plan_key():
+        key = (_program.signature(q), _program.signature(k), _program.signature(v), False, bool,
+               _program.scale_key(None), "HND", None, None, None, type(None), _program.env_key())
+        return int8._FWD_PLANS.get(key)
+
+    rows["forward plan lookup (3 signatures, env_key, hash)"] = per_call_us(plan_key)
+    rows["signature(BF16Array)"] = per_call_us(lambda: _program.signature(q))
+    rows["env_key()"] = per_call_us(_program.env_key)
+    int8.forward(q, k, v)
+    plan = next(iter(int8._FWD_PLANS.values()))
+    rows["int8._input_ns"] = per_call_us(lambda: int8._input_ns(plan, "HND", q=q, k=k, v=v))
     n = 20  # several launches per call: stay well under the device's queue of pending launches
     rows["int8._preprocess_forward"] = per_call_us(lambda: int8._preprocess_forward(
         q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT), n)
     pp, cfg, pre = int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT)
     rows["int8._launch_forward"] = per_call_us(lambda: int8._launch_forward(pp, cfg, pre), n)
     rows["int8.forward"] = per_call_us(lambda: int8.forward(q, k, v), n)
+    rows["int8.forward causal"] = per_call_us(lambda: int8.forward(q, k, v, causal=True), n)
+    import os
+    os.environ["SAGECUPY_LAUNCH"] = "cupy"  # read when a program is recorded: record afresh
+    int8._FWD_PLANS.clear()
+    rows["int8.forward (SAGECUPY_LAUNCH=cupy)"] = per_call_us(lambda: int8.forward(q, k, v), n)
+    del os.environ["SAGECUPY_LAUNCH"]
+    int8._FWD_PLANS.clear()
     _, res = int8.forward(q, k, v)
     rows["int8._preprocess_backward"] = per_call_us(lambda: int8._preprocess_backward(res, do), n)
     pb = int8._preprocess_backward(res, do)

@@ -414,7 +414,8 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
                                                           const float* __restrict__ scale_in,
                                                           float* __restrict__ scale_out, signed char* __restrict__ out,
                                                           int tile_major, const T* __restrict__ o, long long osb,
-                                                          long long osh, long long osn, float* __restrict__ delta) {
+                                                          long long osh, long long osn, float* __restrict__ delta,
+                                                          int blk, int h, int b, int H) {
   // Warp w owns channels 16 w .. 16 w + 15 (two 8-channel chunks, one per half-warp); lane tg = lane % 16 owns
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
@@ -422,7 +423,6 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   constexpr bool ROWLOAD = SAGE_QTP_ROWLOAD != 0;
   __shared__ __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
   __shared__ float wmax[WARPS];
-  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const long long bh = static_cast<long long>(b) * H + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
   const int hf = tg / 4, t = tg % 4;
@@ -587,7 +587,7 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
                      const float* __restrict__ scale_in, float* __restrict__ scale_out, signed char* __restrict__ out,
                      int tile_major) {
   quant_transpose_perm_body<T, D, MODE, false>(x, sb, sh, sn, n, n_pad, scale_in, scale_out, out, tile_major, nullptr,
-                                               0, 0, 0, nullptr);
+                                               0, 0, 0, nullptr, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
 // The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
@@ -602,7 +602,8 @@ __global__ void __launch_bounds__(2 * D, SAGE_FWD_V_MIN_CTAS)
 fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
             const float* __restrict__ scale_in, float* __restrict__ scale_out, char* __restrict__ kv_img) {
   quant_transpose_perm_body<T, D, MODE, false, 2>(x, sb, sh, sn, n, n_pad, scale_in, scale_out,
-                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr);
+                                                  reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0, nullptr,
+                                                  blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
 // The backward's dO pass: quant_transpose_perm (MODE 1 or 2, tile-major) and delta = rowsum(dO * O) in one launch.
@@ -614,7 +615,7 @@ quant_transpose_perm_delta(const T* __restrict__ x, long long sb, long long sh, 
                            float* __restrict__ scale_out, signed char* __restrict__ out, const T* __restrict__ o,
                            long long osb, long long osh, long long osn, float* __restrict__ delta) {
   quant_transpose_perm_body<T, D, MODE, true>(x, sb, sh, sn, n, n_pad, nullptr, scale_out, out, 1, o, osb, osh, osn,
-                                              delta);
+                                              delta, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
 // The wgmma backward's dO pass: quant_transpose_perm_delta's work written into the query-side stage images
@@ -625,7 +626,8 @@ bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, 
              char* __restrict__ q_img, const T* __restrict__ o, long long osb, long long osh, long long osn,
              float* __restrict__ delta) {
   quant_transpose_perm_body<T, D, MODE, true, 1>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
-                                                    reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta);
+                                                    reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta,
+                                                    blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
 template <int D>
@@ -752,5 +754,36 @@ __global__ void transpose_i8_qk(const signed char* __restrict__ qc, int nq_pad, 
     if (blk * 64 < nq_pad) transpose_i8_body<D, PERM>(qc, nq_pad, qt, blk, static_cast<long long>(blockIdx.z) * Hq + y);
   } else if (blk * 64 < nk_pad) {
     transpose_i8_body<D, PERM>(kc, nk_pad, kt, blk, static_cast<long long>(blockIdx.z) * Hkv + (y - Hq));
+  }
+}
+
+// quant_rows_qk and fwd_v_image in one launch where both take 256 threads (D = 128, 64-row CTAs): heads y < Hq
+// are Q's rows, then Hkv of K's rows, then Hkv of V's 64-token blocks (fwd_v_image's MODE 0 or 2 work into
+// kv_img). The same bodies, so the same bytes; one launch and one kernel boundary fewer (the forward pre-pass measured the same at 4K and 2%
+// faster at 16K: the host's launch is what it saves; bench/NOTES.md, twenty-first session). grid (max(nq_pad, nk_pad) / 64, Hq + 2 Hkv, B), block 256.
+template <typename T, int D, int RPW, int MODE>
+__global__ void __launch_bounds__(256, SAGE_QROWS_QK_MIN_CTAS)
+quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad, float q_mult,
+          signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
+          float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn, int nk,
+          int nk_pad, signed char* __restrict__ k_codes, float* __restrict__ k_scales,
+          const float* __restrict__ mu_k, int Hq, int Hkv, char* __restrict__ kv_img, const T* __restrict__ v,
+          long long vsb, long long vsh, long long vsn, const float* __restrict__ v_scale_in,
+          float* __restrict__ v_scale_out) {
+  static_assert(2 * D == 256 && 8 * RPW == 64, "V's 64-token blocks on 256 threads, 64 Q / K rows per CTA");
+  const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
+  if (y < Hq) {
+    if (bx * rows >= nq_pad) return;
+    quant_rows_body<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes, q_scales, q_scale_mult,
+                                      mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
+  } else if (y < Hq + Hkv) {
+    if (bx * rows >= nk_pad) return;
+    quant_rows_body<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes, k_scales, 1.f, nullptr, 1,
+                                      0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
+  } else {
+    if (bx * 64 >= nk_pad) return;
+    quant_transpose_perm_body<T, D, MODE, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, v_scale_in, v_scale_out,
+                                                    reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
+                                                    nullptr, bx, y - Hq - Hkv, blockIdx.z, Hkv);
   }
 }

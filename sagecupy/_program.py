@@ -11,10 +11,19 @@ and between its launches than its pre-pass kernels take on the device (``bench/h
 fifteenth session).
 
 Every call, the first one included, runs the recorded program, so the tests exercise the replay path.
+
+Launches are replayed through the driver (``cuLaunchKernel`` via ``cupy.cuda.driver.launchKernel``) with the
+kernel's parameter block packed when the launch is recorded: a replay writes only the per-call array pointers into
+it. CuPy's own kernel call converts every argument on every call (9.4 us for 25 arguments on the H200 machine's
+CPU against ~2 us for the driver call, ``bench/host_costs.py``). ``SAGECUPY_LAUNCH=cupy`` (read when a program is
+recorded) keeps CuPy's call instead, for A/B timing.
 """
 from __future__ import annotations
 
 import os
+import threading
+
+import numpy as np
 
 __all__ = ["Ref", "Program", "Plan", "Plans", "signature", "scale_key", "env_key", "NOT_KERNEL_CHOOSING"]
 
@@ -25,9 +34,10 @@ _ALLOC, _VIEW, _LAUNCH, _CALL = 0, 1, 2, 3
 #: ``SAGECUPY_*`` switch read by the package must be added here (``tests/cpu/test_program.py`` checks the package's
 #: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
 _ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
-             "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR")
+             "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
+             "SAGECUPY_FWD_PREPASS")
 #: Variables the package reads that do not change which kernels run or how (debug output only).
-NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG")
+NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG", "SAGECUPY_LAUNCH")
 
 
 class Ref:
@@ -40,6 +50,57 @@ class Ref:
 
     def __repr__(self):
         return f"Ref({self.name!r})"
+
+
+class _Packed:
+    """A recorded launch's kernel parameters, packed for ``cuLaunchKernel``: one 8-byte slot per parameter (every
+    parameter of our kernels is a pointer or a 4- or 8-byte scalar; the driver copies each one's own size from the
+    start of its slot) and the array of the slots' addresses. ``refs``: (slot, name) of the per-call arrays.
+    A replay fills those slots and launches under ``lock`` (the block is shared by the program's callers)."""
+
+    __slots__ = ("fptr", "grid", "block", "smem", "vals", "addrs", "params", "refs", "keep", "lock")
+
+    def __init__(self, fptr, grid, block, smem, vals, refs, keep):
+        self.fptr, self.smem, self.vals, self.refs, self.keep = fptr, smem, vals, refs, keep
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.block = tuple(block) + (1,) * (3 - len(block))
+        self.addrs = np.arange(len(vals), dtype=np.uint64) * np.uint64(8) + np.uint64(vals.ctypes.data)
+        self.params = int(self.addrs.ctypes.data) if len(vals) else 0
+        self.lock = threading.Lock()
+
+
+def _pack(fn, grid, block, template, refs, smem):
+    """A :class:`_Packed` launch of ``fn`` (a CuPy RawKernel), or None where the fast path does not apply: a kernel
+    object without a driver handle (a stand-in in tests), a Python scalar argument (CuPy chooses its C type), a
+    scalar wider than 8 bytes, or ``SAGECUPY_LAUNCH=cupy``."""
+    if os.environ.get("SAGECUPY_LAUNCH", "") == "cupy" or len(grid) > 3 or len(block) > 3:
+        return None
+    fptr = getattr(getattr(fn, "kernel", None), "ptr", None)
+    if type(fptr) is not int:
+        return None
+    ref_slots = {i for i, _ in refs}
+    vals = np.zeros(len(template), dtype=np.uint64)
+    raw = vals.view(np.uint8)
+    keep = []
+    for i, a in enumerate(template):
+        if i in ref_slots or a is None:
+            continue
+        if isinstance(a, np.generic) and not isinstance(a, (np.object_, np.void)) and a.dtype.itemsize <= 8:
+            b = np.frombuffer(a.tobytes(), dtype=np.uint8)
+            raw[8 * i:8 * i + b.size] = b
+            continue
+        ptr = getattr(getattr(a, "data", None), "ptr", None)  # a device array recorded as a constant
+        if type(ptr) is int and hasattr(a, "shape"):
+            vals[i] = ptr
+            keep.append(a)
+            continue
+        return None
+    return _Packed(fptr, grid, block, smem, vals, refs, keep)
+
+
+def _slot(a):
+    """A per-call argument's slot value: an array's device pointer, 0 for None."""
+    return 0 if a is None else a.data.ptr
 
 
 class Program:
@@ -67,7 +128,8 @@ class Program:
         refs = tuple((i, a.name) for i, a in enumerate(template) if type(a) is Ref)
         for i, _ in refs:
             template[i] = None
-        self.steps.append((_LAUNCH, fn, tuple(grid), tuple(block), template, refs, int(shared_mem)))
+        packed = _pack(fn, tuple(grid), tuple(block), template, refs, int(shared_mem))
+        self.steps.append((_LAUNCH, fn, tuple(grid), tuple(block), template, refs, int(shared_mem), packed))
 
     def call(self, names, fn, args) -> tuple:
         """Record ``names = fn(*args)`` (host glue that is neither an allocation nor a launch; ``args``: Refs or
@@ -80,10 +142,26 @@ class Program:
         import cupy
 
         empty = cupy.empty
+        stream = None
         for step in self.steps:
             kind = step[0]
             if kind == _LAUNCH:
-                _, fn, grid, block, template, refs, smem = step
+                _, fn, grid, block, template, refs, smem, packed = step
+                if packed is not None:
+                    try:
+                        slots = [(i, _slot(ns[name])) for i, name in packed.refs]
+                    except AttributeError:  # a per-call argument that is not an array: CuPy's call converts it
+                        slots = None
+                    if slots is not None:
+                        if stream is None:
+                            stream = cupy.cuda.get_current_stream().ptr
+                        vals = packed.vals
+                        with packed.lock:
+                            for i, ptr in slots:
+                                vals[i] = ptr
+                            cupy.cuda.driver.launchKernel(packed.fptr, *packed.grid, *packed.block, packed.smem,
+                                                          stream, packed.params, 0)
+                        continue
                 args = template.copy()
                 for i, name in refs:
                     args[i] = ns[name]
@@ -170,6 +248,6 @@ class Plan:
     def launch_program(self, p, cfg, make_key, build):
         """The launch program for ``make_key()``, recorded by ``build()`` once, when the caller's problem and config
         are this plan's (by value: the adapters rebuild equal objects); else built for this call only."""
-        if self.p == p and self.cfg == cfg:
+        if (self.p is p or self.p == p) and (self.cfg is cfg or self.cfg == cfg):
             return self.launches.get_or_build(make_key, build)
         return build()

@@ -139,7 +139,7 @@ def _quant_names(T, D):
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
-    )
+    ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>") if D == 128 else ())
 
 
 #: Source files that only build for one architecture (CI compiles them for that target alone).
@@ -287,9 +287,22 @@ def _column_stat(x, strides, T, shape, absmax):
     return prog.run({"x": x})["out"]
 
 
+def fwd_prepass_mode() -> str:
+    """How the forward pre-pass's quantization is launched on the wgmma engine at D = 128 with per-token Q and K:
+    ``"merged"`` (default: Q, K and V in one launch, ``quant_qkv``) or ``"split"`` (Q/K, then V: the same bytes).
+    ``SAGECUPY_FWD_PREPASS`` overrides the default."""
+    mode = os.environ.get("SAGECUPY_FWD_PREPASS", "merged")
+    if mode not in _PREPASS_MODES:
+        raise ValueError(f"SAGECUPY_FWD_PREPASS={mode!r} is not supported; supported: {_PREPASS_MODES}")
+    return mode
+
+
+_PREPASS_MODES = ("merged", "split")
+
+
 def _column_stats_kv(prog, T, shape, strides_k, strides_v):
-    """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale)
-    to views of one (2, B, H, D) float32 array. Inputs ``"k"``, ``"v"`` of the program's namespace."""
+    """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale),
+    (B, H, D) float32 each. Inputs ``"k"``, ``"v"`` of the program's namespace."""
     import cupy
 
     B, H, n, D = shape
@@ -300,8 +313,8 @@ def _column_stats_kv(prog, T, shape, strides_k, strides_v):
     prog.launch(_qfn(f"column_partial_kv<{T}, {D}>", T, D), (nchunk, H, 2 * B), (256,),
                 (Ref("k"), *(i64(s) for s in strides_k), Ref("v"), *(i64(s) for s in strides_v), i32(n), part_k,
                  part_v))
-    out = prog.empty("colstats", (2, B, H, D), cupy.float32)
-    mu_k, v_scale = prog.view("mu_k", out, 0), prog.view("v_scale", out, 1)
+    # two allocations, not views of one (2, B, H, D) array: a CuPy view costs more host time than an allocation
+    mu_k, v_scale = prog.empty("mu_k", (B, H, D), cupy.float32), prog.empty("v_scale", (B, H, D), cupy.float32)
     prog.launch(_qfn("column_finish_kv", T, D), (2 * B * H,), (D,),
                 (part_k, part_v, i32(nchunk), i32(n), i32(D), mu_k, v_scale))
     return mu_k, v_scale
@@ -412,6 +425,18 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     # write them.
     kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
               if engine == "wgmma" else None)
+    v_channel_or_block = 0 if v_channel else 2
+    if not v_channel:
+        v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32)
+    merged_qkv = (cfg.q_granularity == "token" and cfg.k_granularity == "token" and kv_img is not None and D == 128
+                  and fwd_prepass_mode() == "merged")
+    if merged_qkv:  # Q, K and V in one launch (V's 64-token blocks on 256 = 2 D threads)
+        prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {v_channel_or_block}>", T, D),
+                    (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),
+                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
+                     f32(LOG2E), qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k,
+                     i32(Hq), i32(Hkv), kv_img, rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale))
+        return Plan(p, cfg, engine, copy, prog)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
@@ -432,11 +457,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     # for 64-key tiles (whole 128-byte lines per copied tile row pair: 1.02x forward kernel on the H200,
     # bench/NOTES.md eleventh session) or (B, Hkv, D, nk_pad) for 128-key tiles.
     tile_major = cfg.block_kv == 64
-    if v_channel:
-        mode = 0
-    else:
-        v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32)
-        mode = 2
+    mode = v_channel_or_block
     if kv_img is not None:
         prog.launch(_qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))

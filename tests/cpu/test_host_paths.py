@@ -16,7 +16,7 @@ class FakeArray:
 
     def __init__(self, shape, dtype, strides=None, ptr=None):
         self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
-        self.itemsize, self.ndim = self.dtype.itemsize, len(self.shape)
+        self.itemsize, self.ndim, self.size = self.dtype.itemsize, len(self.shape), math.prod(self.shape)
         if strides is None:
             strides, acc = [], self.itemsize
             for s in reversed(self.shape):
@@ -58,11 +58,13 @@ def gpu(monkeypatch):
     kernels = {}
     fake = types.SimpleNamespace(
         ndarray=FakeArray, empty=lambda shape, dtype: FakeArray(shape, dtype),
+        zeros=lambda shape, dtype: FakeArray((shape,) if isinstance(shape, int) else shape, dtype),
         ascontiguousarray=_ascontiguousarray,
         int8=np.int8, uint8=np.uint8, float16=np.float16, uint16=np.uint16, float32=np.float32,
-        float64=np.float64, int32=np.int32, int64=np.int64,
+        float64=np.float64, int32=np.int32, int64=np.int64, uint32=np.uint32,
         cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
-                                   runtime=types.SimpleNamespace(getDevice=lambda: 0)))
+                                   runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from sagecupy import int8, nvfp4
 
@@ -74,7 +76,8 @@ def gpu(monkeypatch):
         monkeypatch.setattr(mod, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(nvfp4, "_smem_optin", lambda device_id: 227 * 1024)
     for var in ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
-                "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR"):
+                "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
+                "SAGECUPY_FWD_PREPASS", "SAGECUPY_LAUNCH"):
         monkeypatch.delenv(var, raising=False)
     return log
 
@@ -99,10 +102,13 @@ def _inputs(layout="HND", dtype=np.float16, nq=100, nk=70, d=128):
     return FakeArray(shp(4, nq), dtype), FakeArray(shp(2, nk), dtype), FakeArray(shp(2, nk), dtype)
 
 
+@pytest.mark.parametrize("prepass", ["merged", "split"])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("engine", ["wgmma", "mma"])
-def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine):
+def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, prepass, monkeypatch):
     from sagecupy import int8
+
+    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", prepass)
 
     q, k, v = _inputs(layout)
     do = FakeArray(q.shape, q.dtype)
@@ -115,7 +121,14 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine):
     (first, out1), (second, out2) = runs
     names = dict(q=q, k=k, v=v, do=do)
     assert [_summary(x, names) for x in first] == [_summary(x, names) for x in second]
-    assert len(first) == 9  # forward: K/V statistics (2), Q/K, V, attention; backward: 2 pre-passes, 2 kernels
+    # forward: the K/V statistics (partials, reduction); Q/K, then V (merged on the wgmma engine at D = 128: one
+    # launch); the attention kernel. Backward: 2 pre-passes, 2 kernels.
+    quant = (["quant_qkv"] if engine == "wgmma" and prepass == "merged" else
+             ["quant_rows_qk", "fwd_v_image" if engine == "wgmma" else "quant_transpose_perm"])
+    fwd = ["column_partial_kv", "column_finish_kv"] + quant
+    assert [x[0].split("<")[0] for x in first[:len(fwd) + 1]] == fwd + ["int8_attn_fwd_sm90" if engine == "wgmma"
+                                                                          else "int8_attn_fwd"]
+    assert len(first) == len(fwd) + 5
     # every call its own outputs
     for a, b in zip(out1, out2):
         assert a is not b

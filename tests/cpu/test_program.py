@@ -123,3 +123,100 @@ def test_c_strides_match_strides_of_a_fresh_array(shape, layout):
     from sagecupy import int8
 
     assert int8._c_strides(shape, layout) == int8._strides(np.empty(shape, dtype=np.float16), layout)
+
+
+class _DevArray:
+    """A stand-in device array: what the packed launch path reads (``.data.ptr``, ``.shape``)."""
+
+    _next = [0x7F0000001000]
+
+    def __init__(self, shape, dtype=np.float32):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.data = types.SimpleNamespace(ptr=_DevArray._next[0])
+        _DevArray._next[0] += 0x10000
+
+
+class _DrvKernel(_Kernel):
+    """A stand-in RawKernel with a driver handle (``.kernel.ptr``), so that programs pack its launches."""
+
+    def __init__(self, ptr=0x1234):
+        super().__init__()
+        self.kernel = types.SimpleNamespace(ptr=ptr)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """A stand-in `cupy` whose driver's launchKernel decodes the packed parameter block (every slot 8 bytes)."""
+    import ctypes
+
+    launches = []
+
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        n = launches_n[0]
+        addrs = (ctypes.c_uint64 * n).from_address(params) if n else []
+        slots = [bytes((ctypes.c_uint8 * 8).from_address(a)) for a in addrs]
+        launches.append(dict(f=f, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem, stream=stream, slots=slots,
+                             extra=extra))
+
+    launches_n = [0]
+    mod = types.SimpleNamespace(
+        empty=lambda shape, dtype: _DevArray(shape, dtype),
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                   driver=types.SimpleNamespace(launchKernel=launch_kernel),
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=77)))
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    monkeypatch.delenv("SAGECUPY_LAUNCH", raising=False)
+    return launches, launches_n
+
+
+def _slot_bytes(value, dtype):
+    return np.array(value, dtype=dtype).tobytes().ljust(8, b"\0")
+
+
+def test_packed_launch_passes_the_same_arguments(fake_driver):
+    """The driver path's parameter block holds, per slot, exactly the bytes CuPy would pass: numpy scalars in their
+    own type, array pointers per call, NULL for None; grid and block padded to 3-D; the current stream."""
+    launches, launches_n = fake_driver
+    k = _DrvKernel()
+    prog = Program()
+    out = prog.empty("out", (2, 3), np.float32)
+    args = (Ref("x"), np.int32(-7), np.float32(1.5), None, np.int64(2 ** 40 + 3), out, np.uint8(200), Ref("y"))
+    prog.launch(k, (4, 2), (128,), args, shared_mem=4096)
+    launches_n[0] = len(args)
+    for _ in range(2):
+        x, y = _DevArray((3,)), _DevArray((5,))
+        ns = prog.run({"x": x, "y": y})
+        got = launches[-1]
+        assert not k.calls  # CuPy's call was not used
+        assert (got["f"], got["grid"], got["block"], got["smem"], got["stream"], got["extra"]) == (
+            0x1234, (4, 2, 1), (128, 1, 1), 4096, 77, 0)
+        want = [_slot_bytes(x.data.ptr, np.uint64), _slot_bytes(-7, np.int32), _slot_bytes(1.5, np.float32),
+                bytes(8), _slot_bytes(2 ** 40 + 3, np.int64), _slot_bytes(ns["out"].data.ptr, np.uint64),
+                _slot_bytes(200, np.uint8), _slot_bytes(y.data.ptr, np.uint64)]
+        assert got["slots"] == want
+    # per-call None in a Ref slot is NULL
+    prog.run({"x": None, "y": _DevArray((1,))})
+    assert launches[-1]["slots"][0] == bytes(8)
+
+
+def test_packed_launch_falls_back_to_cupy_call(fake_driver, monkeypatch):
+    """Where packing does not apply (a Python scalar, whose C type CuPy chooses; a per-call argument that is not a
+    device array; SAGECUPY_LAUNCH=cupy when recorded) the launch goes through the kernel object's own call."""
+    launches, launches_n = fake_driver
+    k = _DrvKernel()
+    prog = Program()
+    prog.launch(k, (1,), (32,), (Ref("x"), 5))  # Python int
+    prog.run({"x": _DevArray((1,))})
+    assert len(k.calls) == 1 and not launches
+    prog = Program()
+    prog.launch(k, (1,), (32,), (Ref("x"), np.int32(5)))
+    launches_n[0] = 2
+    prog.run({"x": np.arange(3)})  # a host array: not a device pointer
+    assert len(k.calls) == 2 and not launches
+    prog.run({"x": _DevArray((1,))})
+    assert len(launches) == 1
+    monkeypatch.setenv("SAGECUPY_LAUNCH", "cupy")
+    prog = Program()
+    prog.launch(k, (1,), (32,), (Ref("x"), np.int32(5)))
+    prog.run({"x": _DevArray((1,))})
+    assert len(k.calls) == 3 and len(launches) == 1

@@ -637,3 +637,51 @@ def test_nan_input_reaches_the_outputs(where):
     if where == "do":
         assert np.isfinite(o_h).all()
         assert np.isnan(grads[2][0, 1]).any() and np.isnan(grads[0][0, 1, 7]).any()
+
+
+_PRE_COMPARED = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale", "qmk", "mu_k", "kv_img")
+
+
+def _pre_host(pre):
+    return {n: pre[n].get() for n in _PRE_COMPARED if pre.get(n) is not None}
+
+
+@pytest.mark.parametrize("case", [
+    (2, 4, 2, 200, 333, 128, "NHD", "bfloat16", None),
+    (1, 8, 2, 17, 65, 64, "HND", "float16", None),          # D = 64: split either way
+    (1, 2, 1, 1, 4100, 128, "HND", "float16", "k"),          # 17 chunks; NaN in K: the mean of that head is NaN
+    (2, 2, 2, 1000, 1000, 128, "HND", "bfloat16", "v"),      # NaN in V: that channel's scale
+    (1, 4, 4, 4224, 513, 128, "NHD", "bfloat16", None),
+], ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("config", [DEFAULT, PAPER], ids=["default", "paper"])
+def test_merged_prepass_equals_split(monkeypatch, case, config):
+    """The merged forward pre-pass (Q, K and V quantized in one launch on the wgmma engine at D = 128) writes bitwise
+    the same codes, scales, images, means and qmk as the split launches, on every call, on the default stream and
+    on another one."""
+    import sagecupy.int8 as s8
+
+    cp = _cupy()
+    B, Hq, Hkv, Nq, Nk, D, layout, dtype, nan_in = case
+    (q, k, v, _), _ = _inputs(31, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=2.0)
+    if nan_in:
+        x = _raw(k if nan_in == "k" else v)
+        x[(0, 3, 0, 5) if layout == "NHD" else (0, 0, 3, 5)] = cp.nan if x.dtype == cp.float16 else 0x7FC0
+    cp.cuda.Device().synchronize()  # the inputs are written on the null stream; the second stream does not wait
+    got = {}
+    for mode in ("split", "merged", "merged"):
+        monkeypatch.setenv("SAGECUPY_FWD_PREPASS", mode)
+        for stream in (None, cp.cuda.Stream(non_blocking=True)):
+            with stream if stream is not None else cp.cuda.Stream.null:
+                _, _, pre = s8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout=layout,
+                                                   config=config)
+                got.setdefault(mode, []).append(_pre_host(pre))
+            cp.cuda.Device().synchronize()
+    want = got["split"][0]
+    assert got["split"][1].keys() == want.keys()
+    for mode, runs in got.items():
+        for run in runs:
+            assert run.keys() == want.keys(), mode
+            for n in want:
+                np.testing.assert_array_equal(run[n].view(np.uint8), want[n].view(np.uint8), err_msg=f"{mode}: {n}")
+    if nan_in == "k" and config.k_smoothing:
+        assert np.isnan(want["mu_k"][0, 0, 5]) and np.isfinite(np.delete(want["mu_k"][0, 0], 5)).all()
