@@ -85,7 +85,7 @@ def _pack(fn, grid, block, template, refs, smem):
     for i, a in enumerate(template):
         if i in ref_slots or a is None:
             continue
-        if isinstance(a, np.generic) and not isinstance(a, (np.object_, np.void)) and a.dtype.itemsize <= 8:
+        if isinstance(a, np.generic) and a.dtype.char in _SCALAR_CHARS:
             b = np.frombuffer(a.tobytes(), dtype=np.uint8)
             raw[8 * i:8 * i + b.size] = b
             continue
@@ -96,6 +96,26 @@ def _pack(fn, grid, block, template, refs, smem):
             continue
         return None
     return _Packed(fptr, grid, block, smem, vals, refs, keep)
+
+
+#: numpy scalar types CuPy's kernel call passes as themselves (bool, integers, float16/32/64), all <= 8 bytes.
+_SCALAR_CHARS = frozenset("?bhilqBHILQefd")
+
+_TLS = threading.local()
+
+
+def _ensure_context(device):
+    """Make ``device``'s context current on this thread before its first driver launch: a thread whose first CUDA
+    call is a replayed launch has none yet (cuLaunchKernel: CUDA_ERROR_INVALID_CONTEXT), where CuPy's own kernel
+    call would have set it up. One runtime call per thread and device, as CuPy does."""
+    import cupy
+
+    done = getattr(_TLS, "devices", None)
+    if done is None:
+        done = _TLS.devices = set()
+    if device not in done:
+        cupy.cuda.runtime.memGetInfo()
+        done.add(device)
 
 
 def _slot(a):
@@ -155,6 +175,7 @@ class Program:
                     if slots is not None:
                         if stream is None:
                             stream = cupy.cuda.get_current_stream().ptr
+                            _ensure_context(cupy.cuda.runtime.getDevice())
                         vals = packed.vals
                         with packed.lock:
                             for i, ptr in slots:

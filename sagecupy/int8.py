@@ -428,8 +428,8 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     v_channel_or_block = 0 if v_channel else 2
     if not v_channel:
         v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32)
-    merged_qkv = (cfg.q_granularity == "token" and cfg.k_granularity == "token" and kv_img is not None and D == 128
-                  and fwd_prepass_mode() == "merged")
+    merged_qkv = (fwd_prepass_mode() == "merged" and cfg.q_granularity == "token" and cfg.k_granularity == "token"
+                  and kv_img is not None and D == 128)
     if merged_qkv:  # Q, K and V in one launch (V's 64-token blocks on 256 = 2 D threads)
         prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {v_channel_or_block}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),

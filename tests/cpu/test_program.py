@@ -163,10 +163,12 @@ def fake_driver(monkeypatch):
         empty=lambda shape, dtype: _DevArray(shape, dtype),
         cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                    driver=types.SimpleNamespace(launchKernel=launch_kernel),
-                                   get_current_stream=lambda: types.SimpleNamespace(ptr=77)))
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=stream[0])))
+    stream = [77]
+    mod.cuda.runtime.memGetInfo = lambda: (1, 1)
     monkeypatch.setitem(sys.modules, "cupy", mod)
     monkeypatch.delenv("SAGECUPY_LAUNCH", raising=False)
-    return launches, launches_n
+    return launches, launches_n, stream
 
 
 def _slot_bytes(value, dtype):
@@ -176,20 +178,21 @@ def _slot_bytes(value, dtype):
 def test_packed_launch_passes_the_same_arguments(fake_driver):
     """The driver path's parameter block holds, per slot, exactly the bytes CuPy would pass: numpy scalars in their
     own type, array pointers per call, NULL for None; grid and block padded to 3-D; the current stream."""
-    launches, launches_n = fake_driver
+    launches, launches_n, stream = fake_driver
     k = _DrvKernel()
     prog = Program()
     out = prog.empty("out", (2, 3), np.float32)
     args = (Ref("x"), np.int32(-7), np.float32(1.5), None, np.int64(2 ** 40 + 3), out, np.uint8(200), Ref("y"))
     prog.launch(k, (4, 2), (128,), args, shared_mem=4096)
     launches_n[0] = len(args)
-    for _ in range(2):
+    for run in range(2):
+        stream[0] = 77 + run  # the stream current at each run, not at recording
         x, y = _DevArray((3,)), _DevArray((5,))
         ns = prog.run({"x": x, "y": y})
         got = launches[-1]
         assert not k.calls  # CuPy's call was not used
         assert (got["f"], got["grid"], got["block"], got["smem"], got["stream"], got["extra"]) == (
-            0x1234, (4, 2, 1), (128, 1, 1), 4096, 77, 0)
+            0x1234, (4, 2, 1), (128, 1, 1), 4096, 77 + run, 0)
         want = [_slot_bytes(x.data.ptr, np.uint64), _slot_bytes(-7, np.int32), _slot_bytes(1.5, np.float32),
                 bytes(8), _slot_bytes(2 ** 40 + 3, np.int64), _slot_bytes(ns["out"].data.ptr, np.uint64),
                 _slot_bytes(200, np.uint8), _slot_bytes(y.data.ptr, np.uint64)]
@@ -202,7 +205,7 @@ def test_packed_launch_passes_the_same_arguments(fake_driver):
 def test_packed_launch_falls_back_to_cupy_call(fake_driver, monkeypatch):
     """Where packing does not apply (a Python scalar, whose C type CuPy chooses; a per-call argument that is not a
     device array; SAGECUPY_LAUNCH=cupy when recorded) the launch goes through the kernel object's own call."""
-    launches, launches_n = fake_driver
+    launches, launches_n, _ = fake_driver
     k = _DrvKernel()
     prog = Program()
     prog.launch(k, (1,), (32,), (Ref("x"), 5))  # Python int
@@ -220,3 +223,24 @@ def test_packed_launch_falls_back_to_cupy_call(fake_driver, monkeypatch):
     prog.launch(k, (1,), (32,), (Ref("x"), np.int32(5)))
     prog.run({"x": _DevArray((1,))})
     assert len(k.calls) == 3 and len(launches) == 1
+
+
+def test_packed_launch_sets_up_each_threads_context_once(fake_driver):
+    """A thread whose first CUDA call is a replayed driver launch has no current context; the replay makes the
+    device's context current first (one runtime call per thread and device, as CuPy's kernel call does)."""
+    import threading
+
+    launches, launches_n, _ = fake_driver
+    calls = []
+    sys.modules["cupy"].cuda.runtime.memGetInfo = lambda: calls.append(threading.get_ident()) or (1, 1)
+    k = _DrvKernel()
+    prog = Program()
+    prog.launch(k, (1,), (32,), (Ref("x"),))
+    launches_n[0] = 1
+    prog.run({"x": _DevArray((1,))})
+    prog.run({"x": _DevArray((1,))})
+    t = threading.Thread(target=lambda: prog.run({"x": _DevArray((1,))}))
+    t.start()
+    t.join()
+    assert len(launches) == 3
+    assert len(calls) == len(set(calls)) and t.ident in calls  # once per thread, the new thread included

@@ -646,6 +646,15 @@ def _pre_host(pre):
     return {n: pre[n].get() for n in _PRE_COMPARED if pre.get(n) is not None}
 
 
+VBLOCK = DEFAULT.replace(name="default-vblock", v_granularity="block", block_kv=64)  # quant_qkv<.., MODE 2>
+NOSMOOTH = DEFAULT.replace(name="default-nosmooth", k_smoothing=False)  # mu_k = None: K's rows unshifted, no qmk
+
+
+def _launched(pre):
+    """Names of the kernels the pre-pass program of ``pre`` launches."""
+    return [step[1].name for step in pre["plan"].prog.steps if step[0] == 2]
+
+
 @pytest.mark.parametrize("case", [
     (2, 4, 2, 200, 333, 128, "NHD", "bfloat16", None),
     (1, 8, 2, 17, 65, 64, "HND", "float16", None),          # D = 64: split either way
@@ -653,7 +662,7 @@ def _pre_host(pre):
     (2, 2, 2, 1000, 1000, 128, "HND", "bfloat16", "v"),      # NaN in V: that channel's scale
     (1, 4, 4, 4224, 513, 128, "NHD", "bfloat16", None),
 ], ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("config", [DEFAULT, PAPER], ids=["default", "paper"])
+@pytest.mark.parametrize("config", [DEFAULT, PAPER, VBLOCK, NOSMOOTH], ids=["default", "paper", "vblock", "nosmooth"])
 def test_merged_prepass_equals_split(monkeypatch, case, config):
     """The merged forward pre-pass (Q, K and V quantized in one launch on the wgmma engine at D = 128) writes bitwise
     the same codes, scales, images, means and qmk as the split launches, on every call, on the default stream and
@@ -675,6 +684,11 @@ def test_merged_prepass_equals_split(monkeypatch, case, config):
                 _, _, pre = s8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout=layout,
                                                    config=config)
                 got.setdefault(mode, []).append(_pre_host(pre))
+                merged = any("quant_qkv" in n for n in _launched(pre))
+                # the merged launch is what this test compares, where it applies (wgmma engine, D = 128, per-token
+                # Q and K)
+                assert merged == (mode == "merged" and pre["engine"] == "wgmma" and D == 128
+                                  and config.q_granularity == config.k_granularity == "token"), _launched(pre)
             cp.cuda.Device().synchronize()
     want = got["split"][0]
     assert got["split"][1].keys() == want.keys()
@@ -685,3 +699,32 @@ def test_merged_prepass_equals_split(monkeypatch, case, config):
                 np.testing.assert_array_equal(run[n].view(np.uint8), want[n].view(np.uint8), err_msg=f"{mode}: {n}")
     if nan_in == "k" and config.k_smoothing:
         assert np.isnan(want["mu_k"][0, 0, 5]) and np.isfinite(np.delete(want["mu_k"][0, 0], 5)).all()
+
+
+def test_replay_on_a_fresh_thread():
+    """A recorded program replayed on a thread whose first CUDA call is that replay (its launches go straight to the
+    driver) gives the same outputs as on the recording thread."""
+    import threading
+
+    import sagecupy.int8 as s8
+
+    (q, k, v, do), _ = _inputs(41, 1, 4, 2, 300, 260, 128, "HND", "bfloat16")
+    o1, res1 = s8.forward(q, k, v, causal=True)
+    dq1, dk1, dv1 = s8.backward(res1, do)
+    want = [_raw(x).get() for x in (o1, dq1, dk1, dv1)]
+    out, err = [], []
+
+    def work():
+        try:
+            o2, res2 = s8.forward(q, k, v, causal=True)
+            grads = s8.backward(res2, do)
+            out.extend(_raw(x).get() for x in (o2, *grads))
+        except Exception as exc:  # reported below, in the test's thread
+            err.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not err, err
+    for a, b in zip(out, want):
+        np.testing.assert_array_equal(a, b)
