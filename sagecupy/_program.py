@@ -14,8 +14,8 @@ Every call, the first one included, runs the recorded program, so the tests exer
 
 Launches are replayed through the driver (``cuLaunchKernel`` via ``cupy.cuda.driver.launchKernel``) with the
 kernel's parameter block packed when the launch is recorded: a replay writes only the per-call array pointers into
-it. CuPy's own kernel call converts every argument on every call (9.4 us for 25 arguments on the H200 machine's
-CPU against ~2 us for the driver call, ``bench/host_costs.py``). ``SAGECUPY_LAUNCH=cupy`` (read when a program is
+it. CuPy's own kernel call converts every argument on every call (9.4-10.9 us for a launch with 25 arguments on
+the H200 machine's CPU against 6.5-7.0 us replayed this way, ``bench/host_costs.py``). ``SAGECUPY_LAUNCH=cupy`` (read when a program is
 recorded) keeps CuPy's call instead, for A/B timing.
 """
 from __future__ import annotations
