@@ -15,8 +15,8 @@ Every call, the first one included, runs the recorded program, so the tests exer
 Launches are replayed through the driver (``cuLaunchKernel`` via ``cupy.cuda.driver.launchKernel``) with the
 kernel's parameter block packed when the launch is recorded: a replay writes only the per-call array pointers into
 it. CuPy's own kernel call converts every argument on every call (9.4-10.9 us for a launch with 25 arguments on
-the H200 machine's CPU against 6.5-7.0 us replayed this way, ``bench/host_costs.py``). ``SAGECUPY_LAUNCH=cupy`` (read when a program is
-recorded) keeps CuPy's call instead, for A/B timing.
+the H200 machine's CPU against 6.5-7.0 us replayed this way, ``bench/host_costs.py``). ``SAGECUPY_LAUNCH=cupy``
+(read when a program is recorded) keeps CuPy's call instead, for A/B timing.
 """
 from __future__ import annotations
 
@@ -55,13 +55,14 @@ class Ref:
 class _Packed:
     """A recorded launch's kernel parameters, packed for ``cuLaunchKernel``: one 8-byte slot per parameter (every
     parameter of our kernels is a pointer or a 4- or 8-byte scalar; the driver copies each one's own size from the
-    start of its slot) and the array of the slots' addresses. ``refs``: (slot, name) of the per-call arrays.
-    A replay fills those slots and launches under ``lock`` (the block is shared by the program's callers)."""
+    start of its slot) and the array of the slots' addresses (``addrs``, kept alive with ``vals``). ``refs``: (slot,
+    name) of the per-call arrays. A replay fills those slots and launches under ``lock`` (the block is shared by the
+    program's callers)."""
 
-    __slots__ = ("fptr", "grid", "block", "smem", "vals", "addrs", "params", "refs", "keep", "lock")
+    __slots__ = ("fptr", "grid", "block", "smem", "vals", "addrs", "params", "refs", "lock")
 
-    def __init__(self, fptr, grid, block, smem, vals, refs, keep):
-        self.fptr, self.smem, self.vals, self.refs, self.keep = fptr, smem, vals, refs, keep
+    def __init__(self, fptr, grid, block, smem, vals, refs):
+        self.fptr, self.smem, self.vals, self.refs = fptr, smem, vals, refs
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.addrs = np.arange(len(vals), dtype=np.uint64) * np.uint64(8) + np.uint64(vals.ctypes.data)
@@ -71,8 +72,9 @@ class _Packed:
 
 def _pack(fn, grid, block, template, refs, smem):
     """A :class:`_Packed` launch of ``fn`` (a CuPy RawKernel), or None where the fast path does not apply: a kernel
-    object without a driver handle (a stand-in in tests), a Python scalar argument (CuPy chooses its C type), a
-    scalar wider than 8 bytes, or ``SAGECUPY_LAUNCH=cupy``."""
+    object without a driver handle (a stand-in in tests), a constant argument other than None or a numpy scalar
+    CuPy passes as itself (a Python scalar, whose C type CuPy chooses; an array: the package passes arrays per call,
+    as Refs), or ``SAGECUPY_LAUNCH=cupy``."""
     if os.environ.get("SAGECUPY_LAUNCH", "") == "cupy" or len(grid) > 3 or len(block) > 3:
         return None
     fptr = getattr(getattr(fn, "kernel", None), "ptr", None)
@@ -81,7 +83,6 @@ def _pack(fn, grid, block, template, refs, smem):
     ref_slots = {i for i, _ in refs}
     vals = np.zeros(len(template), dtype=np.uint64)
     raw = vals.view(np.uint8)
-    keep = []
     for i, a in enumerate(template):
         if i in ref_slots or a is None:
             continue
@@ -89,13 +90,8 @@ def _pack(fn, grid, block, template, refs, smem):
             b = np.frombuffer(a.tobytes(), dtype=np.uint8)
             raw[8 * i:8 * i + b.size] = b
             continue
-        ptr = getattr(getattr(a, "data", None), "ptr", None)  # a device array recorded as a constant
-        if type(ptr) is int and hasattr(a, "shape"):
-            vals[i] = ptr
-            keep.append(a)
-            continue
         return None
-    return _Packed(fptr, grid, block, smem, vals, refs, keep)
+    return _Packed(fptr, grid, block, smem, vals, refs)
 
 
 #: numpy scalar types CuPy's kernel call passes as themselves (bool, integers, float16/32/64), all <= 8 bytes.

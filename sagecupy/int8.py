@@ -287,6 +287,9 @@ def _column_stat(x, strides, T, shape, absmax):
     return prog.run({"x": x})["out"]
 
 
+_PREPASS_MODES = ("merged", "split")
+
+
 def fwd_prepass_mode() -> str:
     """How the forward pre-pass's quantization is launched on the wgmma engine at D = 128 with per-token Q and K:
     ``"merged"`` (default: Q, K and V in one launch, ``quant_qkv``) or ``"split"`` (Q/K, then V: the same bytes).
@@ -295,9 +298,6 @@ def fwd_prepass_mode() -> str:
     if mode not in _PREPASS_MODES:
         raise ValueError(f"SAGECUPY_FWD_PREPASS={mode!r} is not supported; supported: {_PREPASS_MODES}")
     return mode
-
-
-_PREPASS_MODES = ("merged", "split")
 
 
 def _column_stats_kv(prog, T, shape, strides_k, strides_v):
@@ -425,24 +425,22 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     # write them.
     kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
               if engine == "wgmma" else None)
-    v_channel_or_block = 0 if v_channel else 2
+    mode = 0 if v_channel else 2  # V's scales: per channel, or per 64-token block (computed by the V pass)
     if not v_channel:
         v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32)
-    merged_qkv = (fwd_prepass_mode() == "merged" and cfg.q_granularity == "token" and cfg.k_granularity == "token"
-                  and kv_img is not None and D == 128)
-    if merged_qkv:  # Q, K and V in one launch (V's 64-token blocks on 256 = 2 D threads)
-        prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {v_channel_or_block}>", T, D),
+    qk_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
+               qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
+               kv_img)
+    # Q, K and V in one launch where V's 64-token blocks take 256 = 2 D threads, as the Q and K rows do
+    if (fwd_prepass_mode() == "merged" and cfg.q_granularity == "token" and cfg.k_granularity == "token"
+            and kv_img is not None and D == 128):
+        prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),
-                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
-                     f32(LOG2E), qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k,
-                     i32(Hq), i32(Hkv), kv_img, rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale))
+                    qk_args + (rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale))
         return Plan(p, cfg, engine, copy, prog)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),
-                    (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,),
-                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale,
-                     f32(LOG2E), qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k,
-                     i32(Hq), i32(Hkv), kv_img))
+                    (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,), qk_args)
     else:
         rpw, grouped = (4, "false") if cfg.q_granularity == "token" else (16, "true")
         prog.launch(_qfn(f"quant_rows<{T}, {D}, {rpw}, {grouped}>", T, D), (nq_pad // (8 * rpw), Hq, B), (256,),
@@ -457,7 +455,6 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps):
     # for 64-key tiles (whole 128-byte lines per copied tile row pair: 1.02x forward kernel on the H200,
     # bench/NOTES.md eleventh session) or (B, Hkv, D, nk_pad) for 128-key tiles.
     tile_major = cfg.block_kv == 64
-    mode = v_channel_or_block
     if kv_img is not None:
         prog.launch(_qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))
