@@ -81,13 +81,79 @@ __device__ __forceinline__ void psi_code_words(const float (&x)[N], float s, flo
   }
 }
 
+// The exact alternative to psi_code_words: each code from the correctly rounded quotient itself, four instructions
+// per value and no branch. psi_quot is the arithmetic of CUDA's div.rn (MUFU.RCP; e = fma(-s, r, 1);
+// y = fma(e, r, r); q0 = fma(y, x, 0); rho = fma(q0, -s, x); q = fma(y, rho, q0), in non-ftz FMAs as ptxas
+// expands it) with the reciprocal's refinement (psi_recip) done once per scale, and without the range check that
+// sends div.rn to its slow path; in psi_exact_ok's range that check does not apply: s is normal and far from both
+// ends of the exponent range, and a value whose code can be nonzero has |x| >= s / 2, so q0 s, rho and the quotient
+// stay normal (tests/gpu/test_int8.py::test_psi_exact_matches_division compares it with __fdiv_rn near ties and
+// over the whole range). psi_code_words' tie test flags about a third of Q's warp steps on bf16 data (a value at
+// max / 2 lands within 1e-5 of 63.5), and each flagged step re-checks all of its lanes' values: ~20% of the Q rows'
+// instructions (ncu, bench/NOTES.md twenty-second session). Bit 1 of SAGE_PSI_EXACT: Q's rows; 2: K's rows;
+// 4: the transposed blocks (V, dO). Default 5: the forward pre-pass 153.5 -> 139.7 us at D = 128, 4K (with the
+// unpacking and division changes below; 148.9 without the exact path, 142.8 with Q's alone); K's rows (bit 2) trip
+// the tie test far less often (K - mu is not on the bf16 grid) and measured no better.
+#ifndef SAGE_PSI_EXACT
+#define SAGE_PSI_EXACT 5
+#endif
+__device__ __forceinline__ bool psi_exact_ok(float s) { return s >= 0x1p-79f && s <= 0x1p+99f; }
+
+__device__ __forceinline__ float psi_recip(float s) {
+  const float r = psi_rcp(s);
+  float e, y;
+  asm("fma.rn.f32 %0, %1, %2, 0f3F800000;" : "=f"(e) : "f"(-s), "f"(r));
+  asm("fma.rn.f32 %0, %1, %2, %2;" : "=f"(y) : "f"(e), "f"(r));
+  return y;
+}
+
+// fl32(x / s) for psi_exact_ok(s) and |x| <= 128 s, y = psi_recip(s).
+__device__ __forceinline__ float psi_quot(float x, float s, float y) {
+  float q0, rho, q;
+  asm("fma.rn.f32 %0, %1, %2, 0f00000000;" : "=f"(q0) : "f"(y), "f"(x));
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(rho) : "f"(q0), "f"(-s), "f"(x));
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(q) : "f"(y), "f"(rho), "f"(q0));
+  return q;
+}
+
+// psi_code_words' result (the codes as low bytes) from psi_quot: rint by the addend M, as psi_code_word does.
+// Outside psi_exact_ok's range (rows or channels at the ends of the exponent range) each value is divided by
+// __fdiv_rn, the reference's quotient itself.
+template <int N>
+__device__ __forceinline__ void psi_code_words_exact(const float (&x)[N], float s, unsigned (&cw)[N]) {
+  constexpr float M = 12582912.0f;
+  if (psi_exact_ok(s)) {
+    const float y = psi_recip(s);
+#pragma unroll
+    for (int i = 0; i < N; ++i) cw[i] = __float_as_uint(__fadd_rn(psi_quot(x[i], s, y), M));
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) cw[i] = __float_as_uint(__fadd_rn(__fdiv_rn(x[i], s), M));
+  }
+}
+
 // Eight consecutive elements (16-byte aligned) as floats, through one 16-byte load.
+// unpack8: eight packed 16-bit values as floats. bf16 by shifts and masks (the same bits as __bfloat162float, which
+// nvcc compiles to a byte permute and a shift for each odd element).
 template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
   const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
   for (int i = 0; i < 8; ++i) f[i] = to_float(e[i]);
+}
+template <>
+__device__ __forceinline__ void unpack8<__nv_bfloat16>(const uint4& u, float (&f)[8]) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
+  unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
 }
 
 
@@ -232,7 +298,7 @@ __host__ __device__ constexpr int quant_rows_cpl() {
   return c;
 }
 
-template <typename T, int D, int RPW, bool GROUPED>
+template <typename T, int D, int RPW, bool GROUPED, bool EXACT = false>
 __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
                                                 int n_pad, const float* __restrict__ mu, int mu_group, float mult,
                                                 signed char* __restrict__ codes, float* __restrict__ scales,
@@ -248,8 +314,13 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
   float v[STEPS][E];
   float amax[STEPS];
   float muv[E], dv[E];  // this lane's columns of mu and of dot_vec, loaded once for all its rows
-  const float* mu_row = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D : nullptr;
-  const float* dv_row = dot_vec ? dot_vec + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D : nullptr;
+  // Row b (H / group) + h / group = (b H + h) / group of the (B, H / group, D) vectors (group divides H): one unsigned
+  // division (two signed ones were ~74 instructions per thread, 8% of the Q rows' work).
+  const float* mu_row = mu ? mu + static_cast<long long>(static_cast<unsigned>(b * H + h) / static_cast<unsigned>(mu_group)) * D
+                           : nullptr;
+  const float* dv_row =
+      dot_vec ? dot_vec + static_cast<long long>(static_cast<unsigned>(b * H + h) / static_cast<unsigned>(dot_group)) * D
+              : nullptr;
 #pragma unroll
   for (int j = 0; j < 2 * C; ++j) {  // 16-byte loads (mu, dot_vec: the package's own 16-byte aligned (.., D) rows)
     const int col = ((j / 2) * LPR + cl) * 8 + 4 * (j % 2);
@@ -264,13 +335,10 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     const int row = row_base + st * RPI + sub;
 #pragma unroll
     for (int j = 0; j < C; ++j) {
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);  // rows >= n: zeros (one predicated load, then the same conversions)
+      if (row < n) u = *reinterpret_cast<const uint4*>(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8);
       float f[8];
-      if (row < n) {
-        load8(x + b * sb + h * sh + row * sn + (j * LPR + cl) * 8, f);
-      } else {
-#pragma unroll
-        for (int c = 0; c < 8; ++c) f[c] = 0.f;
-      }
+      unpack8<T>(u, f);
 #pragma unroll
       for (int c = 0; c < 8; ++c) v[st][8 * j + c] = f[c];
     }
@@ -323,7 +391,8 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     for (int i = 0; i < 2 * C; ++i) w[i] = 0u;
     if (row < n && psi_valid(s)) {
       unsigned cw[E];
-      psi_code_words<E>(v[st], s, inv_s, cw);
+      if (EXACT) psi_code_words_exact<E>(v[st], s, cw);
+      else psi_code_words<E>(v[st], s, inv_s, cw);
 #pragma unroll
       for (int i = 0; i < 2 * C; ++i) w[i] = pack4_low_bytes(cw[4 * i], cw[4 * i + 1], cw[4 * i + 2], cw[4 * i + 3]);
     }
@@ -376,11 +445,13 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
-    quant_rows_body<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes, q_scales, q_scale_mult,
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes,
+                                                                 q_scales, q_scale_mult,
                                       mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
   } else {
     if (bx * rows >= nk_pad) return;
-    quant_rows_body<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes, k_scales, 1.f, nullptr, 1,
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes,
+                                                                 k_scales, 1.f, nullptr, 1,
                                       0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
   }
 }
@@ -471,10 +542,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint4 u = *reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0);
-      const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[k][i] = to_float(e[i]);
+      unpack8<T>(*reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0), v[k]);
     }
   }
 #pragma unroll
@@ -551,7 +619,8 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     if (psi_valid(sc[c])) {
       const float xc[4] = {v[0][c], v[1][c], v[2][c], v[3][c]};
       unsigned cw[4];
-      psi_code_words<4>(xc, sc[c], psi_rcp(sc[c]), cw);
+      if (SAGE_PSI_EXACT & 4) psi_code_words_exact<4>(xc, sc[c], cw);
+      else psi_code_words<4>(xc, sc[c], psi_rcp(sc[c]), cw);
       w = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
     }
     words[c0 + c][tg] = w;
@@ -774,11 +843,13 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
-    quant_rows_body<T, D, RPW, false>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes, q_scales, q_scale_mult,
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes,
+                                                                 q_scales, q_scale_mult,
                                       mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
   } else if (y < Hq + Hkv) {
     if (bx * rows >= nk_pad) return;
-    quant_rows_body<T, D, RPW, false>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes, k_scales, 1.f, nullptr, 1,
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes,
+                                                                 k_scales, 1.f, nullptr, 1,
                                       0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
   } else {
     if (bx * 64 >= nk_pad) return;

@@ -728,3 +728,57 @@ def test_replay_on_a_fresh_thread():
     assert not err, err
     for a, b in zip(out, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_psi_exact_matches_division():
+    """int8_quant.cu's exact code path (psi_quot: div.rn's arithmetic with the reciprocal refined once per scale and
+    without div.rn's range check) gives __fdiv_rn's quotient, hence the same codes, for every scale psi_exact_ok lets
+    through: generic values over that whole exponent range, values within 8 ulps of a tie (k + 0.5) s, bf16 rows
+    whose values sit at max / 2 and other bf16 grid points (the ties the tie test used to re-divide), and scales at
+    both ends of the range. 2^24 pairs per kind."""
+    from pathlib import Path
+
+    from sagecupy import _loader
+
+    cp = _cupy()
+    src = _loader._inline(Path(__file__).with_name("psi_exact.cu").resolve(), set())
+    mod = cp.RawModule(code=src, options=_loader._options())
+    fn = mod.get_function("psi_quot_vs_div")
+    rs = cp.random.RandomState(7)
+    n = 1 << 24
+
+    def scale(lo, hi):
+        return (rs.uniform(1.0, 2.0, n) * cp.exp2(rs.randint(lo, hi + 1, n).astype(cp.float64))).astype(cp.float32)
+
+    def near_ties(s):
+        k = rs.randint(0, 127, n).astype(cp.float64)
+        sign = cp.where(rs.randint(0, 2, n) == 0, -1.0, 1.0)
+        t = (sign * (k + 0.5) * s.astype(cp.float64)).astype(cp.float32)
+        return (t.view(cp.int32) + rs.randint(-8, 9, n).astype(cp.int32)).view(cp.float32)
+
+    def bf16(x):
+        return (x.astype(cp.float32).view(cp.uint32) & cp.uint32(0xFFFF0000)).view(cp.float32)
+
+    amax = bf16(scale(-60, 60) * cp.float32(127.0))
+    s_bf = (amax / cp.float32(127.0)).astype(cp.float32)
+    halves = amax * cp.where(rs.randint(0, 2, n) == 0, cp.float32(-0.5), cp.float32(0.5))
+    grid = bf16(amax * rs.uniform(-1.0, 1.0, n).astype(cp.float32))
+    s_gen = scale(-79, 98)
+    s_edge = cp.where(rs.randint(0, 2, n) == 0, scale(-79, -72), scale(92, 98))
+    kinds = {
+        "generic": (s_gen * rs.uniform(-127.5, 127.5, n).astype(cp.float32), s_gen),
+        "near ties": (near_ties(s_gen), s_gen),
+        "bf16 at max / 2": (halves, s_bf),
+        "bf16 grid": (grid, s_bf),
+        "range ends, near ties": (near_ties(s_edge), s_edge),
+    }
+    for name, (x, s) in kinds.items():
+        x, s = cp.ascontiguousarray(x, dtype=cp.float32), cp.ascontiguousarray(s, dtype=cp.float32)
+        bad = cp.zeros(3, dtype=cp.uint64)
+        first = cp.full(2, -1, dtype=cp.int64)
+        fn((1024,), (256,), (x, s, np.int64(n), bad, first))
+        codes, bits, seen = (int(b) for b in bad.get())
+        assert seen == n, (name, seen)
+        assert codes == 0 and bits == 0, (name, codes, bits, [(float(x[i]), float(s[i])) for i in first.get() if i >= 0])
+    quotient = (halves / s_bf).get()
+    assert (np.abs(np.abs(quotient) - 63.5) < 1e-4).mean() > 0.99, "the bf16 half-max values must sit at a tie"
