@@ -132,7 +132,6 @@ __device__ __forceinline__ void psi_code_words_exact(const float (&x)[N], float 
   }
 }
 
-// Eight consecutive elements (16-byte aligned) as floats, through one 16-byte load.
 // unpack8: eight packed 16-bit values as floats. bf16 by shifts and masks (the same bits as __bfloat162float, which
 // nvcc compiles to a byte permute and a shift for each odd element).
 template <typename T>
@@ -151,6 +150,7 @@ __device__ __forceinline__ void unpack8<__nv_bfloat16>(const uint4& u, float (&f
   }
 }
 
+// Eight consecutive elements (16-byte aligned) as floats, through one 16-byte load.
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
   unpack8<T>(*reinterpret_cast<const uint4*>(p), f);
@@ -445,14 +445,14 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes,
-                                                                 q_scales, q_scale_mult,
-                                      mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
+                                                                 q_codes, q_scales, q_scale_mult, mu_k, Hq / Hkv,
+                                                                 q_mult, qmk, bx, y, blockIdx.z, Hq);
   } else {
     if (bx * rows >= nk_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes,
-                                                                 k_scales, 1.f, nullptr, 1,
-                                      0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f,
+                                                                 k_codes, k_scales, 1.f, nullptr, 1, 0.f, nullptr,
+                                                                 bx, y - Hq, blockIdx.z, Hkv, kv_img);
   }
 }
 
@@ -843,14 +843,14 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes,
-                                                                 q_scales, q_scale_mult,
-                                      mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
+                                                                 q_codes, q_scales, q_scale_mult, mu_k, Hq / Hkv,
+                                                                 q_mult, qmk, bx, y, blockIdx.z, Hq);
   } else if (y < Hq + Hkv) {
     if (bx * rows >= nk_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes,
-                                                                 k_scales, 1.f, nullptr, 1,
-                                      0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f,
+                                                                 k_codes, k_scales, 1.f, nullptr, 1, 0.f, nullptr,
+                                                                 bx, y - Hq, blockIdx.z, Hkv, kv_img);
   } else {
     if (bx * 64 >= nk_pad) return;
     quant_transpose_perm_body<T, D, MODE, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, v_scale_in, v_scale_out,
