@@ -90,7 +90,8 @@ __device__ __forceinline__ void psi_code_words(const float (&x)[N], float s, flo
 // stay normal (tests/gpu/test_int8.py::test_psi_exact_matches_division compares it with __fdiv_rn near ties and
 // over the whole range). psi_code_words' tie test flags about a third of Q's warp steps on bf16 data (a value at
 // max / 2 lands within 1e-5 of 63.5), and each flagged step re-checks all of its lanes' values: ~20% of the Q rows'
-// instructions (ncu, bench/NOTES.md twenty-second session). Bit 1 of SAGE_PSI_EXACT: Q's rows; 2: K's rows;
+// instructions (ncu, bench/NOTES.md twenty-second session). Bit 1 of SAGE_PSI_EXACT: Q's per-token rows; 2: K's
+// per-token rows (both in quant_rows_qk and quant_qkv; quant_rows, the per-block configs' pass, keeps the tie test);
 // 4: the transposed blocks (V, dO). Default 5: the forward pre-pass 153.5 -> 139.7 us at D = 128, 4K (with the
 // unpacking and division changes below; 148.9 without the exact path, 142.8 with Q's alone); K's rows (bit 2) trip
 // the tie test far less often (K - mu is not on the bf16 grid) and measured no better.
