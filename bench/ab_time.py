@@ -2,7 +2,7 @@
 SAGECUPY_KERNELS_DIR: bench/variant_env.py), interleaved over rounds, the best kept, in one process:
 
     git archive HEAD kernels_cu | tar -x -C /tmp/base
-    python bench/ab_time.py --what int8_fwd,int8_bwd,qat_fwd,qat_bwd,nvfp4 \\
+    python bench/ab_time.py --what int8_fwd,int8_infer,int8_bwd,qat_fwd,qat_bwd,nvfp4 \\
         --variants ";SAGECUPY_KERNELS_DIR=/tmp/base/kernels_cu"
 
 Each row: the call, the shape, then per variant its time (ms) and its ratio to the first variant (> 1: faster than
@@ -17,6 +17,8 @@ from variant_env import set_variant
 def calls(what, q, k, v, do, causal):
     if what == "int8_fwd":
         return lambda: int8.forward(q, k, v, causal=causal)
+    if what == "int8_infer":  # the inference call (no residuals)
+        return lambda: int8.sage_attention(q, k, v, causal=causal)
     if what == "int8_bwd":
         _, res = int8.forward(q, k, v, causal=causal)
         return lambda: int8.backward(res, do)

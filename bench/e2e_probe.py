@@ -1,6 +1,10 @@
 """Where an end-to-end call's time goes beyond its attention kernel (INT8 forward by default; on the GPU machine):
 
-    python bench/e2e_probe.py [--family int8|nvfp4|qat] [--profile]
+    python bench/e2e_probe.py [--family int8|nvfp4|qat] [--call infer|train] [--profile]
+
+(``--call``, INT8 only: the inference call ``sage_attention``, the default since the twenty-third session, or the
+training forward ``int8.forward``, which also keeps the backward's residuals; earlier sessions' figures are the
+training forward's.)
 
 Per case (D = 128, N = 4K and 16K, causal and not): the call timed as ``bench.time_ms`` does (events around one
 call, synchronized after each: host time before the first launch counts), the same call back to back (20 calls
@@ -56,18 +60,22 @@ def main():
     ap.add_argument("--family", default="int8", choices=("int8", "nvfp4", "qat"))
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ns", default="4096,16384")
+    ap.add_argument("--call", default="infer", choices=("infer", "train"),
+                    help="int8: the inference call (sage_attention, default) or the training forward (forward)")
     a = ap.parse_args()
     D = 128
     for N in (int(x) for x in a.ns.split(",")):
         B, H, (q, k, v, _) = bench._inputs(D, N, "bfloat16")
         for causal in (False, True):
             if a.family == "int8":
-                call = lambda: int8.forward(q, k, v, causal=causal)  # noqa: E731
+                inf = a.call == "infer"
+                call = ((lambda: int8.sage_attention(q, k, v, causal=causal)) if inf  # noqa: E731
+                        else (lambda: int8.forward(q, k, v, causal=causal)))
                 p, c, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND",
-                                                     config=None)
+                                                     config=None, inference=inf)
                 kern = lambda: int8._launch_forward(p, c, pre)  # noqa: E731
                 prep = lambda: int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None,  # noqa: E731
-                                                        layout="HND", config=None)
+                                                        layout="HND", config=None, inference=inf)
             elif a.family == "nvfp4":
                 call = lambda: nvfp4.attention(q, k, v, causal=causal)  # noqa: E731
                 kern = prep = None

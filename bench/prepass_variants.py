@@ -23,6 +23,9 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--forward-only", action="store_true", help="skip the backward's pre-passes")
+    ap.add_argument("--inference", action="store_true",
+                    help="also time the inference forward's pre-pass (sage_attention's: no plain K codes / scales), its "
+                         "outputs compared with the training pre-pass's of the first variant")
     a = ap.parse_args()
     variants = a.defines.split(";")
     for N in (4096, 16384):
@@ -47,22 +50,27 @@ def main():
         set_variant(None)
         if not a.forward_only:
             print(line, flush=True)
-        line, ref = f"forward  D={a.d} N={N:<6} {a.dtype}", None
-        for dfn in variants:
-            set_variant(dfn)
+        ref = None
+        for inference in ((False, True) if a.inference else (False,)):
+            line = f"forward{'-infer' if inference else ''}  D={a.d} N={N:<6} {a.dtype}"
+            for dfn in variants:
+                set_variant(dfn)
 
-            def prep():
-                return int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT)
+                def prep():
+                    return int8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout="HND", config=DEFAULT,
+                                                    inference=inference)
 
-            ms = min(bench.time_ms_b2b(prep, 3, calls=20) for _ in range(2))
-            pre = prep()[2]
-            got = [np.asarray(pre[n].get()) for n in ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "kv_img", "v_scale", "qmk")
-                   if pre[n] is not None]  # (wgmma, 64-key tiles: V^T lives in the K/V images, no v_t)
-            same = "" if ref is None else (" =" if all(np.array_equal(x, y) for x, y in zip(got, ref)) else " DIFFERS")
-            ref = got if ref is None else ref
-            line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"
-        set_variant(None)
-        print(line, flush=True)
+                ms = min(bench.time_ms_b2b(prep, 3, calls=20) for _ in range(2))
+                pre = prep()[2]
+                names = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "kv_img", "v_scale", "qmk")
+                # (wgmma, 64-key tiles: V^T lives in the K/V images, no v_t; inference: no plain K codes / scales)
+                got = {n: np.asarray(pre[n].get()) for n in names if pre[n] is not None}
+                same = "" if ref is None else (" =" if all(np.array_equal(x, ref[n]) for n, x in got.items())
+                                               else " DIFFERS")
+                ref = got if ref is None else ref
+                line += f" | [{dfn or 'default'}] {ms * 1e3:.1f} us{same}"
+            set_variant(None)
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -397,12 +397,15 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
 #pragma unroll
       for (int i = 0; i < 2 * C; ++i) w[i] = pack4_low_bytes(cw[4 * i], cw[4 * i + 1], cw[4 * i + 2], cw[4 * i + 3]);
     }
-    signed char* crow = codes + (bh * n_pad + row) * D;
+    // codes / scales null (K for the inference forward, sage_attention): only the stage images are written
+    if (codes) {
+      signed char* crow = codes + (bh * n_pad + row) * D;
 #pragma unroll
-    for (int j = 0; j < C; ++j)
-      *reinterpret_cast<uint2*>(crow + (j * LPR + cl) * 8) = make_uint2(w[2 * j], w[2 * j + 1]);
+      for (int j = 0; j < C; ++j)
+        *reinterpret_cast<uint2*>(crow + (j * LPR + cl) * 8) = make_uint2(w[2 * j], w[2 * j + 1]);
+    }
     const float stored = row < n ? s * scale_mult : 0.f;
-    if (cl == 0) scales[bh * n_pad + row] = stored;
+    if (cl == 0 && scales) scales[bh * n_pad + row] = stored;
     if (kv_img) {  // K^ for the wgmma forward's stage images (common/bwd_img.cuh FwdImg): the same bytes, swizzled
       char* img = kv_img + (bh * (n_pad / 64) + row / 64) * static_cast<long long>(FwdImg<D>::STAGE);
 #pragma unroll

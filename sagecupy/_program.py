@@ -254,12 +254,13 @@ class Plans(dict):
 class Plan:
     """What a call signature determines: the problem (``p``), the config, the engine, which inputs are copied per
     call (``copy``: strided or misaligned), the recorded program, and the programs recorded after it by launch
-    options (``launches``)."""
+    options (``launches``). ``inference``: the program keeps no residuals (the INT8 inference forward)."""
 
-    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches")
+    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches", "inference")
 
-    def __init__(self, p, cfg, engine, copy, prog):
+    def __init__(self, p, cfg, engine, copy, prog, inference=False):
         self.p, self.cfg, self.engine, self.copy, self.prog = p, cfg, engine, copy, prog
+        self.inference = inference
         self.launches = Plans(cap=16)
 
     def launch_program(self, p, cfg, make_key, build):

@@ -8,7 +8,9 @@ forward+backward 3.5x. INT8 rates are TOPS, the others TFLOPS; the ``tops`` fiel
 Modes: ``fwd`` / ``bwd`` / ``fwdbwd``; ``scope``: ``kernel`` (the attention kernel alone, inputs
 already quantized) or ``e2e`` (what a user calls: validation, smoothing, quantization, kernel), each call
 synchronized; ``e2e-b2b``: the same call issued back to back (:func:`time_ms_b2b`), the device time per call
-when the host keeps ahead, as in a training loop.
+when the host keeps ahead, as in a training loop. The INT8 forward's ``e2e`` rows time the inference call
+(``int8.sage_attention``), as SDPA's forward is timed under ``torch.no_grad()``; ``train`` / ``train-b2b`` time
+the training forward (``int8.forward``, which also keeps the backward's residuals).
 """
 from __future__ import annotations
 
@@ -140,8 +142,12 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
         del pre_m
         if device_capability() == (9, 0):
             row("fwd", "kernel-wgmma", time_ms(lambda: int8._launch_forward(p, cfg, pre, "wgmma"), warmup, rep))
-        row("fwd", "e2e", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
-        row("fwd", "e2e-b2b", time_ms_b2b(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup))
+        # "e2e": the inference call (sage_attention: no residuals kept), as SDPA's forward is timed (torch.no_grad);
+        # "train": the training forward (int8.forward, which also keeps the backward's residuals)
+        row("fwd", "e2e", time_ms(lambda: int8.sage_attention(q, k, v, causal=causal, config=config), warmup, rep))
+        row("fwd", "e2e-b2b", time_ms_b2b(lambda: int8.sage_attention(q, k, v, causal=causal, config=config), warmup))
+        row("fwd", "train", time_ms(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup, rep))
+        row("fwd", "train-b2b", time_ms_b2b(lambda: int8.forward(q, k, v, causal=causal, config=config), warmup))
     o, res = int8.forward(q, k, v, causal=causal, config=config)
     if "bwd" in modes:
         bpre = int8._preprocess_backward(res, do)
@@ -367,7 +373,8 @@ def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) 
 
 def format_rows(rows) -> str:
     """An aligned table of benchmark rows with the ratio to each SDPA baseline of the same run."""
-    # SDPA rows by scope: back-to-back rows ("e2e-b2b") are compared with SDPA timed the same way, the rest with "e2e"
+    # SDPA rows by scope: back-to-back rows ("e2e-b2b", "train-b2b") are compared with SDPA timed the same way, the
+    # rest with "e2e"
     base = {(r["impl"], r.get("scope", "e2e"), r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows
             if "ms" in r and r["impl"].startswith("sdpa-")}
     lines = [f"{'impl':<16}{'cfg':<9}{'mode':<8}{'scope':<8}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
@@ -380,7 +387,7 @@ def format_rows(rows) -> str:
         if "ms" not in r:
             lines.append(f"{r['impl']:<16} error D={r['D']} N={r['N']} causal={r['causal']}: {r.get('error')}")
             continue
-        key = ("e2e-b2b" if r.get("scope") == "e2e-b2b" else "e2e", r["mode"], r["D"], r["N"], r["causal"])
+        key = ("e2e-b2b" if r.get("scope", "").endswith("b2b") else "e2e", r["mode"], r["D"], r["N"], r["causal"])
         fl, cu = base.get(("sdpa-flash",) + key), base.get(("sdpa-cudnn",) + key)
         rf = f"{fl / r['ms']:.2f}" if fl else "-"
         rc = f"{cu / r['ms']:.2f}" if cu else "-"

@@ -5,6 +5,8 @@ file (the same run).
     python bench/tools/int8_table.py RUN.jsonl --engines  # kernel time of the mma.sync and wgmma engines
     python bench/tools/int8_table.py RUN.jsonl --all-n    # every N the run has (default: 4K and 16K)
 
+"fwd e2e" is the inference call (``sage_attention``, as SDPA's forward is timed under ``torch.no_grad()``); the
+training forward (``int8.forward``) has its own column since the twenty-third session.
 "fwd kernel" is the ``kernel-wgmma`` row on sm_90 (the kernel the default call runs; the ``kernel`` row times
 the same call first in each case, after the inputs are made, and reads a few percent slower), else ``kernel``.
 """
@@ -27,8 +29,9 @@ def main():
         print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|")
     else:
         print("| D | N | causal | fwd kernel TOPS | fwd e2e TOPS | fwd × flash | fwd × cuDNN | bwd e2e TOPS | bwd × flash "
-              "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN | fwd × flash, b2b | fwd+bwd × flash, b2b |")
-        print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| fwd+bwd TOPS | fwd+bwd × flash | fwd+bwd × cuDNN | fwd × flash, b2b | fwd+bwd × flash, b2b "
+              "| training fwd × flash, e2e / b2b |")
+        print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     present = {(r.get("D"), r.get("N")) for r in rows
                if r.get("impl") == "sagecupy-int8" and r.get("mode") == "fwd"}  # not the peak-memory rows
     ns = sorted({n for _, n in present}) if "--all-n" in sys.argv else (4096, 16384)
@@ -54,10 +57,13 @@ def main():
                 # back to back (bench.time_ms_b2b): absent from runs before the eleventh session
                 fbb, xbb = (pick(rows, mode=m, scope="e2e-b2b", **s) for m in ("fwd", "fwdbwd"))
                 ffb, xfb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **t) for m in ("fwd", "fwdbwd"))
+                # the training forward (int8.forward, residuals kept): absent from runs before the twenty-third session,
+                # whose "e2e" forward rows timed it
+                tr, trb = (pick(rows, mode="fwd", scope=sc, **s) for sc in ("train", "train-b2b"))
                 x = ratio
                 print(f"{head} {k['tops']:.0f} | {fe['tops']:.0f} | {x(ff, fe)} | {x(fc, fe)} | "
                       f"{be['tops']:.0f} | {x(bf, be)} | {fb['tops']:.0f} | {x(xf, fb)} | {x(xc, fb)} | "
-                      f"{x(ffb, fbb)} | {x(xfb, xbb)} |")
+                      f"{x(ffb, fbb)} | {x(xfb, xbb)} | {x(ff, tr)} / {x(ffb, trb)} |")
 
 
 if __name__ == "__main__":

@@ -212,14 +212,34 @@ def test_backward_is_bitwise_repeatable(causal, config):
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{name} differs between two runs"
 
 
-def test_sage_attention_matches_forward():
+@pytest.mark.parametrize("D,dtype,layout,config,causal,Hq,Hkv,Nq,Nk", [
+    (64, "float16", "HND", "default", True, 2, 2, 100, 100),
+    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000),   # quant_qkv (one pre-pass launch), GQA
+    (128, "float16", "NHD", "default", False, 2, 1, 1000, 17),
+    (128, "bfloat16", "HND", "paper", True, 2, 2, 300, 517),      # per-block Q / K / V: the quant_rows passes
+    (64, "bfloat16", "NHD", BKV64, False, 4, 4, 17, 300),
+])
+def test_sage_attention_matches_forward(D, dtype, layout, config, causal, Hq, Hkv, Nq, Nk):
+    """sage_attention keeps no residuals (on the wgmma engine its pre-pass writes no plain K codes or scales, and
+    the kernel no base-2 LSE): O and the LSE are bitwise forward's, and so is every pre-pass output it keeps."""
     import sagecupy.int8 as s8
 
-    (q, k, v, _), _ = _inputs(11, 1, 2, 2, 100, 100, 64, "HND", "float16")
-    o1 = s8.sage_attention(q, k, v, causal=True)
-    o2, lse = s8.sage_attention(q, k, v, causal=True, return_lse=True)
-    o3, _ = s8.forward(q, k, v, causal=True)
-    assert bool((o1 == o3).all()) and bool((o2 == o3).all()) and lse.shape == (1, 2, 100)
+    (q, k, v, _), _ = _inputs(11, 1, Hq, Hkv, Nq, Nk, D, layout, dtype)
+    o1 = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config)
+    o2, lse2 = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
+    o3, lse3, _ = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
+    for o in (o1, o2):
+        assert np.array_equal(_raw(o).get(), _raw(o3).get()), "sage_attention's O differs from forward's"
+    assert np.array_equal(lse2.get(), lse3.get()), "sage_attention's LSE differs from forward's"
+    kw = dict(causal=causal, sm_scale=None, layout=layout, config=config)
+    _, _, pre_t = s8._preprocess_forward(q, k, v, **kw)
+    _, _, pre_i = s8._preprocess_forward(q, k, v, inference=True, **kw)
+    assert pre_i["inference"] and not pre_t["inference"]
+    if pre_i["engine"] == "wgmma":
+        assert pre_i["k_codes"] is None and pre_i["k_scale"] is None
+    for name, x in pre_i.items():
+        if name in s8._PRE_NAMES and x is not None:
+            assert np.array_equal(_raw(x).get(), _raw(pre_t[name]).get()), f"inference pre-pass: {name} differs"
 
 
 def test_uint16_is_not_taken_for_bfloat16():
