@@ -502,7 +502,7 @@ def _launch_forward(p, cfg, pre, engine=None, warps=None):
     prog = pre["plan"].launch_program(p, cfg, lambda: (engine, warps, type(warps), env_key()),
                                       lambda: _forward_launch_program(p, cfg, pre, engine, warps))
     ns = prog.run({n: pre[n] for n in _PRE_NAMES})
-    return ns["o"], ns["lse"], ns.get("lse2")
+    return ns["o"], ns["lse"], ns["lse2"]
 
 
 def _forward_launch_program(p, cfg, pre, engine, warps):
@@ -534,7 +534,9 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
     o = prog.empty("o", o_shape, _bits_dtype(p.dtype))
     osb, osh, osn = _c_strides(o_shape, layout)
     lse = prog.empty("lse", (B, Hq, nq), f32)
-    lse2 = None if pre.get("inference") else prog.empty("lse2", (B, Hq, nq_pad), f32)  # the backward's residual
+    # lse2 (the backward's residual) is written by the inference forward too: with a null lse2 the kernel's LSE came out
+    # 1 ulp off in some rows (the epilogue compiles differently around the skipped store), and it is 4 bytes per row
+    lse2 = prog.empty("lse2", (B, Hq, nq_pad), f32)
 
     def arg(name):  # a pre-pass array (None stays None: the kernel ignores it)
         return Ref(name) if pre[name] is not None else None

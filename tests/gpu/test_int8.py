@@ -220,8 +220,8 @@ def test_backward_is_bitwise_repeatable(causal, config):
     (64, "bfloat16", "NHD", BKV64, False, 4, 4, 17, 300),
 ])
 def test_sage_attention_matches_forward(D, dtype, layout, config, causal, Hq, Hkv, Nq, Nk):
-    """sage_attention keeps no residuals (on the wgmma engine its pre-pass writes no plain K codes or scales, and
-    the kernel no base-2 LSE): O and the LSE are bitwise forward's, and so is every pre-pass output it keeps."""
+    """sage_attention keeps no residuals (on the wgmma engine its pre-pass writes no plain K codes or scales): O and
+    the LSE are bitwise forward's, and so is every pre-pass output it keeps."""
     import sagecupy.int8 as s8
 
     (q, k, v, _), _ = _inputs(11, 1, Hq, Hkv, Nq, Nk, D, layout, dtype)
