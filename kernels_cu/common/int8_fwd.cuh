@@ -530,4 +530,213 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }
 
+// ---- wgmma forward, ITEMS query blocks per CTA (sm_90a; SAGECUPY_FWD_ITEMS, experiment) ----
+// The kernel above pays a fixed cost per CTA: Q's load and the first Q.K^T with nothing of the CTA to overlap them, and
+// the epilogue (bench/NOTES.md, nineteenth session: ~2.3 us per CTA, ~8% of the 4K causal kernel). Here CTA c computes
+// the query blocks (items) c ITEMS .. c ITEMS + ITEMS - 1 of query_block's dispatch order (query_block_at), one after
+// the other, and their key tiles form one sequence through the K/V ring (global tile g in stage g % NST): thread 0
+// loads the next item's first tiles while this item's last ones are computed, the next item's Q is copied into sQ
+// during the last tile's softmax (sQ is free then: the item's last Q.K^T was waited for in the iteration before), and
+// the last iteration's Q.K^T(t+1) -- dropped in the kernel above -- is the next item's first. Every row is computed
+// by the same operations in the same order as in the kernel above: bitwise the same O and LSE.
+// 4 warps, BKV = 128 (no PV_HALVES); grid (ceil(n_items / ITEMS)).
+template <typename T, int D, int BKV, int ITEMS>
+__device__ __forceinline__ void int8_attn_fwd_wgmma_items_impl(const signed char* __restrict__ qc,
+              const float* __restrict__ qs, const float* __restrict__ vs, const float* __restrict__ qmk,
+              T* __restrict__ o, long long osb, long long osh, long long osn,
+              float* __restrict__ lse, float* __restrict__ lse2,
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal,
+              const char* __restrict__ kv_img, int batch) {
+  static_assert(D == 64 || D == 128, "wgmma N = D");
+  static_assert(BKV == 128 && !FwdSm90<D, BKV>::PV_HALVES, "128-key tiles");
+  using KvImg = FwdImg<D>;
+  constexpr int NI = BKV / 64, WARPS = 4;
+  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV>::NST, NT = BKV / 8;
+  const bool CAUSAL = causal != 0;
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sQ = smem;                               // FWD_BQ x D
+  char* sK = sQ + FWD_BQ * D;                    // NST stages x BKV x D
+  char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV
+  float* sKs = reinterpret_cast<float*>(sV + NST * D * BKV);  // NST stages x BKV key scales
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g8 = lane / 4, t4 = lane % 4;
+  const int shift = nk - nq, nblk = nq_pad / FWD_BQ, n_items = nblk * Hq * batch, item0 = blockIdx.x * ITEMS;
+  const int n_mine = min(ITEMS, n_items - item0);
+  auto item_at = [&](int j) {
+    return query_block_at<SAGE_FWD_CAUSAL_GROUP>(item0 + j, nblk, Hq, batch, Hkv, FWD_BQ, CAUSAL);
+  };
+
+  __shared__ __align__(8) unsigned long long full[NST];  // stage s resident
+  // For the producer (thread 0): item j's tiles are global tiles s_first[j] .. s_first[j + 1] - 1, of the kv head
+  // whose images start at image s_img[j].
+  // For every thread: item j's first query row s_q0[j], (b, h) row s_bh[j] and kv head s_bhk[j], and the offset of
+  // its O rows s_ooff[j] (kept in shared memory rather than registers, which the main loop needs).
+  __shared__ int s_first[ITEMS + 1], s_q0[ITEMS];
+  __shared__ long long s_img[ITEMS], s_bh[ITEMS], s_bhk[ITEMS], s_ooff[ITEMS];
+  if (tid == 0) {
+    int acc = 0;
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+      s_first[j] = acc;
+      s_img[j] = s_bh[j] = s_bhk[j] = s_ooff[j] = 0;
+      s_q0[j] = 0;
+      if (j < n_mine) {
+        const QueryBlock qb = item_at(j);
+        acc += key_tiles<BKV>(qb.q0, FWD_BQ, nq, nk, CAUSAL).n;
+        s_img[j] = qb.bhk * (nk_pad / 64);
+        s_q0[j] = qb.q0, s_bh[j] = qb.bh, s_bhk[j] = qb.bhk, s_ooff[j] = qb.b * osb + qb.h * osh;
+      }
+    }
+    s_first[ITEMS] = acc;
+#pragma unroll
+    for (int st = 0; st < NST; ++st) mbar_init(&full[st], 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  const int total = s_first[ITEMS];
+  auto load_global = [&](int gt) {  // thread 0: global tile gt into stage gt % NST
+    int j = 0;
+#pragma unroll
+    for (int i = 1; i < ITEMS; ++i)
+      if (gt >= s_first[i]) j = i;
+    const int st = gt % NST;
+    const char* img = kv_img + (s_img[j] + NI * (gt - s_first[j])) * static_cast<long long>(KvImg::STAGE);
+    mbar_arrive_expect_tx(&full[st], NI * KvImg::STAGE);
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const char* src = img + i * static_cast<long long>(KvImg::STAGE);
+      bulk_copy_g2s(sK + st * BKV * D + i * 64 * D, src + KvImg::K, 64 * D, &full[st]);
+      bulk_copy_g2s(sV + st * D * BKV + i * 64 * D, src + KvImg::VT, 64 * D, &full[st]);
+      bulk_copy_g2s(sKs + st * BKV + 64 * i, src + KvImg::KS, 256, &full[st]);
+    }
+  };
+  const float inv_p_max = 1.f / p_max;
+
+  // The current item's state (its head and pointers are recomputed from j where needed: fewer live registers).
+  int j = 0, n_t = 0, first_masked = 0, r_lo = 0;
+  FwdRows rs;
+  float acc_o[D / 8][4];
+  auto begin_item = [&](int jj) {
+    const int q0 = s_q0[jj];
+    const KeyTiles tl = key_tiles<BKV>(q0, FWD_BQ, nq, nk, CAUSAL);
+    n_t = tl.n, first_masked = tl.first_masked;
+    r_lo = q0 + warp * 16 + g8;
+    rs = fwd_rows_init(qs + s_bh[jj] * nq_pad, r_lo);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  };
+  auto end_item = [&](int jj) {
+    const long long bh = s_bh[jj];
+    fwd_epilogue<T, D>(acc_o, rs, vs + s_bhk[jj] * D, o + s_ooff[jj], osn, lse + bh * nq,
+                       lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
+  };
+  auto load_q = [&](int jj) {  // item jj's Q^ rows into sQ (one cp.async group)
+    load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (s_bh[jj] * nq_pad + s_q0[jj]) * D),
+                                                  D, tid);
+    cp_async_commit();
+  };
+  // Items without a key tile (rows past nq, causal rows that see no key): the epilogue alone (O = 0, LSE = -inf).
+  begin_item(0);
+  while (n_t == 0) {
+    end_item(j);
+    if (++j == n_mine) return;
+    begin_item(j);
+  }
+  load_q(j);
+  if (tid == 0) {
+#pragma unroll
+    for (int t = 0; t < NST - 1; ++t)
+      if (t < total) load_global(t);
+  }
+
+  int acc_s[NT][4];  // S of the tile being softmaxed; then Q.K^T of the next one, in flight
+  int acc_pv[D / 2];  // P.V of this tile
+  int(&accs)[4 * NT] = reinterpret_cast<int(&)[4 * NT]>(acc_s);
+  const unsigned long long dq = gmma_desc<D>(sQ);
+  auto issue_qk = [&](int stage) {
+    const unsigned long long dk = gmma_desc<D>(sK + stage * BKV * D);
+#pragma unroll
+    for (int kstep = 0; kstep < D / 32; ++kstep) {
+      if constexpr (BKV == 128)
+        wgmma_m64n128k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+      else
+        wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+    }
+    wgmma_commit();
+  };
+
+  cp_async_wait<0>();  // Q
+  fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
+  mbar_wait(&full[0], 0);  // global tile 0
+  __syncthreads();
+  wgmma_fence();
+  issue_qk(0);
+  wgmma_wait<0>();
+  fence_regs(accs);
+
+  int t = 0;  // the current item's tile
+  for (int gt = 0; gt < total; ++gt) {
+    const bool next = t + 1 == n_t && gt + 1 < total;  // this item's last tile, and another item follows
+    if (gt + 1 < total) mbar_wait(&full[(gt + 1) % NST], ((gt + 1) / NST) & 1);
+    __syncthreads();
+    if (tid == 0 && gt + NST - 1 < total) load_global(gt + NST - 1);
+    int jn = j;
+    if (next) {  // the next item with tiles: its Q into sQ (free: this item's last Q.K^T is done)
+      jn = j + 1;
+      while (s_first[jn + 1] == s_first[jn]) ++jn;
+      load_q(jn);
+    }
+
+    unsigned pa[NT / 4][4];
+    const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (gt % NST) * BKV, nullptr, t,
+                                                 t >= first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
+    wgmma_fence();
+    {  // P.V(t): k-steps 2 i, 2 i + 1 read image i's V^^T
+      const char* cV = sV + (gt % NST) * D * BKV;
+#pragma unroll
+      for (int kstep = 0; kstep < BKV / 32; ++kstep) {
+        const unsigned long long dv = gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D), 32 * (kstep % 2));
+        if constexpr (D == 128)
+          wgmma_m64n128k32_rs_u8s8(acc_pv, pa[kstep], dv, kstep);
+        else
+          wgmma_m64n64k32_rs_u8s8(acc_pv, pa[kstep], dv, kstep);
+      }
+      wgmma_commit();
+    }
+    if (next) {  // the next item's Q resident and visible to the tensor cores before its first Q.K^T
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();
+      wgmma_fence();
+    }
+    // Q.K^T(gt+1): the next tile of this item or the next item's first (on the CTA's last tile a stale stage, dropped)
+    issue_qk((gt + 1) % NST);
+    wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
+    fence_regs(acc_pv);
+    hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
+    fwd_pv_update_all<D>(acc_o, acc_pv, ts);
+    wgmma_wait<0>();  // Q.K^T(t+1) done
+    fence_regs(accs);
+    ++t;
+    if (t == n_t) {  // the item's last tile: its epilogue, then the items without tiles, then the next one
+      end_item(j);
+      for (int i = j + 1; i < jn; ++i) {
+        begin_item(i);
+        end_item(i);
+      }
+      if (next) {
+        j = jn;
+        begin_item(j);
+        t = 0;
+      }
+    }
+  }
+  // Items without tiles after the last one with tiles.
+  for (int i = j + 1; i < n_mine; ++i) {
+    begin_item(i);
+    end_item(i);
+  }
+  cp_async_wait<0>();
+}
+
 }  // namespace sage
