@@ -22,18 +22,3 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                  nk_pad, p_max, causal, v_block, kv_img);
 }
-
-// ITEMS query blocks per CTA, one after the other through one K/V ring (common/int8_fwd.cuh
-// int8_attn_fwd_wgmma_items_impl; SAGECUPY_FWD_ITEMS): 4 warps, 128-key tiles, the same dynamic shared memory as
-// int8_attn_fwd_sm90<T, D, 4, 128>; grid (ceil(n_items / ITEMS)), n_items = (nq_pad / 64) * Hq * batch.
-template <typename T, int D, int BKV, int ITEMS>
-__global__ void __launch_bounds__(128, FwdSm90<D, BKV>::MIN_CTAS)
-int8_attn_fwd_sm90_items(const signed char* __restrict__ qc, const float* __restrict__ qs,
-                         const float* __restrict__ vs, const float* __restrict__ qmk,
-                         T* __restrict__ o, long long osb, long long osh, long long osn,
-                         float* __restrict__ lse, float* __restrict__ lse2,
-                         int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal,
-                         const char* __restrict__ kv_img, int batch) {
-  int8_attn_fwd_wgmma_items_impl<T, D, BKV, ITEMS>(qc, qs, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                                   nk_pad, p_max, causal, kv_img, batch);
-}

@@ -35,7 +35,7 @@ _ALLOC, _VIEW, _LAUNCH, _CALL = 0, 1, 2, 3
 #: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
 _ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
              "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
-             "SAGECUPY_FWD_PREPASS", "SAGECUPY_FWD_ITEMS")
+             "SAGECUPY_FWD_PREPASS")
 #: Variables the package reads that do not change which kernels run or how (debug output only).
 NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG", "SAGECUPY_LAUNCH")
 

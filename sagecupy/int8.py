@@ -38,7 +38,6 @@ LOG2E = 1.4426950408889634
 _FWD_BQ, _FWD_BKV = 128, 128  # padding granularity of Q rows (pre-pass groups) and of keys (forward tiles)
 _BLOCK_KV = (64, 128)  # forward key tiles the kernels implement (SageBwdConfig.block_kv)
 _WARPS = (4, 8)
-_FWD_ITEMS = (1, 2, 3, 4)  # query blocks per CTA of the wgmma forward (forward_items)
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
@@ -161,7 +160,6 @@ def kernel_names() -> dict:
                 for bkv in _BLOCK_KV:
                     out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
                     out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>")
-            out["int8_attn_fwd_sm90.cu"] += [f"int8_attn_fwd_sm90_items<{T}, {D}, 128, {i}>" for i in _FWD_ITEMS[1:]]
             out["int8_attn_bwd.cu"] += list(_bwd_names(T, D))
             out["int8_attn_bwd_sm90.cu"] += list(_bwd_names(T, D, "wgmma"))
     return out
@@ -498,17 +496,6 @@ def forward_warps(warps: int | None = None) -> int:
     return warps
 
 
-def forward_items() -> int:
-    """Query blocks per CTA of the wgmma forward with 4 warps and block_kv=128: 1 (default: one CTA per query block)
-    or 2-4 (``SAGECUPY_FWD_ITEMS``; kernels_cu/common/int8_fwd.cuh int8_attn_fwd_wgmma_items_impl: a CTA's blocks
-    run one after the other through one K/V ring, the next block's Q and first Q.K^T overlapping the last tile of
-    the previous one). The result does not depend on it (tested bitwise)."""
-    env = os.environ.get("SAGECUPY_FWD_ITEMS", "1")
-    if env not in tuple(str(i) for i in _FWD_ITEMS):
-        raise ValueError(f"SAGECUPY_FWD_ITEMS={env!r} is not supported; supported: {_FWD_ITEMS}")
-    return int(env)
-
-
 def _launch_forward(p, cfg, pre, engine=None, warps=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
     recorded once per (pre-pass plan, engine, warps, environment)."""
@@ -533,12 +520,7 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
     if engine == "wgmma" and pre["kv_img"] is None:
         raise ValueError("the pre-pass has no K/V stage images (kv_img), which the wgmma kernel reads; call "
                          "_preprocess_forward(..., engine='wgmma')")
-    items = forward_items() if (engine == "wgmma" and w == 4 and bkv == 128) else 1
-    if items > 1:
-        fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90_items<{T}, {D}, {bkv}, {items}>",
-                          arch="sm_90a")
-        stages = _fwd90_stages(D, bkv)
-    elif engine == "wgmma":
+    if engine == "wgmma":
         fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
         stages = _fwd90_stages(D, bkv)
     else:
@@ -559,14 +541,6 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
     def arg(name):  # a pre-pass array (None stays None: the kernel ignores it)
         return Ref(name) if pre[name] is not None else None
 
-    if items > 1:
-        n_items = (nq_pad // 64) * Hq * B
-        prog.launch(fn, (-(-n_items // items),), (128,),
-                    (arg("q_codes"), arg("q_scale"), arg("v_scale"), arg("qmk"), o, i64(osb), i64(osh), i64(osn), lse,
-                     lse2, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-                     i32(int(p.causal)), arg("kv_img"), i32(B)),
-                    shared_mem=smem)
-        return prog
     prog.launch(fn, (nq_pad // (16 * w), Hq, B), (32 * w,),
                 (arg("q_codes"), arg("q_scale"), arg("k_codes"), arg("k_scale"), arg("v_t"), arg("v_scale"),
                  arg("qmk"), o, i64(osb), i64(osh), i64(osn), lse, lse2,

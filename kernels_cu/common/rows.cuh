@@ -44,32 +44,6 @@ __device__ __forceinline__ QueryBlock query_block(int rows, bool causal, int Hq,
   return qb;
 }
 
-// query_block's mapping for a linear item index lin in [0, nblk * Hq * batch) instead of the CTA's own index (the
-// forward kernel that runs several query blocks per CTA, int8_fwd.cuh): item lin is the block that CTA lin of the
-// one-block-per-CTA grid (nblk, Hq, batch) computes, so consecutive items are consecutive in dispatch order.
-template <int G = 1>
-__device__ __forceinline__ QueryBlock query_block_at(int lin, int nblk, int Hq, int batch, int Hkv, int rows,
-                                                     bool causal) {
-  QueryBlock qb;
-  int blk, bh;
-  if (causal) {
-    const int bh_count = Hq * batch;
-    const int g = lin / (G * nblk), r = lin - g * G * nblk;
-    const int gs = min(G, bh_count - g * G);
-    blk = nblk - 1 - r / gs;
-    bh = g * G + r % gs;
-  } else {
-    bh = lin / nblk;
-    blk = lin - bh * nblk;
-  }
-  qb.h = bh % Hq;
-  qb.b = bh / Hq;
-  qb.q0 = blk * rows;
-  qb.bh = static_cast<long long>(qb.b) * Hq + qb.h;
-  qb.bhk = static_cast<long long>(qb.b) * Hkv + qb.h / (Hq / Hkv);
-  return qb;
-}
-
 // Which TILE-key tiles (64 unless said) rows q0 .. q0 + bq - 1 visit, and from which one on they need the
 // mask. A block of padding rows only (q0 >= nq: the row padding is a multiple of 128, blocks may be 64)
 // visits none.

@@ -802,35 +802,3 @@ def test_psi_exact_matches_division():
         assert codes == 0 and bits == 0, (name, codes, bits, [(float(x[i]), float(s[i])) for i in first.get() if i >= 0])
     quotient = (halves / s_bf).get()
     assert (np.abs(np.abs(quotient) - 63.5) < 1e-4).mean() > 0.99, "the bf16 half-max values must sit at a tie"
-
-
-@pytest.mark.parametrize("case", [
-    # B, Hq, Hkv, Nq, Nk, D, layout, dtype, causal
-    (1, 4, 2, 300, 100, 128, "HND", "bfloat16", True),      # causal Nq > Nk: leading rows see no key (empty items)
-    (2, 2, 1, 17, 1000, 64, "HND", "float16", False),       # a padding-only block per head (empty items)
-    (1, 2, 2, 1000, 1000, 128, "NHD", "float16", True),
-    (1, 3, 1, 100, 4224, 128, "HND", "bfloat16", True),     # causal Nq < Nk, odd heads (items cross heads)
-    (2, 4, 4, 513, 300, 64, "NHD", "bfloat16", False),
-], ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("items", ["2", "3", "4"])
-def test_forward_items_bitwise(monkeypatch, case, items):
-    """SAGECUPY_FWD_ITEMS (several query blocks per CTA through one K/V ring) computes every row with the same
-    operations as one block per CTA: O and the LSE bitwise the same, and the backward's residual lse2 too."""
-    import sagecupy.int8 as s8
-
-    if s8.forward_engine() != "wgmma":
-        pytest.skip("the multi-block kernel is the wgmma engine's (sm_90)")
-    B, Hq, Hkv, Nq, Nk, D, layout, dtype, causal = case
-    (q, k, v, do), _ = _inputs(41, B, Hq, Hkv, Nq, Nk, D, layout, dtype)
-    outs = {}
-    for it in ("1", items):
-        monkeypatch.setenv("SAGECUPY_FWD_ITEMS", it)
-        o, lse, res = s8.forward(q, k, v, causal=causal, layout=layout, return_lse=True)
-        o2 = s8.sage_attention(q, k, v, causal=causal, layout=layout)
-        outs[it] = [_raw(o).get(), lse.get(), res.lse2.get(), _raw(o2).get()]
-        p, c, pre = s8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout=layout, config=None)
-        s8._launch_forward(p, c, pre)
-        names = [st[1].name for prog in pre["plan"].launches.values() for st in prog.steps if st[0] == 2]
-        assert any("_items<" in n for n in names) == (it != "1"), names
-    for name, a, b in zip(("O", "LSE", "lse2", "O (sage_attention)"), outs["1"], outs[items]):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"ITEMS={items}: {name} differs"
