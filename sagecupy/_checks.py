@@ -18,14 +18,21 @@ def dtype_name(dtype) -> str:
     return getattr(dtype, "name", str(dtype))
 
 
+_ARRAY_TYPES = None  # (cupy.ndarray, BF16Array), set by the first as_cupy call (cupy is imported lazily)
+
+
 def as_cupy(x, name: str):
     """A CuPy view of ``x`` (CuPy array, :class:`~sagecupy.bf16.BF16Array`, or any CUDA array with
     ``__dlpack__``), zero-copy."""
+    global _ARRAY_TYPES
     import cupy
 
-    from .bf16 import BF16Array
+    if _ARRAY_TYPES is None or _ARRAY_TYPES[0] is not cupy.ndarray:
+        # once per cupy module (tests swap in stand-ins): the function-level import of .bf16 cost ~1 us per call
+        from .bf16 import BF16Array
 
-    if isinstance(x, (cupy.ndarray, BF16Array)):
+        _ARRAY_TYPES = (cupy.ndarray, BF16Array)
+    if isinstance(x, _ARRAY_TYPES):
         # the pointer's device id and the runtime's current device: no Device objects on this per-call path
         dev, cur = getattr(x, "bits", x).data.device_id, cupy.cuda.runtime.getDevice()
         if dev != cur:

@@ -157,7 +157,7 @@ class Program:
         """Replay into ``ns`` (which holds the per-call inputs by name); returns ``ns``."""
         import cupy
 
-        empty = cupy.empty
+        empty = cupy.ndarray  # what cupy.empty(shape, dtype) returns, without its Python wrapper's call
         stream = None
         for step in self.steps:
             kind = step[0]
@@ -184,7 +184,7 @@ class Program:
                     args[i] = ns[name]
                 fn(grid, block, tuple(args), shared_mem=smem)
             elif kind == _ALLOC:
-                ns[step[1]] = empty(step[2], dtype=step[3])
+                ns[step[1]] = empty(step[2], step[3])
             elif kind == _VIEW:
                 ns[step[1]] = ns[step[2]][step[3]]
             else:
