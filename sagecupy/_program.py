@@ -157,7 +157,7 @@ class Program:
         """Replay into ``ns`` (which holds the per-call inputs by name); returns ``ns``."""
         import cupy
 
-        empty = cupy.ndarray  # what cupy.empty(shape, dtype) returns, without its Python wrapper's call
+        empty = cupy.empty  # looked up per run: the GPU tests' NaN poisoning replaces it
         stream = None
         for step in self.steps:
             kind = step[0]
@@ -184,7 +184,7 @@ class Program:
                     args[i] = ns[name]
                 fn(grid, block, tuple(args), shared_mem=smem)
             elif kind == _ALLOC:
-                ns[step[1]] = empty(step[2], step[3])
+                ns[step[1]] = empty(step[2], dtype=step[3])
             elif kind == _VIEW:
                 ns[step[1]] = ns[step[2]][step[3]]
             else:
@@ -254,7 +254,8 @@ class Plans(dict):
 class Plan:
     """What a call signature determines: the problem (``p``), the config, the engine, which inputs are copied per
     call (``copy``: strided or misaligned), the recorded program, and the programs recorded after it by launch
-    options (``launches``). ``inference``: the program keeps no residuals (the INT8 inference forward)."""
+    options (``launches``). ``inference``: recorded for a call that keeps no residuals (the INT8 inference forward,
+    whose pre-pass leaves out K's plain codes and scales on the wgmma engine)."""
 
     __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches", "inference")
 

@@ -8,9 +8,10 @@ forward+backward 3.5x. INT8 rates are TOPS, the others TFLOPS; the ``tops`` fiel
 Modes: ``fwd`` / ``bwd`` / ``fwdbwd``; ``scope``: ``kernel`` (the attention kernel alone, inputs
 already quantized) or ``e2e`` (what a user calls: validation, smoothing, quantization, kernel), each call
 synchronized; ``e2e-b2b``: the same call issued back to back (:func:`time_ms_b2b`), the device time per call
-when the host keeps ahead, as in a training loop. The INT8 forward's ``e2e`` rows time the inference call
-(``int8.sage_attention``), as SDPA's forward is timed under ``torch.no_grad()``; ``train`` / ``train-b2b`` time
-the training forward (``int8.forward``, which also keeps the backward's residuals).
+when the host keeps ahead (as in a training or serving loop). The INT8 forward's ``e2e`` / ``e2e-b2b`` rows time the
+inference call (``int8.sage_attention``), as SDPA's forward is timed under ``torch.no_grad()``; ``train`` /
+``train-b2b`` time the training forward (``int8.forward``, which also keeps the backward's residuals), compared with
+the same no-grad SDPA forward.
 """
 from __future__ import annotations
 
@@ -377,7 +378,7 @@ def format_rows(rows) -> str:
     # rest with "e2e"
     base = {(r["impl"], r.get("scope", "e2e"), r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows
             if "ms" in r and r["impl"].startswith("sdpa-")}
-    lines = [f"{'impl':<16}{'cfg':<9}{'mode':<8}{'scope':<8}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
+    lines = [f"{'impl':<16}{'cfg':<9}{'mode':<8}{'scope':<13}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
              f"{'x flash':>9}{'x cudnn':>9}"]
     for r in rows:
         if r.get("mode") == "peak_mem":
@@ -391,7 +392,7 @@ def format_rows(rows) -> str:
         fl, cu = base.get(("sdpa-flash",) + key), base.get(("sdpa-cudnn",) + key)
         rf = f"{fl / r['ms']:.2f}" if fl else "-"
         rc = f"{cu / r['ms']:.2f}" if cu else "-"
-        lines.append(f"{r['impl']:<16}{r.get('config', ''):<9}{r['mode']:<8}{r['scope']:<8}{r['D']:>4}{r['N']:>7}"
+        lines.append(f"{r['impl']:<16}{r.get('config', ''):<9}{r['mode']:<8}{r['scope']:<13}{r['D']:>4}{r['N']:>7}"
                      f"{str(r['causal']):>7}{r['ms']:>9.3f}{r['tops']:>8.1f}{rf:>9}{rc:>9}")
     return "\n".join(lines)
 

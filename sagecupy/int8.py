@@ -374,9 +374,9 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
-                 engine, warps, type(warps), inference is True, env_key()),
+                 engine, warps, type(warps), bool(inference), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                              engine=engine, warps=warps, inference=inference is True))
+                              engine=engine, warps=warps, inference=bool(inference)))
     ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
     pre["engine"], pre["plan"], pre["inference"] = plan.engine, plan, plan.inference

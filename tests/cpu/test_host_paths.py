@@ -138,6 +138,47 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, 
     assert out2[1].q_codes in fwd[3] and out2[0] in fwd[3] and out1[0] not in fwd[3]
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("config", ["default", "paper"])
+@pytest.mark.parametrize("prepass", ["merged", "split"])
+@pytest.mark.parametrize("engine", ["wgmma", "mma"])
+def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engine, prepass, config, d, monkeypatch):
+    """sage_attention (no residuals) launches the kernels int8.forward launches, with the same grids and scalar
+    arguments (nk_pad included); on the wgmma engine only K's plain codes and scales are null (the kernel reads K
+    from the stage images), on the mma.sync engine nothing is. Its program is a plan of its own."""
+    from sagecupy import int8
+
+    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", prepass)
+    monkeypatch.setenv("SAGECUPY_FWD_ENGINE", engine)
+    q, k, v = _inputs(d=d, nk=300)
+    start = len(gpu)
+    int8.forward(q, k, v, causal=True, config=config)
+    train = gpu[start:]
+    for _ in range(2):  # recorded, then replayed
+        start = len(gpu)
+        o = int8.sage_attention(q, k, v, causal=True, config=config)
+        infer = gpu[start:]
+        assert isinstance(o, FakeArray)
+        assert [x[0] for x in infer] == [x[0] for x in train]
+        nulled = []  # (kernel, the arrays forward passes where sage_attention passes null)
+        for a, b in zip(train, infer):
+            assert (a[1], a[2], a[4]) == (b[1], b[2], b[4]), a[0]
+            scalars = [[x.item() for x in launch[3] if isinstance(x, np.generic)] for launch in (a, b)]
+            assert scalars[0] == scalars[1], a[0]
+            null_a = {i for i, x in enumerate(a[3]) if x is None}
+            null_b = {i for i, x in enumerate(b[3]) if x is None}
+            assert null_a <= null_b, a[0]
+            if null_b - null_a:
+                nulled.append((a[0].split("<")[0], [type(a[3][i]).__name__ for i in sorted(null_b - null_a)]))
+        if engine == "mma":
+            assert nulled == []
+        else:  # the K rows' launch (codes, scales) and the attention kernel (kc, ks)
+            k_pass = ("quant_qkv" if prepass == "merged" and d == 128 and config == "default" else
+                      "quant_rows_qk" if config == "default" else "quant_rows")
+            assert [n for n, _ in nulled] == [k_pass, "int8_attn_fwd_sm90"], nulled
+            assert all(arrays == ["FakeArray", "FakeArray"] for _, arrays in nulled), nulled
+
+
 def test_int8_validation_runs_on_replayed_calls(gpu):
     from sagecupy import int8
 

@@ -14,9 +14,8 @@ from sagecupy._program import Plans, Program, Ref
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    """A stand-in `cupy` module: empty() and ndarray() give numpy arrays, the device is 0."""
+    """A stand-in `cupy` module: empty() gives numpy arrays, the device is 0."""
     mod = types.SimpleNamespace(empty=lambda shape, dtype: np.zeros(shape, dtype=dtype),
-                                ndarray=lambda shape, dtype: np.zeros(shape, dtype=dtype),
                                 cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0)))
     monkeypatch.setitem(sys.modules, "cupy", mod)
     return mod
@@ -161,7 +160,7 @@ def fake_driver(monkeypatch):
 
     launches_n = [0]
     mod = types.SimpleNamespace(
-        empty=lambda shape, dtype: _DevArray(shape, dtype), ndarray=lambda shape, dtype: _DevArray(shape, dtype),
+        empty=lambda shape, dtype: _DevArray(shape, dtype),
         cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                    driver=types.SimpleNamespace(launchKernel=launch_kernel),
                                    get_current_stream=lambda: types.SimpleNamespace(ptr=stream[0])))

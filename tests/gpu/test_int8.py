@@ -212,25 +212,28 @@ def test_backward_is_bitwise_repeatable(causal, config):
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{name} differs between two runs"
 
 
-@pytest.mark.parametrize("D,dtype,layout,config,causal,Hq,Hkv,Nq,Nk", [
-    (64, "float16", "HND", "default", True, 2, 2, 100, 100),
-    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000),   # quant_qkv (one pre-pass launch), GQA
-    (128, "float16", "NHD", "default", False, 2, 1, 1000, 17),
-    (128, "bfloat16", "HND", "paper", True, 2, 2, 300, 517),      # per-block Q / K / V: the quant_rows passes
-    (64, "bfloat16", "NHD", BKV64, False, 4, 4, 17, 300),
+@pytest.mark.parametrize("D,dtype,layout,config,causal,Hq,Hkv,Nq,Nk,prepass", [
+    (64, "float16", "HND", "default", True, 2, 2, 100, 100, "merged"),
+    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000, "merged"),   # quant_qkv (one pre-pass launch), GQA
+    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000, "split"),    # quant_rows_qk + fwd_v_image
+    (128, "float16", "NHD", "default", False, 2, 1, 1000, 17, "merged"),
+    (128, "bfloat16", "HND", "paper", True, 2, 2, 300, 517, "merged"),      # per-block Q / K / V: quant_rows passes
+    (64, "bfloat16", "NHD", BKV64, False, 4, 4, 17, 300, "merged"),
 ])
-def test_sage_attention_matches_forward(D, dtype, layout, config, causal, Hq, Hkv, Nq, Nk):
+def test_sage_attention_matches_forward(monkeypatch, D, dtype, layout, config, causal, Hq, Hkv, Nq, Nk, prepass):
     """sage_attention keeps no residuals (on the wgmma engine its pre-pass writes no plain K codes or scales): O and
     the LSE are bitwise forward's, and so is every pre-pass output it keeps."""
     import sagecupy.int8 as s8
 
+    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", prepass)
+
     (q, k, v, _), _ = _inputs(11, 1, Hq, Hkv, Nq, Nk, D, layout, dtype)
     o1 = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config)
-    o2, lse2 = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
-    o3, lse3, _ = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
+    o2, lse_i = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
+    o3, lse_t, _ = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
     for o in (o1, o2):
         assert np.array_equal(_raw(o).get(), _raw(o3).get()), "sage_attention's O differs from forward's"
-    assert np.array_equal(lse2.get(), lse3.get()), "sage_attention's LSE differs from forward's"
+    assert np.array_equal(lse_i.get(), lse_t.get()), "sage_attention's LSE differs from forward's"
     kw = dict(causal=causal, sm_scale=None, layout=layout, config=config)
     _, _, pre_t = s8._preprocess_forward(q, k, v, **kw)
     _, _, pre_i = s8._preprocess_forward(q, k, v, inference=True, **kw)
