@@ -28,7 +28,8 @@ def as_cupy(x, name: str):
     import cupy
 
     if _ARRAY_TYPES is None or _ARRAY_TYPES[0] is not cupy.ndarray:
-        # once per cupy module (tests swap in stand-ins): the function-level import of .bf16 cost ~1 us per call
+        # once per cupy module (tests swap in stand-ins): a function-level relative import runs importlib's package
+        # lookup on every call (seen in bench/first_launch_probe.py's cProfile)
         from .bf16 import BF16Array
 
         _ARRAY_TYPES = (cupy.ndarray, BF16Array)
