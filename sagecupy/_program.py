@@ -254,14 +254,12 @@ class Plans(dict):
 class Plan:
     """What a call signature determines: the problem (``p``), the config, the engine, which inputs are copied per
     call (``copy``: strided or misaligned), the recorded program, and the programs recorded after it by launch
-    options (``launches``). ``inference``: recorded for a call that keeps no residuals (the INT8 inference forward,
-    whose pre-pass leaves out K's plain codes and scales on the wgmma engine)."""
+    options (``launches``)."""
 
-    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches", "inference")
+    __slots__ = ("p", "cfg", "engine", "copy", "prog", "launches")
 
-    def __init__(self, p, cfg, engine, copy, prog, inference=False):
+    def __init__(self, p, cfg, engine, copy, prog):
         self.p, self.cfg, self.engine, self.copy, self.prog = p, cfg, engine, copy, prog
-        self.inference = inference
         self.launches = Plans(cap=16)
 
     def launch_program(self, p, cfg, make_key, build):

@@ -379,13 +379,13 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
                               engine=engine, warps=warps, inference=bool(inference)))
     ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
-    pre["engine"], pre["plan"], pre["inference"] = plan.engine, plan, plan.inference
+    pre["engine"], pre["plan"] = plan.engine, plan
     return plan.p, plan.cfg, pre
 
 
 def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, inference=False):
     """Validate a forward call (CuPy arrays or BF16Arrays) and record its pre-pass program: a :class:`Plan`
-    (``plan.inference``: it keeps no residuals, see :func:`_preprocess_forward`)."""
+    (``inference``: see :func:`_preprocess_forward`)."""
     import cupy
 
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
@@ -443,7 +443,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
         prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),
                     qk_args + (rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale))
-        return Plan(p, cfg, engine, copy, prog, inference=inference)
+        return Plan(p, cfg, engine, copy, prog)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + Hkv, B), (256,), qk_args)
@@ -469,7 +469,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
         prog.launch(_qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t,
                      i32(int(tile_major))))
-    return Plan(p, cfg, engine, copy, prog, inference=inference)
+    return Plan(p, cfg, engine, copy, prog)
 
 
 def v_t_channels(v_t):
