@@ -226,20 +226,32 @@ __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x
   column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x);
 }
 
-// The forward's two statistics in one launch: K's channel sums (z < B) and V's channel maxima (z >= B).
+// SAGE_PREPASS_L2_ORDER (1, default): column_partial_kv reads the batches last to first, each batch's V then K, and
+// quant_qkv quantizes each batch's K and V before its Q, so that quant_qkv's first reads (batch 0's K and V) are
+// what column_partial_kv read last and may still be in L2 (50 MB on the H200; 32 MB of K and V per batch at
+// B = 4, H = 16, N = 4K, D = 128). 2: column_partial_kv's order only. The same bytes either way: each CTA's work
+// does not depend on the order.
+#ifndef SAGE_PREPASS_L2_ORDER
+#define SAGE_PREPASS_L2_ORDER 1
+#endif
+
+// The forward's two statistics in one launch: K's channel sums and V's channel maxima, one batch each per z.
 // grid (ceil(n / CHUNK), H, 2 B), block 256.
 template <typename T, int D>
 __global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS) column_partial_kv(const T* __restrict__ k, long long ksb, long long ksh,
                                                          long long ksn, const T* __restrict__ v, long long vsb,
                                                          long long vsh, long long vsn, int n,
                                                          double* __restrict__ part_k, float* __restrict__ part_v) {
-  const int B = gridDim.z / 2;
-  if (static_cast<int>(blockIdx.z) < B)
-    column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y,
-                                     gridDim.x);
+  const int B = gridDim.z / 2, z = blockIdx.z;
+  // (is K, batch): z < B K of batch z, else V of batch z - B; with SAGE_PREPASS_L2_ORDER the last z is batch 0's K,
+  // the one before it batch 0's V
+  const int zz = 2 * B - 1 - z;
+  const bool is_k = SAGE_PREPASS_L2_ORDER ? (zz % 2 == 0) : (z < B);
+  const int b = SAGE_PREPASS_L2_ORDER ? zz / 2 : (z < B ? z : z - B);
+  if (is_k)
+    column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, b, gridDim.y, gridDim.x);
   else
-    column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, blockIdx.x, blockIdx.y, blockIdx.z - B, gridDim.y,
-                                    gridDim.x);
+    column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, blockIdx.x, blockIdx.y, b, gridDim.y, gridDim.x);
 }
 
 // out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
@@ -844,7 +856,27 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
           long long vsb, long long vsh, long long vsn, const float* __restrict__ v_scale_in,
           float* __restrict__ v_scale_out) {
   static_assert(2 * D == 256 && 8 * RPW == 64, "V's 64-token blocks on 256 threads, 64 Q / K rows per CTA");
+  // y: Q's heads, then K's, then V's; with SAGE_PREPASS_L2_ORDER K's and V's come first (see column_partial_kv).
+  // The same three bodies either way; in launch order (a remapped y, or the bodies in lambdas, cost spills).
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
+#if SAGE_PREPASS_L2_ORDER == 1
+  if (y < Hkv) {
+    if (bx * rows >= nk_pad) return;
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f,
+                                                                 k_codes, k_scales, 1.f, nullptr, 1, 0.f, nullptr,
+                                                                 bx, y, blockIdx.z, Hkv, kv_img);
+  } else if (y < 2 * Hkv) {
+    if (bx * 64 >= nk_pad) return;
+    quant_transpose_perm_body<T, D, MODE, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, v_scale_in, v_scale_out,
+                                                    reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
+                                                    nullptr, bx, y - Hkv, blockIdx.z, Hkv);
+  } else {
+    if (bx * rows >= nq_pad) return;
+    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
+                                                                 q_codes, q_scales, q_scale_mult, mu_k, Hq / Hkv,
+                                                                 q_mult, qmk, bx, y - 2 * Hkv, blockIdx.z, Hq);
+  }
+#else
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
     quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
@@ -861,4 +893,5 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
                                                     reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
                                                     nullptr, bx, y - Hq - Hkv, blockIdx.z, Hkv);
   }
+#endif
 }

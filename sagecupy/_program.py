@@ -27,7 +27,9 @@ import numpy as np
 
 __all__ = ["Ref", "Program", "Plan", "Plans", "signature", "scale_key", "env_key", "NOT_KERNEL_CHOOSING"]
 
-_ALLOC, _VIEW, _LAUNCH, _CALL = 0, 1, 2, 3
+_ALLOC, _VIEW, _LAUNCH, _CALL, _ARENA = 0, 1, 2, 3, 4
+#: Byte alignment of the buffers inside an arena (cudaMalloc's; the kernels need at most 128 for bulk copies).
+ARENA_ALIGN = 256
 
 #: Environment variables that choose kernels (engines, CTA sizes, compile-time defines, another kernel tree):
 #: part of every program's key, so that changing one between calls takes effect as it did before programs. A new
@@ -115,22 +117,69 @@ def _ensure_context(device):
 
 
 def _slot(a):
-    """A per-call argument's slot value: an array's device pointer, 0 for None."""
-    return 0 if a is None else a.data.ptr
+    """A per-call argument's slot value: an array's device pointer, an arena buffer's address (an int), 0 for
+    None."""
+    return 0 if a is None else a if type(a) is int else a.data.ptr
+
+
+class _Arena:
+    """Buffers recorded with :meth:`Program.empty` ``(..., arena=name)``: one allocation per run (``nbytes``, a
+    float32 array, so that the GPU tests' NaN poisoning of ``cupy.empty`` fills it) holding every member at its
+    ``ARENA_ALIGN``-aligned offset. A run puts each member's address (an int) in the namespace, not an array: the
+    launches need only the address, and the host time of an allocation or of a view (~2 us each on the H200
+    machine's CPU) is what the arena saves. The arena array itself is kept under ``name``: whoever keeps a member's
+    address past the run must keep it too (the memory pool reuses a freed buffer on the same stream at once)."""
+
+    __slots__ = ("name", "nbytes", "members")
+
+    def __init__(self, name: str):
+        self.name, self.nbytes, self.members = name, 0, []
+
+    def add(self, name: str, shape, dtype) -> int:
+        off = -(-self.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        self.members.append((name, off))
+        self.nbytes = off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return off
 
 
 class Program:
     """Allocations and launches, replayed by :meth:`run` into a namespace (a dict of arrays by name)."""
 
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "arenas", "layout")
 
     def __init__(self):
         self.steps = []
+        self.arenas = {}
+        self.layout = {}  # name -> (shape, dtype) of every recorded buffer (what a member's address stands for)
 
-    def empty(self, name: str, shape, dtype) -> Ref:
-        """Record ``cupy.empty(shape, dtype)`` under ``name``."""
-        self.steps.append((_ALLOC, name, tuple(int(s) for s in shape), dtype))
+    def empty(self, name: str, shape, dtype, arena: str | None = None) -> Ref:
+        """Record ``cupy.empty(shape, dtype)`` under ``name``; with ``arena``, a buffer inside that arena (see
+        :class:`_Arena`: the run's namespace then holds its address, an int, under ``name``). The arena is
+        allocated where its first member was recorded."""
+        shape = tuple(int(s) for s in shape)
+        self.layout[name] = (shape, dtype)
+        if arena is None:
+            self.steps.append((_ALLOC, name, shape, dtype))
+        else:
+            a = self.arenas.get(arena)
+            if a is None:
+                a = self.arenas[arena] = _Arena(arena)
+                self.steps.append((_ARENA, a))
+            a.add(name, shape, dtype)
         return Ref(name)
+
+    def member_array(self, ns: dict, name: str):
+        """A member of an arena as a CuPy array (a view of the arena array in ``ns``), for host code that needs an
+        array rather than an address."""
+        import cupy
+
+        for a in self.arenas.values():
+            for n, off in a.members:
+                if n == name:
+                    shape, dtype = self.layout[name]
+                    base = ns[a.name]
+                    return cupy.ndarray(shape, dtype, memptr=base.data + off)
+        raise KeyError(name)
 
     def view(self, name: str, parent: Ref, index) -> Ref:
         """Record ``name = parent[index]`` (a view)."""
@@ -181,10 +230,17 @@ class Program:
                         continue
                 args = template.copy()
                 for i, name in refs:
-                    args[i] = ns[name]
+                    a = ns[name]
+                    args[i] = np.uint64(a) if type(a) is int else a  # an arena buffer's address: 8 bytes
                 fn(grid, block, tuple(args), shared_mem=smem)
             elif kind == _ALLOC:
                 ns[step[1]] = empty(step[2], dtype=step[3])
+            elif kind == _ARENA:
+                a = step[1]
+                base = ns[a.name] = empty((max(1, -(-a.nbytes // 4)),), dtype=np.float32)
+                ptr = base.data.ptr
+                for name, off in a.members:
+                    ns[name] = ptr + off
             elif kind == _VIEW:
                 ns[step[1]] = ns[step[2]][step[3]]
             else:

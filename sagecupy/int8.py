@@ -288,6 +288,8 @@ def _column_stat(x, strides, T, shape, absmax):
 
 
 _PREPASS_MODES = ("merged", "split")
+#: The forward pre-pass's scratch arena (sagecupy/_program.py ``_Arena``): buffers no caller keeps past the call.
+_TMP = "tmp"
 
 
 def fwd_prepass_mode() -> str:
@@ -300,38 +302,40 @@ def fwd_prepass_mode() -> str:
     return mode
 
 
-def _column_stats_kv(prog, T, shape, strides_k, strides_v):
+def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=_TMP):
     """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale),
-    (B, H, D) float32 each. Inputs ``"k"``, ``"v"`` of the program's namespace."""
+    (B, H, D) float32 each. Inputs ``"k"``, ``"v"`` of the program's namespace. The partials and V's scales are
+    scratch (arena ``_TMP``); K's mean goes to ``mu_arena`` (None: an array of its own, a residual)."""
     import cupy
 
     B, H, n, D = shape
     i32, i64 = cupy.int32, cupy.int64
     nchunk = (n + 255) // 256
-    part_k = prog.empty("part_k", (B, H, nchunk, D), cupy.float64)
-    part_v = prog.empty("part_v", (B, H, nchunk, D), cupy.float32)
+    part_k = prog.empty("part_k", (B, H, nchunk, D), cupy.float64, arena=_TMP)
+    part_v = prog.empty("part_v", (B, H, nchunk, D), cupy.float32, arena=_TMP)
     prog.launch(_qfn(f"column_partial_kv<{T}, {D}>", T, D), (nchunk, H, 2 * B), (256,),
                 (Ref("k"), *(i64(s) for s in strides_k), Ref("v"), *(i64(s) for s in strides_v), i32(n), part_k,
                  part_v))
-    # two allocations, not views of one (2, B, H, D) array: a CuPy view costs more host time than an allocation
-    mu_k, v_scale = prog.empty("mu_k", (B, H, D), cupy.float32), prog.empty("v_scale", (B, H, D), cupy.float32)
+    mu_k = prog.empty("mu_k", (B, H, D), cupy.float32, arena=mu_arena)
+    v_scale = prog.empty("v_scale", (B, H, D), cupy.float32, arena=_TMP)
     prog.launch(_qfn("column_finish_kv", T, D), (2 * B * H,), (D,),
                 (part_k, part_v, i32(nchunk), i32(n), i32(D), mu_k, v_scale))
     return mu_k, v_scale
 
 
-def _column_stat_rec(prog, name, x, strides, T, shape, absmax):
-    """Record :func:`_column_stat` of input ``x`` (a Ref) into ``name``."""
+def _column_stat_rec(prog, name, x, strides, T, shape, absmax, arena=None):
+    """Record :func:`_column_stat` of input ``x`` (a Ref) into ``name`` (in ``arena``, or an array of its own);
+    the partials are scratch (arena ``_TMP``)."""
     import cupy
 
     B, H, n, D = shape
     i32, i64 = cupy.int32, cupy.int64
     nchunk = (n + 255) // 256
-    part = prog.empty(name + "_part", (B, H, nchunk, D), cupy.float32 if absmax else cupy.float64)
+    part = prog.empty(name + "_part", (B, H, nchunk, D), cupy.float32 if absmax else cupy.float64, arena=_TMP)
     flag = "true" if absmax else "false"
     prog.launch(_qfn(f"column_partial<{T}, {D}, {flag}>", T, D), (nchunk, H, B), (256,),
                 (x, *(i64(s) for s in strides), i32(n), part))
-    out = prog.empty(name, (B, H, D), cupy.float32)
+    out = prog.empty(name, (B, H, D), cupy.float32, arena=arena)
     prog.launch(_qfn(f"column_finish<{flag}>", T, D), (B * H,), (D,), (part, i32(nchunk), i32(n), i32(D), out))
     return out
 
@@ -371,6 +375,17 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
     The first call with a signature validates and records its program (sagecupy/_program.py); later ones replay
     it. ``inference=True`` (:func:`sage_attention`): no residuals are kept, so on the wgmma engine K's plain codes
     and scales are not written (the kernel reads K from the stage images); ``pre["k_codes"]`` is then None."""
+    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
+                         warps=warps, inference=inference)
+    for n in _PRE_NAMES:  # scratch buffers as arrays (views of the arena), for the tests and tools that read them
+        if type(pre[n]) is int:
+            pre[n] = plan.prog.member_array(pre, n)
+    return plan.p, plan.cfg, pre
+
+
+def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None, inference=False):
+    """:func:`_preprocess_forward` for the public calls: (plan, pre), scratch buffers as addresses (ints; the arena
+    array that holds them is ``pre[_TMP]``, which the caller keeps until the attention kernel is launched)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
@@ -379,8 +394,8 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
                               engine=engine, warps=warps, inference=bool(inference)))
     ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
-    pre["engine"], pre["plan"] = plan.engine, plan
-    return plan.p, plan.cfg, pre
+    pre[_TMP], pre["engine"], pre["plan"] = ns.get(_TMP), plan.engine, plan
+    return plan, pre
 
 
 def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, inference=False):
@@ -408,32 +423,37 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
 
     # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
     v_channel = cfg.v_granularity == "channel"
+    # Buffers: the backward's residuals (Q^, K^, their scales, mu_K) are arrays of their own in the training forward;
+    # everything else (and, in the inference forward, everything) is scratch in one arena (_TMP): one allocation per
+    # call instead of up to eight, ~2 us of host time each, one of them before the first launch (a synchronized
+    # call waits for that time; bench/NOTES.md, twenty-fourth session).
+    res = _TMP if inference else None
     if cfg.k_smoothing and v_channel:
-        mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn))
+        mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn), mu_arena=res)
     else:
-        mu_k = (_column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
+        mu_k = (_column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False, arena=res)
                 if cfg.k_smoothing else None)
-        v_scale = (_column_stat_rec(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True)
+        v_scale = (_column_stat_rec(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True, arena=_TMP)
                    if v_channel else None)
     # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
     # qmk = sm_scale * q . mu_K for the LSE. K: psi(K - mu_K) per token or per 64-row block.
-    q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8)
-    q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32)
-    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32) if mu_k is not None else None
+    q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8, arena=res)
+    q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32, arena=res)
+    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32, arena=_TMP) if mu_k is not None else None
     # K's plain codes and scales are residuals of the backward (and the mma.sync kernel's operands); the wgmma kernel
     # reads K from the stage images, so the inference forward leaves them out: 32 MB fewer writes at B = 4, H = 16,
     # N = 4K, D = 128 (quant_rows_body skips null outputs).
     plain_k = not (inference and engine == "wgmma")
-    k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8) if plain_k else None
-    k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32) if plain_k else None
+    k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8, arena=res) if plain_k else None
+    k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32, arena=res) if plain_k else None
     # The wgmma kernel copies each K/V stage from per-64-key images (K^ swizzled, V^T, key scales:
     # kernels_cu/common/bwd_img.cuh FwdImg; a 128-key tile is two) with bulk copies; the K pass and the V pass
     # write them.
-    kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8)
+    kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8, arena=_TMP)
               if engine == "wgmma" else None)
     mode = 0 if v_channel else 2  # V's scales: per channel, or per 64-token block (computed by the V pass)
     if not v_channel:
-        v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32)
+        v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32, arena=_TMP)
     qk_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
                qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
                kv_img)
@@ -465,7 +485,8 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
         prog.launch(_qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))
     else:
-        v_t = prog.empty("v_t", (B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), cupy.int8)
+        v_t = prog.empty("v_t", (B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), cupy.int8,
+                         arena=_TMP)
         prog.launch(_qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t,
                      i32(int(tile_major))))
@@ -510,7 +531,7 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
 
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
-    nq_pad, nk_pad = pre["q_codes"].shape[2], _roundup(nk, _FWD_BKV)  # as the pre-pass padded them
+    nq_pad, nk_pad = _roundup(nq, _FWD_BQ), _roundup(nk, _FWD_BKV)  # as the pre-pass padded them
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     w, bkv = forward_warps(warps), cfg.block_kv
     engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its K/V images)
@@ -559,8 +580,9 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
     float32 ``(B, Hq, Nq)``. ``engine``, ``warps``: see :func:`forward_engine`, :func:`forward_warps`.
     """
-    p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                                      engine=engine, warps=warps)
+    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
+                         warps=warps)
+    p, cfg = plan.p, plan.cfg
     o, lse, lse2 = _launch_forward(p, cfg, pre, engine, warps)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
@@ -571,8 +593,8 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
 def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
     """Inference entry point: INT8 attention forward; ``o`` or ``(o, lse)``, bitwise :func:`forward`'s. It keeps no
     residuals, so its pre-pass writes less (on the wgmma engine no plain K codes or scales: they are the backward's)."""
-    p, cfg, pre = _preprocess_forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                                      inference=True)
+    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, inference=True)
+    p, cfg = plan.p, plan.cfg
     o, lse, _ = _launch_forward(p, cfg, pre)
     o = _checks.wrap(o, p.dtype)
     return (o, lse) if return_lse else o

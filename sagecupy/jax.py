@@ -34,6 +34,8 @@ produced q, k, v and before whatever reads the outputs, with no synchronization.
   residuals with ``v`` and ``o``; the backward callback rebuilds the same ``Residuals`` from them. The
   backward kernels read the very bytes a direct ``sagecupy.int8.backward(sagecupy.int8.forward(...))``
   reads, so the gradients are bitwise those of the direct calls (the backward kernels use no atomics).
+  Outside differentiation (a plain call, also under ``jax.jit``) the callback runs
+  :func:`sagecupy.int8.sage_attention` instead, which keeps no residuals (its o is bitwise the forward's).
   FP4 QAT: q, k, v are the residuals and the backward
   callback reruns ``sagecupy.qat.forward`` (deterministic) before ``sagecupy.qat.backward``.
 
@@ -253,11 +255,14 @@ def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool):
     def callback(ctx, out, q, k, v):
         with _on_xla_stream(ctx, q) as dev:
             qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
-            o, res = int8.forward(qc, kc, vc, causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg)
-            _write(out["o"], _checks.raw(o), "o", dev)
+            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg)
             if keep:
+                o, res = int8.forward(qc, kc, vc, **kw)
                 for name, arr in _int8_saved(res, p, cfg).items():
                     _write(out[name], arr, name, dev)
+            else:  # outside a vjp: the inference forward (no residuals; o bitwise int8.forward's)
+                o = int8.sage_attention(qc, kc, vc, **kw)
+            _write(out["o"], _checks.raw(o), "o", dev)
 
     return callback
 

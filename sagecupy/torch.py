@@ -46,7 +46,10 @@ is not supported: CuPy allocates during the call.
   the base-2 LSE); the backward op rebuilds the ``Residuals`` from them and runs the same backward
   kernels on the same buffers, so the gradients are those of ``int8.forward``/``int8.backward`` called
   directly, bit for bit. The residuals are saved with ``save_for_backward``: freed after the backward,
-  and an in-place change of ``v`` or ``o`` before it is an error, as for any PyTorch op.
+  and an in-place change of ``v`` or ``o`` before it is an error, as for any PyTorch op. A call that needs
+  no gradient (under ``torch.no_grad()`` / ``torch.inference_mode()``, or with no input requiring grad) runs
+  ``sagecupy::sage_attention_infer`` instead: :func:`sagecupy.int8.sage_attention`, which keeps no residuals
+  and writes less (its output is bitwise the forward op's).
   :class:`SageAttentionFunction` is the plain ``torch.autograd.Function`` alternative (eager only: it
   keeps the opaque residuals object on ``ctx``, alive as long as the autograd graph that holds it).
 * FP4 QAT (:mod:`sagecupy.qat`, imported when first used): :func:`qat_attention` runs
@@ -358,6 +361,25 @@ def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing
         return tuple(from_cupy(x) for x in (o, *saved))
 
 
+@torch.library.custom_op("sagecupy::sage_attention_infer", mutates_args=())
+def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+                   config: str) -> Tensor:
+    """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
+    op's), for calls that need no gradient."""
+    from . import int8 as s8
+
+    device = _check_inputs(("q", q), ("k", k), ("v", v))
+    with on_torch_stream(device):
+        o = s8.sage_attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                              layout=layout, config=_decode_config(config))
+        return from_cupy(o)
+
+
+@_sage_infer_op.register_fake
+def _sage_infer_fake(q, k, v, causal, sm_scale, layout, config):
+    return q.new_empty(q.shape)
+
+
 @_sage_fwd_op.register_fake
 def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config):
     shapes = _int8_residual_shapes(q.shape, k.shape, layout)
@@ -472,10 +494,17 @@ def _scale(sm_scale):
         raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}") from None
 
 
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _sage_attention_op(q, k, v, causal, sm_scale, layout, config):
-    """The custom-op path (what :func:`sage_attention` runs), after argument checks."""
-    o, *_residuals = torch.ops.sagecupy.sage_attention_fwd(q, k, v, bool(causal), _scale(sm_scale), layout,
-                                                            _encode_config(get_config(config)))
+    """The custom-op path (what :func:`sage_attention` runs), after argument checks. A call that needs no gradient
+    (grad mode off, or no input requires grad) runs the inference op, which keeps no residuals."""
+    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)))
+    if not _needs_grad(q, k, v):
+        return torch.ops.sagecupy.sage_attention_infer(*args)
+    o, *_residuals = torch.ops.sagecupy.sage_attention_fwd(*args)
     return o
 
 

@@ -82,8 +82,10 @@ def gpu(monkeypatch):
     return log
 
 
-def _summary(launch, inputs):
-    """A launch with its arrays described by shape and dtype (and by name for the call's inputs)."""
+def _summary(launch, inputs, base=0):
+    """A launch with its arrays described by shape and dtype (and by name for the call's inputs); a scratch buffer
+    inside the call's arena (sagecupy/_program.py ``_Arena``: its address, passed as an 8-byte unsigned scalar) by
+    its offset from ``base`` (see :func:`_arena_base`)."""
     name, grid, block, args, smem = launch
 
     def arg(a):
@@ -92,9 +94,16 @@ def _summary(launch, inputs):
                 if a is x:
                     return ("input", n)
             return ("array", a.shape, a.dtype.str)
+        if isinstance(a, np.uint64):  # no kernel of ours takes a 64-bit unsigned scalar: an arena address
+            return ("arena", int(a) - base)
         return a if a is None else (type(a).__name__, a.item())
 
     return name, grid, block, tuple(arg(a) for a in args), smem
+
+
+def _arena_base(launches):
+    """The lowest arena address the launches pass (0 if none): offsets from it compare calls."""
+    return min((int(a) for x in launches for a in x[3] if isinstance(a, np.uint64)), default=0)
 
 
 def _inputs(layout="HND", dtype=np.float16, nq=100, nk=70, d=128):
@@ -120,7 +129,9 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, 
         runs.append((gpu[start:], (o, res, dq, dk, dv)))
     (first, out1), (second, out2) = runs
     names = dict(q=q, k=k, v=v, do=do)
-    assert [_summary(x, names) for x in first] == [_summary(x, names) for x in second]
+    b1, b2 = _arena_base(first), _arena_base(second)
+    assert b1 != b2  # each call its own scratch arena
+    assert [_summary(x, names, b1) for x in first] == [_summary(x, names, b2) for x in second]
     # forward: the K/V statistics (partials, reduction); Q/K, then V (merged on the wgmma engine at D = 128: one
     # launch); the attention kernel. Backward: 2 pre-passes, 2 kernels.
     quant = (["quant_qkv"] if engine == "wgmma" and prepass == "merged" else
@@ -163,8 +174,12 @@ def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engi
         nulled = []  # (kernel, the arrays forward passes where sage_attention passes null)
         for a, b in zip(train, infer):
             assert (a[1], a[2], a[4]) == (b[1], b[2], b[4]), a[0]
-            scalars = [[x.item() for x in launch[3] if isinstance(x, np.generic)] for launch in (a, b)]
+            # scalars equal; a buffer (an array of its own, or an arena address: np.uint64) where forward has one
+            scalars = [[x.item() for x in launch[3] if isinstance(x, np.generic) and not isinstance(x, np.uint64)]
+                       for launch in (a, b)]
             assert scalars[0] == scalars[1], a[0]
+            buffers = [[isinstance(x, (FakeArray, np.uint64)) for x in launch[3]] for launch in (a, b)]
+            assert all(bb or y is None for ba, bb, y in zip(*buffers, b[3]) if ba), a[0]
             null_a = {i for i, x in enumerate(a[3]) if x is None}
             null_b = {i for i, x in enumerate(b[3]) if x is None}
             assert null_a <= null_b, a[0]
@@ -176,6 +191,7 @@ def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engi
             k_pass = ("quant_qkv" if prepass == "merged" and d == 128 and config == "default" else
                       "quant_rows_qk" if config == "default" else "quant_rows")
             assert [n for n, _ in nulled] == [k_pass, "int8_attn_fwd_sm90"], nulled
+            # the nulled arguments are buffers in forward: K's codes and scales (arrays of their own, residuals)
             assert all(arrays == ["FakeArray", "FakeArray"] for _, arrays in nulled), nulled
 
 
@@ -221,7 +237,8 @@ def test_nvfp4_replay_launches_what_the_first_call_launched(gpu):
     n = len(gpu)
     nvfp4.attention(q, k, v, causal=True)
     names = dict(q=q, k=k, v=v)
-    assert [_summary(x, names) for x in gpu[:n]] == [_summary(x, names) for x in gpu[n:]]
+    b1, b2 = _arena_base(gpu[:n]), _arena_base(gpu[n:])
+    assert [_summary(x, names, b1) for x in gpu[:n]] == [_summary(x, names, b2) for x in gpu[n:]]
 
 
 def test_nvfp4_quantize_inputs_takes_the_k_mean_in_two_launches(gpu):

@@ -244,3 +244,53 @@ def test_packed_launch_sets_up_each_threads_context_once(fake_driver):
     t.join()
     assert len(launches) == 3
     assert len(calls) == len(set(calls)) and t.ident in calls  # once per thread, the new thread included
+
+
+def test_arena_members_share_one_allocation(fake_cupy, monkeypatch):
+    """Buffers recorded into an arena: one allocation per run (float32, so NaN poisoning of cupy.empty reaches it),
+    each member's address aligned and inside it, no two members overlapping; a launch gets the addresses, and
+    member_array gives a member back as an array of its shape and dtype."""
+    allocs = []
+
+    class Dev:
+        _next = [1 << 16]
+
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+            self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+            self.data = types.SimpleNamespace(ptr=Dev._next[0])
+            Dev._next[0] += -(-self.nbytes // 512) * 512 + 512
+            allocs.append(self)
+
+    monkeypatch.setattr(fake_cupy, "empty", lambda shape, dtype: Dev(shape, dtype))
+    k = _Kernel()
+    prog = Program()
+    a = prog.empty("a", (3, 5), np.float64, arena="tmp")
+    own = prog.empty("own", (7,), np.int8)
+    b = prog.empty("b", (17,), np.int8, arena="tmp")
+    c = prog.empty("c", (2, 9), np.float32, arena="tmp")
+    prog.launch(k, (1,), (32,), (a, own, b, c, Ref("x")))
+    for _ in range(2):
+        allocs.clear()
+        ns = prog.run({"x": None})
+        assert len(allocs) == 2 and allocs[0].dtype == np.float32  # the arena (first member's place), then "own"
+        base = ns["tmp"]
+        assert base is allocs[0] and ns["own"] is allocs[1]
+        spans = []
+        for name, nbytes in (("a", 120), ("b", 17), ("c", 72)):
+            ptr = ns[name]
+            assert type(ptr) is int and ptr % _program.ARENA_ALIGN == 0
+            assert base.data.ptr <= ptr and ptr + nbytes <= base.data.ptr + base.nbytes
+            spans.append((ptr, ptr + nbytes))
+        spans.sort()
+        assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+        args = k.calls[-1][2]  # CuPy's call (no driver handle): addresses as 8-byte unsigned scalars
+        assert [type(x) for x in args] == [np.uint64, Dev, np.uint64, np.uint64, type(None)]
+        assert [int(x) for x in (args[0], args[2], args[3])] == [ns["a"], ns["b"], ns["c"]]
+    views = []
+    fake_cupy.ndarray = lambda shape, dtype, memptr: views.append((shape, np.dtype(dtype), memptr)) or views[-1]
+    ptr0 = base.data.ptr
+    base.data = 1000  # member_array offsets the arena's MemoryPointer; an int stands in for it here
+    assert prog.member_array(ns, "c") == ((2, 9), np.dtype(np.float32), 1000 + ns["c"] - ptr0)
+    with pytest.raises(KeyError):
+        prog.member_array(ns, "own")

@@ -148,6 +148,22 @@ def test_forward_in_jit_equals_eager_and_direct(dtype):
     _assert_bitwise("O (jit vs direct)", o_jit, o_direct, dtype)
 
 
+def test_plain_call_runs_the_inference_forward(monkeypatch):
+    """Outside a vjp the forward callback runs int8.sage_attention (no residuals), inside one int8.forward."""
+    q, k, v, do = _inputs(4, 1, 2, 2, 70, 90, 64, "HND", "bfloat16")
+    calls = []
+    for name in ("forward", "sage_attention"):
+        real = getattr(s8, name)
+        monkeypatch.setattr(s8, name, functools.partial(lambda real, name, *a, **kw: calls.append(name) or
+                                                        real(*a, **kw), real, name))
+    f = functools.partial(sj.sage_attention, causal=True)
+    o_plain = jax.jit(f)(q, k, v).block_until_ready()
+    assert calls == ["sage_attention"]
+    o_vjp, _ = _vjp(f)(q, k, v, do)
+    assert calls[1:] == ["forward"]
+    _assert_bitwise("O (plain vs vjp)", o_plain, o_vjp, "bfloat16")
+
+
 @pytest.mark.parametrize("dtype,Nk", [("float16", 64), ("bfloat16", 50), ("float16", 300)])
 def test_jit_grad_equals_eager_grad(dtype, Nk):
     q, k, v, _ = _inputs(2, 2, 4, 2, 96, Nk, 64, "NHD", dtype)

@@ -12,6 +12,7 @@
 Neither the INT8 nor the QAT backward uses atomics (dQ has its own kernel), so every gradient is compared
 bit for bit, also with many key blocks (Nk = 517).
 """
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -127,6 +128,26 @@ def test_gradients_equal_direct_calls_bitwise(path, case):
     _assert_same_bits(got, want, (path, _case_id(case)))
     for x, x0 in zip((q, k, v, do), before):
         assert torch.equal(x, x0), "an input was modified"
+
+
+def test_calls_without_gradient_run_the_inference_op(monkeypatch):
+    """Under no_grad, or with no input requiring grad, sage_attention runs int8.sage_attention (no residuals), whose
+    output is bitwise the training forward's; with grad it runs int8.forward."""
+    import sagecupy.int8 as s8
+
+    q, k, v, _ = _inputs(5, 1, 4, 2, 90, 130, 128, "HND", torch.bfloat16)
+    calls = []
+    for name in ("forward", "sage_attention"):
+        real = getattr(s8, name)
+        monkeypatch.setattr(s8, name, functools.partial(lambda real, name, *a, **kw: calls.append(name) or
+                                                        real(*a, **kw), real, name))
+    with torch.no_grad():
+        o_no_grad = st.sage_attention(q.detach().requires_grad_(), k, v, causal=True)
+    o_plain = st.sage_attention(q.detach(), k, v, causal=True)
+    assert calls == ["sage_attention", "sage_attention"]
+    o_grad = st.sage_attention(q.detach().requires_grad_(), k, v, causal=True)
+    assert calls[2:] == ["forward"] and o_grad.requires_grad and not o_plain.requires_grad
+    _assert_same_bits([o_no_grad, o_plain], [o_grad.detach()] * 2, "no grad", names=("O (no_grad)", "O (plain)"))
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -290,6 +311,7 @@ def test_opcheck():
     torch.library.opcheck(fwd, (*(x.detach().clone().requires_grad_() for x in (q, k, v)), *args[3:]))
     o, *residuals = fwd(*args)
     torch.library.opcheck(bwd, (do, o, v, *residuals, True, None, "HND", cfg))
+    torch.library.opcheck(torch.ops.sagecupy.sage_attention_infer.default, args)
 
 
 # --------------------------------------------------------------------------------------------------
