@@ -226,11 +226,12 @@ __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x
   column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x);
 }
 
-// SAGE_PREPASS_L2_ORDER (1, default): column_partial_kv reads the batches last to first, each batch's V then K, and
-// quant_qkv quantizes each batch's K and V before its Q, so that quant_qkv's first reads (batch 0's K and V) are
-// what column_partial_kv read last and may still be in L2 (50 MB on the H200; 32 MB of K and V per batch at
-// B = 4, H = 16, N = 4K, D = 128). 2: column_partial_kv's order only. The same bytes either way: each CTA's work
-// does not depend on the order.
+// SAGE_PREPASS_L2_ORDER (1, default): column_partial_kv reads the batches last to first, each batch's V then K, so
+// that what it read last (batch 0's K and V) may still be in L2 (50 MB on the H200; 32 MB of K and V per batch at
+// B = 4, H = 16, N = 4K, D = 128) when the quantization pass that follows reads batch 0 first. The same bytes either
+// way (each CTA's work does not depend on the order). Inference pre-pass, back to back: 135.2 -> 132.0 us at 4K,
+// 139.0 -> 137.6 at 16K (bench/NOTES.md, twenty-fourth session; quant_qkv's heads reordered too, K and V before Q,
+// measured 133.9 and 136.8 with 12 bytes of spills, and was not kept).
 #ifndef SAGE_PREPASS_L2_ORDER
 #define SAGE_PREPASS_L2_ORDER 1
 #endif
@@ -856,27 +857,7 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
           long long vsb, long long vsh, long long vsn, const float* __restrict__ v_scale_in,
           float* __restrict__ v_scale_out) {
   static_assert(2 * D == 256 && 8 * RPW == 64, "V's 64-token blocks on 256 threads, 64 Q / K rows per CTA");
-  // y: Q's heads, then K's, then V's; with SAGE_PREPASS_L2_ORDER K's and V's come first (see column_partial_kv).
-  // The same three bodies either way; in launch order (a remapped y, or the bodies in lambdas, cost spills).
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
-#if SAGE_PREPASS_L2_ORDER == 1
-  if (y < Hkv) {
-    if (bx * rows >= nk_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f,
-                                                                 k_codes, k_scales, 1.f, nullptr, 1, 0.f, nullptr,
-                                                                 bx, y, blockIdx.z, Hkv, kv_img);
-  } else if (y < 2 * Hkv) {
-    if (bx * 64 >= nk_pad) return;
-    quant_transpose_perm_body<T, D, MODE, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, v_scale_in, v_scale_out,
-                                                    reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
-                                                    nullptr, bx, y - Hkv, blockIdx.z, Hkv);
-  } else {
-    if (bx * rows >= nq_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
-                                                                 q_codes, q_scales, q_scale_mult, mu_k, Hq / Hkv,
-                                                                 q_mult, qmk, bx, y - 2 * Hkv, blockIdx.z, Hq);
-  }
-#else
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
     quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
@@ -893,5 +874,4 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
                                                     reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
                                                     nullptr, bx, y - Hq - Hkv, blockIdx.z, Hkv);
   }
-#endif
 }

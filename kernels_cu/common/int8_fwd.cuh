@@ -357,13 +357,6 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 #ifndef SAGE_FWD_CAUSAL_GROUP
 #define SAGE_FWD_CAUSAL_GROUP 16
 #endif
-// SAGE_FWD_EMPTY_MBAR (0, default): how the wgmma forward learns that a ring stage may be refilled. 0: a
-// __syncthreads at the top of every tile (every warp is past P.V(t - 1)); 1: each warp's lane 0 arrives on the
-// stage's "empty" mbarrier once the warp's products on it are done, and only thread 0 (the copier) waits there,
-// so warps 1-3 do not wait for warp 0 at the top of each tile (they still meet at the next warpgroup-wide wgmma).
-#ifndef SAGE_FWD_EMPTY_MBAR
-#define SAGE_FWD_EMPTY_MBAR 0
-#endif
 template <int D, int BKV>
 struct FwdSm90 {
   static constexpr bool PV_HALVES = SAGE_FWD_PV_HALVES && D == 128 && BKV == 64;
@@ -409,9 +402,6 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   const KeyTiles tl = key_tiles<BKV>(q0, FWD_BQ, nq, nk, CAUSAL);
 
   __shared__ __align__(8) unsigned long long full[NST];  // stage s resident
-#if SAGE_FWD_EMPTY_MBAR
-  __shared__ __align__(8) unsigned long long empty[NST];  // stage s drained by every warp (WARPS arrivals)
-#endif
   const char* gImg = kv_img + bhk * (nk_pad / 64) * static_cast<long long>(KvImg::STAGE);
   auto load_stage = [&](int t) {  // thread 0: tile t (images NI t .. NI t + NI - 1) into stage t % NST
     const int st = t % NST;
@@ -427,10 +417,6 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < NST; ++s) mbar_init(&full[s], 1);
-#if SAGE_FWD_EMPTY_MBAR
-#pragma unroll
-    for (int s = 0; s < NST; ++s) mbar_init(&empty[s], WARPS);
-#endif
     fence_mbar_init();
   }
   __syncthreads();
@@ -481,16 +467,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     // Tile t+1 resident and visible to the tensor cores; every warp past P.V(t-1), whose stage the
     // prefetch below overwrites.
     if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) % NST], ((tile + 1) / NST) & 1);
-#if SAGE_FWD_EMPTY_MBAR
-    // The stage refilled now held tile t - 1 (its use (t - 1) / NST); the warps release it at the end of that tile.
-    if (tid == 0 && tile + NST - 1 < tl.n) {
-      if (tile > 0) mbar_wait(&empty[(tile - 1) % NST], ((tile - 1) / NST) & 1);
-      load_stage(tile + NST - 1);
-    }
-#else
     __syncthreads();
     if (tid == 0 && tile + NST - 1 < tl.n) load_stage(tile + NST - 1);
-#endif
 
     unsigned pa[NT / 4][4];
     const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (tile % NST) * BKV,
@@ -546,9 +524,6 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     wgmma_wait<0>();  // Q.K^T(t+1) done
     fence_regs(accs);
     }
-#if SAGE_FWD_EMPTY_MBAR
-    if (lane == 0) mbar_arrive(&empty[tile % NST]);  // this warp's products on tile t's stage are done
-#endif
   }
   cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or causal rows that see no key) still has Q in flight
   fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
