@@ -130,34 +130,33 @@ class _Arena:
     machine's CPU) is what the arena saves. The arena array itself is kept under ``name``: whoever keeps a member's
     address past the run must keep it too (the memory pool reuses a freed buffer on the same stream at once)."""
 
-    __slots__ = ("name", "nbytes", "members")
+    __slots__ = ("name", "nbytes", "members", "layout")
 
     def __init__(self, name: str):
-        self.name, self.nbytes, self.members = name, 0, []
+        self.name, self.nbytes, self.members = name, 0, []  # members: (name, offset), what a run walks
+        self.layout = {}  # name -> (offset, shape, dtype): what a member's address stands for
 
-    def add(self, name: str, shape, dtype) -> int:
+    def add(self, name: str, shape, dtype):
         off = -(-self.nbytes // ARENA_ALIGN) * ARENA_ALIGN
         self.members.append((name, off))
+        self.layout[name] = (off, shape, dtype)
         self.nbytes = off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return off
 
 
 class Program:
     """Allocations and launches, replayed by :meth:`run` into a namespace (a dict of arrays by name)."""
 
-    __slots__ = ("steps", "arenas", "layout")
+    __slots__ = ("steps", "arenas")
 
     def __init__(self):
         self.steps = []
         self.arenas = {}
-        self.layout = {}  # name -> (shape, dtype) of every recorded buffer (what a member's address stands for)
 
     def empty(self, name: str, shape, dtype, arena: str | None = None) -> Ref:
         """Record ``cupy.empty(shape, dtype)`` under ``name``; with ``arena``, a buffer inside that arena (see
         :class:`_Arena`: the run's namespace then holds its address, an int, under ``name``). The arena is
         allocated where its first member was recorded."""
         shape = tuple(int(s) for s in shape)
-        self.layout[name] = (shape, dtype)
         if arena is None:
             self.steps.append((_ALLOC, name, shape, dtype))
         else:
@@ -174,11 +173,9 @@ class Program:
         import cupy
 
         for a in self.arenas.values():
-            for n, off in a.members:
-                if n == name:
-                    shape, dtype = self.layout[name]
-                    base = ns[a.name]
-                    return cupy.ndarray(shape, dtype, memptr=base.data + off)
+            if name in a.layout:
+                off, shape, dtype = a.layout[name]
+                return cupy.ndarray(shape, dtype, memptr=ns[a.name].data + off)
         raise KeyError(name)
 
     def view(self, name: str, parent: Ref, index) -> Ref:

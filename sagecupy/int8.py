@@ -302,7 +302,7 @@ def fwd_prepass_mode() -> str:
     return mode
 
 
-def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=_TMP):
+def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
     """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale),
     (B, H, D) float32 each. Inputs ``"k"``, ``"v"`` of the program's namespace. The partials and V's scales are
     scratch (arena ``_TMP``); K's mean goes to ``mu_arena`` (None: an array of its own, a residual)."""
