@@ -181,15 +181,23 @@ constexpr int kStatUnroll = SAGE_STAT_UNROLL;
 template <bool ABSMAX> struct StatAcc { using type = double; };
 template <> struct StatAcc<true> { using type = float; };
 
+// Shared memory column_partial_body reduces in (one buffer of the larger accumulator's size, which a kernel with
+// both statistics passes to either: static shared memory is capped at 48 KB per kernel).
+template <int D, typename Acc = double>
+struct StatRed {
+  __align__(16) Acc v[256 / (D / 8)][D];
+};
+
 // Each thread owns 8 consecutive channels (one 16-byte load per token); the block's 256 threads cover
 // 256 / (D / 8) tokens at a time; the partial of a channel is summed over those token lanes in order.
-template <typename T, int D, bool ABSMAX>
+template <typename T, int D, bool ABSMAX, typename RED>
 __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, long long sb, long long sh, long long sn,
                                                     int n, typename StatAcc<ABSMAX>::type* __restrict__ part,
-                                                    int chunk, int h, int b, int H, int nchunk) {
+                                                    int chunk, int h, int b, int H, int nchunk, RED& smem) {
   using Acc = typename StatAcc<ABSMAX>::type;
   constexpr int LPR = D / 8, R = 256 / LPR;  // threads per token, tokens in parallel
-  __shared__ Acc red[R][D];
+  static_assert(sizeof(smem.v) >= sizeof(Acc[R][D]), "the reduction's buffer");
+  Acc(&red)[R][D] = *reinterpret_cast<Acc(*)[R][D]>(&smem.v);
   const int cl = threadIdx.x % LPR, row0 = threadIdx.x / LPR;
   const int t0 = chunk * STAT_CHUNK, t1 = min(n, t0 + STAT_CHUNK);
   Acc acc[8];
@@ -223,7 +231,9 @@ __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, lon
 template <typename T, int D, bool ABSMAX>
 __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x, long long sb, long long sh, long long sn,
                                                       int n, typename StatAcc<ABSMAX>::type* __restrict__ part) {
-  column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x);
+  __shared__ StatRed<D, typename StatAcc<ABSMAX>::type> red;
+  column_partial_body<T, D, ABSMAX>(x, sb, sh, sn, n, part, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y, gridDim.x,
+                                    red);
 }
 
 // SAGE_PREPASS_L2_ORDER (1, default): column_partial_kv reads the batches last to first, each batch's V then K, so
@@ -243,16 +253,21 @@ __global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS) column_partial_kv(con
                                                          long long ksn, const T* __restrict__ v, long long vsb,
                                                          long long vsh, long long vsn, int n,
                                                          double* __restrict__ part_k, float* __restrict__ part_v) {
+  grid_dep_wait();
+  grid_dep_launch_dependents();
   const int B = gridDim.z / 2, z = blockIdx.z;
   // (is K, batch): z < B K of batch z, else V of batch z - B; with SAGE_PREPASS_L2_ORDER the last z is batch 0's K,
   // the one before it batch 0's V
   const int zz = 2 * B - 1 - z;
   const bool is_k = SAGE_PREPASS_L2_ORDER ? (zz % 2 == 0) : (z < B);
   const int b = SAGE_PREPASS_L2_ORDER ? zz / 2 : (z < B ? z : z - B);
+  __shared__ StatRed<D> red;
   if (is_k)
-    column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, b, gridDim.y, gridDim.x);
+    column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, b, gridDim.y, gridDim.x,
+                                     red);
   else
-    column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, blockIdx.x, blockIdx.y, b, gridDim.y, gridDim.x);
+    column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, blockIdx.x, blockIdx.y, b, gridDim.y, gridDim.x,
+                                    red);
 }
 
 // out[bh, d] = mean (sum / n) or psi scale (absmax / 127) of the chunk partials. grid (BH), block d.
@@ -279,6 +294,8 @@ __global__ void column_finish(const typename StatAcc<ABSMAX>::type* __restrict__
 // Both of column_partial_kv's results: K's mean (blocks < BH) and V's psi scales. grid (2 BH), block d.
 __global__ void column_finish_kv(const double* __restrict__ part_k, const float* __restrict__ part_v, int nchunk, int n,
                                  int d, float* __restrict__ mu_k, float* __restrict__ v_scale) {
+  grid_dep_wait();
+  grid_dep_launch_dependents();
   const int bh_count = gridDim.x / 2;
   if (static_cast<int>(blockIdx.x) < bh_count) column_finish_body<false>(part_k, nchunk, n, d, mu_k, blockIdx.x);
   else column_finish_body<true>(part_v, nchunk, n, d, v_scale, blockIdx.x - bh_count);
@@ -857,6 +874,8 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
           long long vsb, long long vsh, long long vsn, const float* __restrict__ v_scale_in,
           float* __restrict__ v_scale_out) {
   static_assert(2 * D == 256 && 8 * RPW == 64, "V's 64-token blocks on 256 threads, 64 Q / K rows per CTA");
+  grid_dep_wait();
+  grid_dep_launch_dependents();
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
@@ -905,14 +924,17 @@ stats_quant_kv(const T* __restrict__ k, long long ksb, long long ksh, long long 
 #else
   static_assert(2 * D == 256 && 8 * RPW == 64, "V's 64-token blocks on 256 threads, 64 K rows per CTA");
   static_assert(C >= 1 && C <= 8, "portable cluster sizes");
+  grid_dep_wait();
+  grid_dep_launch_dependents();
   constexpr int ROWS = 8 * RPW, BLK_PER_CHUNK = STAT_CHUNK / ROWS;
   const int rank = blockIdx.x, h = blockIdx.y, H = gridDim.y, b = blockIdx.z / 2;
   const bool is_k = blockIdx.z % 2 == 0;
   const int nchunk = (n + STAT_CHUNK - 1) / STAT_CHUNK, nblk = n_pad / ROWS;
   const long long bh = static_cast<long long>(b) * H + h;
+  __shared__ StatRed<D> red;
   for (int c = rank; c < nchunk; c += C) {
-    if (is_k) column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, c, h, b, H, nchunk);
-    else column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, c, h, b, H, nchunk);
+    if (is_k) column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, c, h, b, H, nchunk, red);
+    else column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, c, h, b, H, nchunk, red);
     __syncthreads();  // the next chunk reuses the reduction's shared memory
   }
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");

@@ -20,6 +20,7 @@ the H200 machine's CPU against 6.5-7.0 us replayed this way, ``bench/host_costs.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -37,7 +38,7 @@ ARENA_ALIGN = 256
 #: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
 _ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
              "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
-             "SAGECUPY_FWD_PREPASS")
+             "SAGECUPY_FWD_PREPASS", "SAGECUPY_PDL")
 #: Variables the package reads that do not change which kernels run or how (debug output only).
 NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG", "SAGECUPY_LAUNCH")
 
@@ -54,6 +55,40 @@ class Ref:
         return f"Ref({self.name!r})"
 
 
+#: cuLaunchKernelEx's launch attribute for programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION).
+_PDL_ATTRIBUTE = 6
+
+
+def pdl_enabled() -> bool:
+    """Whether launches recorded with ``pdl=True`` use programmatic dependent launch (``SAGECUPY_PDL``, read when a
+    program is recorded, and part of every program's key: "1" on, "0" off; default off)."""
+    return os.environ.get("SAGECUPY_PDL", "0") == "1"
+
+
+_LAUNCH_EX = []  # [cuLaunchKernelEx and its ctypes structures] once looked up; [None] where unavailable
+
+
+def _launch_ex():
+    """(cuLaunchKernelEx, CUlaunchConfig, CUlaunchAttribute) through ctypes from the driver library, or None."""
+    if not _LAUNCH_EX:
+        try:
+            class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+                _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+            class Config(ctypes.Structure):  # CUlaunchConfig
+                _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                            ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("num_attrs", ctypes.c_uint)]
+
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            assert ctypes.sizeof(Attr) == 72 and ctypes.sizeof(Config) == 56
+            _LAUNCH_EX.append((fn, Config, Attr))
+        except (OSError, AttributeError, AssertionError):
+            _LAUNCH_EX.append(None)
+    return _LAUNCH_EX[0]
+
+
 class _Packed:
     """A recorded launch's kernel parameters, packed for ``cuLaunchKernel``: one 8-byte slot per parameter (every
     parameter of our kernels is a pointer or a 4- or 8-byte scalar; the driver copies each one's own size from the
@@ -61,18 +96,30 @@ class _Packed:
     name) of the per-call arrays. A replay fills those slots and launches under ``lock`` (the block is shared by the
     program's callers)."""
 
-    __slots__ = ("fptr", "grid", "block", "smem", "vals", "addrs", "params", "refs", "lock")
+    __slots__ = ("fptr", "grid", "block", "smem", "vals", "addrs", "params", "refs", "lock", "ex")
 
-    def __init__(self, fptr, grid, block, smem, vals, refs):
+    def __init__(self, fptr, grid, block, smem, vals, refs, pdl=False):
         self.fptr, self.smem, self.vals, self.refs = fptr, smem, vals, refs
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.addrs = np.arange(len(vals), dtype=np.uint64) * np.uint64(8) + np.uint64(vals.ctypes.data)
         self.params = int(self.addrs.ctypes.data) if len(vals) else 0
         self.lock = threading.Lock()
+        # programmatic dependent launch: cuLaunchKernelEx with its attribute; (function, config, attribute), the
+        # config's stream set per launch
+        self.ex = None
+        lx = _launch_ex() if pdl else None
+        if lx is not None:
+            fn, Config, Attr = lx
+            attr = Attr(id=_PDL_ATTRIBUTE)
+            attr.value[0] = 1
+            cfg = Config()
+            cfg.grid[:], cfg.block[:], cfg.smem, cfg.num_attrs = self.grid, self.block, smem, 1
+            cfg.attrs = ctypes.pointer(attr)
+            self.ex = (fn, ctypes.byref(cfg), cfg, attr)
 
 
-def _pack(fn, grid, block, template, refs, smem):
+def _pack(fn, grid, block, template, refs, smem, pdl=False):
     """A :class:`_Packed` launch of ``fn`` (a CuPy RawKernel), or None where the fast path does not apply: a kernel
     object without a driver handle (a stand-in in tests), a constant argument other than None or a numpy scalar
     CuPy passes as itself (a Python scalar, whose C type CuPy chooses; an array: the package passes arrays per call,
@@ -93,7 +140,7 @@ def _pack(fn, grid, block, template, refs, smem):
             raw[8 * i:8 * i + b.size] = b
             continue
         return None
-    return _Packed(fptr, grid, block, smem, vals, refs)
+    return _Packed(fptr, grid, block, smem, vals, refs, pdl)
 
 
 #: numpy scalar types CuPy's kernel call passes as themselves (bool, integers, float16/32/64), all <= 8 bytes.
@@ -183,14 +230,16 @@ class Program:
         self.steps.append((_VIEW, name, parent.name, index))
         return Ref(name)
 
-    def launch(self, fn, grid, block, args, shared_mem: int = 0):
+    def launch(self, fn, grid, block, args, shared_mem: int = 0, pdl: bool = False):
         """Record ``fn(grid, block, args, shared_mem=shared_mem)``; :class:`Ref` arguments are looked up per run,
-        the others (numpy scalars, None) are used as they are."""
+        the others (numpy scalars, None) are used as they are. ``pdl``: the kernel calls ``grid_dep_wait()``
+        (kernels_cu/common/numeric.cuh) before it touches global memory, so it may be launched as a programmatic
+        dependent of the launch before it (where :func:`pdl_enabled` and the driver has ``cuLaunchKernelEx``)."""
         template = list(args)
         refs = tuple((i, a.name) for i, a in enumerate(template) if type(a) is Ref)
         for i, _ in refs:
             template[i] = None
-        packed = _pack(fn, tuple(grid), tuple(block), template, refs, int(shared_mem))
+        packed = _pack(fn, tuple(grid), tuple(block), template, refs, int(shared_mem), pdl and pdl_enabled())
         self.steps.append((_LAUNCH, fn, tuple(grid), tuple(block), template, refs, int(shared_mem), packed))
 
     def call(self, names, fn, args) -> tuple:
@@ -222,8 +271,15 @@ class Program:
                         with packed.lock:
                             for i, ptr in slots:
                                 vals[i] = ptr
-                            cupy.cuda.driver.launchKernel(packed.fptr, *packed.grid, *packed.block, packed.smem,
-                                                          stream, packed.params, 0)
+                            if packed.ex is None:
+                                cupy.cuda.driver.launchKernel(packed.fptr, *packed.grid, *packed.block, packed.smem,
+                                                              stream, packed.params, 0)
+                            else:
+                                fn_ex, cfg_ref, cfg, _ = packed.ex
+                                cfg.stream = stream
+                                err = fn_ex(cfg_ref, packed.fptr, packed.params, None)
+                                if err:
+                                    raise cupy.cuda.driver.CUDADriverError(err)
                         continue
                 args = template.copy()
                 for i, name in refs:

@@ -327,7 +327,7 @@ def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
     mu_k = prog.empty("mu_k", (B, H, D), cupy.float32, arena=mu_arena)
     v_scale = prog.empty("v_scale", (B, H, D), cupy.float32, arena=_TMP)
     prog.launch(_qfn("column_finish_kv", T, D), (2 * B * H,), (D,),
-                (part_k, part_v, i32(nchunk), i32(n), i32(D), mu_k, v_scale))
+                (part_k, part_v, i32(nchunk), i32(n), i32(D), mu_k, v_scale), pdl=True)
     return mu_k, v_scale
 
 
@@ -483,15 +483,18 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
         prog.launch(_qfn(f"stats_quant_kv<{T}, {D}, {_QK_RPW}, {c}>", T, D), (c, Hkv, 2 * B), (256,),
                     (rk, i64(ksb), i64(ksh), i64(ksn), rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad),
                      part_k, part_v, mu_k, v_scale, k_codes, k_scale, kv_img))
-        # Q's rows: quant_qkv's first Hq heads (the same code as the merged pass's)
+        # Q's rows: quant_qkv's first Hq heads (the same code as the merged pass's); K's and V's arguments, which
+        # those heads do not touch, null
+        q_args = qk_args[:11] + (None, i64(0), i64(0), i64(0), i32(0), i32(0), None, None, mu_k, i32(Hq), i32(Hkv),
+                                 None, None, i64(0), i64(0), i64(0), None, None)
         prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D), (nq_pad // (8 * _QK_RPW), Hq, B),
-                    (256,), qk_args + v_args)
+                    (256,), q_args, pdl=True)
         return Plan(p, cfg, engine, copy, prog)
     # Q, K and V in one launch where V's 64-token blocks take 256 = 2 D threads, as the Q and K rows do
     if prepass_mode in ("merged", "cluster") and token_qk and kv_img is not None and D == 128:
         prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),
-                    qk_args + v_args)
+                    qk_args + v_args, pdl=True)
         return Plan(p, cfg, engine, copy, prog)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),
@@ -597,7 +600,7 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
                  i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
                  i32(int(p.causal)), i32(int(cfg.v_granularity == "block")))
                 + ((arg("kv_img"),) if engine == "wgmma" else ()),
-                shared_mem=smem)
+                shared_mem=smem, pdl=engine == "wgmma")
     return prog
 
 

@@ -420,6 +420,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     fence_mbar_init();
   }
   __syncthreads();
+  grid_dep_wait();  // the pre-pass's outputs (a launch with SAGECUPY_PDL may start before the pre-pass ends)
   // Prologue: Q (one cp.async group), tiles 0 .. NST-2 (bulk copies).
   load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   cp_async_commit();

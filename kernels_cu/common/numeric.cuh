@@ -10,6 +10,23 @@
 
 namespace sage {
 
+// Programmatic dependent launch (sm_90; the host's SAGECUPY_PDL): a kernel launched with the programmatic stream
+// serialization attribute may start while the kernel before it in the stream still runs. grid_dep_wait() returns once
+// that kernel has completed and its memory writes are visible; a kernel launched without the attribute returns at once.
+// A kernel calls it before its first access to global memory that another kernel of the call wrote or may read (so
+// nothing that overlaps its predecessor touches global memory), and calls grid_dep_launch_dependents() only after
+// it: the next kernel's CTAs may then be scheduled, and its own grid_dep_wait() still waits for this one to complete.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
