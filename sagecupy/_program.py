@@ -12,7 +12,8 @@ fifteenth session).
 
 Every call, the first one included, runs the recorded program, so the tests exercise the replay path.
 
-Launches are replayed through the driver (``cuLaunchKernel`` via ``cupy.cuda.driver.launchKernel``) with the
+Launches are replayed through the driver (``cuLaunchKernel`` via ``cupy.cuda.driver.launchKernel``; on sm_90 and up,
+launches recorded with ``pdl=True`` through ``cuLaunchKernelEx`` as programmatic dependents, see :func:`pdl_enabled`) with the
 kernel's parameter block packed when the launch is recorded: a replay writes only the per-call array pointers into
 it. CuPy's own kernel call converts every argument on every call (9.4-10.9 us for a launch with 25 arguments on
 the H200 machine's CPU against 6.5-7.0 us replayed this way, ``bench/host_costs.py``). ``SAGECUPY_LAUNCH=cupy``
@@ -60,9 +61,17 @@ _PDL_ATTRIBUTE = 6
 
 
 def pdl_enabled() -> bool:
-    """Whether launches recorded with ``pdl=True`` use programmatic dependent launch (``SAGECUPY_PDL``, read when a
-    program is recorded, and part of every program's key: "1" on, "0" off; default off)."""
-    return os.environ.get("SAGECUPY_PDL", "0") == "1"
+    """Whether launches recorded with ``pdl=True`` use programmatic dependent launch: on devices of compute
+    capability 9.0 and up (the feature's), unless ``SAGECUPY_PDL=0`` (read when a program is recorded, and part of
+    every program's key; "1" or unset: on)."""
+    env = os.environ.get("SAGECUPY_PDL", "1")
+    if env not in ("0", "1"):
+        raise ValueError(f"SAGECUPY_PDL={env!r} is not supported; supported: '0', '1'")
+    if env == "0":
+        return False
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) >= 90
 
 
 _LAUNCH_EX = []  # [cuLaunchKernelEx and its ctypes structures] once looked up; [None] where unavailable
@@ -140,7 +149,7 @@ def _pack(fn, grid, block, template, refs, smem, pdl=False):
             raw[8 * i:8 * i + b.size] = b
             continue
         return None
-    return _Packed(fptr, grid, block, smem, vals, refs, pdl)
+    return _Packed(fptr, grid, block, smem, vals, refs, pdl and pdl_enabled())
 
 
 #: numpy scalar types CuPy's kernel call passes as themselves (bool, integers, float16/32/64), all <= 8 bytes.
@@ -239,7 +248,7 @@ class Program:
         refs = tuple((i, a.name) for i, a in enumerate(template) if type(a) is Ref)
         for i, _ in refs:
             template[i] = None
-        packed = _pack(fn, tuple(grid), tuple(block), template, refs, int(shared_mem), pdl and pdl_enabled())
+        packed = _pack(fn, tuple(grid), tuple(block), template, refs, int(shared_mem), pdl)
         self.steps.append((_LAUNCH, fn, tuple(grid), tuple(block), template, refs, int(shared_mem), packed))
 
     def call(self, names, fn, args) -> tuple:

@@ -812,3 +812,55 @@ def test_psi_exact_matches_division():
         assert codes == 0 and bits == 0, (name, codes, bits, [(float(x[i]), float(s[i])) for i in first.get() if i >= 0])
     quotient = (halves / s_bf).get()
     assert (np.abs(np.abs(quotient) - 63.5) < 1e-4).mean() > 0.99, "the bf16 half-max values must sit at a tie"
+
+
+def _ex_launched(prog):
+    """Names of the kernels a program launches through cuLaunchKernelEx (programmatic dependent launch)."""
+    return [step[1].name.split("<")[0] for step in prog.steps
+            if step[0] == 2 and step[7] is not None and step[7].ex is not None]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("call", ["infer", "train"])
+def test_programmatic_dependent_launch_is_bitwise_the_plain_launch(monkeypatch, causal, call):
+    """With programmatic dependent launch (SAGECUPY_PDL, on by default from sm_90) the forward's pre-pass kernels
+    after the first and the attention kernel go through cuLaunchKernelEx: each may start while its predecessor runs
+    and waits (grid_dep_wait) before it touches global memory. O, the LSE and the residuals are bitwise those of plain
+    launches, call after call back to back over changing inputs (a kernel that read before its wait would see the
+    previous call's buffers, which the memory pool hands out again at once)."""
+    import sagecupy.int8 as s8
+    from sagecupy import _program
+
+    cp = _cupy()
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    if _program._launch_ex() is None:
+        pytest.skip("the driver has no cuLaunchKernelEx")
+    sets = [_inputs(60 + i, 2, 4, 2, 1000 + 37 * i, 1100, 128, "HND", "bfloat16")[0][:3] for i in range(3)]
+    got = {}
+    for pdl in ("0", "1", "0"):
+        monkeypatch.setenv("SAGECUPY_PDL", pdl)
+        outs = []
+        for _ in range(3):
+            for q, k, v in sets:
+                if call == "infer":
+                    o, lse = s8.sage_attention(q, k, v, causal=causal, return_lse=True)
+                    outs.append((o, lse))
+                else:
+                    o, lse, res = s8.forward(q, k, v, causal=causal, return_lse=True)
+                    outs.append((o, lse, res.q_codes, res.k_codes, res.k_scale, res.mu_k, res.lse2))
+        got.setdefault(pdl, []).append([[_raw(x).get() for x in out] for out in outs])
+        # which launches were programmatic dependents
+        _, _, pre = s8._preprocess_forward(*sets[0], causal=causal, sm_scale=None, layout="HND", config=None,
+                                           inference=call == "infer")
+        launch_progs = list(pre["plan"].launches.values())
+        assert launch_progs
+        dependents = _ex_launched(pre["plan"].prog) + _ex_launched(launch_progs[-1])
+        want = ["column_finish_kv", "quant_qkv", "int8_attn_fwd_sm90"] if pdl == "1" else []
+        assert dependents == want
+    ref = got["0"][0]
+    for pdl, runs in got.items():
+        for run in runs:
+            for i, (a, b) in enumerate(zip(run, ref)):
+                for x, y in zip(a, b):
+                    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=f"PDL={pdl} call {i}")
