@@ -181,8 +181,8 @@ constexpr int kStatUnroll = SAGE_STAT_UNROLL;
 template <bool ABSMAX> struct StatAcc { using type = double; };
 template <> struct StatAcc<true> { using type = float; };
 
-// Shared memory column_partial_body reduces in (one buffer of the larger accumulator's size, which a kernel with
-// both statistics passes to either: static shared memory is capped at 48 KB per kernel).
+// Shared memory column_partial_body reduces in: a kernel that computes both statistics (column_partial_kv) passes
+// one buffer of the larger accumulator's size to either (16 KB at D = 128 instead of 24).
 template <int D, typename Acc = double>
 struct StatRed {
   __align__(16) Acc v[256 / (D / 8)][D];
@@ -893,69 +893,4 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
                                                     reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
                                                     nullptr, bx, y - Hq - Hkv, blockIdx.z, Hkv);
   }
-}
-
-// K's channel mean and V's channel scales computed and applied in one launch (SAGECUPY_FWD_PREPASS=cluster; D = 128,
-// per-token K, per-channel V): a cluster of C CTAs per (batch, head, K or V). Each CTA reduces its
-// chunks (STAT_CHUNK tokens, chunks rank, rank + C, ...) into the partials as column_partial_kv does, the cluster
-// meets at a barrier (release / acquire: the partials are visible to every CTA of the cluster), every CTA reduces the
-// head's partials in chunk order as column_finish_kv does (so the mean and the scales are bitwise theirs; each CTA
-// writes the same values to mu_k or v_scale, which its own quantization then reads), and quantizes the rows of its
-// chunks as quant_qkv does. The rows it reads a second time it read a few microseconds before: from L2, not from
-// memory, where the separate passes read K and V from memory twice. Q (which needs K's mean for qmk) follows in a
-// second launch (quant_qkv over Q's heads only).
-// grid (C, Hkv, 2 B): z even K of batch z / 2, odd V; block 256.
-#ifndef SAGE_KV_CLUSTER_MIN_CTAS
-#define SAGE_KV_CLUSTER_MIN_CTAS 2
-#endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define SAGE_KV_CLUSTER_DIMS(c)
-#else
-#define SAGE_KV_CLUSTER_DIMS(c) __cluster_dims__(c, 1, 1)
-#endif
-template <typename T, int D, int RPW, int C>
-__global__ void SAGE_KV_CLUSTER_DIMS(C) __launch_bounds__(256, SAGE_KV_CLUSTER_MIN_CTAS)
-stats_quant_kv(const T* __restrict__ k, long long ksb, long long ksh, long long ksn, const T* __restrict__ v,
-               long long vsb, long long vsh, long long vsn, int n, int n_pad, double* __restrict__ part_k,
-               float* __restrict__ part_v, float* __restrict__ mu_k, float* __restrict__ v_scale,
-               signed char* __restrict__ k_codes, float* __restrict__ k_scales, char* __restrict__ kv_img) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // clusters need sm_90; the host never launches this kernel elsewhere
-#else
-  static_assert(2 * D == 256 && 8 * RPW == 64, "V's 64-token blocks on 256 threads, 64 K rows per CTA");
-  static_assert(C >= 1 && C <= 8, "portable cluster sizes");
-  grid_dep_wait();
-  grid_dep_launch_dependents();
-  constexpr int ROWS = 8 * RPW, BLK_PER_CHUNK = STAT_CHUNK / ROWS;
-  const int rank = blockIdx.x, h = blockIdx.y, H = gridDim.y, b = blockIdx.z / 2;
-  const bool is_k = blockIdx.z % 2 == 0;
-  const int nchunk = (n + STAT_CHUNK - 1) / STAT_CHUNK, nblk = n_pad / ROWS;
-  const long long bh = static_cast<long long>(b) * H + h;
-  __shared__ StatRed<D> red;
-  for (int c = rank; c < nchunk; c += C) {
-    if (is_k) column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, c, h, b, H, nchunk, red);
-    else column_partial_body<T, D, true>(v, vsb, vsh, vsn, n, part_v, c, h, b, H, nchunk, red);
-    __syncthreads();  // the next chunk reuses the reduction's shared memory
-  }
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-  if (threadIdx.x < D) {
-    if (is_k) column_finish_body<false>(part_k, nchunk, n, D, mu_k, bh);
-    else column_finish_body<true>(part_v, nchunk, n, D, v_scale, bh);
-  }
-  __syncthreads();  // this CTA's own mu_k / v_scale stores are what its quantization reads
-  // the chunks in the reverse order of their statistics: the most recently read first
-  for (int c = rank + ((nchunk - 1 - rank) / C) * C; c >= 0 && rank < nchunk; c -= C) {
-    for (int blk = c * BLK_PER_CHUNK; blk < min(nblk, (c + 1) * BLK_PER_CHUNK); ++blk) {
-      if (is_k)
-        quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, n, n_pad, mu_k, 1, 1.f, k_codes,
-                                                                     k_scales, 1.f, nullptr, 1, 0.f, nullptr, blk, h,
-                                                                     b, H, kv_img);
-      else
-        quant_transpose_perm_body<T, D, 0, false, 2>(v, vsb, vsh, vsn, n, n_pad, v_scale, v_scale,
-                                                     reinterpret_cast<signed char*>(kv_img), 1, nullptr, 0, 0, 0,
-                                                     nullptr, blk, h, b, H);
-      __syncthreads();  // the V blocks reuse their shared tiles
-    }
-  }
-#endif
 }

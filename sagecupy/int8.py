@@ -124,8 +124,6 @@ def _empty(shape, layout, dtype: str):
     return cupy.empty(_layout_shape(shape, layout), dtype=_bits_dtype(dtype))
 
 
-#: CTAs per cluster of stats_quant_kv (the forward pre-pass's K/V statistics and quantization in one launch)
-_KV_CLUSTERS = (4, 8)
 _QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
 
 
@@ -141,8 +139,7 @@ def _quant_names(T, D):
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
-    ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>")
-         + tuple(f"stats_quant_kv<{T}, {D}, {_QK_RPW}, {c}>" for c in _KV_CLUSTERS) if D == 128 else ())
+    ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>") if D == 128 else ())
 
 
 #: Source files that only build for one architecture (CI compiles them for that target alone).
@@ -290,7 +287,7 @@ def _column_stat(x, strides, T, shape, absmax):
     return prog.run({"x": x})["out"]
 
 
-_PREPASS_MODES = ("merged", "split", "cluster")
+_PREPASS_MODES = ("merged", "split")
 #: The forward pre-pass's scratch arena (sagecupy/_program.py ``_Arena``): buffers no caller keeps past the call.
 _TMP = "tmp"
 
@@ -303,11 +300,6 @@ def fwd_prepass_mode() -> str:
     if mode not in _PREPASS_MODES:
         raise ValueError(f"SAGECUPY_FWD_PREPASS={mode!r} is not supported; supported: {_PREPASS_MODES}")
     return mode
-
-
-def _kv_cluster(nk):
-    """CTAs per cluster of stats_quant_kv for nk keys: one per 256-key chunk, 4 or 8."""
-    return 8 if (nk + 255) // 256 >= 8 else 4
 
 
 def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
@@ -436,19 +428,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     # call instead of up to eight, ~2 us of host time each, one of them before the first launch (a synchronized
     # call waits for that time; bench/NOTES.md, twenty-fourth session).
     res = _TMP if inference else None
-    token_qk = cfg.q_granularity == "token" and cfg.k_granularity == "token"
-    prepass_mode = fwd_prepass_mode()
-    # SAGECUPY_FWD_PREPASS=cluster: K's and V's statistics and quantization in one launch (stats_quant_kv), where
-    # K and V are each read from memory once; Q after it. Only the default config's shape of the pass.
-    cluster = (prepass_mode == "cluster" and token_qk and engine == "wgmma" and D == 128 and cfg.k_smoothing
-               and v_channel)
-    if cluster:
-        nchunk = (nk + 255) // 256
-        part_k = prog.empty("part_k", (B, Hkv, nchunk, D), cupy.float64, arena=_TMP)
-        part_v = prog.empty("part_v", (B, Hkv, nchunk, D), cupy.float32, arena=_TMP)
-        mu_k = prog.empty("mu_k", (B, Hkv, D), f32, arena=res)
-        v_scale = prog.empty("v_scale", (B, Hkv, D), f32, arena=_TMP)
-    elif cfg.k_smoothing and v_channel:
+    if cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn), mu_arena=res)
     else:
         mu_k = (_column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False, arena=res)
@@ -477,24 +457,12 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     qk_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
                qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
                kv_img)
-    v_args = (rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale)
-    if cluster:
-        c = _kv_cluster(nk)
-        prog.launch(_qfn(f"stats_quant_kv<{T}, {D}, {_QK_RPW}, {c}>", T, D), (c, Hkv, 2 * B), (256,),
-                    (rk, i64(ksb), i64(ksh), i64(ksn), rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad),
-                     part_k, part_v, mu_k, v_scale, k_codes, k_scale, kv_img))
-        # Q's rows: quant_qkv's first Hq heads (the same code as the merged pass's); K's and V's arguments, which
-        # those heads do not touch, null
-        q_args = qk_args[:11] + (None, i64(0), i64(0), i64(0), i32(0), i32(0), None, None, mu_k, i32(Hq), i32(Hkv),
-                                 None, None, i64(0), i64(0), i64(0), None, None)
-        prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D), (nq_pad // (8 * _QK_RPW), Hq, B),
-                    (256,), q_args, pdl=True)
-        return Plan(p, cfg, engine, copy, prog)
     # Q, K and V in one launch where V's 64-token blocks take 256 = 2 D threads, as the Q and K rows do
-    if prepass_mode in ("merged", "cluster") and token_qk and kv_img is not None and D == 128:
+    if (fwd_prepass_mode() == "merged" and cfg.q_granularity == "token" and cfg.k_granularity == "token"
+            and kv_img is not None and D == 128):
         prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),
-                    qk_args + v_args, pdl=True)
+                    qk_args + (rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale), pdl=True)
         return Plan(p, cfg, engine, copy, prog)
     if cfg.q_granularity == "token" and cfg.k_granularity == "token":  # both in one launch
         prog.launch(_qfn(f"quant_rows_qk<{T}, {D}, {_QK_RPW}>", T, D),

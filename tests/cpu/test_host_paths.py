@@ -111,7 +111,7 @@ def _inputs(layout="HND", dtype=np.float16, nq=100, nk=70, d=128):
     return FakeArray(shp(4, nq), dtype), FakeArray(shp(2, nk), dtype), FakeArray(shp(2, nk), dtype)
 
 
-@pytest.mark.parametrize("prepass", ["merged", "split", "cluster"])
+@pytest.mark.parametrize("prepass", ["merged", "split"])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("engine", ["wgmma", "mma"])
 def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, prepass, monkeypatch):
@@ -133,13 +133,10 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, 
     assert b1 != b2  # each call its own scratch arena
     assert [_summary(x, names, b1) for x in first] == [_summary(x, names, b2) for x in second]
     # forward: the K/V statistics (partials, reduction); Q/K, then V (merged on the wgmma engine at D = 128: one
-    # launch); the attention kernel. With the clustered pre-pass (wgmma): K and V in one launch, then Q.
-    # Backward: 2 pre-passes, 2 kernels.
-    quant = (["quant_qkv"] if engine == "wgmma" and prepass in ("merged", "cluster") else
+    # launch); the attention kernel. Backward: 2 pre-passes, 2 kernels.
+    quant = (["quant_qkv"] if engine == "wgmma" and prepass == "merged" else
              ["quant_rows_qk", "fwd_v_image" if engine == "wgmma" else "quant_transpose_perm"])
-    stats = (["stats_quant_kv"] if engine == "wgmma" and prepass == "cluster" else
-             ["column_partial_kv", "column_finish_kv"])
-    fwd = stats + quant
+    fwd = ["column_partial_kv", "column_finish_kv"] + quant
     assert [x[0].split("<")[0] for x in first[:len(fwd) + 1]] == fwd + ["int8_attn_fwd_sm90" if engine == "wgmma"
                                                                           else "int8_attn_fwd"]
     assert len(first) == len(fwd) + 5
@@ -154,7 +151,7 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("config", ["default", "paper"])
-@pytest.mark.parametrize("prepass", ["merged", "split", "cluster"])
+@pytest.mark.parametrize("prepass", ["merged", "split"])
 @pytest.mark.parametrize("engine", ["wgmma", "mma"])
 def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engine, prepass, config, d, monkeypatch):
     """sage_attention (no residuals) launches the kernels int8.forward launches, with the same grids and scalar
@@ -191,8 +188,7 @@ def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engi
         if engine == "mma":
             assert nulled == []
         else:  # the K rows' launch (codes, scales) and the attention kernel (kc, ks)
-            k_pass = ("stats_quant_kv" if prepass == "cluster" and d == 128 and config == "default" else
-                      "quant_qkv" if prepass in ("merged", "cluster") and d == 128 and config == "default" else
+            k_pass = ("quant_qkv" if prepass == "merged" and d == 128 and config == "default" else
                       "quant_rows_qk" if config == "default" else "quant_rows")
             assert [n for n, _ in nulled] == [k_pass, "int8_attn_fwd_sm90"], nulled
             # the nulled arguments are buffers in forward: K's codes and scales (arrays of their own, residuals)
