@@ -809,7 +809,19 @@ def test_psi_exact_matches_division():
 
 def _ex_launched(prog):
     """Names of the kernels a program launches through cuLaunchKernelEx (programmatic dependent launch)."""
-    return [step[1].name for step in prog.steps if step[0] == 2 and step[7] is not None and step[7].ex is not None]
+    from sagecupy import _program
+
+    return [step[1].name for step in prog.steps
+            if step[0] == _program._LAUNCH and step[7] is not None and step[7].ex is not None]
+
+
+_SPIN_SRC = r"""
+extern "C" __global__ void sagecupy_test_spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+"""
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -819,7 +831,11 @@ def test_programmatic_dependent_launch_is_bitwise_the_plain_launch(monkeypatch, 
     after the first and the attention kernel go through cuLaunchKernelEx: each may start while its predecessor runs
     and waits (grid_dep_wait) before it touches global memory. O, the LSE and the residuals are bitwise those of plain
     launches, call after call back to back over changing inputs (a kernel that read before its wait would see the
-    previous call's buffers, which the memory pool hands out again at once)."""
+    previous call's buffers, which the memory pool hands out again at once). Each call is queued behind a ~2 ms spin
+    kernel, so that its launches reach the device before the first of them runs and then run back to back: at these
+    sizes each kernel takes less time than the host needs between two launches, and without the spin every
+    predecessor would have finished before its dependent was submitted (a helper's run on the H200, twenty-fifth
+    session: without the spin the test passed with every grid_dep_wait deleted; with it, 9 of 9 calls differed)."""
     import sagecupy.int8 as s8
     from sagecupy import _program
 
@@ -829,12 +845,14 @@ def test_programmatic_dependent_launch_is_bitwise_the_plain_launch(monkeypatch, 
     if _program._launch_ex() is None:
         pytest.skip("the driver has no cuLaunchKernelEx")
     sets = [_inputs(60 + i, 2, 4, 2, 1000 + 37 * i, 1100, 128, "HND", "bfloat16")[0][:3] for i in range(3)]
+    spin = cp.RawKernel(_SPIN_SRC, "sagecupy_test_spin")
     got = {}
     for pdl in ("0", "1", "0"):
         monkeypatch.setenv("SAGECUPY_PDL", pdl)
         outs = []
         for _ in range(3):
             for q, k, v in sets:
+                spin((1,), (1,), (np.int64(4_000_000),))  # ~2 ms at the H200's ~2 GHz
                 if call == "infer":
                     o, lse = s8.sage_attention(q, k, v, causal=causal, return_lse=True)
                     outs.append((o, lse))
