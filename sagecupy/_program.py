@@ -22,6 +22,7 @@ the H200 machine's CPU against 6.5-7.0 us replayed this way, ``bench/host_costs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 
@@ -76,28 +77,24 @@ def pdl_enabled() -> bool:
     return int(cupy.cuda.Device().compute_capability) >= 90
 
 
-_LAUNCH_EX = []  # [cuLaunchKernelEx and its ctypes structures] once looked up; [None] where unavailable
-
-
+@functools.lru_cache(maxsize=None)
 def _launch_ex():
     """(cuLaunchKernelEx, CUlaunchConfig, CUlaunchAttribute) through ctypes from the driver library, or None."""
-    if not _LAUNCH_EX:
-        try:
-            class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
-                _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+    class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
 
-            class Config(ctypes.Structure):  # CUlaunchConfig
-                _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                            ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("num_attrs", ctypes.c_uint)]
+    class Config(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("num_attrs", ctypes.c_uint)]
 
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            assert ctypes.sizeof(Attr) == 72 and ctypes.sizeof(Config) == 56
-            _LAUNCH_EX.append((fn, Config, Attr))
-        except (OSError, AttributeError, AssertionError):
-            _LAUNCH_EX.append(None)
-    return _LAUNCH_EX[0]
+    assert ctypes.sizeof(Attr) == 72 and ctypes.sizeof(Config) == 56
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn, Config, Attr
 
 
 class _Packed:
