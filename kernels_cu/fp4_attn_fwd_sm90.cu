@@ -64,6 +64,13 @@ using namespace sage;
 #ifndef SAGE_FP4_OFRAME
 #define SAGE_FP4_OFRAME 0
 #endif
+// Diagnostics only (wrong results; bench/fp4_floor.py times them): what the kernel costs without one of its parts.
+// 1: no tensor-core products (S stays whatever the previous tile left; the ALU, memory and synchronization work
+// alone), 2: no softmax or P quantization (P^ is the raw logits in fp16, O is never rescaled), 3: no K/V
+// dequantization in the loop (the staged bytes are fetched, the stages hold stale values).
+#ifndef SAGE_FP4_DIAG
+#define SAGE_FP4_DIAG 0
+#endif
 
 namespace {
 
@@ -257,7 +264,12 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   float(&accs)[32] = reinterpret_cast<float(&)[32]>(acc_s);
   const char* sQw = sQ + (warp / 4) * 64 * 128;  // this warpgroup's 64 rows, in every piece
   static_assert(BKV == 64, "64-key tiles");
-  auto issue_qk = [&](int kst) { wgmma_qk16<D, BQ>(accs, sQw, sK, kst * S::K_BYTES); };
+  auto issue_qk = [&](int kst) {
+    if constexpr (SAGE_FP4_DIAG != 1) wgmma_qk16<D, BQ>(accs, sQw, sK, kst * S::K_BYTES);
+  };
+  if constexpr (SAGE_FP4_DIAG == 1)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) accs[i] = 0.f;
   const unsigned long long dv0 = gmma_desc<128>(sV);
 
   // Ping-pong (see SAGE_FP4_PINGPONG): the warpgroups issue in turn 0, 1, .., NWG - 1, 0, ..; warpgroup wg waits
@@ -283,15 +295,30 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   unsigned ph1 = 0, ph2 = 0;
   for (int tile = 0; tile < tl.n; ++tile) {
     unsigned pa[4][4], pp_unused[1][4];
+#if SAGE_FP4_DIAG == 2
+    Fp4TileScale ts = {{1.f, 1.f}, {1.f, 1.f}, {0.f, 0.f}, false};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        pa[kk][r] = half2_bits(acc_s[2 * kk][2 * r], acc_s[2 * kk][2 * r + 1]);
+        pa[kk][2 + r] = half2_bits(acc_s[2 * kk + 1][2 * r], acc_s[2 * kk + 1][2 * r + 1]);
+      }
+    (void)pp_unused;
+    rs.l[0] += 1.f;  // keeps O live (a zero row sum stores zeros)
+    rs.l[1] += 1.f;
+#else
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
                                                                CAUSAL, r_lo, t4, nk, shift, scale_log2);
     if constexpr (OFRAME) fp4_frame_step<TWO_LEVEL>(acc_o, pa, fr, ts, rs);
+#endif
     if (PING) pair_barrier<true>(my_turn);  // this warpgroup's turn to issue
     wgmma_fence();
     {  // P.V(t)
       const unsigned long long dv = gmma_desc_advance(dv0, st0 * S::V_BYTES);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
+        if constexpr (SAGE_FP4_DIAG == 1) continue;
         if constexpr (OFRAME)
           wgmma_rs<__half, false>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk], gmma_desc_advance(dv, 32 * kk), 1);
         else
@@ -310,7 +337,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
       }
       cp_async_wait<0>();
       asm volatile("" ::: "memory");
-      dequant_tile<D, WARPS>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, tid);
+      if constexpr (SAGE_FP4_DIAG != 3) dequant_tile<D, WARPS>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, tid);
       fence_proxy_async();
       mbar_arrive(full + st);
       if (nxt + 1 < tl.n) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, nxt + 1, nk, n16, tid);

@@ -1,0 +1,64 @@
+"""Where the NVFP4 wgmma forward's time goes, by taking one part out at a time (kernel diagnostics
+``SAGE_FP4_DIAG``, wrong results): 1 no tensor-core products, 2 no softmax / P quantization, 3 no K/V
+dequantization in the loop. Also the quantization pre-pass (``nvfp4.quantize_inputs``), the whole call
+(``nvfp4.attention``) and SDPA flash on the same shapes. Kernel times back to back (``bench.time_ms_b2b``), D = 128,
+bf16, the benchmark's shapes unless ``--shapes B:N,...``. On the GPU machine:
+
+    python bench/fp4_floor.py [--shapes 4:4096,1:16384,16:4096] [--diags 0,1,2,3] [--extra "SAGE_X=1;SAGE_Y=2"]
+"""
+import argparse
+import os
+
+import cupy
+
+from sagecupy import bench, nvfp4
+from sagecupy.bf16 import BF16Array
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--shapes", default="4:4096,1:16384")
+ap.add_argument("--diags", default="0,1,2,3")
+ap.add_argument("--extra", default="", help="';'-separated define sets timed as further variants (kernel defines)")
+ap.add_argument("--causal", default="0,1")
+a = ap.parse_args()
+D, H = 128, 16
+variants = [(f"diag{d}", f"SAGE_FP4_DIAG={d}" if d != "0" else "") for d in a.diags.split(",")]
+variants += [(e, e.replace(" ", "")) for e in a.extra.split(";") if e]
+for shp in a.shapes.split(","):
+    B, N = (int(x) for x in shp.split(":"))
+    rng = cupy.random.default_rng(0)
+    q, k, v = (BF16Array.from_float(rng.standard_normal((B, H, N, D), dtype=cupy.float32)) for _ in range(3))
+    os.environ.pop("SAGECUPY_DEFINES", None)
+    pre = bench.time_ms_b2b(lambda: nvfp4.quantize_inputs(q, k, v))
+    ops = nvfp4.quantize_inputs(q, k, v)
+    for causal in (c == "1" for c in a.causal.split(",")):
+        fl = bench.flops(B, H, N, N, D, causal)
+        os.environ.pop("SAGECUPY_DEFINES", None)
+        e2e = bench.time_ms_b2b(lambda: nvfp4.attention(q, k, v, causal=causal))
+        try:
+            import torch
+            import torch.nn.functional as F
+            tq, tk, tv = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                fn = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
+                ev = torch.cuda.Event
+                flash = bench.time_ms_b2b(fn, event=lambda: ev(enable_timing=True), sync=torch.cuda.synchronize)
+        except Exception as exc:  # noqa: BLE001
+            print("flash unavailable:", exc)
+            flash = float("nan")
+        print(f"B={B} N={N} causal={causal!s:<5} pre-pass {pre:.3f} ms, nvfp4.attention {e2e:.3f} ms "
+              f"({fl / e2e / 1e9:.0f} TFLOPS, {flash / e2e:.2f}x flash), flash {flash:.3f} ms ({fl / flash / 1e9:.0f})",
+              flush=True)
+        for label, defs in variants:
+            if defs:
+                os.environ["SAGECUPY_DEFINES"] = defs
+            else:
+                os.environ.pop("SAGECUPY_DEFINES", None)
+            run = lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16")  # noqa: E731
+            try:
+                ms = bench.time_ms_b2b(run)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {label:<24} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            print(f"  {label:<24} kernel {ms:7.3f} ms {fl / ms / 1e9:6.0f} TFLOPS  (+pre-pass {ms + pre:.3f} ms: "
+                  f"{flash / (ms + pre):.2f}x flash)", flush=True)
+os.environ.pop("SAGECUPY_DEFINES", None)
