@@ -11,7 +11,7 @@ import os
 
 import cupy
 
-from sagecupy import bench, nvfp4
+from sagecupy import _checks, bench, nvfp4
 from sagecupy.bf16 import BF16Array
 
 ap = argparse.ArgumentParser()
@@ -48,6 +48,7 @@ for shp in a.shapes.split(","):
         print(f"B={B} N={N} causal={causal!s:<5} pre-pass {pre:.3f} ms, nvfp4.attention {e2e:.3f} ms "
               f"({fl / e2e / 1e9:.0f} TFLOPS, {flash / e2e:.2f}x flash), flash {flash:.3f} ms ({fl / flash / 1e9:.0f})",
               flush=True)
+        ref = None
         for label, defs in variants:
             if defs:
                 os.environ["SAGECUPY_DEFINES"] = defs
@@ -55,10 +56,17 @@ for shp in a.shapes.split(","):
                 os.environ.pop("SAGECUPY_DEFINES", None)
             run = lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16")  # noqa: E731
             try:
+                got = _checks.raw(run()).astype(cupy.float32)
                 ms = bench.time_ms_b2b(run)
             except Exception as exc:  # noqa: BLE001
                 print(f"  {label:<24} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
                 continue
+            if ref is None:
+                ref, diff = got, ""
+            elif bool((got == ref).all()):
+                diff = "  O bitwise equal"
+            else:
+                diff = f"  O rel_l2 {float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)):.2e}"
             print(f"  {label:<24} kernel {ms:7.3f} ms {fl / ms / 1e9:6.0f} TFLOPS  (+pre-pass {ms + pre:.3f} ms: "
-                  f"{flash / (ms + pre):.2f}x flash)", flush=True)
+                  f"{flash / (ms + pre):.2f}x flash){diff}", flush=True)
 os.environ.pop("SAGECUPY_DEFINES", None)

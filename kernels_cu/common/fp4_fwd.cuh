@@ -9,6 +9,10 @@
 namespace sage {
 
 // SAGE_FP4_RESCALE_SLACK (base-2 logit units, two-level P only; 0: the running max follows every tile max).
+// SAGE_FP4_BMAX_LOGITS=1: the 16-key blocks' maxima taken on the logits (before exp2) and the row max from them.
+#ifndef SAGE_FP4_BMAX_LOGITS
+#define SAGE_FP4_BMAX_LOGITS 0
+#endif
 #ifndef SAGE_FP4_RESCALE_SLACK
 #define SAGE_FP4_RESCALE_SLACK 8
 #endif
@@ -55,12 +59,30 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
   }
   // Row maxima as trees (short dependency chains). fmaxf drops a NaN logit unless all 16 of a thread's are NaN
   // (then quad_max propagates it and the row's max is NaN); either way the NaN reaches O through x and the row sum.
+#if SAGE_FP4_BMAX_LOGITS
+  // Each 16-key block's max logit (quad-reduced), the row max as their max: exp2 is monotone, so the block maxima
+  // of x follow from these without a pass over x (below).
+  float bm[4][2];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      bm[kk][r] = quad_max(fmaxf(fmaxf(s[2 * kk][2 * r], s[2 * kk][2 * r + 1]),
+                                 fmaxf(s[2 * kk + 1][2 * r], s[2 * kk + 1][2 * r + 1])));
+  float rmax[2] = {fmaxf(fmaxf(bm[0][0], bm[1][0]), fmaxf(bm[2][0], bm[3][0])),
+                   fmaxf(fmaxf(bm[0][1], bm[1][1]), fmaxf(bm[2][1], bm[3][1]))};
+#else
   float rmax[2] = {acc_row_max<8, 0>(s), acc_row_max<8, 1>(s)};
+#endif
   Fp4TileScale ts;
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+#if SAGE_FP4_BMAX_LOGITS
+    rmax[r] *= scale_log2;
+#else
     rmax[r] = quad_max(rmax[r]) * scale_log2;
+#endif
     ts.rmax[r] = rmax[r];
     // Two-level P is relative to the tile's own max, so the running max may lag (lazy frame, as the INT8 forward:
     // common/int8_fwd.cuh): it moves only when a tile's max exceeds it by more than SAGE_FP4_RESCALE_SLACK, and
@@ -100,9 +122,13 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
     float amax[2], sc[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+#if SAGE_FP4_BMAX_LOGITS
+      amax[r] = fast_exp2(fmaf(bm[kk][r], scale_log2, base[r]));
+#else
       amax[r] = fmaxf(fmaxf(x[r][0], x[r][1]), fmaxf(x[r][2], x[r][3]));
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+#endif
     }
     // Both row halves' block scales in one conversion each way; the E2M1 values times the scale in fp16 (exact:
     // at most 6 significant bits within [2^-10, 2688]).
