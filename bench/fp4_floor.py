@@ -4,7 +4,10 @@ dequantization in the loop. Also the quantization pre-pass (``nvfp4.quantize_inp
 (``nvfp4.attention``) and SDPA flash on the same shapes. Kernel times back to back (``bench.time_ms_b2b``), D = 128,
 bf16, the benchmark's shapes unless ``--shapes B:N,...``. On the GPU machine:
 
-    python bench/fp4_floor.py [--shapes 4:4096,1:16384,16:4096] [--diags 0,1,2,3] [--extra "SAGE_X=1;SAGE_Y=2"]
+    python bench/fp4_floor.py [--shapes 4:4096,1:16384,16:4096] [--diags 0,1,2,3] [--extra "SAGE_X=1;SAGECUPY_Y=0,SAGE_Z=2"]
+
+Variants are ';'-separated lists of ','-separated tokens: SAGECUPY_* set environment variables, the others kernel
+defines. The diagnostics apply to the kernel chosen by default (``--base`` tokens are added to every variant).
 """
 import argparse
 import os
@@ -19,20 +22,43 @@ ap.add_argument("--shapes", default="4:4096,1:16384")
 ap.add_argument("--diags", default="0,1,2,3")
 ap.add_argument("--extra", default="", help="';'-separated define sets timed as further variants (kernel defines)")
 ap.add_argument("--causal", default="0,1")
+ap.add_argument("--base", default="", help="tokens added to every variant (e.g. SAGECUPY_FP4_WS=0)")
 a = ap.parse_args()
 D, H = 128, 16
-variants = [(f"diag{d}", f"SAGE_FP4_DIAG={d}" if d != "0" else "") for d in a.diags.split(",")]
+ENV_SET = set()
+
+
+def _set(defs):
+    """A variant's tokens: SAGECUPY_X=Y as environment variables, the others as kernel defines."""
+    toks = [t for t in defs.split(",") if t]
+    for key in ENV_SET:
+        os.environ.pop(key, None)
+    ENV_SET.clear()
+    for t in toks:
+        if t.startswith("SAGECUPY_"):
+            key, val = t.split("=", 1)
+            os.environ[key] = val
+            ENV_SET.add(key)
+    kd = ",".join(t for t in toks if not t.startswith("SAGECUPY_"))
+    if kd:
+        os.environ["SAGECUPY_DEFINES"] = kd
+    else:
+        os.environ.pop("SAGECUPY_DEFINES", None)
+
+
+variants = [(f"diag{d}", f"SAGE_FP4_DIAG={d}" if d != "0" else "") for d in a.diags.split(",") if d]
 variants += [(e, e.replace(" ", "")) for e in a.extra.split(";") if e]
+variants = [(label, ",".join(x for x in (a.base, defs) if x)) for label, defs in variants]
 for shp in a.shapes.split(","):
     B, N = (int(x) for x in shp.split(":"))
     rng = cupy.random.default_rng(0)
     q, k, v = (BF16Array.from_float(rng.standard_normal((B, H, N, D), dtype=cupy.float32)) for _ in range(3))
-    os.environ.pop("SAGECUPY_DEFINES", None)
+    _set(a.base)
     pre = bench.time_ms_b2b(lambda: nvfp4.quantize_inputs(q, k, v))
     ops = nvfp4.quantize_inputs(q, k, v)
     for causal in (c == "1" for c in a.causal.split(",")):
         fl = bench.flops(B, H, N, N, D, causal)
-        os.environ.pop("SAGECUPY_DEFINES", None)
+        _set(a.base)
         e2e = bench.time_ms_b2b(lambda: nvfp4.attention(q, k, v, causal=causal))
         try:
             import torch
@@ -50,10 +76,7 @@ for shp in a.shapes.split(","):
               flush=True)
         ref = None
         for label, defs in variants:
-            if defs:
-                os.environ["SAGECUPY_DEFINES"] = defs
-            else:
-                os.environ.pop("SAGECUPY_DEFINES", None)
+            _set(defs)
             run = lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16")  # noqa: E731
             try:
                 got = _checks.raw(run()).astype(cupy.float32)

@@ -372,3 +372,224 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
                          qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
 }
+
+// ---- Warp-specialized variant (nvfp4_attn_fwd_ws): one warpgroup dequantizes, two multiply ----
+//
+// The kernel above has every thread dequantize a share of each K/V tile, so its three warpgroups meet on every
+// tile's mbarriers and run in step: their softmax phases coincide, and the tensor cores and the ALUs take turns
+// instead of overlapping (bench/fp4_floor.py, twenty-sixth session: the kernel without its products and the kernel
+// without its softmax add up to the whole). Here warpgroup 0 (the producer) alone stages the packed bytes (cp.async,
+// double-buffered staging) and dequantizes K/V tiles into a 4-stage ring; warpgroups 1 and 2 (64 query rows each,
+// 128 per CTA) only multiply and quantize P, and each overlaps its own products with its softmax:
+//   issue Q.K^T(t+1) into the second S buffer; softmax(t) -> P^(t) (while Q.K^T(t+1) and P.V(t-1) run);
+//   wait for P.V(t-1) and Q.K^T(t+1), release tile t-1's stage; rescale O to tile t's frame; issue P.V(t).
+// (Waiting for both at once: with wgmma.wait_group 1 there, ptxas serialized the products, warning C7514.)
+// The producer gives up registers (setmaxnreg) so that the consumers hold two S tiles and two P^ operands.
+// Numerics: those of the kernel above at 12 warps (the same per-tile softmax and P quantization, O in the frame of
+// its last tile); only the fp32 accumulation order inside the tensor cores may differ.
+namespace {
+
+template <int D>
+struct NvWs {
+  static constexpr int BQ = 128, THREADS = 384, PTHREADS = 128, CTHREADS = 256;
+  static constexpr int NST = 4;  // K/V ring stages
+  static constexpr int Q_BYTES = BQ * 2 * D, K_BYTES = BKV * 2 * D, V_BYTES = D * BKV * 2;
+  static constexpr int KTASKS = BKV * D / 64, TASKS = KTASKS + D;  // per key tile: K quarter-rows, V channels
+  static constexpr int QTASKS = BQ * D / 64;
+  static constexpr int NJ = TASKS / PTHREADS;  // tasks per producer thread and tile (2 at D = 128, 1 at 64)
+  static constexpr int SLOTS = QTASKS > TASKS ? QTASKS : TASKS;  // per staging buffer
+  static constexpr int STG_CODES = 32 * SLOTS, STG = 36 * SLOTS;
+  static constexpr int BARS = (2 * NST + 1) * 8;  // full[NST], empty[NST], q_full
+  static constexpr int SMEM = Q_BYTES + NST * (K_BYTES + V_BYTES) + 2 * STG + BARS + 1024;
+  static_assert(TASKS % PTHREADS == 0 && QTASKS % PTHREADS == 0, "whole tasks per producer thread");
+};
+
+#ifndef SAGE_FP4_WS_PREG
+#define SAGE_FP4_WS_PREG 56  // producer registers per thread after setmaxnreg.dec
+#endif
+#ifndef SAGE_FP4_WS_CREG
+#define SAGE_FP4_WS_CREG 224  // consumer registers: 128 x 56 + 256 x 224 <= 384 x 168
+#endif
+
+__device__ __forceinline__ void setmaxnreg_dec_producer() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SAGE_FP4_WS_PREG));
+}
+__device__ __forceinline__ void setmaxnreg_inc_consumer() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SAGE_FP4_WS_CREG));
+}
+
+// Producer: the packed bytes of key tile `tile` -> staging buffer `stg` (this thread's tasks ptid + j * 128).
+template <int D>
+__device__ __forceinline__ void ws_stage_tile(char* stg, const unsigned char* gkc, const unsigned char* gks,
+                                              const unsigned char* gvc, const unsigned char* gvs, int vcs, int tile,
+                                              int nk, int n16, int ptid) {
+  using S = NvWs<D>;
+#pragma unroll
+  for (int j = 0; j < S::NJ; ++j) {
+    const int i = ptid + j * S::PTHREADS;
+    if ((j + 1) * S::PTHREADS <= S::KTASKS) {  // K tasks (known per j at compile time)
+      const int row = i % BKV, piece = i / BKV, key = tile * BKV + row;
+      const bool ok = key < nk;
+      const long long off = ok ? static_cast<long long>(key) * (D / 2) + piece * 32 : 0;
+      stage_task(stg, i, gkc + off, gks + (ok ? static_cast<long long>(key) * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
+                 ok ? 4 : 0, S::STG_CODES);
+    } else {
+      const int ch = i - S::KTASKS, toks = n16 - tile * BKV;
+      stage_task(stg, i, gvc + static_cast<long long>(ch) * vcs + tile * 32,
+                 gvs + static_cast<long long>(ch) * (vcs / 8) + tile * 4, toks / 2, toks / 16, S::STG_CODES);
+    }
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void ws_dequant_tile(char* sKst, char* sVst, const char* stg, int ptid) {
+  using S = NvWs<D>;
+#pragma unroll
+  for (int j = 0; j < S::NJ; ++j) {
+    const int i = ptid + j * S::PTHREADS;
+    if ((j + 1) * S::PTHREADS <= S::KTASKS)
+      dequant_task(sKst + (i / BKV) * BKV * 128, i % BKV, stg, i, S::STG_CODES);
+    else
+      dequant_task(sVst, i - S::KTASKS, stg, i, S::STG_CODES);
+  }
+}
+
+}  // namespace
+
+// Grid (ceil(nq / 128), Hq, B), block 384, dynamic shared memory NvWs<D>::SMEM. Arguments as nvfp4_attn_fwd_sm90.
+template <typename T, int D, bool TWO_LEVEL, int CG = 1>
+__global__ void __launch_bounds__(384, 1)
+nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
+                  const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
+                  const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,
+                  const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
+                  float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
+  using S = NvWs<D>;
+  static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
+  constexpr int BQ = S::BQ, NST = S::NST;
+  const bool CAUSAL = causal != 0;
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sQ = smem;                       // D / 64 pieces x BQ rows x 128 B
+  char* sK = sQ + S::Q_BYTES;            // NST stages x D / 64 pieces x 64 rows x 128 B
+  char* sV = sK + NST * S::K_BYTES;      // NST stages x D rows x 128 B
+  char* stg0 = sV + NST * S::V_BYTES;    // two staging buffers
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(stg0 + 2 * S::STG);
+  unsigned long long* full = bars;              // stage s holds its tile, dequantized (producer threads)
+  unsigned long long* empty = bars + NST;       // every consumer thread's products on stage s retired
+  unsigned long long* q_full = bars + 2 * NST;  // Q dequantized
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const QueryBlock qb = query_block<CG>(BQ, CAUSAL, Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b;
+  const long long bh = qb.bh, bhk = qb.bhk;
+  const int shift = nk - nq;
+  const KeyTiles tl = key_tiles<BKV>(q0, BQ, nq, nk, CAUSAL);
+  if (tid < NST) {
+    mbar_init(full + tid, S::PTHREADS);
+    mbar_init(empty + tid, S::CTHREADS);
+  }
+  if (tid == NST) mbar_init(q_full, S::PTHREADS);
+  __syncthreads();
+
+  if (warp < 4) {  // ---- producer ----
+    setmaxnreg_dec_producer();
+    const int ptid = tid;
+    const unsigned char* gkc = kc + bhk * nk * (D / 2);
+    const unsigned char* gks = ks + bhk * nk * (D / 16);
+    const unsigned char* gvc = vc + bhk * D * vcs;
+    const unsigned char* gvs = vs + bhk * D * (vcs / 8);
+#pragma unroll
+    for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // Q (rows >= nq zero)
+      const int i = ptid + j * S::PTHREADS, row = i % BQ, piece = i / BQ, qr = q0 + row;
+      const bool ok = qr < nq;
+      const long long r = bh * nq + qr;
+      stage_task(stg0, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
+                 ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    asm volatile("" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
+      const int i = ptid + j * S::PTHREADS;
+      dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stg0, i, S::STG_CODES);
+    }
+    fence_proxy_async();
+    mbar_arrive(q_full);
+    if (tl.n > 0) ws_stage_tile<D>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+    cp_async_commit();
+    for (int t = 0; t < tl.n; ++t) {
+      char* stg = stg0 + (t & 1) * S::STG;
+      if (t + 1 < tl.n) ws_stage_tile<D>(stg0 + ((t + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
+      cp_async_commit();
+      cp_async_wait<1>();  // tile t's bytes (this thread's own copies)
+      asm volatile("" ::: "memory");
+      const int st = t % NST;
+      if (t >= NST) mbar_wait(empty + st, ((t / NST) - 1) & 1);
+      ws_dequant_tile<D>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, ptid);
+      fence_proxy_async();
+      mbar_arrive(full + st);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers: warpgroups 1 and 2 ----
+  setmaxnreg_inc_consumer();
+  const int cw = warp - 4;                   // 0..7
+  const int r_lo = q0 + cw * 16 + g;         // this thread's rows: r_lo, r_lo + 8
+  const char* sQw = sQ + (cw / 4) * 64 * 128;
+  Fp4Rows rs = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
+  Fp4Frame fr = {{-INFINITY, -INFINITY}};
+  float acc_o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  float s0[8][4], s1[8][4];
+  unsigned pa0[4][4], pa1[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pa0[i][0] = pa0[i][1] = pa0[i][2] = pa0[i][3] = pa1[i][0] = pa1[i][1] = pa1[i][2] = pa1[i][3] = 0u;
+  const unsigned long long dv0 = gmma_desc<128>(sV);
+  float(&o_flat)[D / 2] = reinterpret_cast<float(&)[D / 2]>(acc_o);
+
+  mbar_wait(q_full, 0);
+  if (tl.n > 0) {
+    mbar_wait(full, 0);
+    wgmma_fence();
+    wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(s0), sQw, sK, 0);
+    wgmma_wait<0>();
+    fence_regs(reinterpret_cast<float(&)[32]>(s0));
+  }
+  // One key tile: sc holds S(t); Q.K^T(t+1) goes into sn; pc receives P^(t); pp is P^(t-1), P.V(t-1)'s operand.
+  auto step = [&](float(&sc)[8][4], float(&sn)[8][4], unsigned(&pc)[4][4], unsigned(&pp)[4][4], int t) {
+    const int stn = (t + 1) % NST;
+    if (t + 1 < tl.n) mbar_wait(full + stn, ((t + 1) / NST) & 1);
+    wgmma_fence();
+    // (after the last tile: a stale stage, dropped; every issue unconditional, see the kernel above)
+    wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(sn), sQw, sK, stn * S::K_BYTES);
+    unsigned pp_unused[1][4];
+    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(sc, rs, pc, pp_unused, t, t >= tl.first_masked, CAUSAL,
+                                                               r_lo, t4, nk, shift, scale_log2);
+    wgmma_wait<0>();  // P.V(t-1) and Q.K^T(t+1) (issued before the softmax: done by now, as a rule)
+    fence_regs(o_flat);
+    fence_regs(reinterpret_cast<float(&)[32]>(sn));
+    hold_regs(pp);
+    if (t > 0) mbar_arrive(empty + (t - 1) % NST);
+    fp4_frame_step<TWO_LEVEL>(acc_o, pc, fr, ts, rs);
+    wgmma_fence();
+    const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(o_flat, pc[kk], gmma_desc_advance(dv, 32 * kk), 1);
+    wgmma_commit();  // P.V(t) runs on through the next tile's softmax
+  };
+  for (int t = 0; t < tl.n; t += 2) {
+    step(s0, s1, pa0, pa1, t);
+    if (t + 1 < tl.n) step(s1, s0, pa1, pa0, t + 1);
+  }
+  wgmma_wait<0>();
+  fence_regs(o_flat);
+  hold_regs(pa0);
+  hold_regs(pa1);
+  fp4_frame_finish<TWO_LEVEL>(acc_o, fr, rs);
+  fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
+                                qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
+}

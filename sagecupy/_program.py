@@ -40,7 +40,7 @@ ARENA_ALIGN = 256
 #: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
 _ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
              "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
-             "SAGECUPY_FWD_PREPASS", "SAGECUPY_PDL")
+             "SAGECUPY_FWD_PREPASS", "SAGECUPY_PDL", "SAGECUPY_FP4_WS")
 #: Variables the package reads that do not change which kernels run or how (debug output only).
 NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG", "SAGECUPY_LAUNCH")
 
