@@ -92,14 +92,13 @@ def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
 def fp4_ws(engine: str = "wgmma", head_dim: int = 128) -> bool:
     """Whether the wgmma NVFP4 forward runs its warp-specialized kernel (``nvfp4_attn_fwd_ws`` in
     ``kernels_cu/fp4_attn_fwd_sm90.cu``: one warpgroup dequantizes K/V, two multiply and quantize P, 128 query rows
-    per CTA) rather than the 12-warp kernel whose warpgroups all do everything. The default at D=128 on the wgmma
-    engine unless ``SAGECUPY_FP4_WARPS`` asks for a CTA size; ``SAGECUPY_FP4_WS=0`` turns it off, ``1`` on."""
+    per CTA) rather than the 12-warp kernel whose warpgroups all do everything: only with ``SAGECUPY_FP4_WS=1``
+    (D=128, wgmma engine). Bitwise the same results; measured 0.96-1.03x the 12-warp kernel on the H200
+    (``bench/fp4_floor.py``, bench/NOTES.md twenty-sixth session), so not the default."""
     env = os.environ.get("SAGECUPY_FP4_WS")
     if env not in (None, "0", "1"):
-        raise ValueError(f"SAGECUPY_FP4_WS={env!r}: '0' (off) or '1' (on, the default where it applies)")
-    if engine != "wgmma" or head_dim != 128 or env == "0":
-        return False
-    return env == "1" or os.environ.get("SAGECUPY_FP4_WARPS") is None
+        raise ValueError(f"SAGECUPY_FP4_WS={env!r}: '0' (off, the default) or '1' (on; D=128, wgmma engine)")
+    return engine == "wgmma" and head_dim == 128 and env == "1"
 
 
 def ws_smem_bytes(D: int) -> int:

@@ -9,9 +9,13 @@
 namespace sage {
 
 // SAGE_FP4_RESCALE_SLACK (base-2 logit units, two-level P only; 0: the running max follows every tile max).
-// SAGE_FP4_BMAX_LOGITS=1: the 16-key blocks' maxima taken on the logits (before exp2) and the row max from them.
+// The 16-key blocks' maxima taken on the logits (before exp2), the row max from them (SAGE_FP4_BMAX_LOGITS, default
+// 1; 0: the row max over the logits and each block's max over x = exp2(...) after the exponentials). exp2 and the
+// FFMA before it are monotone, so the block maxima of x are the same numbers (O bitwise equal on the H200 at 4K and
+// 16K, causal and not), but the block scales no longer wait for the exponentials and the row max needs no pass of
+// its own: the NVFP4 wgmma forward 1.05-1.08x (bench/fp4_floor.py, bench/NOTES.md twenty-sixth session).
 #ifndef SAGE_FP4_BMAX_LOGITS
-#define SAGE_FP4_BMAX_LOGITS 0
+#define SAGE_FP4_BMAX_LOGITS 1
 #endif
 #ifndef SAGE_FP4_RESCALE_SLACK
 #define SAGE_FP4_RESCALE_SLACK 8

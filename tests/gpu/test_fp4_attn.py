@@ -530,6 +530,38 @@ def test_nvfp4_wgmma_o_frame(monkeypatch, warps):
                                                                           (200, 130, True)))
 
 
+def test_nvfp4_warp_specialized_kernel(monkeypatch):
+    """The warp-specialized wgmma forward (SAGECUPY_FP4_WS=1: one warpgroup dequantizes, two multiply, 128 rows per
+    CTA) against the simulator on odd shapes (GQA, Nq != Nk, causal, rows and keys not multiples of a tile, whole
+    CTAs that see no key, single-level P), and bitwise equal to the 12-warp kernel: the same per-tile softmax, the
+    same frame rule for O and the same wgmma shapes in the same order, so nothing but the CTA's split of the rows
+    differs."""
+    from sagecupy import _checks, nvfp4
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
+    cp = _cp()
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
+    monkeypatch.setenv("SAGECUPY_FP4_WS", "1")
+    assert nvfp4.fp4_ws("wgmma", 128) and not nvfp4.fp4_ws("wgmma", 64)
+    for c in CASES:
+        if c[5] == 128:
+            _nvfp4_case(*c, NVFP4Config())
+    _nvfp4_case(1, 2, 1, 700, 90, 128, True, "HND", "bfloat16", NVFP4Config(), seed=21)
+    _nvfp4_case(1, 2, 2, 300, 1000, 128, False, "HND", "float16", NVFP4Config(two_level_p=False), seed=3, sigma=5.0)
+    for nq, nk, causal in ((300, 517, False), (517, 300, True), (128, 64, False), (200, 130, True), (1000, 1000, True)):
+        (q, k, v, _), _ = _inputs(29, 2, 4, 2, nq, nk, 128, "HND", "bfloat16")
+        ops = nvfp4.quantize_inputs(q, k, v)
+        got = {}
+        for ws in ("1", "0"):
+            monkeypatch.setenv("SAGECUPY_FP4_WS", ws)
+            o, lse = nvfp4.attention_packed(ops, causal=causal, return_lse=True, out_dtype="bfloat16")
+            got[ws] = (_checks.raw(o), lse)
+        assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1])), (
+            nq, nk, causal)
+
+
 def test_misaligned_packed_operands_and_bad_arguments(engine):
     """Exchange-format arrays that start at an odd address (a slice of a byte pool) are copied, not
     handed to the 8-byte copies of the kernel; fake_quantize refuses a padding that would not fit."""

@@ -1,0 +1,52 @@
+"""The NVFP4 call's launches one by one on the device (on the GPU machine): every kernel launch of
+``nvfp4.attention`` wrapped with an event after it, calls back to back, median device time of each launch (from the
+previous launch's event), D = 128, bf16, the benchmark's shapes:
+
+    python bench/fp4_prepass_probe.py [--n 4096] [--reps 20]
+"""
+import argparse
+import statistics
+
+import cupy
+
+from sagecupy import bench, nvfp4
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    drv = cupy.cuda.driver
+    orig = drv.launchKernel
+    marks = []
+
+    def wrapped(*args):
+        orig(*args)
+        e = cupy.cuda.Event()
+        e.record()
+        marks.append(e)
+
+    B, H, (q, k, v, _) = bench._inputs(128, a.n, "bfloat16")
+    for causal in (False, True):
+        call = lambda: nvfp4.attention(q, k, v, causal=causal)  # noqa: E731
+        for _ in range(5):
+            call()
+        drv.launchKernel = wrapped
+        runs = []
+        for _ in range(a.reps):
+            del marks[:]
+            e0 = cupy.cuda.Event()
+            e0.record()
+            call()
+            runs.append([e0] + list(marks))
+        cupy.cuda.Device().synchronize()
+        drv.launchKernel = orig
+        n = min(len(r) for r in runs)
+        per = [statistics.median(cupy.cuda.get_elapsed_time(r[i], r[i + 1]) * 1e3 for r in runs) for i in range(n - 1)]
+        print(f"N={a.n} causal={causal}: {n - 1} launches, us each: " + " | ".join(f"{x:.1f}" for x in per)
+              + f"  (sum {sum(per):.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
