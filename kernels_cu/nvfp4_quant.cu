@@ -9,25 +9,81 @@
 
 using namespace sage;
 
+template <typename T>
+__device__ __forceinline__ T bits_to(unsigned short b);
+template <>
+__device__ __forceinline__ __half bits_to<__half>(unsigned short b) {
+  return __ushort_as_half(b);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 bits_to<__nv_bfloat16>(unsigned short b) {
+  return __ushort_as_bfloat16(b);
+}
+
+// 16 consecutive elements from src as floats: two 16-byte loads where src is 16-byte aligned (a warp's loads then
+// cover whole lines once; with 2-byte loads each of the 16 instructions touched 32 sectors), else 16 scalar loads.
+template <typename T>
+__device__ __forceinline__ void load16(const T* src, float (&v)[16]) {
+  if ((reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
+    const uint4 w[2] = {__ldg(reinterpret_cast<const uint4*>(src)), __ldg(reinterpret_cast<const uint4*>(src) + 1)};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const unsigned u[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[8 * j + 2 * i] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] & 0xFFFFu)));
+        v[8 * j + 2 * i + 1] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] >> 16)));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
+  }
+}
+
 // One thread per 16-block. grid (ceil(N * D / 16 / 256), H, B), block 256.
+// dot_mu (optional; D / 16 a power of two up to 32, so that a row's threads are neighbouring lanes of one warp):
+// also dot_out[b, h, row] = dot_scale * sum_c x[row, c] * dot_mu[b, h / dot_group, c] in fp32 (the LSE correction
+// of K-smoothing, sm_scale * q . mu_K, that row_mu_dot computes in a pass of its own): each thread's 16 products in
+// order, then a shuffle tree over the row's threads.
 template <typename T>
 __global__ void nvfp4_quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
                                  const float* __restrict__ mu, int mu_group,
-                                 unsigned char* __restrict__ codes, unsigned char* __restrict__ scales) {
+                                 unsigned char* __restrict__ codes, unsigned char* __restrict__ scales,
+                                 const float* __restrict__ dot_mu, int dot_group, float dot_scale,
+                                 float* __restrict__ dot_out) {
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const long long blk = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int nblk_row = d / 16;
-  if (blk >= static_cast<long long>(n) * nblk_row) return;
-  const int row = static_cast<int>(blk / nblk_row), c0 = static_cast<int>(blk % nblk_row) * 16;
+  const bool valid = blk < static_cast<long long>(n) * nblk_row;  // (a row's threads are all valid or all not)
+  if (!dot_mu && !valid) return;
+  const int row = valid ? static_cast<int>(blk / nblk_row) : 0, c0 = static_cast<int>(blk % nblk_row) * 16;
   const T* src = x + b * sb + h * sh + row * sn + c0;
   const float* m = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * d + c0 : nullptr;
   float v[16];
+  if (valid) {
+    load16(src, v);
+  } else {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = m ? to_float(src[i]) - m[i] : to_float(src[i]);
+    for (int i = 0; i < 16; ++i) v[i] = 0.f;
+  }
+  const long long bh = static_cast<long long>(b) * H + h;
+  if (dot_mu) {
+    const float* dm = dot_mu + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * d + c0;
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc = fmaf(v[i], valid ? dm[i] : 0.f, acc);
+    for (int o = nblk_row / 2; o >= 1; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (valid && c0 == 0) dot_out[bh * n + row] = acc * dot_scale;
+    if (!valid) return;
+  }
+  if (m) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] -= m[i];
+  }
   unsigned packed[2];
   // (after a mean's subtraction the values are general fp32 numbers: the division path)
   const unsigned sc = m ? nvfp4_block(v, packed) : nvfp4_block_exact16(v, packed);
-  const long long bh = static_cast<long long>(b) * H + h;
   *reinterpret_cast<uint2*>(codes + ((bh * n + row) * d + c0) / 2) = make_uint2(packed[0], packed[1]);
   scales[(bh * n + row) * nblk_row + c0 / 16] = static_cast<unsigned char>(sc);
 }

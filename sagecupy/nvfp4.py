@@ -229,7 +229,8 @@ def quantize_rows(x, *, layout="HND", mean=None):
     nblk = N * D // 16
     i32, i64 = cupy.int32, cupy.int64
     _fn("nvfp4_quant_rows", T)(((nblk + 255) // 256, H, B), (256,),
-                               (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), mean, i32(group), codes, scales))
+                               (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), mean, i32(group), codes, scales,
+                                None, i32(1), cupy.float32(0), None))
     return codes, scales
 
 
@@ -507,18 +508,23 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
            "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8),
            "k_packed": prog.empty("k_packed", (B, Hkv, nk, D // 2), u8),
            "k_scales": prog.empty("k_scales", (B, Hkv, nk, D // 16), u8)}
+    # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE: computed by Q's quantizer where a row's 16-blocks
+    # are neighbouring lanes of a warp (D / 16 a power of two), else by row_mu_dot (below)
+    qmk = prog.empty("qmk", (B, Hq, nq), f32) if mu is not None else None
+    fused = qmk is not None and (D // 16) & (D // 16 - 1) == 0 and D // 16 <= 32
+    dot = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk) if fused else (None, i32(1), f32(0), None)
     prog.launch(_fn("nvfp4_quant_rows", T), ((nq * D // 16 + 255) // 256, Hq, B), (256,),
-                (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"], ops["q_scales"]))
+                (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"], ops["q_scales"],
+                 *dot))
     prog.launch(_fn("nvfp4_quant_rows", T), ((nk * D // 16 + 255) // 256, Hkv, B), (256,),
-                (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"]))
+                (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
+                 None, i32(1), f32(0), None))
     n16 = (nk + 15) // 16 * 16
     ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
     ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
     prog.launch(_fn("nvfp4_quant_tokens", T), ((D * (n16 // 16) + 255) // 256, Hkv, B), (256,),
                 (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]))
-    qmk = None
-    if mu is not None:  # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE
-        qmk = prog.empty("qmk", (B, Hq, nq), f32)
+    if qmk is not None and not fused:
         prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
