@@ -389,9 +389,9 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
 // its last tile); only the fp32 accumulation order inside the tensor cores may differ.
 namespace {
 
-template <int D>
+template <int D, int NC>
 struct NvWs {
-  static constexpr int BQ = 128, THREADS = 384, PTHREADS = 128, CTHREADS = 256;
+  static constexpr int BQ = 64 * NC, THREADS = 128 * (NC + 1), PTHREADS = 128, CTHREADS = 128 * NC;
   static constexpr int NST = 4;  // K/V ring stages
   static constexpr int Q_BYTES = BQ * 2 * D, K_BYTES = BKV * 2 * D, V_BYTES = D * BKV * 2;
   static constexpr int KTASKS = BKV * D / 64, TASKS = KTASKS + D;  // per key tile: K quarter-rows, V channels
@@ -404,26 +404,28 @@ struct NvWs {
   static_assert(TASKS % PTHREADS == 0 && QTASKS % PTHREADS == 0, "whole tasks per producer thread");
 };
 
-#ifndef SAGE_FP4_WS_PREG
-#define SAGE_FP4_WS_PREG 56  // producer registers per thread after setmaxnreg.dec
-#endif
-#ifndef SAGE_FP4_WS_CREG
-#define SAGE_FP4_WS_CREG 224  // consumer registers: 128 x 56 + 256 x 224 <= 384 x 168
-#endif
+// Registers per thread after setmaxnreg: the producer's, and the consumers' (NC = 2: 128 x 56 + 256 x 224 = 384 x
+// 168, the launch's; NC = 3: 128 x 56 + 384 x 152 = 512 x 128).
+constexpr int WS_PREG = 56;
+template <int NC>
+struct WsRegs {
+  static constexpr int CREG = NC == 2 ? 224 : 152;
+};
 
 __device__ __forceinline__ void setmaxnreg_dec_producer() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SAGE_FP4_WS_PREG));
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PREG));
 }
+template <int NC>
 __device__ __forceinline__ void setmaxnreg_inc_consumer() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SAGE_FP4_WS_CREG));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NC>::CREG));
 }
 
 // Producer: the packed bytes of key tile `tile` -> staging buffer `stg` (this thread's tasks ptid + j * 128).
-template <int D>
+template <int D, int NC>
 __device__ __forceinline__ void ws_stage_tile(char* stg, const unsigned char* gkc, const unsigned char* gks,
                                               const unsigned char* gvc, const unsigned char* gvs, int vcs, int tile,
                                               int nk, int n16, int ptid) {
-  using S = NvWs<D>;
+  using S = NvWs<D, NC>;
 #pragma unroll
   for (int j = 0; j < S::NJ; ++j) {
     const int i = ptid + j * S::PTHREADS;
@@ -441,9 +443,9 @@ __device__ __forceinline__ void ws_stage_tile(char* stg, const unsigned char* gk
   }
 }
 
-template <int D>
+template <int D, int NC>
 __device__ __forceinline__ void ws_dequant_tile(char* sKst, char* sVst, const char* stg, int ptid) {
-  using S = NvWs<D>;
+  using S = NvWs<D, NC>;
 #pragma unroll
   for (int j = 0; j < S::NJ; ++j) {
     const int i = ptid + j * S::PTHREADS;
@@ -456,16 +458,19 @@ __device__ __forceinline__ void ws_dequant_tile(char* sKst, char* sVst, const ch
 
 }  // namespace
 
-// Grid (ceil(nq / 128), Hq, B), block 384, dynamic shared memory NvWs<D>::SMEM. Arguments as nvfp4_attn_fwd_sm90.
-template <typename T, int D, bool TWO_LEVEL, int CG = 1>
-__global__ void __launch_bounds__(384, 1)
+// Grid (ceil(nq / (64 NC)), Hq, B), block 128 (NC + 1), dynamic shared memory NvWs<D, NC>::SMEM. Arguments as
+// nvfp4_attn_fwd_sm90. NC = 3 consumers (192 rows, 152 registers each) take the 12-warp kernel's order instead
+// (one S tile: softmax(t), P.V(t), Q.K^T(t+1), wait for both).
+template <typename T, int D, bool TWO_LEVEL, int CG = 1, int NC = 2>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
 nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
                   const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
                   const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,
                   const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
                   float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
-  using S = NvWs<D>;
+  using S = NvWs<D, NC>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
+  static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
   constexpr int BQ = S::BQ, NST = S::NST;
   const bool CAUSAL = causal != 0;
   extern __shared__ __align__(128) char smem_raw[];
@@ -516,17 +521,17 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     }
     fence_proxy_async();
     mbar_arrive(q_full);
-    if (tl.n > 0) ws_stage_tile<D>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+    if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
     cp_async_commit();
     for (int t = 0; t < tl.n; ++t) {
       char* stg = stg0 + (t & 1) * S::STG;
-      if (t + 1 < tl.n) ws_stage_tile<D>(stg0 + ((t + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
+      if (t + 1 < tl.n) ws_stage_tile<D, NC>(stg0 + ((t + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
       cp_async_commit();
       cp_async_wait<1>();  // tile t's bytes (this thread's own copies)
       asm volatile("" ::: "memory");
       const int st = t % NST;
       if (t >= NST) mbar_wait(empty + st, ((t / NST) - 1) & 1);
-      ws_dequant_tile<D>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, ptid);
+      ws_dequant_tile<D, NC>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, ptid);
       fence_proxy_async();
       mbar_arrive(full + st);
     }
@@ -535,8 +540,8 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   }
 
   // ---- consumers: warpgroups 1 and 2 ----
-  setmaxnreg_inc_consumer();
-  const int cw = warp - 4;                   // 0..7
+  setmaxnreg_inc_consumer<NC>();
+  const int cw = warp - 4;                   // 0 .. 4 NC - 1
   const int r_lo = q0 + cw * 16 + g;         // this thread's rows: r_lo, r_lo + 8
   const char* sQw = sQ + (cw / 4) * 64 * 128;
   Fp4Rows rs = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
@@ -581,9 +586,34 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(o_flat, pc[kk], gmma_desc_advance(dv, 32 * kk), 1);
     wgmma_commit();  // P.V(t) runs on through the next tile's softmax
   };
-  for (int t = 0; t < tl.n; t += 2) {
-    step(s0, s1, pa0, pa1, t);
-    if (t + 1 < tl.n) step(s1, s0, pa1, pa0, t + 1);
+  if constexpr (NC == 2) {
+    for (int t = 0; t < tl.n; t += 2) {
+      step(s0, s1, pa0, pa1, t);
+      if (t + 1 < tl.n) step(s1, s0, pa1, pa0, t + 1);
+    }
+  } else {
+    (void)step;
+    for (int t = 0; t < tl.n; ++t) {
+      unsigned pp_unused[1][4];
+      const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(s0, rs, pa0, pp_unused, t, t >= tl.first_masked,
+                                                                 CAUSAL, r_lo, t4, nk, shift, scale_log2);
+      fp4_frame_step<TWO_LEVEL>(acc_o, pa0, fr, ts, rs);
+      wgmma_fence();
+      const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(o_flat, pa0[kk], gmma_desc_advance(dv, 32 * kk), 1);
+      wgmma_commit();
+      const int stn = (t + 1) % NST;
+      if (t + 1 < tl.n) mbar_wait(full + stn, ((t + 1) / NST) & 1);
+      wgmma_fence();
+      wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(s0), sQw, sK, stn * S::K_BYTES);  // (stale after the last)
+      wgmma_wait<1>();  // P.V(t) done
+      fence_regs(o_flat);
+      hold_regs(pa0);
+      mbar_arrive(empty + t % NST);  // (tile t's K and V: Q.K^T(t) retired a tile ago)
+      wgmma_wait<0>();  // Q.K^T(t+1) done
+      fence_regs(reinterpret_cast<float(&)[32]>(s0));
+    }
   }
   wgmma_wait<0>();
   fence_regs(o_flat);

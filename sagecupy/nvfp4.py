@@ -89,23 +89,24 @@ def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
     return int(env)
 
 
-def fp4_ws(engine: str = "wgmma", head_dim: int = 128) -> bool:
-    """Whether the wgmma NVFP4 forward runs its warp-specialized kernel (``nvfp4_attn_fwd_ws`` in
-    ``kernels_cu/fp4_attn_fwd_sm90.cu``: one warpgroup dequantizes K/V, two multiply and quantize P, 128 query rows
-    per CTA) rather than the 12-warp kernel whose warpgroups all do everything: only with ``SAGECUPY_FP4_WS=1``
-    (D=128, wgmma engine). Bitwise the same results; measured 0.96-1.03x the 12-warp kernel on the H200
-    (``bench/fp4_floor.py``, bench/NOTES.md twenty-sixth session), so not the default."""
+def fp4_ws(engine: str = "wgmma", head_dim: int = 128) -> int:
+    """Consumer warpgroups of the warp-specialized wgmma NVFP4 forward (``nvfp4_attn_fwd_ws`` in
+    ``kernels_cu/fp4_attn_fwd_sm90.cu``: one warpgroup dequantizes K/V, 2 or 3 multiply and quantize P, 64 query rows
+    each), or 0 for the 12-warp kernel whose warpgroups all do everything (the default). ``SAGECUPY_FP4_WS=2|3``
+    (D=128, wgmma engine) chooses it. Bitwise the same results; measured 0.96-1.03x the 12-warp kernel on the H200
+    with two consumers (``bench/fp4_floor.py``, bench/NOTES.md twenty-sixth session)."""
     env = os.environ.get("SAGECUPY_FP4_WS")
-    if env not in (None, "0", "1"):
-        raise ValueError(f"SAGECUPY_FP4_WS={env!r}: '0' (off, the default) or '1' (on; D=128, wgmma engine)")
-    return engine == "wgmma" and head_dim == 128 and env == "1"
+    if env not in (None, "0", "2", "3"):
+        raise ValueError(f"SAGECUPY_FP4_WS={env!r}: '0' (off, the default), '2' or '3' (consumer warpgroups of the "
+                         "warp-specialized kernel; D=128, wgmma engine)")
+    return int(env) if engine == "wgmma" and head_dim == 128 and env is not None else 0
 
 
-def ws_smem_bytes(D: int) -> int:
-    """Dynamic shared memory of the warp-specialized NVFP4 forward (``NvWs<D>``): fp16 Q (128 rows), 4 stages of K
-    and V, two staging buffers of 36 bytes per 64-element task, 9 mbarriers, 1024 for alignment."""
-    slots = max(128 * D // 64, _BKV * D // 64 + D)
-    return 128 * 2 * D + 4 * (_BKV * 2 * D + D * _BKV * 2) + 2 * 36 * slots + 9 * 8 + 1024
+def ws_smem_bytes(D: int, nc: int = 2) -> int:
+    """Dynamic shared memory of the warp-specialized NVFP4 forward (``NvWs<D, nc>``): fp16 Q (64 nc rows), 4 stages
+    of K and V, two staging buffers of 36 bytes per 64-element task, 9 mbarriers, 1024 for alignment."""
+    slots = max(64 * nc * D // 64, _BKV * D // 64 + D)
+    return 64 * nc * 2 * D + 4 * (_BKV * 2 * D + D * _BKV * 2) + 2 * 36 * slots + 9 * 8 + 1024
 
 
 def fp4_engine(engine: str | None = None) -> str:
@@ -141,8 +142,8 @@ def kernel_names() -> dict:
     # causal instances: the default CTA sizes only (others compile on first use)
     attn90 += [f"nvfp4_attn_fwd_sm90<{T}, {D}, {_wgmma_default_warps(D)}, {tl}, {FP4_CAUSAL_GROUP}>"
                for T in _T.values() for D in (64, 128) for tl in ("true", "false")]
-    attn90 += [f"nvfp4_attn_fwd_ws<{T}, 128, {tl}{_cg_suffix(cg)}>" for T in _T.values() for tl in ("true", "false")
-               for cg in (1, FP4_CAUSAL_GROUP)]
+    # the warp-specialized kernel (opt-in): two-level P only (single-level P compiles on first use)
+    attn90 += [_ws_name(T, 128, "true", cg, nc) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP) for nc in (2, 3)]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
     return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
@@ -158,11 +159,17 @@ def qat_fwd_sm90_smem_bytes(D: int) -> int:
 def kernel_constants() -> dict:
     """Host values the kernel sources define too ([(C++ expression, value)] per file; CI static_asserts them)."""
     return {"fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
-                                     for w in _WARPS + (12,)] + [("NvWs<128>::SMEM", ws_smem_bytes(128))],
+                                     for w in _WARPS + (12,)]
+            + [(f"NvWs<128, {nc}>::SMEM", ws_smem_bytes(128, nc)) for nc in (2, 3)],
             "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
 @functools.lru_cache(maxsize=None)
+def _ws_name(T: str, D: int, tl: str, cg: int, nc: int) -> str:
+    """The warp-specialized kernel's instance (CG and NC template arguments written out)."""
+    return f"nvfp4_attn_fwd_ws<{T}, {D}, {tl}, {cg}, {nc}>"
+
+
 def _names(filename: str) -> tuple:
     """kernel_names()[filename] as a tuple, built once (launches pass it on every call)."""
     return tuple(kernel_names()[filename])
@@ -331,7 +338,7 @@ def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
                              f"block; this device allows {have}")
         return
     if fp4_ws(engine, D):
-        need = ws_smem_bytes(D)
+        need = ws_smem_bytes(D, fp4_ws(engine, D))
         if need > have:
             raise ValueError(f"the warp-specialized NVFP4 forward at head_dim={D} needs {need} bytes of shared "
                              f"memory per block; this device allows {have} (try SAGECUPY_FP4_WS=0)")
@@ -426,9 +433,9 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     from .int8 import _bits_dtype, _c_strides, _layout_shape
 
     n16 = (nk + 15) // 16 * 16
-    ws = fp4_ws(engine, D)
-    w = None if ws else fp4_warps(engine, D)  # (ws: 128 query rows per CTA, 384 threads)
-    bq = 128 if ws else 16 * w
+    ws = fp4_ws(engine, D)  # consumer warpgroups of the warp-specialized kernel (64 query rows each), or 0
+    w = None if ws else fp4_warps(engine, D)
+    bq = 64 * ws if ws else 16 * w
     o_shape = _layout_shape((B, Hq, nq, D), layout)
     o = prog.empty("o", o_shape, _bits_dtype(dtype))
     osb, osh, osn = _c_strides(o_shape, layout)
@@ -437,7 +444,7 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     tl = "true" if two_level else "false"
     vc, vs = ops["v_packed"], ops["v_scales"]
     if engine == "wgmma":
-        name = (f"nvfp4_attn_fwd_ws<{_T[dtype]}, {D}, {tl}{_cg_suffix(fp4_causal_group(causal, None, D))}>" if ws else
+        name = (_ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws) if ws else
                 f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal, w, D))}>")
         fn = get_function("fp4_attn_fwd_sm90.cu", name, all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
@@ -447,10 +454,10 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     else:
         fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {tl}>")
         v_args = (vc, vs)
-    smem = ws_smem_bytes(D) if ws else fwd_smem_bytes(D, w, engine)
+    smem = ws_smem_bytes(D, ws) if ws else fwd_smem_bytes(D, w, engine)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    prog.launch(fn, ((nq + bq - 1) // bq, Hq, B), (384 if ws else 32 * w,),
+    prog.launch(fn, ((nq + bq - 1) // bq, Hq, B), (128 * (ws + 1) if ws else 32 * w,),
                 (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk,
                  o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
                  f32(sm_scale * LOG2E), i32(int(causal))),

@@ -52,7 +52,7 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     names = nvfp4.kernel_names()["fp4_attn_fwd_sm90.cu"]
     # 4 and 8 warps at D 64/128, 12 at D=128; x 2 dtypes x 2 P modes; and the causal instances (dispatch groups) of
     # the default CTA sizes, the only ones the host launches with a group; the warp-specialized kernel (D=128, 2
-    # dtypes x 2 P modes x plain and grouped order)
+    # dtypes x plain and grouped order x 2 or 3 consumers, two-level P)
     assert len(names) == len(set(names)) == 20 + 8 + 8
     assert sum(n.startswith("nvfp4_attn_fwd_ws<") for n in names) == 8
     for D in (64, 128):
@@ -77,9 +77,12 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     # the warp-specialized kernel: opt-in, D=128 on wgmma only; 128 rows of Q, 4 stages, two staging buffers
     monkeypatch.delenv("SAGECUPY_FP4_WS", raising=False)
     assert not nvfp4.fp4_ws("wgmma", 128)
-    monkeypatch.setenv("SAGECUPY_FP4_WS", "1")
-    assert nvfp4.fp4_ws("wgmma", 128) and not nvfp4.fp4_ws("wgmma", 64) and not nvfp4.fp4_ws("mma", 128)
-    assert nvfp4.ws_smem_bytes(128) == 128 * 256 + 4 * 2 * 16384 + 2 * 36 * 256 + 72 + 1024 < 227 * 1024
+    monkeypatch.setenv("SAGECUPY_FP4_WS", "2")
+    assert nvfp4.fp4_ws("wgmma", 128) == 2 and not nvfp4.fp4_ws("wgmma", 64) and not nvfp4.fp4_ws("mma", 128)
+    monkeypatch.setenv("SAGECUPY_FP4_WS", "3")
+    assert nvfp4.fp4_ws("wgmma", 128) == 3
+    assert nvfp4.ws_smem_bytes(128, 2) == 128 * 256 + 4 * 2 * 16384 + 2 * 36 * 256 + 72 + 1024 < 227 * 1024
+    assert nvfp4.ws_smem_bytes(128, 3) == 192 * 256 + 4 * 2 * 16384 + 2 * 36 * 384 + 72 + 1024 < 227 * 1024
     monkeypatch.setenv("SAGECUPY_FP4_WS", "yes")
     with pytest.raises(ValueError, match="SAGECUPY_FP4_WS='yes'"):
         nvfp4.fp4_ws("wgmma", 128)

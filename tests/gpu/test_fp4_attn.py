@@ -530,9 +530,10 @@ def test_nvfp4_wgmma_o_frame(monkeypatch, warps):
                                                                           (200, 130, True)))
 
 
-def test_nvfp4_warp_specialized_kernel(monkeypatch):
-    """The warp-specialized wgmma forward (SAGECUPY_FP4_WS=1: one warpgroup dequantizes, two multiply, 128 rows per
-    CTA) against the simulator on odd shapes (GQA, Nq != Nk, causal, rows and keys not multiples of a tile, whole
+@pytest.mark.parametrize("nc", ["2", "3"])
+def test_nvfp4_warp_specialized_kernel(monkeypatch, nc):
+    """The warp-specialized wgmma forward (SAGECUPY_FP4_WS=2|3: one warpgroup dequantizes, 2 or 3 multiply, 64 rows
+    each) against the simulator on odd shapes (GQA, Nq != Nk, causal, rows and keys not multiples of a tile, whole
     CTAs that see no key, single-level P), and bitwise equal to the 12-warp kernel: the same per-tile softmax, the
     same frame rule for O and the same wgmma shapes in the same order, so nothing but the CTA's split of the rows
     differs."""
@@ -543,8 +544,8 @@ def test_nvfp4_warp_specialized_kernel(monkeypatch):
         pytest.skip("the wgmma NVFP4 forward needs compute capability 9.0")
     cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
-    monkeypatch.setenv("SAGECUPY_FP4_WS", "1")
-    assert nvfp4.fp4_ws("wgmma", 128) and not nvfp4.fp4_ws("wgmma", 64)
+    monkeypatch.setenv("SAGECUPY_FP4_WS", nc)
+    assert nvfp4.fp4_ws("wgmma", 128) == int(nc) and not nvfp4.fp4_ws("wgmma", 64)
     for c in CASES:
         if c[5] == 128:
             _nvfp4_case(*c, NVFP4Config())
@@ -554,11 +555,11 @@ def test_nvfp4_warp_specialized_kernel(monkeypatch):
         (q, k, v, _), _ = _inputs(29, 2, 4, 2, nq, nk, 128, "HND", "bfloat16")
         ops = nvfp4.quantize_inputs(q, k, v)
         got = {}
-        for ws in ("1", "0"):
+        for ws in (nc, "0"):
             monkeypatch.setenv("SAGECUPY_FP4_WS", ws)
             o, lse = nvfp4.attention_packed(ops, causal=causal, return_lse=True, out_dtype="bfloat16")
             got[ws] = (_checks.raw(o), lse)
-        assert bool((got["1"][0] == got["0"][0]).all()) and bool(cp.array_equal(got["1"][1], got["0"][1])), (
+        assert bool((got[nc][0] == got["0"][0]).all()) and bool(cp.array_equal(got[nc][1], got["0"][1])), (
             nq, nk, causal)
 
 
