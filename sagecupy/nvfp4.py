@@ -92,14 +92,19 @@ def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
 def fp4_ws(engine: str = "wgmma", head_dim: int = 128) -> int:
     """Consumer warpgroups of the warp-specialized wgmma NVFP4 forward (``nvfp4_attn_fwd_ws`` in
     ``kernels_cu/fp4_attn_fwd_sm90.cu``: one warpgroup dequantizes K/V, 2 or 3 multiply and quantize P, 64 query rows
-    each), or 0 for the 12-warp kernel whose warpgroups all do everything (the default). ``SAGECUPY_FP4_WS=2|3``
-    (D=128, wgmma engine) chooses it. Bitwise the same results; measured 0.96-1.03x the 12-warp kernel on the H200
-    with two consumers (``bench/fp4_floor.py``, bench/NOTES.md twenty-sixth session)."""
+    each), or 0 for the 12-warp kernel whose warpgroups all do everything. The default at D=128 on the wgmma
+    engine is 3 (unless ``SAGECUPY_FP4_WARPS`` asks for a CTA size of the 12-warp kernel); ``SAGECUPY_FP4_WS=0|2|3``
+    chooses. Bitwise the same results; three consumers measured 1.04-1.08x the 12-warp kernel on the H200, two
+    0.99-1.04x (``bench/fp4_floor.py``, bench/NOTES.md twenty-sixth session)."""
     env = os.environ.get("SAGECUPY_FP4_WS")
     if env not in (None, "0", "2", "3"):
-        raise ValueError(f"SAGECUPY_FP4_WS={env!r}: '0' (off, the default), '2' or '3' (consumer warpgroups of the "
-                         "warp-specialized kernel; D=128, wgmma engine)")
-    return int(env) if engine == "wgmma" and head_dim == 128 and env is not None else 0
+        raise ValueError(f"SAGECUPY_FP4_WS={env!r}: '0' (the 12-warp kernel), '2' or '3' (consumer warpgroups of "
+                         "the warp-specialized kernel, 3 the default; D=128, wgmma engine)")
+    if engine != "wgmma" or head_dim != 128:
+        return 0
+    if env is None:
+        return 0 if os.environ.get("SAGECUPY_FP4_WARPS") is not None else 3
+    return int(env)
 
 
 def ws_smem_bytes(D: int, nc: int = 2) -> int:

@@ -74,9 +74,15 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     assert nvfp4.fwd_smem_bytes(128, 8, "wgmma") < 160 * 1024
     assert nvfp4.fwd_smem_bytes(128, 12, "wgmma") == 192 * 256 + 3 * 2 * 16384 + 36 * 384 + 72 + 1024 < 227 * 1024
     assert nvfp4.fp4_warps("wgmma", 128) == 12 and nvfp4.fp4_warps("wgmma", 64) == 4 and nvfp4.fp4_warps() == 8
-    # the warp-specialized kernel: opt-in, D=128 on wgmma only; 128 rows of Q, 4 stages, two staging buffers
+    # the warp-specialized kernel: D=128 on wgmma only, three consumers by default unless a CTA size is asked for;
+    # 64 rows of Q per consumer, 4 stages, two staging buffers
     monkeypatch.delenv("SAGECUPY_FP4_WS", raising=False)
-    assert not nvfp4.fp4_ws("wgmma", 128)
+    assert nvfp4.fp4_ws("wgmma", 128) == 3 and nvfp4.fp4_ws("wgmma", 64) == 0 and nvfp4.fp4_ws("mma", 128) == 0
+    monkeypatch.setenv("SAGECUPY_FP4_WARPS", "12")
+    assert nvfp4.fp4_ws("wgmma", 128) == 0
+    monkeypatch.delenv("SAGECUPY_FP4_WARPS")
+    monkeypatch.setenv("SAGECUPY_FP4_WS", "0")
+    assert nvfp4.fp4_ws("wgmma", 128) == 0
     monkeypatch.setenv("SAGECUPY_FP4_WS", "2")
     assert nvfp4.fp4_ws("wgmma", 128) == 2 and not nvfp4.fp4_ws("wgmma", 64) and not nvfp4.fp4_ws("mma", 128)
     monkeypatch.setenv("SAGECUPY_FP4_WS", "3")
