@@ -373,20 +373,26 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
                          qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
 }
 
-// ---- Warp-specialized variant (nvfp4_attn_fwd_ws): one warpgroup dequantizes, two multiply ----
+// ---- Warp-specialized kernel (nvfp4_attn_fwd_ws; the default at D = 128 with NC = 3): one warpgroup
+// dequantizes, NC = 2 or 3 multiply ----
 //
 // The kernel above has every thread dequantize a share of each K/V tile, so its three warpgroups meet on every
 // tile's mbarriers and run in step: their softmax phases coincide, and the tensor cores and the ALUs take turns
 // instead of overlapping (bench/fp4_floor.py, twenty-sixth session: the kernel without its products and the kernel
 // without its softmax add up to the whole). Here warpgroup 0 (the producer) alone stages the packed bytes (cp.async,
-// double-buffered staging) and dequantizes K/V tiles into a 4-stage ring; warpgroups 1 and 2 (64 query rows each,
-// 128 per CTA) only multiply and quantize P, and each overlaps its own products with its softmax:
-//   issue Q.K^T(t+1) into the second S buffer; softmax(t) -> P^(t) (while Q.K^T(t+1) and P.V(t-1) run);
-//   wait for P.V(t-1) and Q.K^T(t+1), release tile t-1's stage; rescale O to tile t's frame; issue P.V(t).
-// (Waiting for both at once: with wgmma.wait_group 1 there, ptxas serialized the products, warning C7514.)
-// The producer gives up registers (setmaxnreg) so that the consumers hold two S tiles and two P^ operands.
+// double-buffered staging) and dequantizes K/V tiles into a 4-stage ring (full / empty mbarriers); the NC consumer
+// warpgroups (64 query rows each) only multiply and quantize P, and drift apart freely within the ring. The
+// producer gives up registers (setmaxnreg: 56), the consumers take them.
+//   NC = 3 (192 rows, 16 warps: four per scheduler; consumers at 152 registers, one S tile): the 12-warp kernel's
+//   order without the dequantization: softmax(t), P.V(t), Q.K^T(t+1), wait for both. 1.04-1.08x the 12-warp
+//   kernel on the H200.
+//   NC = 2 (128 rows, consumers at 224 registers, two S tiles and two P^ operands): each consumer overlaps its own
+//   products with its softmax: issue Q.K^T(t+1) into the second S buffer; softmax(t) -> P^(t) (while Q.K^T(t+1)
+//   and P.V(t-1) run); wait for both, release tile t-1's stage; rescale O to tile t's frame; issue P.V(t). (With
+//   wgmma.wait_group 1 there ptxas serialized the products, warning C7514.) 0.99-1.04x the 12-warp kernel: two
+//   consumer warps per scheduler hide less latency, and 128-row CTAs dequantize 1.5x as much per query row.
 // Numerics: those of the kernel above at 12 warps (the same per-tile softmax and P quantization, O in the frame of
-// its last tile); only the fp32 accumulation order inside the tensor cores may differ.
+// its last tile, the same wgmma shapes in the same order): bitwise the same O and LSE (tested).
 namespace {
 
 template <int D, int NC>
