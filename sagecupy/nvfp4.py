@@ -72,7 +72,8 @@ def _cg_suffix(cg: int) -> str:
 
 def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
     """Warps per FP4 forward CTA (16 query rows each). mma.sync kernels: 8 by default (K/V tiles dequantized
-    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel: 12
+    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel (at
+    D=128 only where the warp-specialized kernel is off, :func:`fp4_ws`; setting this variable turns it off): 12
     at D=128 (three warpgroups share each dequantized tile, O kept in the frame of its last tile to fit 168
     registers: 1.01-1.08x the 8-warp kernel), 4 at D=64 (within a few percent of 8 and 12 there, either way
     between runs; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both, ``12`` the wgmma
@@ -120,7 +121,8 @@ def fp4_engine(engine: str | None = None) -> str:
     environment variable ``SAGECUPY_FP4_ENGINE``, else ``"auto"``), ``"auto"`` (``"wgmma"`` on sm_90, ``"mma"``
     elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two share the per-tile softmax and P
     quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ only through the fp32 accumulation order inside
-    the tensor cores and, for the 12-warp wgmma CTAs (the default at D=128), the order of O's fp32 rescaling
+    the tensor cores and, for the 12-warp wgmma CTAs and the warp-specialized kernel (the default at D=128,
+    bitwise equal to them), the order of O's fp32 rescaling
     (O kept in the frame of its last tile; tested against the simulator). The QAT forward (``sagecupy.qat.forward``) follows the same
     choice (wgmma: ``kernels_cu/qat_attn_fwd_sm90.cu``); there the wgmma kernel also orders the fp32 scaling of O
     differently (O kept in the frame of its last tile, see that file) and skips, for O only, tiles whose weights
