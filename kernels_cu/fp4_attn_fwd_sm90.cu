@@ -117,6 +117,39 @@ __device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg,
   }
 }
 
+// Stage task i of key tile `tile`: a 64-element piece of a K row (is_k: the first BKV D / 64 tasks; 8 consecutive
+// tasks are 8 rows of a piece, conflict-free 16-byte stores) or one channel of the V^T tile (tokens >= n16 zero).
+// (The warp-specialized kernel's; stage_tile below keeps its own copy of these lines: written through these
+// helpers, the 4- and 8-warp instances, whose K/V split is not known at compile time, compiled to other code.)
+template <int D>
+__device__ __forceinline__ void stage_kv_task(char* stg, int i, bool is_k, const unsigned char* gkc,
+                                              const unsigned char* gks, const unsigned char* gvc,
+                                              const unsigned char* gvs, int vcs, int tile, int nk, int n16,
+                                              int stg_codes) {
+  constexpr int KTASKS = BKV * D / 64;
+  if (is_k) {
+    const int row = i % BKV, piece = i / BKV, key = tile * BKV + row;
+    const bool ok = key < nk;
+    const long long off = ok ? static_cast<long long>(key) * (D / 2) + piece * 32 : 0;
+    stage_task(stg, i, gkc + off, gks + (ok ? static_cast<long long>(key) * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
+               ok ? 4 : 0, stg_codes);
+  } else {
+    const int ch = i - KTASKS, toks = n16 - tile * BKV;  // tokens of this tile that exist (may be <= 0)
+    stage_task(stg, i, gvc + static_cast<long long>(ch) * vcs + tile * 32,
+               gvs + static_cast<long long>(ch) * (vcs / 8) + tile * 4, toks / 2, toks / 16, stg_codes);
+  }
+}
+
+// Dequantize staged task i (as stage_kv_task) into stage (sKst, sVst).
+template <int D>
+__device__ __forceinline__ void dequant_kv_task(char* sKst, char* sVst, const char* stg, int i, bool is_k,
+                                                int stg_codes) {
+  if (is_k)
+    dequant_task(sKst + (i / BKV) * BKV * 128, i % BKV, stg, i, stg_codes);
+  else
+    dequant_task(sVst, i - BKV * D / 64, stg, i, stg_codes);
+}
+
 // The packed bytes of key tile `tile` -> this thread's staging slots.
 template <int D, int WARPS>
 __device__ __forceinline__ void stage_tile(char* stg, const unsigned char* gkc, const unsigned char* gks,
@@ -435,17 +468,8 @@ __device__ __forceinline__ void ws_stage_tile(char* stg, const unsigned char* gk
 #pragma unroll
   for (int j = 0; j < S::NJ; ++j) {
     const int i = ptid + j * S::PTHREADS;
-    if ((j + 1) * S::PTHREADS <= S::KTASKS) {  // K tasks (known per j at compile time)
-      const int row = i % BKV, piece = i / BKV, key = tile * BKV + row;
-      const bool ok = key < nk;
-      const long long off = ok ? static_cast<long long>(key) * (D / 2) + piece * 32 : 0;
-      stage_task(stg, i, gkc + off, gks + (ok ? static_cast<long long>(key) * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
-                 ok ? 4 : 0, S::STG_CODES);
-    } else {
-      const int ch = i - S::KTASKS, toks = n16 - tile * BKV;
-      stage_task(stg, i, gvc + static_cast<long long>(ch) * vcs + tile * 32,
-                 gvs + static_cast<long long>(ch) * (vcs / 8) + tile * 4, toks / 2, toks / 16, S::STG_CODES);
-    }
+    // (K tasks first: known per j at compile time)
+    stage_kv_task<D>(stg, i, (j + 1) * S::PTHREADS <= S::KTASKS, gkc, gks, gvc, gvs, vcs, tile, nk, n16, S::STG_CODES);
   }
 }
 
@@ -455,10 +479,7 @@ __device__ __forceinline__ void ws_dequant_tile(char* sKst, char* sVst, const ch
 #pragma unroll
   for (int j = 0; j < S::NJ; ++j) {
     const int i = ptid + j * S::PTHREADS;
-    if ((j + 1) * S::PTHREADS <= S::KTASKS)
-      dequant_task(sKst + (i / BKV) * BKV * 128, i % BKV, stg, i, S::STG_CODES);
-    else
-      dequant_task(sVst, i - S::KTASKS, stg, i, S::STG_CODES);
+    dequant_kv_task<D>(sKst, sVst, stg, i, (j + 1) * S::PTHREADS <= S::KTASKS, S::STG_CODES);
   }
 }
 
