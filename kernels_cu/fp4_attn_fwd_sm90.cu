@@ -498,6 +498,9 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   using S = NvWs<D, NC>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
+  // (the producer's K/V task split, (j + 1) * 128 <= KTASKS, is decided at compile time: whole K tasks per j need
+  // KTASKS = 64 D / 64 to be a multiple of 128, i.e. D = 128; the host runs this kernel at D = 128 only)
+  static_assert(S::KTASKS % S::PTHREADS == 0, "D = 128 (the producer's tasks split into K and V per j)");
   constexpr int BQ = S::BQ, NST = S::NST;
   const bool CAUSAL = causal != 0;
   extern __shared__ __align__(128) char smem_raw[];
@@ -566,7 +569,7 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     return;
   }
 
-  // ---- consumers: warpgroups 1 and 2 ----
+  // ---- consumers: warpgroups 1 .. NC ----
   setmaxnreg_inc_consumer<NC>();
   const int cw = warp - 4;                   // 0 .. 4 NC - 1
   const int r_lo = q0 + cw * 16 + g;         // this thread's rows: r_lo, r_lo + 8

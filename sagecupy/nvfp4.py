@@ -149,7 +149,8 @@ def kernel_names() -> dict:
     # causal instances: the default CTA sizes only (others compile on first use)
     attn90 += [f"nvfp4_attn_fwd_sm90<{T}, {D}, {_wgmma_default_warps(D)}, {tl}, {FP4_CAUSAL_GROUP}>"
                for T in _T.values() for D in (64, 128) for tl in ("true", "false")]
-    # the warp-specialized kernel (opt-in): two-level P only (single-level P compiles on first use)
+    # the warp-specialized kernel (3 consumers: the default at D=128; 2: opt-in): two-level P only (single-level P
+    # compiles on first use)
     attn90 += [_ws_name(T, 128, "true", cg, nc) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP) for nc in (2, 3)]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
@@ -171,12 +172,12 @@ def kernel_constants() -> dict:
             "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
-@functools.lru_cache(maxsize=None)
 def _ws_name(T: str, D: int, tl: str, cg: int, nc: int) -> str:
     """The warp-specialized kernel's instance (CG and NC template arguments written out)."""
     return f"nvfp4_attn_fwd_ws<{T}, {D}, {tl}, {cg}, {nc}>"
 
 
+@functools.lru_cache(maxsize=None)
 def _names(filename: str) -> tuple:
     """kernel_names()[filename] as a tuple, built once (launches pass it on every call)."""
     return tuple(kernel_names()[filename])

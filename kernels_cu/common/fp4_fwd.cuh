@@ -61,8 +61,9 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
       }
     }
   }
-  // Row maxima as trees (short dependency chains). fmaxf drops a NaN logit unless all 16 of a thread's are NaN
-  // (then quad_max propagates it and the row's max is NaN); either way the NaN reaches O through x and the row sum.
+  // Row maxima as trees (short dependency chains). fmaxf drops a NaN logit unless all of a reduction's inputs are
+  // NaN (quad_max propagates one), so the row and block maxima may or may not be NaN; either way an unmasked NaN
+  // logit reaches O through its x and the row sum.
 #if SAGE_FP4_BMAX_LOGITS
   // Each 16-key block's max logit (quad-reduced), the row max as their max: exp2 is monotone, so the block maxima
   // of x follow from these without a pass over x (below).
