@@ -10,11 +10,11 @@ Variants are ';'-separated lists of ','-separated tokens: SAGECUPY_* set environ
 defines. The diagnostics apply to the kernel chosen by default (``--base`` tokens are added to every variant).
 """
 import argparse
-import os
 
 import cupy
 
 from sagecupy import _checks, bench, nvfp4
+from variant_env import set_variant
 from sagecupy.bf16 import BF16Array
 
 ap = argparse.ArgumentParser()
@@ -25,27 +25,6 @@ ap.add_argument("--causal", default="0,1")
 ap.add_argument("--base", default="", help="tokens added to every variant (e.g. SAGECUPY_FP4_WS=0)")
 a = ap.parse_args()
 D, H = 128, 16
-ENV_SET = set()
-
-
-def _set(defs):
-    """A variant's tokens: SAGECUPY_X=Y as environment variables, the others as kernel defines."""
-    toks = [t for t in defs.split(",") if t]
-    for key in ENV_SET:
-        os.environ.pop(key, None)
-    ENV_SET.clear()
-    for t in toks:
-        if t.startswith("SAGECUPY_"):
-            key, val = t.split("=", 1)
-            os.environ[key] = val
-            ENV_SET.add(key)
-    kd = ",".join(t for t in toks if not t.startswith("SAGECUPY_"))
-    if kd:
-        os.environ["SAGECUPY_DEFINES"] = kd
-    else:
-        os.environ.pop("SAGECUPY_DEFINES", None)
-
-
 variants = [(f"diag{d}", f"SAGE_FP4_DIAG={d}" if d != "0" else "") for d in a.diags.split(",") if d]
 variants += [(e, e.replace(" ", "")) for e in a.extra.split(";") if e]
 variants = [(label, ",".join(x for x in (a.base, defs) if x)) for label, defs in variants]
@@ -53,12 +32,12 @@ for shp in a.shapes.split(","):
     B, N = (int(x) for x in shp.split(":"))
     rng = cupy.random.default_rng(0)
     q, k, v = (BF16Array.from_float(rng.standard_normal((B, H, N, D), dtype=cupy.float32)) for _ in range(3))
-    _set(a.base)
+    set_variant(a.base)
     pre = bench.time_ms_b2b(lambda: nvfp4.quantize_inputs(q, k, v))
     ops = nvfp4.quantize_inputs(q, k, v)
     for causal in (c == "1" for c in a.causal.split(",")):
         fl = bench.flops(B, H, N, N, D, causal)
-        _set(a.base)
+        set_variant(a.base)
         e2e = bench.time_ms_b2b(lambda: nvfp4.attention(q, k, v, causal=causal))
         try:
             import torch
@@ -76,7 +55,7 @@ for shp in a.shapes.split(","):
               flush=True)
         ref = None
         for label, defs in variants:
-            _set(defs)
+            set_variant(defs)
             run = lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16")  # noqa: E731
             try:
                 got = _checks.raw(run()).astype(cupy.float32)
@@ -92,4 +71,4 @@ for shp in a.shapes.split(","):
                 diff = f"  O rel_l2 {float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)):.2e}"
             print(f"  {label:<24} kernel {ms:7.3f} ms {fl / ms / 1e9:6.0f} TFLOPS  (+pre-pass {ms + pre:.3f} ms: "
                   f"{flash / (ms + pre):.2f}x flash){diff}", flush=True)
-os.environ.pop("SAGECUPY_DEFINES", None)
+set_variant(None)

@@ -10,6 +10,7 @@ import statistics
 import cupy
 
 from sagecupy import bench, nvfp4
+from sync_probe import record_launches
 
 
 def main():
@@ -17,31 +18,22 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
-    drv = cupy.cuda.driver
-    orig = drv.launchKernel
     marks = []
-
-    def wrapped(*args):
-        orig(*args)
-        e = cupy.cuda.Event()
-        e.record()
-        marks.append(e)
-
     B, H, (q, k, v, _) = bench._inputs(128, a.n, "bfloat16")
     for causal in (False, True):
         call = lambda: nvfp4.attention(q, k, v, causal=causal)  # noqa: E731
         for _ in range(5):
             call()
-        drv.launchKernel = wrapped
+        restore = record_launches(marks)
         runs = []
         for _ in range(a.reps):
             del marks[:]
             e0 = cupy.cuda.Event()
             e0.record()
             call()
-            runs.append([e0] + list(marks))
+            runs.append([e0] + [e for _, e in marks])
         cupy.cuda.Device().synchronize()
-        drv.launchKernel = orig
+        restore()
         n = min(len(r) for r in runs)
         per = [statistics.median(cupy.cuda.get_elapsed_time(r[i], r[i + 1]) * 1e3 for r in runs) for i in range(n - 1)]
         print(f"N={a.n} causal={causal}: {n - 1} launches, us each: " + " | ".join(f"{x:.1f}" for x in per)

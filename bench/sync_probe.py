@@ -76,10 +76,11 @@ def main():
                   f" | host: pre-pass issued {hp:6.1f} call issued {ha:6.1f}")
 
 
-def per_launch(a):
+def record_launches(marks):
+    """Wrap the driver launches of sagecupy/_program.py: after each, append (host perf_counter, an event recorded
+    behind it) to ``marks``. Returns the function that restores the unwrapped launch."""
     drv = cupy.cuda.driver
     orig = drv.launchKernel
-    marks = []
 
     def wrapped(*args):
         orig(*args)
@@ -88,6 +89,16 @@ def per_launch(a):
         marks.append((time.perf_counter(), e))
 
     drv.launchKernel = wrapped
+
+    def restore():
+        drv.launchKernel = orig
+
+    return restore
+
+
+def per_launch(a):
+    marks = []
+    restore = record_launches(marks)
     D, N = 128, a.n
     B, H, (q, k, v, _) = bench._inputs(D, N, "bfloat16")
     for causal in (False, True):
@@ -116,7 +127,7 @@ def per_launch(a):
             ds = [statistics.median(d[i] for d in devs) for i in range(n)]
             print(f"N={N} causal={causal} {mode:<7} per launch, us from the call's start: "
                   + " | ".join(f"host {h:6.1f} dev {d:7.1f}" for h, d in zip(hs, ds)))
-    drv.launchKernel = orig
+    restore()
 
 
 if __name__ == "__main__":

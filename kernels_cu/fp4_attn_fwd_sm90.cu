@@ -443,20 +443,23 @@ struct NvWs {
   static_assert(TASKS % PTHREADS == 0 && QTASKS % PTHREADS == 0, "whole tasks per producer thread");
 };
 
-// Registers per thread after setmaxnreg: the producer's, and the consumers' (NC = 2: 128 x 56 + 256 x 224 = 384 x
-// 168, the launch's; NC = 3: 128 x 56 + 384 x 152 = 512 x 128).
+// Registers per thread after setmaxnreg: the producer's, and the consumers' share of what the producer gives back
+// from the launch's allocation (65536 / threads, in multiples of 8): NC = 2: 128 x 56 + 256 x 224 = 384 x 168;
+// NC = 3: 128 x 56 + 384 x 152 = 512 x 128.
 constexpr int WS_PREG = 56;
 template <int NC>
-struct WsRegs {
-  static constexpr int CREG = NC == 2 ? 224 : 152;
-};
+__host__ __device__ constexpr int ws_consumer_regs() {
+  constexpr int threads = 128 * (NC + 1), launch = 65536 / threads / 8 * 8;
+  return (launch * threads - 128 * WS_PREG) / (128 * NC) / 8 * 8;
+}
 
 __device__ __forceinline__ void setmaxnreg_dec_producer() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PREG));
 }
 template <int NC>
 __device__ __forceinline__ void setmaxnreg_inc_consumer() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NC>::CREG));
+  static_assert(ws_consumer_regs<NC>() == (NC == 2 ? 224 : 152), "the budgets the kernel was measured with");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_consumer_regs<NC>()));
 }
 
 // Producer: the packed bytes of key tile `tile` -> staging buffer `stg` (this thread's tasks ptid + j * 128).
@@ -555,7 +558,8 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     cp_async_commit();
     for (int t = 0; t < tl.n; ++t) {
       char* stg = stg0 + (t & 1) * S::STG;
-      if (t + 1 < tl.n) ws_stage_tile<D, NC>(stg0 + ((t + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
+      if (t + 1 < tl.n)
+        ws_stage_tile<D, NC>(stg0 + ((t + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
       cp_async_commit();
       cp_async_wait<1>();  // tile t's bytes (this thread's own copies)
       asm volatile("" ::: "memory");
@@ -582,7 +586,9 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   float s0[8][4], s1[8][4];
   unsigned pa0[4][4], pa1[4][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) pa0[i][0] = pa0[i][1] = pa0[i][2] = pa0[i][3] = pa1[i][0] = pa1[i][1] = pa1[i][2] = pa1[i][3] = 0u;
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pa0[i][j] = pa1[i][j] = 0u;
   const unsigned long long dv0 = gmma_desc<128>(sV);
   float(&o_flat)[D / 2] = reinterpret_cast<float(&)[D / 2]>(acc_o);
 
@@ -594,35 +600,34 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     wgmma_wait<0>();
     fence_regs(reinterpret_cast<float(&)[32]>(s0));
   }
-  // One key tile: sc holds S(t); Q.K^T(t+1) goes into sn; pc receives P^(t); pp is P^(t-1), P.V(t-1)'s operand.
-  auto step = [&](float(&sc)[8][4], float(&sn)[8][4], unsigned(&pc)[4][4], unsigned(&pp)[4][4], int t) {
-    const int stn = (t + 1) % NST;
-    if (t + 1 < tl.n) mbar_wait(full + stn, ((t + 1) / NST) & 1);
-    wgmma_fence();
-    // (after the last tile: a stale stage, dropped; every issue unconditional, see the kernel above)
-    wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(sn), sQw, sK, stn * S::K_BYTES);
-    unsigned pp_unused[1][4];
-    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(sc, rs, pc, pp_unused, t, t >= tl.first_masked, CAUSAL,
-                                                               r_lo, t4, nk, shift, scale_log2);
-    wgmma_wait<0>();  // P.V(t-1) and Q.K^T(t+1) (issued before the softmax: done by now, as a rule)
-    fence_regs(o_flat);
-    fence_regs(reinterpret_cast<float(&)[32]>(sn));
-    hold_regs(pp);
-    if (t > 0) mbar_arrive(empty + (t - 1) % NST);
-    fp4_frame_step<TWO_LEVEL>(acc_o, pc, fr, ts, rs);
-    wgmma_fence();
-    const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(o_flat, pc[kk], gmma_desc_advance(dv, 32 * kk), 1);
-    wgmma_commit();  // P.V(t) runs on through the next tile's softmax
-  };
   if constexpr (NC == 2) {
+    // One key tile: sc holds S(t); Q.K^T(t+1) goes into sn; pc receives P^(t); pp is P^(t-1), P.V(t-1)'s operand.
+    auto step = [&](float(&sc)[8][4], float(&sn)[8][4], unsigned(&pc)[4][4], unsigned(&pp)[4][4], int t) {
+      const int stn = (t + 1) % NST;
+      if (t + 1 < tl.n) mbar_wait(full + stn, ((t + 1) / NST) & 1);
+      wgmma_fence();
+      // (after the last tile: a stale stage, dropped; every issue unconditional, see the kernel above)
+      wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(sn), sQw, sK, stn * S::K_BYTES);
+      unsigned pp_unused[1][4];
+      const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(sc, rs, pc, pp_unused, t, t >= tl.first_masked, CAUSAL,
+                                                                 r_lo, t4, nk, shift, scale_log2);
+      wgmma_wait<0>();  // P.V(t-1) and Q.K^T(t+1) (issued before the softmax: done by now, as a rule)
+      fence_regs(o_flat);
+      fence_regs(reinterpret_cast<float(&)[32]>(sn));
+      hold_regs(pp);
+      if (t > 0) mbar_arrive(empty + (t - 1) % NST);
+      fp4_frame_step<TWO_LEVEL>(acc_o, pc, fr, ts, rs);
+      wgmma_fence();
+      const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(o_flat, pc[kk], gmma_desc_advance(dv, 32 * kk), 1);
+      wgmma_commit();  // P.V(t) runs on through the next tile's softmax
+    };
     for (int t = 0; t < tl.n; t += 2) {
       step(s0, s1, pa0, pa1, t);
       if (t + 1 < tl.n) step(s1, s0, pa1, pa0, t + 1);
     }
   } else {
-    (void)step;
     for (int t = 0; t < tl.n; ++t) {
       unsigned pp_unused[1][4];
       const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(s0, rs, pa0, pp_unused, t, t >= tl.first_masked,

@@ -345,8 +345,9 @@ def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
             raise ValueError(f"the wgmma QAT forward at head_dim={D} needs {need} bytes of shared memory per "
                              f"block; this device allows {have}")
         return
-    if fp4_ws(engine, D):
-        need = ws_smem_bytes(D, fp4_ws(engine, D))
+    nc = fp4_ws(engine, D)
+    if nc:
+        need = ws_smem_bytes(D, nc)
         if need > have:
             raise ValueError(f"the warp-specialized NVFP4 forward at head_dim={D} needs {need} bytes of shared "
                              f"memory per block; this device allows {have} (try SAGECUPY_FP4_WS=0)")
