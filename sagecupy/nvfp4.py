@@ -108,7 +108,7 @@ def fp4_ws(engine: str = "wgmma", head_dim: int = 128) -> int:
     return int(env)
 
 
-def ws_smem_bytes(D: int, nc: int = 2) -> int:
+def ws_smem_bytes(D: int, nc: int) -> int:
     """Dynamic shared memory of the warp-specialized NVFP4 forward (``NvWs<D, nc>``): fp16 Q (64 nc rows), 4 stages
     of K and V, two staging buffers of 36 bytes per 64-element task, 9 mbarriers, 1024 for alignment."""
     slots = max(64 * nc * D // 64, _BKV * D // 64 + D)
