@@ -68,6 +68,16 @@ using namespace sage;
 // 1: no tensor-core products (S stays whatever the previous tile left; the ALU, memory and synchronization work
 // alone), 2: no softmax or P quantization (P^ is the raw logits in fp16, O is never rescaled), 3: no K/V
 // dequantization in the loop (the staged bytes are fetched, the stages hold stale values).
+// The warp-specialized kernel (nvfp4_attn_fwd_ws): SAGE_FP4_TBLK (default 1) stores each K/V tile in the order of
+// common/fp4_fwd.cuh FP4_TBLK_KEY, so that each consumer thread's 16 logits of a row are one whole 16-key block
+// of P (no shuffles for the block maxima, one block scale per row); SAGE_FP4_WS_WAIT_NS is the producer's suspend
+// hint while it waits for a free stage (0: the hardware's default).
+#ifndef SAGE_FP4_TBLK
+#define SAGE_FP4_TBLK 1
+#endif
+#ifndef SAGE_FP4_WS_WAIT_NS
+#define SAGE_FP4_WS_WAIT_NS 0
+#endif
 #ifndef SAGE_FP4_DIAG
 #define SAGE_FP4_DIAG 0
 #endif
@@ -117,18 +127,41 @@ __device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg,
   }
 }
 
+// Dequantize staged task `task`, a 64-token row of V^T, into row `r` of a swizzled 128-byte-row tile with its tokens
+// in TBLK order (common/fp4_fwd.cuh FP4_TBLK_KEY): 16-byte chunk j holds pair j of each of the four 16-token units
+// (column 8 j + 2 u + e is token 16 u + 2 j + e), half the pairs at a time.
+__device__ __forceinline__ void dequant_task_tblk(char* tile, int r, const char* stg, int task, int stg_codes) {
+  const uint4 c0 = *reinterpret_cast<const uint4*>(stg + task * 16);
+  const uint4 c1 = *reinterpret_cast<const uint4*>(stg + stg_codes / 2 + task * 16);
+  const unsigned sc = *reinterpret_cast<const unsigned*>(stg + stg_codes + task * 4);
+  const uint2 w[4] = {make_uint2(c0.x, c0.y), make_uint2(c0.z, c0.w), make_uint2(c1.x, c1.y), make_uint2(c1.z, c1.w)};
+  __half2 s64[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) s64[u] = e4m3_scale_x64((sc >> (8 * u)) & 0xFFu);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    unsigned h[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) dequant8_half(hh ? w[u].y : w[u].x, s64[u], h[u]);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+      *reinterpret_cast<uint4*>(tile + swz<128>(r, 4 * hh + jj)) = make_uint4(h[0][jj], h[1][jj], h[2][jj], h[3][jj]);
+  }
+}
+
 // Stage task i of key tile `tile`: a 64-element piece of a K row (is_k: the first BKV D / 64 tasks; 8 consecutive
 // tasks are 8 rows of a piece, conflict-free 16-byte stores) or one channel of the V^T tile (tokens >= n16 zero).
 // (The warp-specialized kernel's; stage_tile below keeps its own copy of these lines: written through these
 // helpers, the 4- and 8-warp instances, whose K/V split is not known at compile time, compiled to other code.)
-template <int D>
+// TBLK: K row i % BKV of the stage holds key FP4_TBLK_KEY(i % BKV) of the tile.
+template <int D, bool TBLK>
 __device__ __forceinline__ void stage_kv_task(char* stg, int i, bool is_k, const unsigned char* gkc,
                                               const unsigned char* gks, const unsigned char* gvc,
                                               const unsigned char* gvs, int vcs, int tile, int nk, int n16,
                                               int stg_codes) {
   constexpr int KTASKS = BKV * D / 64;
   if (is_k) {
-    const int row = i % BKV, piece = i / BKV, key = tile * BKV + row;
+    const int row = i % BKV, piece = i / BKV, key = tile * BKV + (TBLK ? FP4_TBLK_KEY(row) : row);
     const bool ok = key < nk;
     const long long off = ok ? static_cast<long long>(key) * (D / 2) + piece * 32 : 0;
     stage_task(stg, i, gkc + off, gks + (ok ? static_cast<long long>(key) * (D / 16) + piece * 4 : 0), ok ? 32 : 0,
@@ -141,11 +174,13 @@ __device__ __forceinline__ void stage_kv_task(char* stg, int i, bool is_k, const
 }
 
 // Dequantize staged task i (as stage_kv_task) into stage (sKst, sVst).
-template <int D>
+template <int D, bool TBLK>
 __device__ __forceinline__ void dequant_kv_task(char* sKst, char* sVst, const char* stg, int i, bool is_k,
                                                 int stg_codes) {
   if (is_k)
     dequant_task(sKst + (i / BKV) * BKV * 128, i % BKV, stg, i, stg_codes);
+  else if (TBLK)
+    dequant_task_tblk(sVst, i - BKV * D / 64, stg, i, stg_codes);
   else
     dequant_task(sVst, i - BKV * D / 64, stg, i, stg_codes);
 }
@@ -341,9 +376,9 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     rs.l[0] += 1.f;  // keeps O live (a zero row sum stores zeros)
     rs.l[1] += 1.f;
 #else
-    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
+    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false, OFRAME>(acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked,
                                                                CAUSAL, r_lo, t4, nk, shift, scale_log2);
-    if constexpr (OFRAME) fp4_frame_step<TWO_LEVEL>(acc_o, pa, fr, ts, rs);
+    if constexpr (OFRAME) fp4_frame_step<TWO_LEVEL>(acc_o, fr, ts);
 #endif
     if (PING) pair_barrier<true>(my_turn);  // this warpgroup's turn to issue
     wgmma_fence();
@@ -472,7 +507,8 @@ __device__ __forceinline__ void ws_stage_tile(char* stg, const unsigned char* gk
   for (int j = 0; j < S::NJ; ++j) {
     const int i = ptid + j * S::PTHREADS;
     // (K tasks first: known per j at compile time)
-    stage_kv_task<D>(stg, i, (j + 1) * S::PTHREADS <= S::KTASKS, gkc, gks, gvc, gvs, vcs, tile, nk, n16, S::STG_CODES);
+    stage_kv_task<D, SAGE_FP4_TBLK>(stg, i, (j + 1) * S::PTHREADS <= S::KTASKS, gkc, gks, gvc, gvs, vcs, tile, nk, n16,
+                                    S::STG_CODES);
   }
 }
 
@@ -482,7 +518,7 @@ __device__ __forceinline__ void ws_dequant_tile(char* sKst, char* sVst, const ch
 #pragma unroll
   for (int j = 0; j < S::NJ; ++j) {
     const int i = ptid + j * S::PTHREADS;
-    dequant_kv_task<D>(sKst, sVst, stg, i, (j + 1) * S::PTHREADS <= S::KTASKS, S::STG_CODES);
+    dequant_kv_task<D, SAGE_FP4_TBLK>(sKst, sVst, stg, i, (j + 1) * S::PTHREADS <= S::KTASKS, S::STG_CODES);
   }
 }
 
@@ -564,7 +600,12 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
       cp_async_wait<1>();  // tile t's bytes (this thread's own copies)
       asm volatile("" ::: "memory");
       const int st = t % NST;
-      if (t >= NST) mbar_wait(empty + st, ((t / NST) - 1) & 1);
+      if (t >= NST) {
+        if constexpr (SAGE_FP4_WS_WAIT_NS > 0)
+          mbar_wait_hint<SAGE_FP4_WS_WAIT_NS>(empty + st, ((t / NST) - 1) & 1);
+        else
+          mbar_wait(empty + st, ((t / NST) - 1) & 1);
+      }
       ws_dequant_tile<D, NC>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, ptid);
       fence_proxy_async();
       mbar_arrive(full + st);
@@ -609,14 +650,14 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
       // (after the last tile: a stale stage, dropped; every issue unconditional, see the kernel above)
       wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(sn), sQw, sK, stn * S::K_BYTES);
       unsigned pp_unused[1][4];
-      const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(sc, rs, pc, pp_unused, t, t >= tl.first_masked, CAUSAL,
+      const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false, true, SAGE_FP4_TBLK>(sc, rs, pc, pp_unused, t, t >= tl.first_masked, CAUSAL,
                                                                  r_lo, t4, nk, shift, scale_log2);
       wgmma_wait<0>();  // P.V(t-1) and Q.K^T(t+1) (issued before the softmax: done by now, as a rule)
       fence_regs(o_flat);
       fence_regs(reinterpret_cast<float(&)[32]>(sn));
       hold_regs(pp);
       if (t > 0) mbar_arrive(empty + (t - 1) % NST);
-      fp4_frame_step<TWO_LEVEL>(acc_o, pc, fr, ts, rs);
+      fp4_frame_step<TWO_LEVEL>(acc_o, fr, ts);
       wgmma_fence();
       const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
 #pragma unroll
@@ -630,9 +671,9 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   } else {
     for (int t = 0; t < tl.n; ++t) {
       unsigned pp_unused[1][4];
-      const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(s0, rs, pa0, pp_unused, t, t >= tl.first_masked,
+      const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false, true, SAGE_FP4_TBLK>(s0, rs, pa0, pp_unused, t, t >= tl.first_masked,
                                                                  CAUSAL, r_lo, t4, nk, shift, scale_log2);
-      fp4_frame_step<TWO_LEVEL>(acc_o, pa0, fr, ts, rs);
+      fp4_frame_step<TWO_LEVEL>(acc_o, fr, ts);
       wgmma_fence();
       const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
 #pragma unroll

@@ -93,22 +93,29 @@ __device__ __forceinline__ unsigned e4m3x2_to_half2_bits(unsigned short x) {
 // s * x^ as 8 half2 (out[i] = elements 2i, 2i+1). Exact: E2M1 * 2^-6 is exact in E4M3 and fp16, s * 2^6
 // (at most 448 * 64 = 28672) is exact in fp16, and their product has at most 6 significant bits in
 // [2^-10, 2688]. A NaN scale (0x7F) gives 16 NaNs.
-__device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, unsigned (&out)[8]) {
+// The block scale s * 2^6 as a half2 (both halves), from its E4M3 code.
+__device__ __forceinline__ __half2 e4m3_scale_x64(unsigned scale_code) {
   const unsigned sh = e4m3x2_to_half2_bits(static_cast<unsigned short>(scale_code | (scale_code << 8)));
-  const __half2 s64 = __hmul2(*reinterpret_cast<const __half2*>(&sh), __float2half2_rn(64.f));
-  const unsigned words[2] = {w.x, w.y};
+  return __hmul2(*reinterpret_cast<const __half2*>(&sh), __float2half2_rn(64.f));
+}
+
+// 8 packed E2M1 codes (one word: elements 0..7) times s (s64 = e4m3_scale_x64) -> 4 half2 (out[i]: 2i, 2i+1).
+__device__ __forceinline__ void dequant8_half(unsigned word, __half2 s64, unsigned (&out)[4]) {
+  const unsigned lo = e2m1x4_to_e4m3_lo(word), hi = e2m1x4_to_e4m3_hi(word);
+  const unsigned p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);
+  const unsigned parts[4] = {p01 & 0xFFFFu, p01 >> 16, p23 & 0xFFFFu, p23 >> 16};
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const unsigned lo = e2m1x4_to_e4m3_lo(words[j]), hi = e2m1x4_to_e4m3_hi(words[j]);
-    const unsigned p01 = __byte_perm(lo, hi, 0x5140), p23 = __byte_perm(lo, hi, 0x7362);
-    const unsigned parts[4] = {p01 & 0xFFFFu, p01 >> 16, p23 & 0xFFFFu, p23 >> 16};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const unsigned v = e4m3x2_to_half2_bits(static_cast<unsigned short>(parts[i]));
-      const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&v), s64);
-      out[4 * j + i] = *reinterpret_cast<const unsigned*>(&r);
-    }
+  for (int i = 0; i < 4; ++i) {
+    const unsigned v = e4m3x2_to_half2_bits(static_cast<unsigned short>(parts[i]));
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&v), s64);
+    out[i] = *reinterpret_cast<const unsigned*>(&r);
   }
+}
+
+__device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, unsigned (&out)[8]) {
+  const __half2 s64 = e4m3_scale_x64(scale_code);
+  dequant8_half(w.x, s64, reinterpret_cast<unsigned(&)[4]>(out[0]));
+  dequant8_half(w.y, s64, reinterpret_cast<unsigned(&)[4]>(out[4]));
 }
 
 // Round a (>= 0, already divided by its block scale) to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}:
@@ -119,11 +126,15 @@ __device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, uns
 // [0, 64) and for Inf/NaN (checked exhaustively in numpy, bench/NOTES.md). NaN and Inf give 6 (a NaN exponent
 // field makes M negative as an int, so the max picks 2^22; fminf drops the NaN): callers carry NaN another way
 // (the attention row sums do).
-__device__ __forceinline__ float e2m1_round_nonneg(float a) {
+// e2m1_round_nonneg without the saturation (a >= 7 rounds to 8 or more, Inf to Inf, NaN to NaN): for callers that
+// saturate later, two at a time in fp16 (min 6 after the conversion is the same: 6 and every grid point are fp16
+// values, and the conversion is monotone).
+__device__ __forceinline__ float e2m1_round_nonneg_unsat(float a) {
   const int e = static_cast<int>(__float_as_uint(a) & 0x7F800000u);
   const float m = __int_as_float(max(e + (22 << 23), 0x4A800000));  // 0x4A800000 = 2^22
-  return fminf(__fsub_rn(__fadd_rn(a, m), m), 6.f);
+  return __fsub_rn(__fadd_rn(a, m), m);
 }
+__device__ __forceinline__ float e2m1_round_nonneg(float a) { return fminf(e2m1_round_nonneg_unsat(a), 6.f); }
 
 // E4M3 block scale of a block maximum (max / 6 rounded to E4M3, saturating), as a float, for in-kernel
 // quantization of P: max / 6 as amax * fp32(1/6) (within an ulp of the quotient; P is an fp32

@@ -17,6 +17,18 @@ namespace sage {
 #ifndef SAGE_FP4_BMAX_LOGITS
 #define SAGE_FP4_BMAX_LOGITS 1
 #endif
+// SAGE_FP4_LOGFOLD (default 1; needs SAGE_FP4_BMAX_LOGITS): each 16-key block's scale s enters the exponent,
+// y = 2^(S - r + log2 2688 - log2 s) (one FFMA with a per-block constant, then ex2), instead of y = x * (1/s) per
+// element; the row sum takes s * (the block's sum of y). Per element one FMUL fewer, per block a lg2 for a reciprocal
+// (and its zero test): y is the same quotient within the special-function unit's error (2^-22), as x * rcp(s) was.
+// A zero scale (every x of the block below 6 * 2^-11) takes s = 2^-10 in the exponent (finite y, so the row sum
+// still counts the block) and zeroes P^ through its fp16 scale. 0: x * rcp(s) (bench/NOTES.md twenty-seventh session).
+#ifndef SAGE_FP4_LOGFOLD
+#define SAGE_FP4_LOGFOLD 1
+#endif
+#if SAGE_FP4_LOGFOLD && !SAGE_FP4_BMAX_LOGITS
+#error "SAGE_FP4_LOGFOLD needs SAGE_FP4_BMAX_LOGITS (the block scales before the exponentials)"
+#endif
 #ifndef SAGE_FP4_RESCALE_SLACK
 #define SAGE_FP4_RESCALE_SLACK 8
 #endif
@@ -29,31 +41,45 @@ struct Fp4Rows {
 
 // What one tile hands to the P.V update: O = alpha * O + beta * (P^ V^); rescale = any alpha != 1 in the warp;
 // rmax = the tile's row maxima of the base-2 logits (-inf: the row sees no key in it).
+// take (two-level P): the frame rule's decision per row (fp4_frame_step), made before P^ is built so that for FRAME
+// callers a skipped row's P^ is zero through its block scales.
 struct Fp4TileScale {
   float alpha[2], beta[2], rmax[2];
-  bool rescale;
+  bool rescale, take[2];
 };
+
+constexpr float FP4_FRAME_GAP = 60.f;  // tiles more than this (log2) below the running max are skipped for O
 
 __device__ __forceinline__ unsigned half2_bits(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<unsigned*>(&h);
 }
 
+// TBLK's storage order of a 64-key tile: row (K^) or token column (V^T) c holds key FP4_TBLK_KEY(c), so that the
+// wgmma accumulator's column c = 8 nt + 2 t4 + e (thread t4's columns) is key 16 t4 + 2 nt + e.
+__host__ __device__ constexpr int FP4_TBLK_KEY(int c) { return 16 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1); }
+
 // One 16 x 64 tile of raw logits s (fp32 products of the dequantized operands, accumulator layout: s[nt][e]
 // is row r_lo + 8 (e >> 1), key tile * 64 + 8 nt + 2 t4 + (e & 1)): mask (in place), online max (the raw
 // products' max: scale_log2 > 0 commutes with it; the scale is applied inside the exponent, one FFMA per
 // element), x, the row sums, and the NVFP4 P^ as fp16 A operands pa[kk] (keys 16 kk .. 16 kk + 15: one
 // 16-block per k16 step), dequantized exactly. QAT: also the fp16 A operands pp of P~ = beta * x.
-template <bool TWO_LEVEL, bool QAT>
+// FRAME (callers that keep O in the frame of its last tile, fp4_frame_step): a skipped row's P^ is 0.
+// TBLK (thread-owned blocks): the tile's K^ rows and V^ tokens are stored in the order FP4_TBLK_KEY (below), so that
+// s[nt][e] is key tile * 64 + 16 t4 + 2 nt + (e & 1): each thread's 16 values of a row are one whole 16-key block.
+// Its block max and scale need no shuffles (one per row instead of four), the row max one quad reduction. The
+// products are the same sums over another order of the keys (fp32 accumulation order only). Needs SAGE_FP4_LOGFOLD.
+template <bool TWO_LEVEL, bool QAT, bool FRAME = false, bool TBLK = false>
 __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Rows& rs, unsigned (&pa)[4][4],
                                                          unsigned (&pp)[QAT ? 4 : 1][4], int tile, bool need_mask,
                                                          bool causal, int r_lo, int t4, int nk, int shift,
                                                          float scale_log2) {
   constexpr float LOG2_X_MAX = 11.392317422778761f;  // log2(2688), 2688 = 448 * 6
+  static_assert(!TBLK || (SAGE_FP4_LOGFOLD && !QAT), "thread-owned blocks: the folded scale path, NVFP4 only");
   if (need_mask) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int key = tile * 64 + nt * 8 + 2 * t4;
+      const int key = tile * 64 + (TBLK ? 16 * t4 + 2 * nt : nt * 8 + 2 * t4);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
@@ -66,16 +92,28 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
   // logit reaches O through its x and the row sum.
 #if SAGE_FP4_BMAX_LOGITS
   // Each 16-key block's max logit (quad-reduced), the row max as their max: exp2 is monotone, so the block maxima
-  // of x follow from these without a pass over x (below).
-  float bm[4][2];
+  // of x follow from these without a pass over x (below). TBLK: bt[r], this thread's block of row r, and the row
+  // max over the quad.
+  float bm[4][2], bt[2], rmax[2];
+  if constexpr (TBLK) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
+    for (int r = 0; r < 2; ++r) {
+      float t[8];
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      bm[kk][r] = quad_max(fmaxf(fmaxf(s[2 * kk][2 * r], s[2 * kk][2 * r + 1]),
-                                 fmaxf(s[2 * kk + 1][2 * r], s[2 * kk + 1][2 * r + 1])));
-  float rmax[2] = {fmaxf(fmaxf(bm[0][0], bm[1][0]), fmaxf(bm[2][0], bm[3][0])),
-                   fmaxf(fmaxf(bm[0][1], bm[1][1]), fmaxf(bm[2][1], bm[3][1]))};
+      for (int nt = 0; nt < 8; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+      bt[r] = fmaxf(fmaxf(fmaxf(t[0], t[1]), fmaxf(t[2], t[3])), fmaxf(fmaxf(t[4], t[5]), fmaxf(t[6], t[7])));
+      rmax[r] = quad_max(bt[r]);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        bm[kk][r] = quad_max(fmaxf(fmaxf(s[2 * kk][2 * r], s[2 * kk][2 * r + 1]),
+                                   fmaxf(s[2 * kk + 1][2 * r], s[2 * kk + 1][2 * r + 1])));
+#pragma unroll
+    for (int r = 0; r < 2; ++r) rmax[r] = fmaxf(fmaxf(bm[0][r], bm[1][r]), fmaxf(bm[2][r], bm[3][r]));
+  }
 #else
   float rmax[2] = {acc_row_max<8, 0>(s), acc_row_max<8, 1>(s)};
 #endif
@@ -84,7 +122,7 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
 #if SAGE_FP4_BMAX_LOGITS
-    rmax[r] *= scale_log2;
+    rmax[r] *= scale_log2;  // (TBLK: bt[r] stays raw, scaled in its exponent below)
 #else
     rmax[r] = quad_max(rmax[r]) * scale_log2;
 #endif
@@ -109,11 +147,98 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
       ts.beta[r] = 1.f;
     }
     rs.m[r] = m_new;
+    // (a NaN logit: taken, so that the NaN reaches O)
+    ts.take[r] = !TWO_LEVEL || (rmax[r] != -INFINITY && !(rmax[r] < m_new - FP4_FRAME_GAP));
   }
-  // x, row sums, and the NVFP4 P^ as fp16 A operands (16-key blocks = k16 chunks kk).
+  // FRAME: the fp16 block scales of a skipped row are zeroed (row r_lo in the low half of each half2 of scales).
+  const unsigned keep = (FRAME && TWO_LEVEL) ? (ts.take[0] ? 0x0000FFFFu : 0u) | (ts.take[1] ? 0xFFFF0000u : 0u)
+                                             : 0xFFFFFFFFu;
+  const __half2 six2 = __float2half2_rn(6.f);
   float lsum[2] = {0.f, 0.f};
+  if constexpr (TBLK) {
+    // One block per row and thread: its scale (folded into the exponent, as SAGE_FP4_LOGFOLD below), then the
+    // 16 values; P^'s A fragment of k16 chunk kk takes the values of n8 tiles 2 kk and 2 kk + 1 as before.
+    float sc[2], sf[2], bb[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sc[r] = fast_exp2(fmaf(bt[r], scale_log2, base[r]));
+    __half2 sch = e4m3_block_scale_fast2(sc[0], sc[1], sc);
+    {
+      const unsigned kb = *reinterpret_cast<const unsigned*>(&sch) & keep;
+      sch = *reinterpret_cast<const __half2*>(&kb);
+    }
+    const __half2 s2[2] = {__low2half2(sch), __high2half2(sch)};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sf[r] = fmaxf(sc[r], 0x1p-10f);
+      bb[r] = base[r] - fast_log2(sf[r]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, bb[e >> 1]));  // y, in place
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float t[8];  // the row's 16 values of y summed as a tree
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) t[nt] = s[nt][2 * r] + s[nt][2 * r + 1];
+      lsum[r] = sf[r] * (((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])));
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float q0 = e2m1_round_nonneg_unsat(s[nt][2 * r]), q1 = e2m1_round_nonneg_unsat(s[nt][2 * r + 1]);
+        const __half2 p = __hmul2(__hmin2(__floats2half2_rn(q0, q1), six2), s2[r]);
+        pa[nt >> 1][(nt & 1) * 2 + r] = *reinterpret_cast<const unsigned*>(&p);
+      }
+  } else {
+  // x, row sums, and the NVFP4 P^ as fp16 A operands (16-key blocks = k16 chunks kk).
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
+#if SAGE_FP4_LOGFOLD
+    float sc[2], sf[2], bb[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sc[r] = fast_exp2(fmaf(bm[kk][r], scale_log2, base[r]));  // the block maxima of x
+    __half2 sch = e4m3_block_scale_fast2(sc[0], sc[1], sc);
+    {
+      const unsigned kb = *reinterpret_cast<const unsigned*>(&sch) & keep;
+      sch = *reinterpret_cast<const __half2*>(&kb);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sf[r] = fmaxf(sc[r], 0x1p-10f);  // (a NaN scale: 2^-10 here; P^ is NaN through sch)
+      bb[r] = base[r] - fast_log2(sf[r]);
+    }
+    float y[2][4], ys[2] = {0.f, 0.f};  // y = x / s; the block's sum of y per row
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float yv = fast_exp2(fmaf(s[2 * kk + j][e], scale_log2, bb[r]));
+        y[r][2 * j + (e & 1)] = yv;
+        ys[r] += yv;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      lsum[r] = fmaf(sf[r], ys[r], lsum[r]);
+      const __half2 s2 = r == 0 ? __low2half2(sch) : __high2half2(sch);
+      float qv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg_unsat(y[r][i]);
+      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..); the
+      // saturation at 6 two at a time in fp16
+      const __half2 p01 = __hmul2(__hmin2(__floats2half2_rn(qv[0], qv[1]), six2), s2);
+      const __half2 p23 = __hmul2(__hmin2(__floats2half2_rn(qv[2], qv[3]), six2), s2);
+      pa[kk][r] = *reinterpret_cast<const unsigned*>(&p01);
+      pa[kk][2 + r] = *reinterpret_cast<const unsigned*>(&p23);
+      if constexpr (QAT) {
+        const float sb = sf[r] * ts.beta[r];  // P~ = beta * x = beta * s * y
+        pp[kk][r] = half2_bits(y[r][0] * sb, y[r][1] * sb);
+        pp[kk][2 + r] = half2_bits(y[r][2] * sb, y[r][3] * sb);
+      }
+    }
+#else
     float x[2][4];  // [row half][4 values of this thread in the block]
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -137,16 +262,22 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
     }
     // Both row halves' block scales in one conversion each way; the E2M1 values times the scale in fp16 (exact:
     // at most 6 significant bits within [2^-10, 2688]).
-    const __half2 sch = e4m3_block_scale_fast2(amax[0], amax[1], sc);
+    __half2 sch = e4m3_block_scale_fast2(amax[0], amax[1], sc);
+    {
+      const unsigned kb = *reinterpret_cast<const unsigned*>(&sch) & keep;
+      sch = *reinterpret_cast<const __half2*>(&kb);
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float inv = rcp_approx(sc[r]);
       const __half2 s2 = r == 0 ? __low2half2(sch) : __high2half2(sch);
       float qv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg(x[r][i] * inv);
-      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
-      const __half2 p01 = __hmul2(__floats2half2_rn(qv[0], qv[1]), s2), p23 = __hmul2(__floats2half2_rn(qv[2], qv[3]), s2);
+      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg_unsat(x[r][i] * inv);
+      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..); the
+      // saturation at 6 two at a time in fp16
+      const __half2 p01 = __hmul2(__hmin2(__floats2half2_rn(qv[0], qv[1]), six2), s2);
+      const __half2 p23 = __hmul2(__hmin2(__floats2half2_rn(qv[2], qv[3]), six2), s2);
       pa[kk][r] = *reinterpret_cast<const unsigned*>(&p01);
       pa[kk][2 + r] = *reinterpret_cast<const unsigned*>(&p23);
       if constexpr (QAT) {
@@ -154,6 +285,8 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
         pp[kk][2 + r] = half2_bits(x[r][2] * ts.beta[r], x[r][3] * ts.beta[r]);
       }
     }
+#endif
+  }
   }
   rs.l[0] = fmaf(rs.l[0], ts.alpha[0], lsum[0] * ts.beta[0]);
   rs.l[1] = fmaf(rs.l[1], ts.alpha[1], lsum[1] * ts.beta[1]);
@@ -165,30 +298,24 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
 // O accumulated in place in the frame of the last tile it took (two-level P; the wgmma QAT forward, and the NVFP4
 // wgmma forward under SAGE_FP4_OFRAME): O_f = O / beta_f, beta_f = 2^(r_f - m) / 2688. See qat_attn_fwd_sm90.cu
 // for the rule, its error and its bounds. Per row: r_f (-inf until a tile is taken).
-constexpr float FP4_FRAME_GAP = 60.f;  // tiles more than this (log2) below the running max are skipped for O
 struct Fp4Frame {
   float r[2];
 };
 
 // Before tile t's P^ V product accumulates into O: per row, take the tile (O_f *= 2^(r_f - r_t), r_f = r_t) or
-// skip it (its P^ row zeroed in pa). TWO_LEVEL = false (beta = 1): plain O *= alpha when some row's max moved.
+// skip it (ts.take false: its P^ row is zero already, fp4_softmax_tile<.., FRAME = true>). TWO_LEVEL = false
+// (beta = 1): plain O *= alpha when some row's max moved.
 template <bool TWO_LEVEL, int N>
-__device__ __forceinline__ void fp4_frame_step(float (&o)[N][4], unsigned (&pa)[4][4], Fp4Frame& fr,
-                                               const Fp4TileScale& ts, const Fp4Rows& rs) {
+__device__ __forceinline__ void fp4_frame_step(float (&o)[N][4], Fp4Frame& fr, const Fp4TileScale& ts) {
   float c[2];
   bool any_c = false;
   if constexpr (TWO_LEVEL) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float m = rs.m[r];
-      const float r_t = ts.rmax[r];  // (a NaN logit: taken, so that the NaN reaches O)
-      const bool take = r_t != -INFINITY && !(r_t < m - FP4_FRAME_GAP);
+      const float r_t = ts.rmax[r];
+      const bool take = ts.take[r];
       c[r] = take ? (fr.r[r] == -INFINITY ? 0.f : fast_exp2(fr.r[r] - r_t)) : 1.f;
       if (take) fr.r[r] = r_t;
-      if (!take) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) pa[kk][r] = pa[kk][2 + r] = 0u;
-      }
       any_c |= c[r] != 1.f;
     }
   } else {

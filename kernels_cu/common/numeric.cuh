@@ -83,6 +83,13 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
+// log2(x) on the special-function unit (lg2.approx.ftz: absolute error within 2^-22 near 1, relative elsewhere).
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // max that propagates NaN (fmaxf drops it): a NaN input must reach the outputs, never a finite value.
 // One instruction on sm_80+ (max.NaN returns the canonical NaN), three without it.
 __device__ __forceinline__ float nan_max(float a, float b) {

@@ -178,6 +178,19 @@ __device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
       : "memory");
 }
 
+// mbar_wait with a suspend-time hint (ns): the waiting warp sleeps until the phase completes or the hint's time
+// passes, instead of the hardware's default limit, so a warp that waits long (the warp-specialized NVFP4 forward's
+// producer, ahead of its consumers) issues fewer polling instructions.
+template <unsigned NS>
+__device__ __forceinline__ void mbar_wait_hint(void* bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity), "n"(NS)
+      : "memory");
+}
+
 // Arrive and add `bytes` to the phase's expected transaction count (the bulk copies that complete it).
 __device__ __forceinline__ void mbar_arrive_expect_tx(void* bar, unsigned bytes) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(smem_u32(bar)),
