@@ -82,8 +82,8 @@ __global__ void nvfp4_quant_rows(const T* __restrict__ x, long long sb, long lon
     for (int i = 0; i < 16; ++i) v[i] -= m[i];
   }
   unsigned packed[2];
-  // (after a mean's subtraction the values are general fp32 numbers: the division path)
-  const unsigned sc = m ? nvfp4_block(v, packed) : nvfp4_block_exact16(v, packed);
+  // (after a mean's subtraction the values are general fp32 numbers: exact comparisons with the midpoints)
+  const unsigned sc = m ? nvfp4_block_cmp(v, packed) : nvfp4_block_exact16(v, packed);
   *reinterpret_cast<uint2*>(codes + ((bh * n + row) * d + c0) / 2) = make_uint2(packed[0], packed[1]);
   scales[(bh * n + row) * nblk_row + c0 / 16] = static_cast<unsigned char>(sc);
 }
@@ -109,6 +109,50 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
   const long long bh = static_cast<long long>(b) * H + h;
   *reinterpret_cast<uint2*>(codes + ((bh * d + c) * n16 + tb * 16) / 2) = make_uint2(packed[0], packed[1]);
   scales[(bh * d + c) * tblocks + tb] = static_cast<unsigned char>(sc);
+}
+
+// nvfp4_quant_tokens on a tile of 64 tokens x 128 channels per CTA (128 threads), for 16-byte aligned rows and D a
+// multiple of 8: the tile is read with 16-byte loads into shared memory, and each thread quantizes one channel's
+// four 16-token blocks and writes its 32 code bytes (4 x 8 bytes) and 4 scale bytes itself, so every 32-byte sector
+// of the codes is written by one thread at once. (nvfp4_quant_tokens: one thread per block, 16 scalar loads, and the
+// four 8-byte pieces of a sector written by four CTAs.) grid (ceil(N16 / 64), H, B), block 128.
+template <typename T>
+__global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restrict__ x, long long sb, long long sh,
+                                                               long long sn, int n, int d, int n16,
+                                                               unsigned char* __restrict__ codes,
+                                                               unsigned char* __restrict__ scales) {
+  __shared__ __align__(16) unsigned short tile[64][128 + 8];  // tokens x channels (+16 bytes: conflict-free rows)
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, tid = threadIdx.x, t0 = blockIdx.x * 64;
+  const long long bh = static_cast<long long>(b) * H + h;
+  const T* src = x + b * sb + h * sh;
+  for (int c0 = 0; c0 < d; c0 += 128) {
+    const int dc = min(128, d - c0);
+#pragma unroll 4
+    for (int idx = tid; idx < 64 * 16; idx += 128) {
+      const int r = idx >> 4, seg = idx & 15, tok = t0 + r;
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (seg * 8 < dc && tok < n) w = __ldg(reinterpret_cast<const uint4*>(src + tok * sn + c0 + seg * 8));
+      *reinterpret_cast<uint4*>(&tile[r][seg * 8]) = w;
+    }
+    __syncthreads();
+    if (tid < dc) {
+      const long long row = bh * d + c0 + tid;
+      unsigned char* crow = codes + row * (n16 / 2) + t0 / 2;
+      unsigned char* srow = scales + row * (n16 / 16) + t0 / 16;
+#pragma unroll
+      for (int tb = 0; tb < 4; ++tb) {
+        if (t0 + tb * 16 >= n16) break;
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = to_float(bits_to<T>(tile[tb * 16 + i][tid]));
+        unsigned packed[2];
+        const unsigned sc = nvfp4_block_exact16(v, packed);
+        *reinterpret_cast<uint2*>(crow + tb * 8) = make_uint2(packed[0], packed[1]);  // (rows: n16 / 2 bytes, 8k)
+        srow[tb] = static_cast<unsigned char>(sc);
+      }
+    }
+    __syncthreads();
+  }
 }
 
 // Fake quantization (quantize, then dequantize; SPEC §6) into fp16, for the FP4 QAT kernels. Every NVFP4

@@ -135,9 +135,8 @@ def fp4_engine(engine: str | None = None) -> str:
 def kernel_names() -> dict:
     """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them)."""
     quant = [f"{k}<{T}>" for T in _T.values()
-             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_fq_rows", "nvfp4_fq_rows_any", "nvfp4_fq_tokens",
-                       "row_mu_dot",
-                                                                                "qat_delta")]
+             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_quant_tokens_tiled", "nvfp4_fq_rows",
+                       "nvfp4_fq_rows_any", "nvfp4_fq_tokens", "row_mu_dot", "qat_delta")]
     attn = []
     for T in _T.values():
         for D in (64, 128):
@@ -258,11 +257,19 @@ def quantize_tokens(x, *, layout="HND"):
     n16 = (N + 15) // 16 * 16
     codes = cupy.empty((B, H, D, n16 // 2), dtype=cupy.uint8)
     scales = cupy.empty((B, H, D, n16 // 16), dtype=cupy.uint8)
-    work = D * (n16 // 16)
     i32, i64 = cupy.int32, cupy.int64
-    _fn("nvfp4_quant_tokens", T)(((work + 255) // 256, H, B), (256,),
-                                 (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), codes, scales))
+    aligned = raw.data.ptr % 16 == 0 and all(st * raw.itemsize % 16 == 0 for st in (sb, sh, sn))
+    name, grid, block = _tokens_launch(aligned, B, H, D, n16)
+    _fn(name, T)(grid, block, (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), codes, scales))
     return codes, scales
+
+
+def _tokens_launch(aligned, B, H, D, n16):
+    """V's quantizer (kernel name, grid, block): on 16-byte aligned rows one CTA per 64 tokens (a shared-memory
+    tile, nvfp4_quant_tokens_tiled: 16-byte loads, each thread writes whole sectors), else one thread per block."""
+    if aligned and D % 8 == 0:
+        return "nvfp4_quant_tokens_tiled", ((n16 + 63) // 64, H, B), (128,)
+    return "nvfp4_quant_tokens", ((D * (n16 // 16) + 255) // 256, H, B), (256,)
 
 
 def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
@@ -538,7 +545,8 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     n16 = (nk + 15) // 16 * 16
     ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
     ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
-    prog.launch(_fn("nvfp4_quant_tokens", T), ((D * (n16 // 16) + 255) // 256, Hkv, B), (256,),
+    name, grid, block = _tokens_launch(True, B, Hkv, D, n16)  # (rows 16-byte aligned: copied per call otherwise)
+    prog.launch(_fn(name, T), grid, block,
                 (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]))
     if qmk is not None and not fused:
         prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),

@@ -67,6 +67,37 @@ __device__ __forceinline__ unsigned nvfp4_block(const float (&x)[16], unsigned (
   return sc;
 }
 
+// nvfp4_block for general fp32 values (K - mean), without divisions: the same scale, and each code from exact
+// comparisons of |x| with the midpoints' thresholds m s (m s has at most 7 significant bits: exact in fp32). |x| / s
+// rounds to nearest with ties to even exactly when it is compared with the midpoints exactly, which is what the
+// reference does in float64; nvfp4_block compares the fp32-rounded quotient, which can land on a midpoint from
+// within half an ulp of it. Ties: the grid's codes k - 1 and k meet at midpoint k, and the even one of the two wins
+// (k even: |x| >= m_k s; k odd: |x| > m_k s).
+__device__ __forceinline__ unsigned nvfp4_block_cmp(const float (&x)[16], unsigned (&packed)[2]) {
+  float amax;
+  bool bad;
+  block_amax(x, amax, bad);
+  const unsigned sc = e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax);
+  if (sc == 0x7Fu) {  // NaN scale: every code 7, as nvfp4_block's x / NaN gives
+    packed[0] = packed[1] = 0x77777777u;
+    return sc;
+  }
+  const float s = e4m3_decode(sc);
+  const float t1 = 0.25f * s, t2 = 0.75f * s, t3 = 1.25f * s, t4 = 1.75f * s, t5 = 2.5f * s, t6 = 3.5f * s,
+              t7 = 5.0f * s;
+  packed[0] = packed[1] = 0u;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float a = fabsf(x[i]);
+    const unsigned m = static_cast<unsigned>(a > t1) + static_cast<unsigned>(a >= t2) + static_cast<unsigned>(a > t3) +
+                       static_cast<unsigned>(a >= t4) + static_cast<unsigned>(a > t5) + static_cast<unsigned>(a >= t6) +
+                       static_cast<unsigned>(a > t7);
+    const unsigned c = (s == 0.f) ? 0u : ((__float_as_uint(x[i]) >> 28) & 8u) | m;
+    packed[i >> 3] |= c << (4 * (i & 7));
+  }
+  return sc;
+}
+
 }  // namespace sage
 
 namespace sage {

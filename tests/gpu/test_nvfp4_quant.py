@@ -83,6 +83,54 @@ def test_tokens_bit_exact_with_padding(dtype):
     np.testing.assert_array_equal(codes.get(), F.pack_e2m1(ref_c, axis=-1))
 
 
+@pytest.mark.parametrize("N,D,layout,offset", [(200, 64, "HND", 0), (77, 128, "NHD", 0), (130, 64, "HND", 1),
+                                                (64, 256, "HND", 0)])
+def test_tokens_bit_exact_tiled_and_fallback(N, D, layout, offset):
+    """V's quantizer on more shapes: whole and partial 64-token tiles, D = 64 (half the tile's channels idle),
+    D = 256 (two channel chunks), NHD strides (the tiled kernel), and rows that start 2 bytes off a 16-byte
+    boundary (offset = 1: the one-thread-per-block kernel)."""
+    from sagecupy import nvfp4
+
+    rng = np.random.default_rng(N + D)
+    x = np.ascontiguousarray(_adversarial(rng, (2, 3, D, N + 3)).swapaxes(-1, -2)[:, :, :N])  # (B, H, N, D)
+    x[1, 2, N - 1, 5] = np.nan
+    xs = x if layout == "HND" else np.ascontiguousarray(x.swapaxes(1, 2))
+    dtype = "float16" if offset else "bfloat16"  # (a CuPy float16 array can be sliced off its allocation's start)
+    xd = _dev(xs, dtype)
+    if offset:  # the same values one element into a larger buffer: rows 2 bytes past a 16-byte boundary
+        flat = _dev(np.concatenate([np.zeros(offset), xs.reshape(-1)]), dtype)
+        xd = flat[offset:].reshape(xs.shape)
+    xh = to_hnd(_host(xd), layout)
+    codes, scales = nvfp4.quantize_tokens(xd, layout=layout)
+    vt = F.pad_to_multiple(np.swapaxes(xh, -1, -2), 16, axis=-1)
+    ref_c, ref_s, _ = F.nvfp4_quantize(vt, axis=-1)
+    np.testing.assert_array_equal(scales.get(), ref_s)
+    np.testing.assert_array_equal(codes.get(), F.pack_e2m1(ref_c, axis=-1))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rows_with_mean_bit_exact_on_the_fp32_difference(dtype):
+    """K's quantizer after the mean's subtraction (general fp32 values, nvfp4_block_cmp): bit-exact with the
+    reference on the same fp32 values x - mean, exact E2M1 ties at every scale included (mean 0 on those blocks)."""
+    import cupy as cp
+
+    from sagecupy import nvfp4
+
+    rng = np.random.default_rng(7)
+    shape = (2, 4, 45, 64)
+    x = _ties_at_every_scale(rng, shape)
+    x.reshape(-1)[[9, 300]] = np.nan, np.inf
+    xd = _dev(x, dtype)
+    xh = _host(xd)
+    mean = (rng.standard_normal((2, 2, 64)) * 0.1).astype(np.float32)
+    mean[:, :, :32] = 0.0  # the first two blocks of every row keep their exact ties
+    codes, scales = nvfp4.quantize_rows(xd, mean=cp.asarray(mean))
+    diff = (xh.astype(np.float32) - np.repeat(mean, 2, axis=1)[:, :, None, :]).astype(np.float64)  # (GQA group 2)
+    ref_c, ref_s, _ = F.nvfp4_quantize(diff, axis=-1)
+    np.testing.assert_array_equal(scales.get(), ref_s)
+    np.testing.assert_array_equal(codes.get(), F.pack_e2m1(ref_c, axis=-1))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("along", ["channels", "tokens"])
 def test_fake_quantize_bit_exact(dtype, along):
