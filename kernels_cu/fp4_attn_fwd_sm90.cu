@@ -68,15 +68,17 @@ using namespace sage;
 // 1: no tensor-core products (S stays whatever the previous tile left; the ALU, memory and synchronization work
 // alone), 2: no softmax or P quantization (P^ is the raw logits in fp16, O is never rescaled), 3: no K/V
 // dequantization in the loop (the staged bytes are fetched, the stages hold stale values).
-// The warp-specialized kernel (nvfp4_attn_fwd_ws): SAGE_FP4_TBLK (default 1) stores each K/V tile in the order of
-// common/fp4_fwd.cuh FP4_TBLK_KEY, so that each consumer thread's 16 logits of a row are one whole 16-key block
-// of P (no shuffles for the block maxima, one block scale per row); SAGE_FP4_WS_WAIT_NS is the producer's suspend
-// hint while it waits for a free stage (0: the hardware's default).
+// The warp-specialized kernel (nvfp4_attn_fwd_ws): SAGE_FP4_TBLK (default on with SAGE_FP4_LOGFOLD, which it needs)
+// stores each K/V tile in the order of common/fp4_fwd.cuh FP4_TBLK_KEY, so that each consumer thread's 16 logits of a
+// row are one whole 16-key block of P (no shuffles for the block maxima, one block scale per row): 1.04-1.06x on the
+// H200. SAGE_FP4_WS_WAIT_NS: the producer's suspend hint (ns) while it waits for a free stage (0: the hardware's
+// default limit, which polls ~50 instructions per consumer warp and tile): 2000 measured 1.01-1.02x, bitwise the same
+// (bench/NOTES.md twenty-seventh session).
 #ifndef SAGE_FP4_TBLK
-#define SAGE_FP4_TBLK 1
+#define SAGE_FP4_TBLK SAGE_FP4_LOGFOLD
 #endif
 #ifndef SAGE_FP4_WS_WAIT_NS
-#define SAGE_FP4_WS_WAIT_NS 0
+#define SAGE_FP4_WS_WAIT_NS 2000
 #endif
 #ifndef SAGE_FP4_DIAG
 #define SAGE_FP4_DIAG 0
@@ -460,7 +462,9 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
 //   wgmma.wait_group 1 there ptxas serialized the products, warning C7514.) 0.99-1.04x the 12-warp kernel: two
 //   consumer warps per scheduler hide less latency, and 128-row CTAs dequantize 1.5x as much per query row.
 // Numerics: those of the kernel above at 12 warps (the same per-tile softmax and P quantization, O in the frame of
-// its last tile, the same wgmma shapes in the same order): bitwise the same O and LSE (tested).
+// its last tile, the same wgmma shapes in the same order): with SAGE_FP4_TBLK=0 bitwise the same O and LSE (tested);
+// with thread-owned blocks (the default) every element of P^ is the same number, and the products and row sums add
+// the keys of a tile in another order (fp32 rounding only; tested against the 12-warp kernel within 1e-5).
 namespace {
 
 template <int D, int NC>

@@ -113,9 +113,10 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
 
 // nvfp4_quant_tokens on a tile of 64 tokens x 128 channels per CTA (128 threads), for 16-byte aligned rows and D a
 // multiple of 8: the tile is read with 16-byte loads into shared memory, and each thread quantizes one channel's
-// four 16-token blocks and writes its 32 code bytes (4 x 8 bytes) and 4 scale bytes itself, so every 32-byte sector
-// of the codes is written by one thread at once. (nvfp4_quant_tokens: one thread per block, 16 scalar loads, and the
-// four 8-byte pieces of a sector written by four CTAs.) grid (ceil(N16 / 64), H, B), block 128.
+// four 16-token blocks and writes its 32 code bytes (4 x 8 bytes) and 4 scale bytes itself, one after the other
+// (whole 32-byte sectors when N16 is a multiple of 64; rows of N16 / 2 bytes are 8-byte aligned in general).
+// (nvfp4_quant_tokens: one thread per block, 16 scalar loads, and the four 8-byte pieces of a sector written by
+// four CTAs.) grid (ceil(N16 / 64), H, B), block 128.
 template <typename T>
 __global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restrict__ x, long long sb, long long sh,
                                                                long long sn, int n, int d, int n16,

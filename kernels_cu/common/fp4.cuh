@@ -67,12 +67,11 @@ __device__ __forceinline__ unsigned nvfp4_block(const float (&x)[16], unsigned (
   return sc;
 }
 
-// nvfp4_block for general fp32 values (K - mean), without divisions: the same scale, and each code from exact
-// comparisons of |x| with the midpoints' thresholds m s (m s has at most 7 significant bits: exact in fp32). |x| / s
-// rounds to nearest with ties to even exactly when it is compared with the midpoints exactly, which is what the
-// reference does in float64; nvfp4_block compares the fp32-rounded quotient, which can land on a midpoint from
-// within half an ulp of it. Ties: the grid's codes k - 1 and k meet at midpoint k, and the even one of the two wins
-// (k even: |x| >= m_k s; k odd: |x| > m_k s).
+// nvfp4_block for general fp32 values (K - mean), without its 16 IEEE divisions: the same scale, and each code from
+// exact comparisons of |x| with the midpoints' thresholds m s (m s has at most 7 significant bits: exact in fp32),
+// which is what the reference's float64 quotient decides (and nvfp4_block's fp32 one: an fp32 x beside m s is at
+// least an ulp of x away, so its rounded quotient never lands on m). Ties: the grid's codes k - 1 and k meet at
+// midpoint k, and the even one of the two wins (k even: |x| >= m_k s; k odd: |x| > m_k s).
 __device__ __forceinline__ unsigned nvfp4_block_cmp(const float (&x)[16], unsigned (&packed)[2]) {
   float amax;
   bool bad;

@@ -20,9 +20,11 @@ namespace sage {
 // SAGE_FP4_LOGFOLD (default 1; needs SAGE_FP4_BMAX_LOGITS): each 16-key block's scale s enters the exponent,
 // y = 2^(S - r + log2 2688 - log2 s) (one FFMA with a per-block constant, then ex2), instead of y = x * (1/s) per
 // element; the row sum takes s * (the block's sum of y). Per element one FMUL fewer, per block a lg2 for a reciprocal
-// (and its zero test): y is the same quotient within the special-function unit's error (2^-22), as x * rcp(s) was.
-// A zero scale (every x of the block below 6 * 2^-11) takes s = 2^-10 in the exponent (finite y, so the row sum
-// still counts the block) and zeroes P^ through its fp16 scale. 0: x * rcp(s) (bench/NOTES.md twenty-seventh session).
+// (and its zero test): y is the same quotient as x * rcp(s) within fp32 error (the special-function unit's, and one
+// rounding of the per-block constant base - log2 s, ~|base| ulps), which moves an element of P across an E2M1
+// midpoint only within ~1e-6 of it, as the rcp form's error does (tests: _ambiguous_rows). A zero scale (the block's
+// max x at most 6 * 2^-10) takes s = 2^-10 in the exponent (finite y, so the row sum still counts the block) and
+// zeroes P^ through its fp16 scale. 0: x * rcp(s) (bench/NOTES.md twenty-seventh session).
 #ifndef SAGE_FP4_LOGFOLD
 #define SAGE_FP4_LOGFOLD 1
 #endif

@@ -111,7 +111,10 @@ def test_tokens_bit_exact_tiled_and_fallback(N, D, layout, offset):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_rows_with_mean_bit_exact_on_the_fp32_difference(dtype):
     """K's quantizer after the mean's subtraction (general fp32 values, nvfp4_block_cmp): bit-exact with the
-    reference on the same fp32 values x - mean, exact E2M1 ties at every scale included (mean 0 on those blocks)."""
+    reference on the same fp32 values x - mean. Channels 0..31 (mean 0) keep _ties_at_every_scale's exact E2M1 ties;
+    in rows 0 and 1 (x = 0) channels 32..63 are x - mean = -mean = one fp32 ulp beside a midpoint times the block's
+    scale (s = 6 s / 6, set by channels 32 and 48) at random E4M3 mantissas: each comparison's strict or non-strict
+    side (ties to the even code) is decided by one ulp."""
     import cupy as cp
 
     from sagecupy import nvfp4
@@ -120,10 +123,20 @@ def test_rows_with_mean_bit_exact_on_the_fp32_difference(dtype):
     shape = (2, 4, 45, 64)
     x = _ties_at_every_scale(rng, shape)
     x.reshape(-1)[[9, 300]] = np.nan, np.inf
+    x[:, :, :2, 32:] = 0.0
     xd = _dev(x, dtype)
     xh = _host(xd)
     mean = (rng.standard_normal((2, 2, 64)) * 0.1).astype(np.float32)
     mean[:, :, :32] = 0.0  # the first two blocks of every row keep their exact ties
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+    for blk in (32, 48):
+        for b in range(2):
+            for hm in range(2):
+                s = np.float32((1 + rng.integers(0, 8) / 8) * 2.0 ** rng.integers(-6, 6))
+                t = mids[rng.integers(0, 7, 15)] * s  # exact in fp32
+                t = np.nextafter(t, np.where(rng.random(15) < 0.5, np.inf, -np.inf).astype(np.float32))
+                sign = np.where(rng.random(16) < 0.5, -1, 1).astype(np.float32)
+                mean[b, hm, blk:blk + 16] = -sign * np.concatenate([[np.float32(6) * s], t]).astype(np.float32)
     codes, scales = nvfp4.quantize_rows(xd, mean=cp.asarray(mean))
     diff = (xh.astype(np.float32) - np.repeat(mean, 2, axis=1)[:, :, None, :]).astype(np.float64)  # (GQA group 2)
     ref_c, ref_s, _ = F.nvfp4_quantize(diff, axis=-1)
