@@ -1,7 +1,7 @@
 """Where the NVFP4 wgmma forward's time goes, by taking one part out at a time (kernel diagnostics
 ``SAGE_FP4_DIAG``, wrong results): 1 no tensor-core products, 2 no softmax / P quantization, 3 no K/V
 dequantization in the loop. Also the quantization pre-pass (``nvfp4.quantize_inputs``), the whole call
-(``nvfp4.attention``) and SDPA flash on the same shapes. Kernel times back to back (``bench.time_ms_b2b``), D = 128,
+(``nvfp4.attention``) and SDPA's flash and cuDNN backends on the same shapes. Kernel times back to back (``bench.time_ms_b2b``), D = 128,
 bf16, the benchmark's shapes unless ``--shapes B:N,...``. On the GPU machine:
 
     python bench/fp4_floor.py [--shapes 4:4096,1:16384,16:4096] [--diags 0,1,2,3] [--extra "SAGE_X=1;SAGECUPY_Y=0,SAGE_Z=2"]
@@ -39,19 +39,24 @@ for shp in a.shapes.split(","):
         fl = bench.flops(B, H, N, N, D, causal)
         set_variant(a.base)
         e2e = bench.time_ms_b2b(lambda: nvfp4.attention(q, k, v, causal=causal))
-        try:
-            import torch
-            import torch.nn.functional as F
-            tq, tk, tv = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                fn = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
-                ev = torch.cuda.Event
-                flash = bench.time_ms_b2b(fn, event=lambda: ev(enable_timing=True), sync=torch.cuda.synchronize)
-        except Exception as exc:  # noqa: BLE001
-            print("flash unavailable:", exc)
-            flash = float("nan")
+        sdpa = {}
+        for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+            try:
+                import torch
+                import torch.nn.functional as F
+                tq, tk, tv = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)):
+                    fn = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
+                    ev = torch.cuda.Event
+                    sdpa[backend] = bench.time_ms_b2b(fn, event=lambda: ev(enable_timing=True),
+                                                      sync=torch.cuda.synchronize)
+            except Exception as exc:  # noqa: BLE001
+                print(f"SDPA {backend} unavailable:", exc)
+                sdpa[backend] = float("nan")
+        flash, cudnn = sdpa["FLASH_ATTENTION"], sdpa["CUDNN_ATTENTION"]
         print(f"B={B} N={N} causal={causal!s:<5} pre-pass {pre:.3f} ms, nvfp4.attention {e2e:.3f} ms "
-              f"({fl / e2e / 1e9:.0f} TFLOPS, {flash / e2e:.2f}x flash), flash {flash:.3f} ms ({fl / flash / 1e9:.0f})",
+              f"({fl / e2e / 1e9:.0f} TFLOPS, {flash / e2e:.2f}x flash, {cudnn / e2e:.2f}x cuDNN), "
+              f"flash {flash:.3f} ms ({fl / flash / 1e9:.0f}), cuDNN {cudnn:.3f} ms ({fl / cudnn / 1e9:.0f})",
               flush=True)
         ref = None
         for label, defs in variants:
