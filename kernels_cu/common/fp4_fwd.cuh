@@ -57,6 +57,13 @@ __device__ __forceinline__ unsigned half2_bits(float a, float b) {
   return *reinterpret_cast<unsigned*>(&h);
 }
 
+// Two E2M1 values q0, q1 (e2m1_round_nonneg_unsat: not yet saturated) times their block scale s2 (both halves) as
+// one half2 of P^: saturated at 6 (six2) two at a time in fp16, the product exact (at most 6 significant bits).
+__device__ __forceinline__ unsigned fp4_p_pair(float q0, float q1, __half2 s2, __half2 six2) {
+  const __half2 p = __hmul2(__hmin2(__floats2half2_rn(q0, q1), six2), s2);
+  return *reinterpret_cast<const unsigned*>(&p);
+}
+
 // TBLK's storage order of a 64-key tile: row (K^) or token column (V^T) c holds key FP4_TBLK_KEY(c), so that the
 // wgmma accumulator's column c = 8 nt + 2 t4 + e (thread t4's columns) is key 16 t4 + 2 nt + e.
 __host__ __device__ constexpr int FP4_TBLK_KEY(int c) { return 16 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1); }
@@ -189,9 +196,9 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float q0 = e2m1_round_nonneg_unsat(s[nt][2 * r]), q1 = e2m1_round_nonneg_unsat(s[nt][2 * r + 1]);
-        const __half2 p = __hmul2(__hmin2(__floats2half2_rn(q0, q1), six2), s2[r]);
-        pa[nt >> 1][(nt & 1) * 2 + r] = *reinterpret_cast<const unsigned*>(&p);
+        pa[nt >> 1][(nt & 1) * 2 + r] =
+            fp4_p_pair(e2m1_round_nonneg_unsat(s[nt][2 * r]), e2m1_round_nonneg_unsat(s[nt][2 * r + 1]), s2[r],
+                       six2);
       }
   } else {
   // x, row sums, and the NVFP4 P^ as fp16 A operands (16-key blocks = k16 chunks kk).
@@ -228,12 +235,9 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
       float qv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg_unsat(y[r][i]);
-      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..); the
-      // saturation at 6 two at a time in fp16
-      const __half2 p01 = __hmul2(__hmin2(__floats2half2_rn(qv[0], qv[1]), six2), s2);
-      const __half2 p23 = __hmul2(__hmin2(__floats2half2_rn(qv[2], qv[3]), six2), s2);
-      pa[kk][r] = *reinterpret_cast<const unsigned*>(&p01);
-      pa[kk][2 + r] = *reinterpret_cast<const unsigned*>(&p23);
+      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
+      pa[kk][r] = fp4_p_pair(qv[0], qv[1], s2, six2);
+      pa[kk][2 + r] = fp4_p_pair(qv[2], qv[3], s2, six2);
       if constexpr (QAT) {
         const float sb = sf[r] * ts.beta[r];  // P~ = beta * x = beta * s * y
         pp[kk][r] = half2_bits(y[r][0] * sb, y[r][1] * sb);
@@ -276,12 +280,9 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
       float qv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg_unsat(x[r][i] * inv);
-      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..); the
-      // saturation at 6 two at a time in fp16
-      const __half2 p01 = __hmul2(__hmin2(__floats2half2_rn(qv[0], qv[1]), six2), s2);
-      const __half2 p23 = __hmul2(__hmin2(__floats2half2_rn(qv[2], qv[3]), six2), s2);
-      pa[kk][r] = *reinterpret_cast<const unsigned*>(&p01);
-      pa[kk][2 + r] = *reinterpret_cast<const unsigned*>(&p23);
+      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
+      pa[kk][r] = fp4_p_pair(qv[0], qv[1], s2, six2);
+      pa[kk][2 + r] = fp4_p_pair(qv[2], qv[3], s2, six2);
       if constexpr (QAT) {
         pp[kk][r] = half2_bits(x[r][0] * ts.beta[r], x[r][1] * ts.beta[r]);
         pp[kk][2 + r] = half2_bits(x[r][2] * ts.beta[r], x[r][3] * ts.beta[r]);
