@@ -538,8 +538,12 @@ def test_nvfp4_warp_specialized_kernel(monkeypatch, nc):
     equal to it: the same per-tile softmax, the same frame rule for O and the same wgmma shapes in the same order,
     so nothing but the CTA's split of the rows differs. By default (thread-owned P blocks) each tile's keys are
     stored in another order: every element of P^ is the same number, but the P.V products and the row sums add the
-    keys in another order, so O and the LSE may differ by fp32 rounding (fp16 output: relative L2 <= 1e-5, a few
-    fp16 ulps at most; LSE within 1e-5)."""
+    keys in another order. The LSE (row sums in fp32) stays within 1e-5. O: the tensor cores add a k16 step's 16
+    products aligned to the largest one, dropping low bits, and a step now spans four 16-key blocks of P (scales
+    up to 2^11 apart) instead of one, so small products lose more: relative L2 1.6e-4 against the 12-warp kernel
+    at 4K with bf16 output (bench/results/session27/floor2.txt, SAGE_FP4_TBLK=0 row). The bound here, 5e-4 on fp16
+    output, is that with room; a wrong key order (a V^ column against the wrong P^ element) moves O by ~1/32 or
+    more."""
     from sagecupy import _checks, nvfp4
     from sagecupy._loader import device_capability
 
@@ -572,7 +576,7 @@ def test_nvfp4_warp_specialized_kernel(monkeypatch, nc):
         fin = cp.isfinite(ref_lse)
         assert bool(cp.array_equal(cp.isfinite(lse1), fin)), (nq, nk, causal)
         dl = float(cp.abs(lse1[fin] - ref_lse[fin]).max()) if bool(fin.any()) else 0.0
-        assert rel <= 1e-5 and dl <= 1e-5, (nq, nk, causal, rel, dl)
+        assert rel <= 5e-4 and dl <= 1e-5, (nq, nk, causal, rel, dl)
 
 
 def test_misaligned_packed_operands_and_bad_arguments(engine):
