@@ -145,7 +145,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   for (int tile = 0; tile < tl.n; ++tile) {
     unsigned pa[4][4], pp[4][4];
     const Fp4TileScale ts = fp4_softmax_tile<true, true, true>(acc_s, rs, pa, pp, tile, tile >= tl.first_masked, CAUSAL,
-                                                         r_lo, t4, nk, shift, scale_log2);
+                                                               r_lo, t4, nk, shift, scale_log2);
     fp4_frame_step<true>(acc_o, fr, ts);  // the frame change of O (see the top)
     if (ts.rescale) {  // O' = alpha O' + P~ V~ (the mma.sync kernel's order)
 #pragma unroll
