@@ -114,12 +114,23 @@ __device__ __forceinline__ void stage_task(char* stg, int task, const unsigned c
   cp_async_4_n(smem_u32(stg + stg_codes + task * 4), scales, max(0, min(scale_bytes, 4)));
 }
 
-// Dequantize staged task `task` into row `r` of a swizzled 128-byte-row tile (64 fp16 values).
-__device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg, int task, int stg_codes) {
+// A staged task's bytes: the four 16-element units' code words and their scale bytes (sc: unit u in byte u).
+struct StagedTask {
+  uint2 w[4];
+  unsigned sc;
+};
+__device__ __forceinline__ StagedTask load_task(const char* stg, int task, int stg_codes) {
   const uint4 c0 = *reinterpret_cast<const uint4*>(stg + task * 16);  // (16-byte slots: no bank conflicts)
   const uint4 c1 = *reinterpret_cast<const uint4*>(stg + stg_codes / 2 + task * 16);
   const unsigned sc = *reinterpret_cast<const unsigned*>(stg + stg_codes + task * 4);
-  const uint2 w[4] = {make_uint2(c0.x, c0.y), make_uint2(c0.z, c0.w), make_uint2(c1.x, c1.y), make_uint2(c1.z, c1.w)};
+  return {{make_uint2(c0.x, c0.y), make_uint2(c0.z, c0.w), make_uint2(c1.x, c1.y), make_uint2(c1.z, c1.w)}, sc};
+}
+
+// Dequantize staged task `task` into row `r` of a swizzled 128-byte-row tile (64 fp16 values).
+__device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg, int task, int stg_codes) {
+  const StagedTask t = load_task(stg, task, stg_codes);
+  const uint2(&w)[4] = t.w;
+  const unsigned sc = t.sc;
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
     unsigned h[8];
@@ -133,18 +144,15 @@ __device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg,
 // in TBLK order (common/fp4_fwd.cuh FP4_TBLK_KEY): 16-byte chunk j holds pair j of each of the four 16-token units
 // (column 8 j + 2 u + e is token 16 u + 2 j + e), half the pairs at a time.
 __device__ __forceinline__ void dequant_task_tblk(char* tile, int r, const char* stg, int task, int stg_codes) {
-  const uint4 c0 = *reinterpret_cast<const uint4*>(stg + task * 16);
-  const uint4 c1 = *reinterpret_cast<const uint4*>(stg + stg_codes / 2 + task * 16);
-  const unsigned sc = *reinterpret_cast<const unsigned*>(stg + stg_codes + task * 4);
-  const uint2 w[4] = {make_uint2(c0.x, c0.y), make_uint2(c0.z, c0.w), make_uint2(c1.x, c1.y), make_uint2(c1.z, c1.w)};
+  const StagedTask t = load_task(stg, task, stg_codes);
   __half2 s64[4];
 #pragma unroll
-  for (int u = 0; u < 4; ++u) s64[u] = e4m3_scale_x64((sc >> (8 * u)) & 0xFFu);
+  for (int u = 0; u < 4; ++u) s64[u] = e4m3_scale_x64((t.sc >> (8 * u)) & 0xFFu);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     unsigned h[4][4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) dequant8_half(hh ? w[u].y : w[u].x, s64[u], h[u]);
+    for (int u = 0; u < 4; ++u) dequant8_half(hh ? t.w[u].y : t.w[u].x, s64[u], h[u]);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj)
       *reinterpret_cast<uint4*>(tile + swz<128>(r, 4 * hh + jj)) = make_uint4(h[0][jj], h[1][jj], h[2][jj], h[3][jj]);

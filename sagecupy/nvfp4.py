@@ -258,8 +258,9 @@ def quantize_tokens(x, *, layout="HND"):
     codes = cupy.empty((B, H, D, n16 // 2), dtype=cupy.uint8)
     scales = cupy.empty((B, H, D, n16 // 16), dtype=cupy.uint8)
     i32, i64 = cupy.int32, cupy.int64
-    aligned = raw.data.ptr % 16 == 0 and all(st * raw.itemsize % 16 == 0 for st in (sb, sh, sn))
-    name, grid, block = _tokens_launch(aligned, B, H, D, n16)
+    from .int8 import _needs_copy
+
+    name, grid, block = _tokens_launch(not _needs_copy(raw, True), B, H, D, n16)
     _fn(name, T)(grid, block, (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), codes, scales))
     return codes, scales
 
