@@ -41,51 +41,90 @@ __device__ __forceinline__ void load16(const T* src, float (&v)[16]) {
   }
 }
 
-// One thread per 16-block. grid (ceil(N * D / 16 / 256), H, B), block 256.
-// dot_mu (optional; D / 16 a power of two up to 32, so that a row's threads are neighbouring lanes of one warp):
-// also dot_out[b, h, row] = dot_scale * sum_c x[row, c] * dot_mu[b, h / dot_group, c] in fp32 (the LSE correction
-// of K-smoothing, sm_scale * q . mu_K, that row_mu_dot computes in a pass of its own): each thread's 16 products in
-// order, then a shuffle tree over the row's threads.
-template <typename T>
-__global__ void nvfp4_quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
-                                 const float* __restrict__ mu, int mu_group,
-                                 unsigned char* __restrict__ codes, unsigned char* __restrict__ scales,
-                                 const float* __restrict__ dot_mu, int dot_group, float dot_scale,
-                                 float* __restrict__ dot_out) {
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-  const long long blk = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int nblk_row = d / 16;
-  const bool valid = blk < static_cast<long long>(n) * nblk_row;  // (a row's threads are all valid or all not)
-  if (!dot_mu && !valid) return;
-  const int row = valid ? static_cast<int>(blk / nblk_row) : 0, c0 = static_cast<int>(blk % nblk_row) * 16;
-  const T* src = x + b * sb + h * sh + row * sn + c0;
-  const float* m = mu ? mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * d + c0 : nullptr;
-  float v[16];
-  if (valid) {
-    load16(src, v);
-  } else {
+// 16 consecutive fp32 values from src (16-byte aligned: four 16-byte loads).
+__device__ __forceinline__ void load16f(const float* src, float (&v)[16]) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = 0.f;
+  for (int j = 0; j < 4; ++j) {
+    const float4 w = __ldg(reinterpret_cast<const float4*>(src) + j);
+    v[4 * j] = w.x;
+    v[4 * j + 1] = w.y;
+    v[4 * j + 2] = w.z;
+    v[4 * j + 3] = w.w;
+  }
+}
+
+// BPT = 2 neighbouring 16-blocks of a row per thread (1 when D is read at run time). grid (ceil(N * D / 16 / BPT /
+// 256), H, B), block 256. DT: D as a compile-time constant (64, 128 or 256: a row's blocks from shifts), or 0 for D = d
+// at run time (a 64-bit division per thread).
+// mu (optional, K-smoothing): (B, H / mu_group, D) fp32, 16-byte aligned, subtracted in fp32 first.
+// dot_mu (optional; D / 16 / BPT a power of two up to 32, so that a row's threads are neighbouring lanes of one warp;
+// 16-byte aligned): also dot_out[b, h, row] = dot_scale * sum_c x[row, c] * dot_mu[b, h / dot_group, c] in fp32 (the
+// LSE correction of K-smoothing, sm_scale * q . mu_K, that row_mu_dot computes in a pass of its own): each thread's
+// 16 BPT products in order, then a shuffle tree over the row's threads.
+template <typename T, int DT>
+__global__ void __launch_bounds__(256) nvfp4_quant_rows(const T* __restrict__ x, long long sb, long long sh,
+                                                        long long sn, int n, int d, const float* __restrict__ mu,
+                                                        int mu_group, unsigned char* __restrict__ codes,
+                                                        unsigned char* __restrict__ scales,
+                                                        const float* __restrict__ dot_mu, int dot_group,
+                                                        float dot_scale, float* __restrict__ dot_out) {
+  static_assert(DT == 0 || DT == 64 || DT == 128 || DT == 256, "DT: 0 (run time), 64, 128 or 256");
+  constexpr int BPT = DT ? 2 : 1;
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int D = DT ? DT : d, nblk_row = D / 16, tpr = nblk_row / BPT;  // tpr: threads per row
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool valid = t < static_cast<long long>(n) * tpr;  // (a row's threads are all valid or all not)
+  if (!dot_mu && !valid) return;
+  const long long row = valid ? t / tpr : 0;  // (a shift when DT is given)
+  const int c0 = static_cast<int>(t % tpr) * 16 * BPT;
+  float v[BPT][16];
+#pragma unroll
+  for (int k = 0; k < BPT; ++k) {
+    if (valid) {
+      load16(x + b * sb + h * sh + row * sn + c0 + 16 * k, v[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[k][i] = 0.f;
+    }
   }
   const long long bh = static_cast<long long>(b) * H + h;
   if (dot_mu) {
-    const float* dm = dot_mu + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * d + c0;
+    const float* dm = dot_mu + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D + c0;
     float acc = 0.f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) acc = fmaf(v[i], valid ? dm[i] : 0.f, acc);
-    for (int o = nblk_row / 2; o >= 1; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    for (int k = 0; k < BPT; ++k) {
+      float m[16];
+      load16f(dm + 16 * k, m);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc = fmaf(v[k][i], m[i], acc);  // (v = 0 on invalid rows)
+    }
+    for (int o = tpr / 2; o >= 1; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (valid && c0 == 0) dot_out[bh * n + row] = acc * dot_scale;
     if (!valid) return;
   }
-  if (m) {
+  unsigned packed[BPT][2], sc[BPT];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] -= m[i];
+  for (int k = 0; k < BPT; ++k) {
+    if (mu) {
+      float m[16];
+      load16f(mu + (static_cast<long long>(b) * (H / mu_group) + h / mu_group) * D + c0 + 16 * k, m);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[k][i] -= m[i];
+      sc[k] = nvfp4_block_cmp(v[k], packed[k]);  // (after a mean's subtraction: general fp32 numbers)
+    } else {
+      sc[k] = nvfp4_block_exact16(v[k], packed[k]);
+    }
   }
-  unsigned packed[2];
-  // (after a mean's subtraction the values are general fp32 numbers: exact comparisons with the midpoints)
-  const unsigned sc = m ? nvfp4_block_cmp(v, packed) : nvfp4_block_exact16(v, packed);
-  *reinterpret_cast<uint2*>(codes + ((bh * n + row) * d + c0) / 2) = make_uint2(packed[0], packed[1]);
-  scales[(bh * n + row) * nblk_row + c0 / 16] = static_cast<unsigned char>(sc);
+  const long long r = bh * n + row;
+  if constexpr (BPT == 2) {  // 16 code bytes (16-byte aligned: D / 2 and c0 / 2 are multiples of 16), 2 scale bytes
+    *reinterpret_cast<uint4*>(codes + r * (D / 2) + c0 / 2) =
+        make_uint4(packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
+    *reinterpret_cast<unsigned short*>(scales + r * nblk_row + c0 / 16) =
+        static_cast<unsigned short>(sc[0] | (sc[1] << 8));
+  } else {
+    *reinterpret_cast<uint2*>(codes + r * (D / 2) + c0 / 2) = make_uint2(packed[0][0], packed[0][1]);
+    scales[r * nblk_row + c0 / 16] = static_cast<unsigned char>(sc[0]);
+  }
 }
 
 // One thread per (channel, 16-token block). grid (ceil(D * N16 / 16 / 256), H, B), block 256.
@@ -113,8 +152,9 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
 
 // nvfp4_quant_tokens on a tile of 64 tokens x 128 channels per CTA (128 threads), for 16-byte aligned rows and D a
 // multiple of 8: the tile is read with 16-byte loads into shared memory, and each thread quantizes one channel's
-// four 16-token blocks and writes its 32 code bytes (4 x 8 bytes) and 4 scale bytes itself, one after the other
-// (whole 32-byte sectors when N16 is a multiple of 64; rows of N16 / 2 bytes are 8-byte aligned in general).
+// four 16-token blocks and writes its 32 code bytes and 4 scale bytes itself: two 16-byte stores and one 4-byte
+// store when N16 is a multiple of 64 (8 one-block stores before, one L2 request each: the L2 was the limit), else
+// 8-byte and 1-byte stores per block (rows of N16 / 2 bytes are 8-byte aligned in general).
 // (nvfp4_quant_tokens: one thread per block, 16 scalar loads, and the four 8-byte pieces of a sector written by
 // four CTAs.) grid (ceil(N16 / 64), H, B), block 128.
 template <typename T>
@@ -140,16 +180,27 @@ __global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restr
       const long long row = bh * d + c0 + tid;
       unsigned char* crow = codes + row * (n16 / 2) + t0 / 2;
       unsigned char* srow = scales + row * (n16 / 16) + t0 / 16;
+      const int nb = min(4, (n16 - t0) / 16);  // this tile's 16-token blocks
+      unsigned packed[4][2], sc[4];
 #pragma unroll
       for (int tb = 0; tb < 4; ++tb) {
-        if (t0 + tb * 16 >= n16) break;
         float v[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = to_float(bits_to<T>(tile[tb * 16 + i][tid]));
-        unsigned packed[2];
-        const unsigned sc = nvfp4_block_exact16(v, packed);
-        *reinterpret_cast<uint2*>(crow + tb * 8) = make_uint2(packed[0], packed[1]);  // (rows: n16 / 2 bytes, 8k)
-        srow[tb] = static_cast<unsigned char>(sc);
+        for (int i = 0; i < 16; ++i) v[i] = to_float(bits_to<T>(tile[tb * 16 + i][tid]));  // (zeros past n)
+        sc[tb] = nvfp4_block_exact16(v, packed[tb]);
+      }
+      if (nb == 4 && n16 % 64 == 0) {  // whole tile, 16-byte aligned code rows, 4-byte aligned scale rows
+        uint4* c4 = reinterpret_cast<uint4*>(crow);
+        c4[0] = make_uint4(packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
+        c4[1] = make_uint4(packed[2][0], packed[2][1], packed[3][0], packed[3][1]);
+        *reinterpret_cast<unsigned*>(srow) = sc[0] | (sc[1] << 8) | (sc[2] << 16) | (sc[3] << 24);
+      } else {
+#pragma unroll
+        for (int tb = 0; tb < 4; ++tb) {
+          if (tb >= nb) break;
+          *reinterpret_cast<uint2*>(crow + tb * 8) = make_uint2(packed[tb][0], packed[tb][1]);  // (n16 / 2: 8k)
+          srow[tb] = static_cast<unsigned char>(sc[tb]);
+        }
       }
     }
     __syncthreads();

@@ -134,9 +134,10 @@ def fp4_engine(engine: str | None = None) -> str:
 
 def kernel_names() -> dict:
     """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them)."""
-    quant = [f"{k}<{T}>" for T in _T.values()
-             for k in ("nvfp4_quant_rows", "nvfp4_quant_tokens", "nvfp4_quant_tokens_tiled", "nvfp4_fq_rows",
-                       "nvfp4_fq_rows_any", "nvfp4_fq_tokens", "row_mu_dot", "qat_delta")]
+    quant = [f"nvfp4_quant_rows<{T}, {dt}>" for T in _T.values() for dt in _ROWS_DT]
+    quant += [f"{k}<{T}>" for T in _T.values()
+              for k in ("nvfp4_quant_tokens", "nvfp4_quant_tokens_tiled", "nvfp4_fq_rows",
+                        "nvfp4_fq_rows_any", "nvfp4_fq_tokens", "row_mu_dot", "qat_delta")]
     attn = []
     for T in _T.values():
         for D in (64, 128):
@@ -184,6 +185,18 @@ def _names(filename: str) -> tuple:
 
 def _fn(kind, T):
     return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=_names("nvfp4_quant.cu"))
+
+
+#: Head dims nvfp4_quant_rows is compiled for with D a constant (0: any D, read at run time).
+_ROWS_DT = (0, 64, 128, 256)
+
+
+def _rows_launch(T, n, D):
+    """nvfp4_quant_rows for head dim D (its compile-time instance where there is one: two 16-blocks per thread, one
+    otherwise) and the x extent of its grid for n rows."""
+    dt = D if D in _ROWS_DT else 0
+    bpt = 2 if dt else 1
+    return _fn("nvfp4_quant_rows", f"{T}, {dt}"), (n * D // 16 // bpt + 255) // 256
 
 
 def _attn_fn(name):
@@ -238,11 +251,13 @@ def quantize_rows(x, *, layout="HND", mean=None):
         if mean.ndim != 3 or mean.shape[0] != B or mean.shape[2] != D or H % mean.shape[1]:
             raise ValueError(f"mean.shape={tuple(mean.shape)} must be (B, Hm, D) = ({B}, Hm, {D}) with Hm dividing {H}")
         group = H // mean.shape[1]
+        if mean.data.ptr % 16:  # (the kernel reads it with 16-byte loads; the caller's array is not modified)
+            mean = mean.copy()
     codes = cupy.empty((B, H, N, D // 2), dtype=cupy.uint8)
     scales = cupy.empty((B, H, N, D // 16), dtype=cupy.uint8)
-    nblk = N * D // 16
     i32, i64 = cupy.int32, cupy.int64
-    _fn("nvfp4_quant_rows", T)(((nblk + 255) // 256, H, B), (256,),
+    fn, gx = _rows_launch(T, N, D)
+    fn((gx, H, B), (256,),
                                (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), mean, i32(group), codes, scales,
                                 None, i32(1), cupy.float32(0), None))
     return codes, scales
@@ -537,10 +552,11 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     qmk = prog.empty("qmk", (B, Hq, nq), f32) if mu is not None else None
     fused = qmk is not None and (D // 16) & (D // 16 - 1) == 0 and D // 16 <= 32
     dot = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk) if fused else (None, i32(1), f32(0), None)
-    prog.launch(_fn("nvfp4_quant_rows", T), ((nq * D // 16 + 255) // 256, Hq, B), (256,),
+    (fq, gq), (fk, gk) = _rows_launch(T, nq, D), _rows_launch(T, nk, D)
+    prog.launch(fq, (gq, Hq, B), (256,),
                 (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"], ops["q_scales"],
                  *dot))
-    prog.launch(_fn("nvfp4_quant_rows", T), ((nk * D // 16 + 255) // 256, Hkv, B), (256,),
+    prog.launch(fk, (gk, Hkv, B), (256,),
                 (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
                  None, i32(1), f32(0), None))
     n16 = (nk + 15) // 16 * 16

@@ -5,7 +5,10 @@ for every fp16 value and every fp32-normal bf16 value, both signs, and every non
     value: q * s          == reference  s * e2m1_round(x / s)      (nvfp4_fq8)
     code:  byte of E4M3(copysign(q, x) * 2^-6) -> E2M1 code  == reference e2m1_encode(x / s)  (nvfp4_block_exact16)
 
-and that without the snap the check fails (so it can tell). ~1 minute on a laptop:
+and that without the snap the check fails (so it can tell). Also the scaled form nvfp4_block_exact16 uses since the
+twenty-eighth session (2^-6 folded into 1/s and the magic number: y = snap16(|x| * (rcp_rn(s) * 2^-6)), M = 2^(16 +
+max(e, 0)), min(., 6 * 2^-6)), and its scale E4M3(amax * fp32(1/6)) against E4M3(amax / 6) in float64 for every
+fp16 and bf16 amax. ~2 minutes on a laptop:
     python bench/tools/fp4_fast_rounding_check.py
 """
 import sys
@@ -26,6 +29,48 @@ def e2m1_round_nonneg(a):
     with np.errstate(invalid="ignore", over="ignore"):
         r = ((a + m).astype(f32) - m).astype(f32)
     return np.fmin(r, f32(6))
+
+
+def e2m1_round_x64(a):
+    """fp4.cuh e2m1_round_x64_unsat, then min(., 6 * 2^-6): the grid times 2^-6."""
+    e = (a.view(np.uint32) & np.uint32(0x7F800000)).astype(np.int64)
+    m = np.maximum(e + (22 << 23), 0x47800000).astype(np.uint32).view(f32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = ((a + m).astype(f32) - m).astype(f32)
+    return np.fmin(r, f32(6 * 2.0 ** -6))
+
+
+def check_scaled():
+    """Codes of the scaled form against the reference encoder (every nonzero finite scale, both formats)."""
+    scales = F.e4m3_decode(np.arange(1, 0x7F)).astype(f32)
+    bad = {}
+    for name in ("fp16", "bf16"):
+        x = values(name)
+        n_code = 0
+        for s in scales:
+            r6 = (f32(1.0 / np.float64(s)) * f32(2.0 ** -6)).astype(f32)
+            with np.errstate(over="ignore"):
+                y = (np.abs(x) * r6).astype(f32)
+            y = np.where(y < np.finfo(f32).tiny, f32(0), y)  # -ftz
+            yb = (y.view(np.uint32) + np.uint32(0x40)) & np.uint32(0xFFFFFF80)
+            q = e2m1_round_x64(yb.view(f32))
+            byte = F.e4m3_encode(np.copysign(q, x).astype(np.float64)).astype(np.uint32)
+            code = ((byte >> 2) & 7) | ((byte >> 4) & 8)
+            n_code += int(np.sum(code != F.e2m1_encode(x.astype(np.float64) / np.float64(s))))
+        bad[name] = n_code
+    return bad
+
+
+def check_scale_by_mul():
+    """E4M3(fp32(amax * fp32(1/6))) == E4M3(amax / 6) (float64) for every finite fp16 and bf16 amax >= 0."""
+    out = {}
+    for name in ("fp16", "bf16"):
+        a = values(name)
+        a = a[a >= 0]
+        ref = F.e4m3_encode(a.astype(np.float64) / 6.0)
+        got = F.e4m3_encode((a * f32(1.0 / 6.0)).astype(f32).astype(np.float64))
+        out[name] = int(np.sum(ref != got))
+    return out
 
 
 def values(name):
@@ -66,6 +111,11 @@ if __name__ == "__main__":
     print("with the snap   (value, code mismatches):", got)
     ctrl = check(False)
     print("without the snap (control, must be > 0):", ctrl)
+    scaled = check_scaled()
+    print("scaled form (code mismatches):", scaled)
+    mul = check_scale_by_mul()
+    print("scale by amax * fp32(1/6) (E4M3 code mismatches):", mul)
     ok = all(v == (0, 0) for v in got.values()) and any(sum(v) for v in ctrl.values())
+    ok = ok and not any(scaled.values()) and not any(mul.values())
     print("OK" if ok else "FAILED")
     sys.exit(0 if ok else 1)

@@ -39,6 +39,13 @@ __device__ __forceinline__ float e4m3_decode(unsigned code) {
   return __half2float(__half(h));
 }
 
+// max(a, b) that returns NaN when either is NaN (max.NaN.f32, sm_80+; fmaxf drops NaNs).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
 // max |x| over a 16-block and whether it holds a NaN (fmaxf drops NaNs, so they are tracked apart).
 __device__ __forceinline__ void block_amax(const float (&x)[16], float& amax, bool& bad) {
   amax = 0.f;
@@ -71,28 +78,31 @@ __device__ __forceinline__ unsigned nvfp4_block(const float (&x)[16], unsigned (
 // exact comparisons of |x| with the midpoints' thresholds m s (m s has at most 7 significant bits: exact in fp32),
 // which is what the reference's float64 quotient decides (and nvfp4_block's fp32 one: an fp32 x beside m s is at
 // least an ulp of x away, so its rounded quotient never lands on m). Ties: the grid's codes k - 1 and k meet at
-// midpoint k, and the even one of the two wins (k even: |x| >= m_k s; k odd: |x| > m_k s).
+// midpoint k, and the even one of the two wins (k even: |x| >= m_k s; k odd: |x| > m_k s). The block maximum with
+// max.NaN (NaN or Inf: the NaN scale 0x7F, every code 7); a zero scale gives +0 codes (both selected at the end).
 __device__ __forceinline__ unsigned nvfp4_block_cmp(const float (&x)[16], unsigned (&packed)[2]) {
-  float amax;
-  bool bad;
-  block_amax(x, amax, bad);
-  const unsigned sc = e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax);
-  if (sc == 0x7Fu) {  // NaN scale: every code 7, as nvfp4_block's x / NaN gives
-    packed[0] = packed[1] = 0x77777777u;
-    return sc;
-  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmax_nan(amax, fabsf(x[i]));
+  const bool bad = !(amax <= 3.402823466e38f);
+  const unsigned sc = bad ? 0x7Fu : e4m3_scale_code(amax);
   const float s = e4m3_decode(sc);
   const float t1 = 0.25f * s, t2 = 0.75f * s, t3 = 1.25f * s, t4 = 1.75f * s, t5 = 2.5f * s, t6 = 3.5f * s,
               t7 = 5.0f * s;
-  packed[0] = packed[1] = 0u;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float a = fabsf(x[i]);
-    const unsigned m = static_cast<unsigned>(a > t1) + static_cast<unsigned>(a >= t2) + static_cast<unsigned>(a > t3) +
-                       static_cast<unsigned>(a >= t4) + static_cast<unsigned>(a > t5) + static_cast<unsigned>(a >= t6) +
-                       static_cast<unsigned>(a > t7);
-    const unsigned c = (s == 0.f) ? 0u : ((__float_as_uint(x[i]) >> 28) & 8u) | m;
-    packed[i >> 3] |= c << (4 * (i & 7));
+  for (int h = 0; h < 2; ++h) {
+    unsigned w = 0u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float xv = x[8 * h + i], a = fabsf(xv);
+      // (plain comparisons: ptxas makes FSETP and predicated adds of them, 52 us for K at 4K; set.*.u32.f32 summed as
+      // -1s became FSETP + SEL, 65 us)
+      const unsigned m = static_cast<unsigned>(a > t1) + static_cast<unsigned>(a >= t2) +
+                         static_cast<unsigned>(a > t3) + static_cast<unsigned>(a >= t4) +
+                         static_cast<unsigned>(a > t5) + static_cast<unsigned>(a >= t6) + static_cast<unsigned>(a > t7);
+      w |= (m | ((__float_as_uint(xv) >> 28) & 8u)) << (4 * i);
+    }
+    packed[h] = bad ? 0x77777777u : (s == 0.f ? 0u : w);
   }
   return sc;
 }
@@ -238,34 +248,64 @@ __device__ __forceinline__ void nvfp4_fq16(const float (&x)[16], unsigned (&out)
   nvfp4_fq8(x + 8, f, reinterpret_cast<unsigned(&)[4]>(out[4]));
 }
 
+// Four E4M3 bytes (one per element, sign in bit 7, the E2M1 magnitude bits in bits 4..2: the E4M3 number
+// E2M1 * 2^-6, as e2m1x4_to_e4m3_lo makes them) -> their four E2M1 codes as two bytes: element 0 | element 1 << 4
+// in bits 0..7, element 2 | element 3 << 4 in bits 16..23 (take them with __byte_perm).
+__device__ __forceinline__ unsigned e4m3x4_to_e2m1_pairs(unsigned w) {
+  const unsigned c = ((w >> 2) & 0x07070707u) | ((w >> 4) & 0x08080808u);  // byte i: element i's code
+  return c | (c >> 4);
+}
+
+// a / s * 2^-6 (a >= 0, given as |x| * (1/s) * 2^-6) rounded to the E2M1 grid times 2^-6, without saturation:
+// e2m1_round_nonneg_unsat scaled by 2^-6 (the magic number M * 2^-6 = 2^(16 + max(e, 0)); the additions round the
+// same at every power-of-two scale, and the smallest values that round to a nonzero grid point, 2^-8, are far
+// from fp32's subnormals).
+__device__ __forceinline__ float e2m1_round_x64_unsat(float a) {
+  const int e = static_cast<int>(__float_as_uint(a) & 0x7F800000u);
+  const float m = __int_as_float(max(e + (22 << 23), 0x47800000));  // 0x47800000 = 2^16
+  return __fsub_rn(__fadd_rn(a, m), m);
+}
+
 // nvfp4_block for values that are exactly fp16 or bf16 numbers (no smoothing subtracted): the same scale and
-// codes, by nvfp4_fq8's rounding (multiplication by 1/s, 16-bit snap; see there why it is exact for such inputs)
-// instead of 16 IEEE divisions and midpoint comparisons. The signed E2M1 value times 2^-6 is an E4M3 number
-// whose byte holds the code (e2m1x4_to_e4m3_lo, inverted): two elements per conversion. Checked exhaustively
-// against the reference encoder for every fp16 and fp32-normal bf16 value, both signs, every nonzero scale.
+// codes without divisions, comparisons or branches.
+// - The block maximum with max.NaN (a NaN anywhere gives NaN, an Inf gives Inf: both the NaN scale code 0x7F).
+// - The scale E4M3(amax / 6) from amax * fp32(1/6): the same code as the correctly rounded quotient for every fp16
+//   and bf16 amax (an 11-bit amax over 6 is either an E4M3 rounding midpoint, which the product also hits exactly,
+//   or at least 2^-12 (relative) away from one; checked exhaustively by bench/tools/fp4_fast_rounding_check.py).
+// - Each element by nvfp4_fq8's rounding (multiplication by 1/s, 16-bit snap; see there why it is exact for such
+//   inputs), with 2^-6 folded into 1/s and the magic number; the signed result is the E4M3 number E2M1 * 2^-6,
+//   whose byte holds the code: four elements per two conversions. Checked exhaustively against the reference
+//   encoder (same tool) for every fp16 and fp32-normal bf16 value, both signs, every nonzero scale.
+// - A zero scale gives +0 codes, a NaN scale 0x77777777 (as nvfp4_block's x / NaN), both selected at the end.
 __device__ __forceinline__ unsigned nvfp4_block_exact16(const float (&x)[16], unsigned (&packed)[2]) {
-  float amax;
-  bool bad;
-  block_amax(x, amax, bad);
-  const unsigned sc = e4m3_scale_code(bad ? __int_as_float(0x7fffffff) : amax);
-  if (sc == 0x7Fu) {  // NaN scale (NaN or Inf in the block): every code 7, as nvfp4_block's x / NaN gives
-    packed[0] = packed[1] = 0x77777777u;
-    return sc;
-  }
-  const float s = e4m3_decode(sc), r = __frcp_rn(s);
-  const bool zero = s == 0.f;  // +0 codes
-  packed[0] = packed[1] = 0u;
+  float amax = 0.f;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    float qv[2];
+  for (int i = 0; i < 16; ++i) amax = fmax_nan(amax, fabsf(x[i]));
+  const bool bad = !(amax <= 3.402823466e38f);  // NaN or Inf in the block
+  const unsigned sc = bad ? 0x7Fu
+                          : static_cast<unsigned>(__nv_cvt_float_to_fp8(amax * (1.0f / 6.0f), __NV_SATFINITE, __NV_E4M3));
+  const float s = e4m3_decode(sc), r6 = __frcp_rn(s) * 0.015625f;  // 1/s * 2^-6 (exact scaling)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float xv = x[2 * j + e];
-      qv[e] = zero ? 0.f : copysignf(e2m1_round_by_rcp(xv, r), xv) * 0.015625f;  // x 2^-6: exact
+  for (int h = 0; h < 2; ++h) {
+    unsigned pairs[2];
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      unsigned short p[2];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        float q[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float xv = x[8 * h + 4 * g + 2 * k + e];
+          const float y = __uint_as_float((__float_as_uint(fabsf(xv) * r6) + 0x40u) & ~0x7Fu);  // 16-bit snap
+          q[e] = copysignf(fminf(e2m1_round_x64_unsat(y), 0.09375f), xv);  // saturate at 6 * 2^-6
+        }
+        p[k] = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);  // .x: low byte
+      }
+      pairs[g] = e4m3x4_to_e2m1_pairs(static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 16));
     }
-    const unsigned p = __nv_cvt_float2_to_fp8x2(make_float2(qv[0], qv[1]), __NV_SATFINITE, __NV_E4M3);  // .x: low byte
-    const unsigned byte = ((p >> 2) & 0x07u) | ((p >> 4) & 0x08u) | ((p >> 6) & 0x70u) | ((p >> 8) & 0x80u);
-    packed[j >> 2] |= byte << (8 * (j & 3));
+    const unsigned w = __byte_perm(pairs[0], pairs[1], 0x6420);
+    packed[h] = bad ? 0x77777777u : (s == 0.f ? 0u : w);
   }
   return sc;
 }
