@@ -301,6 +301,7 @@ nvfp4_attn_fwd(const unsigned char* __restrict__ qc, const unsigned char* __rest
                const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs,
                const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
                float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
+  grid_dep_wait();  // (launched as a programmatic dependent of the pre-pass)
   fp4_attn_fwd_impl<T, D, WARPS, true, false, TWO_LEVEL>(qc, qs, kc, ks, vc, vs, nullptr, nullptr, nullptr, qmk, o, osb,
                                                           osh, osn, lse, nullptr, nullptr, Hq, Hkv, nq, nk, 0, 0, n16,
                                                           scale_log2, causal);

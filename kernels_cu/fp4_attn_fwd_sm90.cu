@@ -267,6 +267,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   static_assert(WARPS == 4 || WARPS == 8 || WARPS == 12, "one, two or three warpgroups");
   constexpr int BQ = S::BQ;
   const bool CAUSAL = causal != 0;
+  grid_dep_wait();  // (launched as a programmatic dependent of the pre-pass: nothing global is touched before this)
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require; pointer arithmetic
   // keeps the compiler aware that this is shared memory.
@@ -555,6 +556,7 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   static_assert(S::KTASKS % S::PTHREADS == 0, "D = 128 (the producer's tasks split into K and V per j)");
   constexpr int BQ = S::BQ, NST = S::NST;
   const bool CAUSAL = causal != 0;
+  grid_dep_wait();  // (launched as a programmatic dependent of the pre-pass: nothing global is touched before this)
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                       // D / 64 pieces x BQ rows x 128 B

@@ -70,6 +70,8 @@ __global__ void __launch_bounds__(256) nvfp4_quant_rows(const T* __restrict__ x,
                                                         float dot_scale, float* __restrict__ dot_out) {
   static_assert(DT == 0 || DT == 64 || DT == 128 || DT == 256, "DT: 0 (run time), 64, 128 or 256");
   constexpr int BPT = DT ? 2 : 1;
+  grid_dep_wait();  // (programmatic dependent launch in nvfp4.attention: the mean's pass before, WAR on the outputs)
+  grid_dep_launch_dependents();
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int D = DT ? DT : d, nblk_row = D / 16, tpr = nblk_row / BPT;  // tpr: threads per row
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -163,6 +165,8 @@ __global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restr
                                                                unsigned char* __restrict__ codes,
                                                                unsigned char* __restrict__ scales) {
   __shared__ __align__(16) unsigned short tile[64][128 + 8];  // tokens x channels (+16 bytes: conflict-free rows)
+  grid_dep_wait();  // (a programmatic dependent launch in nvfp4.attention)
+  grid_dep_launch_dependents();
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, tid = threadIdx.x, t0 = blockIdx.x * 64;
   const long long bh = static_cast<long long>(b) * H + h;
   const T* src = x + b * sb + h * sh;

@@ -493,7 +493,7 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
                 (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk,
                  o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
                  f32(sm_scale * LOG2E), i32(int(causal))),
-                shared_mem=smem)
+                shared_mem=smem, pdl=True)  # (every NVFP4 forward kernel calls grid_dep_wait() first)
 
 
 _OPS = ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales")
@@ -553,18 +553,21 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     fused = qmk is not None and (D // 16) & (D // 16 - 1) == 0 and D // 16 <= 32
     dot = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk) if fused else (None, i32(1), f32(0), None)
     (fq, gq), (fk, gk) = _rows_launch(T, nq, D), _rows_launch(T, nk, D)
+    # Q's, K's and V's quantizers and the kernel are programmatic dependents (pdl=True; each calls grid_dep_wait()
+    # before touching global memory): each launches while the one before drains
     prog.launch(fq, (gq, Hq, B), (256,),
                 (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"], ops["q_scales"],
-                 *dot))
+                 *dot), pdl=True)
     prog.launch(fk, (gk, Hkv, B), (256,),
                 (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
-                 None, i32(1), f32(0), None))
+                 None, i32(1), f32(0), None), pdl=True)
     n16 = (nk + 15) // 16 * 16
     ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
     ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
     name, grid, block = _tokens_launch(True, B, Hkv, D, n16)  # (rows 16-byte aligned: copied per call otherwise)
     prog.launch(_fn(name, T), grid, block,
-                (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]))
+                (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]),
+                pdl=True)
     if qmk is not None and not fused:
         prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
