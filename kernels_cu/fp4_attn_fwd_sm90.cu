@@ -77,6 +77,11 @@ using namespace sage;
 #ifndef SAGE_FP4_TBLK
 #define SAGE_FP4_TBLK SAGE_FP4_LOGFOLD
 #endif
+// SAGE_FP4_WS_IDLE_SKIP=1: consumer warpgroups whose 64 rows are all >= nq skip their work (0, the default until it
+// is measured and tested on the GPU: they compute on padding rows, as before).
+#ifndef SAGE_FP4_WS_IDLE_SKIP
+#define SAGE_FP4_WS_IDLE_SKIP 0
+#endif
 #ifndef SAGE_FP4_WS_WAIT_NS
 #define SAGE_FP4_WS_WAIT_NS 2000
 #endif
@@ -648,6 +653,17 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   const unsigned long long dv0 = gmma_desc<128>(sV);
   float(&o_flat)[D / 2] = reinterpret_cast<float(&)[D / 2]>(acc_o);
 
+  if (SAGE_FP4_WS_IDLE_SKIP && q0 + (cw / 4) * 64 >= nq) {
+    // Every row of this warpgroup is padding (the last query block of a head, e.g. 4096 rows = 21 1/3 blocks): no
+    // products, no softmax, nothing written; it only releases each stage once it is full, as the empty barriers'
+    // counts expect. (Its arrival for tile t comes after full(t): the producer has then seen tile t - NST released,
+    // so the arrival counts toward tile t's phase.)
+    for (int t = 0; t < tl.n; ++t) {
+      mbar_wait(full + t % NST, (t / NST) & 1);
+      mbar_arrive(empty + t % NST);
+    }
+    return;
+  }
   mbar_wait(q_full, 0);
   if (tl.n > 0) {
     mbar_wait(full, 0);
