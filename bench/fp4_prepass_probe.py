@@ -3,14 +3,22 @@
 previous launch's event), D = 128, bf16, the benchmark's shapes:
 
     python bench/fp4_prepass_probe.py [--n 4096] [--reps 20]
+
+PDL is switched off here (``SAGECUPY_PDL=0``, set before sagecupy is imported): the probe's hook sees launches made
+through CuPy's kernel call, not the cuLaunchKernelEx path that programmatic dependent launch takes, so with PDL on it
+would count only the two launches that stay plain (the K mean). Per-launch times without PDL are what it measures;
+the PDL overlap is visible in the whole call's time (``bench/fp4_floor.py``).
 """
 import argparse
+import os
 import statistics
 
-import cupy
+os.environ["SAGECUPY_PDL"] = "0"  # noqa: E402  (before sagecupy reads it; see the docstring)
 
-from sagecupy import bench, nvfp4
-from sync_probe import record_launches
+import cupy  # noqa: E402
+
+from sagecupy import bench, nvfp4  # noqa: E402
+from sync_probe import record_launches  # noqa: E402
 
 
 def main():

@@ -32,7 +32,7 @@ def e2m1_round_nonneg(a):
 
 
 def e2m1_round_x64(a):
-    """fp4.cuh e2m1_round_x64_unsat, then min(., 6 * 2^-6): the grid times 2^-6."""
+    """fp4.cuh e2m1_round_nonneg_unsat<-6>, then min(., 6 * 2^-6): the grid times 2^-6."""
     e = (a.view(np.uint32) & np.uint32(0x7F800000)).astype(np.int64)
     m = np.maximum(e + (22 << 23), 0x47800000).astype(np.uint32).view(f32)
     with np.errstate(invalid="ignore", over="ignore"):

@@ -46,6 +46,14 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return d;
 }
 
+// max |x| over a 16-block, NaN if it holds a NaN (Inf if an Inf and no NaN).
+__device__ __forceinline__ float block_absmax_nan(const float (&x)[16]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmax_nan(amax, fabsf(x[i]));
+  return amax;
+}
+
 // max |x| over a 16-block and whether it holds a NaN (fmaxf drops NaNs, so they are tracked apart).
 __device__ __forceinline__ void block_amax(const float (&x)[16], float& amax, bool& bad) {
   amax = 0.f;
@@ -81,10 +89,8 @@ __device__ __forceinline__ unsigned nvfp4_block(const float (&x)[16], unsigned (
 // midpoint k, and the even one of the two wins (k even: |x| >= m_k s; k odd: |x| > m_k s). The block maximum with
 // max.NaN (NaN or Inf: the NaN scale 0x7F, every code 7); a zero scale gives +0 codes (both selected at the end).
 __device__ __forceinline__ unsigned nvfp4_block_cmp(const float (&x)[16], unsigned (&packed)[2]) {
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmax_nan(amax, fabsf(x[i]));
-  const bool bad = !(amax <= 3.402823466e38f);
+  const float amax = block_absmax_nan(x);
+  const bool bad = !(amax <= 3.402823466e38f);  // NaN or Inf in the block
   const unsigned sc = bad ? 0x7Fu : e4m3_scale_code(amax);
   const float s = e4m3_decode(sc);
   const float t1 = 0.25f * s, t2 = 0.75f * s, t3 = 1.25f * s, t4 = 1.75f * s, t5 = 2.5f * s, t6 = 3.5f * s,
@@ -169,9 +175,14 @@ __device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, uns
 // e2m1_round_nonneg without the saturation (a >= 7 rounds to 8 or more, Inf to Inf, NaN to NaN): for callers that
 // saturate later, two at a time in fp16 (min 6 after the conversion is the same: 6 and every grid point are fp16
 // values, and the conversion is monotone).
+// LOG2S < 0: the same for a already multiplied by 2^LOG2S (the grid times 2^LOG2S): M * 2^LOG2S = 2^(22 + LOG2S +
+// max(e, 0)); the additions round the same at every power-of-two scale as long as the values that round to a nonzero
+// grid point stay clear of fp32's subnormals (2^-8 for LOG2S = -6).
+template <int LOG2S = 0>
 __device__ __forceinline__ float e2m1_round_nonneg_unsat(float a) {
+  static_assert(LOG2S <= 0 && LOG2S > -100, "a power-of-two scale 2^LOG2S <= 1");
   const int e = static_cast<int>(__float_as_uint(a) & 0x7F800000u);
-  const float m = __int_as_float(max(e + (22 << 23), 0x4A800000));  // 0x4A800000 = 2^22
+  const float m = __int_as_float(max(e + (22 << 23), (127 + 22 + LOG2S) << 23));  // 2^(22 + LOG2S)
   return __fsub_rn(__fadd_rn(a, m), m);
 }
 __device__ __forceinline__ float e2m1_round_nonneg(float a) { return fminf(e2m1_round_nonneg_unsat(a), 6.f); }
@@ -256,16 +267,6 @@ __device__ __forceinline__ unsigned e4m3x4_to_e2m1_pairs(unsigned w) {
   return c | (c >> 4);
 }
 
-// a / s * 2^-6 (a >= 0, given as |x| * (1/s) * 2^-6) rounded to the E2M1 grid times 2^-6, without saturation:
-// e2m1_round_nonneg_unsat scaled by 2^-6 (the magic number M * 2^-6 = 2^(16 + max(e, 0)); the additions round the
-// same at every power-of-two scale, and the smallest values that round to a nonzero grid point, 2^-8, are far
-// from fp32's subnormals).
-__device__ __forceinline__ float e2m1_round_x64_unsat(float a) {
-  const int e = static_cast<int>(__float_as_uint(a) & 0x7F800000u);
-  const float m = __int_as_float(max(e + (22 << 23), 0x47800000));  // 0x47800000 = 2^16
-  return __fsub_rn(__fadd_rn(a, m), m);
-}
-
 // nvfp4_block for values that are exactly fp16 or bf16 numbers (no smoothing subtracted): the same scale and
 // codes without divisions, comparisons or branches.
 // - The block maximum with max.NaN (a NaN anywhere gives NaN, an Inf gives Inf: both the NaN scale code 0x7F).
@@ -273,17 +274,16 @@ __device__ __forceinline__ float e2m1_round_x64_unsat(float a) {
 //   and bf16 amax (an 11-bit amax over 6 is either an E4M3 rounding midpoint, which the product also hits exactly,
 //   or at least 2^-12 (relative) away from one; checked exhaustively by bench/tools/fp4_fast_rounding_check.py).
 // - Each element by nvfp4_fq8's rounding (multiplication by 1/s, 16-bit snap; see there why it is exact for such
-//   inputs), with 2^-6 folded into 1/s and the magic number; the signed result is the E4M3 number E2M1 * 2^-6,
-//   whose byte holds the code: four elements per two conversions. Checked exhaustively against the reference
-//   encoder (same tool) for every fp16 and fp32-normal bf16 value, both signs, every nonzero scale.
+//   inputs), with 2^-6 folded into 1/s and the magic number (e2m1_round_nonneg_unsat<-6>); the signed result is the
+//   E4M3 number E2M1 * 2^-6, whose byte holds the code: four elements per two conversions. Checked exhaustively
+//   against the reference encoder (same tool) for every fp16 and fp32-normal bf16 value, both signs, every nonzero
+//   scale.
 // - A zero scale gives +0 codes, a NaN scale 0x77777777 (as nvfp4_block's x / NaN), both selected at the end.
 __device__ __forceinline__ unsigned nvfp4_block_exact16(const float (&x)[16], unsigned (&packed)[2]) {
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmax_nan(amax, fabsf(x[i]));
+  const float amax = block_absmax_nan(x);
   const bool bad = !(amax <= 3.402823466e38f);  // NaN or Inf in the block
-  const unsigned sc = bad ? 0x7Fu
-                          : static_cast<unsigned>(__nv_cvt_float_to_fp8(amax * (1.0f / 6.0f), __NV_SATFINITE, __NV_E4M3));
+  const unsigned sc =
+      bad ? 0x7Fu : static_cast<unsigned>(__nv_cvt_float_to_fp8(amax * (1.0f / 6.0f), __NV_SATFINITE, __NV_E4M3));
   const float s = e4m3_decode(sc), r6 = __frcp_rn(s) * 0.015625f;  // 1/s * 2^-6 (exact scaling)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -298,7 +298,7 @@ __device__ __forceinline__ unsigned nvfp4_block_exact16(const float (&x)[16], un
         for (int e = 0; e < 2; ++e) {
           const float xv = x[8 * h + 4 * g + 2 * k + e];
           const float y = __uint_as_float((__float_as_uint(fabsf(xv) * r6) + 0x40u) & ~0x7Fu);  // 16-bit snap
-          q[e] = copysignf(fminf(e2m1_round_x64_unsat(y), 0.09375f), xv);  // saturate at 6 * 2^-6
+          q[e] = copysignf(fminf(e2m1_round_nonneg_unsat<-6>(y), 0.09375f), xv);  // saturate at 6 * 2^-6
         }
         p[k] = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);  // .x: low byte
       }
