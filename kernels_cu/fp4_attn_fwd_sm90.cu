@@ -85,6 +85,11 @@ using namespace sage;
 #ifndef SAGE_FP4_WS_WAIT_NS
 #define SAGE_FP4_WS_WAIT_NS 2000
 #endif
+// SAGE_FP4_WS_QOVL=1: the producer puts Q's packed bytes in the second staging buffer and issues key tile 0's
+// copies before it waits for Q's, so the two loads' latencies overlap in the CTA's prologue (0: Q, then tile 0).
+#ifndef SAGE_FP4_WS_QOVL
+#define SAGE_FP4_WS_QOVL 0
+#endif
 #ifndef SAGE_FP4_DIAG
 #define SAGE_FP4_DIAG 0
 #endif
@@ -592,26 +597,37 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     const unsigned char* gks = ks + bhk * nk * (D / 16);
     const unsigned char* gvc = vc + bhk * D * vcs;
     const unsigned char* gvs = vs + bhk * D * (vcs / 8);
+    // Q's bytes go to staging buffer 1 with SAGE_FP4_WS_QOVL (tile 0's to buffer 0 right after, both in flight),
+    // else to buffer 0 before tile 0's. Every staging slot is written and read by the same thread.
+    char* stq = SAGE_FP4_WS_QOVL ? stg0 + S::STG : stg0;
 #pragma unroll
     for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // Q (rows >= nq zero)
       const int i = ptid + j * S::PTHREADS, row = i % BQ, piece = i / BQ, qr = q0 + row;
       const bool ok = qr < nq;
       const long long r = bh * nq + qr;
-      stage_task(stg0, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
+      stage_task(stq, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
                  ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
     }
     cp_async_commit();
-    cp_async_wait<0>();
+    if constexpr (SAGE_FP4_WS_QOVL) {
+      if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+      cp_async_commit();
+      cp_async_wait<1>();  // Q's bytes (tile 0's may still be in flight)
+    } else {
+      cp_async_wait<0>();
+    }
     asm volatile("" ::: "memory");
 #pragma unroll
     for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
       const int i = ptid + j * S::PTHREADS;
-      dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stg0, i, S::STG_CODES);
+      dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
     }
     fence_proxy_async();
     mbar_arrive(q_full);
-    if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
-    cp_async_commit();
+    if constexpr (!SAGE_FP4_WS_QOVL) {
+      if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+      cp_async_commit();
+    }
     for (int t = 0; t < tl.n; ++t) {
       char* stg = stg0 + (t & 1) * S::STG;
       if (t + 1 < tl.n)

@@ -62,19 +62,15 @@ __device__ __forceinline__ void load16f(const float* src, float (&v)[16]) {
 // LSE correction of K-smoothing, sm_scale * q . mu_K, that row_mu_dot computes in a pass of its own): each thread's
 // 16 BPT products in order, then a shuffle tree over the row's threads.
 template <typename T, int DT>
-__global__ void __launch_bounds__(256) nvfp4_quant_rows(const T* __restrict__ x, long long sb, long long sh,
-                                                        long long sn, int n, int d, const float* __restrict__ mu,
-                                                        int mu_group, unsigned char* __restrict__ codes,
-                                                        unsigned char* __restrict__ scales,
-                                                        const float* __restrict__ dot_mu, int dot_group,
-                                                        float dot_scale, float* __restrict__ dot_out) {
+__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
+                                                int d, const float* __restrict__ mu, int mu_group,
+                                                unsigned char* __restrict__ codes, unsigned char* __restrict__ scales,
+                                                const float* __restrict__ dot_mu, int dot_group, float dot_scale,
+                                                float* __restrict__ dot_out, unsigned bx, int h, int b, int H) {
   static_assert(DT == 0 || DT == 64 || DT == 128 || DT == 256, "DT: 0 (run time), 64, 128 or 256");
   constexpr int BPT = DT ? 2 : 1;
-  grid_dep_wait();  // (programmatic dependent launch in nvfp4.attention: the mean's pass before, WAR on the outputs)
-  grid_dep_launch_dependents();
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int D = DT ? DT : d, nblk_row = D / 16, tpr = nblk_row / BPT;  // tpr: threads per row
-  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long t = static_cast<long long>(bx) * blockDim.x + threadIdx.x;
   const bool valid = t < static_cast<long long>(n) * tpr;  // (a row's threads are all valid or all not)
   if (!dot_mu && !valid) return;
   const long long row = valid ? t / tpr : 0;  // (a shift when DT is given)
@@ -129,6 +125,41 @@ __global__ void __launch_bounds__(256) nvfp4_quant_rows(const T* __restrict__ x,
   }
 }
 
+template <typename T, int DT>
+__global__ void __launch_bounds__(256) nvfp4_quant_rows(const T* __restrict__ x, long long sb, long long sh,
+                                                        long long sn, int n, int d, const float* __restrict__ mu,
+                                                        int mu_group, unsigned char* __restrict__ codes,
+                                                        unsigned char* __restrict__ scales,
+                                                        const float* __restrict__ dot_mu, int dot_group,
+                                                        float dot_scale, float* __restrict__ dot_out) {
+  grid_dep_wait();  // (programmatic dependent launch in nvfp4.attention: the mean's pass before, WAR on the outputs)
+  grid_dep_launch_dependents();
+  quant_rows_body<T, DT>(x, sb, sh, sn, n, d, mu, mu_group, codes, scales, dot_mu, dot_group, dot_scale, dot_out,
+                         blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
+}
+
+// Q's and K's row quantizers in one launch (nvfp4.attention with SAGECUPY_FP4_PREPASS=fused): blocks [0, gq Hq) are
+// nvfp4_quant_rows's blocks of Q (head bx / gq, with the dot: qmk), the rest those of K (head bx / gk, K's mean
+// subtracted); each block does exactly what it does there. grid (gq Hq + gk Hkv, 1, B), block 256.
+template <typename T, int DT>
+__global__ void __launch_bounds__(256) nvfp4_quant_qk_rows(
+    const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int Hq, int gq,
+    unsigned char* __restrict__ q_codes, unsigned char* __restrict__ q_scales, const float* __restrict__ dot_mu,
+    int dot_group, float dot_scale, float* __restrict__ dot_out, const T* __restrict__ k, long long ksb,
+    long long ksh, long long ksn, int nk, int Hkv, int gk, const float* __restrict__ mu,
+    unsigned char* __restrict__ k_codes, unsigned char* __restrict__ k_scales, int d) {
+  static_assert(DT != 0, "D a compile-time constant");
+  grid_dep_wait();  // (K's mean, written by the launch before)
+  grid_dep_launch_dependents();
+  const int b = blockIdx.z, bx = blockIdx.x, nqb = gq * Hq;
+  if (bx < nqb)
+    quant_rows_body<T, DT>(q, qsb, qsh, qsn, nq, d, nullptr, 1, q_codes, q_scales, dot_mu, dot_group, dot_scale,
+                           dot_out, bx % gq, bx / gq, b, Hq);
+  else
+    quant_rows_body<T, DT>(k, ksb, ksh, ksn, nk, d, mu, 1, k_codes, k_scales, nullptr, 1, 0.f, nullptr,
+                           (bx - nqb) % gk, (bx - nqb) / gk, b, Hkv);
+}
+
 // One thread per (channel, 16-token block). grid (ceil(D * N16 / 16 / 256), H, B), block 256.
 template <typename T>
 __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int d,
@@ -159,15 +190,15 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
 // 8-byte and 1-byte stores per block (rows of N16 / 2 bytes are 8-byte aligned in general).
 // (nvfp4_quant_tokens: one thread per block, 16 scalar loads, and the four 8-byte pieces of a sector written by
 // four CTAs.) grid (ceil(N16 / 64), H, B), block 128.
+using TokenTile = unsigned short[64][128 + 8];  // tokens x channels (+16 bytes: conflict-free rows)
+
 template <typename T>
-__global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restrict__ x, long long sb, long long sh,
-                                                               long long sn, int n, int d, int n16,
-                                                               unsigned char* __restrict__ codes,
-                                                               unsigned char* __restrict__ scales) {
-  __shared__ __align__(16) unsigned short tile[64][128 + 8];  // tokens x channels (+16 bytes: conflict-free rows)
-  grid_dep_wait();  // (a programmatic dependent launch in nvfp4.attention)
-  grid_dep_launch_dependents();
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, tid = threadIdx.x, t0 = blockIdx.x * 64;
+__device__ __forceinline__ void quant_tokens_tile_body(const T* __restrict__ x, long long sb, long long sh,
+                                                       long long sn, int n, int d, int n16,
+                                                       unsigned char* __restrict__ codes,
+                                                       unsigned char* __restrict__ scales, TokenTile& tile, unsigned bx,
+                                                       int h, int b, int H) {
+  const int tid = threadIdx.x, t0 = bx * 64;
   const long long bh = static_cast<long long>(b) * H + h;
   const T* src = x + b * sb + h * sh;
   for (int c0 = 0; c0 < d; c0 += 128) {
@@ -209,6 +240,90 @@ __global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restr
     }
     __syncthreads();
   }
+}
+
+
+template <typename T>
+__global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restrict__ x, long long sb, long long sh,
+                                                               long long sn, int n, int d, int n16,
+                                                               unsigned char* __restrict__ codes,
+                                                               unsigned char* __restrict__ scales) {
+  __shared__ __align__(16) TokenTile tile;
+  grid_dep_wait();  // (a programmatic dependent launch in nvfp4.attention)
+  grid_dep_launch_dependents();
+  quant_tokens_tile_body<T>(x, sb, sh, sn, n, d, n16, codes, scales, tile, blockIdx.x, blockIdx.y, blockIdx.z,
+                            gridDim.y);
+}
+
+// V's tiled quantizer and K's column sums over the same 64 tokens in one CTA (nvfp4.attention with
+// SAGECUPY_FP4_PREPASS=fused): the tile's V as nvfp4_quant_tokens_tiled, and part_k[b, h, bx, c] = the sum of
+// K[b, h, t, c] over the tile's tokens t < n in float64 (K's mean: nvfp4_kmean_finish). K's 16-byte loads are issued
+// first and summed after V's work. A sum of fp16 / bf16 values in float64 is exact unless their exponents span more
+// than ~40 binades, so the mean is that of column_partial / column_finish (other chunks, another order) in practice.
+// D = 64 or 128; K's and V's rows 16-byte aligned. grid (ceil(n16 / 64), H, B), block 128.
+template <typename T, int D>
+__global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart(const T* __restrict__ v, long long vsb, long long vsh,
+                                                          long long vsn, const T* __restrict__ k, long long ksb,
+                                                          long long ksh, long long ksn, int n, int n16,
+                                                          unsigned char* __restrict__ codes,
+                                                          unsigned char* __restrict__ scales,
+                                                          double* __restrict__ part_k) {
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  constexpr int LPR = D / 8, R = 128 / LPR, TPT = 64 / R;  // threads per token, tokens at once, tokens per thread
+  __shared__ __align__(16) TokenTile tile;
+  __shared__ double red[4][D];
+  grid_dep_wait();
+  grid_dep_launch_dependents();
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, tid = threadIdx.x, t0 = blockIdx.x * 64;
+  const int seg = tid % LPR, r0 = tid / LPR;  // channels 8 seg .. 8 seg + 7 of tokens t0 + r0 + R i
+  uint4 kw[TPT];
+  const T* ksrc = k + b * ksb + h * ksh + seg * 8;
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) {
+    const int tok = t0 + r0 + R * i;
+    kw[i] = tok < n ? __ldg(reinterpret_cast<const uint4*>(ksrc + tok * ksn)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  quant_tokens_tile_body<T>(v, vsb, vsh, vsn, n, D, n16, codes, scales, tile, blockIdx.x, h, b, H);
+  double acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0;
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) {
+    const unsigned u[4] = {kw[i].x, kw[i].y, kw[i].z, kw[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[2 * j] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] & 0xFFFFu))));
+      acc[2 * j + 1] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] >> 16))));
+    }
+  }
+  // the R token rows: lanes r0 LPR + seg, so a warp's rows are lanes LPR apart, then the four warps
+#pragma unroll
+  for (int o = LPR; o < 32; o <<= 1)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+  if (tid % 32 < LPR)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) red[tid / 32][seg * 8 + j] = acc[j];
+  __syncthreads();
+  if (tid < D) {
+    const long long bh = static_cast<long long>(b) * H + h;
+    part_k[(bh * gridDim.x + blockIdx.x) * D + tid] = ((red[0][tid] + red[1][tid]) + red[2][tid]) + red[3][tid];
+  }
+}
+
+// K's mean from nvfp4_quant_v_kpart's column sums: mu[bh, c] = (the ntile sums in order) / n, float64 rounded to
+// float32 (as column_finish). grid (B H), block D.
+template <int D>
+__global__ void __launch_bounds__(D) nvfp4_kmean_finish(const double* __restrict__ part_k, int ntile, int n,
+                                                        float* __restrict__ mu) {
+  grid_dep_wait();  // (a programmatic dependent of nvfp4_quant_v_kpart)
+  grid_dep_launch_dependents();
+  const long long bh = blockIdx.x;
+  const int c = threadIdx.x;
+  double s = 0.0;
+#pragma unroll 8
+  for (int t = 0; t < ntile; ++t) s += part_k[(bh * ntile + t) * D + c];
+  mu[bh * D + c] = static_cast<float>(s / static_cast<double>(n));
 }
 
 // Fake quantization (quantize, then dequantize; SPEC §6) into fp16, for the FP4 QAT kernels. Every NVFP4

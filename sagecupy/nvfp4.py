@@ -138,6 +138,10 @@ def kernel_names() -> dict:
     quant += [f"{k}<{T}>" for T in _T.values()
               for k in ("nvfp4_quant_tokens", "nvfp4_quant_tokens_tiled", "nvfp4_fq_rows",
                         "nvfp4_fq_rows_any", "nvfp4_fq_tokens", "row_mu_dot", "qat_delta")]
+    # the fused pre-pass of attention (SAGECUPY_FP4_PREPASS=fused; D 64 / 128)
+    quant += [f"{k}<{T}, {D}>" for T in _T.values() for D in (64, 128)
+              for k in ("nvfp4_quant_v_kpart", "nvfp4_quant_qk_rows")]
+    quant += [f"nvfp4_kmean_finish<{D}>" for D in (64, 128)]
     attn = []
     for T in _T.values():
         for D in (64, 128):
@@ -189,6 +193,26 @@ def _fn(kind, T):
 
 #: Head dims nvfp4_quant_rows is compiled for with D a constant (0: any D, read at run time).
 _ROWS_DT = (0, 64, 128, 256)
+
+
+_FP4_PREPASS_MODES = ("split", "fused")
+
+
+def fp4_prepass_mode() -> str:
+    """How :func:`attention` launches its pre-pass when it smooths K at D = 64 or 128: ``"split"`` (the default:
+    K's column sums and mean, then Q's, K's and V's quantizers; five launches) or ``"fused"`` (V's quantizer with
+    K's column sums over the same tiles, the mean, then Q's and K's quantizers in one launch; three launches, each
+    block doing what it does in the split launches). The same codes, scales and qmk; K's mean is summed over other
+    chunks, which is the same float64 sum unless K's values span more than ~40 binades. ``SAGECUPY_FP4_PREPASS``
+    overrides the default."""
+    mode = os.environ.get("SAGECUPY_FP4_PREPASS", "split")
+    if mode not in _FP4_PREPASS_MODES:
+        raise ValueError(f"SAGECUPY_FP4_PREPASS={mode!r} is not supported; supported: {_FP4_PREPASS_MODES}")
+    return mode
+
+
+def _quant_fn(name):
+    return get_function("nvfp4_quant.cu", name, all_names=_names("nvfp4_quant.cu"))
 
 
 def _rows_launch(T, n, D):
@@ -531,10 +555,11 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     kernel."""
     import cupy
 
-    from .int8 import _column_stat_rec, _needs_copy, _run_strides
+    from .int8 import _TMP, _column_stat_rec, _needs_copy, _run_strides
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
+    fused_pre = fp4_prepass_mode() == "fused" and cfg.k_smoothing and p.head_dim in (64, 128)
     copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
@@ -542,7 +567,11 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
-    mu = _column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False) if cfg.k_smoothing else None
+    mu = None
+    if cfg.k_smoothing and not fused_pre:
+        mu = _column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
+    elif fused_pre:
+        mu = Ref("mu_k")  # (recorded below, after V's quantizer)
     ops = {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
            "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8),
            "k_packed": prog.empty("k_packed", (B, Hkv, nk, D // 2), u8),
@@ -553,21 +582,37 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     fused = qmk is not None and (D // 16) & (D // 16 - 1) == 0 and D // 16 <= 32
     dot = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk) if fused else (None, i32(1), f32(0), None)
     (fq, gq), (fk, gk) = _rows_launch(T, nq, D), _rows_launch(T, nk, D)
-    # Q's, K's and V's quantizers and the kernel are programmatic dependents (pdl=True; each calls grid_dep_wait()
-    # before touching global memory): each launches while the one before drains
-    prog.launch(fq, (gq, Hq, B), (256,),
-                (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"], ops["q_scales"],
-                 *dot), pdl=True)
-    prog.launch(fk, (gk, Hkv, B), (256,),
-                (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
-                 None, i32(1), f32(0), None), pdl=True)
     n16 = (nk + 15) // 16 * 16
     ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
     ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
-    name, grid, block = _tokens_launch(True, B, Hkv, D, n16)  # (rows 16-byte aligned: copied per call otherwise)
-    prog.launch(_fn(name, T), grid, block,
-                (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]),
-                pdl=True)
+    if fused_pre:
+        # V's quantizer with K's column sums per 64-token tile (the call's first launch: plain), K's mean from them,
+        # then Q's and K's quantizers in one launch (programmatic dependents, as the kernel after them)
+        ntile = (n16 + 63) // 64
+        part = prog.empty("mu_k_part", (B, Hkv, ntile, D), cupy.float64, arena=_TMP)
+        prog.launch(_quant_fn(f"nvfp4_quant_v_kpart<{T}, {D}>"), (ntile, Hkv, B), (128,),
+                    (rv, i64(vsb), i64(vsh), i64(vsn), rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(n16),
+                     ops["v_packed"], ops["v_scales"], part))
+        prog.empty("mu_k", (B, Hkv, D), f32)
+        prog.launch(_quant_fn(f"nvfp4_kmean_finish<{D}>"), (B * Hkv,), (D,), (part, i32(ntile), i32(nk), mu),
+                    pdl=True)
+        prog.launch(_quant_fn(f"nvfp4_quant_qk_rows<{T}, {D}>"), (gq * Hq + gk * Hkv, 1, B), (256,),
+                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(Hq), i32(gq), ops["q_packed"], ops["q_scales"],
+                     mu, i32(Hq // Hkv), f32(p.sm_scale), qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(Hkv),
+                     i32(gk), mu, ops["k_packed"], ops["k_scales"], i32(D)), pdl=True)
+    else:
+        # Q's, K's and V's quantizers and the kernel are programmatic dependents (pdl=True; each calls
+        # grid_dep_wait() before touching global memory): each launches while the one before drains
+        prog.launch(fq, (gq, Hq, B), (256,),
+                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"],
+                     ops["q_scales"], *dot), pdl=True)
+        prog.launch(fk, (gk, Hkv, B), (256,),
+                    (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
+                     None, i32(1), f32(0), None), pdl=True)
+        name, grid, block = _tokens_launch(True, B, Hkv, D, n16)  # (rows 16-byte aligned: copied otherwise)
+        prog.launch(_fn(name, T), grid, block,
+                    (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]),
+                    pdl=True)
     if qmk is not None and not fused:
         prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))

@@ -253,3 +253,53 @@ def test_nvfp4_quantize_inputs_takes_the_k_mean_in_two_launches(gpu):
     assert ops["mu_k"].shape == (2, 2, 128) and ops["mu_k"] in gpu[1][3]
     k_quant = [x for x in gpu if x[0].startswith("nvfp4_quant_rows") and ops["mu_k"] in x[3]]
     assert len(k_quant) == 1 and k in k_quant[0][3]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_nvfp4_fused_prepass_passes_what_the_split_launches_pass(gpu, d, monkeypatch):
+    """SAGECUPY_FP4_PREPASS=fused: V's quantizer with K's column sums over the same 64-token tiles, K's mean from
+    those sums, then Q's and K's row quantizers in one launch, whose two halves get the split launches' arguments;
+    the attention kernel after them is launched as with the split pre-pass."""
+    from sagecupy import nvfp4
+
+    q, k, v = _inputs(nk=128, d=d)  # B = 2, Hq = 4, Hkv = 2, nq = 100, nk = 128
+    names = dict(q=q, k=k, v=v)
+    runs = {}
+    for mode in ("split", "fused"):
+        monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+        start = len(gpu)
+        nvfp4.attention(q, k, v, causal=True)
+        runs[mode] = gpu[start:]
+    split, fused = runs["split"], runs["fused"]
+    assert [x[0].split("<")[0] for x in split[:5]] == ["column_partial", "column_finish", "nvfp4_quant_rows",
+                                                       "nvfp4_quant_rows", "nvfp4_quant_tokens_tiled"]
+    kpart, finish, qk = fused[:3]
+    assert [x[0] for x in fused[:3]] == [f"nvfp4_quant_v_kpart<__half, {d}>", f"nvfp4_kmean_finish<{d}>",
+                                         f"nvfp4_quant_qk_rows<__half, {d}>"]
+    assert len(fused) == len(split) - 2
+    # the attention kernel: the same launch (its operands are arrays of the same shapes, the same scalars)
+    assert [_summary(x, names) for x in fused[3:]] == [_summary(x, names) for x in split[5:]]
+    # V's quantizer and K's column sums: grid (ceil(N16 / 64), Hkv, B); V's arguments as the split launch's
+    sq, sk, sv, kp, qk = (_summary(x, names) for x in (split[2], split[3], split[4], fused[0], fused[2]))
+    assert kp[1:3] == (sv[1], (128,)) == ((2, 2, 2), (128,))
+    assert kp[3][:4] == sv[3][:4] and kp[3][4:8] == sk[3][:4]  # V, its strides; K, its strides
+    assert kp[3][8] == sv[3][4] and kp[3][9:12] == sv[3][6:9]  # nk; n16, V's codes, V's scales
+    part = kpart[3][12]
+    assert isinstance(part, np.uint64)  # (scratch, in the call's arena)
+    # the mean: one block of D threads per (batch, KV head), reading those sums
+    assert finish[1:3] == ((4,), (d,)) and finish[3][0] == part and finish[3][1:3] == (np.int32(2), np.int32(128))
+    mu = finish[3][3]
+    assert mu.shape == (2, 2, d) and mu.dtype == np.float32
+    # Q's and K's quantizers: grid (gq Hq + gk Hkv, 1, B), each half with the split launch's arguments
+    gq, gk = sq[1][0], sk[1][0]
+    assert sq[1] == (gq, 4, 2) and sk[1] == (gk, 2, 2) and qk[1:3] == ((gq * 4 + gk * 2, 1, 2), (256,))
+    a = qk[3]
+    assert a[:5] == sq[3][:5] and a[5:7] == (("int32", 4), ("int32", gq))  # Q, strides, nq; Hq, gq
+    assert a[7:9] == sq[3][8:10] and a[9:13] == sq[3][10:14]  # Q's codes, scales; the dot's mean, group, scale, qmk
+    assert a[13:18] == sk[3][:5] and a[18:20] == (("int32", 2), ("int32", gk))  # K, strides, nk; Hkv, gk
+    assert a[20] == sk[3][6] and a[21:23] == sk[3][8:10] and a[23] == ("int32", d)  # K's mean, codes, scales
+    assert sq[3][10] == sk[3][6] == ("array", (2, 2, d), "<f4")  # (both: K's mean)
+    raw = fused[2][3]
+    assert raw[9] is mu and raw[20] is mu  # (this call's mean, from the launch before)
+    assert all(any(x is y for y in fused[3][3]) for x in (raw[7], raw[8], raw[12], raw[21], raw[22]))  # -> kernel
+    assert any(x is fused[0][3][10] for x in fused[3][3])  # V's codes -> the kernel

@@ -617,8 +617,9 @@ def test_nan_in_v_leaves_rows_that_see_no_key_zero(engine):
         assert np.isnan(o_h[0, 0, 53:, 5]).all()    # rows that see token 3
 
 
+@pytest.mark.parametrize("prepass", ["split", "fused"])
 @pytest.mark.parametrize("engine_name", ["mma", "wgmma"])
-def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name):
+def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name, prepass):
     """nvfp4.attention replays one recorded program per signature, and on sm_90 its quantizers and kernel are
     programmatic dependents (each may start while the launch before it drains; each calls grid_dep_wait() before
     touching global memory). Calls issued back to back, without a synchronization, on inputs of the same signature
@@ -631,6 +632,7 @@ def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name)
         pytest.skip("the wgmma kernels need compute capability 9.0")
     cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", engine_name)
+    monkeypatch.setenv("SAGECUPY_FP4_PREPASS", prepass)
     for causal, (nq, nk) in ((False, (1000, 1000)), (True, (700, 300))):
         ins = [_inputs(40 + i, 2, 4, 2, nq, nk, 128, "HND", "bfloat16")[0][:3] for i in range(3)]
         alone = []
@@ -643,3 +645,27 @@ def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name)
         for i, ((o, lse), (o1, lse1)) in enumerate(zip(outs, alone)):
             assert np.array_equal(_host(o), o1, equal_nan=True), f"O of call {i} (causal={causal})"
             assert np.array_equal(_host(lse), lse1, equal_nan=True), f"LSE of call {i} (causal={causal})"
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 128, 128, 128, "HND", "bfloat16"),
+                                   (2, 4, 2, 1000, 1000, 128, "NHD", "float16"),
+                                   (1, 3, 1, 70, 333, 64, "HND", "bfloat16"),
+                                   (2, 2, 1, 4224, 4100, 128, "HND", "bfloat16"),
+                                   (1, 2, 2, 300, 17, 64, "NHD", "float16")])
+def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
+    """SAGECUPY_FP4_PREPASS=fused (V's quantizer with K's column sums per 64-token tile, K's mean, Q's and K's
+    quantizers in one launch) gives bitwise the split pre-pass's O and LSE: the same codes, scales and qmk, and a
+    mean summed over other chunks that is the same float64 sum for these inputs (K's values span a few binades).
+    Odd key counts (a partial last tile, N16 > N), GQA, both layouts, D 64 and 128, causal and not."""
+    from sagecupy import nvfp4
+
+    B, Hq, Hkv, nq, nk, D, layout, dtype = shape
+    (q, k, v, _), _ = _inputs(7, B, Hq, Hkv, nq, nk, D, layout, dtype)
+    for causal in (False, True):
+        got = {}
+        for mode in ("split", "fused"):
+            monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+            o, lse = nvfp4.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+            got[mode] = (_host(o), _host(lse))
+        for name, a, b in zip(("O", "LSE"), got["split"], got["fused"]):
+            assert np.array_equal(a, b, equal_nan=True), f"{name} differs (causal={causal})"
