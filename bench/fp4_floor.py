@@ -5,6 +5,10 @@ dequantization in the loop. Also the quantization pre-pass (``nvfp4.quantize_inp
 bf16, the benchmark's shapes unless ``--shapes B:N,...``. On the GPU machine:
 
     python bench/fp4_floor.py [--shapes 4:4096,1:16384,16:4096] [--diags 0,1,2,3] [--extra "SAGE_X=1;SAGECUPY_Y=0,SAGE_Z=2"]
+                              [--e2e]
+
+--e2e: each variant's whole call (``nvfp4.attention``, pre-pass included) too, for variants that change the pre-pass
+(e.g. ``SAGECUPY_FP4_PREPASS=fused``); with it the kernel alone is still timed on the base variant's packed operands.
 
 Variants are ';'-separated lists of ','-separated tokens: SAGECUPY_* set environment variables, the others kernel
 defines. The diagnostics apply to the kernel chosen by default (``--base`` tokens are added to every variant).
@@ -23,6 +27,7 @@ ap.add_argument("--diags", default="0,1,2,3")
 ap.add_argument("--extra", default="", help="';'-separated define sets timed as further variants (kernel defines)")
 ap.add_argument("--causal", default="0,1")
 ap.add_argument("--base", default="", help="tokens added to every variant (e.g. SAGECUPY_FP4_WS=0)")
+ap.add_argument("--e2e", action="store_true", help="also time each variant's whole call (nvfp4.attention)")
 a = ap.parse_args()
 D, H = 128, 16
 variants = [(f"diag{d}", f"SAGE_FP4_DIAG={d}" if d != "0" else "") for d in a.diags.split(",") if d]
@@ -39,6 +44,7 @@ for shp in a.shapes.split(","):
         fl = bench.flops(B, H, N, N, D, causal)
         set_variant(a.base)
         e2e = bench.time_ms_b2b(lambda: nvfp4.attention(q, k, v, causal=causal))
+        w_base = _checks.raw(nvfp4.attention(q, k, v, causal=causal)).astype(cupy.float32)
         sdpa = {}
         for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
             try:
@@ -76,4 +82,11 @@ for shp in a.shapes.split(","):
                 diff = f"  O rel_l2 {float(cupy.linalg.norm(got - ref) / cupy.linalg.norm(ref)):.2e}"
             print(f"  {label:<24} kernel {ms:7.3f} ms {fl / ms / 1e9:6.0f} TFLOPS  (+pre-pass {ms + pre:.3f} ms: "
                   f"{flash / (ms + pre):.2f}x flash){diff}", flush=True)
+            if a.e2e:
+                whole = lambda: nvfp4.attention(q, k, v, causal=causal)  # noqa: E731
+                w_got = _checks.raw(whole()).astype(cupy.float32)
+                w_ms = bench.time_ms_b2b(whole)
+                same = "O bitwise equal" if bool((w_got == w_base).all()) else "O differs from the base variant's"
+                print(f"  {label:<24} whole call {w_ms:7.3f} ms: {flash / w_ms:.2f}x flash, {cudnn / w_ms:.2f}x "
+                      f"cuDNN (base variant's {e2e:.3f} ms; {same})", flush=True)
 set_variant(None)
