@@ -746,3 +746,260 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
                                 qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
 }
+
+// ---- Persistent warp-specialized kernel (nvfp4_attn_fwd_ws_persist; opt-in: SAGECUPY_FP4_PERSIST=1, three
+// consumers at D = 128) ----
+//
+// nvfp4_attn_fwd_ws's work, with one CTA per SM walking (query block, head, batch) items instead of one CTA per item,
+// so that an item's prologue (Q's and the first tile's loads and dequantization) overlaps the item before it: the
+// producer stages the next item's Q and first key tile while it dequantizes the current item's last tile, its K/V
+// ring runs on across items (one tile counter for the CTA's whole walk), and it writes the next Q into shared memory
+// as soon as every consumer is done with the current one (q_empty) while the consumers store the current item's O.
+// Items are taken in order from a counter (dynamic: the first gridDim.x by CTA index, then one atomicAdd each; the
+// host zeroes the counter before every launch): causal items heaviest first over all heads (query blocks from the
+// last one down), non-causal ones head by head. Producer thread 0 takes and decodes the next item into a shared
+// slot (two, alternating); the other threads read it there. Each item computes exactly what nvfp4_attn_fwd_ws
+// computes for that CTA (the same tiles, products and order): O and LSE bitwise the same.
+// Shared memory: NvWs's, plus a third staging buffer (the next Q's bytes), q_empty and the two item slots.
+template <int D, int NC>
+struct NvWsP {
+  using W = NvWs<D, NC>;
+  static constexpr int SMEM = W::SMEM + W::STG + 8 + 64;
+};
+// Registers after setmaxnreg: the producer carries the walk's state through its tile loop, which does not fit in
+// nvfp4_attn_fwd_ws's 56 (ptxas: ~100 bytes of spills at 56, none at 64); the consumers' share is then 144 (the
+// consumer code compiles without spills at 128 too).
+constexpr int WSP_PREG = 64, WSP_CREG = (65536 - 128 * WSP_PREG) / 384 / 8 * 8;
+static_assert(WSP_CREG == 144, "the budget the persistent kernel was compiled with");
+
+// An item as its slot holds it: its index (nitems: past the end), query block, head (B Hq), KV head (B Hkv), key tiles
+// and the first that needs the mask.
+struct WsSlot {
+  int item, q0, bh, bhk, n, first_masked;
+};
+
+// Item i of the walk (i < nblk Hq B, else the end): causal: query block nblk - 1 - i / (Hq B) of head i % (Hq B);
+// else query block i % nblk of head i / nblk.
+__device__ __forceinline__ void ws_write_slot(volatile WsSlot* slot, int i, int nitems, int bq, bool causal, int Hq,
+                                              int Hkv, int B, int nq, int nk) {
+  i = min(i, nitems);
+  slot->item = i;
+  if (i >= nitems) return;
+  const int nblk = (nq + bq - 1) / bq, BH = Hq * B;
+  const int blk = causal ? nblk - 1 - i / BH : i % nblk, bh = causal ? i % BH : i / nblk;
+  const int b = bh / Hq, h = bh % Hq;
+  const KeyTiles tl = key_tiles<BKV>(blk * bq, bq, nq, nk, causal);
+  slot->q0 = blk * bq;
+  slot->bh = bh;
+  slot->bhk = b * Hkv + h / (Hq / Hkv);
+  slot->n = tl.n;
+  slot->first_masked = tl.first_masked;
+}
+
+// Producer: the Q bytes of the query block at q0 of head bh -> staging buffer stq (this thread's tasks; rows >= nq
+// zero)
+template <int D, int NC>
+__device__ __forceinline__ void ws_stage_q(char* stq, int q0, int bh, const unsigned char* qc,
+                                           const unsigned char* qs, int nq, int ptid) {
+  using S = NvWs<D, NC>;
+#pragma unroll 1
+  for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: the producer has 56 registers)
+    const int i = ptid + j * S::PTHREADS, row = i % S::BQ, piece = i / S::BQ, qr = q0 + row;
+    const bool ok = qr < nq;
+    const long long r = static_cast<long long>(bh) * nq + qr;
+    stage_task(stq, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
+               ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
+  }
+}
+
+// Producer: key tile `tile` of KV head bhk -> staging buffer stg
+template <int D, int NC>
+__device__ __forceinline__ void ws_stage_kv(char* stg, int bhk, const unsigned char* kc, const unsigned char* ks,
+                                            const unsigned char* vc, const unsigned char* vs, int vcs, int tile,
+                                            int nk, int n16, int ptid) {
+  const long long hk = bhk;
+  ws_stage_tile<D, NC>(stg, kc + hk * nk * (D / 2), ks + hk * nk * (D / 16), vc + hk * D * vcs,
+                       vs + hk * D * (vcs / 8), vcs, tile, nk, n16, ptid);
+}
+
+// Grid (min(items, SMs)), block 128 (NC + 1), dynamic shared memory NvWsP<D, NC>::SMEM. Arguments as nvfp4_attn_fwd_ws,
+// plus B, counter (an int the host zeroes before the launch) and nitems = ceil(nq / (64 NC)) Hq B.
+template <typename T, int D, bool TWO_LEVEL, int NC = 3>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+nvfp4_attn_fwd_ws_persist(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
+                          const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
+                          const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,
+                          const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh,
+                          long long osn, float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16,
+                          float scale_log2, int causal, int B, int* __restrict__ counter, int nitems) {
+  using S = NvWs<D, NC>;
+  static_assert(D == 128 && NC == 3, "the default configuration of nvfp4_attn_fwd_ws: D = 128, three consumers");
+  constexpr int BQ = S::BQ, NST = S::NST;
+  const bool CAUSAL = causal != 0;
+  grid_dep_wait();  // (a programmatic dependent of the pre-pass: nothing global is touched before this)
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sQ = smem;
+  char* sK = sQ + S::Q_BYTES;
+  char* sV = sK + NST * S::K_BYTES;
+  char* stg0 = sV + NST * S::V_BYTES;  // two staging buffers for key tiles, a third for the next Q
+  char* stq = stg0 + 2 * S::STG;
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(stq + S::STG);
+  unsigned long long* full = bars;
+  unsigned long long* empty = bars + NST;
+  unsigned long long* q_full = bars + 2 * NST;       // Q of the CTA's jj-th item dequantized (phase jj & 1)
+  unsigned long long* q_empty = bars + 2 * NST + 1;  // every consumer thread done with it
+  volatile WsSlot* slots = reinterpret_cast<volatile WsSlot*>(bars + 2 * NST + 2);  // item jj in slot jj & 1
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  if (tid < NST) {
+    mbar_init(full + tid, S::PTHREADS);
+    mbar_init(empty + tid, S::CTHREADS);
+  }
+  if (tid == NST) mbar_init(q_full, S::PTHREADS);
+  if (tid == NST + 1) mbar_init(q_empty, S::CTHREADS);
+  if (tid == 0) ws_write_slot(slots, blockIdx.x, nitems, BQ, CAUSAL, Hq, Hkv, B, nq, nk);
+  __syncthreads();
+
+  if (warp < 4) {  // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WSP_PREG));
+    const int ptid = tid;
+    int item = slots[0].item, n = slots[0].n, bhk = slots[0].bhk;  // the current item (grid <= nitems)
+    ws_stage_q<D, NC>(stq, slots[0].q0, slots[0].bh, qc, qs, nq, ptid);
+    if (n > 0) ws_stage_kv<D, NC>(stg0, bhk, kc, ks, vc, vs, vcs, 0, nk, n16, ptid);
+    cp_async_commit();
+    int g_tile = 0;  // the CTA's key tiles so far (stage g_tile % NST, staging buffer g_tile & 1)
+    for (int jj = 0;; ++jj) {
+      // item: the jj-th of this CTA (or past the end: the consumers' signal to stop); its Q's and first tile's bytes
+      // were staged by this thread's last group
+      cp_async_wait<0>();
+      asm volatile("" ::: "memory");
+      if (jj > 0) mbar_wait(q_empty, (jj - 1) & 1);  // every consumer is done with the previous item (and its Q)
+      if (item < nitems) {
+#pragma unroll 1
+        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: 56 registers)
+          const int i = ptid + j * S::PTHREADS;
+          dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
+        }
+        fence_proxy_async();
+      }
+      mbar_arrive(q_full);
+      if (item >= nitems) break;
+      if (ptid == 0)  // (the slot's last readers, item jj - 1's, are done: q_empty above)
+        ws_write_slot(slots + ((jj + 1) & 1), gridDim.x + atomicAdd(counter, 1), nitems, BQ, CAUSAL, Hq, Hkv, B, nq, nk);
+      const long long hk = bhk;
+      const unsigned char* gkc = kc + hk * nk * (D / 2);
+      const unsigned char* gks = ks + hk * nk * (D / 16);
+      const unsigned char* gvc = vc + hk * D * vcs;
+      const unsigned char* gvs = vs + hk * D * (vcs / 8);
+      for (int t = 0; t < n; ++t, ++g_tile) {
+        if (t + 1 < n)
+          ws_stage_tile<D, NC>(stg0 + ((g_tile + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile g_tile's bytes (this thread's own copies)
+        asm volatile("" ::: "memory");
+        const int st = g_tile % NST;
+        if (g_tile >= NST) {
+          if constexpr (SAGE_FP4_WS_WAIT_NS > 0)
+            mbar_wait_hint<SAGE_FP4_WS_WAIT_NS>(empty + st, ((g_tile / NST) - 1) & 1);
+          else
+            mbar_wait(empty + st, ((g_tile / NST) - 1) & 1);
+        }
+        ws_dequant_tile<D, NC>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg0 + (g_tile & 1) * S::STG, ptid);
+        fence_proxy_async();
+        mbar_arrive(full + st);
+      }
+      // the next item's Q and first tile into the free staging buffers (the one after the last tile's), in flight
+      // while the consumers finish this item (every producer thread at the same point)
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");  // (thread 0's slot is written)
+      const volatile WsSlot& nxt = slots[(jj + 1) & 1];
+      item = nxt.item;
+      n = nxt.n;
+      bhk = nxt.bhk;
+      if (item < nitems) {
+        ws_stage_q<D, NC>(stq, nxt.q0, nxt.bh, qc, qs, nq, ptid);
+        if (n > 0) ws_stage_kv<D, NC>(stg0 + (g_tile & 1) * S::STG, bhk, kc, ks, vc, vs, vcs, 0, nk, n16, ptid);
+      }
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers: warpgroups 1 .. NC ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WSP_CREG));
+  const int cw = warp - 4;
+  const char* sQw = sQ + (cw / 4) * 64 * 128;
+  const unsigned long long dv0 = gmma_desc<128>(sV);
+  const int shift = nk - nq;
+  int g_tile = 0;
+  for (int jj = 0;; ++jj) {
+    mbar_wait(q_full, jj & 1);
+    const volatile WsSlot* sl = slots + (jj & 1);
+    const int item = sl->item;
+    if (item >= nitems) break;
+    const int n = sl->n, first_masked = sl->first_masked, q0 = sl->q0, bh = sl->bh;
+    const int r_lo = q0 + cw * 16 + g;
+    if (SAGE_FP4_WS_IDLE_SKIP && q0 + (cw / 4) * 64 >= nq) {  // every row of this warpgroup (as the WS kernel)
+      for (int t = 0; t < n; ++t) {
+        mbar_wait(full + (g_tile + t) % NST, ((g_tile + t) / NST) & 1);
+        mbar_arrive(empty + (g_tile + t) % NST);
+      }
+      g_tile += n;
+      mbar_arrive(q_empty);
+      continue;
+    }
+    Fp4Rows rs = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
+    Fp4Frame fr = {{-INFINITY, -INFINITY}};
+    float acc_o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+    float(&o_flat)[D / 2] = reinterpret_cast<float(&)[D / 2]>(acc_o);
+    float s0[8][4];
+    unsigned pa0[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pa0[i][j] = 0u;
+    if (n > 0) {
+      mbar_wait(full + g_tile % NST, (g_tile / NST) & 1);
+      wgmma_fence();
+      wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(s0), sQw, sK, (g_tile % NST) * S::K_BYTES);
+      wgmma_wait<0>();
+      fence_regs(reinterpret_cast<float(&)[32]>(s0));
+    }
+    for (int t = 0; t < n; ++t) {
+      const int gt = g_tile + t;
+      unsigned pp_unused[1][4];
+      const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false, true, SAGE_FP4_TBLK>(
+          s0, rs, pa0, pp_unused, t, t >= first_masked, CAUSAL, r_lo, t4, nk, shift, scale_log2);
+      fp4_frame_step<TWO_LEVEL>(acc_o, fr, ts);
+      wgmma_fence();
+      const unsigned long long dv = gmma_desc_advance(dv0, (gt % NST) * S::V_BYTES);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(o_flat, pa0[kk], gmma_desc_advance(dv, 32 * kk), 1);
+      wgmma_commit();
+      const int stn = (gt + 1) % NST;
+      if (t + 1 < n) mbar_wait(full + stn, ((gt + 1) / NST) & 1);
+      wgmma_fence();
+      // (after the item's last tile: a stale stage, dropped; the producer may be writing it, and Q is not released
+      // before this product has retired)
+      wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(s0), sQw, sK, stn * S::K_BYTES);
+      wgmma_wait<1>();  // P.V(t) done
+      fence_regs(o_flat);
+      hold_regs(pa0);
+      mbar_arrive(empty + gt % NST);
+      wgmma_wait<0>();  // Q.K^T(t+1) done
+      fence_regs(reinterpret_cast<float(&)[32]>(s0));
+    }
+    wgmma_wait<0>();
+    fence_regs(o_flat);
+    hold_regs(pa0);
+    mbar_arrive(q_empty);  // sQ free for the next item's Q (every product that read it has retired)
+    g_tile += n;
+    fp4_frame_finish<TWO_LEVEL>(acc_o, fr, rs);
+    const int b = bh / Hq, h = bh % Hq;
+    fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr,
+                                  lse + static_cast<long long>(bh) * nq, nullptr,
+                                  qmk ? qmk + static_cast<long long>(bh) * nq : nullptr, r_lo, t4, nq, 0);
+  }
+}

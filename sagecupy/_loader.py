@@ -174,7 +174,8 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
     ``arch``: a target such as ``"sm_90a"`` for kernels that need architecture-specific instructions
     (wgmma); default: CuPy's choice for the current device.
     Every launch asks, so the answer is cached per (device, arguments, ``SAGECUPY_DEFINES``,
-    ``SAGECUPY_KERNELS_DIR``) in front of the module cache.
+    ``SAGECUPY_KERNELS_DIR``) in front of the module cache. With ``SAGECUPY_DEFINES`` set (experiments, which time a
+    kernel or two per define set on a fresh machine) only ``name`` is compiled, not ``all_names``.
     """
     import cupy
 
@@ -184,7 +185,7 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
            os.environ.get("SAGECUPY_KERNELS_DIR", ""))
     fn = _functions.get(key)
     if fn is None:
-        names = all_names if all_names else (name,)
+        names = all_names if all_names and not key[5] else (name,)
         if name not in names:
             names = names + (name,)
         fn = _functions[key] = _module(filename, names, arch).get_function(name)

@@ -115,6 +115,50 @@ def ws_smem_bytes(D: int, nc: int) -> int:
     return 64 * nc * 2 * D + 4 * (_BKV * 2 * D + D * _BKV * 2) + 2 * 36 * slots + 9 * 8 + 1024
 
 
+def ws_persist_smem_bytes(D: int) -> int:
+    """Dynamic shared memory of the persistent warp-specialized NVFP4 forward (``NvWsP<D, 3>``): the
+    warp-specialized kernel's, a third staging buffer, one more mbarrier and two 32-byte item slots (64 bytes)."""
+    slots = max(64 * 3 * D // 64, _BKV * D // 64 + D)
+    return ws_smem_bytes(D, 3) + 36 * slots + 8 + 64
+
+
+def fp4_persist(engine: str = "wgmma", head_dim: int = 128) -> bool:
+    """Whether the NVFP4 forward runs the persistent warp-specialized kernel (``nvfp4_attn_fwd_ws_persist``: one CTA
+    per SM walks the (query block, head) items, taking them from a counter, and stages each item's Q and first key
+    tile while the one before finishes; bitwise the same O and LSE): ``SAGECUPY_FP4_PERSIST=1`` asks for it (opt-in,
+    ``0`` the default, until it is measured on the GPU), and it applies where the warp-specialized kernel with three
+    consumers runs (D=128, wgmma engine)."""
+    env = os.environ.get("SAGECUPY_FP4_PERSIST", "0")
+    if env not in ("0", "1"):
+        raise ValueError(f"SAGECUPY_FP4_PERSIST={env!r} is not supported; supported: '0', '1'")
+    return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def _zero_counter(counter):
+    """Program glue: the persistent kernel's item counter to 0 on the current stream (before the call's launches)."""
+    counter.data.memset_async(0, 4)
+    return ()
+
+
+def _persist_counter(prog, engine, D):
+    """Record the persistent kernel's counter (allocated and zeroed first in the call, so that the programmatic
+    dependent launches after it stay back to back) where that kernel runs; else None."""
+    import cupy
+
+    if not fp4_persist(engine, D):
+        return None
+    counter = prog.empty("fp4_counter", (1,), cupy.int32)
+    prog.call((), _zero_counter, (counter,))
+    return counter
+
+
 def fp4_engine(engine: str | None = None) -> str:
     """The tensor-core path of the NVFP4 forward: ``"wgmma"`` (Hopper, sm_90a: both products on warpgroup MMA,
     ``kernels_cu/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``None`` (default: the
@@ -156,6 +200,8 @@ def kernel_names() -> dict:
     # the warp-specialized kernel (3 consumers: the default at D=128; 2: opt-in): two-level P only (single-level P
     # compiles on first use)
     attn90 += [_ws_name(T, 128, "true", cg, nc) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP) for nc in (2, 3)]
+    # the persistent warp-specialized kernel (opt-in, SAGECUPY_FP4_PERSIST=1): two-level P
+    attn90 += [f"nvfp4_attn_fwd_ws_persist<{T}, 128, true, 3>" for T in _T.values()]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
     return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
@@ -394,7 +440,7 @@ def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
         return
     nc = fp4_ws(engine, D)
     if nc:
-        need = ws_smem_bytes(D, nc)
+        need = ws_persist_smem_bytes(D) if fp4_persist(engine, D) else ws_smem_bytes(D, nc)
         if need > have:
             raise ValueError(f"the warp-specialized NVFP4 forward at head_dim={D} needs {need} bytes of shared "
                              f"memory per block; this device allows {have} (try SAGECUPY_FP4_WS=0)")
@@ -480,10 +526,12 @@ def _pad_tokens64(codes, scales, n16):
     return c, sc
 
 
-def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine):
+def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine,
+                   counter=None):
     """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
     scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
-    ``"o"`` (raw, in ``layout``) and ``"lse"``."""
+    ``"o"`` (raw, in ``layout``) and ``"lse"``. ``counter``: :func:`_persist_counter`'s (the persistent kernel runs
+    when it is given)."""
     import cupy
 
     from .int8 import _bits_dtype, _c_strides, _layout_shape
@@ -502,6 +550,8 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     if engine == "wgmma":
         name = (_ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws) if ws else
                 f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal, w, D))}>")
+        if counter is not None:
+            name = f"nvfp4_attn_fwd_ws_persist<{_T[dtype]}, {D}, {tl}, 3>"
         fn = get_function("fp4_attn_fwd_sm90.cu", name, all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16:  # rows padded to whole 64-token tiles (a copy per call)
@@ -511,12 +561,19 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {tl}>")
         v_args = (vc, vs)
     smem = ws_smem_bytes(D, ws) if ws else fwd_smem_bytes(D, w, engine)
+    grid = ((nq + bq - 1) // bq, Hq, B)
+    extra = ()
+    if counter is not None:  # one CTA per SM (at most one per item), the items from the counter
+        smem = ws_persist_smem_bytes(D)
+        nitems = grid[0] * Hq * B
+        grid = (min(nitems, _sm_count(cupy.cuda.Device().id)),)
+        extra = (i32(B), counter, i32(nitems))
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    prog.launch(fn, ((nq + bq - 1) // bq, Hq, B), (128 * (ws + 1) if ws else 32 * w,),
+    prog.launch(fn, grid, (128 * (ws + 1) if ws else 32 * w,),
                 (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk,
                  o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
-                 f32(sm_scale * LOG2E), i32(int(causal))),
+                 f32(sm_scale * LOG2E), i32(int(causal)), *extra),
                 shared_mem=smem, pdl=True)  # (every NVFP4 forward kernel calls grid_dep_wait() first)
 
 
@@ -566,6 +623,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
     i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
     prog = Program()
+    counter = _persist_counter(prog, engine, D)
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
     mu = None
     if cfg.k_smoothing and not fused_pre:
@@ -617,7 +675,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
-                   sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine)
+                   sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, counter=counter)
     return Plan(p, cfg, engine, copy, prog)
 
 
@@ -687,7 +745,8 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     prog = Program()
     _record_launch(prog, {n: Ref(n) for n in _OPS}, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype,
                    layout=layout, causal=causal, sm_scale=sm_scale, two_level=two_level_p,
-                   qmk=None if lse_offset is None else Ref("qmk"), engine=engine)
+                   qmk=None if lse_offset is None else Ref("qmk"), engine=engine,
+                   counter=_persist_counter(prog, engine, D))
     ns = prog.run({**ops, "qmk": lse_offset})
     o = _checks.wrap(ns["o"], out_dtype)
     return (o, ns["lse"]) if return_lse else o

@@ -262,6 +262,7 @@ def test_nvfp4_fused_prepass_passes_what_the_split_launches_pass(gpu, d, monkeyp
     the attention kernel after them is launched as with the split pre-pass."""
     from sagecupy import nvfp4
 
+    nvfp4._ATTN_PLANS.clear()  # (plans recorded by earlier tests launch that test's recording kernels)
     q, k, v = _inputs(nk=128, d=d)  # B = 2, Hq = 4, Hkv = 2, nq = 100, nk = 128
     names = dict(q=q, k=k, v=v)
     runs = {}
@@ -303,3 +304,35 @@ def test_nvfp4_fused_prepass_passes_what_the_split_launches_pass(gpu, d, monkeyp
     assert raw[9] is mu and raw[20] is mu  # (this call's mean, from the launch before)
     assert all(any(x is y for y in fused[3][3]) for x in (raw[7], raw[8], raw[12], raw[21], raw[22]))  # -> kernel
     assert any(x is fused[0][3][10] for x in fused[3][3])  # V's codes -> the kernel
+
+
+def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
+    """SAGECUPY_FP4_PERSIST=1: the call zeroes the item counter before its first launch (so the pre-pass and the
+    kernel stay programmatic dependents of each other), then launches nvfp4_attn_fwd_ws_persist on min(items, SMs)
+    CTAs with the warp-specialized kernel's arguments plus (B, counter, items)."""
+    from sagecupy import nvfp4
+
+    nvfp4._ATTN_PLANS.clear()  # (plans recorded by earlier tests launch that test's recording kernels)
+    monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 5)
+    monkeypatch.setattr(nvfp4, "_zero_counter", lambda c: gpu.append(("zero", c)) or ())
+    q, k, v = _inputs(nk=128)  # B = 2, Hq = 4, nq = 100: one 192-row query block per head, 8 items
+    nvfp4.attention(q, k, v, causal=True)
+    plain = list(gpu)
+    del gpu[:]
+    monkeypatch.setenv("SAGECUPY_FP4_PERSIST", "1")
+    for _ in range(2):  # recorded, then replayed
+        start = len(gpu)
+        nvfp4.attention(q, k, v, causal=True)
+        run = gpu[start:]
+        assert run[0][0] == "zero" and [x[0] for x in run[1:-1]] == [x[0] for x in plain[:-1]]
+        counter = run[0][1]
+        assert counter.shape == (1,) and counter.dtype == np.int32
+        name, grid, block, args, smem = run[-1]
+        assert name == "nvfp4_attn_fwd_ws_persist<__half, 128, true, 3>"
+        assert grid == (5,) and block == (512,) and smem == nvfp4.ws_persist_smem_bytes(128)
+        assert args[-3:] == (np.int32(2), counter, np.int32(8))
+        names = dict(q=q, k=k, v=v)
+        assert _summary(run[-1], names)[3][:-3] == _summary(plain[-1], names)[3]  # the WS kernel's arguments
+    monkeypatch.setenv("SAGECUPY_FP4_PERSIST", "2")
+    with pytest.raises(ValueError, match="SAGECUPY_FP4_PERSIST='2'"):
+        nvfp4.attention(q, k, v)

@@ -617,9 +617,9 @@ def test_nan_in_v_leaves_rows_that_see_no_key_zero(engine):
         assert np.isnan(o_h[0, 0, 53:, 5]).all()    # rows that see token 3
 
 
-@pytest.mark.parametrize("prepass", ["split", "fused"])
+@pytest.mark.parametrize("prepass, persist", [("split", "0"), ("fused", "0"), ("split", "1")])
 @pytest.mark.parametrize("engine_name", ["mma", "wgmma"])
-def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name, prepass):
+def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name, prepass, persist):
     """nvfp4.attention replays one recorded program per signature, and on sm_90 its quantizers and kernel are
     programmatic dependents (each may start while the launch before it drains; each calls grid_dep_wait() before
     touching global memory). Calls issued back to back, without a synchronization, on inputs of the same signature
@@ -633,6 +633,7 @@ def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name,
     cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", engine_name)
     monkeypatch.setenv("SAGECUPY_FP4_PREPASS", prepass)
+    monkeypatch.setenv("SAGECUPY_FP4_PERSIST", persist)  # (the persistent kernel: wgmma engine only)
     for causal, (nq, nk) in ((False, (1000, 1000)), (True, (700, 300))):
         ins = [_inputs(40 + i, 2, 4, 2, nq, nk, 128, "HND", "bfloat16")[0][:3] for i in range(3)]
         alone = []
@@ -668,4 +669,39 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
             o, lse = nvfp4.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
             got[mode] = (_host(o), _host(lse))
         for name, a, b in zip(("O", "LSE"), got["split"], got["fused"]):
+            assert np.array_equal(a, b, equal_nan=True), f"{name} differs (causal={causal})"
+
+
+@pytest.mark.parametrize("ctas", [3, None])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 128, 128, "HND", "bfloat16"),
+                                   (2, 4, 2, 1000, 1000, "NHD", "float16"),
+                                   (1, 3, 1, 700, 300, "HND", "bfloat16"),
+                                   (2, 8, 2, 4224, 4100, "HND", "bfloat16"),
+                                   (1, 2, 2, 64, 2000, "NHD", "float16")])
+def test_nvfp4_persistent_kernel_matches_warp_specialized(monkeypatch, shape, ctas):
+    """SAGECUPY_FP4_PERSIST=1 (nvfp4_attn_fwd_ws_persist: one CTA per SM walks the items, its K/V ring and Q
+    staging running across them) gives bitwise the warp-specialized kernel's O and LSE, causal or not. With 3 CTAs
+    every CTA walks many items: heavy and light ones, items whose rows see no key (Nq > Nk, causal), last query blocks
+    with 64 real rows of 192; with the default grid (one CTA per SM) 4224 rows x 16 heads x 2 still give ~3 items
+    per CTA. Also through attention_packed."""
+    from sagecupy import nvfp4
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
+    B, Hq, Hkv, nq, nk, layout, dtype = shape
+    (q, k, v, _), _ = _inputs(11, B, Hq, Hkv, nq, nk, 128, layout, dtype)
+    if ctas is not None:
+        monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: ctas)
+    ops = nvfp4.quantize_inputs(q, k, v, layout=layout)
+    for causal in (False, True):
+        got = {}
+        for persist in ("0", "1"):
+            monkeypatch.setenv("SAGECUPY_FP4_PERSIST", persist)
+            nvfp4._ATTN_PLANS.clear()  # (the grid size is not part of a plan's key)
+            o, lse = nvfp4.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+            op, lsep = nvfp4.attention_packed(ops, causal=causal, layout=layout, out_dtype=dtype, return_lse=True)
+            got[persist] = [_host(x) for x in (o, lse, op, lsep)]
+        for name, a, b in zip(("O", "LSE", "packed O", "packed LSE"), got["0"], got["1"]):
             assert np.array_equal(a, b, equal_nan=True), f"{name} differs (causal={causal})"
