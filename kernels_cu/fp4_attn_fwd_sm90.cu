@@ -803,7 +803,7 @@ __device__ __forceinline__ void ws_stage_q(char* stq, int q0, int bh, const unsi
                                            const unsigned char* qs, int nq, int ptid) {
   using S = NvWs<D, NC>;
 #pragma unroll 1
-  for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: the producer has 56 registers)
+  for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: the producer's registers)
     const int i = ptid + j * S::PTHREADS, row = i % S::BQ, piece = i / S::BQ, qr = q0 + row;
     const bool ok = qr < nq;
     const long long r = static_cast<long long>(bh) * nq + qr;
@@ -876,7 +876,7 @@ nvfp4_attn_fwd_ws_persist(const unsigned char* __restrict__ qc, const unsigned c
       if (jj > 0) mbar_wait(q_empty, (jj - 1) & 1);  // every consumer is done with the previous item (and its Q)
       if (item < nitems) {
 #pragma unroll 1
-        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: 56 registers)
+        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: 64 registers)
           const int i = ptid + j * S::PTHREADS;
           dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
         }
@@ -884,8 +884,9 @@ nvfp4_attn_fwd_ws_persist(const unsigned char* __restrict__ qc, const unsigned c
       }
       mbar_arrive(q_full);
       if (item >= nitems) break;
-      if (ptid == 0)  // (the slot's last readers, item jj - 1's, are done: q_empty above)
-        ws_write_slot(slots + ((jj + 1) & 1), gridDim.x + atomicAdd(counter, 1), nitems, BQ, CAUSAL, Hq, Hkv, B, nq, nk);
+      if (ptid == 0)  // (the slot's last readers, item jj - 1's, are done: q_empty above, the bar.sync below)
+        ws_write_slot(slots + ((jj + 1) & 1), gridDim.x + atomicAdd(counter, 1), nitems, BQ, CAUSAL, Hq, Hkv, B, nq,
+                      nk);
       const long long hk = bhk;
       const unsigned char* gkc = kc + hk * nk * (D / 2);
       const unsigned char* gks = ks + hk * nk * (D / 16);

@@ -62,8 +62,8 @@ __device__ __forceinline__ void load16f(const float* src, float (&v)[16]) {
 // LSE correction of K-smoothing, sm_scale * q . mu_K, that row_mu_dot computes in a pass of its own): each thread's
 // 16 BPT products in order, then a shuffle tree over the row's threads.
 template <typename T, int DT>
-__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn, int n,
-                                                int d, const float* __restrict__ mu, int mu_group,
+__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn,
+                                                int n, int d, const float* __restrict__ mu, int mu_group,
                                                 unsigned char* __restrict__ codes, unsigned char* __restrict__ scales,
                                                 const float* __restrict__ dot_mu, int dot_group, float dot_scale,
                                                 float* __restrict__ dot_out, unsigned bx, int h, int b, int H) {
