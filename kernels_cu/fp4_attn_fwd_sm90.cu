@@ -751,10 +751,11 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
 // consumers at D = 128) ----
 //
 // nvfp4_attn_fwd_ws's work, with one CTA per SM walking (query block, head, batch) items instead of one CTA per item,
-// so that an item's prologue (Q's and the first tile's loads and dequantization) overlaps the item before it: the
-// producer stages the next item's Q and first key tile while it dequantizes the current item's last tile, its K/V
-// ring runs on across items (one tile counter for the CTA's whole walk), and it writes the next Q into shared memory
-// as soon as every consumer is done with the current one (q_empty) while the consumers store the current item's O.
+// so that an item's prologue (Q's and the first tiles' loads and dequantization) overlaps the item before it: the
+// producer stages the next item's Q and first key tile after the current item's last tile, its K/V ring runs on
+// across items (one tile counter for the CTA's whole walk: the next item's first NST - 1 tiles are dequantized while
+// the consumers finish the current one), and it writes the next Q into shared memory as soon as every consumer is
+// done with the current one (q_empty), while the consumers store the current item's O.
 // Items are taken in order from a counter (dynamic: the first gridDim.x by CTA index, then one atomicAdd each; the
 // host zeroes the counter before every launch): causal items heaviest first over all heads (query blocks from the
 // last one down), non-causal ones head by head. Producer thread 0 takes and decodes the next item into a shared
@@ -863,36 +864,47 @@ nvfp4_attn_fwd_ws_persist(const unsigned char* __restrict__ qc, const unsigned c
   if (warp < 4) {  // ---- producer ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WSP_PREG));
     const int ptid = tid;
-    int item = slots[0].item, n = slots[0].n, bhk = slots[0].bhk;  // the current item (grid <= nitems)
-    ws_stage_q<D, NC>(stq, slots[0].q0, slots[0].bh, qc, qs, nq, ptid);
-    if (n > 0) ws_stage_kv<D, NC>(stg0, bhk, kc, ks, vc, vs, vcs, 0, nk, n16, ptid);
+    int item = slots[0].item, n = slots[0].n, bhk = slots[0].bhk;  // the current item (the host's grid <= nitems)
+    if (item < nitems) {
+      ws_stage_q<D, NC>(stq, slots[0].q0, slots[0].bh, qc, qs, nq, ptid);
+      if (n > 0) ws_stage_kv<D, NC>(stg0, bhk, kc, ks, vc, vs, vcs, 0, nk, n16, ptid);
+    }
     cp_async_commit();
     int g_tile = 0;  // the CTA's key tiles so far (stage g_tile % NST, staging buffer g_tile & 1)
     for (int jj = 0;; ++jj) {
-      // item: the jj-th of this CTA (or past the end: the consumers' signal to stop); its Q's and first tile's bytes
-      // were staged by this thread's last group
+      // item: the jj-th of this CTA; its Q's and first tile's bytes were staged by this thread's last group
       cp_async_wait<0>();
       asm volatile("" ::: "memory");
-      if (jj > 0) mbar_wait(q_empty, (jj - 1) & 1);  // every consumer is done with the previous item (and its Q)
-      if (item < nitems) {
-#pragma unroll 1
-        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: 64 registers)
-          const int i = ptid + j * S::PTHREADS;
-          dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
-        }
-        fence_proxy_async();
+      if (item >= nitems) {  // past the end: the consumers' signal to stop, once they are done with the last item
+        if (jj > 0) mbar_wait(q_empty, (jj - 1) & 1);
+        mbar_arrive(q_full);
+        break;
       }
-      mbar_arrive(q_full);
-      if (item >= nitems) break;
-      if (ptid == 0)  // (the slot's last readers, item jj - 1's, are done: q_empty above, the bar.sync below)
-        ws_write_slot(slots + ((jj + 1) & 1), gridDim.x + atomicAdd(counter, 1), nitems, BQ, CAUSAL, Hq, Hkv, B, nq,
-                      nk);
       const long long hk = bhk;
       const unsigned char* gkc = kc + hk * nk * (D / 2);
       const unsigned char* gks = ks + hk * nk * (D / 16);
       const unsigned char* gvc = vc + hk * D * vcs;
       const unsigned char* gvs = vs + hk * D * (vcs / 8);
-      for (int t = 0; t < n; ++t, ++g_tile) {
+      // Q goes in before the item's tile NST - 1 (or after its last tile): the tiles before it take the stages of
+      // the previous item's tiles before its last one, so they are dequantized while the consumers finish that item;
+      // tile NST - 1's stage is the previous item's last tile's, released about when q_empty completes (the first
+      // item: Q first)
+      const int tq = jj == 0 ? 0 : min(n, NST - 1);
+      for (int t = 0;; ++t) {
+        if (t == tq) {
+          if (jj > 0) mbar_wait(q_empty, (jj - 1) & 1);  // every consumer is done with the previous item (its Q)
+#pragma unroll 1
+          for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // (one task at a time: 64 registers)
+            const int i = ptid + j * S::PTHREADS;
+            dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
+          }
+          fence_proxy_async();
+          mbar_arrive(q_full);
+          if (ptid == 0)  // (the slot's last readers are done: q_empty above, the bar.sync below)
+            ws_write_slot(slots + ((jj + 1) & 1), gridDim.x + atomicAdd(counter, 1), nitems, BQ, CAUSAL, Hq, Hkv, B,
+                          nq, nk);
+        }
+        if (t == n) break;
         if (t + 1 < n)
           ws_stage_tile<D, NC>(stg0 + ((g_tile + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
         cp_async_commit();
@@ -908,6 +920,7 @@ nvfp4_attn_fwd_ws_persist(const unsigned char* __restrict__ qc, const unsigned c
         ws_dequant_tile<D, NC>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg0 + (g_tile & 1) * S::STG, ptid);
         fence_proxy_async();
         mbar_arrive(full + st);
+        ++g_tile;
       }
       // the next item's Q and first tile into the free staging buffers (the one after the last tile's), in flight
       // while the consumers finish this item (every producer thread at the same point)

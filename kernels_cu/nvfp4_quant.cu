@@ -258,8 +258,9 @@ __global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restr
 // V's tiled quantizer and K's column sums over the same 64 tokens in one CTA (nvfp4.attention with
 // SAGECUPY_FP4_PREPASS=fused): the tile's V as nvfp4_quant_tokens_tiled, and part_k[b, h, bx, c] = the sum of
 // K[b, h, t, c] over the tile's tokens t < n in float64 (K's mean: nvfp4_kmean_finish). K's 16-byte loads are issued
-// first and summed after V's work. A sum of fp16 / bf16 values in float64 is exact unless their exponents span more
-// than ~40 binades, so the mean is that of column_partial / column_finish (other chunks, another order) in practice.
+// first and summed after V's work. A float64 sum of n fp16 values is exact while their binades span at most
+// 53 - 11 - log2(n) (27 at 32K tokens; bf16: 30), so the mean is then that of column_partial / column_finish (other
+// chunks, another order); beyond, the two sums may differ in their last bits, rarely the float32 mean.
 // D = 64 or 128; K's and V's rows 16-byte aligned. grid (ceil(n16 / 64), H, B), block 128.
 template <typename T, int D>
 __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart(const T* __restrict__ v, long long vsb, long long vsh,

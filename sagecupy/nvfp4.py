@@ -117,7 +117,8 @@ def ws_smem_bytes(D: int, nc: int) -> int:
 
 def ws_persist_smem_bytes(D: int) -> int:
     """Dynamic shared memory of the persistent warp-specialized NVFP4 forward (``NvWsP<D, 3>``): the
-    warp-specialized kernel's, a third staging buffer, one more mbarrier and two 32-byte item slots (64 bytes)."""
+    warp-specialized kernel's, a third staging buffer, one more mbarrier and 64 bytes for the two 24-byte item
+    slots."""
     slots = max(64 * 3 * D // 64, _BKV * D // 64 + D)
     return ws_smem_bytes(D, 3) + 36 * slots + 8 + 64
 
@@ -249,7 +250,8 @@ def fp4_prepass_mode() -> str:
     K's column sums and mean, then Q's, K's and V's quantizers; five launches) or ``"fused"`` (V's quantizer with
     K's column sums over the same tiles, the mean, then Q's and K's quantizers in one launch; three launches, each
     block doing what it does in the split launches). The same codes, scales and qmk; K's mean is summed over other
-    chunks, which is the same float64 sum unless K's values span more than ~40 binades. ``SAGECUPY_FP4_PREPASS``
+    chunks, which is the same float64 sum while K's values span at most ~27 binades (fp16 at 32K tokens; the sum is
+    exact then), and may differ in its last bits beyond (rarely the float32 mean). ``SAGECUPY_FP4_PREPASS``
     overrides the default."""
     mode = os.environ.get("SAGECUPY_FP4_PREPASS", "split")
     if mode not in _FP4_PREPASS_MODES:
