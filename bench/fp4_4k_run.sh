@@ -3,9 +3,11 @@
 # the warp-specialized kernel's idle-warpgroup skip (SAGE_FP4_WS_IDLE_SKIP) and Q / tile-0 load overlap
 # (SAGE_FP4_WS_QOVL), the fused pre-pass (SAGECUPY_FP4_PREPASS=fused) and the persistent kernel
 # (SAGECUPY_FP4_PERSIST=1). All default off until this runs.
-#   bash bench/fp4_4k_run.sh time    # fp4_floor.py with every variant's kernel and whole call, the launch probe
+#   bash bench/fp4_4k_run.sh time    # a persistent-kernel smoke check (capped: a hang must not eat the call), then
+#                                    # fp4_floor.py at 4K (SHAPES=4:4096,1:16384 adds 16K): every variant's kernel
+#                                    # and whole call; the fused pre-pass's launches (probe); ~7 minutes
 #   bash bench/fp4_4k_run.sh tests   # the tests that exercise them (shards; the WS ones with both defines on)
-# Files in $OUT: floor.txt, probe_split.txt, probe_fused.txt, tests_*.txt.
+# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_fused.txt, tests_*.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
@@ -13,18 +15,38 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 what=${1:-time}
 if [ "$what" = time ]; then
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-  (cd bench && timeout ${FLOOR_TIMEOUT:-420} python3 fp4_floor.py --shapes ${SHAPES:-4:4096,1:16384} --causal 0,1 \
+  timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.txt"  # (the first compile of the kernels is in here)
+import os
+import cupy
+from sagecupy import _checks, bench, nvfp4
+ok = True
+for N, causal in ((1024, False), (4096, True), (4096, False)):
+    _, _, (q, k, v, _) = bench._inputs(128, N, "bfloat16")
+    outs = []
+    for persist in ("0", "1"):
+        os.environ["SAGECUPY_FP4_PERSIST"] = persist
+        o, lse = nvfp4.attention(q, k, v, causal=causal, return_lse=True)
+        cupy.cuda.Device().synchronize()
+        outs.append((cupy.asnumpy(_checks.raw(o)), cupy.asnumpy(lse)))
+    same = all((a == b).all() for a, b in zip(*outs))
+    ok &= bool(same)
+    print(f"persistent smoke N={N} causal={causal}: {'bitwise equal' if same else 'DIFFERS'}", flush=True)
+print("SMOKE_OK" if ok else "SMOKE_FAIL")
+PY
+  (cd bench && timeout ${FLOOR_TIMEOUT:-170} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
     --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1;SAGE_FP4_WS_QOVL=1;SAGECUPY_FP4_PREPASS=fused;\
-SAGECUPY_FP4_PERSIST=1;SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1;\
-SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGECUPY_FP4_PREPASS=fused;\
-SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGECUPY_FP4_PREPASS=fused") 2>&1 | tee "$OUT/floor.txt"
-  (cd bench && timeout 60 python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_split.txt"
-  (cd bench && SAGECUPY_FP4_PREPASS=fused timeout 60 python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_fused.txt"
+SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGECUPY_FP4_PREPASS=fused") 2>&1 | tee "$OUT/floor.txt"
+  if grep -q SMOKE_OK "$OUT/smoke.txt"; then
+    (cd bench && timeout ${FLOOR_TIMEOUT:-130} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+      --diags 0 --e2e --extra "SAGECUPY_FP4_PERSIST=1;SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1;\
+SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGECUPY_FP4_PREPASS=fused") 2>&1 | tee "$OUT/floor_persist.txt"
+  fi
+  (cd bench && SAGECUPY_FP4_PREPASS=fused timeout 50 python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_fused.txt"
 else
-  SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-250} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
+  SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
     tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent" 2>&1 \
     | tee "$OUT/tests_prepass.txt"
-  SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1 SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-250} \
+  SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1 SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-230} \
     bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
     -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent" \
     2>&1 | tee "$OUT/tests_ws_defines.txt"
