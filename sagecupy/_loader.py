@@ -181,11 +181,12 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
 
     if all_names is not None and not isinstance(all_names, tuple):
         all_names = tuple(all_names)
-    key = (cupy.cuda.runtime.getDevice(), filename, name, all_names, arch, os.environ.get("SAGECUPY_DEFINES", ""),
+    defines = os.environ.get("SAGECUPY_DEFINES", "")
+    key = (cupy.cuda.runtime.getDevice(), filename, name, all_names, arch, defines,
            os.environ.get("SAGECUPY_KERNELS_DIR", ""))
     fn = _functions.get(key)
     if fn is None:
-        names = all_names if all_names and not key[5] else (name,)
+        names = all_names if all_names and not defines else (name,)
         if name not in names:
             names = names + (name,)
         fn = _functions[key] = _module(filename, names, arch).get_function(name)
