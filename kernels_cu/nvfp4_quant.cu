@@ -5,6 +5,7 @@
 //                       (V^T: the tokens are P.V's contraction axis; tokens >= N are zeros)
 // An optional fp32 mean (B, H / mu_group, D) is subtracted first (K-smoothing), in fp32.
 #include "common/fp4.cuh"
+#include "common/mma.cuh"
 #include "common/numeric.cuh"
 
 using namespace sage;
@@ -20,21 +21,27 @@ __device__ __forceinline__ __nv_bfloat16 bits_to<__nv_bfloat16>(unsigned short b
   return __ushort_as_bfloat16(b);
 }
 
+// Two 16-byte words of 8 T values each -> 16 floats (element 2i of a 32-bit word in its low half).
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4 (&w)[2], float (&v)[16]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const unsigned u[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[8 * j + 2 * i] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] & 0xFFFFu)));
+      v[8 * j + 2 * i + 1] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] >> 16)));
+    }
+  }
+}
+
 // 16 consecutive elements from src as floats: two 16-byte loads where src is 16-byte aligned (a warp's loads then
 // cover whole lines once; with 2-byte loads each of the 16 instructions touched 32 sectors), else 16 scalar loads.
 template <typename T>
 __device__ __forceinline__ void load16(const T* src, float (&v)[16]) {
   if ((reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
     const uint4 w[2] = {__ldg(reinterpret_cast<const uint4*>(src)), __ldg(reinterpret_cast<const uint4*>(src) + 1)};
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const unsigned u[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[8 * j + 2 * i] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] & 0xFFFFu)));
-        v[8 * j + 2 * i + 1] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] >> 16)));
-      }
-    }
+    unpack16<T>(w, v);
   } else {
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
@@ -53,38 +60,17 @@ __device__ __forceinline__ void load16f(const float* src, float (&v)[16]) {
   }
 }
 
-// BPT = 2 neighbouring 16-blocks of a row per thread (1 when D is read at run time). grid (ceil(N * D / 16 / BPT /
-// 256), H, B), block 256. DT: D as a compile-time constant (64, 128 or 256: a row's blocks from shifts), or 0 for D = d
-// at run time (a 64-bit division per thread).
-// mu (optional, K-smoothing): (B, H / mu_group, D) fp32, 16-byte aligned, subtracted in fp32 first.
-// dot_mu (optional; D / 16 / BPT a power of two up to 32, so that a row's threads are neighbouring lanes of one warp;
-// 16-byte aligned): also dot_out[b, h, row] = dot_scale * sum_c x[row, c] * dot_mu[b, h / dot_group, c] in fp32 (the
-// LSE correction of K-smoothing, sm_scale * q . mu_K, that row_mu_dot computes in a pass of its own): each thread's
-// 16 BPT products in order, then a shuffle tree over the row's threads.
+// One thread's work of nvfp4_quant_rows after its loads: v = its BPT 16-blocks of row `row` from column c0 (zeros
+// when !valid; every thread of a row's group runs this, valid or not, for the dot's shuffles).
 template <typename T, int DT>
-__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn,
-                                                int n, int d, const float* __restrict__ mu, int mu_group,
-                                                unsigned char* __restrict__ codes, unsigned char* __restrict__ scales,
-                                                const float* __restrict__ dot_mu, int dot_group, float dot_scale,
-                                                float* __restrict__ dot_out, unsigned bx, int h, int b, int H) {
-  static_assert(DT == 0 || DT == 64 || DT == 128 || DT == 256, "DT: 0 (run time), 64, 128 or 256");
+__device__ __forceinline__ void quant_rows_finish(float (&v)[DT ? 2 : 1][16], bool valid, long long row, int c0,
+                                                  int n, int d, const float* __restrict__ mu, int mu_group,
+                                                  unsigned char* __restrict__ codes,
+                                                  unsigned char* __restrict__ scales,
+                                                  const float* __restrict__ dot_mu, int dot_group, float dot_scale,
+                                                  float* __restrict__ dot_out, int h, int b, int H) {
   constexpr int BPT = DT ? 2 : 1;
   const int D = DT ? DT : d, nblk_row = D / 16, tpr = nblk_row / BPT;  // tpr: threads per row
-  const long long t = static_cast<long long>(bx) * blockDim.x + threadIdx.x;
-  const bool valid = t < static_cast<long long>(n) * tpr;  // (a row's threads are all valid or all not)
-  if (!dot_mu && !valid) return;
-  const long long row = valid ? t / tpr : 0;  // (a shift when DT is given)
-  const int c0 = static_cast<int>(t % tpr) * 16 * BPT;
-  float v[BPT][16];
-#pragma unroll
-  for (int k = 0; k < BPT; ++k) {
-    if (valid) {
-      load16(x + b * sb + h * sh + row * sn + c0 + 16 * k, v[k]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[k][i] = 0.f;
-    }
-  }
   const long long bh = static_cast<long long>(b) * H + h;
   if (dot_mu) {
     const float* dm = dot_mu + (static_cast<long long>(b) * (H / dot_group) + h / dot_group) * D + c0;
@@ -123,6 +109,42 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     *reinterpret_cast<uint2*>(codes + r * (D / 2) + c0 / 2) = make_uint2(packed[0][0], packed[0][1]);
     scales[r * nblk_row + c0 / 16] = static_cast<unsigned char>(sc[0]);
   }
+}
+
+// BPT = 2 neighbouring 16-blocks of a row per thread (1 when D is read at run time). grid (ceil(N * D / 16 / BPT /
+// 256), H, B), block 256. DT: D as a compile-time constant (64, 128 or 256: a row's blocks from shifts), or 0 for D = d
+// at run time (a 64-bit division per thread).
+// mu (optional, K-smoothing): (B, H / mu_group, D) fp32, 16-byte aligned, subtracted in fp32 first.
+// dot_mu (optional; D / 16 / BPT a power of two up to 32, so that a row's threads are neighbouring lanes of one warp;
+// 16-byte aligned): also dot_out[b, h, row] = dot_scale * sum_c x[row, c] * dot_mu[b, h / dot_group, c] in fp32 (the
+// LSE correction of K-smoothing, sm_scale * q . mu_K, that row_mu_dot computes in a pass of its own): each thread's
+// 16 BPT products in order, then a shuffle tree over the row's threads.
+template <typename T, int DT>
+__device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long long sb, long long sh, long long sn,
+                                                int n, int d, const float* __restrict__ mu, int mu_group,
+                                                unsigned char* __restrict__ codes, unsigned char* __restrict__ scales,
+                                                const float* __restrict__ dot_mu, int dot_group, float dot_scale,
+                                                float* __restrict__ dot_out, unsigned bx, int h, int b, int H) {
+  static_assert(DT == 0 || DT == 64 || DT == 128 || DT == 256, "DT: 0 (run time), 64, 128 or 256");
+  constexpr int BPT = DT ? 2 : 1;
+  const int D = DT ? DT : d, nblk_row = D / 16, tpr = nblk_row / BPT;  // tpr: threads per row
+  const long long t = static_cast<long long>(bx) * blockDim.x + threadIdx.x;
+  const bool valid = t < static_cast<long long>(n) * tpr;  // (a row's threads are all valid or all not)
+  if (!dot_mu && !valid) return;
+  const long long row = valid ? t / tpr : 0;  // (a shift when DT is given)
+  const int c0 = static_cast<int>(t % tpr) * 16 * BPT;
+  float v[BPT][16];
+#pragma unroll
+  for (int k = 0; k < BPT; ++k) {
+    if (valid) {
+      load16(x + b * sb + h * sh + row * sn + c0 + 16 * k, v[k]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[k][i] = 0.f;
+    }
+  }
+  quant_rows_finish<T, DT>(v, valid, row, c0, n, d, mu, mu_group, codes, scales, dot_mu, dot_group, dot_scale,
+                           dot_out, h, b, H);
 }
 
 template <typename T, int DT>
@@ -192,6 +214,41 @@ __global__ void nvfp4_quant_tokens(const T* __restrict__ x, long long sb, long l
 // four CTAs.) grid (ceil(N16 / 64), H, B), block 128.
 using TokenTile = unsigned short[64][128 + 8];  // tokens x channels (+16 bytes: conflict-free rows)
 
+// The quantization half of quant_tokens_tile_body: channels c0 .. c0 + dc - 1 of the tile of 64 tokens from t0 in
+// `tile` (tokens >= n zero) -> their codes and scales (thread tid: channel c0 + tid).
+template <typename T>
+__device__ __forceinline__ void quant_tokens_tile_store(const TokenTile& tile, int tid, int t0, int c0, int dc, int d,
+                                                        int n16, long long bh, unsigned char* __restrict__ codes,
+                                                        unsigned char* __restrict__ scales) {
+  if (tid < dc) {
+    const long long row = bh * d + c0 + tid;
+    unsigned char* crow = codes + row * (n16 / 2) + t0 / 2;
+    unsigned char* srow = scales + row * (n16 / 16) + t0 / 16;
+    const int nb = min(4, (n16 - t0) / 16);  // this tile's 16-token blocks
+    unsigned packed[4][2], sc[4];
+#pragma unroll
+    for (int tb = 0; tb < 4; ++tb) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = to_float(bits_to<T>(tile[tb * 16 + i][tid]));  // (zeros past n)
+      sc[tb] = nvfp4_block_exact16(v, packed[tb]);
+    }
+    if (nb == 4 && n16 % 64 == 0) {  // whole tile, 16-byte aligned code rows, 4-byte aligned scale rows
+      uint4* c4 = reinterpret_cast<uint4*>(crow);
+      c4[0] = make_uint4(packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
+      c4[1] = make_uint4(packed[2][0], packed[2][1], packed[3][0], packed[3][1]);
+      *reinterpret_cast<unsigned*>(srow) = sc[0] | (sc[1] << 8) | (sc[2] << 16) | (sc[3] << 24);
+    } else {
+#pragma unroll
+      for (int tb = 0; tb < 4; ++tb) {
+        if (tb >= nb) break;
+        *reinterpret_cast<uint2*>(crow + tb * 8) = make_uint2(packed[tb][0], packed[tb][1]);  // (n16 / 2: 8k)
+        srow[tb] = static_cast<unsigned char>(sc[tb]);
+      }
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void quant_tokens_tile_body(const T* __restrict__ x, long long sb, long long sh,
                                                        long long sn, int n, int d, int n16,
@@ -211,33 +268,7 @@ __device__ __forceinline__ void quant_tokens_tile_body(const T* __restrict__ x, 
       *reinterpret_cast<uint4*>(&tile[r][seg * 8]) = w;
     }
     __syncthreads();
-    if (tid < dc) {
-      const long long row = bh * d + c0 + tid;
-      unsigned char* crow = codes + row * (n16 / 2) + t0 / 2;
-      unsigned char* srow = scales + row * (n16 / 16) + t0 / 16;
-      const int nb = min(4, (n16 - t0) / 16);  // this tile's 16-token blocks
-      unsigned packed[4][2], sc[4];
-#pragma unroll
-      for (int tb = 0; tb < 4; ++tb) {
-        float v[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = to_float(bits_to<T>(tile[tb * 16 + i][tid]));  // (zeros past n)
-        sc[tb] = nvfp4_block_exact16(v, packed[tb]);
-      }
-      if (nb == 4 && n16 % 64 == 0) {  // whole tile, 16-byte aligned code rows, 4-byte aligned scale rows
-        uint4* c4 = reinterpret_cast<uint4*>(crow);
-        c4[0] = make_uint4(packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
-        c4[1] = make_uint4(packed[2][0], packed[2][1], packed[3][0], packed[3][1]);
-        *reinterpret_cast<unsigned*>(srow) = sc[0] | (sc[1] << 8) | (sc[2] << 16) | (sc[3] << 24);
-      } else {
-#pragma unroll
-        for (int tb = 0; tb < 4; ++tb) {
-          if (tb >= nb) break;
-          *reinterpret_cast<uint2*>(crow + tb * 8) = make_uint2(packed[tb][0], packed[tb][1]);  // (n16 / 2: 8k)
-          srow[tb] = static_cast<unsigned char>(sc[tb]);
-        }
-      }
-    }
+    quant_tokens_tile_store<T>(tile, tid, t0, c0, dc, d, n16, bh, codes, scales);
     __syncthreads();
   }
 }
@@ -325,6 +356,139 @@ __global__ void __launch_bounds__(D) nvfp4_kmean_finish(const double* __restrict
 #pragma unroll 8
   for (int t = 0; t < ntile; ++t) s += part_k[(bh * ntile + t) * D + c];
   mu[bh * D + c] = static_cast<float>(s / static_cast<double>(n));
+}
+
+// ---- The pipelined pre-pass of nvfp4.attention (SAGECUPY_FP4_PREPASS=pipe) ----
+// nvfp4_quant_v_kpart's and nvfp4_quant_qk_rows's work with fewer CTAs, each walking several pieces of one head and
+// loading the next piece while it quantizes the current one. With one piece per CTA a thread's loads and its
+// quantization ran back to back: Q's quantizer took 44 us at 4K (B 4, H 16, D 128) where its 82 MB alone take
+// ~18 us and its ~16 M warp instructions ~17 us. Each piece is quantized exactly as there (the same functions on
+// the same values): the same codes, scales, qmk and K column sums.
+
+// V's tiled quantizer and K's column sums (nvfp4_quant_v_kpart) over tiles x, x + X, ... of the head (X = gridDim.x,
+// ntile = ceil(n16 / 64) tiles): V's tile t + X goes into the other of two shared tiles by cp.async while tile t is
+// quantized; K's loads for tile t are issued before (registers, summed after V's work, as there). part_k[b, h, t, c]
+// as there. D = 64 or 128; rows 16-byte aligned. grid (X, H, B), block 128.
+template <typename T, int D>
+__global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __restrict__ v, long long vsb,
+                                                               long long vsh, long long vsn,
+                                                               const T* __restrict__ k, long long ksb,
+                                                               long long ksh, long long ksn, int n, int n16,
+                                                               int ntile, unsigned char* __restrict__ codes,
+                                                               unsigned char* __restrict__ scales,
+                                                               double* __restrict__ part_k) {
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  constexpr int LPR = D / 8, R = 128 / LPR, TPT = 64 / R;  // threads per token, tokens at once, tokens per thread
+  __shared__ __align__(16) TokenTile tiles[2];
+  __shared__ double red[4][D];
+  grid_dep_wait();
+  grid_dep_launch_dependents();
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, tid = threadIdx.x;
+  const long long bh = static_cast<long long>(b) * H + h;
+  const T* vsrc = v + b * vsb + h * vsh;
+  const T* ksrc = k + b * ksb + h * ksh + (tid % LPR) * 8;
+  const int seg = tid % LPR, r0 = tid / LPR;  // K: channels 8 seg .. 8 seg + 7 of tokens t0 + r0 + R i
+  // V's tile `t` -> shared tile `tl`: channels >= D are never read; tokens >= n zero-filled
+  auto stage = [&](int t, TokenTile& tl) {
+#pragma unroll
+    for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
+      const int idx = tid + 128 * j, r = idx / (D / 8), sg = idx % (D / 8), tok = t * 64 + r;
+      const bool ok = tok < n;
+      cp_async_16_n(smem_u32(&tl[r][sg * 8]), ok ? vsrc + tok * vsn + sg * 8 : vsrc, ok ? 16 : 0);
+    }
+  };
+  if (blockIdx.x < ntile) stage(blockIdx.x, tiles[0]);
+  cp_async_commit();
+  int it = 0;
+  for (int t = blockIdx.x; t < ntile; t += gridDim.x, ++it) {
+    const int t0 = t * 64;
+    uint4 kw[TPT];
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const int tok = t0 + r0 + R * i;
+      kw[i] = tok < n ? __ldg(reinterpret_cast<const uint4*>(ksrc + tok * ksn)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (t + static_cast<int>(gridDim.x) < ntile) stage(t + gridDim.x, tiles[(it + 1) & 1]);
+    cp_async_commit();
+    cp_async_wait<1>();  // this thread's copies of tile t
+    __syncthreads();     // everyone's
+    quant_tokens_tile_store<T>(tiles[it & 1], tid, t0, 0, D, D, n16, bh, codes, scales);
+    double acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = 0.0;
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const unsigned u[4] = {kw[i].x, kw[i].y, kw[i].z, kw[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[2 * j] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] & 0xFFFFu))));
+        acc[2 * j + 1] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] >> 16))));
+      }
+    }
+#pragma unroll
+    for (int o = LPR; o < 32; o <<= 1)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+    if (tid % 32 < LPR)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) red[tid / 32][seg * 8 + j] = acc[j];
+    __syncthreads();  // (also: every thread is done with tiles[it & 1] before the next stage() refills it)
+    if (tid < D) part_k[(bh * ntile + t) * D + tid] = ((red[0][tid] + red[1][tid]) + red[2][tid]) + red[3][tid];
+  }
+  cp_async_wait<0>();
+}
+
+// Q's and K's row quantizers (nvfp4_quant_qk_rows) over chunks x, x + X, ... of one head (X = gridDim.x; a chunk:
+// 256 threads x two 16-blocks, 64 rows at D = 128): blockIdx.y < Hq: Q's head blockIdx.y (with the dot: qmk), else
+// K's head blockIdx.y - Hq (K's mean subtracted). Each thread loads its 64 bytes of the next chunk into registers
+// before it quantizes the current one. Rows 16-byte aligned. grid (X, Hq + Hkv, B), block 256.
+template <typename T, int D>
+__global__ void __launch_bounds__(256, 3) nvfp4_quant_qk_rows_pipe(
+    const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int Hq,
+    unsigned char* __restrict__ q_codes, unsigned char* __restrict__ q_scales, const float* __restrict__ dot_mu,
+    int dot_group, float dot_scale, float* __restrict__ dot_out, const T* __restrict__ k, long long ksb,
+    long long ksh, long long ksn, int nk, int Hkv, const float* __restrict__ mu, unsigned char* __restrict__ k_codes,
+    unsigned char* __restrict__ k_scales) {
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  constexpr int TPR = D / 32;  // threads per row
+  grid_dep_wait();  // (K's mean, written by the launch before)
+  grid_dep_launch_dependents();
+  const int b = blockIdx.z, tid = threadIdx.x;
+  const bool is_q = static_cast<int>(blockIdx.y) < Hq;
+  const int h = is_q ? blockIdx.y : blockIdx.y - Hq, n = is_q ? nq : nk;
+  const T* x = is_q ? q + b * qsb + h * qsh : k + b * ksb + h * ksh;
+  const long long sn = is_q ? qsn : ksn;
+  const int units = n * TPR, nchunk = (units + 255) / 256;  // (host: n D / 32 + 256 < 2^31)
+  auto load = [&](int chunk, uint4 (&w)[4]) {
+    const int u = chunk * 256 + tid;
+    const bool ok = u < units;
+    const uint4* src = reinterpret_cast<const uint4*>(x + (ok ? (u / TPR) * sn + (u % TPR) * 32 : 0));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = ok ? __ldg(src + j) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  uint4 cur[4];
+  if (static_cast<int>(blockIdx.x) < nchunk) load(blockIdx.x, cur);
+  for (int chunk = blockIdx.x; chunk < nchunk; chunk += gridDim.x) {
+    uint4 nxt[4];
+    if (chunk + static_cast<int>(gridDim.x) < nchunk) load(chunk + gridDim.x, nxt);
+    const int u = chunk * 256 + tid;
+    const bool valid = u < units;  // (a row's threads are all valid or all not)
+    const long long row = valid ? u / TPR : 0;
+    const int c0 = (u % TPR) * 32;
+    float vals[2][16];
+    unpack16<T>(reinterpret_cast<const uint4(&)[2]>(cur[0]), vals[0]);
+    unpack16<T>(reinterpret_cast<const uint4(&)[2]>(cur[2]), vals[1]);
+    if (is_q) {
+      if (valid || dot_mu)  // (the dot's shuffles take every thread of a row)
+        quant_rows_finish<T, D>(vals, valid, row, c0, nq, D, nullptr, 1, q_codes, q_scales, dot_mu, dot_group,
+                                dot_scale, dot_out, h, b, Hq);
+    } else if (valid) {
+      quant_rows_finish<T, D>(vals, valid, row, c0, nk, D, mu, 1, k_codes, k_scales, nullptr, 1, 0.f, nullptr, h, b,
+                              Hkv);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cur[j] = nxt[j];
+  }
 }
 
 // Fake quantization (quantize, then dequantize; SPEC §6) into fp16, for the FP4 QAT kernels. Every NVFP4

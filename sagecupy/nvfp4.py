@@ -185,7 +185,8 @@ def kernel_names() -> dict:
                         "nvfp4_fq_rows_any", "nvfp4_fq_tokens", "row_mu_dot", "qat_delta")]
     # the fused pre-pass of attention (SAGECUPY_FP4_PREPASS=fused; D 64 / 128)
     quant += [f"{k}<{T}, {D}>" for T in _T.values() for D in (64, 128)
-              for k in ("nvfp4_quant_v_kpart", "nvfp4_quant_qk_rows")]
+              for k in ("nvfp4_quant_v_kpart", "nvfp4_quant_qk_rows", "nvfp4_quant_v_kpart_pipe",
+                        "nvfp4_quant_qk_rows_pipe")]
     quant += [f"nvfp4_kmean_finish<{D}>" for D in (64, 128)]
     attn = []
     for T in _T.values():
@@ -242,21 +243,36 @@ def _fn(kind, T):
 _ROWS_DT = (0, 64, 128, 256)
 
 
-_FP4_PREPASS_MODES = ("split", "fused")
+_FP4_PREPASS_MODES = ("split", "fused", "pipe")
 
 
 def fp4_prepass_mode() -> str:
     """How :func:`attention` launches its pre-pass when it smooths K at D = 64 or 128: ``"split"`` (the default:
     K's column sums and mean, then Q's, K's and V's quantizers; five launches) or ``"fused"`` (V's quantizer with
     K's column sums over the same tiles, the mean, then Q's and K's quantizers in one launch; three launches, each
-    block doing what it does in the split launches). The same codes, scales and qmk; K's mean is summed over other
-    chunks, which is the same float64 sum while K's values span at most ~27 binades (fp16 at 32K tokens; the sum is
-    exact then), and may differ in its last bits beyond (rarely the float32 mean). ``SAGECUPY_FP4_PREPASS``
-    overrides the default."""
+    block doing what it does in the split launches) or ``"pipe"`` (the fused launches with fewer CTAs, each walking
+    several tiles or row chunks of one head and loading the next one while it quantizes the current one; the same
+    outputs as ``"fused"``). The same codes, scales and qmk; K's mean is summed over other chunks, which is the same
+    float64 sum while K's values span at most ~27 binades (fp16 at 32K tokens; the sum is exact then), and may differ
+    in its last bits beyond (rarely the float32 mean). ``SAGECUPY_FP4_PREPASS`` overrides the default."""
     mode = os.environ.get("SAGECUPY_FP4_PREPASS", "split")
     if mode not in _FP4_PREPASS_MODES:
         raise ValueError(f"SAGECUPY_FP4_PREPASS={mode!r} is not supported; supported: {_FP4_PREPASS_MODES}")
     return mode
+
+
+# SAGECUPY_FP4_PREPASS=pipe: CTAs per SM the pipelined pre-pass kernels are compiled for (their __launch_bounds__
+# minimum: registers and shared memory allow at least this many)
+_PIPE_V_CTAS, _PIPE_ROWS_CTAS = 4, 3
+
+
+def _pipe_extent(pieces: int, heads: int, ctas_per_sm: int) -> int:
+    """The x extent of a pipelined pre-pass grid (x, heads): CTAs per head so that every CTA of the grid is resident
+    at once (each walks pieces x, x + extent, ... of its head), at least 1, at most the pieces of a head."""
+    import cupy
+
+    fit = _sm_count(cupy.cuda.Device().id) * ctas_per_sm // heads
+    return max(1, min(pieces, fit))
 
 
 def _quant_fn(name):
@@ -618,7 +634,9 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
-    fused_pre = fp4_prepass_mode() == "fused" and cfg.k_smoothing and p.head_dim in (64, 128)
+    mode = fp4_prepass_mode()
+    fused_pre = mode in ("fused", "pipe") and cfg.k_smoothing and p.head_dim in (64, 128)
+    pipe = fused_pre and mode == "pipe" and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30  # (its 32-bit indices)
     copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
@@ -650,16 +668,30 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         # then Q's and K's quantizers in one launch (programmatic dependents, as the kernel after them)
         ntile = (n16 + 63) // 64
         part = prog.empty("mu_k_part", (B, Hkv, ntile, D), cupy.float64, arena=_TMP)
-        prog.launch(_quant_fn(f"nvfp4_quant_v_kpart<{T}, {D}>"), (ntile, Hkv, B), (128,),
-                    (rv, i64(vsb), i64(vsh), i64(vsn), rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(n16),
-                     ops["v_packed"], ops["v_scales"], part))
+        v_args = (rv, i64(vsb), i64(vsh), i64(vsn), rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(n16))
+        if pipe:  # (each CTA walks tiles of one head: as many CTAs as fit at once)
+            xv = _pipe_extent(ntile, Hkv * B, _PIPE_V_CTAS)
+            prog.launch(_quant_fn(f"nvfp4_quant_v_kpart_pipe<{T}, {D}>"), (xv, Hkv, B), (128,),
+                        (*v_args, i32(ntile), ops["v_packed"], ops["v_scales"], part))
+        else:
+            prog.launch(_quant_fn(f"nvfp4_quant_v_kpart<{T}, {D}>"), (ntile, Hkv, B), (128,),
+                        (*v_args, ops["v_packed"], ops["v_scales"], part))
         prog.empty("mu_k", (B, Hkv, D), f32)
         prog.launch(_quant_fn(f"nvfp4_kmean_finish<{D}>"), (B * Hkv,), (D,), (part, i32(ntile), i32(nk), mu),
                     pdl=True)
-        prog.launch(_quant_fn(f"nvfp4_quant_qk_rows<{T}, {D}>"), (gq * Hq + gk * Hkv, 1, B), (256,),
-                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(Hq), i32(gq), ops["q_packed"], ops["q_scales"],
-                     mu, i32(Hq // Hkv), f32(p.sm_scale), qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(Hkv),
-                     i32(gk), mu, ops["k_packed"], ops["k_scales"], i32(D)), pdl=True)
+        q_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(Hq))
+        k_args = (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(Hkv))
+        dot_args = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk)
+        if pipe:
+            chunks = (max(nq, nk) * (D // 32) + 255) // 256
+            xr = _pipe_extent(chunks, (Hq + Hkv) * B, _PIPE_ROWS_CTAS)
+            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows_pipe<{T}, {D}>"), (xr, Hq + Hkv, B), (256,),
+                        (*q_args, ops["q_packed"], ops["q_scales"], *dot_args, *k_args, mu, ops["k_packed"],
+                         ops["k_scales"]), pdl=True)
+        else:
+            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows<{T}, {D}>"), (gq * Hq + gk * Hkv, 1, B), (256,),
+                        (*q_args, i32(gq), ops["q_packed"], ops["q_scales"], *dot_args, *k_args, i32(gk), mu,
+                         ops["k_packed"], ops["k_scales"], i32(D)), pdl=True)
     else:
         # Q's, K's and V's quantizers and the kernel are programmatic dependents (pdl=True; each calls
         # grid_dep_wait() before touching global memory): each launches while the one before drains

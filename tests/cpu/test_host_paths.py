@@ -306,6 +306,37 @@ def test_nvfp4_fused_prepass_passes_what_the_split_launches_pass(gpu, d, monkeyp
     assert any(x is fused[0][3][10] for x in fused[3][3])  # V's codes -> the kernel
 
 
+@pytest.mark.parametrize("sms", [1, 40])
+@pytest.mark.parametrize("d", [64, 128])
+def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms, monkeypatch):
+    """SAGECUPY_FP4_PREPASS=pipe: the fused pre-pass's three launches with the pipelined kernels, whose CTAs walk the
+    tiles (V, K's sums) or row chunks (Q, K) of one head: grids (x, heads, B) with x CTAs per head such that every CTA
+    is resident at once (4 per SM for V's, 3 for the rows': their launch bounds), at least 1 and at most a head's
+    pieces; the fused launches' arguments otherwise (without gq, gk, d; with the tile count)."""
+    from sagecupy import nvfp4
+
+    nvfp4._ATTN_PLANS.clear()
+    monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: sms)
+    q, k, v = _inputs(nk=128, d=d)  # B = 2, Hq = 4, Hkv = 2, nq = 100, nk = 128: 2 tiles of 64 keys
+    names = dict(q=q, k=k, v=v)
+    runs = {}
+    for mode in ("fused", "pipe"):
+        monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+        start = len(gpu)
+        nvfp4.attention(q, k, v, causal=True)
+        runs[mode] = [_summary(x, names, _arena_base(gpu[start:])) for x in gpu[start:]]
+    fused, pipe = runs["fused"], runs["pipe"]
+    assert [x[0] for x in pipe[:3]] == [f"nvfp4_quant_v_kpart_pipe<__half, {d}>", f"nvfp4_kmean_finish<{d}>",
+                                        f"nvfp4_quant_qk_rows_pipe<__half, {d}>"]
+    assert pipe[1] == fused[1] and pipe[3:] == fused[3:]  # the mean, the attention kernel
+    chunks = (128 * (d // 32) + 255) // 256  # a head's row chunks (256 threads x 32 elements; K has more rows)
+    xv, xr = (1, 1) if sms == 1 else (2, chunks)  # (1 SM: 4 // 4 V heads = 1, 3 // 12 heads -> 1)
+    assert pipe[0][1:3] == ((xv, 2, 2), (128,)) and pipe[2][1:3] == ((xr, 6, 2), (256,))
+    fv, fr = fused[0][3], fused[2][3]
+    assert pipe[0][3] == fv[:10] + (("int32", 2),) + fv[10:]  # ..., n16, ntile, codes, scales, part
+    assert pipe[2][3] == fr[:6] + fr[7:19] + fr[20:23]  # without gq, gk and d
+
+
 def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
     """SAGECUPY_FP4_PERSIST=1: the call zeroes the item counter before its first launch (so the pre-pass and the
     kernel stay programmatic dependents of each other), then launches nvfp4_attn_fwd_ws_persist on min(items, SMs)

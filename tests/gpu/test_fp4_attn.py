@@ -617,7 +617,7 @@ def test_nan_in_v_leaves_rows_that_see_no_key_zero(engine):
         assert np.isnan(o_h[0, 0, 53:, 5]).all()    # rows that see token 3
 
 
-@pytest.mark.parametrize("prepass, persist", [("split", "0"), ("fused", "0"), ("split", "1")])
+@pytest.mark.parametrize("prepass, persist", [("split", "0"), ("fused", "0"), ("pipe", "0"), ("split", "1")])
 @pytest.mark.parametrize("engine_name", ["mma", "wgmma"])
 def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name, prepass, persist):
     """nvfp4.attention replays one recorded program per signature, and on sm_90 its quantizers and kernel are
@@ -657,19 +657,29 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
     """SAGECUPY_FP4_PREPASS=fused (V's quantizer with K's column sums per 64-token tile, K's mean, Q's and K's
     quantizers in one launch) gives bitwise the split pre-pass's O and LSE: the same codes, scales and qmk, and a
     mean summed over other chunks that is the same float64 sum for these inputs (K's values span a few binades).
-    Odd key counts (a partial last tile, N16 > N), GQA, both layouts, D 64 and 128, causal and not."""
+    So does SAGECUPY_FP4_PREPASS=pipe (the same launches with CTAs that each walk several tiles / row chunks of a
+    head, loading the next while quantizing the current), with its default grid and with one SM's worth of CTAs
+    (each CTA then walks every piece of its head: up to 65 tiles and 66 chunks here). Odd key counts (a partial last
+    tile, N16 > N), GQA, both layouts, D 64 and 128, causal and not."""
     from sagecupy import nvfp4
 
     B, Hq, Hkv, nq, nk, D, layout, dtype = shape
     (q, k, v, _), _ = _inputs(7, B, Hq, Hkv, nq, nk, D, layout, dtype)
     for causal in (False, True):
         got = {}
-        for mode in ("split", "fused"):
+        for mode, sms in (("split", None), ("fused", None), ("pipe", None), ("pipe", 1)):
             monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+            if sms is not None:
+                nvfp4._ATTN_PLANS.clear()  # (the plans record their grids)
+                monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: sms)
             o, lse = nvfp4.attention(q, k, v, causal=causal, layout=layout, return_lse=True)
-            got[mode] = (_host(o), _host(lse))
-        for name, a, b in zip(("O", "LSE"), got["split"], got["fused"]):
-            assert np.array_equal(a, b, equal_nan=True), f"{name} differs (causal={causal})"
+            got[mode, sms] = (_host(o), _host(lse))
+            if sms is not None:
+                monkeypatch.undo()  # (the environment too: set again on the next pass)
+                nvfp4._ATTN_PLANS.clear()
+        for key in (("fused", None), ("pipe", None), ("pipe", 1)):
+            for name, a, b in zip(("O", "LSE"), got["split", None], got[key]):
+                assert np.array_equal(a, b, equal_nan=True), f"{name} of {key} differs (causal={causal})"
 
 
 @pytest.mark.parametrize("ctas", [3, None])
