@@ -359,37 +359,53 @@ __global__ void __launch_bounds__(D) nvfp4_kmean_finish(const double* __restrict
 }
 
 // ---- The pipelined pre-pass of nvfp4.attention (SAGECUPY_FP4_PREPASS=pipe) ----
-// nvfp4_quant_v_kpart's and nvfp4_quant_qk_rows's work with fewer CTAs, each walking several pieces of one head and
-// loading the next piece while it quantizes the current one. With one piece per CTA a thread's loads and its
-// quantization ran back to back: Q's quantizer took 44 us at 4K (B 4, H 16, D 128) where its 82 MB alone take
-// ~18 us and its ~16 M warp instructions ~17 us. Each piece is quantized exactly as there (the same functions on
-// the same values): the same codes, scales, qmk and K column sums.
+// nvfp4_quant_v_kpart's and nvfp4_quant_qk_rows's work with as many CTAs as are resident at once, each walking the
+// pieces (64-token tiles; row chunks) w = blockIdx.x, blockIdx.x + gridDim.x, ... of one flat list over all heads,
+// and loading the next piece while it quantizes the current one. With one piece per CTA a thread's loads and its
+// quantization ran back to back: Q's quantizer took 44 us at 4K (B 4, H 16, D 128) where its 82 MB alone take ~18 us
+// and its ~16 M warp instructions ~17 us. The flat list keeps every CTA within a piece of the others whatever the
+// heads, batch and lengths (also Q's few chunks beside K's many when Nq << Nk). Each piece is quantized exactly as
+// there (the same functions on the same values): the same codes, scales, qmk and K column sums.
 
-// V's tiled quantizer and K's column sums (nvfp4_quant_v_kpart) over tiles x, x + X, ... of the head (X = gridDim.x,
-// ntile = ceil(n16 / 64) tiles): V's tile t + X goes into the other of two shared tiles by cp.async while tile t is
-// quantized; K's loads for tile t are issued before (registers, summed after V's work, as there). part_k[b, h, t, c]
-// as there. D = 64 or 128; rows 16-byte aligned. grid (X, H, B), block 128.
+// n / d for 0 <= n < 2^31 and d >= 1 by a multiply and a shift (round-up multiplier: m = floor(2^32 (2^l - d) / d) + 1,
+// l = ceil(log2 d); q = (hi(n m) + n) >> l, the sum < 2^32 for n < 2^31). The pieces' indices, once per piece.
+struct FastDiv {
+  unsigned d, m, l;
+  __device__ __forceinline__ explicit FastDiv(unsigned d_) : d(d_) {
+    l = 32u - static_cast<unsigned>(__clz(static_cast<int>(d_ - 1u)));  // (d = 1: l = 0, m = 1)
+    m = static_cast<unsigned>((static_cast<unsigned long long>((1u << l) - d_) << 32) / d_ + 1u);
+  }
+  __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, m) + n) >> l; }
+};
+
+// V's tiled quantizer and K's column sums (nvfp4_quant_v_kpart) over the pieces w = (b, h, t) (t fastest: tiles of
+// 64 tokens, ntile = ceil(n16 / 64) per head; B H ntile < 2^31): the next piece's V tile goes by cp.async into the
+// second of two shared tiles while the current one is quantized; K's loads for the tile are issued first (registers,
+// summed after V's work, as there). part_k[b, h, t, c] as there. D = 64 or 128; rows 16-byte aligned.
+// grid (min(pieces, 4 per SM)), block 128.
 template <typename T, int D>
 __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __restrict__ v, long long vsb,
                                                                long long vsh, long long vsn,
                                                                const T* __restrict__ k, long long ksb,
                                                                long long ksh, long long ksn, int n, int n16,
-                                                               int ntile, unsigned char* __restrict__ codes,
+                                                               int ntile, int H, int B,
+                                                               unsigned char* __restrict__ codes,
                                                                unsigned char* __restrict__ scales,
                                                                double* __restrict__ part_k) {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   constexpr int LPR = D / 8, R = 128 / LPR, TPT = 64 / R;  // threads per token, tokens at once, tokens per thread
   __shared__ __align__(16) TokenTile tiles[2];
   __shared__ double red[4][D];
+  static_assert(4 * (sizeof(TokenTile) * 2 + sizeof(double) * 4 * D) <= 227 * 1024, "4 CTAs per SM (the host's)");
   grid_dep_wait();
   grid_dep_launch_dependents();
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, tid = threadIdx.x;
-  const long long bh = static_cast<long long>(b) * H + h;
-  const T* vsrc = v + b * vsb + h * vsh;
-  const T* ksrc = k + b * ksb + h * ksh + (tid % LPR) * 8;
-  const int seg = tid % LPR, r0 = tid / LPR;  // K: channels 8 seg .. 8 seg + 7 of tokens t0 + r0 + R i
-  // V's tile `t` -> shared tile `tl`: channels >= D are never read; tokens >= n zero-filled
-  auto stage = [&](int t, TokenTile& tl) {
+  const int tid = threadIdx.x, seg = tid % LPR, r0 = tid / LPR;  // K: channels 8 seg .. of tokens t0 + r0 + R i
+  const FastDiv by_tile(ntile), by_head(H);
+  const int pieces = B * H * ntile;
+  // piece w: (batch b, head h, tile t), bh = b H + h
+  auto stage = [&](int w, TokenTile& tl) {  // its V tile -> tl (channels >= D never read; tokens >= n zero-filled)
+    const int bh = by_tile.div(w), t = w - bh * ntile, b = by_head.div(bh), h = bh - b * H;
+    const T* vsrc = v + b * vsb + h * vsh;
 #pragma unroll
     for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
       const int idx = tid + 128 * j, r = idx / (D / 8), sg = idx % (D / 8), tok = t * 64 + r;
@@ -397,18 +413,19 @@ __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __re
       cp_async_16_n(smem_u32(&tl[r][sg * 8]), ok ? vsrc + tok * vsn + sg * 8 : vsrc, ok ? 16 : 0);
     }
   };
-  if (blockIdx.x < ntile) stage(blockIdx.x, tiles[0]);
+  if (static_cast<int>(blockIdx.x) < pieces) stage(blockIdx.x, tiles[0]);
   cp_async_commit();
   int it = 0;
-  for (int t = blockIdx.x; t < ntile; t += gridDim.x, ++it) {
-    const int t0 = t * 64;
+  for (int w = blockIdx.x; w < pieces; w += gridDim.x, ++it) {
+    const int bh = by_tile.div(w), t = w - bh * ntile, b = by_head.div(bh), h = bh - b * H, t0 = t * 64;
+    const T* ksrc = k + b * ksb + h * ksh + seg * 8;
     uint4 kw[TPT];
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const int tok = t0 + r0 + R * i;
       kw[i] = tok < n ? __ldg(reinterpret_cast<const uint4*>(ksrc + tok * ksn)) : make_uint4(0u, 0u, 0u, 0u);
     }
-    if (t + static_cast<int>(gridDim.x) < ntile) stage(t + gridDim.x, tiles[(it + 1) & 1]);
+    if (w + static_cast<int>(gridDim.x) < pieces) stage(w + gridDim.x, tiles[(it + 1) & 1]);
     cp_async_commit();
     cp_async_wait<1>();  // this thread's copies of tile t
     __syncthreads();     // everyone's
@@ -433,61 +450,76 @@ __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __re
 #pragma unroll
       for (int j = 0; j < 8; ++j) red[tid / 32][seg * 8 + j] = acc[j];
     __syncthreads();  // (also: every thread is done with tiles[it & 1] before the next stage() refills it)
-    if (tid < D) part_k[(bh * ntile + t) * D + tid] = ((red[0][tid] + red[1][tid]) + red[2][tid]) + red[3][tid];
+    if (tid < D)
+      part_k[(static_cast<long long>(bh) * ntile + t) * D + tid] =
+          ((red[0][tid] + red[1][tid]) + red[2][tid]) + red[3][tid];
   }
   cp_async_wait<0>();
 }
 
-// Q's and K's row quantizers (nvfp4_quant_qk_rows) over chunks x, x + X, ... of one head (X = gridDim.x; a chunk:
-// 256 threads x two 16-blocks, 64 rows at D = 128): blockIdx.y < Hq: Q's head blockIdx.y (with the dot: qmk), else
-// K's head blockIdx.y - Hq (K's mean subtracted). Each thread loads its 64 bytes of the next chunk into registers
-// before it quantizes the current one. Rows 16-byte aligned. grid (X, Hq + Hkv, B), block 256.
+// Q's and K's row quantizers (nvfp4_quant_qk_rows) over the pieces w: first Q's (b, h, chunk) (chunk fastest, cq
+// chunks per head: 256 threads x two 16-blocks, 64 rows at D = 128; with the dot: qmk), then K's (ck per head; K's
+// mean subtracted). Each thread loads its 64 bytes of the next piece into registers before it quantizes the current
+// one. Rows 16-byte aligned; B (Hq cq + Hkv ck) < 2^31 and N D / 32 < 2^31. grid (min(pieces, 3 per SM)), block 256.
 template <typename T, int D>
 __global__ void __launch_bounds__(256, 3) nvfp4_quant_qk_rows_pipe(
     const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int Hq,
     unsigned char* __restrict__ q_codes, unsigned char* __restrict__ q_scales, const float* __restrict__ dot_mu,
     int dot_group, float dot_scale, float* __restrict__ dot_out, const T* __restrict__ k, long long ksb,
     long long ksh, long long ksn, int nk, int Hkv, const float* __restrict__ mu, unsigned char* __restrict__ k_codes,
-    unsigned char* __restrict__ k_scales) {
+    unsigned char* __restrict__ k_scales, int B) {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   constexpr int TPR = D / 32;  // threads per row
   grid_dep_wait();  // (K's mean, written by the launch before)
   grid_dep_launch_dependents();
-  const int b = blockIdx.z, tid = threadIdx.x;
-  const bool is_q = static_cast<int>(blockIdx.y) < Hq;
-  const int h = is_q ? blockIdx.y : blockIdx.y - Hq, n = is_q ? nq : nk;
-  const T* x = is_q ? q + b * qsb + h * qsh : k + b * ksb + h * ksh;
-  const long long sn = is_q ? qsn : ksn;
-  const int units = n * TPR, nchunk = (units + 255) / 256;  // (host: n D / 32 + 256 < 2^31)
-  auto load = [&](int chunk, uint4 (&w)[4]) {
-    const int u = chunk * 256 + tid;
-    const bool ok = u < units;
-    const uint4* src = reinterpret_cast<const uint4*>(x + (ok ? (u / TPR) * sn + (u % TPR) * 32 : 0));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = ok ? __ldg(src + j) : make_uint4(0u, 0u, 0u, 0u);
+  const int tid = threadIdx.x, cq = (nq * TPR + 255) / 256, ck = (nk * TPR + 255) / 256;
+  const FastDiv by_cq(cq), by_ck(ck), by_hq(Hq), by_hk(Hkv);
+  const int q_pieces = B * Hq * cq, pieces = q_pieces + B * Hkv * ck;
+  struct Piece {
+    const T* x;     // the head's first row
+    long long sn;
+    int b, h, n;    // batch, head, rows
+    int u;          // this thread's unit: row u / TPR, columns (u % TPR) 32 ..
+    bool is_q;
   };
-  uint4 cur[4];
-  if (static_cast<int>(blockIdx.x) < nchunk) load(blockIdx.x, cur);
-  for (int chunk = blockIdx.x; chunk < nchunk; chunk += gridDim.x) {
-    uint4 nxt[4];
-    if (chunk + static_cast<int>(gridDim.x) < nchunk) load(chunk + gridDim.x, nxt);
-    const int u = chunk * 256 + tid;
-    const bool valid = u < units;  // (a row's threads are all valid or all not)
-    const long long row = valid ? u / TPR : 0;
-    const int c0 = (u % TPR) * 32;
+  auto piece = [&](int w) {
+    Piece pc;
+    pc.is_q = w < q_pieces;
+    const int wl = pc.is_q ? w : w - q_pieces;
+    const int bh = pc.is_q ? by_cq.div(wl) : by_ck.div(wl), chunk = wl - bh * (pc.is_q ? cq : ck);
+    pc.b = pc.is_q ? by_hq.div(bh) : by_hk.div(bh);
+    pc.h = bh - pc.b * (pc.is_q ? Hq : Hkv);
+    pc.n = pc.is_q ? nq : nk;
+    pc.x = pc.is_q ? q + pc.b * qsb + pc.h * qsh : k + pc.b * ksb + pc.h * ksh;
+    pc.sn = pc.is_q ? qsn : ksn;
+    pc.u = chunk * 256 + tid;
+    return pc;
+  };
+  auto load = [&](const Piece& pc, uint4 (&w)[2][2]) {
+    const bool ok = pc.u < pc.n * TPR;
+    const uint4* src = reinterpret_cast<const uint4*>(pc.x + (ok ? (pc.u / TPR) * pc.sn + (pc.u % TPR) * 32 : 0));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j / 2][j % 2] = ok ? __ldg(src + j) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  uint4 raw[2][2];
+  if (static_cast<int>(blockIdx.x) < pieces) load(piece(blockIdx.x), raw);
+  for (int w = blockIdx.x; w < pieces; w += gridDim.x) {
+    const Piece pc = piece(w);
     float vals[2][16];
-    unpack16<T>(reinterpret_cast<const uint4(&)[2]>(cur[0]), vals[0]);
-    unpack16<T>(reinterpret_cast<const uint4(&)[2]>(cur[2]), vals[1]);
-    if (is_q) {
+    unpack16<T>(raw[0], vals[0]);
+    unpack16<T>(raw[1], vals[1]);
+    if (w + static_cast<int>(gridDim.x) < pieces) load(piece(w + gridDim.x), raw);  // (in flight from here)
+    const bool valid = pc.u < pc.n * TPR;  // (a row's threads are all valid or all not)
+    const long long row = valid ? pc.u / TPR : 0;
+    const int c0 = (pc.u % TPR) * 32;
+    if (pc.is_q) {
       if (valid || dot_mu)  // (the dot's shuffles take every thread of a row)
         quant_rows_finish<T, D>(vals, valid, row, c0, nq, D, nullptr, 1, q_codes, q_scales, dot_mu, dot_group,
-                                dot_scale, dot_out, h, b, Hq);
+                                dot_scale, dot_out, pc.h, pc.b, Hq);
     } else if (valid) {
-      quant_rows_finish<T, D>(vals, valid, row, c0, nk, D, mu, 1, k_codes, k_scales, nullptr, 1, 0.f, nullptr, h, b,
-                              Hkv);
+      quant_rows_finish<T, D>(vals, valid, row, c0, nk, D, mu, 1, k_codes, k_scales, nullptr, 1, 0.f, nullptr, pc.h,
+                              pc.b, Hkv);
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) cur[j] = nxt[j];
   }
 }
 

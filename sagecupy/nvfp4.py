@@ -250,9 +250,9 @@ def fp4_prepass_mode() -> str:
     """How :func:`attention` launches its pre-pass when it smooths K at D = 64 or 128: ``"split"`` (the default:
     K's column sums and mean, then Q's, K's and V's quantizers; five launches) or ``"fused"`` (V's quantizer with
     K's column sums over the same tiles, the mean, then Q's and K's quantizers in one launch; three launches, each
-    block doing what it does in the split launches) or ``"pipe"`` (the fused launches with fewer CTAs, each walking
-    several tiles or row chunks of one head and loading the next one while it quantizes the current one; the same
-    outputs as ``"fused"``). The same codes, scales and qmk; K's mean is summed over other chunks, which is the same
+    block doing what it does in the split launches) or ``"pipe"`` (the fused launches with as many CTAs as are resident
+    at once, each walking tiles or row chunks of a flat list over all heads and loading the next one while it
+    quantizes the current one; the same outputs as ``"fused"``). The same codes, scales and qmk; K's mean is summed over other chunks, which is the same
     float64 sum while K's values span at most ~27 binades (fp16 at 32K tokens; the sum is exact then), and may differ
     in its last bits beyond (rarely the float32 mean). ``SAGECUPY_FP4_PREPASS`` overrides the default."""
     mode = os.environ.get("SAGECUPY_FP4_PREPASS", "split")
@@ -262,17 +262,21 @@ def fp4_prepass_mode() -> str:
 
 
 # SAGECUPY_FP4_PREPASS=pipe: CTAs per SM the pipelined pre-pass kernels are compiled for (their __launch_bounds__
-# minimum: registers and shared memory allow at least this many)
+# minimum: registers allow at least this many, and V's kernel asserts its shared memory does)
 _PIPE_V_CTAS, _PIPE_ROWS_CTAS = 4, 3
 
 
-def _pipe_extent(pieces: int, heads: int, ctas_per_sm: int) -> int:
-    """The x extent of a pipelined pre-pass grid (x, heads): CTAs per head so that every CTA of the grid is resident
-    at once (each walks pieces x, x + extent, ... of its head), at least 1, at most the pieces of a head."""
+def _row_chunks(n: int, d: int) -> int:
+    """Pieces of a head in the pipelined row quantizer: chunks of 256 threads x 32 elements."""
+    return (n * (d // 32) + 255) // 256
+
+
+def _pipe_grid(pieces: int, ctas_per_sm: int) -> int:
+    """The pipelined pre-pass's CTAs: every one resident at once (each walks pieces x, x + grid, ... of one flat list
+    over all heads), at most one per piece."""
     import cupy
 
-    fit = _sm_count(cupy.cuda.Device().id) * ctas_per_sm // heads
-    return max(1, min(pieces, fit))
+    return max(1, min(pieces, _sm_count(cupy.cuda.Device().id) * ctas_per_sm))
 
 
 def _quant_fn(name):
@@ -636,7 +640,9 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
     mode = fp4_prepass_mode()
     fused_pre = mode in ("fused", "pipe") and cfg.k_smoothing and p.head_dim in (64, 128)
-    pipe = fused_pre and mode == "pipe" and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30  # (its 32-bit indices)
+    pipe = (fused_pre and mode == "pipe"  # (its 32-bit piece indices)
+            and p.batch * (p.heads_q * _row_chunks(p.nq, p.head_dim) + p.heads_kv * _row_chunks(p.nk, p.head_dim))
+            < 2**30 and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30)
     copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
@@ -669,10 +675,10 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         ntile = (n16 + 63) // 64
         part = prog.empty("mu_k_part", (B, Hkv, ntile, D), cupy.float64, arena=_TMP)
         v_args = (rv, i64(vsb), i64(vsh), i64(vsn), rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(n16))
-        if pipe:  # (each CTA walks tiles of one head: as many CTAs as fit at once)
-            xv = _pipe_extent(ntile, Hkv * B, _PIPE_V_CTAS)
-            prog.launch(_quant_fn(f"nvfp4_quant_v_kpart_pipe<{T}, {D}>"), (xv, Hkv, B), (128,),
-                        (*v_args, i32(ntile), ops["v_packed"], ops["v_scales"], part))
+        if pipe:  # (as many CTAs as are resident at once, walking the tiles of all heads)
+            prog.launch(_quant_fn(f"nvfp4_quant_v_kpart_pipe<{T}, {D}>"),
+                        (_pipe_grid(B * Hkv * ntile, _PIPE_V_CTAS),), (128,),
+                        (*v_args, i32(ntile), i32(Hkv), i32(B), ops["v_packed"], ops["v_scales"], part))
         else:
             prog.launch(_quant_fn(f"nvfp4_quant_v_kpart<{T}, {D}>"), (ntile, Hkv, B), (128,),
                         (*v_args, ops["v_packed"], ops["v_scales"], part))
@@ -683,11 +689,10 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         k_args = (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(Hkv))
         dot_args = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk)
         if pipe:
-            chunks = (max(nq, nk) * (D // 32) + 255) // 256
-            xr = _pipe_extent(chunks, (Hq + Hkv) * B, _PIPE_ROWS_CTAS)
-            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows_pipe<{T}, {D}>"), (xr, Hq + Hkv, B), (256,),
-                        (*q_args, ops["q_packed"], ops["q_scales"], *dot_args, *k_args, mu, ops["k_packed"],
-                         ops["k_scales"]), pdl=True)
+            pieces = B * (Hq * _row_chunks(nq, D) + Hkv * _row_chunks(nk, D))
+            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows_pipe<{T}, {D}>"), (_pipe_grid(pieces, _PIPE_ROWS_CTAS),),
+                        (256,), (*q_args, ops["q_packed"], ops["q_scales"], *dot_args, *k_args, mu, ops["k_packed"],
+                                 ops["k_scales"], i32(B)), pdl=True)
         else:
             prog.launch(_quant_fn(f"nvfp4_quant_qk_rows<{T}, {D}>"), (gq * Hq + gk * Hkv, 1, B), (256,),
                         (*q_args, i32(gq), ops["q_packed"], ops["q_scales"], *dot_args, *k_args, i32(gk), mu,

@@ -8,7 +8,8 @@ for every fp16 value and every fp32-normal bf16 value, both signs, and every non
 and that without the snap the check fails (so it can tell). Also the scaled form nvfp4_block_exact16 uses since the
 twenty-eighth session (2^-6 folded into 1/s and the magic number: y = snap16(|x| * (rcp_rn(s) * 2^-6)), M = 2^(16 +
 max(e, 0)), min(., 6 * 2^-6)), and its scale E4M3(amax * fp32(1/6)) against E4M3(amax / 6) in float64 for every
-fp16 and bf16 amax. ~2 minutes on a laptop:
+fp16 and bf16 amax; and nvfp4_block_cmp's binary search (SAGE_NVFP4_CMP_BSEARCH) on general fp32 values against the
+reference's codes. ~2 minutes on a laptop:
     python bench/tools/fp4_fast_rounding_check.py
 """
 import sys
@@ -73,6 +74,32 @@ def check_scale_by_mul():
     return out
 
 
+def check_cmp_bsearch(ties_wrong=False):
+    """nvfp4_block_cmp's codes for general fp32 |x| (K after its mean): the binary search of SAGE_NVFP4_CMP_BSEARCH
+    (m >= 4?, then m >= 6 or m >= 2?, then the odd threshold between) against the reference's code of |x| / s in
+    float64, for every nonzero finite E4M3 scale s and |x| at and within 8 ulps of every threshold m s plus random
+    magnitudes in [0, 7 s]. ties_wrong (a control, must mismatch): > instead of >= at the even thresholds."""
+    rng = np.random.default_rng(0)
+    mults = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=f32)
+    bad = 0
+    for s in F.e4m3_decode(np.arange(1, 0x7F)).astype(f32):
+        t = (mults * s).astype(f32)  # exact: at most 7 significant bits
+        near = [t]
+        for d in (np.inf, 0):
+            x = t
+            for _ in range(8):
+                x = np.nextafter(x, f32(d))
+                near.append(x)
+        a = np.concatenate(near + [rng.uniform(0, 7 * float(s), 2000).astype(f32), np.array([0, 6 * s, 448 * 7], f32)])
+        a = a[(a == 0) | (a >= np.finfo(f32).tiny)].astype(f32)  # (flushed subnormals)
+        ge = (lambda x, y: x > y) if ties_wrong else (lambda x, y: x >= y)
+        b1 = ge(a, t[3])
+        b2 = ge(a, np.where(b1, t[5], t[1]))
+        m = 4 * b1 + 2 * b2 + (a > np.where(b1, np.where(b2, t[6], t[4]), np.where(b2, t[2], t[0])))
+        bad += int(np.sum(m != (F.e2m1_encode(a.astype(np.float64) / np.float64(s)) & 7)))
+    return bad
+
+
 def values(name):
     if name == "fp16":
         a = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(f32)  # +0 .. the largest finite
@@ -116,6 +143,8 @@ if __name__ == "__main__":
     mul = check_scale_by_mul()
     print("scale by amax * fp32(1/6) (E4M3 code mismatches):", mul)
     ok = all(v == (0, 0) for v in got.values()) and any(sum(v) for v in ctrl.values())
-    ok = ok and not any(scaled.values()) and not any(mul.values())
+    bs, bs_ctrl = check_cmp_bsearch(), check_cmp_bsearch(ties_wrong=True)
+    print("binary-search codes of general fp32 values (code mismatches; control must be > 0):", bs, bs_ctrl)
+    ok = ok and not any(scaled.values()) and not any(mul.values()) and bs == 0 and bs_ctrl > 0
     print("OK" if ok else "FAILED")
     sys.exit(0 if ok else 1)

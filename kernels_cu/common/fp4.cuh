@@ -7,6 +7,12 @@
 
 #include "numeric.cuh"
 
+// SAGE_NVFP4_CMP_BSEARCH (default 0, opt-in until run on the GPU): nvfp4_block_cmp (K after its mean) finds each
+// element's code with three comparisons (a binary search over the seven thresholds) instead of seven; the same codes.
+#ifndef SAGE_NVFP4_CMP_BSEARCH
+#define SAGE_NVFP4_CMP_BSEARCH 0
+#endif
+
 namespace sage {
 
 // E2M1 code of x (already divided by its block scale): sign << 3 | index into {0,.5,1,1.5,2,3,4,6}.
@@ -103,9 +109,17 @@ __device__ __forceinline__ unsigned nvfp4_block_cmp(const float (&x)[16], unsign
       const float xv = x[8 * h + i], a = fabsf(xv);
       // (plain comparisons: ptxas makes FSETP and predicated adds of them, 52 us for K at 4K; set.*.u32.f32 summed as
       // -1s became FSETP + SEL, 65 us)
+#if SAGE_NVFP4_CMP_BSEARCH
+      // The thresholds a passes are a prefix t1 .. tm (increasing, each test monotone in a), so m by a binary search:
+      // m >= 4, then m >= 6 or m >= 2, then the odd threshold between: three tests instead of seven.
+      const bool b1 = a >= t4, b2 = a >= (b1 ? t6 : t2);
+      const float t_odd = b1 ? (b2 ? t7 : t5) : (b2 ? t3 : t1);
+      const unsigned m = (b1 ? 4u : 0u) + (b2 ? 2u : 0u) + (a > t_odd ? 1u : 0u);
+#else
       const unsigned m = static_cast<unsigned>(a > t1) + static_cast<unsigned>(a >= t2) +
                          static_cast<unsigned>(a > t3) + static_cast<unsigned>(a >= t4) +
                          static_cast<unsigned>(a > t5) + static_cast<unsigned>(a >= t6) + static_cast<unsigned>(a > t7);
+#endif
       w |= (m | ((__float_as_uint(xv) >> 28) & 8u)) << (4 * i);
     }
     packed[h] = bad ? 0x77777777u : (s == 0.f ? 0u : w);

@@ -309,10 +309,10 @@ def test_nvfp4_fused_prepass_passes_what_the_split_launches_pass(gpu, d, monkeyp
 @pytest.mark.parametrize("sms", [1, 40])
 @pytest.mark.parametrize("d", [64, 128])
 def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms, monkeypatch):
-    """SAGECUPY_FP4_PREPASS=pipe: the fused pre-pass's three launches with the pipelined kernels, whose CTAs walk the
-    tiles (V, K's sums) or row chunks (Q, K) of one head: grids (x, heads, B) with x CTAs per head such that every CTA
-    is resident at once (4 per SM for V's, 3 for the rows': their launch bounds), at least 1 and at most a head's
-    pieces; the fused launches' arguments otherwise (without gq, gk, d; with the tile count)."""
+    """SAGECUPY_FP4_PREPASS=pipe: the fused pre-pass's three launches with the pipelined kernels, whose CTAs walk one
+    flat list of pieces over all heads (V's 64-token tiles; Q's then K's row chunks of 256 threads x 32 elements):
+    1-D grids of min(pieces, CTAs resident at once: 4 per SM for V's kernel, 3 for the rows', their launch bounds);
+    the fused launches' arguments otherwise (without gq, gk, d; with the tile count, heads and batch)."""
     from sagecupy import nvfp4
 
     nvfp4._ATTN_PLANS.clear()
@@ -329,12 +329,13 @@ def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms
     assert [x[0] for x in pipe[:3]] == [f"nvfp4_quant_v_kpart_pipe<__half, {d}>", f"nvfp4_kmean_finish<{d}>",
                                         f"nvfp4_quant_qk_rows_pipe<__half, {d}>"]
     assert pipe[1] == fused[1] and pipe[3:] == fused[3:]  # the mean, the attention kernel
-    chunks = (128 * (d // 32) + 255) // 256  # a head's row chunks (256 threads x 32 elements; K has more rows)
-    xv, xr = (1, 1) if sms == 1 else (2, chunks)  # (1 SM: 4 // 4 V heads = 1, 3 // 12 heads -> 1)
-    assert pipe[0][1:3] == ((xv, 2, 2), (128,)) and pipe[2][1:3] == ((xr, 6, 2), (256,))
+    chunks = lambda n: (n * (d // 32) + 255) // 256  # noqa: E731
+    v_pieces, r_pieces = 2 * 2 * 2, 2 * (4 * chunks(100) + 2 * chunks(128))
+    assert pipe[0][1:3] == ((min(v_pieces, 4 * sms),), (128,))
+    assert pipe[2][1:3] == ((min(r_pieces, 3 * sms),), (256,))
     fv, fr = fused[0][3], fused[2][3]
-    assert pipe[0][3] == fv[:10] + (("int32", 2),) + fv[10:]  # ..., n16, ntile, codes, scales, part
-    assert pipe[2][3] == fr[:6] + fr[7:19] + fr[20:23]  # without gq, gk and d
+    assert pipe[0][3] == fv[:10] + (("int32", 2), ("int32", 2), ("int32", 2)) + fv[10:]  # ntile, Hkv, B
+    assert pipe[2][3] == fr[:6] + fr[7:19] + fr[20:23] + (("int32", 2),)  # without gq, gk, d; with B
 
 
 def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):

@@ -657,10 +657,11 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
     """SAGECUPY_FP4_PREPASS=fused (V's quantizer with K's column sums per 64-token tile, K's mean, Q's and K's
     quantizers in one launch) gives bitwise the split pre-pass's O and LSE: the same codes, scales and qmk, and a
     mean summed over other chunks that is the same float64 sum for these inputs (K's values span a few binades).
-    So does SAGECUPY_FP4_PREPASS=pipe (the same launches with CTAs that each walk several tiles / row chunks of a
-    head, loading the next while quantizing the current), with its default grid and with one SM's worth of CTAs
-    (each CTA then walks every piece of its head: up to 65 tiles and 66 chunks here). Odd key counts (a partial last
-    tile, N16 > N), GQA, both layouts, D 64 and 128, causal and not."""
+    So does SAGECUPY_FP4_PREPASS=pipe (the same launches with CTAs that walk one flat list of tiles / row chunks over
+    all heads, loading the next while quantizing the current), with its default grid and with one SM's worth of
+    CTAs (4 and 3 CTAs then walk every piece: up to 33 tiles and 132 chunks each here, across heads, batches and
+    from Q's chunks to K's). Odd key counts (a partial last tile, N16 > N), Nq != Nk both ways, GQA, both layouts,
+    D 64 and 128, causal and not."""
     from sagecupy import nvfp4
 
     B, Hq, Hkv, nq, nk, D, layout, dtype = shape
