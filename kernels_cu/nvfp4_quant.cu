@@ -286,6 +286,36 @@ __global__ void __launch_bounds__(128) nvfp4_quant_tokens_tiled(const T* __restr
                             gridDim.y);
 }
 
+// K's float64 column sums of a 64-token tile from this thread's 16-byte loads kw[i] (channels 8 seg .. 8 seg + 7 of
+// tokens r0 + R i, tid = r0 LPR + seg): each thread's tokens in order, the R token rows over lanes LPR apart, then the
+// four warps' partial sums into red (red[warp][c]; after the __syncthreads here, channel c's tile sum is
+// ((red[0][c] + red[1][c]) + red[2][c]) + red[3][c]). 128 threads.
+template <typename T, int D>
+__device__ __forceinline__ void kpart_tile_sums(const uint4 (&kw)[64 / (128 / (D / 8))], double (&red)[4][D], int tid) {
+  constexpr int LPR = D / 8, TPT = 64 / (128 / LPR);
+  const int seg = tid % LPR;
+  double acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0;
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) {
+    const unsigned u[4] = {kw[i].x, kw[i].y, kw[i].z, kw[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[2 * j] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] & 0xFFFFu))));
+      acc[2 * j + 1] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] >> 16))));
+    }
+  }
+#pragma unroll
+  for (int o = LPR; o < 32; o <<= 1)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+  if (tid % 32 < LPR)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) red[tid / 32][seg * 8 + j] = acc[j];
+  __syncthreads();
+}
+
 // V's tiled quantizer and K's column sums over the same 64 tokens in one CTA (nvfp4.attention with
 // SAGECUPY_FP4_PREPASS=fused): the tile's V as nvfp4_quant_tokens_tiled, and part_k[b, h, bx, c] = the sum of
 // K[b, h, t, c] over the tile's tokens t < n in float64 (K's mean: nvfp4_kmean_finish). K's 16-byte loads are issued
@@ -316,27 +346,7 @@ __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart(const T* __restric
     kw[i] = tok < n ? __ldg(reinterpret_cast<const uint4*>(ksrc + tok * ksn)) : make_uint4(0u, 0u, 0u, 0u);
   }
   quant_tokens_tile_body<T>(v, vsb, vsh, vsn, n, D, n16, codes, scales, tile, blockIdx.x, h, b, H);
-  double acc[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) acc[j] = 0.0;
-#pragma unroll
-  for (int i = 0; i < TPT; ++i) {
-    const unsigned u[4] = {kw[i].x, kw[i].y, kw[i].z, kw[i].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      acc[2 * j] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] & 0xFFFFu))));
-      acc[2 * j + 1] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] >> 16))));
-    }
-  }
-  // the R token rows: lanes r0 LPR + seg, so a warp's rows are lanes LPR apart, then the four warps
-#pragma unroll
-  for (int o = LPR; o < 32; o <<= 1)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-  if (tid % 32 < LPR)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) red[tid / 32][seg * 8 + j] = acc[j];
-  __syncthreads();
+  kpart_tile_sums<T, D>(kw, red, tid);
   if (tid < D) {
     const long long bh = static_cast<long long>(b) * H + h;
     part_k[(bh * gridDim.x + blockIdx.x) * D + tid] = ((red[0][tid] + red[1][tid]) + red[2][tid]) + red[3][tid];
@@ -430,26 +440,8 @@ __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __re
     cp_async_wait<1>();  // this thread's copies of tile t
     __syncthreads();     // everyone's
     quant_tokens_tile_store<T>(tiles[it & 1], tid, t0, 0, D, D, n16, bh, codes, scales);
-    double acc[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.0;
-#pragma unroll
-    for (int i = 0; i < TPT; ++i) {
-      const unsigned u[4] = {kw[i].x, kw[i].y, kw[i].z, kw[i].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[2 * j] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] & 0xFFFFu))));
-        acc[2 * j + 1] += static_cast<double>(to_float(bits_to<T>(static_cast<unsigned short>(u[j] >> 16))));
-      }
-    }
-#pragma unroll
-    for (int o = LPR; o < 32; o <<= 1)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-    if (tid % 32 < LPR)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) red[tid / 32][seg * 8 + j] = acc[j];
-    __syncthreads();  // (also: every thread is done with tiles[it & 1] before the next stage() refills it)
+    kpart_tile_sums<T, D>(kw, red, tid);  // (its __syncthreads: every thread is done with tiles[it & 1] before the
+                                          // next stage() refills it)
     if (tid < D)
       part_k[(static_cast<long long>(bh) * ntile + t) * D + tid] =
           ((red[0][tid] + red[1][tid]) + red[2][tid]) + red[3][tid];

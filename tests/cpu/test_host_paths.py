@@ -317,7 +317,8 @@ def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms
 
     nvfp4._ATTN_PLANS.clear()
     monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: sms)
-    q, k, v = _inputs(nk=128, d=d)  # B = 2, Hq = 4, Hkv = 2, nq = 100, nk = 128: 2 tiles of 64 keys
+    # B = 3, Hq = 4, Hkv = 1 (GQA), nq = 100, nk = 256: 4 tiles of 64 keys (ntile, Hkv and B all differ)
+    q, k, v = (FakeArray((3, h, n, d), np.float16) for h, n in ((4, 100), (1, 256), (1, 256)))
     names = dict(q=q, k=k, v=v)
     runs = {}
     for mode in ("fused", "pipe"):
@@ -330,12 +331,12 @@ def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms
                                         f"nvfp4_quant_qk_rows_pipe<__half, {d}>"]
     assert pipe[1] == fused[1] and pipe[3:] == fused[3:]  # the mean, the attention kernel
     chunks = lambda n: (n * (d // 32) + 255) // 256  # noqa: E731
-    v_pieces, r_pieces = 2 * 2 * 2, 2 * (4 * chunks(100) + 2 * chunks(128))
+    v_pieces, r_pieces = 3 * 1 * 4, 3 * (4 * chunks(100) + 1 * chunks(256))
     assert pipe[0][1:3] == ((min(v_pieces, 4 * sms),), (128,))
     assert pipe[2][1:3] == ((min(r_pieces, 3 * sms),), (256,))
     fv, fr = fused[0][3], fused[2][3]
-    assert pipe[0][3] == fv[:10] + (("int32", 2), ("int32", 2), ("int32", 2)) + fv[10:]  # ntile, Hkv, B
-    assert pipe[2][3] == fr[:6] + fr[7:19] + fr[20:23] + (("int32", 2),)  # without gq, gk, d; with B
+    assert pipe[0][3] == fv[:10] + (("int32", 4), ("int32", 1), ("int32", 3)) + fv[10:]  # ntile, Hkv, B
+    assert pipe[2][3] == fr[:6] + fr[7:19] + fr[20:23] + (("int32", 3),)  # without gq, gk, d; with B
 
 
 def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
