@@ -377,14 +377,13 @@ __global__ void __launch_bounds__(D) nvfp4_kmean_finish(const double* __restrict
 // heads, batch and lengths (also Q's few chunks beside K's many when Nq << Nk). Each piece is quantized exactly as
 // there (the same functions on the same values): the same codes, scales, qmk and K column sums.
 
-// n / d for 0 <= n < 2^31 and d >= 1 by a multiply and a shift (round-up multiplier: m = floor(2^32 (2^l - d) / d) + 1,
-// l = ceil(log2 d); q = (hi(n m) + n) >> l, the sum < 2^32 for n < 2^31). The pieces' indices, once per piece.
+// n / d for 0 <= n < 2^31 and d >= 1 by a multiply and a shift: q = (hi(n m) + n) >> l (the sum < 2^32 for n < 2^31),
+// with the round-up multiplier m = floor(2^32 (2^l - d) / d) + 1, l = ceil(log2 d) from the host (nvfp4._fast_div:
+// l << 32 | m), so that no thread divides 64-bit numbers. The pieces' indices, once per piece.
 struct FastDiv {
-  unsigned d, m, l;
-  __device__ __forceinline__ explicit FastDiv(unsigned d_) : d(d_) {
-    l = 32u - static_cast<unsigned>(__clz(static_cast<int>(d_ - 1u)));  // (d = 1: l = 0, m = 1)
-    m = static_cast<unsigned>((static_cast<unsigned long long>((1u << l) - d_) << 32) / d_ + 1u);
-  }
+  unsigned m, l;
+  __device__ __forceinline__ explicit FastDiv(long long ml)
+      : m(static_cast<unsigned>(ml)), l(static_cast<unsigned>(ml >> 32)) {}
   __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, m) + n) >> l; }
 };
 
@@ -398,7 +397,8 @@ __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __re
                                                                long long vsh, long long vsn,
                                                                const T* __restrict__ k, long long ksb,
                                                                long long ksh, long long ksn, int n, int n16,
-                                                               int ntile, int H, int B,
+                                                               int ntile, int H, int B, long long div_tile,
+                                                               long long div_head,
                                                                unsigned char* __restrict__ codes,
                                                                unsigned char* __restrict__ scales,
                                                                double* __restrict__ part_k) {
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __re
   grid_dep_wait();
   grid_dep_launch_dependents();
   const int tid = threadIdx.x, seg = tid % LPR, r0 = tid / LPR;  // K: channels 8 seg .. of tokens t0 + r0 + R i
-  const FastDiv by_tile(ntile), by_head(H);
+  const FastDiv by_tile(div_tile), by_head(div_head);  // (/ ntile, / H)
   const int pieces = B * H * ntile;
   // piece w: (batch b, head h, tile t), bh = b H + h
   auto stage = [&](int w, TokenTile& tl) {  // its V tile -> tl (channels >= D never read; tokens >= n zero-filled)
@@ -459,13 +459,14 @@ __global__ void __launch_bounds__(256, 3) nvfp4_quant_qk_rows_pipe(
     unsigned char* __restrict__ q_codes, unsigned char* __restrict__ q_scales, const float* __restrict__ dot_mu,
     int dot_group, float dot_scale, float* __restrict__ dot_out, const T* __restrict__ k, long long ksb,
     long long ksh, long long ksn, int nk, int Hkv, const float* __restrict__ mu, unsigned char* __restrict__ k_codes,
-    unsigned char* __restrict__ k_scales, int B) {
+    unsigned char* __restrict__ k_scales, int B, long long div_cq, long long div_ck, long long div_hq,
+    long long div_hk) {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   constexpr int TPR = D / 32;  // threads per row
   grid_dep_wait();  // (K's mean, written by the launch before)
   grid_dep_launch_dependents();
   const int tid = threadIdx.x, cq = (nq * TPR + 255) / 256, ck = (nk * TPR + 255) / 256;
-  const FastDiv by_cq(cq), by_ck(ck), by_hq(Hq), by_hk(Hkv);
+  const FastDiv by_cq(div_cq), by_ck(div_ck), by_hq(div_hq), by_hk(div_hk);  // (/ cq, / ck, / Hq, / Hkv)
   const int q_pieces = B * Hq * cq, pieces = q_pieces + B * Hkv * ck;
   struct Piece {
     const T* x;     // the head's first row

@@ -250,11 +250,12 @@ def fp4_prepass_mode() -> str:
     """How :func:`attention` launches its pre-pass when it smooths K at D = 64 or 128: ``"split"`` (the default:
     K's column sums and mean, then Q's, K's and V's quantizers; five launches) or ``"fused"`` (V's quantizer with
     K's column sums over the same tiles, the mean, then Q's and K's quantizers in one launch; three launches, each
-    block doing what it does in the split launches) or ``"pipe"`` (the fused launches with as many CTAs as are resident
-    at once, each walking tiles or row chunks of a flat list over all heads and loading the next one while it
-    quantizes the current one; the same outputs as ``"fused"``). The same codes, scales and qmk; K's mean is summed over other chunks, which is the same
-    float64 sum while K's values span at most ~27 binades (fp16 at 32K tokens; the sum is exact then), and may differ
-    in its last bits beyond (rarely the float32 mean). ``SAGECUPY_FP4_PREPASS`` overrides the default."""
+    block doing what it does in the split launches) or ``"pipe"`` (the fused launches with as many CTAs as are
+    resident at once, each walking tiles or row chunks of a flat list over all heads and loading the next one while it
+    quantizes the current one; the same outputs as ``"fused"``). The same codes, scales and qmk; K's mean is summed
+    over other chunks, which is the same float64 sum while K's values span at most ~27 binades (fp16 at 32K tokens;
+    the sum is exact then), and may differ in its last bits beyond (rarely the float32 mean).
+    ``SAGECUPY_FP4_PREPASS`` overrides the default."""
     mode = os.environ.get("SAGECUPY_FP4_PREPASS", "split")
     if mode not in _FP4_PREPASS_MODES:
         raise ValueError(f"SAGECUPY_FP4_PREPASS={mode!r} is not supported; supported: {_FP4_PREPASS_MODES}")
@@ -269,6 +270,16 @@ _PIPE_V_CTAS, _PIPE_ROWS_CTAS = 4, 3
 def _row_chunks(n: int, d: int) -> int:
     """Pieces of a head in the pipelined row quantizer: chunks of 256 threads x 32 elements."""
     return (n * (d // 32) + 255) // 256
+
+
+def _fast_div(d: int):
+    """The pipelined pre-pass kernels' ``FastDiv`` for divisor d >= 1, as an int64 l << 32 | m: n / d = (hi(n m) +
+    n) >> l for 0 <= n < 2^31, with l = ceil(log2 d) and the round-up multiplier m = floor(2^32 (2^l - d) / d) + 1 (<
+    2^32)."""
+    import cupy
+
+    l = (d - 1).bit_length()
+    return cupy.int64(l << 32 | ((1 << 32) * ((1 << l) - d) // d + 1))
 
 
 def _pipe_grid(pieces: int, ctas_per_sm: int) -> int:
@@ -640,9 +651,9 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
     mode = fp4_prepass_mode()
     fused_pre = mode in ("fused", "pipe") and cfg.k_smoothing and p.head_dim in (64, 128)
+    cq, ck = _row_chunks(p.nq, p.head_dim), _row_chunks(p.nk, p.head_dim)  # (pipe: the rows kernel's pieces)
     pipe = (fused_pre and mode == "pipe"  # (its 32-bit piece indices)
-            and p.batch * (p.heads_q * _row_chunks(p.nq, p.head_dim) + p.heads_kv * _row_chunks(p.nk, p.head_dim))
-            < 2**30 and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30)
+            and p.batch * (p.heads_q * cq + p.heads_kv * ck) < 2**30 and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30)
     copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
@@ -678,7 +689,8 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         if pipe:  # (as many CTAs as are resident at once, walking the tiles of all heads)
             prog.launch(_quant_fn(f"nvfp4_quant_v_kpart_pipe<{T}, {D}>"),
                         (_pipe_grid(B * Hkv * ntile, _PIPE_V_CTAS),), (128,),
-                        (*v_args, i32(ntile), i32(Hkv), i32(B), ops["v_packed"], ops["v_scales"], part))
+                        (*v_args, i32(ntile), i32(Hkv), i32(B), _fast_div(ntile), _fast_div(Hkv), ops["v_packed"],
+                         ops["v_scales"], part))
         else:
             prog.launch(_quant_fn(f"nvfp4_quant_v_kpart<{T}, {D}>"), (ntile, Hkv, B), (128,),
                         (*v_args, ops["v_packed"], ops["v_scales"], part))
@@ -689,10 +701,10 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         k_args = (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(Hkv))
         dot_args = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk)
         if pipe:
-            pieces = B * (Hq * _row_chunks(nq, D) + Hkv * _row_chunks(nk, D))
-            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows_pipe<{T}, {D}>"), (_pipe_grid(pieces, _PIPE_ROWS_CTAS),),
-                        (256,), (*q_args, ops["q_packed"], ops["q_scales"], *dot_args, *k_args, mu, ops["k_packed"],
-                                 ops["k_scales"], i32(B)), pdl=True)
+            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows_pipe<{T}, {D}>"),
+                        (_pipe_grid(B * (Hq * cq + Hkv * ck), _PIPE_ROWS_CTAS),), (256,),
+                        (*q_args, ops["q_packed"], ops["q_scales"], *dot_args, *k_args, mu, ops["k_packed"],
+                         ops["k_scales"], i32(B), *map(_fast_div, (cq, ck, Hq, Hkv))), pdl=True)
         else:
             prog.launch(_quant_fn(f"nvfp4_quant_qk_rows<{T}, {D}>"), (gq * Hq + gk * Hkv, 1, B), (256,),
                         (*q_args, i32(gq), ops["q_packed"], ops["q_scales"], *dot_args, *k_args, i32(gk), mu,

@@ -335,8 +335,32 @@ def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms
     assert pipe[0][1:3] == ((min(v_pieces, 4 * sms),), (128,))
     assert pipe[2][1:3] == ((min(r_pieces, 3 * sms),), (256,))
     fv, fr = fused[0][3], fused[2][3]
-    assert pipe[0][3] == fv[:10] + (("int32", 4), ("int32", 1), ("int32", 3)) + fv[10:]  # ntile, Hkv, B
-    assert pipe[2][3] == fr[:6] + fr[7:19] + fr[20:23] + (("int32", 3),)  # without gq, gk, d; with B
+    div = lambda d: ("int64", int(nvfp4._fast_div(d)))  # noqa: E731
+    # ntile, Hkv, B and the divisions by ntile and Hkv
+    assert pipe[0][3] == fv[:10] + (("int32", 4), ("int32", 1), ("int32", 3), div(4), div(1)) + fv[10:]
+    # without gq, gk, d; with B and the divisions by Q's and K's chunks per head, Hq and Hkv
+    assert pipe[2][3] == fr[:6] + fr[7:19] + fr[20:23] + (("int32", 3),) + tuple(
+        div(x) for x in (chunks(100), chunks(256), 4, 1))
+
+
+def test_nvfp4_fast_div_multipliers_divide_exactly(gpu):
+    """nvfp4._fast_div's l << 32 | m (the pipelined pre-pass kernels' FastDiv): (hi(n m) + n) >> l == n // d in the
+    kernels' 32-bit arithmetic for every divisor up to 4096, powers of two and their neighbours, large divisors, and
+    n over [0, 2^31): the edges of every quotient (k d - 1, k d) and random values."""
+    from sagecupy import nvfp4
+
+    rng = np.random.default_rng(0)
+    ds = sorted({*range(1, 4097), *(2**k + e for k in range(1, 31) for e in (-1, 0, 1)), 2**31 - 1,
+                 *rng.integers(4097, 2**31, 300).tolist()})
+    for d in ds:
+        ml = int(nvfp4._fast_div(d))
+        m, l = ml & 0xFFFFFFFF, ml >> 32
+        assert 0 < m < 2**32 and l < 32
+        k = np.unique(np.concatenate([np.arange(1, 65), rng.integers(1, (2**31 - 1) // d + 1, 64)]))
+        n = np.concatenate([k * d - 1, k * d, rng.integers(0, 2**31, 256)]).astype(np.uint64)
+        n = n[n < 2**31]
+        q = (((n * np.uint64(m)) >> np.uint64(32)) + n) >> np.uint64(l)  # (hi(n m) + n < 2^32: no 32-bit wrap)
+        assert np.all(q < 2**32) and np.array_equal(q, n // np.uint64(d)), d
 
 
 def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
