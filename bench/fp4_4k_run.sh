@@ -2,13 +2,15 @@
 # The 4K experiments of the twenty-ninth session, queued for a device call (written when no GPU was lent):
 # the warp-specialized kernel's idle-warpgroup skip (SAGE_FP4_WS_IDLE_SKIP) and Q / tile-0 load overlap
 # (SAGE_FP4_WS_QOVL), the fused pre-pass (SAGECUPY_FP4_PREPASS=fused) and its pipelined form (=pipe, thirtieth
-# session), K's binary-search block quantizer (SAGE_NVFP4_CMP_BSEARCH, thirtieth) and the persistent kernel
-# (SAGECUPY_FP4_PERSIST=1). All default off until this runs.
+# session), K's binary-search block quantizer (SAGE_NVFP4_CMP_BSEARCH, thirtieth), the persistent kernel
+# (SAGECUPY_FP4_PERSIST=1) and Q quantized in the warp-specialized kernel (SAGECUPY_FP4_QIN=1, thirty-first).
+# All default off until this runs.
 #   bash bench/fp4_4k_run.sh time    # a persistent-kernel smoke check (capped: a hang must not eat the call), then
 #                                    # fp4_floor.py at 4K (SHAPES=4:4096,1:16384 adds 16K): every variant's kernel
-#                                    # and whole call; the fused pre-pass's launches (probe); ~7 minutes
+#                                    # and whole call; the pipelined pre-pass's launches, with and without
+#                                    # SAGECUPY_FP4_QIN (probe); ~8 minutes
 #   bash bench/fp4_4k_run.sh tests   # the tests that exercise them (shards; then again with the three defines on)
-# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_pipe.txt, tests_*.txt.
+# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_pipe.txt, probe_qin.txt, tests_*.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
@@ -34,10 +36,11 @@ for N, causal in ((1024, False), (4096, True), (4096, False)):
     print(f"persistent smoke N={N} causal={causal}: {'bitwise equal' if same else 'DIFFERS'}", flush=True)
 print("SMOKE_OK" if ok else "SMOKE_FAIL")
 PY
-  (cd bench && timeout ${FLOOR_TIMEOUT:-180} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+  (cd bench && timeout ${FLOOR_TIMEOUT:-200} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
     --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1;SAGE_FP4_WS_QOVL=1;SAGECUPY_FP4_PREPASS=fused;\
-SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1,\
-SAGECUPY_FP4_PREPASS=pipe") 2>&1 \
+SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1,\
+SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe,\
+SAGECUPY_FP4_QIN=1") 2>&1 \
     | tee "$OUT/floor.txt"
   if grep -q SMOKE_OK "$OUT/smoke.txt"; then
     (cd bench && timeout ${FLOOR_TIMEOUT:-120} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
@@ -47,12 +50,14 @@ SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY
   fi
   (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 45 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_pipe.txt"
+  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 45 \
+    python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_qin.txt"
 else
   SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
-    tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent" 2>&1 \
+    tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent or q_in" 2>&1 \
     | tee "$OUT/tests_prepass.txt"
   SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1 SHARDS=${SHARDS:-6} \
     TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py tests/gpu/test_nvfp4_quant.py \
-    -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent or fused_prepass or quant" \
+    -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent or fused_prepass or quant or q_in" \
     2>&1 | tee "$OUT/tests_ws_defines.txt"
 fi

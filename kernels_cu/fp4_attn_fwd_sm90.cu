@@ -546,18 +546,86 @@ __device__ __forceinline__ void ws_dequant_tile(char* sKst, char* sVst, const ch
   }
 }
 
+// Named barrier 1 + wg of consumer warpgroup wg's 128 threads (constant ids: a register id would make ptxas reserve
+// all 16 barriers).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  if (wg == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  else if (wg == 1) asm volatile("bar.sync 2, 128;\n" ::: "memory");
+  else asm volatile("bar.sync 3, 128;\n" ::: "memory");
+}
+
+// QIN: a consumer warpgroup's 64 query rows (from row0 = q0 + 64 wg) quantized from the raw input q_bh by the
+// pre-pass's block quantizer (nvfp4_block_exact16: nvfp4_quant_rows's codes and scales) and dequantized as the
+// producer dequantizes staged bytes (dequant16_half), straight into the swizzled tile sQ: bit for bit the Q^ of
+// the pre-pass path; rows >= nq zeros. Lane (g, t4) of consumer warp cw takes rows 16 (cw % 4) + g + 8 j (j = 0, 1),
+// columns 32 t4 .. 32 t4 + 31: the rows r_lo, r_lo + 8 whose LSE the thread writes, so qmk stays in registers:
+// qmk_r[j] = qmk_scale * (q . mu) in nvfp4_quant_rows's fp32 order (the 32 products in order from 0, then the
+// shuffles xor 2 and xor 1 over the lane quad). Every row's 16-byte loads are issued before any arithmetic.
+template <typename T, int D, int NC>
+__device__ __forceinline__ void ws_quant_q(char* sQ, const T* __restrict__ q_bh, long long qsn, int nq, int row0,
+                                           int cw, int lane, const float* __restrict__ mu_bh, float qmk_scale,
+                                           float (&qmk_r)[2]) {
+  using S = NvWs<D, NC>;
+  static_assert(D == 128, "a row's four 32-column quarters are one lane quad (D = 128)");
+  const int g = lane / 4, t4 = lane % 4;
+  uint4 raw[2][2][2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int qr = row0 + (cw % 4) * 16 + 8 * j + g;
+    const uint4* src = reinterpret_cast<const uint4*>(q_bh + (qr < nq ? qr * qsn + t4 * 32 : 0));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) raw[j][k / 2][k % 2] = qr < nq ? __ldg(src + k) : make_uint4(0u, 0u, 0u, 0u);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int rl = (cw % 4) * 16 + 8 * j + g, qr = row0 + rl;  // (rl: the row within the warpgroup's 64)
+    float v[2][16];
+    unpack16<T>(raw[j][0], v[0]);
+    unpack16<T>(raw[j][1], v[1]);
+    if (mu_bh) {  // (every lane: the shuffles take the whole quad; rows >= nq give zeros, unused)
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        float m[16];
+        load16f(mu_bh + t4 * 32 + 16 * k, m);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc = fmaf(v[k][i], m[i], acc);
+      }
+      acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      qmk_r[j] = acc * qmk_scale;
+    }
+    char* tile = sQ + (t4 / 2) * S::BQ * 128;  // the 64-column piece of columns 32 t4 ..
+    const int r = (cw / 4) * 64 + rl;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int u = (t4 % 2) * 2 + k;  // the 16-block within the piece
+      unsigned hv[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+      if (qr < nq) {
+        unsigned packed[2];
+        const unsigned sc = nvfp4_block_exact16(v[k], packed);
+        dequant16_half(make_uint2(packed[0], packed[1]), sc, hv);
+      }
+      *reinterpret_cast<uint4*>(tile + swz<128>(r, 2 * u)) = make_uint4(hv[0], hv[1], hv[2], hv[3]);
+      *reinterpret_cast<uint4*>(tile + swz<128>(r, 2 * u + 1)) = make_uint4(hv[4], hv[5], hv[6], hv[7]);
+    }
+  }
+}
+
 }  // namespace
 
-// Grid (ceil(nq / (64 NC)), Hq, B), block 128 (NC + 1), dynamic shared memory NvWs<D, NC>::SMEM. Arguments as
-// nvfp4_attn_fwd_sm90. NC = 3 consumers (192 rows, 152 registers each) take the 12-warp kernel's order instead
-// (one S tile: softmax(t), P.V(t), Q.K^T(t+1), wait for both).
-template <typename T, int D, bool TWO_LEVEL, int CG = 1, int NC = 2>
-__global__ void __launch_bounds__(128 * (NC + 1), 1)
-nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
-                  const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
-                  const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,
-                  const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
-                  float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
+// The warp-specialized kernel's body. QIN = false: Q^ from the pre-pass's packed bytes (qc, qs), staged and
+// dequantized by the producer, qmk (or null) from memory. QIN = true (nvfp4_attn_fwd_ws_qin): Q^ from the raw input
+// q (rows qsn elements apart, 16-byte aligned; q_bh = q + b qsb + h qsh), quantized by the consumers (ws_quant_q),
+// and qmk = qmk_scale * q . mu_K (mu: (B, Hkv, D) fp32, or null: no qmk) in registers.
+template <typename T, int D, bool TWO_LEVEL, int CG, int NC, bool QIN>
+__device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
+    const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs, const T* __restrict__ q,
+    long long qsb, long long qsh, long long qsn, const float* __restrict__ mu, float qmk_scale,
+    const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks, const unsigned char* __restrict__ vc,
+    const unsigned char* __restrict__ vs, int vcs, const float* __restrict__ qmk, T* __restrict__ o, long long osb,
+    long long osh, long long osn, float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16,
+    float scale_log2, int causal) {
   using S = NvWs<D, NC>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
@@ -597,34 +665,36 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     const unsigned char* gks = ks + bhk * nk * (D / 16);
     const unsigned char* gvc = vc + bhk * D * vcs;
     const unsigned char* gvs = vs + bhk * D * (vcs / 8);
-    // Q's bytes go to staging buffer 1 with SAGE_FP4_WS_QOVL (tile 0's to buffer 0 right after, both in flight),
-    // else to buffer 0 before tile 0's. Every staging slot is written and read by the same thread.
-    char* stq = SAGE_FP4_WS_QOVL ? stg0 + S::STG : stg0;
+    if constexpr (!QIN) {  // (QIN: the consumers write Q^ themselves)
+      // Q's bytes go to staging buffer 1 with SAGE_FP4_WS_QOVL (tile 0's to buffer 0 right after, both in flight),
+      // else to buffer 0 before tile 0's. Every staging slot is written and read by the same thread.
+      char* stq = SAGE_FP4_WS_QOVL ? stg0 + S::STG : stg0;
 #pragma unroll
-    for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // Q (rows >= nq zero)
-      const int i = ptid + j * S::PTHREADS, row = i % BQ, piece = i / BQ, qr = q0 + row;
-      const bool ok = qr < nq;
-      const long long r = bh * nq + qr;
-      stage_task(stq, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
-                 ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
-    }
-    cp_async_commit();
-    if constexpr (SAGE_FP4_WS_QOVL) {
-      if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+      for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // Q (rows >= nq zero)
+        const int i = ptid + j * S::PTHREADS, row = i % BQ, piece = i / BQ, qr = q0 + row;
+        const bool ok = qr < nq;
+        const long long r = bh * nq + qr;
+        stage_task(stq, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
+                   ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
+      }
       cp_async_commit();
-      cp_async_wait<1>();  // Q's bytes (tile 0's may still be in flight)
-    } else {
-      cp_async_wait<0>();
-    }
-    asm volatile("" ::: "memory");
+      if constexpr (SAGE_FP4_WS_QOVL) {
+        if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+        cp_async_commit();
+        cp_async_wait<1>();  // Q's bytes (tile 0's may still be in flight)
+      } else {
+        cp_async_wait<0>();
+      }
+      asm volatile("" ::: "memory");
 #pragma unroll
-    for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
-      const int i = ptid + j * S::PTHREADS;
-      dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
+      for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
+        const int i = ptid + j * S::PTHREADS;
+        dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
+      }
+      fence_proxy_async();
+      mbar_arrive(q_full);
     }
-    fence_proxy_async();
-    mbar_arrive(q_full);
-    if constexpr (!SAGE_FP4_WS_QOVL) {
+    if constexpr (QIN || !SAGE_FP4_WS_QOVL) {
       if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
       cp_async_commit();
     }
@@ -680,7 +750,15 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
     }
     return;
   }
-  mbar_wait(q_full, 0);
+  float qmk_r[2] = {0.f, 0.f};  // (QIN: qmk of rows r_lo, r_lo + 8)
+  if constexpr (QIN) {
+    ws_quant_q<T, D, NC>(sQ, q + b * qsb + h * qsh, qsn, nq, q0 + (cw / 4) * 64, cw, lane,
+                         mu ? mu + bhk * D : nullptr, qmk_scale, qmk_r);
+    fence_proxy_async();  // (this thread's Q^ stores, before the warpgroup's products read them)
+    warpgroup_barrier(cw / 4);
+  } else {
+    mbar_wait(q_full, 0);
+  }
   if (tl.n > 0) {
     mbar_wait(full, 0);
     wgmma_fence();
@@ -743,8 +821,45 @@ nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __r
   hold_regs(pa0);
   hold_regs(pa1);
   fp4_frame_finish<TWO_LEVEL>(acc_o, fr, rs);
-  fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
-                                qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
+  if constexpr (QIN)
+    fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
+                                  nullptr, r_lo, t4, nq, 0, qmk_r);
+  else
+    fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
+                                  qmk ? qmk + bh * nq : nullptr, r_lo, t4, nq, 0);
+}
+
+// Grid (ceil(nq / (64 NC)), Hq, B), block 128 (NC + 1), dynamic shared memory NvWs<D, NC>::SMEM. Arguments as
+// nvfp4_attn_fwd_sm90. NC = 3 consumers (192 rows, 152 registers each) take the 12-warp kernel's order instead
+// (one S tile: softmax(t), P.V(t), Q.K^T(t+1), wait for both).
+template <typename T, int D, bool TWO_LEVEL, int CG = 1, int NC = 2>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+nvfp4_attn_fwd_ws(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
+                  const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
+                  const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,
+                  const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
+                  float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
+  nvfp4_attn_fwd_ws_body<T, D, TWO_LEVEL, CG, NC, false>(qc, qs, nullptr, 0, 0, 0, nullptr, 0.f, kc, ks, vc, vs, vcs,
+                                                         qmk, o, osb, osh, osn, lse, Hq, Hkv, nq, nk, n16, scale_log2,
+                                                         causal);
+}
+
+// nvfp4_attn_fwd_ws with Q quantized in the kernel (opt-in: SAGECUPY_FP4_QIN=1; nvfp4.attention on raw inputs): q
+// the raw fp16 / bf16 input (B, Hq, nq, D) at element strides qsb, qsh, qsn (rows 16-byte aligned, D contiguous),
+// mu K's mean (B, Hkv, D) fp32 or null (no K-smoothing: no qmk), qmk_scale = sm_scale; no qc, qs, qmk. The same O
+// and LSE, bit for bit, as the pre-pass's Q (nvfp4_quant_rows with its qmk) and nvfp4_attn_fwd_ws. Grid, block and
+// shared memory as nvfp4_attn_fwd_ws.
+template <typename T, int D, bool TWO_LEVEL, int CG = 1, int NC = 3>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+nvfp4_attn_fwd_ws_qin(const T* __restrict__ q, long long qsb, long long qsh, long long qsn,
+                      const float* __restrict__ mu, float qmk_scale, const unsigned char* __restrict__ kc,
+                      const unsigned char* __restrict__ ks, const unsigned char* __restrict__ vc,
+                      const unsigned char* __restrict__ vs, int vcs, T* __restrict__ o, long long osb, long long osh,
+                      long long osn, float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16,
+                      float scale_log2, int causal) {
+  nvfp4_attn_fwd_ws_body<T, D, TWO_LEVEL, CG, NC, true>(nullptr, nullptr, q, qsb, qsh, qsn, mu, qmk_scale, kc, ks, vc,
+                                                        vs, vcs, nullptr, o, osb, osh, osn, lse, Hq, Hkv, nq, nk, n16,
+                                                        scale_log2, causal);
 }
 
 // ---- Persistent warp-specialized kernel (nvfp4_attn_fwd_ws_persist; opt-in: SAGECUPY_FP4_PERSIST=1, three

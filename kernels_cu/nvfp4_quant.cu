@@ -10,56 +10,6 @@
 
 using namespace sage;
 
-template <typename T>
-__device__ __forceinline__ T bits_to(unsigned short b);
-template <>
-__device__ __forceinline__ __half bits_to<__half>(unsigned short b) {
-  return __ushort_as_half(b);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 bits_to<__nv_bfloat16>(unsigned short b) {
-  return __ushort_as_bfloat16(b);
-}
-
-// Two 16-byte words of 8 T values each -> 16 floats (element 2i of a 32-bit word in its low half).
-template <typename T>
-__device__ __forceinline__ void unpack16(const uint4 (&w)[2], float (&v)[16]) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const unsigned u[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[8 * j + 2 * i] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] & 0xFFFFu)));
-      v[8 * j + 2 * i + 1] = to_float(bits_to<T>(static_cast<unsigned short>(u[i] >> 16)));
-    }
-  }
-}
-
-// 16 consecutive elements from src as floats: two 16-byte loads where src is 16-byte aligned (a warp's loads then
-// cover whole lines once; with 2-byte loads each of the 16 instructions touched 32 sectors), else 16 scalar loads.
-template <typename T>
-__device__ __forceinline__ void load16(const T* src, float (&v)[16]) {
-  if ((reinterpret_cast<unsigned long long>(src) & 15ull) == 0) {
-    const uint4 w[2] = {__ldg(reinterpret_cast<const uint4*>(src)), __ldg(reinterpret_cast<const uint4*>(src) + 1)};
-    unpack16<T>(w, v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = to_float(src[i]);
-  }
-}
-
-// 16 consecutive fp32 values from src (16-byte aligned: four 16-byte loads).
-__device__ __forceinline__ void load16f(const float* src, float (&v)[16]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float4 w = __ldg(reinterpret_cast<const float4*>(src) + j);
-    v[4 * j] = w.x;
-    v[4 * j + 1] = w.y;
-    v[4 * j + 2] = w.z;
-    v[4 * j + 3] = w.w;
-  }
-}
-
 // One thread's work of nvfp4_quant_rows after its loads: v = its BPT 16-blocks of row `row` from column c0 (zeros
 // when !valid; every thread of a row's group runs this, valid or not, for the dot's shuffles).
 template <typename T, int DT>

@@ -135,6 +135,19 @@ def fp4_persist(engine: str = "wgmma", head_dim: int = 128) -> bool:
     return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
 
 
+def fp4_qin(engine: str = "wgmma", head_dim: int = 128) -> bool:
+    """Whether :func:`attention` quantizes Q inside the warp-specialized kernel (``nvfp4_attn_fwd_ws_qin``: each
+    consumer warpgroup quantizes and dequantizes its 64 rows of the raw input into shared memory and computes their
+    qmk, so the pre-pass quantizes only K and V; bitwise the same O and LSE) instead of in the pre-pass:
+    ``SAGECUPY_FP4_QIN=1`` asks for it (opt-in, ``0`` the default, until it is measured on the GPU). It applies
+    where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent one does
+    not (``SAGECUPY_FP4_PERSIST=1`` keeps the pre-pass's Q)."""
+    env = os.environ.get("SAGECUPY_FP4_QIN", "0")
+    if env not in ("0", "1"):
+        raise ValueError(f"SAGECUPY_FP4_QIN={env!r} is not supported; supported: '0', '1'")
+    return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     import cupy
@@ -204,6 +217,8 @@ def kernel_names() -> dict:
     attn90 += [_ws_name(T, 128, "true", cg, nc) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP) for nc in (2, 3)]
     # the persistent warp-specialized kernel (opt-in, SAGECUPY_FP4_PERSIST=1): two-level P
     attn90 += [f"nvfp4_attn_fwd_ws_persist<{T}, 128, true, 3>" for T in _T.values()]
+    # the warp-specialized kernel quantizing Q itself (opt-in, SAGECUPY_FP4_QIN=1): two-level P, 3 consumers
+    attn90 += [_ws_name(T, 128, "true", cg, 3, qin=True) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
     return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
@@ -224,9 +239,10 @@ def kernel_constants() -> dict:
             "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
-def _ws_name(T: str, D: int, tl: str, cg: int, nc: int) -> str:
-    """The warp-specialized kernel's instance (CG and NC template arguments written out)."""
-    return f"nvfp4_attn_fwd_ws<{T}, {D}, {tl}, {cg}, {nc}>"
+def _ws_name(T: str, D: int, tl: str, cg: int, nc: int, qin: bool = False) -> str:
+    """The warp-specialized kernel's instance (CG and NC template arguments written out); ``qin``: the one that
+    quantizes Q itself (``nvfp4_attn_fwd_ws_qin``)."""
+    return f"nvfp4_attn_fwd_ws{'_qin' if qin else ''}<{T}, {D}, {tl}, {cg}, {nc}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -560,11 +576,12 @@ def _pad_tokens64(codes, scales, n16):
 
 
 def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine,
-                   counter=None):
+                   counter=None, q_in=None):
     """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
     scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
     ``"o"`` (raw, in ``layout``) and ``"lse"``. ``counter``: :func:`_persist_counter`'s (the persistent kernel runs
-    when it is given)."""
+    when it is given). ``q_in``: ``(q, qsb, qsh, qsn, mu)`` (the raw Q's Ref and element strides, K's mean's Ref or
+    None) where the kernel quantizes Q itself (:func:`fp4_qin`; ``ops`` then has no Q, ``qmk`` is None)."""
     import cupy
 
     from .int8 import _bits_dtype, _c_strides, _layout_shape
@@ -585,6 +602,9 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
                 f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal, w, D))}>")
         if counter is not None:
             name = f"nvfp4_attn_fwd_ws_persist<{_T[dtype]}, {D}, {tl}, 3>"
+        if q_in is not None:
+            assert ws == 3 and counter is None and qmk is None  # (fp4_qin's conditions)
+            name = _ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws, qin=True)
         fn = get_function("fp4_attn_fwd_sm90.cu", name, all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16:  # rows padded to whole 64-token tiles (a copy per call)
@@ -603,9 +623,13 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         extra = (i32(B), counter, i32(nitems))
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
+    if q_in is not None:  # (nvfp4_attn_fwd_ws_qin: the raw Q and K's mean instead of Q's bytes and qmk)
+        rq, qsb, qsh, qsn, mu = q_in
+        head = (rq, i64(qsb), i64(qsh), i64(qsn), mu, f32(sm_scale), ops["k_packed"], ops["k_scales"], *v_args)
+    else:
+        head = (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk)
     prog.launch(fn, grid, (128 * (ws + 1) if ws else 32 * w,),
-                (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk,
-                 o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
+                (*head, o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
                  f32(sm_scale * LOG2E), i32(int(causal)), *extra),
                 shared_mem=smem, pdl=True)  # (every NVFP4 forward kernel calls grid_dep_wait() first)
 
@@ -655,6 +679,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     pipe = (fused_pre and mode == "pipe"  # (its 32-bit piece indices)
             and p.batch * (p.heads_q * cq + p.heads_kv * ck) < 2**30 and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30)
     copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
+    qin = fp4_qin(engine, p.head_dim)  # (Q quantized in the kernel: no Q pre-pass, no qmk array)
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
@@ -667,13 +692,13 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         mu = _column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
     elif fused_pre:
         mu = Ref("mu_k")  # (recorded below, after V's quantizer)
-    ops = {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
-           "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8),
-           "k_packed": prog.empty("k_packed", (B, Hkv, nk, D // 2), u8),
-           "k_scales": prog.empty("k_scales", (B, Hkv, nk, D // 16), u8)}
+    ops = {} if qin else {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
+                          "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8)}
+    ops["k_packed"] = prog.empty("k_packed", (B, Hkv, nk, D // 2), u8)
+    ops["k_scales"] = prog.empty("k_scales", (B, Hkv, nk, D // 16), u8)
     # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE: computed by Q's quantizer where a row's 16-blocks
-    # are neighbouring lanes of a warp (D / 16 a power of two), else by row_mu_dot (below)
-    qmk = prog.empty("qmk", (B, Hq, nq), f32) if mu is not None else None
+    # are neighbouring lanes of a warp (D / 16 a power of two), else by row_mu_dot (below); by the kernel with qin
+    qmk = prog.empty("qmk", (B, Hq, nq), f32) if mu is not None and not qin else None
     fused = qmk is not None and (D // 16) & (D // 16 - 1) == 0 and D // 16 <= 32
     dot = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk) if fused else (None, i32(1), f32(0), None)
     (fq, gq), (fk, gk) = _rows_launch(T, nq, D), _rows_launch(T, nk, D)
@@ -700,11 +725,18 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         q_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(Hq))
         k_args = (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(Hkv))
         dot_args = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk)
-        if pipe:
+        if pipe:  # (with qin: K's pieces only, nq = 0)
+            cq_run = 0 if qin else cq
+            if qin:
+                q_args = (None, i64(0), i64(0), i64(0), i32(0), i32(Hq))
             prog.launch(_quant_fn(f"nvfp4_quant_qk_rows_pipe<{T}, {D}>"),
-                        (_pipe_grid(B * (Hq * cq + Hkv * ck), _PIPE_ROWS_CTAS),), (256,),
-                        (*q_args, ops["q_packed"], ops["q_scales"], *dot_args, *k_args, mu, ops["k_packed"],
-                         ops["k_scales"], i32(B), *map(_fast_div, (cq, ck, Hq, Hkv))), pdl=True)
+                        (_pipe_grid(B * (Hq * cq_run + Hkv * ck), _PIPE_ROWS_CTAS),), (256,),
+                        (*q_args, ops.get("q_packed"), ops.get("q_scales"), *dot_args, *k_args, mu, ops["k_packed"],
+                         ops["k_scales"], i32(B), *map(_fast_div, (max(cq_run, 1), ck, Hq, Hkv))), pdl=True)
+        elif qin:  # K's row quantizer alone
+            prog.launch(fk, (gk, Hkv, B), (256,),
+                        (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"],
+                         ops["k_scales"], None, i32(1), f32(0), None), pdl=True)
         else:
             prog.launch(_quant_fn(f"nvfp4_quant_qk_rows<{T}, {D}>"), (gq * Hq + gk * Hkv, 1, B), (256,),
                         (*q_args, i32(gq), ops["q_packed"], ops["q_scales"], *dot_args, *k_args, i32(gk), mu,
@@ -712,9 +744,10 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     else:
         # Q's, K's and V's quantizers and the kernel are programmatic dependents (pdl=True; each calls
         # grid_dep_wait() before touching global memory): each launches while the one before drains
-        prog.launch(fq, (gq, Hq, B), (256,),
-                    (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"],
-                     ops["q_scales"], *dot), pdl=True)
+        if not qin:
+            prog.launch(fq, (gq, Hq, B), (256,),
+                        (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"],
+                         ops["q_scales"], *dot), pdl=True)
         prog.launch(fk, (gk, Hkv, B), (256,),
                     (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
                      None, i32(1), f32(0), None), pdl=True)
@@ -726,7 +759,8 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
-                   sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, counter=counter)
+                   sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, counter=counter,
+                   q_in=(rq, qsb, qsh, qsn, mu) if qin else None)
     return Plan(p, cfg, engine, copy, prog)
 
 

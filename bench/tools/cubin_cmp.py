@@ -5,7 +5,8 @@ For edits meant to change no code (comments, formatting): same cubins, so a GPU 
     git archive REV kernels_cu | tar -x -C /tmp/old
     python bench/tools/cubin_cmp.py /tmp/old/kernels_cu [FILE.cu ...] [--each]
 
---each: one cubin per instantiation (which template instances changed).
+--each: one cubin per instantiation (which template instances changed); an instance the old tree does not have
+(a new kernel) is listed as NEW and not counted.
 """
 import hashlib
 import subprocess
@@ -19,13 +20,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / ".ci")]
 import compile_kernels as ck  # noqa: E402
 
 
-def cubin_digest(tree, filename, names, flag, tmp):
+def cubin_digest(tree, filename, names, flag, tmp, missing_ok=False):
     wrap = Path(tmp) / "wrap.cu"  # the same path for both trees
     refs = ",\n  ".join(f"(const void*)&{n}" for n in names)
     wrap.write_text(f'#include "{tree}/{filename}"\nconst void* sagecupy_instances[] = {{\n  {refs}\n}};\n')
     out = Path(tmp) / "k.cubin"
     r = subprocess.run(["nvcc", "-std=c++17", flag, "-cubin", "-o", str(out), str(wrap)], capture_output=True, text=True)
     if r.returncode:
+        if missing_ok:
+            return None
         raise SystemExit(f"{tree}/{filename}: nvcc failed\n{r.stderr[-2000:]}")
     return hashlib.sha256(out.read_bytes()).hexdigest()
 
@@ -41,7 +44,11 @@ def main():
         for f in files:
             for arch, flag in ck.archs_for(f).items():
                 for group in ([[n] for n in names[f]] if each else [names[f]]):
-                    a, b = (cubin_digest(t, f, group, flag, tmp) for t in (old, ROOT / "kernels_cu"))
+                    a = cubin_digest(old, f, group, flag, tmp, missing_ok=each)
+                    b = cubin_digest(ROOT / "kernels_cu", f, group, flag, tmp)
+                    if a is None:
+                        print("NEW", arch, f, group[0], flush=True)
+                        continue
                     differ += a != b
                     print("same" if a == b else "DIFFERS", arch, f, group[0] if each else "", flush=True)
     print(f"{differ} of the cubins differ")

@@ -367,7 +367,8 @@ __device__ __forceinline__ void fp4_pv_update(float (&o)[N][4], const float (&ac
   }
 }
 
-// Epilogue: normalize and store O (T), O' (fp32, QAT only), LSE. A row that sees no key
+// Epilogue: normalize and store O (T), O' (fp32, QAT only), LSE (+ qmk: qmk_bh[row] from memory, or qmk_rows[r] for
+// rows r_lo + 8 r from the caller's registers when it is given; 0 without either). A row that sees no key
 // (l == 0) stores exact zeros (not acc * 0: a NaN of V reaches acc through 0 * NaN in the MMA even for rows
 // that do not see it).
 template <typename T, int D, bool QAT>
@@ -375,7 +376,7 @@ __device__ __forceinline__ void fp4_fwd_epilogue(const float (&acc_o)[D / 8][4],
                                                  T* __restrict__ o_bh, long long osn, float* __restrict__ oprime_bh,
                                                  float* __restrict__ lse_bh, float* __restrict__ lse2_bh,
                                                  const float* __restrict__ qmk_bh, int r_lo, int t4, int nq,
-                                                 int nq_pad) {
+                                                 int nq_pad, const float* qmk_rows = nullptr) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) rs.l[r] = quad_sum(rs.l[r]);
   const float inv_l[2] = {rs.l[0] == 0.f ? 0.f : 1.f / rs.l[0], rs.l[1] == 0.f ? 0.f : 1.f / rs.l[1]};
@@ -400,7 +401,9 @@ __device__ __forceinline__ void fp4_fwd_epilogue(const float (&acc_o)[D / 8][4],
     for (int r = 0; r < 2; ++r) {
       const int row = r_lo + 8 * r;
       const float l2 = rs.l[r] == 0.f ? INFINITY : rs.m[r] + log2f(rs.l[r]);
-      if (row < nq) lse_bh[row] = rs.l[r] == 0.f ? -INFINITY : l2 * 0.6931471805599453f + (qmk_bh ? qmk_bh[row] : 0.f);
+      if (row < nq)
+        lse_bh[row] = rs.l[r] == 0.f ? -INFINITY
+                                     : l2 * 0.6931471805599453f + (qmk_rows ? qmk_rows[r] : qmk_bh ? qmk_bh[row] : 0.f);
       if (lse2_bh && row < nq_pad) lse2_bh[row] = row < nq ? l2 : INFINITY;
     }
   }

@@ -363,6 +363,98 @@ def test_nvfp4_fast_div_multipliers_divide_exactly(gpu):
         assert np.all(q < 2**32) and np.array_equal(q, n // np.uint64(d)), d
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("smooth", [True, False])
+@pytest.mark.parametrize("mode", ["split", "fused", "pipe"])
+def test_nvfp4_q_in_kernel_launches(gpu, mode, smooth, layout, monkeypatch):
+    """SAGECUPY_FP4_QIN=1: no Q quantizer (and no qmk array); the pre-pass's other launches as without it (pipe: its
+    rows kernel with K's chunks only, nq = 0); nvfp4_attn_fwd_ws_qin gets the raw Q with the strides Q's quantizer
+    gets, K's mean (the array K's quantizer subtracts; null without K-smoothing) and sm_scale in place of Q's bytes
+    and qmk, and the warp-specialized kernel's other arguments."""
+    from sagecupy import nvfp4
+    from sagecupy.config import NVFP4Config
+
+    nvfp4._ATTN_PLANS.clear()
+    monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 40)
+    monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+    q, k, v = _inputs(layout=layout, nk=128)  # B = 2, Hq = 4, Hkv = 2, nq = 100, nk = 128
+    names = dict(q=q, k=k, v=v)
+    cfg = NVFP4Config(k_smoothing=smooth)
+    runs = {}
+    for qin in ("0", "1"):
+        monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+        start = len(gpu)
+        nvfp4.attention(q, k, v, causal=True, layout=layout, config=cfg, sm_scale=0.125)
+        runs[qin] = gpu[start:]
+    plain, qin = runs["0"], runs["1"]
+    fused = mode != "split" and smooth
+    pn, qn = [x[0].split("<")[0] for x in plain], [x[0].split("<")[0] for x in qin]
+    if not fused:  # the split pre-pass without Q's quantizer (the first nvfp4_quant_rows)
+        i = pn.index("nvfp4_quant_rows")
+        assert qn[:-1] == pn[:i] + pn[i + 1:-1]
+        q_launch = _summary(plain[i], names)
+    elif mode == "fused":  # Q's and K's rows kernel -> K's nvfp4_quant_rows
+        assert pn[:2] == qn[:2] and pn[2] == "nvfp4_quant_qk_rows" and qn[2] == "nvfp4_quant_rows"
+        q_launch = None
+    else:
+        assert pn[:-1] == qn[:-1]
+        rp, rq = _summary(plain[2], names), _summary(qin[2], names)
+        chunks = lambda n: (n * 4 + 255) // 256  # noqa: E731
+        assert rp[1] == (2 * (4 * chunks(100) + 2 * chunks(128)),) and rq[1] == (2 * 2 * chunks(128),)
+        assert rq[3][:6] == (None, ("int64", 0), ("int64", 0), ("int64", 0), ("int32", 0), ("int32", 4))
+        assert rq[3][6:8] == (None, None) and rq[3][11] is None  # no Q codes, scales, qmk
+        assert rq[3][12:-4] == rp[3][12:-4] and rq[3][-3:] == rp[3][-3:]  # K's part; B, the other divisions
+        assert rq[3][-4] == ("int64", int(nvfp4._fast_div(1)))  # (Q's chunks per head: none)
+        q_launch = None
+    name, grid, block, args, smem = qin[-1]
+    assert name == "nvfp4_attn_fwd_ws_qin<__half, 128, true, 16, 3>"
+    pk = _summary(plain[-1], names)
+    assert pk[0] == "nvfp4_attn_fwd_ws<__half, 128, true, 16, 3>" and (grid, block, smem) == pk[1:3] + (pk[4],)
+    a = _summary(qin[-1], names)[3]
+    assert a[0] == ("input", "q") and a[5] == ("float32", 0.125)
+    if q_launch is not None:
+        assert a[1:4] == q_launch[3][1:4]  # Q's strides, as its quantizer gets them
+    else:
+        hn = (1, 2) if layout == "HND" else (2, 1)  # (the byte strides of the heads' and the tokens' axes)
+        assert a[1:4] == tuple(("int64", q.strides[i] // 2) for i in (0, *hn))
+    mu = args[4]
+    if smooth:
+        assert mu is not None and mu.shape == (2, 2, 128) and mu.dtype == np.float32
+        # K's quantizer subtracts this mean and writes the codes and scales the kernel reads
+        assert any("rows" in x[0] and any(y is mu for y in x[3]) and any(y is args[6] for y in x[3])
+                   and any(y is args[7] for y in x[3]) for x in qin[:-1])
+    else:
+        assert mu is None
+    assert a[6:] == pk[3][2:7] + pk[3][8:]  # K, V and the rest; Q's bytes and qmk dropped
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", "yes")
+    with pytest.raises(ValueError, match="SAGECUPY_FP4_QIN='yes'"):
+        nvfp4.attention(q, k, v, layout=layout)
+
+
+def test_nvfp4_q_in_kernel_only_where_the_ws_kernel_runs(gpu, monkeypatch):
+    """SAGECUPY_FP4_QIN=1 changes nothing where the three-consumer warp-specialized kernel does not run (D = 64, the
+    mma engine, SAGECUPY_FP4_WS=2) or the persistent kernel does."""
+    from sagecupy import nvfp4
+
+    monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 40)
+    monkeypatch.setattr(nvfp4, "_zero_counter", lambda c: ())
+    for env, d, engine in ((None, 64, None), (None, 128, "mma"), (("SAGECUPY_FP4_WS", "2"), 128, None),
+                           (("SAGECUPY_FP4_PERSIST", "1"), 128, None)):
+        nvfp4._ATTN_PLANS.clear()
+        if env:
+            monkeypatch.setenv(*env)
+        q, k, v = _inputs(d=d, nk=128)
+        runs = []
+        for qin in ("0", "1"):
+            monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+            start = len(gpu)
+            nvfp4.attention(q, k, v, engine=engine)
+            runs.append([x[0] if isinstance(x[0], str) and "<" in x[0] else "glue" for x in gpu[start:]])
+        assert runs[0] == runs[1] and not any("qin" in x for x in runs[1])
+        if env:
+            monkeypatch.delenv(env[0])
+
+
 def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
     """SAGECUPY_FP4_PERSIST=1: the call zeroes the item counter before its first launch (so the pre-pass and the
     kernel stay programmatic dependents of each other), then launches nvfp4_attn_fwd_ws_persist on min(items, SMs)

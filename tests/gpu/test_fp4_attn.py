@@ -617,7 +617,8 @@ def test_nan_in_v_leaves_rows_that_see_no_key_zero(engine):
         assert np.isnan(o_h[0, 0, 53:, 5]).all()    # rows that see token 3
 
 
-@pytest.mark.parametrize("prepass, persist", [("split", "0"), ("fused", "0"), ("pipe", "0"), ("split", "1")])
+@pytest.mark.parametrize("prepass, persist", [("split", "0"), ("fused", "0"), ("pipe", "0"), ("split", "1"),
+                                              ("split", "qin"), ("pipe", "qin")])
 @pytest.mark.parametrize("engine_name", ["mma", "wgmma"])
 def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name, prepass, persist):
     """nvfp4.attention replays one recorded program per signature, and on sm_90 its quantizers and kernel are
@@ -633,7 +634,9 @@ def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name,
     cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", engine_name)
     monkeypatch.setenv("SAGECUPY_FP4_PREPASS", prepass)
-    monkeypatch.setenv("SAGECUPY_FP4_PERSIST", persist)  # (the persistent kernel: wgmma engine only)
+    # (the persistent kernel, or Q quantized in the warp-specialized kernel: wgmma engine only)
+    monkeypatch.setenv("SAGECUPY_FP4_PERSIST", "1" if persist == "1" else "0")
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", "1" if persist == "qin" else "0")
     for causal, (nq, nk) in ((False, (1000, 1000)), (True, (700, 300))):
         ins = [_inputs(40 + i, 2, 4, 2, nq, nk, 128, "HND", "bfloat16")[0][:3] for i in range(3)]
         alone = []
@@ -681,6 +684,59 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
         for key in (("fused", None), ("pipe", None), ("pipe", 1)):
             for name, a, b in zip(("O", "LSE"), got["split", None], got[key]):
                 assert np.array_equal(a, b, equal_nan=True), f"{name} of {key} differs (causal={causal})"
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 128, 128, "HND", "bfloat16"),
+                                   (2, 4, 2, 1000, 1000, "NHD", "float16"),
+                                   (1, 3, 1, 700, 300, "HND", "bfloat16"),
+                                   (2, 2, 1, 4224, 4100, "HND", "bfloat16"),
+                                   (1, 2, 2, 64, 2000, "NHD", "float16"),
+                                   (1, 1, 1, 1, 1, "HND", "float16")])
+def test_nvfp4_q_in_kernel_matches_prepass(monkeypatch, shape):
+    """SAGECUPY_FP4_QIN=1 (nvfp4_attn_fwd_ws_qin: the consumer warpgroups quantize their rows of the raw Q into
+    shared memory and compute their qmk; the pre-pass quantizes only K and V) gives bitwise the O and LSE of Q's
+    pre-pass quantizer and the warp-specialized kernel, with the split and the pipelined pre-pass, causal or not,
+    with and without K-smoothing (qmk or none). Also: rows with Inf and NaN (their blocks' NaN scale), Q as a strided
+    view of a packed QKV tensor (read in place, NHD), and Q at an address that is not 16-byte aligned (copied first).
+    Last query blocks with 64 real rows of 192, Nq > Nk causal (rows that see no key), GQA, one row."""
+    from sagecupy import nvfp4
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    cp = _cp()
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
+    B, Hq, Hkv, nq, nk, layout, dtype = shape
+    (q, k, v, _), _ = _inputs(13, B, Hq, Hkv, nq, nk, 128, layout, dtype)
+    cases = [("plain", q, NVFP4Config()), ("no K-smoothing", q, NVFP4Config(k_smoothing=False))]
+    if dtype == "float16":
+        qh = cp.asarray(_raw(q))
+        bad = qh.copy()
+        bad.reshape(-1, 128)[min(3, bad.shape[0] * bad.shape[1] * bad.shape[2] - 1), 5] = np.inf
+        bad.reshape(-1, 128)[0, 100] = np.nan
+        cases.append(("Inf and NaN", bad, NVFP4Config()))
+        if layout == "NHD":  # (B, N, 3, H, D): q = qkv[:, :, 0], rows 3 H D elements apart
+            qkv = cp.zeros((B, nq, 3, Hq, 128), cp.float16)
+            qkv[:, :, 0] = qh
+            cases.append(("QKV view", qkv[:, :, 0], NVFP4Config()))
+        flat = cp.zeros(qh.size + 8, cp.float16)
+        off = flat[1:1 + qh.size].reshape(qh.shape)  # (2 bytes past a 16-byte boundary)
+        off[...] = qh
+        cases.append(("misaligned", off, NVFP4Config()))
+    for mode in ("split", "pipe"):
+        monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+        for causal in (False, True):
+            for what, qq, cfg in cases:
+                got = []
+                for qin in ("0", "1"):
+                    monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+                    o, lse = nvfp4.attention(qq, k, v, causal=causal, layout=layout, config=cfg, return_lse=True)
+                    got.append((_host(o), _host(lse)))
+                case = f"({what}, {mode}, causal={causal})"
+                for name, a, b in zip(("O", "LSE"), *got):
+                    assert np.array_equal(a, b, equal_nan=True), f"{name} differs {case}"
+                if what == "Inf and NaN":
+                    assert np.isnan(got[1][0]).any(), f"the NaN scale reaches O {case}"
 
 
 @pytest.mark.parametrize("ctas", [3, None])
