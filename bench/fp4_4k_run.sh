@@ -10,7 +10,13 @@
 #                                    # and whole call; the pipelined pre-pass's launches, with and without
 #                                    # SAGECUPY_FP4_QIN (probe); ~8 minutes
 #   bash bench/fp4_4k_run.sh tests   # the tests that exercise them (shards; then again with the three defines on)
-# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_pipe.txt, probe_qin.txt, tests_*.txt.
+#   CANDIDATE="SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,..." \
+#     bash bench/fp4_4k_run.sh suite # the whole NVFP4 / QAT GPU suite (and the adapters') and the benchmark with the
+#                                    # switches that gained set in the environment: once the code's defaults are
+#                                    # flipped to them (the same cubins: bench/tools/cubin_cmp.py), this run is the
+#                                    # suite and the benchmark of the final kernels; ~9 minutes
+# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_pipe.txt, probe_qin.txt, tests_*.txt; suite:
+# suite_fp4.txt, shard_*.log, bench.jsonl, bench_table.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sagecupy_out}; mkdir -p "$OUT"
@@ -52,6 +58,13 @@ SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_pipe.txt"
   (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 45 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_qin.txt"
+elif [ "$what" = suite ]; then
+  echo "candidate defaults: ${CANDIDATE:-none}"
+  env ${CANDIDATE:-} SHARDS=${SHARDS:-5} TIMEOUT=${TIMEOUT:-400} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
+    tests/gpu/test_nvfp4_quant.py tests/gpu/test_torch_adapter.py tests/gpu/test_jax_adapter.py 2>&1 \
+    | tee "$OUT/suite_fp4.txt"
+  env ${CANDIDATE:-} timeout ${BENCH_TIMEOUT:-170} python3 bench/run_bench.py --quick --memory --families nvfp4,qat \
+    --out "$OUT/bench.jsonl" 2>/dev/null | tee "$OUT/bench_table.txt"
 else
   SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
     tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent or q_in" 2>&1 \

@@ -116,9 +116,18 @@ def environment() -> dict:
         "cupy": cupy_version,
         "cupy_distribution": cupy_dist,
         "kernel_sources": kernel_hashes(),
+        "kernel_env": kernel_env(),
     }
     env.update(gpu_info())
     return env
+
+
+def kernel_env() -> dict:
+    """The kernel-choosing environment variables that are set (``SAGECUPY_*``, e.g. an opt-in switch a benchmark
+    ran with), name -> value."""
+    from ._program import _ENV_VARS
+
+    return {name: os.environ[name] for name in _ENV_VARS if name in os.environ}
 
 
 def kernel_hashes() -> dict:
