@@ -3,14 +3,14 @@
 # the warp-specialized kernel's idle-warpgroup skip (SAGE_FP4_WS_IDLE_SKIP) and Q / tile-0 load overlap
 # (SAGE_FP4_WS_QOVL), the fused pre-pass (SAGECUPY_FP4_PREPASS=fused) and its pipelined form (=pipe, thirtieth
 # session), K's binary-search block quantizer (SAGE_NVFP4_CMP_BSEARCH, thirtieth), the persistent kernel
-# (SAGECUPY_FP4_PERSIST=1) and Q quantized in the warp-specialized kernel (SAGECUPY_FP4_QIN=1, thirty-first).
-# All default off until this runs.
+# (SAGECUPY_FP4_PERSIST=1), Q quantized in the warp-specialized kernel (SAGECUPY_FP4_QIN=1, thirty-first) and the
+# last wave's items split along the keys (SAGECUPY_FP4_TAIL_SPLIT=1, thirty-first). All default off until this runs.
 #   bash bench/fp4_4k_run.sh time    # a persistent-kernel smoke check (capped: a hang must not eat the call), then
 #                                    # fp4_floor.py at 4K (SHAPES=4:4096,1:16384 adds 16K): every variant's kernel
 #                                    # and whole call; the pipelined pre-pass's launches, with and without
 #                                    # SAGECUPY_FP4_QIN (probe); ~8 minutes
 #   bash bench/fp4_4k_run.sh tests   # the tests that exercise them (shards; then again with the three defines on)
-#   CANDIDATE="SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,..." \
+#   CANDIDATE="SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_FP4_TAIL_SPLIT=1 SAGECUPY_DEFINES=..." \
 #     bash bench/fp4_4k_run.sh suite # the whole NVFP4 / QAT GPU suite (and the adapters') and the benchmark with the
 #                                    # switches that gained set in the environment: once the code's defaults are
 #                                    # flipped to them (the same cubins: bench/tools/cubin_cmp.py), this run is the
@@ -24,7 +24,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 what=${1:-time}
 if [ "$what" = time ]; then
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
-  timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.txt"  # (the first compile of the kernels is in here)
+  timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.txt"  # (the first compile of the kernels is in here)
 import os
 import cupy
 from sagecupy import _checks, bench, nvfp4
@@ -42,21 +42,21 @@ for N, causal in ((1024, False), (4096, True), (4096, False)):
     print(f"persistent smoke N={N} causal={causal}: {'bitwise equal' if same else 'DIFFERS'}", flush=True)
 print("SMOKE_OK" if ok else "SMOKE_FAIL")
 PY
-  (cd bench && timeout ${FLOOR_TIMEOUT:-200} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+  (cd bench && timeout ${FLOOR_TIMEOUT:-250} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
     --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1;SAGE_FP4_WS_QOVL=1;SAGECUPY_FP4_PREPASS=fused;\
-SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1,\
-SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe,\
-SAGECUPY_FP4_QIN=1") 2>&1 \
+SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGECUPY_FP4_TAIL_SPLIT=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,\
+SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
+SAGECUPY_FP4_PREPASS=pipe,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1") 2>&1 \
     | tee "$OUT/floor.txt"
   if grep -q SMOKE_OK "$OUT/smoke.txt"; then
-    (cd bench && timeout ${FLOOR_TIMEOUT:-120} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+    (cd bench && timeout ${PERSIST_TIMEOUT:-100} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
       --diags 0 --e2e --extra "SAGECUPY_FP4_PERSIST=1;SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1;\
 SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe") 2>&1 \
       | tee "$OUT/floor_persist.txt"
   fi
-  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 45 \
+  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 40 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_pipe.txt"
-  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 45 \
+  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 40 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_qin.txt"
 elif [ "$what" = suite ]; then
   echo "candidate defaults: ${CANDIDATE:-none}"
@@ -67,10 +67,10 @@ elif [ "$what" = suite ]; then
     --out "$OUT/bench.jsonl" 2>/dev/null | tee "$OUT/bench_table.txt"
 else
   SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
-    tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent or q_in" 2>&1 \
+    tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent or q_in or tail_split" 2>&1 \
     | tee "$OUT/tests_prepass.txt"
   SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1 SHARDS=${SHARDS:-6} \
     TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py tests/gpu/test_nvfp4_quant.py \
-    -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent or fused_prepass or quant or q_in" \
+    -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent or fused_prepass or quant or q_in or tail_split" \
     2>&1 | tee "$OUT/tests_ws_defines.txt"
 fi

@@ -593,7 +593,7 @@ __device__ __forceinline__ void ws_quant_q(char* sQ, const T* __restrict__ q_bh,
       }
       acc += __shfl_xor_sync(0xffffffffu, acc, 2);
       acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-      qmk_r[j] = acc * qmk_scale;
+      qmk_r[j] = __fmul_rn(acc, qmk_scale);  // (rounded as the pre-pass's stored qmk: never fused into the LSE's add)
     }
     char* tile = sQ + (t4 / 2) * S::BQ * 128;  // the 64-column piece of columns 32 t4 ..
     const int r = (cw / 4) * 64 + rl;
@@ -612,20 +612,140 @@ __device__ __forceinline__ void ws_quant_q(char* sQ, const T* __restrict__ q_bh,
   }
 }
 
+// SPLIT: which item (and part of it) CTA blockIdx.x runs (see nvfp4_attn_fwd_ws_split).
+struct WsSplit {
+  int part, nparts, tail;  // tail: the item's index among the split ones (-1: a whole item)
+};
+__device__ __forceinline__ QueryBlock ws_split_item(int rows, int Hq, int Hkv, int whole, int nsplit, int nblk,
+                                                    WsSplit& sp) {
+  const int c = blockIdx.x;
+  int it = c;
+  if (c >= whole) {
+    sp.tail = (c - whole) / nsplit;
+    sp.part = c - whole - sp.tail * nsplit;
+    sp.nparts = nsplit;
+    it = whole + sp.tail;
+  }
+  const int bhi = it / nblk;
+  QueryBlock qb;
+  qb.q0 = (it - bhi * nblk) * rows;
+  qb.h = bhi % Hq;
+  qb.b = bhi / Hq;
+  qb.bh = static_cast<long long>(qb.b) * Hq + qb.h;
+  qb.bhk = static_cast<long long>(qb.b) * Hkv + qb.h / (Hq / Hkv);
+  return qb;
+}
+
+// SPLIT epilogue of a part (after fp4_frame_finish): this thread's O values normalized by the part's own row sums
+// (fp32) and the part's base-2 LSE (m + log2 l; -inf where the row saw no key here) to its slot, 17 float4 with a
+// stride of 32 (a warp's stores are 512 contiguous bytes); then per consumer warp a counter shared by the item's
+// parts: the warp that counts last reads every part's slot (parts in order, whoever finishes last: deterministic)
+// and stores O = sum_p w_p O_p / sum_p w_p, w_p = 2^(lse_p - max_p lse_p), and the LSE (natural log, + qmk as the
+// plain epilogue). A part that saw no key for a row has w_p = 0; a NaN anywhere reaches O and LSE as in the plain
+// epilogue. Memory order: stores, __threadfence, the counter (lane 0); the last warp: __threadfence, L2 loads.
+template <typename T, int D, int NC>
+__device__ __forceinline__ void ws_split_epilogue(const float (&acc_o)[D / 8][4], Fp4Rows& rs,
+                                                  T* __restrict__ o_bh, long long osn, float* __restrict__ lse_bh,
+                                                  const float* __restrict__ qmk_bh, const float* qmk_rows, int r_lo,
+                                                  int t4, int nq, float* __restrict__ part_ws,
+                                                  int* __restrict__ counters, const WsSplit& sp, int cw, int lane) {
+  constexpr int NV4 = D / 8 + 1;  // float4 per thread: O's D / 2 values, then the two LSEs
+  constexpr int MAXP = 4;         // parts at most (the host's choice)
+  float4* ws4 = reinterpret_cast<float4*>(part_ws);
+  auto slot = [&](int p) {  // this thread's first float4 in part p's slot
+    return ws4 + ((static_cast<long long>(sp.tail) * sp.nparts + p) * (4 * NC) + cw) * (NV4 * 32) + lane;
+  };
+#pragma unroll
+  for (int r = 0; r < 2; ++r) rs.l[r] = quad_sum(rs.l[r]);
+  float lse2[2], inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lse2[r] = rs.l[r] == 0.f ? -INFINITY : rs.m[r] + log2f(rs.l[r]);
+    inv_l[r] = rs.l[r] == 0.f ? 0.f : 1.f / rs.l[r];
+  }
+  float4* mine = slot(sp.part);
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt)
+    __stcg(mine + 32 * nt, make_float4(acc_o[nt][0] * inv_l[0], acc_o[nt][1] * inv_l[0], acc_o[nt][2] * inv_l[1],
+                                       acc_o[nt][3] * inv_l[1]));
+  __stcg(mine + 32 * (D / 8), make_float4(lse2[0], lse2[1], 0.f, 0.f));
+  __threadfence();
+  __syncwarp();
+  int prev = 0;
+  if (lane == 0) prev = atomicAdd(counters + static_cast<long long>(sp.tail) * (4 * NC) + cw, 1);
+  prev = __shfl_sync(0xffffffffu, prev, 0);
+  if (prev != sp.nparts - 1) return;  // (another part combines these rows)
+  __threadfence();
+  float lp[MAXP][2], top[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int p = 0; p < MAXP; ++p) {
+    if (p < sp.nparts) {
+      const float4 x = __ldcg(slot(p) + 32 * (D / 8));
+      lp[p][0] = x.x;
+      lp[p][1] = x.y;
+      top[0] = fmaxf(top[0], x.x);  // (fmaxf drops a NaN: w_p below carries it)
+      top[1] = fmaxf(top[1], x.y);
+    }
+  }
+  float w[MAXP][2], den[2] = {0.f, 0.f};
+#pragma unroll
+  for (int p = 0; p < MAXP; ++p)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      w[p][r] = p < sp.nparts && lp[p][r] != -INFINITY ? exp2f(lp[p][r] - top[r]) : 0.f;
+      den[r] += w[p][r];
+    }
+  const float inv_den[2] = {den[0] == 0.f ? 0.f : 1.f / den[0], den[1] == 0.f ? 0.f : 1.f / den[1]};
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int p = 0; p < MAXP; ++p) {
+      if (p < sp.nparts) {
+        const float4 x = __ldcg(slot(p) + 32 * nt);
+        acc.x = fmaf(w[p][0], x.x, acc.x);
+        acc.y = fmaf(w[p][0], x.y, acc.y);
+        acc.z = fmaf(w[p][1], x.z, acc.z);
+        acc.w = fmaf(w[p][1], x.w, acc.w);
+      }
+    }
+    const int col = nt * 8 + 2 * t4;
+    if (r_lo < nq)
+      *reinterpret_cast<unsigned*>(o_bh + r_lo * osn + col) =
+          den[0] == 0.f ? 0u : pack2<T>(acc.x * inv_den[0], acc.y * inv_den[0]);
+    if (r_lo + 8 < nq)
+      *reinterpret_cast<unsigned*>(o_bh + (r_lo + 8) * osn + col) =
+          den[1] == 0.f ? 0u : pack2<T>(acc.z * inv_den[1], acc.w * inv_den[1]);
+  }
+  if (t4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r_lo + 8 * r;
+      if (row < nq)
+        lse_bh[row] = den[r] == 0.f ? -INFINITY
+                                    : __fadd_rn(__fmul_rn(top[r] + log2f(den[r]), 0.6931471805599453f),
+                                                qmk_rows ? qmk_rows[r] : qmk_bh ? qmk_bh[row] : 0.f);
+    }
+  }
+}
+
 }  // namespace
 
 // The warp-specialized kernel's body. QIN = false: Q^ from the pre-pass's packed bytes (qc, qs), staged and
 // dequantized by the producer, qmk (or null) from memory. QIN = true (nvfp4_attn_fwd_ws_qin): Q^ from the raw input
 // q (rows qsn elements apart, 16-byte aligned; q_bh = q + b qsb + h qsh), quantized by the consumers (ws_quant_q),
 // and qmk = qmk_scale * q . mu_K (mu: (B, Hkv, D) fp32, or null: no qmk) in registers.
-template <typename T, int D, bool TWO_LEVEL, int CG, int NC, bool QIN>
+// SPLIT (nvfp4_attn_fwd_ws_split): a 1-D grid of items (ws_split_item), the last ones' keys split over nsplit CTAs
+// (parts), combined by ws_split_epilogue through part_ws and counters.
+template <typename T, int D, bool TWO_LEVEL, int CG, int NC, bool QIN, bool SPLIT = false>
 __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
     const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs, const T* __restrict__ q,
     long long qsb, long long qsh, long long qsn, const float* __restrict__ mu, float qmk_scale,
     const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks, const unsigned char* __restrict__ vc,
     const unsigned char* __restrict__ vs, int vcs, const float* __restrict__ qmk, T* __restrict__ o, long long osb,
     long long osh, long long osn, float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16,
-    float scale_log2, int causal) {
+    float scale_log2, int causal, int whole = 0, int nsplit = 1, int nblk = 1, float* __restrict__ part_ws = nullptr,
+    int* __restrict__ counters = nullptr) {
   using S = NvWs<D, NC>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
@@ -646,11 +766,25 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
   unsigned long long* empty = bars + NST;       // every consumer thread's products on stage s retired
   unsigned long long* q_full = bars + 2 * NST;  // Q dequantized
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<CG>(BQ, CAUSAL, Hq, Hkv);
+  WsSplit sp = {0, 1, -1};  // (SPLIT: this CTA's part of its item's keys)
+  QueryBlock qb;
+  if constexpr (SPLIT)
+    qb = ws_split_item(BQ, Hq, Hkv, whole, nsplit, nblk, sp);
+  else
+    qb = query_block<CG>(BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles<BKV>(q0, BQ, nq, nk, CAUSAL);
+  KeyTiles tl = key_tiles<BKV>(q0, BQ, nq, nk, CAUSAL);
+  int t0 = 0;  // the first key tile: tile t of the loops below is key tile t0 + t (SPLIT parts; 0 otherwise)
+  if constexpr (SPLIT) {
+    if (sp.nparts > 1) {  // (non-causal: first_masked is n - 1 or n, never below a part's first tile)
+      t0 = sp.part * tl.n / sp.nparts;
+      const int t1 = (sp.part + 1) * tl.n / sp.nparts;
+      tl.n = t1 - t0;
+      tl.first_masked -= t0;
+    }
+  }
   if (tid < NST) {
     mbar_init(full + tid, S::PTHREADS);
     mbar_init(empty + tid, S::CTHREADS);
@@ -661,10 +795,12 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
   if (warp < 4) {  // ---- producer ----
     setmaxnreg_dec_producer();
     const int ptid = tid;
-    const unsigned char* gkc = kc + bhk * nk * (D / 2);
-    const unsigned char* gks = ks + bhk * nk * (D / 16);
-    const unsigned char* gvc = vc + bhk * D * vcs;
-    const unsigned char* gvs = vs + bhk * D * (vcs / 8);
+    // (from key tile t0 on: tile t below is key tile t0 + t, its keys and tokens bounded by nk_t and n16_t)
+    const unsigned char* gkc = kc + bhk * nk * (D / 2) + static_cast<long long>(t0) * BKV * (D / 2);
+    const unsigned char* gks = ks + bhk * nk * (D / 16) + static_cast<long long>(t0) * BKV * (D / 16);
+    const unsigned char* gvc = vc + bhk * D * vcs + t0 * (BKV / 2);
+    const unsigned char* gvs = vs + bhk * D * (vcs / 8) + t0 * (BKV / 16);
+    const int nk_t = nk - t0 * BKV, n16_t = n16 - t0 * BKV;
     if constexpr (!QIN) {  // (QIN: the consumers write Q^ themselves)
       // Q's bytes go to staging buffer 1 with SAGE_FP4_WS_QOVL (tile 0's to buffer 0 right after, both in flight),
       // else to buffer 0 before tile 0's. Every staging slot is written and read by the same thread.
@@ -679,7 +815,7 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
       }
       cp_async_commit();
       if constexpr (SAGE_FP4_WS_QOVL) {
-        if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+        if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk_t, n16_t, ptid);
         cp_async_commit();
         cp_async_wait<1>();  // Q's bytes (tile 0's may still be in flight)
       } else {
@@ -695,13 +831,13 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
       mbar_arrive(q_full);
     }
     if constexpr (QIN || !SAGE_FP4_WS_QOVL) {
-      if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk, n16, ptid);
+      if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk_t, n16_t, ptid);
       cp_async_commit();
     }
     for (int t = 0; t < tl.n; ++t) {
       char* stg = stg0 + (t & 1) * S::STG;
       if (t + 1 < tl.n)
-        ws_stage_tile<D, NC>(stg0 + ((t + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk, n16, ptid);
+        ws_stage_tile<D, NC>(stg0 + ((t + 1) & 1) * S::STG, gkc, gks, gvc, gvs, vcs, t + 1, nk_t, n16_t, ptid);
       cp_async_commit();
       cp_async_wait<1>();  // tile t's bytes (this thread's own copies)
       asm volatile("" ::: "memory");
@@ -776,7 +912,7 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
       wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(sn), sQw, sK, stn * S::K_BYTES);
       unsigned pp_unused[1][4];
       const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false, true, SAGE_FP4_TBLK>(
-          sc, rs, pc, pp_unused, t, t >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, scale_log2);
+          sc, rs, pc, pp_unused, t0 + t, t >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, scale_log2);
       wgmma_wait<0>();  // P.V(t-1) and Q.K^T(t+1) (issued before the softmax: done by now, as a rule)
       fence_regs(o_flat);
       fence_regs(reinterpret_cast<float(&)[32]>(sn));
@@ -797,7 +933,7 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
     for (int t = 0; t < tl.n; ++t) {
       unsigned pp_unused[1][4];
       const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false, true, SAGE_FP4_TBLK>(
-          s0, rs, pa0, pp_unused, t, t >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, scale_log2);
+          s0, rs, pa0, pp_unused, t0 + t, t >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, scale_log2);
       fp4_frame_step<TWO_LEVEL>(acc_o, fr, ts);
       wgmma_fence();
       const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
@@ -821,6 +957,14 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
   hold_regs(pa0);
   hold_regs(pa1);
   fp4_frame_finish<TWO_LEVEL>(acc_o, fr, rs);
+  if constexpr (SPLIT) {
+    if (sp.nparts > 1) {
+      ws_split_epilogue<T, D, NC>(acc_o, rs, o + b * osb + h * osh, osn, lse + bh * nq,
+                                  QIN ? nullptr : qmk ? qmk + bh * nq : nullptr, QIN ? qmk_r : nullptr, r_lo, t4, nq,
+                                  part_ws, counters, sp, cw, lane);
+      return;
+    }
+  }
   if constexpr (QIN)
     fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr, lse + bh * nq, nullptr,
                                   nullptr, r_lo, t4, nq, 0, qmk_r);
@@ -860,6 +1004,32 @@ nvfp4_attn_fwd_ws_qin(const T* __restrict__ q, long long qsb, long long qsh, lon
   nvfp4_attn_fwd_ws_body<T, D, TWO_LEVEL, CG, NC, true>(nullptr, nullptr, q, qsb, qsh, qsn, mu, qmk_scale, kc, ks, vc,
                                                         vs, vcs, nullptr, o, osb, osh, osn, lse, Hq, Hkv, nq, nk, n16,
                                                         scale_log2, causal);
+}
+
+// nvfp4_attn_fwd_ws (QIN = false: Q's bytes qc, qs and qmk) or nvfp4_attn_fwd_ws_qin (QIN = true: the raw q, its
+// strides, mu and qmk_scale) with the grid's last items split along the keys (opt-in: SAGECUPY_FP4_TAIL_SPLIT=1;
+// non-causal, two-level P): a 1-D grid of whole + (items - whole) nsplit CTAs, items in the plain grid's order (query
+// block fastest, then head, then batch; nblk query blocks per head); CTA c < whole runs item c whole, the others part
+// (c - whole) % nsplit of item whole + (c - whole) / nsplit, its share of the key tiles. Parts write fp32 partials to
+// part_ws ((items - whole) nsplit x 4 NC warps x 17 x 32 float4) and count on counters ((items - whole) x 4 NC ints,
+// zeroed before the launch); per item and consumer warp, the last part to finish combines them (ws_split_epilogue).
+// With two-level P each tile's P^ depends only on its own row maxima, so the parts quantize P as the whole item
+// does; O and LSE differ from the whole item's by fp32 rounding (the combination's weights and sums).
+template <typename T, int D, bool TWO_LEVEL, int NC, bool QIN>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+nvfp4_attn_fwd_ws_split(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
+                        const T* __restrict__ q, long long qsb, long long qsh, long long qsn,
+                        const float* __restrict__ mu, float qmk_scale, const unsigned char* __restrict__ kc,
+                        const unsigned char* __restrict__ ks, const unsigned char* __restrict__ vc,
+                        const unsigned char* __restrict__ vs, int vcs, const float* __restrict__ qmk,
+                        T* __restrict__ o, long long osb, long long osh, long long osn, float* __restrict__ lse,
+                        int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal, int whole, int nsplit,
+                        int nblk, float* __restrict__ part_ws, int* __restrict__ counters) {
+  static_assert(TWO_LEVEL, "parts quantize P as the whole item does only with two-level P");
+  nvfp4_attn_fwd_ws_body<T, D, TWO_LEVEL, 1, NC, QIN, true>(qc, qs, q, qsb, qsh, qsn, mu, qmk_scale, kc, ks, vc, vs,
+                                                            vcs, qmk, o, osb, osh, osn, lse, Hq, Hkv, nq, nk, n16,
+                                                            scale_log2, causal, whole, nsplit, nblk, part_ws,
+                                                            counters);
 }
 
 // ---- Persistent warp-specialized kernel (nvfp4_attn_fwd_ws_persist; opt-in: SAGECUPY_FP4_PERSIST=1, three

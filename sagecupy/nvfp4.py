@@ -148,6 +148,73 @@ def fp4_qin(engine: str = "wgmma", head_dim: int = 128) -> bool:
     return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
 
 
+def fp4_tail_split(engine: str = "wgmma", head_dim: int = 128) -> bool:
+    """Whether the NVFP4 forward splits the keys of the items beyond its grid's last full wave over several CTAs
+    (``nvfp4_attn_fwd_ws_split``, :func:`_tail_split`; the parts' O and LSE combined in the kernel, equal to the
+    unsplit ones within fp32 rounding): ``SAGECUPY_FP4_TAIL_SPLIT=1`` asks for it (opt-in, ``0`` the default, until it
+    is measured on the GPU). It applies to non-causal calls with two-level P where the warp-specialized kernel with
+    three consumers runs (D=128, wgmma engine) and the persistent one does not."""
+    env = os.environ.get("SAGECUPY_FP4_TAIL_SPLIT", "0")
+    if env not in ("0", "1"):
+        raise ValueError(f"SAGECUPY_FP4_TAIL_SPLIT={env!r} is not supported; supported: '0', '1'")
+    return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
+
+
+#: Parts a split item's keys go to at most (the kernel's combination reads at most this many).
+_SPLIT_MAX = 4
+
+
+def _tail_split(items: int, sms: int, ntiles: int):
+    """``(whole, nsplit)``: the first ``whole`` items of the grid run whole (full waves of one CTA per SM), the
+    ``items - whole = items % sms`` after them in ``nsplit`` parts of their key tiles each; or None where that gains
+    nothing. ``nsplit`` in 2..4 with at least 4 key tiles per part, the one that makes the tail shortest in item
+    times, ceil(rest * nsplit / sms) / nsplit (1 unsplit), the smaller on a tie; None unless that is at most 0.8
+    (e.g. 1,408 items on 132 SMs: 88 split in 3, 10 2/3 item times instead of 11)."""
+    rest = items % sms
+    if rest == 0:
+        return None
+    best = None
+    for nsplit in range(2, _SPLIT_MAX + 1):
+        if ntiles < 4 * nsplit:
+            break
+        tail = -(-rest * nsplit // sms) / nsplit
+        if best is None or tail < best[0]:
+            best = (tail, nsplit)
+    if best is None or best[0] > 0.8:
+        return None
+    return items - rest, best[1]
+
+
+def _zero_ints(counters):
+    """Program glue: an int32 array to 0 on the current stream (the split kernel's counters, before the call's
+    launches)."""
+    counters.data.memset_async(0, counters.size * 4)
+    return ()
+
+
+def _split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level):
+    """Record the tail split's scratch (the parts' partials, and their counters, zeroed first in the call) where
+    :func:`fp4_tail_split` applies and :func:`_tail_split` splits; returns ``(whole, nsplit, nblk, part_ws,
+    counters)`` for :func:`_record_launch`, else None."""
+    import cupy
+
+    from .int8 import _TMP
+
+    if causal or not two_level or not fp4_tail_split(engine, D):
+        return None
+    nblk = (nq + 191) // 192
+    plan = _tail_split(nblk * Hq * B, _sm_count(cupy.cuda.Device().id), (nk + 63) // 64)
+    if plan is None:
+        return None
+    whole, nsplit = plan
+    rest = nblk * Hq * B - whole
+    warps = 4 * 3  # (consumer warps: a counter and a slot of 17 x 32 float4 each, per split item and part)
+    counters = prog.empty("fp4_split_cnt", (rest * warps,), cupy.int32)
+    prog.call((), _zero_ints, (counters,))
+    part_ws = prog.empty("fp4_split_ws", (rest * nsplit * warps * (D // 8 + 1) * 32 * 4,), cupy.float32, arena=_TMP)
+    return whole, nsplit, nblk, part_ws, counters
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     import cupy
@@ -219,6 +286,8 @@ def kernel_names() -> dict:
     attn90 += [f"nvfp4_attn_fwd_ws_persist<{T}, 128, true, 3>" for T in _T.values()]
     # the warp-specialized kernel quantizing Q itself (opt-in, SAGECUPY_FP4_QIN=1): two-level P, 3 consumers
     attn90 += [_ws_name(T, 128, "true", cg, 3, qin=True) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
+    # its tail-splitting form (opt-in, SAGECUPY_FP4_TAIL_SPLIT=1; non-causal, two-level P, 3 consumers)
+    attn90 += [_ws_split_name(T, 128, qin) for T in _T.values() for qin in (False, True)]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
     return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
@@ -243,6 +312,11 @@ def _ws_name(T: str, D: int, tl: str, cg: int, nc: int, qin: bool = False) -> st
     """The warp-specialized kernel's instance (CG and NC template arguments written out); ``qin``: the one that
     quantizes Q itself (``nvfp4_attn_fwd_ws_qin``)."""
     return f"nvfp4_attn_fwd_ws{'_qin' if qin else ''}<{T}, {D}, {tl}, {cg}, {nc}>"
+
+
+def _ws_split_name(T: str, D: int, qin: bool) -> str:
+    """The tail-splitting warp-specialized kernel's instance (two-level P, three consumers)."""
+    return f"nvfp4_attn_fwd_ws_split<{T}, {D}, true, 3, {'true' if qin else 'false'}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -576,12 +650,13 @@ def _pad_tokens64(codes, scales, n16):
 
 
 def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine,
-                   counter=None, q_in=None):
+                   counter=None, q_in=None, split=None):
     """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
     scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
     ``"o"`` (raw, in ``layout``) and ``"lse"``. ``counter``: :func:`_persist_counter`'s (the persistent kernel runs
     when it is given). ``q_in``: ``(q, qsb, qsh, qsn, mu)`` (the raw Q's Ref and element strides, K's mean's Ref or
-    None) where the kernel quantizes Q itself (:func:`fp4_qin`; ``ops`` then has no Q, ``qmk`` is None)."""
+    None) where the kernel quantizes Q itself (:func:`fp4_qin`; ``ops`` then has no Q, ``qmk`` is None). ``split``:
+    :func:`_split_setup`'s (the tail-splitting kernel runs when it is given)."""
     import cupy
 
     from .int8 import _bits_dtype, _c_strides, _layout_shape
@@ -605,6 +680,9 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         if q_in is not None:
             assert ws == 3 and counter is None and qmk is None  # (fp4_qin's conditions)
             name = _ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws, qin=True)
+        if split is not None:
+            assert ws == 3 and counter is None and two_level and not causal  # (fp4_tail_split's, _split_setup's)
+            name = _ws_split_name(_T[dtype], D, q_in is not None)
         fn = get_function("fp4_attn_fwd_sm90.cu", name, all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16:  # rows padded to whole 64-token tiles (a copy per call)
@@ -623,7 +701,14 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         extra = (i32(B), counter, i32(nitems))
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    if q_in is not None:  # (nvfp4_attn_fwd_ws_qin: the raw Q and K's mean instead of Q's bytes and qmk)
+    if split is not None:  # (both Q forms' arguments; 1-D grid: whole items, then the parts of the others)
+        whole, nsplit, nblk, part_ws, counters = split
+        rq, qsb, qsh, qsn, mu = q_in if q_in is not None else (None, 0, 0, 0, None)
+        head = (ops.get("q_packed"), ops.get("q_scales"), rq, i64(qsb), i64(qsh), i64(qsn), mu, f32(sm_scale),
+                ops["k_packed"], ops["k_scales"], *v_args, qmk)
+        grid = (whole + (grid[0] * Hq * B - whole) * nsplit,)
+        extra = (i32(whole), i32(nsplit), i32(nblk), part_ws, counters)
+    elif q_in is not None:  # (nvfp4_attn_fwd_ws_qin: the raw Q and K's mean instead of Q's bytes and qmk)
         rq, qsb, qsh, qsn, mu = q_in
         head = (rq, i64(qsb), i64(qsh), i64(qsn), mu, f32(sm_scale), ops["k_packed"], ops["k_scales"], *v_args)
     else:
@@ -686,6 +771,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
     prog = Program()
     counter = _persist_counter(prog, engine, D)
+    split = _split_setup(prog, engine, D, B, Hq, nq, nk, p.causal, cfg.two_level_p)
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
     mu = None
     if cfg.k_smoothing and not fused_pre:
@@ -760,7 +846,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
                    sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, counter=counter,
-                   q_in=(rq, qsb, qsh, qsn, mu) if qin else None)
+                   q_in=(rq, qsb, qsh, qsn, mu) if qin else None, split=split)
     return Plan(p, cfg, engine, copy, prog)
 
 
@@ -828,10 +914,11 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     engine = fp4_engine(engine)
     check_fwd_smem(D, engine)
     prog = Program()
+    counter = _persist_counter(prog, engine, D)
     _record_launch(prog, {n: Ref(n) for n in _OPS}, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype,
                    layout=layout, causal=causal, sm_scale=sm_scale, two_level=two_level_p,
-                   qmk=None if lse_offset is None else Ref("qmk"), engine=engine,
-                   counter=_persist_counter(prog, engine, D))
+                   qmk=None if lse_offset is None else Ref("qmk"), engine=engine, counter=counter,
+                   split=_split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level_p))
     ns = prog.run({**ops, "qmk": lse_offset})
     o = _checks.wrap(ns["o"], out_dtype)
     return (o, ns["lse"]) if return_lse else o

@@ -7,6 +7,8 @@ For edits meant to change no code (comments, formatting): same cubins, so a GPU 
 
 --each: one cubin per instantiation (which template instances changed); an instance the old tree does not have
 (a new kernel) is listed as NEW and not counted.
+--old-defines SAGE_X=1,SAGE_Y=0: compile the old tree with these defines (as SAGECUPY_DEFINES passes them): e.g. the
+tree before a switch's default was flipped, with the switch on, against the flipped tree.
 """
 import hashlib
 import subprocess
@@ -20,12 +22,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / ".ci")]
 import compile_kernels as ck  # noqa: E402
 
 
-def cubin_digest(tree, filename, names, flag, tmp, missing_ok=False):
+def cubin_digest(tree, filename, names, flag, tmp, missing_ok=False, defines=()):
     wrap = Path(tmp) / "wrap.cu"  # the same path for both trees
     refs = ",\n  ".join(f"(const void*)&{n}" for n in names)
     wrap.write_text(f'#include "{tree}/{filename}"\nconst void* sagecupy_instances[] = {{\n  {refs}\n}};\n')
     out = Path(tmp) / "k.cubin"
-    r = subprocess.run(["nvcc", "-std=c++17", flag, "-cubin", "-o", str(out), str(wrap)], capture_output=True, text=True)
+    r = subprocess.run(["nvcc", "-std=c++17", flag, *(f"-D{d}" for d in defines), "-cubin", "-o", str(out), str(wrap)],
+                       capture_output=True, text=True)
     if r.returncode:
         if missing_ok:
             return None
@@ -34,8 +37,14 @@ def cubin_digest(tree, filename, names, flag, tmp, missing_ok=False):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if a != "--each"]
-    each = len(args) < len(sys.argv) - 1
+    argv = sys.argv[1:]
+    defines = ()
+    if "--old-defines" in argv:
+        i = argv.index("--old-defines")
+        defines = tuple(d for d in argv[i + 1].split(",") if d)
+        del argv[i:i + 2]
+    args = [a for a in argv if a != "--each"]
+    each = len(args) < len(argv)
     old = Path(args[0]).resolve()
     names = ck.all_names()
     files = args[1:] or sorted(names)
@@ -44,7 +53,7 @@ def main():
         for f in files:
             for arch, flag in ck.archs_for(f).items():
                 for group in ([[n] for n in names[f]] if each else [names[f]]):
-                    a = cubin_digest(old, f, group, flag, tmp, missing_ok=each)
+                    a = cubin_digest(old, f, group, flag, tmp, missing_ok=each, defines=defines)
                     b = cubin_digest(ROOT / "kernels_cu", f, group, flag, tmp)
                     if a is None:
                         print("NEW", arch, f, group[0], flush=True)

@@ -455,6 +455,75 @@ def test_nvfp4_q_in_kernel_only_where_the_ws_kernel_runs(gpu, monkeypatch):
             monkeypatch.delenv(env[0])
 
 
+def test_nvfp4_tail_split_plan(gpu):
+    """_tail_split: the items past the last full wave split in 2-4 parts of their keys, the count that ends the tail
+    soonest (in item times, 1 without a split), none where nothing is gained or a part would get < 4 key tiles."""
+    from sagecupy import nvfp4
+
+    assert nvfp4._tail_split(1408, 132, 64) == (1320, 3)  # B 4 x 16 heads x 22 blocks (4K): 10 2/3 instead of 11
+    assert nvfp4._tail_split(1376, 132, 256) == (1320, 2)  # B 1 x 16 x 86 (16K): 10 1/2
+    assert nvfp4._tail_split(40, 132, 64) == (0, 3)  # one partial wave: 120 parts
+    assert nvfp4._tail_split(264, 132, 64) is None  # whole waves
+    assert nvfp4._tail_split(1408, 132, 11) is None  # 2 parts need 8 tiles: 88 rest items -> 1 wave: no gain
+    assert nvfp4._tail_split(1408, 132, 8) is None
+    assert nvfp4._tail_split(131 + 132, 132, 64) is None  # 131 rest items: no split finishes sooner than 0.8
+    for items in range(1, 700):
+        for ntiles in (4, 8, 12, 16, 64):
+            r = nvfp4._tail_split(items, 132, ntiles)
+            if r is not None:
+                whole, n = r
+                rest = items - whole
+                assert whole % 132 == 0 and 0 < rest < 132 and 2 <= n <= nvfp4._SPLIT_MAX and ntiles >= 4 * n
+                assert -(-rest * n // 132) / n <= 0.8
+
+
+@pytest.mark.parametrize("qin", ["0", "1"])
+def test_nvfp4_tail_split_launch(gpu, qin, monkeypatch):
+    """SAGECUPY_FP4_TAIL_SPLIT=1: the call zeroes the parts' counters first; nvfp4_attn_fwd_ws_split gets a 1-D grid
+    (whole items, then every part of the rest), both Q forms' arguments (the plain kernel's or the Q-quantizing
+    one's, the other form's null) and (whole, nsplit, nblk, the partials' scratch, the counters); causal calls,
+    single-level P keep the plain kernel (attention_packed: the GPU test)."""
+    from sagecupy import nvfp4
+    from sagecupy.config import NVFP4Config
+
+    nvfp4._ATTN_PLANS.clear()
+    monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 7)
+    monkeypatch.setattr(nvfp4, "_zero_ints", lambda c: gpu.append(("zero", c)) or ())
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+    # B 2 x Hq 4 x 3 blocks of 192 rows = 24 items on 7 SMs: 21 whole, the other 3 in 2 parts of their 16 key tiles
+    # (6 parts on 7 SMs: the tail takes 1/2 an item's time; 4 parts the same, 3 parts 2/3)
+    q, k, v = _inputs(nq=400, nk=1024)
+    names = dict(q=q, k=k, v=v)
+    nvfp4.attention(q, k, v)
+    plain = list(gpu)
+    del gpu[:]
+    monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "1")
+    for _ in range(2):  # recorded, then replayed
+        start = len(gpu)
+        nvfp4.attention(q, k, v)
+        run = gpu[start:]
+        assert run[0][0] == "zero" and [x[0] for x in run[1:-1]] == [x[0] for x in plain[:-1]]
+        counters = run[0][1]
+        assert counters.shape == (3 * 12,) and counters.dtype == np.int32
+        name, grid, block, args, smem = run[-1]
+        assert name == f"nvfp4_attn_fwd_ws_split<__half, 128, true, 3, {'true' if qin == '1' else 'false'}>"
+        assert grid == (21 + 3 * 2,) and block == (512,) and smem == nvfp4.ws_smem_bytes(128, 3)
+        assert args[-5:-2] == (np.int32(21), np.int32(2), np.int32(3)) and args[-1] is counters
+        assert isinstance(args[-2], np.uint64)  # (the partials: scratch in the call's arena)
+        pk, a = _summary(plain[-1], names)[3], _summary(run[-1], names)[3][:-5]
+        if qin == "1":  # (Q's bytes null; the raw Q, strides, mean, scale; K, V ...; qmk null)
+            assert a[:2] == (None, None) and a[2] == ("input", "q") and a[8:13] == pk[6:11] and a[13] is None
+            assert a[14:] == pk[11:]
+        else:  # (Q's bytes; the raw Q null; K, V, qmk and the rest as the plain kernel's)
+            assert a[:2] == pk[:2] and a[2:5] == (None, ("int64", 0), ("int64", 0)) and a[6] is None
+            assert a[8:] == pk[2:]
+    del gpu[:]
+    for kw in (dict(causal=True), dict(config=NVFP4Config(two_level_p=False))):
+        nvfp4.attention(q, k, v, **kw)
+        assert gpu[-1][0].startswith("nvfp4_attn_fwd_ws") and "split" not in gpu[-1][0]
+        assert not any(x[0] == "zero" for x in gpu)
+
+
 def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
     """SAGECUPY_FP4_PERSIST=1: the call zeroes the item counter before its first launch (so the pre-pass and the
     kernel stay programmatic dependents of each other), then launches nvfp4_attn_fwd_ws_persist on min(items, SMs)

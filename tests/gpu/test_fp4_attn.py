@@ -695,7 +695,7 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
 def test_nvfp4_q_in_kernel_matches_prepass(monkeypatch, shape):
     """SAGECUPY_FP4_QIN=1 (nvfp4_attn_fwd_ws_qin: the consumer warpgroups quantize their rows of the raw Q into
     shared memory and compute their qmk; the pre-pass quantizes only K and V) gives bitwise the O and LSE of Q's
-    pre-pass quantizer and the warp-specialized kernel, with the split and the pipelined pre-pass, causal or not,
+    pre-pass quantizer and the warp-specialized kernel, with the split, fused and pipelined pre-pass, causal or not,
     with and without K-smoothing (qmk or none). Also: rows with Inf and NaN (their blocks' NaN scale), Q as a strided
     view of a packed QKV tensor (read in place, NHD), and Q at an address that is not 16-byte aligned (copied first).
     Last query blocks with 64 real rows of 192, Nq > Nk causal (rows that see no key), GQA, one row."""
@@ -723,7 +723,7 @@ def test_nvfp4_q_in_kernel_matches_prepass(monkeypatch, shape):
         off = flat[1:1 + qh.size].reshape(qh.shape)  # (2 bytes past a 16-byte boundary)
         off[...] = qh
         cases.append(("misaligned", off, NVFP4Config()))
-    for mode in ("split", "pipe"):
+    for mode in ("split", "fused", "pipe"):
         monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
         for causal in (False, True):
             for what, qq, cfg in cases:
@@ -737,6 +737,64 @@ def test_nvfp4_q_in_kernel_matches_prepass(monkeypatch, shape):
                     assert np.array_equal(a, b, equal_nan=True), f"{name} differs {case}"
                 if what == "Inf and NaN":
                     assert np.isnan(got[1][0]).any(), f"the NaN scale reaches O {case}"
+
+
+@pytest.mark.parametrize("qin", ["0", "1"])
+@pytest.mark.parametrize("shape, sms", [((1, 2, 2, 1000, 1000, "HND", "bfloat16"), 5),
+                                        ((2, 4, 2, 4224, 4100, "HND", "bfloat16"), None),
+                                        ((1, 3, 1, 700, 600, "NHD", "float16"), 5),
+                                        ((1, 2, 2, 64, 2000, "NHD", "float16"), 5)])
+def test_nvfp4_tail_split_matches_whole_items(monkeypatch, shape, sms, qin):
+    """SAGECUPY_FP4_TAIL_SPLIT=1 (nvfp4_attn_fwd_ws_split: the items past the grid's last full wave run in 2-4
+    parts of their key tiles, combined by the last part per consumer warp) against the same calls without it. With
+    two-level P each tile's P^ depends only on its own row maxima, so the parts compute what the whole item does up to
+    fp32 rounding of the combination; the output's own rounding can then move an element by one unit in its last
+    place (bf16 2^-8, fp16 2^-11 relative), hence rtol of two such units, and the LSE (fp32) within 1e-5. The SM
+    count is set small where needed so that these shapes split: 10 whole items and 2 in 2 parts (1000 x 1000), all
+    items in 2 parts (64 rows: whole = 0), GQA in 2 parts, the default grid at 4224 x 4100 (a partial last key tile in
+    the last part, last query blocks of 64 rows). Also NaN in V (the same rows NaN) and attention_packed."""
+    from sagecupy import nvfp4
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    cp = _cp()
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+    if sms is not None:
+        monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: sms)
+    B, Hq, Hkv, nq, nk, layout, dtype = shape
+    real_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    plan = nvfp4._tail_split(-(-nq // 192) * Hq * B, sms or real_sms, -(-nk // 64))
+    assert plan is not None, "the shape must split for this test to test anything"
+    (q, k, v, _), _ = _inputs(17, B, Hq, Hkv, nq, nk, 128, layout, dtype)
+    vn = cp.asarray(_raw(v)).copy() if dtype == "float16" else None
+    if vn is not None:
+        vn.reshape(-1, 128)[5, 7] = np.nan
+    rtol = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10
+    for what, vv in (("plain", v), ("NaN in V", vn)):
+        if vv is None:
+            continue
+        got = []
+        for split in ("0", "1"):
+            nvfp4._ATTN_PLANS.clear()
+            monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", split)
+            o, lse = nvfp4.attention(q, k, vv, layout=layout, return_lse=True)
+            got.append((_host(o), _host(lse)))
+        (o0, l0), (o1, l1) = got
+        case = f"({what}, whole/nsplit {plan})"
+        assert np.array_equal(np.isnan(o0), np.isnan(o1)) and np.array_equal(np.isnan(l0), np.isnan(l1)), case
+        ok = ~np.isnan(o0)
+        assert np.allclose(o1[ok], o0[ok], rtol=rtol, atol=1e-6), f"O {case}"
+        ok = ~np.isnan(l0)
+        assert np.allclose(l1[ok], l0[ok], rtol=1e-6, atol=1e-5), f"LSE {case}"
+    if layout == "HND":  # attention_packed on the same operands: the split kernel too
+        ops = nvfp4.quantize_inputs(q, k, v)
+        outs = []
+        for split in ("0", "1"):
+            monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", split)
+            outs.append(_host(nvfp4.attention_packed(ops, out_dtype=dtype)))
+        assert np.allclose(outs[1], outs[0], rtol=rtol, atol=1e-6), "attention_packed"
 
 
 @pytest.mark.parametrize("ctas", [3, None])
