@@ -612,7 +612,9 @@ __device__ __forceinline__ void ws_quant_q(char* sQ, const T* __restrict__ q_bh,
   }
 }
 
-// SPLIT: which item (and part of it) CTA blockIdx.x runs (see nvfp4_attn_fwd_ws_split).
+// SPLIT: parts an item's keys go to at most (host: nvfp4._SPLIT_MAX, checked by CI) and which item (and part of it)
+// CTA blockIdx.x runs (see nvfp4_attn_fwd_ws_split).
+constexpr int WS_SPLIT_MAX = 4;
 struct WsSplit {
   int part, nparts, tail;  // tail: the item's index among the split ones (-1: a whole item)
 };
@@ -650,7 +652,7 @@ __device__ __forceinline__ void ws_split_epilogue(const float (&acc_o)[D / 8][4]
                                                   int t4, int nq, float* __restrict__ part_ws,
                                                   int* __restrict__ counters, const WsSplit& sp, int cw, int lane) {
   constexpr int NV4 = D / 8 + 1;  // float4 per thread: O's D / 2 values, then the two LSEs
-  constexpr int MAXP = 4;         // parts at most (the host's choice)
+  constexpr int MAXP = WS_SPLIT_MAX;
   float4* ws4 = reinterpret_cast<float4*>(part_ws);
   auto slot = [&](int p) {  // this thread's first float4 in part p's slot
     return ws4 + ((static_cast<long long>(sp.tail) * sp.nparts + p) * (4 * NC) + cw) * (NV4 * 32) + lane;
@@ -672,7 +674,11 @@ __device__ __forceinline__ void ws_split_epilogue(const float (&acc_o)[D / 8][4]
   __threadfence();
   __syncwarp();
   int prev = 0;
-  if (lane == 0) prev = atomicAdd(counters + static_cast<long long>(sp.tail) * (4 * NC) + cw, 1);
+  if (lane == 0) {
+    prev = atomicAdd(counters + static_cast<long long>(sp.tail) * (4 * NC) + cw, 1);
+    __threadfence();  // (acquire: the other parts' stores before the loads below; then passed on by __syncwarp)
+  }
+  __syncwarp();
   prev = __shfl_sync(0xffffffffu, prev, 0);
   if (prev != sp.nparts - 1) return;  // (another part combines these rows)
   __threadfence();
