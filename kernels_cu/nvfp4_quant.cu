@@ -401,7 +401,8 @@ __global__ void __launch_bounds__(128, 4) nvfp4_quant_v_kpart_pipe(const T* __re
 
 // Q's and K's row quantizers (nvfp4_quant_qk_rows) over the pieces w: first Q's (b, h, chunk) (chunk fastest, cq
 // chunks per head: 256 threads x two 16-blocks, 64 rows at D = 128; with the dot: qmk), then K's (ck per head; K's
-// mean subtracted). Each thread loads its 64 bytes of the next piece into registers before it quantizes the current
+// mean subtracted) from the last to the first: V's kernel before read K's tiles first to last, so the last of them
+// may still be in L2 when this one starts (without Q's pieces: SAGECUPY_FP4_QIN). Each thread loads its 64 bytes of the next piece into registers before it quantizes the current
 // one. Rows 16-byte aligned; B (Hq cq + Hkv ck) < 2^31 and N D / 32 < 2^31. grid (min(pieces, 3 per SM)), block 256.
 template <typename T, int D>
 __global__ void __launch_bounds__(256, 3) nvfp4_quant_qk_rows_pipe(
@@ -428,7 +429,7 @@ __global__ void __launch_bounds__(256, 3) nvfp4_quant_qk_rows_pipe(
   auto piece = [&](int w) {
     Piece pc;
     pc.is_q = w < q_pieces;
-    const int wl = pc.is_q ? w : w - q_pieces;
+    const int wl = pc.is_q ? w : pieces - 1 - w;  // (K's pieces last to first)
     const int bh = pc.is_q ? by_cq.div(wl) : by_ck.div(wl), chunk = wl - bh * (pc.is_q ? cq : ck);
     pc.b = pc.is_q ? by_hq.div(bh) : by_hk.div(bh);
     pc.h = bh - pc.b * (pc.is_q ? Hq : Hkv);
