@@ -552,6 +552,8 @@ def test_nvfp4_warp_specialized_kernel(monkeypatch, nc):
     cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
     monkeypatch.setenv("SAGECUPY_FP4_WS", nc)
+    # (the whole items' kernel: the bitwise comparison below is of the kernels' row split, not of a key split)
+    monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "0")
     assert nvfp4.fp4_ws("wgmma", 128) == int(nc) and not nvfp4.fp4_ws("wgmma", 64)
     for c in CASES:
         if c[5] == 128:
@@ -822,6 +824,7 @@ def test_nvfp4_persistent_kernel_matches_warp_specialized(monkeypatch, shape, ct
     if device_capability() != (9, 0):
         pytest.skip("the wgmma kernels need compute capability 9.0")
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
+    monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "0")  # (against the whole items' warp-specialized kernel)
     B, Hq, Hkv, nq, nk, layout, dtype = shape
     (q, k, v, _), _ = _inputs(11, B, Hq, Hkv, nq, nk, 128, layout, dtype)
     if ctas is not None:
