@@ -75,9 +75,10 @@ def gpu(monkeypatch):
         monkeypatch.setattr(mod, "get_function", get_function)
         monkeypatch.setattr(mod, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(nvfp4, "_smem_optin", lambda device_id: 227 * 1024)
-    for var in ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
-                "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
-                "SAGECUPY_FWD_PREPASS", "SAGECUPY_LAUNCH"):
+    monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 132)  # (an H200's; tests that need another set theirs)
+    from sagecupy._program import _ENV_VARS
+
+    for var in (*_ENV_VARS, "SAGECUPY_LAUNCH"):  # (the code's defaults: a test sets what it is about)
         monkeypatch.delenv(var, raising=False)
     return log
 
@@ -263,6 +264,8 @@ def test_nvfp4_fused_prepass_passes_what_the_split_launches_pass(gpu, d, monkeyp
     from sagecupy import nvfp4
 
     nvfp4._ATTN_PLANS.clear()  # (plans recorded by earlier tests launch that test's recording kernels)
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", "0")  # (Q's quantizer in the pre-pass)
+    monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "0")
     q, k, v = _inputs(nk=128, d=d)  # B = 2, Hq = 4, Hkv = 2, nq = 100, nk = 128
     names = dict(q=q, k=k, v=v)
     runs = {}
@@ -317,6 +320,8 @@ def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms
 
     nvfp4._ATTN_PLANS.clear()
     monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: sms)
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", "0")  # (Q's chunks in the rows kernel)
+    monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "0")
     # B = 3, Hq = 4, Hkv = 1 (GQA), nq = 100, nk = 256: 4 tiles of 64 keys (ntile, Hkv and B all differ)
     q, k, v = (FakeArray((3, h, n, d), np.float16) for h, n in ((4, 100), (1, 256), (1, 256)))
     names = dict(q=q, k=k, v=v)
@@ -490,6 +495,7 @@ def test_nvfp4_tail_split_launch(gpu, qin, monkeypatch):
     monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 7)
     monkeypatch.setattr(nvfp4, "_zero_ints", lambda c: gpu.append(("zero", c)) or ())
     monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+    monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "0")
     # B 2 x Hq 4 x 3 blocks of 192 rows = 24 items on 7 SMs: 21 whole, the other 3 in 2 parts of their 16 key tiles
     # (6 parts on 7 SMs: the tail takes 1/2 an item's time; 4 parts the same, 3 parts 2/3)
     q, k, v = _inputs(nq=400, nk=1024)
@@ -533,6 +539,7 @@ def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
     nvfp4._ATTN_PLANS.clear()  # (plans recorded by earlier tests launch that test's recording kernels)
     monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 5)
     monkeypatch.setattr(nvfp4, "_zero_counter", lambda c: gpu.append(("zero", c)) or ())
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", "0")  # (the plain call: the warp-specialized kernel on the pre-pass's Q)
     q, k, v = _inputs(nk=128)  # B = 2, Hq = 4, nq = 100: one 192-row query block per head, 8 items
     nvfp4.attention(q, k, v, causal=True)
     plain = list(gpu)
