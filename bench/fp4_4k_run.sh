@@ -70,7 +70,7 @@ SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_qin.txt"
 elif [ "$what" = suite ]; then
   echo "candidate defaults: ${CANDIDATE:-none}"
-  env ${CANDIDATE:-} SHARDS=${SHARDS:-5} TIMEOUT=${TIMEOUT:-400} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
+  env ${CANDIDATE:-} SHARDS=${SHARDS:-8} TIMEOUT=${TIMEOUT:-390} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
     tests/gpu/test_nvfp4_quant.py tests/gpu/test_torch_adapter.py tests/gpu/test_jax_adapter.py 2>&1 \
     | tee "$OUT/suite_fp4.txt"
   env ${CANDIDATE:-} timeout ${BENCH_TIMEOUT:-170} python3 bench/run_bench.py --quick --memory --families nvfp4,qat \
