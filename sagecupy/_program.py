@@ -62,16 +62,21 @@ class Ref:
 _PDL_ATTRIBUTE = 6
 
 
+def env_switch(name: str, default: str = "0") -> bool:
+    """An on/off environment variable: ``"1"`` on, ``"0"`` off, unset ``default``; any other value a ValueError."""
+    env = os.environ.get(name, default)
+    if env not in ("0", "1"):
+        raise ValueError(f"{name}={env!r} is not supported; supported: '0', '1'")
+    return env == "1"
+
+
 def pdl_enabled() -> bool:
     """Whether launches recorded with ``pdl=True`` use programmatic dependent launch: on devices of compute
     capability 9.0 and up (the feature's), unless ``SAGECUPY_PDL=0`` (read when a program is recorded, and part of
     every program's key; "1" or unset: on). The kernels' waits (``grid_dep_wait``) are compiled in for
     ``__CUDA_ARCH__ >= 900``, which is what the loader builds for such a device (CuPy's target is the device's own
     architecture unless a kernel asks for another, as the sm_90a kernels do)."""
-    env = os.environ.get("SAGECUPY_PDL", "1")
-    if env not in ("0", "1"):
-        raise ValueError(f"SAGECUPY_PDL={env!r} is not supported; supported: '0', '1'")
-    if env == "0":
+    if not env_switch("SAGECUPY_PDL", "1"):
         return False
     import cupy
 

@@ -24,7 +24,7 @@ import os
 
 from . import _checks
 from ._loader import device_capability, get_function
-from ._program import Plan, Plans, Program, Ref, env_key, scale_key, signature
+from ._program import Plan, Plans, Program, Ref, env_key, env_switch, scale_key, signature
 from .config import NVFP4Config
 
 __all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
@@ -129,10 +129,7 @@ def fp4_persist(engine: str = "wgmma", head_dim: int = 128) -> bool:
     tile while the one before finishes; bitwise the same O and LSE): ``SAGECUPY_FP4_PERSIST=1`` asks for it (opt-in,
     ``0`` the default, until it is measured on the GPU), and it applies where the warp-specialized kernel with three
     consumers runs (D=128, wgmma engine)."""
-    env = os.environ.get("SAGECUPY_FP4_PERSIST", "0")
-    if env not in ("0", "1"):
-        raise ValueError(f"SAGECUPY_FP4_PERSIST={env!r} is not supported; supported: '0', '1'")
-    return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
+    return env_switch("SAGECUPY_FP4_PERSIST") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
 
 
 def fp4_qin(engine: str = "wgmma", head_dim: int = 128) -> bool:
@@ -142,10 +139,7 @@ def fp4_qin(engine: str = "wgmma", head_dim: int = 128) -> bool:
     ``SAGECUPY_FP4_QIN=1`` asks for it (opt-in, ``0`` the default, until it is measured on the GPU). It applies
     where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent one does
     not (``SAGECUPY_FP4_PERSIST=1`` keeps the pre-pass's Q)."""
-    env = os.environ.get("SAGECUPY_FP4_QIN", "0")
-    if env not in ("0", "1"):
-        raise ValueError(f"SAGECUPY_FP4_QIN={env!r} is not supported; supported: '0', '1'")
-    return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
+    return env_switch("SAGECUPY_FP4_QIN") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
 
 
 def fp4_tail_split(engine: str = "wgmma", head_dim: int = 128) -> bool:
@@ -154,10 +148,7 @@ def fp4_tail_split(engine: str = "wgmma", head_dim: int = 128) -> bool:
     unsplit ones within fp32 rounding): ``SAGECUPY_FP4_TAIL_SPLIT=1`` asks for it (opt-in, ``0`` the default, until it
     is measured on the GPU). It applies to non-causal calls with two-level P where the warp-specialized kernel with
     three consumers runs (D=128, wgmma engine) and the persistent one does not."""
-    env = os.environ.get("SAGECUPY_FP4_TAIL_SPLIT", "0")
-    if env not in ("0", "1"):
-        raise ValueError(f"SAGECUPY_FP4_TAIL_SPLIT={env!r} is not supported; supported: '0', '1'")
-    return env == "1" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
+    return env_switch("SAGECUPY_FP4_TAIL_SPLIT") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
 
 
 #: Parts a split item's keys go to at most (the kernel's combination reads at most this many).
@@ -186,8 +177,8 @@ def _tail_split(items: int, sms: int, ntiles: int):
 
 
 def _zero_ints(counters):
-    """Program glue: an int32 array to 0 on the current stream (the split kernel's counters, before the call's
-    launches)."""
+    """Program glue: an int32 array to 0 on the current stream (the persistent kernel's item counter, the split
+    kernel's counters: recorded first in a call, before its launches)."""
     counters.data.memset_async(0, counters.size * 4)
     return ()
 
@@ -202,13 +193,14 @@ def _split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level):
 
     if causal or not two_level or not fp4_tail_split(engine, D):
         return None
-    nblk = (nq + 191) // 192
-    plan = _tail_split(nblk * Hq * B, _sm_count(cupy.cuda.Device().id), (nk + 63) // 64)
+    nc = fp4_ws(engine, D)  # (consumer warpgroups of 64 query rows)
+    nblk = (nq + 64 * nc - 1) // (64 * nc)
+    plan = _tail_split(nblk * Hq * B, _sm_count(cupy.cuda.Device().id), (nk + _BKV - 1) // _BKV)
     if plan is None:
         return None
     whole, nsplit = plan
     rest = nblk * Hq * B - whole
-    warps = 4 * 3  # (consumer warps: a counter and a slot of 17 x 32 float4 each, per split item and part)
+    warps = 4 * nc  # (consumer warps: a counter and a slot of 17 x 32 float4 each, per split item and part)
     counters = prog.empty("fp4_split_cnt", (rest * warps,), cupy.int32)
     prog.call((), _zero_ints, (counters,))
     part_ws = prog.empty("fp4_split_ws", (rest * nsplit * warps * (D // 8 + 1) * 32 * 4,), cupy.float32, arena=_TMP)
@@ -222,12 +214,6 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def _zero_counter(counter):
-    """Program glue: the persistent kernel's item counter to 0 on the current stream (before the call's launches)."""
-    counter.data.memset_async(0, 4)
-    return ()
-
-
 def _persist_counter(prog, engine, D):
     """Record the persistent kernel's counter (allocated and zeroed first in the call, so that the programmatic
     dependent launches after it stay back to back) where that kernel runs; else None."""
@@ -236,7 +222,7 @@ def _persist_counter(prog, engine, D):
     if not fp4_persist(engine, D):
         return None
     counter = prog.empty("fp4_counter", (1,), cupy.int32)
-    prog.call((), _zero_counter, (counter,))
+    prog.call((), _zero_ints, (counter,))
     return counter
 
 

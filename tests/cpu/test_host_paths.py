@@ -442,7 +442,7 @@ def test_nvfp4_q_in_kernel_only_where_the_ws_kernel_runs(gpu, monkeypatch):
     from sagecupy import nvfp4
 
     monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 40)
-    monkeypatch.setattr(nvfp4, "_zero_counter", lambda c: ())
+    monkeypatch.setattr(nvfp4, "_zero_ints", lambda c: ())
     for env, d, engine in ((None, 64, None), (None, 128, "mma"), (("SAGECUPY_FP4_WS", "2"), 128, None),
                            (("SAGECUPY_FP4_PERSIST", "1"), 128, None)):
         nvfp4._ATTN_PLANS.clear()
@@ -538,7 +538,7 @@ def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
 
     nvfp4._ATTN_PLANS.clear()  # (plans recorded by earlier tests launch that test's recording kernels)
     monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 5)
-    monkeypatch.setattr(nvfp4, "_zero_counter", lambda c: gpu.append(("zero", c)) or ())
+    monkeypatch.setattr(nvfp4, "_zero_ints", lambda c: gpu.append(("zero", c)) or ())
     monkeypatch.setenv("SAGECUPY_FP4_QIN", "0")  # (the plain call: the warp-specialized kernel on the pre-pass's Q)
     q, k, v = _inputs(nk=128)  # B = 2, Hq = 4, nq = 100: one 192-row query block per head, 8 items
     nvfp4.attention(q, k, v, causal=True)
