@@ -546,6 +546,49 @@ __device__ __forceinline__ void ws_dequant_tile(char* sKst, char* sVst, const ch
   }
 }
 
+// ---- K/V stage images (opt-in: SAGECUPY_FP4_KVIMG=1) ----
+//
+// The warp-specialized kernel's producer dequantizes every key tile of a head once per query block: 22 times per
+// head at 4096 rows, ~18% of the kernel's instructions (ncu, twenty-seventh session), issue slots its consumers
+// share. nvfp4_kv_images does it once per tile: it runs the producer's own staging and dequantization
+// (ws_stage_tile, ws_dequant_tile: the same functions, so the same bytes) into shared memory and stores the result,
+// K^ (D / 64 swizzled 64 x 128-byte pieces, TBLK row order) then V^^T (D swizzled 128-byte rows), as one
+// WS_IMG_STAGE-byte image per (b, hk, 64-key tile); the kernel's producer then only copies each tile's image into
+// its ring stage with two bulk copies (thread 0). The same shared-memory bytes reach the products, so O and LSE are
+// bitwise those of the dequantizing producer. Costs: the images (fp16: 4x the packed bytes, scratch per call) and
+// their pass (it reads the packed K and V and writes the images).
+template <int D>
+constexpr int WS_IMG_STAGE = BKV * 2 * D + D * BKV * 2;
+
+// Grid (ceil(nk / 64), Hkv, B), block 128 (the producer's thread count: its task split). Arguments as the
+// warp-specialized kernel's K/V ones (V^T rows padded to whole 64-token tiles, vcs code bytes each); img: (B, Hkv,
+// ceil(nk / 64)) images of WS_IMG_STAGE<D> bytes.
+template <int D>
+__global__ void __launch_bounds__(128) nvfp4_kv_images(const unsigned char* __restrict__ kc,
+                                                       const unsigned char* __restrict__ ks,
+                                                       const unsigned char* __restrict__ vc,
+                                                       const unsigned char* __restrict__ vs, int vcs, int nk, int n16,
+                                                       unsigned char* __restrict__ img) {
+  using S = NvWs<D, 3>;
+  static_assert(S::PTHREADS == 128, "the producer's task split");
+  __shared__ __align__(16) char sm[WS_IMG_STAGE<D> + S::STG];
+  grid_dep_wait();  // (the pre-pass's K and V: nothing global is touched before this)
+  grid_dep_launch_dependents();
+  const int tile = blockIdx.x, ptid = threadIdx.x;
+  const long long bhk = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+  char* stg = sm + WS_IMG_STAGE<D>;
+  ws_stage_tile<D, 3>(stg, kc + bhk * nk * (D / 2), ks + bhk * nk * (D / 16), vc + bhk * D * vcs,
+                      vs + bhk * D * (vcs / 8), vcs, tile, nk, n16, ptid);
+  cp_async_commit();
+  cp_async_wait<0>();  // (this thread's own slots: it dequantizes them, as the producer does)
+  asm volatile("" ::: "memory");
+  ws_dequant_tile<D, 3>(sm, sm + S::K_BYTES, stg, ptid);
+  __syncthreads();
+  uint4* dst = reinterpret_cast<uint4*>(img + (bhk * gridDim.x + tile) * static_cast<long long>(WS_IMG_STAGE<D>));
+#pragma unroll 4
+  for (int i = ptid; i < WS_IMG_STAGE<D> / 16; i += 128) dst[i] = reinterpret_cast<const uint4*>(sm)[i];
+}
+
 // Named barrier 1 + wg of consumer warpgroup wg's 128 threads (constant ids: a register id would make ptxas reserve
 // all 16 barriers).
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
@@ -743,7 +786,7 @@ __device__ __forceinline__ void ws_split_epilogue(const float (&acc_o)[D / 8][4]
 // and qmk = qmk_scale * q . mu_K (mu: (B, Hkv, D) fp32, or null: no qmk) in registers.
 // SPLIT (nvfp4_attn_fwd_ws_split): a 1-D grid of items (ws_split_item), the last ones' keys split over nsplit CTAs
 // (parts), combined by ws_split_epilogue through part_ws and counters.
-template <typename T, int D, bool TWO_LEVEL, int CG, int NC, bool QIN, bool SPLIT = false>
+template <typename T, int D, bool TWO_LEVEL, int CG, int NC, bool QIN, bool SPLIT = false, bool IMG = false>
 __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
     const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs, const T* __restrict__ q,
     long long qsb, long long qsh, long long qsn, const float* __restrict__ mu, float qmk_scale,
@@ -751,7 +794,7 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
     const unsigned char* __restrict__ vs, int vcs, const float* __restrict__ qmk, T* __restrict__ o, long long osb,
     long long osh, long long osn, float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16,
     float scale_log2, int causal, int whole = 0, int nsplit = 1, int nblk = 1, float* __restrict__ part_ws = nullptr,
-    int* __restrict__ counters = nullptr) {
+    int* __restrict__ counters = nullptr, const unsigned char* __restrict__ kvimg = nullptr) {
   using S = NvWs<D, NC>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
   static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
@@ -792,8 +835,9 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
     }
   }
   if (tid < NST) {
-    mbar_init(full + tid, S::PTHREADS);
+    mbar_init(full + tid, IMG ? 1 : S::PTHREADS);  // (IMG: thread 0's arrival and the bulk copies' bytes)
     mbar_init(empty + tid, S::CTHREADS);
+    if constexpr (IMG) fence_mbar_init();
   }
   if (tid == NST) mbar_init(q_full, S::PTHREADS);
   __syncthreads();
@@ -801,6 +845,53 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
   if (warp < 4) {  // ---- producer ----
     setmaxnreg_dec_producer();
     const int ptid = tid;
+    if constexpr (IMG) {
+      // Stage images (nvfp4_kv_images): thread 0 copies tile t's K^ and V^^T, as the dequantizing producer below
+      // would write them, with two bulk copies completing on full[t % NST]; the first NST tiles before Q's work.
+      // (Image t0 + t: SPLIT parts start at their first tile.)
+      const char* gi = reinterpret_cast<const char*>(kvimg) +
+                       (bhk * ((nk + BKV - 1) / BKV) + t0) * static_cast<long long>(WS_IMG_STAGE<D>);
+      auto copy_tile = [&](int t) {
+        const int st = t % NST;
+        const char* src = gi + t * static_cast<long long>(WS_IMG_STAGE<D>);
+        mbar_arrive_expect_tx(full + st, S::K_BYTES + S::V_BYTES);
+        bulk_copy_g2s(sK + st * S::K_BYTES, src, S::K_BYTES, full + st);
+        bulk_copy_g2s(sV + st * S::V_BYTES, src + S::K_BYTES, S::V_BYTES, full + st);
+      };
+      if (ptid == 0)
+        for (int t = 0; t < NST && t < tl.n; ++t) copy_tile(t);
+      if constexpr (!QIN) {  // Q as below (staging buffer 0), every producer thread
+#pragma unroll
+        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
+          const int i = ptid + j * S::PTHREADS, row = i % BQ, piece = i / BQ, qr = q0 + row;
+          const bool ok = qr < nq;
+          const long long r = bh * nq + qr;
+          stage_task(stg0, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
+                     ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        asm volatile("" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
+          const int i = ptid + j * S::PTHREADS;
+          dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stg0, i, S::STG_CODES);
+        }
+        fence_proxy_async();
+        mbar_arrive(q_full);
+      }
+      if (ptid == 0) {
+        for (int t = NST; t < tl.n; ++t) {
+          const int st = t % NST;
+          if constexpr (SAGE_FP4_WS_WAIT_NS > 0)
+            mbar_wait_hint<SAGE_FP4_WS_WAIT_NS>(empty + st, ((t / NST) - 1) & 1);
+          else
+            mbar_wait(empty + st, ((t / NST) - 1) & 1);
+          copy_tile(t);
+        }
+      }
+      return;
+    }
     // (from key tile t0 on: tile t below is key tile t0 + t, its keys and tokens bounded by nk_t and n16_t)
     const unsigned char* gkc = kc + bhk * nk * (D / 2) + static_cast<long long>(t0) * BKV * (D / 2);
     const unsigned char* gks = ks + bhk * nk * (D / 16) + static_cast<long long>(t0) * BKV * (D / 16);
@@ -1036,6 +1127,25 @@ nvfp4_attn_fwd_ws_split(const unsigned char* __restrict__ qc, const unsigned cha
                                                             vcs, qmk, o, osb, osh, osn, lse, Hq, Hkv, nq, nk, n16,
                                                             scale_log2, causal, whole, nsplit, nblk, part_ws,
                                                             counters);
+}
+
+// The warp-specialized kernel on K/V stage images (opt-in: SAGECUPY_FP4_KVIMG=1; nvfp4_kv_images writes kvimg):
+// nvfp4_attn_fwd_ws (QIN = false: qc, qs, qmk), nvfp4_attn_fwd_ws_qin (QIN = true: q, its strides, mu, qmk_scale),
+// and with SPLIT nvfp4_attn_fwd_ws_split's 1-D grid (whole, nsplit, nblk, part_ws, counters; CG = 1); kvimg in
+// place of the packed K and V, whose sizes nk and n16 still give the masks. Bitwise the O and LSE of those kernels.
+template <typename T, int D, bool TWO_LEVEL, int CG, int NC, bool QIN, bool SPLIT>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
+                      const T* __restrict__ q, long long qsb, long long qsh, long long qsn,
+                      const float* __restrict__ mu, float qmk_scale, const unsigned char* __restrict__ kvimg,
+                      const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
+                      float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2,
+                      int causal, int whole, int nsplit, int nblk, float* __restrict__ part_ws,
+                      int* __restrict__ counters) {
+  static_assert(!SPLIT || (TWO_LEVEL && CG == 1), "the split grid: two-level P, non-causal");
+  nvfp4_attn_fwd_ws_body<T, D, TWO_LEVEL, CG, NC, QIN, SPLIT, true>(
+      qc, qs, q, qsb, qsh, qsn, mu, qmk_scale, nullptr, nullptr, nullptr, nullptr, 0, qmk, o, osb, osh, osn, lse, Hq,
+      Hkv, nq, nk, n16, scale_log2, causal, whole, nsplit, nblk, part_ws, counters, kvimg);
 }
 
 // ---- Persistent warp-specialized kernel (nvfp4_attn_fwd_ws_persist; opt-in: SAGECUPY_FP4_PERSIST=1, three

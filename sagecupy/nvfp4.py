@@ -151,6 +151,22 @@ def fp4_tail_split(engine: str = "wgmma", head_dim: int = 128) -> bool:
     return env_switch("SAGECUPY_FP4_TAIL_SPLIT") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
 
 
+def fp4_kvimg(engine: str = "wgmma", head_dim: int = 128) -> bool:
+    """Whether the NVFP4 forward dequantizes each K/V tile once, into a stage image (``nvfp4_kv_images``: fp16 K^
+    and V^^T tiles laid out as the kernel's shared memory, scratch of 4x the packed K and V), which the
+    warp-specialized kernel's producer copies with two bulk copies per tile (``nvfp4_attn_fwd_ws_img``), instead of
+    its producer dequantizing every tile once per query block; bitwise the same O and LSE:
+    ``SAGECUPY_FP4_KVIMG=1`` asks for it (opt-in, ``0`` the default, until it is measured on the GPU). It applies
+    where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent one does
+    not; with :func:`fp4_qin` and :func:`fp4_tail_split` too."""
+    return env_switch("SAGECUPY_FP4_KVIMG") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
+
+
+def ws_img_bytes(D: int) -> int:
+    """Bytes of one K/V stage image (``WS_IMG_STAGE<D>``): a 64-key fp16 K^ tile and its D x 64 fp16 V^^T tile."""
+    return 2 * _BKV * 2 * D
+
+
 #: Parts a split item's keys go to at most (the kernel's combination reads at most this many).
 _SPLIT_MAX = 4
 
@@ -274,6 +290,11 @@ def kernel_names() -> dict:
     attn90 += [_ws_name(T, 128, "true", cg, 3, qin=True) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
     # its tail-splitting form (opt-in, SAGECUPY_FP4_TAIL_SPLIT=1; non-causal, two-level P, 3 consumers)
     attn90 += [_ws_split_name(T, 128, qin) for T in _T.values() for qin in (False, True)]
+    # the K/V stage images and the kernel on them (opt-in, SAGECUPY_FP4_KVIMG=1), with either Q form, split or not
+    attn90 += ["nvfp4_kv_images<128>"]
+    attn90 += [_ws_img_name(T, 128, "true", cg, qin, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)
+               for qin in (False, True)]
+    attn90 += [_ws_img_name(T, 128, "true", 1, qin, True) for T in _T.values() for qin in (False, True)]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
     return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
@@ -304,6 +325,13 @@ def _ws_name(T: str, D: int, tl: str, cg: int, nc: int, qin: bool = False) -> st
 def _ws_split_name(T: str, D: int, qin: bool) -> str:
     """The tail-splitting warp-specialized kernel's instance (two-level P, three consumers)."""
     return f"nvfp4_attn_fwd_ws_split<{T}, {D}, true, 3, {'true' if qin else 'false'}>"
+
+
+def _ws_img_name(T: str, D: int, tl: str, cg: int, qin: bool, split: bool) -> str:
+    """The warp-specialized kernel on K/V stage images (three consumers): ``qin`` Q quantized in the kernel,
+    ``split`` the tail-splitting grid."""
+    b = {False: "false", True: "true"}
+    return f"nvfp4_attn_fwd_ws_img<{T}, {D}, {tl}, {cg}, 3, {b[qin]}, {b[split]}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -640,7 +668,8 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
                    counter=None, q_in=None, split=None):
     """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
     scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
-    ``"o"`` (raw, in ``layout``) and ``"lse"``. ``counter``: :func:`_persist_counter`'s (the persistent kernel runs
+    ``"o"`` (raw, in ``layout``) and ``"lse"``; where :func:`fp4_kvimg` applies, the K/V stage images' pass first.
+    ``counter``: :func:`_persist_counter`'s (the persistent kernel runs
     when it is given). ``q_in``: ``(q, qsb, qsh, qsn, mu)`` (the raw Q's Ref and element strides, K's mean's Ref or
     None) where the kernel quantizes Q itself (:func:`fp4_qin`; ``ops`` then has no Q, ``qmk`` is None). ``split``:
     :func:`_split_setup`'s (the tail-splitting kernel runs when it is given)."""
@@ -659,6 +688,7 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     tl = "true" if two_level else "false"
     vc, vs = ops["v_packed"], ops["v_scales"]
+    img = None  # (the K/V stage images' Ref where fp4_kvimg applies)
     if engine == "wgmma":
         name = (_ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws) if ws else
                 f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal, w, D))}>")
@@ -670,11 +700,24 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         if split is not None:
             assert ws == 3 and counter is None and two_level and not causal  # (fp4_tail_split's, _split_setup's)
             name = _ws_split_name(_T[dtype], D, q_in is not None)
+        kvimg = ws == 3 and counter is None and fp4_kvimg(engine, D)  # (K/V stage images)
+        if kvimg:
+            name = _ws_img_name(_T[dtype], D, tl, 1 if split is not None else fp4_causal_group(causal, None, D),
+                                q_in is not None, split is not None)
         fn = get_function("fp4_attn_fwd_sm90.cu", name, all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16:  # rows padded to whole 64-token tiles (a copy per call)
             vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
         v_args = (vc, vs, i32(n64 // 2))
+        if kvimg:  # each 64-key tile's K^ and V^^T dequantized once, in the kernel's shared-memory layout
+            from .int8 import _TMP
+
+            ntile = (nk + _BKV - 1) // _BKV
+            img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), cupy.uint8, arena=_TMP)
+            prog.launch(get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images<{D}>",
+                                     all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a"),
+                        (ntile, Hkv, B), (128,), (ops["k_packed"], ops["k_scales"], *v_args, i32(nk), i32(n16), img),
+                        pdl=True)  # (it calls grid_dep_wait() first)
     else:
         fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {tl}>")
         v_args = (vc, vs)
@@ -688,12 +731,14 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         extra = (i32(B), counter, i32(nitems))
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    if split is not None:  # (both Q forms' arguments; 1-D grid: whole items, then the parts of the others)
-        whole, nsplit, nblk, part_ws, counters = split
+    if split is not None or img is not None:  # (both Q forms' arguments; split: a 1-D grid, whole items first)
+        whole, nsplit, nblk, part_ws, counters = split if split is not None else (0, 1, 1, None, None)
         rq, qsb, qsh, qsn, mu = q_in if q_in is not None else (None, 0, 0, 0, None)
-        head = (ops.get("q_packed"), ops.get("q_scales"), rq, i64(qsb), i64(qsh), i64(qsn), mu, f32(sm_scale),
-                ops["k_packed"], ops["k_scales"], *v_args, qmk)
-        grid = (whole + (grid[0] * Hq * B - whole) * nsplit,)
+        kv = (img,) if img is not None else (ops["k_packed"], ops["k_scales"], *v_args)
+        head = (ops.get("q_packed"), ops.get("q_scales"), rq, i64(qsb), i64(qsh), i64(qsn), mu, f32(sm_scale), *kv,
+                qmk)
+        if split is not None:
+            grid = (whole + (grid[0] * Hq * B - whole) * nsplit,)
         extra = (i32(whole), i32(nsplit), i32(nblk), part_ws, counters)
     elif q_in is not None:  # (nvfp4_attn_fwd_ws_qin: the raw Q and K's mean instead of Q's bytes and qmk)
         rq, qsb, qsh, qsn, mu = q_in
