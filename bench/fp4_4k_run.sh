@@ -4,7 +4,8 @@
 # (SAGE_FP4_WS_QOVL), the fused pre-pass (SAGECUPY_FP4_PREPASS=fused) and its pipelined form (=pipe, thirtieth
 # session), K's binary-search block quantizer (SAGE_NVFP4_CMP_BSEARCH, thirtieth), the persistent kernel
 # (SAGECUPY_FP4_PERSIST=1), Q quantized in the warp-specialized kernel (SAGECUPY_FP4_QIN=1, thirty-first) and the
-# last wave's items split along the keys (SAGECUPY_FP4_TAIL_SPLIT=1, thirty-first). All default off until this runs.
+# last wave's items split along the keys (SAGECUPY_FP4_TAIL_SPLIT=1, thirty-first), K/V tiles dequantized once into
+# stage images (SAGECUPY_FP4_KVIMG=1, thirty-second). All default off until this runs.
 #   bash bench/fp4_4k_run.sh time    # a persistent-kernel smoke check (capped: a hang must not eat the call), then
 #                                    # fp4_floor.py at 4K (SHAPES=4:4096,1:16384 adds 16K): every variant's kernel
 #                                    # and whole call; the pipelined pre-pass's launches, with and without
@@ -30,7 +31,7 @@ import cupy
 import numpy as np
 from sagecupy import _checks, bench, nvfp4
 ok = True
-for switch in ("SAGECUPY_FP4_PERSIST", "SAGECUPY_FP4_QIN", "SAGECUPY_FP4_TAIL_SPLIT"):
+for switch in ("SAGECUPY_FP4_KVIMG", "SAGECUPY_FP4_PERSIST", "SAGECUPY_FP4_QIN", "SAGECUPY_FP4_TAIL_SPLIT"):
     for N, causal in ((1024, False), (4096, True), (4096, False)):
         _, _, (q, k, v, _) = bench._inputs(128, N, "bfloat16")
         outs = []
@@ -52,21 +53,22 @@ for switch in ("SAGECUPY_FP4_PERSIST", "SAGECUPY_FP4_QIN", "SAGECUPY_FP4_TAIL_SP
               flush=True)
 print("SMOKE_OK" if ok else "SMOKE_FAIL")
 PY
-  (cd bench && timeout ${FLOOR_TIMEOUT:-230} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
-    --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1;SAGE_FP4_WS_QOVL=1;SAGECUPY_FP4_PREPASS=fused;\
-SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGECUPY_FP4_TAIL_SPLIT=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,\
-SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
-SAGECUPY_FP4_PREPASS=pipe,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1") 2>&1 \
-    | tee "$OUT/floor.txt"
+  # (the combinations first: a timeout cuts the last variants; SAGE_FP4_WS_QOVL alone at the end)
+  (cd bench && timeout ${FLOOR_TIMEOUT:-270} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+    --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe,\
+SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1,SAGECUPY_FP4_KVIMG=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
+SAGECUPY_FP4_PREPASS=pipe,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1;SAGECUPY_FP4_KVIMG=1;\
+SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1;\
+SAGECUPY_FP4_PREPASS=fused;SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGECUPY_FP4_TAIL_SPLIT=1;\
+SAGE_FP4_WS_QOVL=1") 2>&1 | tee "$OUT/floor.txt"
   if grep -q SMOKE_OK "$OUT/smoke.txt"; then
-    (cd bench && timeout ${PERSIST_TIMEOUT:-100} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
-      --diags 0 --e2e --extra "SAGECUPY_FP4_PERSIST=1;SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1;\
-SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe") 2>&1 \
-      | tee "$OUT/floor_persist.txt"
+    (cd bench && timeout ${PERSIST_TIMEOUT:-80} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+      --diags 0 --e2e --extra "SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
+SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_PERSIST=1") 2>&1 | tee "$OUT/floor_persist.txt"
   fi
-  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 40 \
+  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_pipe.txt"
-  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 40 \
+  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_qin.txt"
 elif [ "$what" = suite ]; then
   echo "candidate defaults: ${CANDIDATE:-none}"
@@ -77,10 +79,10 @@ elif [ "$what" = suite ]; then
     --out "$OUT/bench.jsonl" 2>/dev/null | tee "$OUT/bench_table.txt"
 else
   SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
-    tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent or q_in or tail_split" 2>&1 \
+    tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent or q_in or tail_split or kv_images" 2>&1 \
     | tee "$OUT/tests_prepass.txt"
   SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1 SHARDS=${SHARDS:-6} \
     TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py tests/gpu/test_nvfp4_quant.py \
-    -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent or fused_prepass or quant or q_in or tail_split" \
+    -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent or fused_prepass or quant or q_in or tail_split or kv_images" \
     2>&1 | tee "$OUT/tests_ws_defines.txt"
 fi

@@ -530,6 +530,84 @@ def test_nvfp4_tail_split_launch(gpu, qin, monkeypatch):
         assert not any(x[0] == "zero" for x in gpu)
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("qin", ["0", "1"])
+def test_nvfp4_kv_images_launch(gpu, qin, split, monkeypatch):
+    """SAGECUPY_FP4_KVIMG=1: the call's launches are those without it, with nvfp4_kv_images (grid: key tiles, Hkv,
+    B; 128 threads) before the kernel, on the very K and V arrays the kernel gets without it (V padded to whole
+    64-token tiles), writing a scratch buffer in the call's arena; then nvfp4_attn_fwd_ws_img with that buffer in
+    place of the packed K and V (both Q forms, the tail split's 1-D grid and arguments or their neutral values),
+    the same grid, block and shared memory. Nothing changes where the three-consumer kernel does not run (D = 64,
+    the persistent kernel, the mma engine). (attention_packed: the GPU test; the fake arrays lack what it checks.)"""
+    from sagecupy import nvfp4
+
+    nvfp4._ATTN_PLANS.clear()
+    monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 7 if split else 132)
+    monkeypatch.setattr(nvfp4, "_zero_ints", lambda c: gpu.append(("zero", c)) or ())
+    monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+    monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "1" if split else "0")
+    q, k, v = _inputs(nq=400, nk=1024)  # B 2, Hq 4, Hkv 2; 16 key tiles; split: 24 items on 7 SMs (a partial last
+    # tile needs V padded, which the fake arrays cannot: the GPU test has one)
+    names = dict(q=q, k=k, v=v)
+
+    def launches(img, fn):
+        monkeypatch.setenv("SAGECUPY_FP4_KVIMG", img)
+        del gpu[:]
+        fn()
+        return list(gpu)
+
+    def check(plain, run):
+        assert [x[0] for x in run[:-2]] == [x[0] for x in plain[:-1]]
+        kname = plain[-1][0]
+        iname, igrid, iblock, iargs, _ = run[-2]
+        name, grid, block, args, smem = run[-1]
+        assert iname == "nvfp4_kv_images<128>" and igrid == (16, 2, 2) and iblock == (128,)
+        ref = plain[-1][3]
+        kv = 6 if kname.startswith("nvfp4_attn_fwd_ws_qin") else 8 if "split" in kname else 2
+        ia = _summary(run[-2], names)[3]
+        assert ia[:5] == _summary(plain[-1], names)[3][kv:kv + 5]  # (K's and V's bytes, V's row stride)
+        if "input" not in {d[0] for d in ia[:4]}:  # (attention: what this call's pre-pass wrote)
+            assert all(any(a is b for x in run[:-2] if len(x) == 5 for b in x[3]) for a in iargs[:4])
+        assert iargs[5:7] == (np.int32(1024), np.int32(1024)) and isinstance(iargs[7], np.uint64)
+        tmpl = kname.split("<")[1].rstrip(">").split(", ")
+        cg = tmpl[3] if "split" not in kname else "1"
+        assert name == (f"nvfp4_attn_fwd_ws_img<__half, 128, true, {cg}, 3, {'true' if qin == '1' else 'false'}, "
+                        f"{'true' if split else 'false'}>")
+        assert (grid, block, smem) == plain[-1][1:3] + (plain[-1][4],)
+        assert args[8] == iargs[7]  # (the images: their arena address)
+        a = _summary(run[-1], names, _arena_base(run[-1:]))[3]
+        r = _summary(plain[-1], names, _arena_base(plain[-1:]))[3]
+        if "split" in kname:  # (the split kernel's arguments with K and V replaced by the images)
+            assert a[:8] == r[:8] and a[9:] == r[13:]
+        elif qin == "1":  # (Q's bytes null; the raw Q, its strides, the mean and sm_scale; qmk null)
+            assert a[:2] == (None, None) and a[2:8] == r[:6] and a[9] is None and a[10:-5] == r[11:]
+        else:
+            assert a[:2] == r[:2] and a[2:7] == (None, ("int64", 0), ("int64", 0), ("int64", 0), None)
+            assert a[9:-5] == r[7:]
+        if not split:
+            assert a[-5:] == (("int32", 0), ("int32", 1), ("int32", 1), None, None)
+
+    call = lambda: nvfp4.attention(q, k, v)  # noqa: E731
+    check(launches("0", call), launches("1", call))
+    launches("1", call)  # (replayed: the same launches)
+    assert gpu[-2][0] == "nvfp4_kv_images<128>"
+    if not split:
+        monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "1")
+        for what in ("D=64", "persist", "mma"):
+            del gpu[:]
+            with monkeypatch.context() as m:
+                if what == "persist":
+                    m.setenv("SAGECUPY_FP4_PERSIST", "1")
+                if what == "mma":
+                    m.setenv("SAGECUPY_FP4_ENGINE", "mma")
+                qq, kk, vv = _inputs(d=64, nq=400, nk=1024) if what == "D=64" else (q, k, v)
+                nvfp4.attention(qq, kk, vv)
+            assert not any("img" in x[0] or "images" in x[0] for x in gpu if isinstance(x[0], str)), what
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "on")
+    with pytest.raises(ValueError, match="SAGECUPY_FP4_KVIMG='on'"):
+        nvfp4.attention(q, k, v)
+
+
 def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
     """SAGECUPY_FP4_PERSIST=1: the call zeroes the item counter before its first launch (so the pre-pass and the
     kernel stay programmatic dependents of each other), then launches nvfp4_attn_fwd_ws_persist on min(items, SMs)

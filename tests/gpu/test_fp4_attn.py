@@ -806,6 +806,61 @@ def test_nvfp4_tail_split_matches_whole_items(monkeypatch, shape, sms, nsplit, q
         assert np.allclose(outs[1], outs[0], rtol=rtol, atol=1e-6), "attention_packed"
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1000, 1000, "HND", "bfloat16"),
+                                   (2, 4, 2, 300, 4100, "NHD", "float16"),
+                                   (1, 3, 1, 700, 600, "NHD", "float16"),
+                                   (1, 2, 2, 1, 70, "HND", "bfloat16")])
+def test_nvfp4_kv_images_match_dequantizing_producer(monkeypatch, shape):
+    """SAGECUPY_FP4_KVIMG=1 (nvfp4_kv_images dequantizes each 64-key tile once, with the producer's own functions, into
+    an image of the kernel's K/V stage; nvfp4_attn_fwd_ws_img's producer copies the images with bulk copies) gives
+    bitwise the O and LSE of the dequantizing producer: with Q from the pre-pass or quantized in the kernel
+    (SAGECUPY_FP4_QIN), whole items or the tail split (SM count 5: every shape splits), causal or not, and through
+    attention_packed. Shapes: a last key tile of 4 keys (4100; its V tokens zero-padded), Nq > Nk causal (rows that
+    see no key), GQA, one row; NaN in V (fp16) reaches the same elements."""
+    from sagecupy import nvfp4
+    from sagecupy._loader import device_capability
+
+    if device_capability() != (9, 0):
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    cp = _cp()
+    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
+    B, Hq, Hkv, nq, nk, layout, dtype = shape
+    (q, k, v, _), _ = _inputs(19, B, Hq, Hkv, nq, nk, 128, layout, dtype)
+    cases = [("plain", v)]
+    if dtype == "float16":
+        vn = cp.asarray(_raw(v)).copy()
+        vn.reshape(-1, 128)[min(9, vn.size // 128 - 1), 3] = np.nan
+        cases.append(("NaN in V", vn))
+    ops = nvfp4.quantize_inputs(q, k, v, layout=layout)
+    for split in ("0", "1"):
+        monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", split)
+        if split == "1":
+            monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 5)
+        for qin in ("0", "1"):
+            monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
+            for causal in (False, True):
+                for what, vv in cases:
+                    got = []
+                    for img in ("0", "1"):
+                        monkeypatch.setenv("SAGECUPY_FP4_KVIMG", img)
+                        nvfp4._ATTN_PLANS.clear()  # (the SM count is not part of a plan's key)
+                        o, lse = nvfp4.attention(q, k, vv, causal=causal, layout=layout, return_lse=True)
+                        got.append((_host(o), _host(lse)))
+                    case = f"({what}, split={split}, qin={qin}, causal={causal})"
+                    for name, a, b in zip(("O", "LSE"), *got):
+                        assert np.array_equal(a, b, equal_nan=True), f"{name} differs {case}"
+                    if what == "NaN in V":
+                        assert np.isnan(got[1][0]).any(), f"the NaN reaches O {case}"
+        for causal in (False, True):
+            got = []
+            for img in ("0", "1"):
+                monkeypatch.setenv("SAGECUPY_FP4_KVIMG", img)
+                o, lse = nvfp4.attention_packed(ops, causal=causal, layout=layout, out_dtype=dtype, return_lse=True)
+                got.append((_host(o), _host(lse)))
+            for name, a, b in zip(("O", "LSE"), *got):
+                assert np.array_equal(a, b, equal_nan=True), f"attention_packed {name} (split={split}, causal={causal})"
+
+
 @pytest.mark.parametrize("ctas", [3, None])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 128, 128, "HND", "bfloat16"),
                                    (2, 4, 2, 1000, 1000, "NHD", "float16"),
