@@ -136,9 +136,9 @@ __device__ __forceinline__ StagedTask load_task(const char* stg, int task, int s
   return {{make_uint2(c0.x, c0.y), make_uint2(c0.z, c0.w), make_uint2(c1.x, c1.y), make_uint2(c1.z, c1.w)}, sc};
 }
 
-// Dequantize staged task `task` into row `r` of a swizzled 128-byte-row tile (64 fp16 values).
-__device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg, int task, int stg_codes) {
-  const StagedTask t = load_task(stg, task, stg_codes);
+// A task's bytes t (as load_task returns them) dequantized into row `r` of a swizzled 128-byte-row tile (64 fp16
+// values).
+__device__ __forceinline__ void dequant_staged(char* tile, int r, const StagedTask& t) {
   const uint2(&w)[4] = t.w;
   const unsigned sc = t.sc;
 #pragma unroll
@@ -150,11 +150,15 @@ __device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg,
   }
 }
 
-// Dequantize staged task `task`, a 64-token row of V^T, into row `r` of a swizzled 128-byte-row tile with its tokens
-// in TBLK order (common/fp4_fwd.cuh FP4_TBLK_KEY): 16-byte chunk j holds pair j of each of the four 16-token units
+// Dequantize staged task `task` into row `r` of a swizzled 128-byte-row tile (64 fp16 values).
+__device__ __forceinline__ void dequant_task(char* tile, int r, const char* stg, int task, int stg_codes) {
+  dequant_staged(tile, r, load_task(stg, task, stg_codes));
+}
+
+// A 64-token row of V^T (t: its bytes) dequantized into row `r` of a swizzled 128-byte-row tile with its tokens in
+// TBLK order (common/fp4_fwd.cuh FP4_TBLK_KEY): 16-byte chunk j holds pair j of each of the four 16-token units
 // (column 8 j + 2 u + e is token 16 u + 2 j + e), half the pairs at a time.
-__device__ __forceinline__ void dequant_task_tblk(char* tile, int r, const char* stg, int task, int stg_codes) {
-  const StagedTask t = load_task(stg, task, stg_codes);
+__device__ __forceinline__ void dequant_staged_tblk(char* tile, int r, const StagedTask& t) {
   __half2 s64[4];
 #pragma unroll
   for (int u = 0; u < 4; ++u) s64[u] = e4m3_scale_x64((t.sc >> (8 * u)) & 0xFFu);
@@ -167,6 +171,11 @@ __device__ __forceinline__ void dequant_task_tblk(char* tile, int r, const char*
     for (int jj = 0; jj < 4; ++jj)
       *reinterpret_cast<uint4*>(tile + swz<128>(r, 4 * hh + jj)) = make_uint4(h[0][jj], h[1][jj], h[2][jj], h[3][jj]);
   }
+}
+
+// Dequantize staged task `task`, a 64-token row of V^T, as dequant_staged_tblk.
+__device__ __forceinline__ void dequant_task_tblk(char* tile, int r, const char* stg, int task, int stg_codes) {
+  dequant_staged_tblk(tile, r, load_task(stg, task, stg_codes));
 }
 
 // Stage task i of key tile `tile`: a 64-element piece of a K row (is_k: the first BKV D / 64 tasks; 8 consecutive
@@ -587,6 +596,107 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images(const unsigned char* __re
   uint4* dst = reinterpret_cast<uint4*>(img + (bhk * gridDim.x + tile) * static_cast<long long>(WS_IMG_STAGE<D>));
 #pragma unroll 4
   for (int i = ptid; i < WS_IMG_STAGE<D> / 16; i += 128) dst[i] = reinterpret_cast<const uint4*>(sm)[i];
+}
+
+// The images straight from the raw K and V (nvfp4.attention with SAGECUPY_FP4_KVIMG=1): K's and V's pre-pass
+// quantizers, their packed bytes and nvfp4_kv_images in one pass. Each 16-block is quantized by the function the
+// pre-pass applies to it (K: its mean subtracted in fp32, then nvfp4_block_cmp, as nvfp4_quant_rows with mu;
+// without a mean nvfp4_block_exact16; V: nvfp4_block_exact16 on the 64-token tile as nvfp4_quant_tokens_tiled reads
+// it, tokens >= nk zero), and the codes and scale bytes, in a thread's registers exactly as the producer would stage
+// them (K keys >= nk and V blocks past n16: zero bytes, as its zero-filled copies), are dequantized by the producer's
+// functions: the images of nvfp4_kv_images on the pre-pass's outputs, bit for bit. Thread i: K's task i (row
+// i % 64 of piece i / 64), then V^T's channel i. k, v: (B, Hkv, nk, D) at element strides (rows 16-byte aligned);
+// mu: K's mean (B, Hkv, D) fp32 or null. Grid (ceil(nk / 64), Hkv, B), block 128, dynamic shared memory
+// WS_IMG_RAW_SMEM<D>.
+template <int D>
+constexpr int WS_IMG_RAW_SMEM = WS_IMG_STAGE<D> + 64 * (D + 8) * 2 + D * 4;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) nvfp4_kv_images_raw(const T* __restrict__ k, long long ksb, long long ksh,
+                                                           long long ksn, const float* __restrict__ mu,
+                                                           const T* __restrict__ v, long long vsb, long long vsh,
+                                                           long long vsn, int nk, int n16,
+                                                           unsigned char* __restrict__ img) {
+  static_assert(D == 128, "one K task and one V^T channel per thread (the producer's split at D = 128)");
+  using S = NvWs<D, 3>;
+  extern __shared__ __align__(16) char sm[];
+  char* sK = sm;                    // K^ (D / 64 pieces x 64 rows x 128 B)
+  char* sV = sm + S::K_BYTES;       // V^^T (D rows x 128 B)
+  unsigned short(*vt)[D + 8] = reinterpret_cast<unsigned short(*)[D + 8]>(sm + WS_IMG_STAGE<D>);  // 64 tokens x D
+  float* smu = reinterpret_cast<float*>(sm + WS_IMG_STAGE<D> + 64 * (D + 8) * 2);                  // K's mean
+  grid_dep_wait();  // (the mean's pass before; nothing global is touched before this)
+  grid_dep_launch_dependents();
+  const int tile = blockIdx.x, tid = threadIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const long long bhk = static_cast<long long>(b) * gridDim.y + h;
+  // Every load first: K's task (row i % 64 of piece i / 64: 64 elements, 8 x 16 bytes), then V's tile (8 x 16 bytes
+  // per thread; tokens >= nk zero), which goes to shared memory for the transpose.
+  const int row = tid % 64, piece = tid / 64, key = tile * 64 + (SAGE_FP4_TBLK ? FP4_TBLK_KEY(row) : row);
+  uint4 kw[4][2];
+  {
+    const uint4* src = reinterpret_cast<const uint4*>(k + b * ksb + h * ksh + (key < nk ? key : 0) * ksn + piece * 64);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) kw[i / 2][i % 2] = key < nk ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  const T* vsrc = v + b * vsb + h * vsh;
+  uint4 vw[64 * (D / 8) / 128];
+#pragma unroll
+  for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
+    const int idx = tid + 128 * j, r = idx / (D / 8), seg = idx % (D / 8), tok = tile * 64 + r;
+    vw[j] = tok < nk ? __ldg(reinterpret_cast<const uint4*>(vsrc + tok * vsn + seg * 8)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  const float mu_c = mu ? __ldg(mu + bhk * D + tid) : 0.f;  // (D = 128 threads: one channel each)
+#pragma unroll
+  for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
+    const int idx = tid + 128 * j;
+    *reinterpret_cast<uint4*>(&vt[idx / (D / 8)][(idx % (D / 8)) * 8]) = vw[j];
+  }
+  smu[tid] = mu_c;
+  __syncthreads();
+  {  // K's task tid (values as nvfp4_quant_rows's 16-byte loads give them)
+    StagedTask t = {{make_uint2(0u, 0u), make_uint2(0u, 0u), make_uint2(0u, 0u), make_uint2(0u, 0u)}, 0u};
+    if (key < nk) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        float x[16];
+        unsigned packed[2], sc;
+        unpack16<T>(kw[u], x);
+        if (mu) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) x[i] -= smu[piece * 64 + 16 * u + i];
+          sc = nvfp4_block_cmp(x, packed);
+        } else {
+          sc = nvfp4_block_exact16(x, packed);
+        }
+        t.w[u] = make_uint2(packed[0], packed[1]);
+        t.sc |= sc << (8 * u);
+      }
+    }
+    dequant_staged(sK + piece * 64 * 128, row, t);
+  }
+  {  // V^T's channel tid: the tile's 16-token blocks below n16
+    const int nb = min(4, (n16 - tile * 64) / 16);
+    StagedTask t = {{make_uint2(0u, 0u), make_uint2(0u, 0u), make_uint2(0u, 0u), make_uint2(0u, 0u)}, 0u};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (u < nb) {
+        float x[16];
+        unsigned packed[2];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = to_float(bits_to<T>(vt[16 * u + i][tid]));
+        const unsigned sc = nvfp4_block_exact16(x, packed);
+        t.w[u] = make_uint2(packed[0], packed[1]);
+        t.sc |= sc << (8 * u);
+      }
+    }
+    if constexpr (SAGE_FP4_TBLK)
+      dequant_staged_tblk(sV, tid, t);
+    else
+      dequant_staged(sV, tid, t);
+  }
+  __syncthreads();
+  uint4* dst = reinterpret_cast<uint4*>(img + (bhk * gridDim.x + tile) * static_cast<long long>(WS_IMG_STAGE<D>));
+#pragma unroll 4
+  for (int i = tid; i < WS_IMG_STAGE<D> / 16; i += 128) dst[i] = reinterpret_cast<const uint4*>(sm)[i];
 }
 
 // Named barrier 1 + wg of consumer warpgroup wg's 128 threads (constant ids: a register id would make ptxas reserve

@@ -167,6 +167,12 @@ def ws_img_bytes(D: int) -> int:
     return 2 * _BKV * 2 * D
 
 
+def ws_img_raw_smem_bytes(D: int) -> int:
+    """Dynamic shared memory of ``nvfp4_kv_images_raw`` (``WS_IMG_RAW_SMEM<D>``): one image, V's 64-token tile
+    (rows of D + 8 16-bit values) and K's mean (D floats)."""
+    return ws_img_bytes(D) + 64 * (D + 8) * 2 + D * 4
+
+
 #: Parts a split item's keys go to at most (the kernel's combination reads at most this many).
 _SPLIT_MAX = 4
 
@@ -291,7 +297,7 @@ def kernel_names() -> dict:
     # its tail-splitting form (opt-in, SAGECUPY_FP4_TAIL_SPLIT=1; non-causal, two-level P, 3 consumers)
     attn90 += [_ws_split_name(T, 128, qin) for T in _T.values() for qin in (False, True)]
     # the K/V stage images and the kernel on them (opt-in, SAGECUPY_FP4_KVIMG=1), with either Q form, split or not
-    attn90 += ["nvfp4_kv_images<128>"]
+    attn90 += ["nvfp4_kv_images<128>"] + [f"nvfp4_kv_images_raw<{T}, 128>" for T in _T.values()]
     attn90 += [_ws_img_name(T, 128, "true", cg, qin, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)
                for qin in (False, True)]
     attn90 += [_ws_img_name(T, 128, "true", 1, qin, True) for T in _T.values() for qin in (False, True)]
@@ -312,7 +318,8 @@ def kernel_constants() -> dict:
     return {"fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
                                      for w in _WARPS + (12,)]
             + [(f"NvWs<128, {nc}>::SMEM", ws_smem_bytes(128, nc)) for nc in (2, 3)]
-            + [("WS_SPLIT_MAX", _SPLIT_MAX), ("WS_IMG_STAGE<128>", ws_img_bytes(128))],
+            + [("WS_SPLIT_MAX", _SPLIT_MAX), ("WS_IMG_STAGE<128>", ws_img_bytes(128)),
+               ("WS_IMG_RAW_SMEM<128>", ws_img_raw_smem_bytes(128))],
             "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
@@ -665,14 +672,15 @@ def _pad_tokens64(codes, scales, n16):
 
 
 def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine,
-                   counter=None, q_in=None, split=None):
+                   counter=None, q_in=None, split=None, kv_img=None):
     """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
     scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
     ``"o"`` (raw, in ``layout``) and ``"lse"``; where :func:`fp4_kvimg` applies, the K/V stage images' pass first.
     ``counter``: :func:`_persist_counter`'s (the persistent kernel runs
     when it is given). ``q_in``: ``(q, qsb, qsh, qsn, mu)`` (the raw Q's Ref and element strides, K's mean's Ref or
     None) where the kernel quantizes Q itself (:func:`fp4_qin`; ``ops`` then has no Q, ``qmk`` is None). ``split``:
-    :func:`_split_setup`'s (the tail-splitting kernel runs when it is given)."""
+    :func:`_split_setup`'s (the tail-splitting kernel runs when it is given). ``kv_img``: the K/V stage images' Ref
+    where the pre-pass wrote them from the raw K and V (``nvfp4_kv_images_raw``; ``ops`` then has no K and V)."""
     import cupy
 
     from .int8 import _bits_dtype, _c_strides, _layout_shape
@@ -687,8 +695,8 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     lse = prog.empty("lse", (B, Hq, nq), cupy.float32)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     tl = "true" if two_level else "false"
-    vc, vs = ops["v_packed"], ops["v_scales"]
-    img = None  # (the K/V stage images' Ref where fp4_kvimg applies)
+    vc, vs = ops.get("v_packed"), ops.get("v_scales")
+    img = kv_img  # (the K/V stage images' Ref where fp4_kvimg applies)
     if engine == "wgmma":
         name = (_ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws) if ws else
                 f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal, w, D))}>")
@@ -701,15 +709,16 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
             assert ws == 3 and counter is None and two_level and not causal  # (fp4_tail_split's, _split_setup's)
             name = _ws_split_name(_T[dtype], D, q_in is not None)
         kvimg = ws == 3 and counter is None and fp4_kvimg(engine, D)  # (K/V stage images)
+        assert kvimg or kv_img is None
         if kvimg:
             name = _ws_img_name(_T[dtype], D, tl, 1 if split is not None else fp4_causal_group(causal, None, D),
                                 q_in is not None, split is not None)
         fn = get_function("fp4_attn_fwd_sm90.cu", name, all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
-        if n64 != n16:  # rows padded to whole 64-token tiles (a copy per call)
+        if n64 != n16 and kv_img is None:  # rows padded to whole 64-token tiles (a copy per call)
             vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
         v_args = (vc, vs, i32(n64 // 2))
-        if kvimg:  # each 64-key tile's K^ and V^^T dequantized once, in the kernel's shared-memory layout
+        if kvimg and kv_img is None:  # each 64-key tile's K^ and V^^T dequantized once, in the kernel's shared-memory layout
             from .int8 import _TMP
 
             ntile = (nk + _BKV - 1) // _BKV
@@ -791,7 +800,10 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
     mode = fp4_prepass_mode()
-    fused_pre = mode in ("fused", "pipe") and cfg.k_smoothing and p.head_dim in (64, 128)
+    # K/V stage images from the raw K and V (fp4_kvimg): K's mean as in the split pre-pass, Q's quantizer unless qin,
+    # then nvfp4_kv_images_raw in place of K's and V's quantizers (SAGECUPY_FP4_PREPASS does not apply)
+    kvimg = fp4_kvimg(engine, p.head_dim)
+    fused_pre = mode in ("fused", "pipe") and cfg.k_smoothing and p.head_dim in (64, 128) and not kvimg
     cq, ck = _row_chunks(p.nq, p.head_dim), _row_chunks(p.nk, p.head_dim)  # (pipe: the rows kernel's pieces)
     pipe = (fused_pre and mode == "pipe"  # (its 32-bit piece indices)
             and p.batch * (p.heads_q * cq + p.heads_kv * ck) < 2**30 and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30)
@@ -812,8 +824,9 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         mu = Ref("mu_k")  # (recorded below, after V's quantizer)
     ops = {} if qin else {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
                           "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8)}
-    ops["k_packed"] = prog.empty("k_packed", (B, Hkv, nk, D // 2), u8)
-    ops["k_scales"] = prog.empty("k_scales", (B, Hkv, nk, D // 16), u8)
+    if not kvimg:
+        ops["k_packed"] = prog.empty("k_packed", (B, Hkv, nk, D // 2), u8)
+        ops["k_scales"] = prog.empty("k_scales", (B, Hkv, nk, D // 16), u8)
     # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE: computed by Q's quantizer where a row's 16-blocks
     # are neighbouring lanes of a warp (D / 16 a power of two), else by row_mu_dot (below); by the kernel with qin
     qmk = prog.empty("qmk", (B, Hq, nq), f32) if mu is not None and not qin else None
@@ -821,8 +834,10 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     dot = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk) if fused else (None, i32(1), f32(0), None)
     (fq, gq), (fk, gk) = _rows_launch(T, nq, D), _rows_launch(T, nk, D)
     n16 = (nk + 15) // 16 * 16
-    ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
-    ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
+    kv_img = None
+    if not kvimg:
+        ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
+        ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
     if fused_pre:
         # V's quantizer with K's column sums per 64-token tile (the call's first launch: plain), K's mean from them,
         # then Q's and K's quantizers in one launch (programmatic dependents, as the kernel after them)
@@ -866,6 +881,16 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
             prog.launch(fq, (gq, Hq, B), (256,),
                         (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"],
                          ops["q_scales"], *dot), pdl=True)
+    if kvimg:  # K's and V's quantization and dequantization into the stage images, one pass over the raw K and V
+        ntile = (nk + _BKV - 1) // _BKV
+        kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_TMP)
+        fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, {D}>",
+                          all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
+        fn.max_dynamic_shared_size_bytes = ws_img_raw_smem_bytes(D)
+        prog.launch(fn, (ntile, Hkv, B), (128,),
+                    (rk, i64(ksb), i64(ksh), i64(ksn), mu, rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(n16),
+                     kv_img), shared_mem=ws_img_raw_smem_bytes(D), pdl=True)  # (it calls grid_dep_wait() first)
+    elif not fused_pre:
         prog.launch(fk, (gk, Hkv, B), (256,),
                     (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
                      None, i32(1), f32(0), None), pdl=True)
@@ -878,7 +903,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
                    sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, counter=counter,
-                   q_in=(rq, qsb, qsh, qsn, mu) if qin else None, split=split)
+                   q_in=(rq, qsb, qsh, qsn, mu) if qin else None, split=split, kv_img=kv_img)
     return Plan(p, cfg, engine, copy, prog)
 
 

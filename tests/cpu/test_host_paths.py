@@ -28,6 +28,10 @@ class FakeArray:
             FakeArray._next[0] += (math.prod(self.shape) * self.itemsize + 511) // 256 * 256
         self.data = types.SimpleNamespace(ptr=ptr, device_id=0)  # a MemoryPointer's address and device
 
+    @property
+    def flags(self):
+        return types.SimpleNamespace(c_contiguous=self.strides == FakeArray(self.shape, self.dtype, ptr=0).strides)
+
     def __getitem__(self, i):
         assert isinstance(i, int)
         return FakeArray(self.shape[1:], self.dtype, self.strides[1:], self.data.ptr + i * self.strides[0])
@@ -530,15 +534,41 @@ def test_nvfp4_tail_split_launch(gpu, qin, monkeypatch):
         assert not any(x[0] == "zero" for x in gpu)
 
 
+def _kv_img_kernel_check(plain, run, qin, split, names):
+    """The last launch of ``run`` (SAGECUPY_FP4_KVIMG=1) against that of ``plain`` (=0): nvfp4_attn_fwd_ws_img with
+    the images (the arena address the launch before it wrote) in place of the packed K and V, the same grid, block
+    and shared memory, the rest of the arguments as the plain kernel's (split: the split kernel's)."""
+    kname = plain[-1][0]
+    name, grid, block, args, smem = run[-1]
+    cg = kname.split("<")[1].rstrip(">").split(", ")[3] if "split" not in kname else "1"
+    assert name == (f"nvfp4_attn_fwd_ws_img<__half, 128, true, {cg}, 3, {'true' if qin == '1' else 'false'}, "
+                    f"{'true' if split else 'false'}>")
+    assert (grid, block, smem) == plain[-1][1:3] + (plain[-1][4],)
+    assert args[8] == run[-2][3][-1]  # (the images: their arena address, what the launch before wrote)
+    a = _summary(run[-1], names, _arena_base(run[-1:]))[3]
+    r = _summary(plain[-1], names, _arena_base(plain[-1:]))[3]
+    if "split" in kname:  # (the split kernel's arguments with K and V replaced by the images)
+        assert a[:8] == r[:8] and a[9:] == r[13:]
+    elif qin == "1":  # (Q's bytes null; the raw Q, its strides, the mean and sm_scale; qmk null)
+        assert a[:2] == (None, None) and a[2:8] == r[:6] and a[9] is None and a[10:-5] == r[11:]
+    else:
+        assert a[:2] == r[:2] and a[2:7] == (None, ("int64", 0), ("int64", 0), ("int64", 0), None)
+        assert a[9:-5] == r[7:]
+    if not split:
+        assert a[-5:] == (("int32", 0), ("int32", 1), ("int32", 1), None, None)
+    return a
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("qin", ["0", "1"])
 def test_nvfp4_kv_images_launch(gpu, qin, split, monkeypatch):
-    """SAGECUPY_FP4_KVIMG=1: the call's launches are those without it, with nvfp4_kv_images (grid: key tiles, Hkv,
-    B; 128 threads) before the kernel, on the very K and V arrays the kernel gets without it (V padded to whole
-    64-token tiles), writing a scratch buffer in the call's arena; then nvfp4_attn_fwd_ws_img with that buffer in
-    place of the packed K and V (both Q forms, the tail split's 1-D grid and arguments or their neutral values),
-    the same grid, block and shared memory. Nothing changes where the three-consumer kernel does not run (D = 64,
-    the persistent kernel, the mma engine). (attention_packed: the GPU test; the fake arrays lack what it checks.)"""
+    """SAGECUPY_FP4_KVIMG=1. attention: K's mean as the split pre-pass takes it, Q's quantizer (unless Q is quantized
+    in the kernel), then nvfp4_kv_images_raw (grid: key tiles, Hkv, B; 128 threads; its dynamic shared memory) on the
+    raw K and V with their strides and the mean, writing a scratch buffer in the call's arena, in place of K's and V's
+    quantizers (whatever SAGECUPY_FP4_PREPASS says); attention_packed: nvfp4_kv_images on the packed K and V the
+    kernel gets without it. Then nvfp4_attn_fwd_ws_img with the images in place of the packed K and V (both Q forms,
+    the tail split's 1-D grid and arguments or their neutral values). Nothing changes where the three-consumer
+    kernel does not run (D = 64, the persistent kernel, the mma engine)."""
     from sagecupy import nvfp4
 
     nvfp4._ATTN_PLANS.clear()
@@ -556,41 +586,48 @@ def test_nvfp4_kv_images_launch(gpu, qin, split, monkeypatch):
         fn()
         return list(gpu)
 
-    def check(plain, run):
-        assert [x[0] for x in run[:-2]] == [x[0] for x in plain[:-1]]
-        kname = plain[-1][0]
-        iname, igrid, iblock, iargs, _ = run[-2]
-        name, grid, block, args, smem = run[-1]
-        assert iname == "nvfp4_kv_images<128>" and igrid == (16, 2, 2) and iblock == (128,)
-        ref = plain[-1][3]
-        kv = 6 if kname.startswith("nvfp4_attn_fwd_ws_qin") else 8 if "split" in kname else 2
+    for mode in ("split", "pipe"):
+        monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+        call = lambda: nvfp4.attention(q, k, v, sm_scale=0.125)  # noqa: E731
+        plain, run = launches("0", call), launches("1", call)
+        monkeypatch.setenv("SAGECUPY_FP4_PREPASS", "split")
+        split_plain = launches("0", call)
+        pn, rn = [x[0].split("<")[0] for x in split_plain], [x[0].split("<")[0] for x in run]
+        # (the split pre-pass: mean, [Q], K, V, kernel; with images: mean, [Q], the raw images, kernel)
+        nq_rows = 0 if qin == "1" else 1
+        assert rn == pn[:-3] + ["nvfp4_kv_images_raw", "nvfp4_attn_fwd_ws_img"], (mode, rn)
+        assert pn.count("nvfp4_quant_rows") == 1 + nq_rows
+        iname, igrid, iblock, iargs, ismem = run[-2]
+        assert iname == "nvfp4_kv_images_raw<__half, 128>" and igrid == (16, 2, 2) and iblock == (128,)
+        assert ismem == nvfp4.ws_img_raw_smem_bytes(128) == 32768 + 64 * 136 * 2 + 512
         ia = _summary(run[-2], names)[3]
-        assert ia[:5] == _summary(plain[-1], names)[3][kv:kv + 5]  # (K's and V's bytes, V's row stride)
-        if "input" not in {d[0] for d in ia[:4]}:  # (attention: what this call's pre-pass wrote)
-            assert all(any(a is b for x in run[:-2] if len(x) == 5 for b in x[3]) for a in iargs[:4])
-        assert iargs[5:7] == (np.int32(1024), np.int32(1024)) and isinstance(iargs[7], np.uint64)
-        tmpl = kname.split("<")[1].rstrip(">").split(", ")
-        cg = tmpl[3] if "split" not in kname else "1"
-        assert name == (f"nvfp4_attn_fwd_ws_img<__half, 128, true, {cg}, 3, {'true' if qin == '1' else 'false'}, "
-                        f"{'true' if split else 'false'}>")
-        assert (grid, block, smem) == plain[-1][1:3] + (plain[-1][4],)
-        assert args[8] == iargs[7]  # (the images: their arena address)
-        a = _summary(run[-1], names, _arena_base(run[-1:]))[3]
-        r = _summary(plain[-1], names, _arena_base(plain[-1:]))[3]
-        if "split" in kname:  # (the split kernel's arguments with K and V replaced by the images)
-            assert a[:8] == r[:8] and a[9:] == r[13:]
-        elif qin == "1":  # (Q's bytes null; the raw Q, its strides, the mean and sm_scale; qmk null)
-            assert a[:2] == (None, None) and a[2:8] == r[:6] and a[9] is None and a[10:-5] == r[11:]
-        else:
-            assert a[:2] == r[:2] and a[2:7] == (None, ("int64", 0), ("int64", 0), ("int64", 0), None)
-            assert a[9:-5] == r[7:]
-        if not split:
-            assert a[-5:] == (("int32", 0), ("int32", 1), ("int32", 1), None, None)
-
-    call = lambda: nvfp4.attention(q, k, v)  # noqa: E731
-    check(launches("0", call), launches("1", call))
+        assert ia[0] == ("input", "k") and ia[5] == ("input", "v")
+        assert ia[1:4] == tuple(("int64", k.strides[i] // 2) for i in (0, 1, 2))
+        assert ia[6:9] == tuple(("int64", v.strides[i] // 2) for i in (0, 1, 2))
+        assert ia[9:11] == (("int32", 1024), ("int32", 1024)) and isinstance(iargs[11], np.uint64)
+        mu = iargs[4]  # (K's mean: what the split pre-pass's K quantizer subtracts)
+        kq = split_plain[pn.index("nvfp4_quant_rows") + nq_rows]
+        assert mu is not None and mu.shape == (2, 2, 128) and _summary(kq, names)[3][6] == ("array", mu.shape, "<f4")
+        assert any(mu is b for x in run[:-2] if len(x) == 5 for b in x[3][-1:])  # (written by the mean's pass)
+        a = _kv_img_kernel_check(plain, run, qin, split, names)
+        if qin == "1":
+            assert a[6] == ("array", (2, 2, 128), "<f4") and run[-1][3][6] is mu
     launches("1", call)  # (replayed: the same launches)
-    assert gpu[-2][0] == "nvfp4_kv_images<128>"
+    assert gpu[-2][0] == "nvfp4_kv_images_raw<__half, 128>"
+    if qin == "0":  # attention_packed: the images from the packed K and V
+        packed = {n: FakeArray(sh, np.uint8) for n, sh in (
+            ("q_packed", (2, 4, 400, 64)), ("q_scales", (2, 4, 400, 8)), ("k_packed", (2, 2, 1024, 64)),
+            ("k_scales", (2, 2, 1024, 8)), ("v_packed", (2, 2, 128, 512)), ("v_scales", (2, 2, 128, 64)))}
+        names.update(packed)
+        call = lambda: nvfp4.attention_packed(packed)  # noqa: E731
+        plain, run = launches("0", call), launches("1", call)
+        assert [x[0] for x in run[:-2]] == [x[0] for x in plain[:-1]]
+        iname, igrid, iblock, iargs, _ = run[-2]
+        assert iname == "nvfp4_kv_images<128>" and igrid == (16, 2, 2) and iblock == (128,)
+        assert _summary(run[-2], names)[3][:7] == (("input", "k_packed"), ("input", "k_scales"), ("input", "v_packed"),
+                                                   ("input", "v_scales"), ("int32", 512), ("int32", 1024),
+                                                   ("int32", 1024))
+        _kv_img_kernel_check(plain, run, qin, split, names)
     if not split:
         monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "1")
         for what in ("D=64", "persist", "mma"):
