@@ -9,14 +9,15 @@
 #   bash bench/fp4_4k_run.sh time    # a persistent-kernel smoke check (capped: a hang must not eat the call), then
 #                                    # fp4_floor.py at 4K (SHAPES=4:4096,1:16384 adds 16K): every variant's kernel
 #                                    # and whole call; the pipelined pre-pass's launches, with and without
-#                                    # SAGECUPY_FP4_QIN (probe); ~8 minutes
+#                                    # SAGECUPY_FP4_QIN, the images' pass (probes); ~9.5 minutes
 #   bash bench/fp4_4k_run.sh tests   # the tests that exercise them (shards; then again with the three defines on)
 #   CANDIDATE="SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_FP4_TAIL_SPLIT=1 SAGECUPY_DEFINES=..." \
 #     bash bench/fp4_4k_run.sh suite # the whole NVFP4 / QAT GPU suite (and the adapters') and the benchmark with the
 #                                    # switches that gained set in the environment: once the code's defaults are
 #                                    # flipped to them (the same cubins: bench/tools/cubin_cmp.py), this run is the
 #                                    # suite and the benchmark of the final kernels; ~9 minutes
-# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_pipe.txt, probe_qin.txt, tests_*.txt; suite:
+# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_pipe.txt, probe_qin.txt, probe_kvimg.txt,
+# tests_*.txt; suite:
 # suite_fp4.txt, shard_*.log, bench.jsonl, bench_table.txt.
 set -u
 cd "$(dirname "$0")/.."
@@ -54,7 +55,7 @@ for switch in ("SAGECUPY_FP4_KVIMG", "SAGECUPY_FP4_PERSIST", "SAGECUPY_FP4_QIN",
 print("SMOKE_OK" if ok else "SMOKE_FAIL")
 PY
   # (the combinations first: a timeout cuts the last variants; SAGE_FP4_WS_QOVL alone at the end)
-  (cd bench && timeout ${FLOOR_TIMEOUT:-270} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+  (cd bench && timeout ${FLOOR_TIMEOUT:-260} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
     --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe,\
 SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1,SAGECUPY_FP4_KVIMG=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
 SAGECUPY_FP4_PREPASS=pipe,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1;SAGECUPY_FP4_KVIMG=1;\
@@ -62,14 +63,17 @@ SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe;SAGE_
 SAGECUPY_FP4_PREPASS=fused;SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGECUPY_FP4_TAIL_SPLIT=1;\
 SAGE_FP4_WS_QOVL=1") 2>&1 | tee "$OUT/floor.txt"
   if grep -q SMOKE_OK "$OUT/smoke.txt"; then
-    (cd bench && timeout ${PERSIST_TIMEOUT:-80} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+    (cd bench && timeout ${PERSIST_TIMEOUT:-60} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
       --diags 0 --e2e --extra "SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
-SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_PERSIST=1") 2>&1 | tee "$OUT/floor_persist.txt"
+SAGECUPY_FP4_PREPASS=pipe") 2>&1 | tee "$OUT/floor_persist.txt"
   fi
   (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_pipe.txt"
   (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_qin.txt"
+  # (the images' pass and the kernel on them, each launch's time: the last two launches)
+  (cd bench && SAGECUPY_FP4_KVIMG=1 SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
+    python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_kvimg.txt"
 elif [ "$what" = suite ]; then
   echo "candidate defaults: ${CANDIDATE:-none}"
   env ${CANDIDATE:-} SHARDS=${SHARDS:-8} TIMEOUT=${TIMEOUT:-390} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
