@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images(const unsigned char* __re
                                                        const unsigned char* __restrict__ vs, int vcs, int nk, int n16,
                                                        unsigned char* __restrict__ img) {
   using S = NvWs<D, 3>;
-  static_assert(S::PTHREADS == 128, "the producer's task split");
+  static_assert(S::PTHREADS == 128 && S::KTASKS % S::PTHREADS == 0, "the producer's task split (D = 128)");
   __shared__ __align__(16) char sm[WS_IMG_STAGE<D> + S::STG];
   grid_dep_wait();  // (the pre-pass's K and V: nothing global is touched before this)
   grid_dep_launch_dependents();

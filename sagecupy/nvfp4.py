@@ -152,13 +152,15 @@ def fp4_tail_split(engine: str = "wgmma", head_dim: int = 128) -> bool:
 
 
 def fp4_kvimg(engine: str = "wgmma", head_dim: int = 128) -> bool:
-    """Whether the NVFP4 forward dequantizes each K/V tile once, into a stage image (``nvfp4_kv_images``: fp16 K^
-    and V^^T tiles laid out as the kernel's shared memory, scratch of 4x the packed K and V), which the
-    warp-specialized kernel's producer copies with two bulk copies per tile (``nvfp4_attn_fwd_ws_img``), instead of
-    its producer dequantizing every tile once per query block; bitwise the same O and LSE:
-    ``SAGECUPY_FP4_KVIMG=1`` asks for it (opt-in, ``0`` the default, until it is measured on the GPU). It applies
-    where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent one does
-    not; with :func:`fp4_qin` and :func:`fp4_tail_split` too."""
+    """Whether the NVFP4 forward dequantizes each K/V tile once, into a stage image (fp16 K^ and V^^T tiles laid
+    out as the kernel's shared memory, scratch of 4x the packed K and V), which the warp-specialized kernel's producer
+    copies with two bulk copies per tile (``nvfp4_attn_fwd_ws_img``), instead of its producer dequantizing every
+    tile once per query block; bitwise the same O and LSE: ``SAGECUPY_FP4_KVIMG=1`` asks for it (opt-in, ``0`` the
+    default, until it is measured on the GPU). :func:`attention` then writes the images from the raw K and V
+    (``nvfp4_kv_images_raw``, in place of K's and V's quantizers, after K's mean as the split pre-pass takes it:
+    :func:`fp4_prepass_mode` does not apply), :func:`attention_packed` from the packed ones (``nvfp4_kv_images``).
+    It applies where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent
+    one does not; with :func:`fp4_qin` and :func:`fp4_tail_split` too."""
     return env_switch("SAGECUPY_FP4_KVIMG") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
 
 

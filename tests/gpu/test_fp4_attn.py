@@ -806,17 +806,48 @@ def test_nvfp4_tail_split_matches_whole_items(monkeypatch, shape, sms, nsplit, q
         assert np.allclose(outs[1], outs[0], rtol=rtol, atol=1e-6), "attention_packed"
 
 
+def _kv_images_both(nvfp4, cp, q, k, v, layout, smooth):
+    """The K/V stage images of nvfp4_kv_images_raw (from the raw k, v and quantize_inputs's K mean) and of
+    nvfp4_kv_images (from quantize_inputs's packed K and V, V padded to whole 64-token tiles), into buffers first
+    filled with 0xAB and 0xCD (so that equal images mean every byte written by both), as uint8 host arrays."""
+    ops = nvfp4.quantize_inputs(q, k, v, layout=layout, k_smoothing=smooth)
+    kr, vr = cp.asarray(_raw(k)), cp.asarray(_raw(v))
+    B, Hkv, nk = ops["k_packed"].shape[:3]
+    n16 = (nk + 15) // 16 * 16
+    ntile, n64 = (nk + 63) // 64, (n16 + 63) // 64 * 64
+    size = B * Hkv * ntile * nvfp4.ws_img_bytes(128)
+    names = nvfp4._names("fp4_attn_fwd_sm90.cu")
+    axes = (0, 1, 2) if layout == "HND" else (0, 2, 1)  # (element strides of the (b, h, n) axes)
+    st = lambda x: tuple(np.int64(x.strides[i] // x.itemsize) for i in axes)  # noqa: E731
+    raw = cp.full(size, 0xAB, cp.uint8)
+    T = "__half" if kr.dtype == cp.float16 else "__nv_bfloat16"
+    fn = nvfp4.get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, 128>", all_names=names, arch="sm_90a")
+    fn.max_dynamic_shared_size_bytes = nvfp4.ws_img_raw_smem_bytes(128)
+    fn((ntile, Hkv, B), (128,), (kr, *st(kr), ops["mu_k"], vr, *st(vr), np.int32(nk), np.int32(n16), raw),
+       shared_mem=nvfp4.ws_img_raw_smem_bytes(128))
+    packed = cp.full(size, 0xCD, cp.uint8)
+    vc, vs = nvfp4._pad_tokens64(ops["v_packed"], ops["v_scales"], n16)
+    fn = nvfp4.get_function("fp4_attn_fwd_sm90.cu", "nvfp4_kv_images<128>", all_names=names, arch="sm_90a")
+    fn((ntile, Hkv, B), (128,), (ops["k_packed"], ops["k_scales"], vc, vs, np.int32(n64 // 2), np.int32(nk),
+                                 np.int32(n16), packed))
+    return raw.get(), packed.get()
+
+
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1000, 1000, "HND", "bfloat16"),
                                    (2, 4, 2, 300, 4100, "NHD", "float16"),
                                    (1, 3, 1, 700, 600, "NHD", "float16"),
+                                   (1, 2, 2, 1000, 100, "HND", "bfloat16"),
                                    (1, 2, 2, 1, 70, "HND", "bfloat16")])
 def test_nvfp4_kv_images_match_dequantizing_producer(monkeypatch, shape):
-    """SAGECUPY_FP4_KVIMG=1 (nvfp4_kv_images dequantizes each 64-key tile once, with the producer's own functions, into
-    an image of the kernel's K/V stage; nvfp4_attn_fwd_ws_img's producer copies the images with bulk copies) gives
-    bitwise the O and LSE of the dequantizing producer: with Q from the pre-pass or quantized in the kernel
-    (SAGECUPY_FP4_QIN), whole items or the tail split (SM count 5: every shape splits), causal or not, and through
-    attention_packed. Shapes: a last key tile of 4 keys (4100; its V tokens zero-padded), Nq > Nk causal (rows that
-    see no key), GQA, one row; NaN in V (fp16) reaches the same elements."""
+    """SAGECUPY_FP4_KVIMG=1 (each 64-key tile of K and V dequantized once into an image of the kernel's K/V stage:
+    nvfp4_kv_images_raw from the raw K and V in attention, nvfp4_kv_images from the packed ones in attention_packed;
+    nvfp4_attn_fwd_ws_img's producer copies the images with bulk copies) gives bitwise the O and LSE of the
+    dequantizing producer: with Q from the pre-pass or quantized in the kernel (SAGECUPY_FP4_QIN), whole items or the
+    tail split (SM count 5: the shapes with enough key tiles split), causal or not, with and without K-smoothing,
+    single-level P, and through attention_packed. First the two image kernels' bytes against each other (every byte
+    written, the same bytes: rows past the keys and the padded V tokens included). Shapes: a last key tile of 4 keys
+    (4100), Nq > Nk causal (rows that see no key; at 1000 x 100 whole CTAs without a key tile), GQA, one row; NaN in V
+    and NaN / Inf in K without K-smoothing (fp16: their blocks' NaN scale) reach the same elements."""
     from sagecupy import nvfp4
     from sagecupy._loader import device_capability
 
@@ -826,11 +857,20 @@ def test_nvfp4_kv_images_match_dequantizing_producer(monkeypatch, shape):
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "wgmma")
     B, Hq, Hkv, nq, nk, layout, dtype = shape
     (q, k, v, _), _ = _inputs(19, B, Hq, Hkv, nq, nk, 128, layout, dtype)
-    cases = [("plain", v)]
+    for smooth in (True, False):
+        raw, packed = _kv_images_both(nvfp4, cp, q, k, v, layout, smooth)
+        assert np.array_equal(raw, packed), f"images (K-smoothing {smooth}): {int((raw != packed).sum())} bytes differ"
+    cases = [("plain", k, v, NVFP4Config()), ("no K-smoothing", k, v, NVFP4Config(k_smoothing=False))]
     if dtype == "float16":
         vn = cp.asarray(_raw(v)).copy()
         vn.reshape(-1, 128)[min(9, vn.size // 128 - 1), 3] = np.nan
-        cases.append(("NaN in V", vn))
+        cases.append(("NaN in V", k, vn, NVFP4Config()))
+        kn = cp.asarray(_raw(k)).copy()
+        kn.reshape(-1, 128)[min(5, kn.size // 128 - 1), 40] = np.inf
+        kn.reshape(-1, 128)[0, 100] = np.nan
+        cases.append(("NaN and Inf in K", kn, v, NVFP4Config(k_smoothing=False)))
+    if shape[0] == 1 and nq == 1000 and nk == 1000:
+        cases.append(("single-level P", k, v, NVFP4Config(two_level_p=False)))
     ops = nvfp4.quantize_inputs(q, k, v, layout=layout)
     for split in ("0", "1"):
         monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", split)
@@ -839,17 +879,18 @@ def test_nvfp4_kv_images_match_dequantizing_producer(monkeypatch, shape):
         for qin in ("0", "1"):
             monkeypatch.setenv("SAGECUPY_FP4_QIN", qin)
             for causal in (False, True):
-                for what, vv in cases:
+                for what, kk, vv, cfg in cases:
                     got = []
                     for img in ("0", "1"):
                         monkeypatch.setenv("SAGECUPY_FP4_KVIMG", img)
                         nvfp4._ATTN_PLANS.clear()  # (the SM count is not part of a plan's key)
-                        o, lse = nvfp4.attention(q, k, vv, causal=causal, layout=layout, return_lse=True)
+                        o, lse = nvfp4.attention(q, kk, vv, causal=causal, layout=layout, config=cfg,
+                                                 return_lse=True)
                         got.append((_host(o), _host(lse)))
                     case = f"({what}, split={split}, qin={qin}, causal={causal})"
                     for name, a, b in zip(("O", "LSE"), *got):
                         assert np.array_equal(a, b, equal_nan=True), f"{name} differs {case}"
-                    if what == "NaN in V":
+                    if what.startswith("NaN"):
                         assert np.isnan(got[1][0]).any(), f"the NaN reaches O {case}"
         for causal in (False, True):
             got = []
