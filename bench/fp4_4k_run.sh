@@ -57,12 +57,12 @@ PY
   # (the combinations first: a timeout cuts the last variants; SAGE_FP4_WS_QOVL alone at the end. With
   # SAGECUPY_FP4_KVIMG=1 the pre-pass is K's mean, [Q], the images: SAGECUPY_FP4_PREPASS does not apply)
   (cd bench && timeout ${FLOOR_TIMEOUT:-260} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
-    --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
+    --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGE_FP4_WS_UNIFORM_WG=1,\
 SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1,SAGECUPY_FP4_KVIMG=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
 SAGECUPY_FP4_PREPASS=pipe,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1;SAGECUPY_FP4_KVIMG=1;\
 SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1;\
 SAGECUPY_FP4_PREPASS=fused;SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGECUPY_FP4_TAIL_SPLIT=1;\
-SAGE_FP4_WS_QOVL=1") 2>&1 | tee "$OUT/floor.txt"
+SAGE_FP4_WS_UNIFORM_WG=1;SAGE_FP4_WS_QOVL=1") 2>&1 | tee "$OUT/floor.txt"
   if grep -q SMOKE_OK "$OUT/smoke.txt"; then
     (cd bench && timeout ${PERSIST_TIMEOUT:-60} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
       --diags 0 --e2e --extra "SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
@@ -86,7 +86,8 @@ else
   SHARDS=${SHARDS:-6} TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py \
     tests/gpu/test_nvfp4_quant.py -k "fused_prepass or back_to_back or quant or persistent or q_in or tail_split or kv_images" 2>&1 \
     | tee "$OUT/tests_prepass.txt"
-  SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1 SHARDS=${SHARDS:-6} \
+  SAGECUPY_DEFINES=SAGE_FP4_WS_IDLE_SKIP=1,SAGE_FP4_WS_QOVL=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGE_FP4_WS_UNIFORM_WG=1 \
+    SHARDS=${SHARDS:-6} \
     TIMEOUT=${TIMEOUT:-230} bash bench/gpu_shards.sh tests/gpu/test_fp4_attn.py tests/gpu/test_nvfp4_quant.py \
     -k "warp_specialized or back_to_back or nvfp4_vs_references or persistent or fused_prepass or quant or q_in or tail_split or kv_images" \
     2>&1 | tee "$OUT/tests_ws_defines.txt"
