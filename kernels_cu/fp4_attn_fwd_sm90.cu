@@ -714,6 +714,31 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
   else asm volatile("bar.sync 3, 128;\n" ::: "memory");
 }
 
+// Producer: Q's packed bytes of the CTA's BQ rows from q0 (head bh; rows >= nq zero-filled) -> staging buffer stq
+// (this thread's tasks ptid + j * 128, all issued at once); then, once they have landed, dequantized into sQ.
+template <int D, int NC>
+__device__ __forceinline__ void ws_stage_q_all(char* stq, int q0, long long bh, const unsigned char* qc,
+                                               const unsigned char* qs, int nq, int ptid) {
+  using S = NvWs<D, NC>;
+#pragma unroll
+  for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
+    const int i = ptid + j * S::PTHREADS, row = i % S::BQ, piece = i / S::BQ, qr = q0 + row;
+    const bool ok = qr < nq;
+    const long long r = bh * nq + qr;
+    stage_task(stq, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
+               ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
+  }
+}
+template <int D, int NC>
+__device__ __forceinline__ void ws_dequant_q(char* sQ, const char* stq, int ptid) {
+  using S = NvWs<D, NC>;
+#pragma unroll
+  for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
+    const int i = ptid + j * S::PTHREADS;
+    dequant_task(sQ + (i / S::BQ) * S::BQ * 128, i % S::BQ, stq, i, S::STG_CODES);
+  }
+}
+
 // QIN: a consumer warpgroup's 64 query rows (from row0 = q0 + 64 wg) quantized from the raw input q_bh by the
 // pre-pass's block quantizer (nvfp4_block_exact16: nvfp4_quant_rows's codes and scales) and dequantized as the
 // producer dequantizes staged bytes (dequant16_half), straight into the swizzled tile sQ: bit for bit the Q^ of
@@ -978,22 +1003,11 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
       if (ptid == 0)
         for (int t = 0; t < NST && t < tl.n; ++t) copy_tile(t);
       if constexpr (!QIN) {  // Q as below (staging buffer 0), every producer thread
-#pragma unroll
-        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
-          const int i = ptid + j * S::PTHREADS, row = i % BQ, piece = i / BQ, qr = q0 + row;
-          const bool ok = qr < nq;
-          const long long r = bh * nq + qr;
-          stage_task(stg0, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
-                     ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
-        }
+        ws_stage_q_all<D, NC>(stg0, q0, bh, qc, qs, nq, ptid);
         cp_async_commit();
         cp_async_wait<0>();
         asm volatile("" ::: "memory");
-#pragma unroll
-        for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
-          const int i = ptid + j * S::PTHREADS;
-          dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stg0, i, S::STG_CODES);
-        }
+        ws_dequant_q<D, NC>(sQ, stg0, ptid);
         fence_proxy_async();
         mbar_arrive(q_full);
       }
@@ -1019,14 +1033,7 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
       // Q's bytes go to staging buffer 1 with SAGE_FP4_WS_QOVL (tile 0's to buffer 0 right after, both in flight),
       // else to buffer 0 before tile 0's. Every staging slot is written and read by the same thread.
       char* stq = SAGE_FP4_WS_QOVL ? stg0 + S::STG : stg0;
-#pragma unroll
-      for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {  // Q (rows >= nq zero)
-        const int i = ptid + j * S::PTHREADS, row = i % BQ, piece = i / BQ, qr = q0 + row;
-        const bool ok = qr < nq;
-        const long long r = bh * nq + qr;
-        stage_task(stq, i, qc + (ok ? r * (D / 2) + piece * 32 : 0), qs + (ok ? r * (D / 16) + piece * 4 : 0),
-                   ok ? 32 : 0, ok ? 4 : 0, S::STG_CODES);
-      }
+      ws_stage_q_all<D, NC>(stq, q0, bh, qc, qs, nq, ptid);  // Q (rows >= nq zero)
       cp_async_commit();
       if constexpr (SAGE_FP4_WS_QOVL) {
         if (tl.n > 0) ws_stage_tile<D, NC>(stg0, gkc, gks, gvc, gvs, vcs, 0, nk_t, n16_t, ptid);
@@ -1036,11 +1043,7 @@ __device__ __forceinline__ void nvfp4_attn_fwd_ws_body(
         cp_async_wait<0>();
       }
       asm volatile("" ::: "memory");
-#pragma unroll
-      for (int j = 0; j < S::QTASKS / S::PTHREADS; ++j) {
-        const int i = ptid + j * S::PTHREADS;
-        dequant_task(sQ + (i / BQ) * BQ * 128, i % BQ, stq, i, S::STG_CODES);
-      }
+      ws_dequant_q<D, NC>(sQ, stq, ptid);
       fence_proxy_async();
       mbar_arrive(q_full);
     }
