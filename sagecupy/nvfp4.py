@@ -720,7 +720,7 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         if n64 != n16 and kv_img is None:  # rows padded to whole 64-token tiles (a copy per call)
             vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
         v_args = (vc, vs, i32(n64 // 2))
-        if kvimg and kv_img is None:  # each 64-key tile's K^ and V^^T dequantized once, in the kernel's shared-memory layout
+        if kvimg and kv_img is None:  # each 64-key tile dequantized once, in the shared-memory layout
             from .int8 import _TMP
 
             ntile = (nk + _BKV - 1) // _BKV
