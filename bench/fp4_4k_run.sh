@@ -8,15 +8,15 @@
 # stage images (SAGECUPY_FP4_KVIMG=1, thirty-second). All default off until this runs.
 #   bash bench/fp4_4k_run.sh time    # a persistent-kernel smoke check (capped: a hang must not eat the call), then
 #                                    # fp4_floor.py at 4K (SHAPES=4:4096,1:16384 adds 16K): every variant's kernel
-#                                    # and whole call; the pipelined pre-pass's launches, with and without
-#                                    # SAGECUPY_FP4_QIN, the images' pass (probes); ~9.5 minutes
+#                                    # and whole call; the pipelined pre-pass's launches with SAGECUPY_FP4_QIN,
+#                                    # the pipelined images' pass and the kernel on them (probes); ~9.5 minutes
 #   bash bench/fp4_4k_run.sh tests   # the tests that exercise them (shards; then again with the three defines on)
 #   CANDIDATE="SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_FP4_TAIL_SPLIT=1 SAGECUPY_DEFINES=..." \
 #     bash bench/fp4_4k_run.sh suite # the whole NVFP4 / QAT GPU suite (and the adapters') and the benchmark with the
 #                                    # switches that gained set in the environment: once the code's defaults are
 #                                    # flipped to them (the same cubins: bench/tools/cubin_cmp.py), this run is the
 #                                    # suite and the benchmark of the final kernels; ~9 minutes
-# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_pipe.txt, probe_qin.txt, probe_kvimg.txt,
+# Files in $OUT: smoke.txt, floor.txt, floor_persist.txt, probe_qin.txt, probe_kvimg.txt,
 # tests_*.txt; suite:
 # suite_fp4.txt, shard_*.log, bench.jsonl, bench_table.txt.
 set -u
@@ -32,11 +32,12 @@ import cupy
 import numpy as np
 from sagecupy import _checks, bench, nvfp4
 ok = True
-for switch in ("SAGECUPY_FP4_KVIMG", "SAGECUPY_FP4_PERSIST", "SAGECUPY_FP4_QIN", "SAGECUPY_FP4_TAIL_SPLIT"):
+for switch, on in (("SAGECUPY_FP4_KVIMG", "1"), ("SAGECUPY_FP4_KVIMG", "pipe"), ("SAGECUPY_FP4_PERSIST", "1"),
+                   ("SAGECUPY_FP4_QIN", "1"), ("SAGECUPY_FP4_TAIL_SPLIT", "1")):
     for N, causal in ((1024, False), (4096, True), (4096, False)):
         _, _, (q, k, v, _) = bench._inputs(128, N, "bfloat16")
         outs = []
-        for flag in ("0", "1"):
+        for flag in ("0", on):
             os.environ[switch] = flag
             o, lse = nvfp4.attention(q, k, v, causal=causal, return_lse=True)
             cupy.cuda.Device().synchronize()
@@ -50,16 +51,18 @@ for switch in ("SAGECUPY_FP4_KVIMG", "SAGECUPY_FP4_PERSIST", "SAGECUPY_FP4_QIN",
             ok &= bool(same)  # (bitwise by construction; the split only within rounding)
         else:
             ok &= rel < 1e-3
-        print(f"{switch} smoke N={N} causal={causal}: {'bitwise equal' if same else f'differs, rel_l2 {rel:.1e}'}",
+        print(f"{switch}={on} smoke N={N} causal={causal}: {'bitwise equal' if same else f'differs, rel_l2 {rel:.1e}'}",
               flush=True)
 print("SMOKE_OK" if ok else "SMOKE_FAIL")
 PY
   # (the combinations first: a timeout cuts the last variants; SAGE_FP4_WS_QOVL alone at the end. With
   # SAGECUPY_FP4_KVIMG=1 the pre-pass is K's mean, [Q], the images: SAGECUPY_FP4_PREPASS does not apply)
-  (cd bench && timeout ${FLOOR_TIMEOUT:-260} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
+  (cd bench && timeout ${FLOOR_TIMEOUT:-300} python3 fp4_floor.py --shapes ${SHAPES:-4:4096} --causal 0,1 \
     --diags 0 --e2e --extra "SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGE_FP4_WS_UNIFORM_WG=1,\
 SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1,SAGECUPY_FP4_KVIMG=1;SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
-SAGECUPY_FP4_PREPASS=pipe,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1;SAGECUPY_FP4_KVIMG=1;\
+SAGE_FP4_WS_UNIFORM_WG=1,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1,SAGECUPY_FP4_KVIMG=pipe;\
+SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
+SAGECUPY_FP4_PREPASS=pipe,SAGECUPY_FP4_QIN=1,SAGECUPY_FP4_TAIL_SPLIT=1;SAGECUPY_FP4_KVIMG=1;SAGECUPY_FP4_KVIMG=pipe;\
 SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,SAGECUPY_FP4_PREPASS=pipe;SAGE_FP4_WS_IDLE_SKIP=1;\
 SAGECUPY_FP4_PREPASS=fused;SAGECUPY_FP4_PREPASS=pipe;SAGECUPY_FP4_QIN=1;SAGECUPY_FP4_TAIL_SPLIT=1;\
 SAGE_FP4_WS_UNIFORM_WG=1;SAGE_FP4_WS_QOVL=1") 2>&1 | tee "$OUT/floor.txt"
@@ -68,12 +71,10 @@ SAGE_FP4_WS_UNIFORM_WG=1;SAGE_FP4_WS_QOVL=1") 2>&1 | tee "$OUT/floor.txt"
       --diags 0 --e2e --extra "SAGECUPY_FP4_PERSIST=1,SAGE_FP4_WS_IDLE_SKIP=1,SAGE_NVFP4_CMP_BSEARCH=1,\
 SAGECUPY_FP4_PREPASS=pipe") 2>&1 | tee "$OUT/floor_persist.txt"
   fi
-  (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
-    python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_pipe.txt"
   (cd bench && SAGECUPY_FP4_PREPASS=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_qin.txt"
   # (the images' pass and the kernel on them, each launch's time: the last two launches)
-  (cd bench && SAGECUPY_FP4_KVIMG=1 SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
+  (cd bench && SAGECUPY_FP4_KVIMG=pipe SAGECUPY_FP4_QIN=1 SAGECUPY_DEFINES=SAGE_NVFP4_CMP_BSEARCH=1 timeout 35 \
     python3 fp4_prepass_probe.py) 2>&1 | tee "$OUT/probe_kvimg.txt"
 elif [ "$what" = suite ]; then
   echo "candidate defaults: ${CANDIDATE:-none}"

@@ -618,48 +618,40 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images(const unsigned char* __re
 template <int D>
 constexpr int WS_IMG_RAW_SMEM = WS_IMG_STAGE<D> + 64 * (D + 8) * 2 + D * 4;
 
+// nvfp4_kv_images_raw*'s pieces. A thread's K task of a tile: row tid % 64 of piece tid / 64, 64 elements as 8 x 16
+// bytes (keys >= nk zero), into registers.
 template <typename T, int D>
-__global__ void __launch_bounds__(128) nvfp4_kv_images_raw(const T* __restrict__ k, long long ksb, long long ksh,
-                                                           long long ksn, const float* __restrict__ mu,
-                                                           const T* __restrict__ v, long long vsb, long long vsh,
-                                                           long long vsn, int nk, int n16,
-                                                           unsigned char* __restrict__ img) {
-  static_assert(D == 128, "one K task and one V^T channel per thread (the producer's split at D = 128)");
-  using S = NvWs<D, 3>;
-  extern __shared__ __align__(16) char sm[];
-  char* sK = sm;                    // K^ (D / 64 pieces x 64 rows x 128 B)
-  char* sV = sm + S::K_BYTES;       // V^^T (D rows x 128 B)
-  unsigned short(*vt)[D + 8] = reinterpret_cast<unsigned short(*)[D + 8]>(sm + WS_IMG_STAGE<D>);  // 64 tokens x D
-  float* smu = reinterpret_cast<float*>(sm + WS_IMG_STAGE<D> + 64 * (D + 8) * 2);                  // K's mean
-  grid_dep_wait();  // (the mean's pass before; nothing global is touched before this)
-  grid_dep_launch_dependents();
-  const int tile = blockIdx.x, tid = threadIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const long long bhk = static_cast<long long>(b) * gridDim.y + h;
-  // Every load first: K's task (row i % 64 of piece i / 64: 64 elements, 8 x 16 bytes), then V's tile (8 x 16 bytes
-  // per thread; tokens >= nk zero), which goes to shared memory for the transpose.
+__device__ __forceinline__ void kv_raw_load_k(uint4 (&kw)[4][2], const T* __restrict__ k_bh, long long ksn, int nk,
+                                              int tile, int tid) {
   const int row = tid % 64, piece = tid / 64, key = tile * 64 + (SAGE_FP4_TBLK ? FP4_TBLK_KEY(row) : row);
-  uint4 kw[4][2];
-  {
-    const uint4* src = reinterpret_cast<const uint4*>(k + b * ksb + h * ksh + (key < nk ? key : 0) * ksn + piece * 64);
+  const uint4* src = reinterpret_cast<const uint4*>(k_bh + (key < nk ? key : 0) * ksn + piece * 64);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) kw[i / 2][i % 2] = key < nk ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u);
-  }
-  const T* vsrc = v + b * vsb + h * vsh;
-  uint4 vw[64 * (D / 8) / 128];
-#pragma unroll
-  for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
-    const int idx = tid + 128 * j, r = idx / (D / 8), seg = idx % (D / 8), tok = tile * 64 + r;
-    vw[j] = tok < nk ? __ldg(reinterpret_cast<const uint4*>(vsrc + tok * vsn + seg * 8)) : make_uint4(0u, 0u, 0u, 0u);
-  }
-  const float mu_c = mu ? __ldg(mu + bhk * D + tid) : 0.f;  // (D = 128 threads: one channel each)
-#pragma unroll
-  for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
-    const int idx = tid + 128 * j;
-    *reinterpret_cast<uint4*>(&vt[idx / (D / 8)][(idx % (D / 8)) * 8]) = vw[j];
-  }
-  smu[tid] = mu_c;
+  for (int i = 0; i < 8; ++i) kw[i / 2][i % 2] = key < nk ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Shared-memory layout of nvfp4_kv_images_raw*: the image (K^ then V^^T), then NVT 64-token V tiles (rows of D + 8
+// 16-bit values: conflict-free column reads), then K's mean (D floats).
+template <int D>
+using KvTile = unsigned short[64][D + 8];
+template <int D, int NVT>
+__host__ __device__ constexpr int kv_raw_smem() { return WS_IMG_STAGE<D> + NVT * 64 * (D + 8) * 2 + D * 4; }
+
+// One tile's image (every thread of the CTA): with the tile's V in shared memory vt (this thread's share written, not
+// yet synchronized) and K's task in registers kw: K's mean of channel tid to shared memory, a barrier, then K's task
+// and V^T's channel tid quantized by the pre-pass's functions and dequantized by the producer's into the image in
+// shared memory, a barrier, the image stored to img_t (coalesced). The next call's first barrier orders its writes of
+// the image after this call's reads of it.
+template <typename T, int D>
+__device__ __forceinline__ void kv_raw_image(const uint4 (&kw)[4][2], const KvTile<D>& vt, float mu_c, char* sm,
+                                             float* smu, bool smooth, int nk, int n16, int tile, int tid,
+                                             unsigned char* __restrict__ img_t) {
+  using S = NvWs<D, 3>;
+  char* sK = sm;               // K^ (D / 64 pieces x 64 rows x 128 B)
+  char* sV = sm + S::K_BYTES;  // V^^T (D rows x 128 B)
+  smu[tid] = mu_c;  // (D = 128 threads: one channel each)
   __syncthreads();
   {  // K's task tid (values as nvfp4_quant_rows's 16-byte loads give them)
+    const int row = tid % 64, piece = tid / 64, key = tile * 64 + (SAGE_FP4_TBLK ? FP4_TBLK_KEY(row) : row);
     StagedTask t = {{make_uint2(0u, 0u), make_uint2(0u, 0u), make_uint2(0u, 0u), make_uint2(0u, 0u)}, 0u};
     if (key < nk) {
 #pragma unroll
@@ -667,7 +659,7 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images_raw(const T* __restrict__
         float x[16];
         unsigned packed[2], sc;
         unpack16<T>(kw[u], x);
-        if (mu) {
+        if (smooth) {
 #pragma unroll
           for (int i = 0; i < 16; ++i) x[i] -= smu[piece * 64 + 16 * u + i];
           sc = nvfp4_block_cmp(x, packed);
@@ -701,9 +693,99 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images_raw(const T* __restrict__
       dequant_staged(sV, tid, t);
   }
   __syncthreads();
-  uint4* dst = reinterpret_cast<uint4*>(img + (bhk * gridDim.x + tile) * static_cast<long long>(WS_IMG_STAGE<D>));
+  uint4* dst = reinterpret_cast<uint4*>(img_t);
 #pragma unroll 4
   for (int i = tid; i < WS_IMG_STAGE<D> / 16; i += 128) dst[i] = reinterpret_cast<const uint4*>(sm)[i];
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) nvfp4_kv_images_raw(const T* __restrict__ k, long long ksb, long long ksh,
+                                                           long long ksn, const float* __restrict__ mu,
+                                                           const T* __restrict__ v, long long vsb, long long vsh,
+                                                           long long vsn, int nk, int n16,
+                                                           unsigned char* __restrict__ img) {
+  static_assert(D == 128, "one K task and one V^T channel per thread (the producer's split at D = 128)");
+  static_assert(kv_raw_smem<D, 1>() == WS_IMG_RAW_SMEM<D>, "the host's size");
+  extern __shared__ __align__(16) char sm[];
+  KvTile<D>& vt = *reinterpret_cast<KvTile<D>*>(sm + WS_IMG_STAGE<D>);
+  float* smu = reinterpret_cast<float*>(sm + WS_IMG_STAGE<D> + sizeof(KvTile<D>));
+  grid_dep_wait();  // (the mean's pass before; nothing global is touched before this)
+  grid_dep_launch_dependents();
+  const int tile = blockIdx.x, tid = threadIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const long long bhk = static_cast<long long>(b) * gridDim.y + h;
+  // Every load first: K's task, V's tile (8 x 16 bytes per thread; tokens >= nk zero), the mean.
+  uint4 kw[4][2];
+  kv_raw_load_k<T, D>(kw, k + b * ksb + h * ksh, ksn, nk, tile, tid);
+  const T* vsrc = v + b * vsb + h * vsh;
+  uint4 vw[64 * (D / 8) / 128];
+#pragma unroll
+  for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
+    const int idx = tid + 128 * j, r = idx / (D / 8), seg = idx % (D / 8), tok = tile * 64 + r;
+    vw[j] = tok < nk ? __ldg(reinterpret_cast<const uint4*>(vsrc + tok * vsn + seg * 8)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  const float mu_c = mu ? __ldg(mu + bhk * D + tid) : 0.f;
+#pragma unroll
+  for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
+    const int idx = tid + 128 * j;
+    *reinterpret_cast<uint4*>(&vt[idx / (D / 8)][(idx % (D / 8)) * 8]) = vw[j];
+  }
+  kv_raw_image<T, D>(kw, vt, mu_c, sm, smu, mu != nullptr, nk, n16, tile, tid,
+                     img + (bhk * gridDim.x + tile) * static_cast<long long>(WS_IMG_STAGE<D>));
+}
+
+// nvfp4_kv_images_raw with as many CTAs as are resident at once (SAGECUPY_FP4_KVIMG=pipe; 3 per SM), each walking
+// the images w = blockIdx.x, blockIdx.x + gridDim.x, ... of all heads (w = (b Hkv + h) ntile + tile: the image's own
+// index) and loading the next one's operands while it quantizes the current one: V's tile by cp.async into the
+// other of two shared tiles, K's task into registers (with one tile per CTA a thread's loads and its arithmetic run
+// back to back: the pipelined pre-pass's reason, thirtieth session). The same images, bit for bit. Grid
+// (min(B Hkv ntile, 3 SMs)), block 128, dynamic shared memory WS_IMG_RAW_PIPE_SMEM<D>.
+template <int D>
+constexpr int WS_IMG_RAW_PIPE_SMEM = kv_raw_smem<D, 2>();
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128, 3) nvfp4_kv_images_raw_pipe(
+    const T* __restrict__ k, long long ksb, long long ksh, long long ksn, const float* __restrict__ mu,
+    const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk, int n16, int Hkv, int ntile,
+    int pieces, unsigned char* __restrict__ img) {
+  static_assert(D == 128, "one K task and one V^T channel per thread (the producer's split at D = 128)");
+  extern __shared__ __align__(16) char sm[];
+  KvTile<D>* vt = reinterpret_cast<KvTile<D>*>(sm + WS_IMG_STAGE<D>);  // two V tiles
+  float* smu = reinterpret_cast<float*>(sm + WS_IMG_STAGE<D> + 2 * sizeof(KvTile<D>));
+  grid_dep_wait();
+  grid_dep_launch_dependents();
+  const int tid = threadIdx.x;
+  uint4 kw[4][2];
+  float mu_c = 0.f;
+  // Piece w's loads: V's tile by cp.async into vt[buf] (one group; tokens >= nk zero-filled, nothing read), K's task
+  // and the mean into registers.
+  auto load = [&](int w, int buf) {
+    const int bhk = w / ntile, tile = w - bhk * ntile, b = bhk / Hkv, h = bhk - b * Hkv;
+    const T* vsrc = v + b * vsb + h * vsh;
+#pragma unroll
+    for (int j = 0; j < 64 * (D / 8) / 128; ++j) {
+      const int idx = tid + 128 * j, r = idx / (D / 8), seg = idx % (D / 8), tok = tile * 64 + r;
+      cp_async_16_n(smem_u32(&vt[buf][r][seg * 8]), vsrc + (tok < nk ? tok : 0) * vsn + seg * 8, tok < nk ? 16 : 0);
+    }
+    cp_async_commit();
+    kv_raw_load_k<T, D>(kw, k + b * ksb + h * ksh, ksn, nk, tile, tid);
+    mu_c = mu ? __ldg(mu + static_cast<long long>(bhk) * D + tid) : 0.f;
+  };
+  int w = blockIdx.x, buf = 0;
+  if (w < pieces) load(w, 0);
+  for (; w < pieces; w += gridDim.x, buf ^= 1) {
+    uint4 kc[4][2];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) kc[i / 2][i % 2] = kw[i / 2][i % 2];
+    const float mc = mu_c;
+    if (w + static_cast<int>(gridDim.x) < pieces)
+      load(w + gridDim.x, buf ^ 1);  // (vt[buf ^ 1]: its last reads were before the previous tile's second barrier)
+    else
+      cp_async_commit();  // (an empty group: the wait below is the same either way)
+    cp_async_wait<1>();   // this thread's copies of tile w's V (kv_raw_image's first barrier: everyone's)
+    kv_raw_image<T, D>(kc, vt[buf], mc, sm, smu, mu != nullptr, nk, n16, w % ntile, tid,
+                       img + static_cast<long long>(w) * WS_IMG_STAGE<D>);
+  }
+  cp_async_wait<0>();  // (nothing may land in shared memory after the CTA exits)
 }
 
 // Named barrier 1 + wg of consumer warpgroup wg's 128 threads (constant ids: a register id would make ptxas reserve

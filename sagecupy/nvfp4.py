@@ -151,6 +151,14 @@ def fp4_tail_split(engine: str = "wgmma", head_dim: int = 128) -> bool:
     return env_switch("SAGECUPY_FP4_TAIL_SPLIT") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
 
 
+def _kvimg_env() -> str:
+    """``SAGECUPY_FP4_KVIMG``: ``"0"`` (unset: off), ``"1"`` (one CTA per image) or ``"pipe"`` (the pipelined pass)."""
+    env = os.environ.get("SAGECUPY_FP4_KVIMG", "0")
+    if env not in ("0", "1", "pipe"):
+        raise ValueError(f"SAGECUPY_FP4_KVIMG={env!r} is not supported; supported: '0', '1', 'pipe'")
+    return env
+
+
 def fp4_kvimg(engine: str = "wgmma", head_dim: int = 128) -> bool:
     """Whether the NVFP4 forward dequantizes each K/V tile once, into a stage image (fp16 K^ and V^^T tiles laid
     out as the kernel's shared memory, scratch of 4x the packed K and V), which the warp-specialized kernel's producer
@@ -158,10 +166,13 @@ def fp4_kvimg(engine: str = "wgmma", head_dim: int = 128) -> bool:
     tile once per query block; bitwise the same O and LSE: ``SAGECUPY_FP4_KVIMG=1`` asks for it (opt-in, ``0`` the
     default, until it is measured on the GPU). :func:`attention` then writes the images from the raw K and V
     (``nvfp4_kv_images_raw``, in place of K's and V's quantizers, after K's mean as the split pre-pass takes it:
-    :func:`fp4_prepass_mode` does not apply), :func:`attention_packed` from the packed ones (``nvfp4_kv_images``).
-    It applies where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent
-    one does not; with :func:`fp4_qin` and :func:`fp4_tail_split` too."""
-    return env_switch("SAGECUPY_FP4_KVIMG") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
+    :func:`fp4_prepass_mode` does not apply; ``SAGECUPY_FP4_KVIMG=pipe``: ``nvfp4_kv_images_raw_pipe``, as many CTAs
+    as are resident at once, each loading its next image's operands while it works on the current one),
+    :func:`attention_packed` from the packed ones (``nvfp4_kv_images``). It applies where the warp-specialized kernel
+    with three consumers runs (D=128, wgmma engine) and the persistent one does not; with :func:`fp4_qin` and
+    :func:`fp4_tail_split` too."""
+    return (_kvimg_env() != "0" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
+            and not fp4_persist(engine, head_dim))
 
 
 def ws_img_bytes(D: int) -> int:
@@ -169,10 +180,15 @@ def ws_img_bytes(D: int) -> int:
     return 2 * _BKV * 2 * D
 
 
-def ws_img_raw_smem_bytes(D: int) -> int:
+def ws_img_raw_smem_bytes(D: int, pipe: bool = False) -> int:
     """Dynamic shared memory of ``nvfp4_kv_images_raw`` (``WS_IMG_RAW_SMEM<D>``): one image, V's 64-token tile
-    (rows of D + 8 16-bit values) and K's mean (D floats)."""
-    return ws_img_bytes(D) + 64 * (D + 8) * 2 + D * 4
+    (rows of D + 8 16-bit values) and K's mean (D floats); ``pipe``: of ``nvfp4_kv_images_raw_pipe``
+    (``WS_IMG_RAW_PIPE_SMEM<D>``: two V tiles)."""
+    return ws_img_bytes(D) + (2 if pipe else 1) * 64 * (D + 8) * 2 + D * 4
+
+
+#: CTAs per SM of nvfp4_kv_images_raw_pipe (its __launch_bounds__; shared memory 3 x 66.5 KB).
+_PIPE_IMG_CTAS = 3
 
 
 #: Parts a split item's keys go to at most (the kernel's combination reads at most this many).
@@ -299,7 +315,8 @@ def kernel_names() -> dict:
     # its tail-splitting form (opt-in, SAGECUPY_FP4_TAIL_SPLIT=1; non-causal, two-level P, 3 consumers)
     attn90 += [_ws_split_name(T, 128, qin) for T in _T.values() for qin in (False, True)]
     # the K/V stage images and the kernel on them (opt-in, SAGECUPY_FP4_KVIMG=1), with either Q form, split or not
-    attn90 += ["nvfp4_kv_images<128>"] + [f"nvfp4_kv_images_raw<{T}, 128>" for T in _T.values()]
+    attn90 += ["nvfp4_kv_images<128>"] + [f"{kn}<{T}, 128>" for T in _T.values()
+                                          for kn in ("nvfp4_kv_images_raw", "nvfp4_kv_images_raw_pipe")]
     attn90 += [_ws_img_name(T, 128, "true", cg, qin, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)
                for qin in (False, True)]
     attn90 += [_ws_img_name(T, 128, "true", 1, qin, True) for T in _T.values() for qin in (False, True)]
@@ -321,7 +338,8 @@ def kernel_constants() -> dict:
                                      for w in _WARPS + (12,)]
             + [(f"NvWs<128, {nc}>::SMEM", ws_smem_bytes(128, nc)) for nc in (2, 3)]
             + [("WS_SPLIT_MAX", _SPLIT_MAX), ("WS_IMG_STAGE<128>", ws_img_bytes(128)),
-               ("WS_IMG_RAW_SMEM<128>", ws_img_raw_smem_bytes(128))],
+               ("WS_IMG_RAW_SMEM<128>", ws_img_raw_smem_bytes(128)),
+               ("WS_IMG_RAW_PIPE_SMEM<128>", ws_img_raw_smem_bytes(128, True))],
             "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
@@ -886,12 +904,18 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     if kvimg:  # K's and V's quantization and dequantization into the stage images, one pass over the raw K and V
         ntile = (nk + _BKV - 1) // _BKV
         kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_TMP)
-        fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, {D}>",
+        kv_pipe = _kvimg_env() == "pipe" and B * Hkv * ntile < 2**31  # (its 32-bit image indices)
+        fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw{'_pipe' if kv_pipe else ''}<{T}, {D}>",
                           all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
-        fn.max_dynamic_shared_size_bytes = ws_img_raw_smem_bytes(D)
-        prog.launch(fn, (ntile, Hkv, B), (128,),
-                    (rk, i64(ksb), i64(ksh), i64(ksn), mu, rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(n16),
-                     kv_img), shared_mem=ws_img_raw_smem_bytes(D), pdl=True)  # (it calls grid_dep_wait() first)
+        smem = ws_img_raw_smem_bytes(D, kv_pipe)
+        fn.max_dynamic_shared_size_bytes = smem
+        raw = (rk, i64(ksb), i64(ksh), i64(ksn), mu, rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(n16))
+        if kv_pipe:  # (resident CTAs walking every head's images)
+            prog.launch(fn, (_pipe_grid(B * Hkv * ntile, _PIPE_IMG_CTAS),), (128,),
+                        (*raw, i32(Hkv), i32(ntile), i32(B * Hkv * ntile), kv_img), shared_mem=smem, pdl=True)
+        else:
+            prog.launch(fn, (ntile, Hkv, B), (128,), (*raw, kv_img), shared_mem=smem, pdl=True)
+        # (both call grid_dep_wait() first)
     elif not fused_pre:
         prog.launch(fk, (gk, Hkv, B), (256,),
                     (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],

@@ -565,7 +565,8 @@ def test_nvfp4_kv_images_launch(gpu, qin, split, monkeypatch):
     """SAGECUPY_FP4_KVIMG=1. attention: K's mean as the split pre-pass takes it, Q's quantizer (unless Q is quantized
     in the kernel), then nvfp4_kv_images_raw (grid: key tiles, Hkv, B; 128 threads; its dynamic shared memory) on the
     raw K and V with their strides and the mean, writing a scratch buffer in the call's arena, in place of K's and V's
-    quantizers (whatever SAGECUPY_FP4_PREPASS says); attention_packed: nvfp4_kv_images on the packed K and V the
+    quantizers (whatever SAGECUPY_FP4_PREPASS says; =pipe: nvfp4_kv_images_raw_pipe on min(images, 3 per SM) CTAs
+    with Hkv, the key tiles and the image count); attention_packed: nvfp4_kv_images on the packed K and V the
     kernel gets without it. Then nvfp4_attn_fwd_ws_img with the images in place of the packed K and V (both Q forms,
     the tail split's 1-D grid and arguments or their neutral values). Nothing changes where the three-consumer
     kernel does not run (D = 64, the persistent kernel, the mma engine)."""
@@ -586,25 +587,32 @@ def test_nvfp4_kv_images_launch(gpu, qin, split, monkeypatch):
         fn()
         return list(gpu)
 
-    for mode in ("split", "pipe"):
+    for mode, img in (("split", "1"), ("pipe", "1"), ("split", "pipe")):
         monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
         call = lambda: nvfp4.attention(q, k, v, sm_scale=0.125)  # noqa: E731
-        plain, run = launches("0", call), launches("1", call)
+        plain, run = launches("0", call), launches(img, call)
         monkeypatch.setenv("SAGECUPY_FP4_PREPASS", "split")
         split_plain = launches("0", call)
         pn, rn = [x[0].split("<")[0] for x in split_plain], [x[0].split("<")[0] for x in run]
         # (the split pre-pass: mean, [Q], K, V, kernel; with images: mean, [Q], the raw images, kernel)
         nq_rows = 0 if qin == "1" else 1
-        assert rn == pn[:-3] + ["nvfp4_kv_images_raw", "nvfp4_attn_fwd_ws_img"], (mode, rn)
+        kname = "nvfp4_kv_images_raw" + ("_pipe" if img == "pipe" else "")
+        assert rn == pn[:-3] + [kname, "nvfp4_attn_fwd_ws_img"], (mode, rn)
         assert pn.count("nvfp4_quant_rows") == 1 + nq_rows
         iname, igrid, iblock, iargs, ismem = run[-2]
-        assert iname == "nvfp4_kv_images_raw<__half, 128>" and igrid == (16, 2, 2) and iblock == (128,)
-        assert ismem == nvfp4.ws_img_raw_smem_bytes(128) == 32768 + 64 * 136 * 2 + 512
+        assert iname == f"{kname}<__half, 128>" and iblock == (128,)
         ia = _summary(run[-2], names)[3]
+        if img == "pipe":  # (2 x 2 x 16 images on min(64, 3 x SMs) resident CTAs; their count, Hkv, ntile)
+            assert igrid == (min(64, 3 * (7 if split else 132)),) and ia[11:14] == (
+                ("int32", 2), ("int32", 16), ("int32", 64))
+            assert ismem == nvfp4.ws_img_raw_smem_bytes(128, True) == 32768 + 2 * 64 * 136 * 2 + 512
+        else:
+            assert igrid == (16, 2, 2) and len(ia) == 12
+            assert ismem == nvfp4.ws_img_raw_smem_bytes(128) == 32768 + 64 * 136 * 2 + 512
         assert ia[0] == ("input", "k") and ia[5] == ("input", "v")
         assert ia[1:4] == tuple(("int64", k.strides[i] // 2) for i in (0, 1, 2))
         assert ia[6:9] == tuple(("int64", v.strides[i] // 2) for i in (0, 1, 2))
-        assert ia[9:11] == (("int32", 1024), ("int32", 1024)) and isinstance(iargs[11], np.uint64)
+        assert ia[9:11] == (("int32", 1024), ("int32", 1024)) and isinstance(iargs[-1], np.uint64)
         mu = iargs[4]  # (K's mean: what the split pre-pass's K quantizer subtracts)
         kq = split_plain[pn.index("nvfp4_quant_rows") + nq_rows]
         assert mu is not None and mu.shape == (2, 2, 128) and _summary(kq, names)[3][6] == ("array", mu.shape, "<f4")
@@ -641,7 +649,7 @@ def test_nvfp4_kv_images_launch(gpu, qin, split, monkeypatch):
                 nvfp4.attention(qq, kk, vv)
             assert not any("img" in x[0] or "images" in x[0] for x in gpu if isinstance(x[0], str)), what
     monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "on")
-    with pytest.raises(ValueError, match="SAGECUPY_FP4_KVIMG='on'"):
+    with pytest.raises(ValueError, match="SAGECUPY_FP4_KVIMG='on' is not supported; supported: '0', '1', 'pipe'"):
         nvfp4.attention(q, k, v)
 
 

@@ -55,9 +55,10 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     # dtypes x plain and grouped order x 2 or 3 consumers, two-level P) and its persistent form (2 dtypes, three
     # consumers, two-level P), its Q-quantizing form (2 dtypes x plain and grouped order, three consumers,
     # two-level P) and its tail-splitting form (2 dtypes x the two Q forms; non-causal, three consumers, two-level P);
-    # the K/V stage images' kernels (from the packed K and V; from the raw ones, 2 dtypes) and the kernel on them (2
+    # the K/V stage images' kernels (from the packed K and V; from the raw ones, 2 dtypes x one CTA per image or the
+    # pipelined pass) and the kernel on them (2
     # dtypes x the two Q forms x plain and grouped order, and x the two Q forms split)
-    assert len(names) == len(set(names)) == 20 + 8 + 8 + 2 + 4 + 4 + 3 + 8 + 4
+    assert len(names) == len(set(names)) == 20 + 8 + 8 + 2 + 4 + 4 + 5 + 8 + 4
     assert sum(n.startswith("nvfp4_attn_fwd_ws<") for n in names) == 8
     assert {n for n in names if n.startswith("nvfp4_attn_fwd_ws_persist<")} == {
         f"nvfp4_attn_fwd_ws_persist<{T}, 128, true, 3>" for T in ("__half", "__nv_bfloat16")}
@@ -68,11 +69,13 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
         f"nvfp4_attn_fwd_ws_split<{T}, 128, true, 3, {qin}>" for T in ("__half", "__nv_bfloat16")
         for qin in ("false", "true")}
     assert {n for n in names if "img" in n or "images" in n} == {
-        "nvfp4_kv_images<128>", "nvfp4_kv_images_raw<__half, 128>", "nvfp4_kv_images_raw<__nv_bfloat16, 128>"} | {
+        "nvfp4_kv_images<128>", "nvfp4_kv_images_raw<__half, 128>", "nvfp4_kv_images_raw<__nv_bfloat16, 128>",
+        "nvfp4_kv_images_raw_pipe<__half, 128>", "nvfp4_kv_images_raw_pipe<__nv_bfloat16, 128>"} | {
         f"nvfp4_attn_fwd_ws_img<{T}, 128, true, {cg}, 3, {qin}, {split}>" for T in ("__half", "__nv_bfloat16")
         for qin in ("false", "true") for cg, split in ((1, "false"), (nvfp4.FP4_CAUSAL_GROUP, "false"), (1, "true"))}
     assert nvfp4.ws_img_bytes(128) == 32768  # (a 64-key fp16 K^ tile and its 128 x 64 fp16 V^^T tile)
     assert nvfp4.ws_img_raw_smem_bytes(128) <= 227 * 1024
+    assert nvfp4._PIPE_IMG_CTAS * nvfp4.ws_img_raw_smem_bytes(128, True) <= 227 * 1024  # (resident at once)
     # the persistent kernel's shared memory: the warp-specialized kernel's, a third staging buffer (Q's 384 tasks),
     # one more mbarrier and two item slots; it still fits one block per SM on Hopper
     assert nvfp4.ws_persist_smem_bytes(128) == nvfp4.ws_smem_bytes(128, 3) + 36 * 384 + 8 + 64 < 227 * 1024

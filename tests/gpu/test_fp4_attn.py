@@ -806,10 +806,11 @@ def test_nvfp4_tail_split_matches_whole_items(monkeypatch, shape, sms, nsplit, q
         assert np.allclose(outs[1], outs[0], rtol=rtol, atol=1e-6), "attention_packed"
 
 
-def _kv_images_both(nvfp4, cp, q, k, v, layout, smooth):
-    """The K/V stage images of nvfp4_kv_images_raw (from the raw k, v and quantize_inputs's K mean) and of
+def _kv_images_all(nvfp4, cp, q, k, v, layout, smooth):
+    """The K/V stage images of nvfp4_kv_images_raw (from the raw k, v and quantize_inputs's K mean), of
+    nvfp4_kv_images_raw_pipe on 3 CTAs (each walks many images: both V buffers, the register hand-over) and of
     nvfp4_kv_images (from quantize_inputs's packed K and V, V padded to whole 64-token tiles), into buffers first
-    filled with 0xAB and 0xCD (so that equal images mean every byte written by both), as uint8 host arrays."""
+    filled with 0xAB, 0x5A and 0xCD (so that equal images mean every byte written by each), as uint8 host arrays."""
     ops = nvfp4.quantize_inputs(q, k, v, layout=layout, k_smoothing=smooth)
     kr, vr = cp.asarray(_raw(k)), cp.asarray(_raw(v))
     B, Hkv, nk = ops["k_packed"].shape[:3]
@@ -825,12 +826,18 @@ def _kv_images_both(nvfp4, cp, q, k, v, layout, smooth):
     fn.max_dynamic_shared_size_bytes = nvfp4.ws_img_raw_smem_bytes(128)
     fn((ntile, Hkv, B), (128,), (kr, *st(kr), ops["mu_k"], vr, *st(vr), np.int32(nk), np.int32(n16), raw),
        shared_mem=nvfp4.ws_img_raw_smem_bytes(128))
+    pipe = cp.full(size, 0x5A, cp.uint8)
+    fn = nvfp4.get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw_pipe<{T}, 128>", all_names=names,
+                            arch="sm_90a")
+    fn.max_dynamic_shared_size_bytes = nvfp4.ws_img_raw_smem_bytes(128, True)
+    fn((3,), (128,), (kr, *st(kr), ops["mu_k"], vr, *st(vr), np.int32(nk), np.int32(n16), np.int32(Hkv),
+                      np.int32(ntile), np.int32(B * Hkv * ntile), pipe), shared_mem=nvfp4.ws_img_raw_smem_bytes(128, True))
     packed = cp.full(size, 0xCD, cp.uint8)
     vc, vs = nvfp4._pad_tokens64(ops["v_packed"], ops["v_scales"], n16)
     fn = nvfp4.get_function("fp4_attn_fwd_sm90.cu", "nvfp4_kv_images<128>", all_names=names, arch="sm_90a")
     fn((ntile, Hkv, B), (128,), (ops["k_packed"], ops["k_scales"], vc, vs, np.int32(n64 // 2), np.int32(nk),
                                  np.int32(n16), packed))
-    return raw.get(), packed.get()
+    return raw.get(), pipe.get(), packed.get()
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 1000, 1000, "HND", "bfloat16"),
@@ -844,8 +851,9 @@ def test_nvfp4_kv_images_match_dequantizing_producer(monkeypatch, shape):
     nvfp4_attn_fwd_ws_img's producer copies the images with bulk copies) gives bitwise the O and LSE of the
     dequantizing producer: with Q from the pre-pass or quantized in the kernel (SAGECUPY_FP4_QIN), whole items or the
     tail split (SM count 5: the shapes with enough key tiles split), causal or not, with and without K-smoothing,
-    single-level P, and through attention_packed. First the two image kernels' bytes against each other (every byte
-    written, the same bytes: rows past the keys and the padded V tokens included). Shapes: a last key tile of 4 keys
+    single-level P, and through attention_packed; SAGECUPY_FP4_KVIMG=pipe (nvfp4_kv_images_raw_pipe) too. First the
+    three image kernels' bytes against each other (every byte written, the same bytes: rows past the keys and the
+    padded V tokens included; the pipelined one on 3 CTAs that walk many images). Shapes: a last key tile of 4 keys
     (4100), Nq > Nk causal (rows that see no key; at 1000 x 100 whole CTAs without a key tile), GQA, one row; NaN in V
     and NaN / Inf in K without K-smoothing (fp16: their blocks' NaN scale) reach the same elements."""
     from sagecupy import nvfp4
@@ -858,8 +866,10 @@ def test_nvfp4_kv_images_match_dequantizing_producer(monkeypatch, shape):
     B, Hq, Hkv, nq, nk, layout, dtype = shape
     (q, k, v, _), _ = _inputs(19, B, Hq, Hkv, nq, nk, 128, layout, dtype)
     for smooth in (True, False):
-        raw, packed = _kv_images_both(nvfp4, cp, q, k, v, layout, smooth)
-        assert np.array_equal(raw, packed), f"images (K-smoothing {smooth}): {int((raw != packed).sum())} bytes differ"
+        raw, pipe, packed = _kv_images_all(nvfp4, cp, q, k, v, layout, smooth)
+        for what, got in (("raw", raw), ("pipelined", pipe)):
+            assert np.array_equal(got, packed), \
+                f"{what} images (K-smoothing {smooth}): {int((got != packed).sum())} bytes differ"
     cases = [("plain", k, v, NVFP4Config()), ("no K-smoothing", k, v, NVFP4Config(k_smoothing=False))]
     if dtype == "float16":
         vn = cp.asarray(_raw(v)).copy()
@@ -881,15 +891,16 @@ def test_nvfp4_kv_images_match_dequantizing_producer(monkeypatch, shape):
             for causal in (False, True):
                 for what, kk, vv, cfg in cases:
                     got = []
-                    for img in ("0", "1"):
+                    for img in ("0", "1", "pipe"):
                         monkeypatch.setenv("SAGECUPY_FP4_KVIMG", img)
                         nvfp4._ATTN_PLANS.clear()  # (the SM count is not part of a plan's key)
                         o, lse = nvfp4.attention(q, kk, vv, causal=causal, layout=layout, config=cfg,
                                                  return_lse=True)
                         got.append((_host(o), _host(lse)))
-                    case = f"({what}, split={split}, qin={qin}, causal={causal})"
-                    for name, a, b in zip(("O", "LSE"), *got):
-                        assert np.array_equal(a, b, equal_nan=True), f"{name} differs {case}"
+                    for img, other in zip(("1", "pipe"), got[1:]):
+                        case = f"({what}, KVIMG={img}, split={split}, qin={qin}, causal={causal})"
+                        for name, a, b in zip(("O", "LSE"), got[0], other):
+                            assert np.array_equal(a, b, equal_nan=True), f"{name} differs {case}"
                     if what.startswith("NaN"):
                         assert np.isnan(got[1][0]).any(), f"the NaN reaches O {case}"
         for causal in (False, True):
