@@ -314,7 +314,8 @@ def kernel_names() -> dict:
     attn90 += [_ws_name(T, 128, "true", cg, 3, qin=True) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
     # its tail-splitting form (opt-in, SAGECUPY_FP4_TAIL_SPLIT=1; non-causal, two-level P, 3 consumers)
     attn90 += [_ws_split_name(T, 128, qin) for T in _T.values() for qin in (False, True)]
-    # the K/V stage images and the kernel on them (opt-in, SAGECUPY_FP4_KVIMG=1), with either Q form, split or not
+    # the K/V stage images and the kernel on them (opt-in, SAGECUPY_FP4_KVIMG=1 or =pipe), with either Q form, split
+    # or not
     attn90 += ["nvfp4_kv_images<128>"] + [f"{kn}<{T}, 128>" for T in _T.values()
                                           for kn in ("nvfp4_kv_images_raw", "nvfp4_kv_images_raw_pipe")]
     attn90 += [_ws_img_name(T, 128, "true", cg, qin, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)
@@ -904,15 +905,16 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     if kvimg:  # K's and V's quantization and dequantization into the stage images, one pass over the raw K and V
         ntile = (nk + _BKV - 1) // _BKV
         kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_TMP)
-        kv_pipe = _kvimg_env() == "pipe" and B * Hkv * ntile < 2**31  # (its 32-bit image indices)
+        images = B * Hkv * ntile
+        kv_pipe = _kvimg_env() == "pipe" and 2 * images < 2**31  # (its 32-bit image indices, w + grid included)
         fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw{'_pipe' if kv_pipe else ''}<{T}, {D}>",
                           all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         smem = ws_img_raw_smem_bytes(D, kv_pipe)
         fn.max_dynamic_shared_size_bytes = smem
         raw = (rk, i64(ksb), i64(ksh), i64(ksn), mu, rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(n16))
         if kv_pipe:  # (resident CTAs walking every head's images)
-            prog.launch(fn, (_pipe_grid(B * Hkv * ntile, _PIPE_IMG_CTAS),), (128,),
-                        (*raw, i32(Hkv), i32(ntile), i32(B * Hkv * ntile), kv_img), shared_mem=smem, pdl=True)
+            prog.launch(fn, (_pipe_grid(images, _PIPE_IMG_CTAS),), (128,),
+                        (*raw, i32(Hkv), i32(ntile), i32(images), kv_img), shared_mem=smem, pdl=True)
         else:
             prog.launch(fn, (ntile, Hkv, B), (128,), (*raw, kv_img), shared_mem=smem, pdl=True)
         # (both call grid_dep_wait() first)
