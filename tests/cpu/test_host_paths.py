@@ -265,6 +265,7 @@ def test_nvfp4_fused_prepass_passes_what_the_split_launches_pass(gpu, d, monkeyp
     """SAGECUPY_FP4_PREPASS=fused: V's quantizer with K's column sums over the same 64-token tiles, K's mean from
     those sums, then Q's and K's row quantizers in one launch, whose two halves get the split launches' arguments;
     the attention kernel after them is launched as with the split pre-pass."""
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the kernels that read the packed K and V)
     from sagecupy import nvfp4
 
     nvfp4._ATTN_PLANS.clear()  # (plans recorded by earlier tests launch that test's recording kernels)
@@ -320,6 +321,7 @@ def test_nvfp4_pipelined_prepass_passes_what_the_fused_launches_pass(gpu, d, sms
     flat list of pieces over all heads (V's 64-token tiles; Q's then K's row chunks of 256 threads x 32 elements):
     1-D grids of min(pieces, CTAs resident at once: 4 per SM for V's kernel, 3 for the rows', their launch bounds);
     the fused launches' arguments otherwise (without gq, gk, d; with the tile count, heads and batch)."""
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the kernels that read the packed K and V)
     from sagecupy import nvfp4
 
     nvfp4._ATTN_PLANS.clear()
@@ -380,6 +382,7 @@ def test_nvfp4_q_in_kernel_launches(gpu, mode, smooth, layout, monkeypatch):
     rows kernel with K's chunks only, nq = 0); nvfp4_attn_fwd_ws_qin gets the raw Q with the strides Q's quantizer
     gets, K's mean (the array K's quantizer subtracts; null without K-smoothing) and sm_scale in place of Q's bytes
     and qmk, and the warp-specialized kernel's other arguments."""
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the kernels that read the packed K and V)
     from sagecupy import nvfp4
     from sagecupy.config import NVFP4Config
 
@@ -492,6 +495,7 @@ def test_nvfp4_tail_split_launch(gpu, qin, monkeypatch):
     (whole items, then every part of the rest), both Q forms' arguments (the plain kernel's or the Q-quantizing
     one's, the other form's null) and (whole, nsplit, nblk, the partials' scratch, the counters); causal calls,
     single-level P keep the plain kernel (attention_packed: the GPU test)."""
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the kernels that read the packed K and V)
     from sagecupy import nvfp4
     from sagecupy.config import NVFP4Config
 
@@ -657,6 +661,7 @@ def test_nvfp4_persistent_kernel_launch(gpu, monkeypatch):
     """SAGECUPY_FP4_PERSIST=1: the call zeroes the item counter before its first launch (so the pre-pass and the
     kernel stay programmatic dependents of each other), then launches nvfp4_attn_fwd_ws_persist on min(items, SMs)
     CTAs with the warp-specialized kernel's arguments plus (B, counter, items)."""
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the kernels that read the packed K and V)
     from sagecupy import nvfp4
 
     nvfp4._ATTN_PLANS.clear()  # (plans recorded by earlier tests launch that test's recording kernels)

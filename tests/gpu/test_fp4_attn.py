@@ -636,6 +636,9 @@ def test_nvfp4_back_to_back_calls_match_separate_calls(monkeypatch, engine_name,
     cp = _cp()
     monkeypatch.setenv("SAGECUPY_FP4_ENGINE", engine_name)
     monkeypatch.setenv("SAGECUPY_FP4_PREPASS", prepass)
+    # (the K/V images, the default, take the split pre-pass's mean and replace K's and V's quantizers: the fused and
+    # pipelined pre-passes only run without them)
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "1" if prepass == "split" else "0")
     # (the persistent kernel, or Q quantized in the warp-specialized kernel: wgmma engine only)
     monkeypatch.setenv("SAGECUPY_FP4_PERSIST", "1" if persist == "1" else "0")
     monkeypatch.setenv("SAGECUPY_FP4_QIN", "1" if persist == "qin" else "0")
@@ -667,6 +670,7 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
     CTAs (4 and 3 CTAs then walk every piece: up to 33 tiles and 132 chunks each here, across heads, batches and
     from Q's chunks to K's). Odd key counts (a partial last tile, N16 > N), Nq != Nk both ways, GQA, both layouts,
     D 64 and 128, causal and not."""
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the pre-pass modes: K's and V's quantizers, not the images)
     from sagecupy import nvfp4
 
     B, Hq, Hkv, nq, nk, D, layout, dtype = shape
@@ -701,6 +705,7 @@ def test_nvfp4_q_in_kernel_matches_prepass(monkeypatch, shape):
     with and without K-smoothing (qmk or none). Also: rows with Inf and NaN (their blocks' NaN scale), Q as a strided
     view of a packed QKV tensor (read in place, NHD), and Q at an address that is not 16-byte aligned (copied first).
     Last query blocks with 64 real rows of 192, Nq > Nk causal (rows that see no key), GQA, one row."""
+    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the pre-pass modes: K's and V's quantizers, not the images)
     from sagecupy import nvfp4
     from sagecupy._loader import device_capability
 
