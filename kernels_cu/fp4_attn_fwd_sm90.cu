@@ -1615,7 +1615,7 @@ nvfp4_attn_fwd_ws_persist(const unsigned char* __restrict__ qc, const unsigned c
     g_tile += n;
     fp4_frame_finish<TWO_LEVEL>(acc_o, fr, rs);
     const int b = bh / Hq, h = bh % Hq;
-    fp4_fwd_epilogue<T, D, false>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr,
+    fp4_fwd_epilogue<T, D, false, true>(acc_o, nullptr, rs, o + b * osb + h * osh, osn, nullptr,
                                   lse + static_cast<long long>(bh) * nq, nullptr,
                                   qmk ? qmk + static_cast<long long>(bh) * nq : nullptr, r_lo, t4, nq, 0);
   }

@@ -371,7 +371,9 @@ __device__ __forceinline__ void fp4_pv_update(float (&o)[N][4], const float (&ac
 // rows r_lo + 8 r from the caller's registers when it is given; 0 without either). A row that sees no key
 // (l == 0) stores exact zeros (not acc * 0: a NaN of V reaches acc through 0 * NaN in the MMA even for rows
 // that do not see it).
-template <typename T, int D, bool QAT>
+// SEPARATE (the persistent warp-specialized kernel): the LSE as an explicit fp32 product then sum, so that ptxas
+// cannot contract it into one FFMA (it did there, not in nvfp4_attn_fwd_ws: the LSEs differed in their last bit).
+template <typename T, int D, bool QAT, bool SEPARATE = false>
 __device__ __forceinline__ void fp4_fwd_epilogue(const float (&acc_o)[D / 8][4], const float (*acc_p)[4], Fp4Rows& rs,
                                                  T* __restrict__ o_bh, long long osn, float* __restrict__ oprime_bh,
                                                  float* __restrict__ lse_bh, float* __restrict__ lse2_bh,
@@ -403,7 +405,9 @@ __device__ __forceinline__ void fp4_fwd_epilogue(const float (&acc_o)[D / 8][4],
       const float l2 = rs.l[r] == 0.f ? INFINITY : rs.m[r] + log2f(rs.l[r]);
       if (row < nq)
         lse_bh[row] = rs.l[r] == 0.f ? -INFINITY
-                                     : l2 * 0.6931471805599453f + (qmk_rows ? qmk_rows[r] : qmk_bh ? qmk_bh[row] : 0.f);
+                                     : SEPARATE ? __fadd_rn(__fmul_rn(l2, 0.6931471805599453f),
+                                                            qmk_rows ? qmk_rows[r] : qmk_bh ? qmk_bh[row] : 0.f)
+                                                : l2 * 0.6931471805599453f + (qmk_rows ? qmk_rows[r] : qmk_bh ? qmk_bh[row] : 0.f);
       if (lse2_bh && row < nq_pad) lse2_bh[row] = row < nq ? l2 : INFINITY;
     }
   }

@@ -670,7 +670,6 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
     CTAs (4 and 3 CTAs then walk every piece: up to 33 tiles and 132 chunks each here, across heads, batches and
     from Q's chunks to K's). Odd key counts (a partial last tile, N16 > N), Nq != Nk both ways, GQA, both layouts,
     D 64 and 128, causal and not."""
-    monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")  # (the pre-pass modes: K's and V's quantizers, not the images)
     from sagecupy import nvfp4
 
     B, Hq, Hkv, nq, nk, D, layout, dtype = shape
@@ -679,6 +678,10 @@ def test_nvfp4_fused_prepass_matches_split(monkeypatch, shape):
         got = {}
         for mode, sms in (("split", None), ("fused", None), ("pipe", None), ("pipe", 1)):
             monkeypatch.setenv("SAGECUPY_FP4_PREPASS", mode)
+            # (K's and V's quantizers, not the K/V images, which replace them; no tail split, whose parts depend on
+            # the SM count set below and round O differently)
+            monkeypatch.setenv("SAGECUPY_FP4_KVIMG", "0")
+            monkeypatch.setenv("SAGECUPY_FP4_TAIL_SPLIT", "0")
             if sms is not None:
                 nvfp4._ATTN_PLANS.clear()  # (the plans record their grids)
                 monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: sms)
