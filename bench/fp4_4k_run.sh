@@ -5,7 +5,9 @@
 # session), K's binary-search block quantizer (SAGE_NVFP4_CMP_BSEARCH, thirtieth), the persistent kernel
 # (SAGECUPY_FP4_PERSIST=1), Q quantized in the warp-specialized kernel (SAGECUPY_FP4_QIN=1, thirty-first) and the
 # last wave's items split along the keys (SAGECUPY_FP4_TAIL_SPLIT=1, thirty-first), K/V tiles dequantized once into
-# stage images (SAGECUPY_FP4_KVIMG=1, thirty-second). All default off until this runs.
+# stage images (SAGECUPY_FP4_KVIMG=1, thirty-second). All added off by default; the thirty-second session's run made
+# SAGECUPY_FP4_KVIMG=1, SAGECUPY_FP4_TAIL_SPLIT=1 and SAGE_NVFP4_CMP_BSEARCH=1 the defaults (its floor's base variant
+# now has them; `suite` without CANDIDATE tests the defaults).
 #   bash bench/fp4_4k_run.sh time    # a persistent-kernel smoke check (capped: a hang must not eat the call), then
 #                                    # fp4_floor.py at 4K (SHAPES=4:4096,1:16384 adds 16K): every variant's kernel
 #                                    # and whole call; the pipelined pre-pass's launches with SAGECUPY_FP4_QIN,
