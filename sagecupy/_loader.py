@@ -170,7 +170,10 @@ _functions: dict = {}
 def get_function(filename: str, name: str, *, all_names: tuple | None = None, arch: str | None = None):
     """The compiled kernel ``name`` (a template instantiation such as ``"f<__half, 128>"``) of ``filename``.
 
-    ``all_names``: instantiate these together in one module (one compile for several variants).
+    ``all_names``: instantiate these together in one module (one compile for several variants); a ``name`` not
+    among them (an instance left out of the list: single-level P, a non-default CTA size) compiles alone, in a
+    module of its own: adding it to the list would compile every listed instance again for each such name (a file
+    such as fp4_attn_fwd_sm90.cu takes minutes), and would not reuse the list's module either.
     ``arch``: a target such as ``"sm_90a"`` for kernels that need architecture-specific instructions
     (wgmma); default: CuPy's choice for the current device.
     Every launch asks, so the answer is cached per (device, arguments, ``SAGECUPY_DEFINES``,
@@ -186,9 +189,7 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
            os.environ.get("SAGECUPY_KERNELS_DIR", ""))
     fn = _functions.get(key)
     if fn is None:
-        names = all_names if all_names and not defines else (name,)
-        if name not in names:
-            names = names + (name,)
+        names = all_names if all_names and name in all_names and not defines else (name,)
         fn = _functions[key] = _module(filename, names, arch).get_function(name)
     return fn
 

@@ -181,6 +181,48 @@ def test_kernels_dir_override_compiles_another_tree(tmp_path, monkeypatch):
     assert _loader.kernel_source("int8_quant.cu") == base
 
 
+def test_instance_outside_the_list_compiles_alone(monkeypatch):
+    """get_function compiles its list of instances as one module; a name outside the list (single-level P's
+    warp-specialized kernels, a non-default CTA size) compiles in a module of its own, not the whole list again with
+    it (fp4_attn_fwd_sm90.cu's list takes minutes: the thirty-third session found a test that recompiled it for each
+    of its single-level-P kernels). SAGECUPY_DEFINES: only the name, listed or not. A fake cupy records the
+    modules built."""
+    import sys
+    import types
+
+    built = []
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            self.names = tuple(name_expressions)
+
+        def compile(self):
+            built.append(self.names)
+
+        def get_function(self, name):
+            assert name in self.names
+            return (name, self.names)
+
+    fake = types.SimpleNamespace(RawModule=RawModule,
+                                 cuda=types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0),
+                                                            runtime=types.SimpleNamespace(getDevice=lambda: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(_loader, "_modules", {})
+    monkeypatch.setattr(_loader, "_functions", {})
+    monkeypatch.delenv("SAGECUPY_DEFINES", raising=False)
+    listed = ("k<1>", "k<2>", "k<3>")
+    assert _loader.get_function("int8_quant.cu", "k<2>", all_names=listed) == ("k<2>", listed)
+    assert _loader.get_function("int8_quant.cu", "k<3>", all_names=list(listed)) == ("k<3>", listed)
+    assert built == [listed]  # (one module for the listed instances)
+    assert _loader.get_function("int8_quant.cu", "k<9>", all_names=listed) == ("k<9>", ("k<9>",))
+    assert _loader.get_function("int8_quant.cu", "k<8>", all_names=listed) == ("k<8>", ("k<8>",))
+    assert _loader.get_function("int8_quant.cu", "k<9>", all_names=listed) == ("k<9>", ("k<9>",))
+    assert built == [listed, ("k<9>",), ("k<8>",)]
+    monkeypatch.setenv("SAGECUPY_DEFINES", "X=1")
+    assert _loader.get_function("int8_quant.cu", "k<1>", all_names=listed) == ("k<1>", ("k<1>",))
+    assert built[-1] == ("k<1>",) and len(built) == 4
+
+
 def test_bench_variant_environment(monkeypatch):
     """bench/variant_env.py: defines go to SAGECUPY_DEFINES, SAGECUPY_* tokens to the environment, and the previous
     variant's variables are unset."""
