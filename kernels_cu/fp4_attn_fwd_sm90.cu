@@ -605,6 +605,13 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images(const unsigned char* __re
   for (int i = ptid; i < WS_IMG_STAGE<D> / 16; i += 128) dst[i] = reinterpret_cast<const uint4*>(sm)[i];
 }
 
+// Shared-memory layout of nvfp4_kv_images_raw*: the image (K^ then V^^T), then NVT 64-token V tiles (rows of D + 8
+// 16-bit values: conflict-free column reads), then K's mean (D floats).
+template <int D>
+using KvTile = unsigned short[64][D + 8];
+template <int D, int NVT>
+__host__ __device__ constexpr int kv_raw_smem() { return WS_IMG_STAGE<D> + NVT * 64 * (D + 8) * 2 + D * 4; }
+
 // The images straight from the raw K and V (nvfp4.attention with SAGECUPY_FP4_KVIMG=1): K's and V's pre-pass
 // quantizers, their packed bytes and nvfp4_kv_images in one pass. Each 16-block is quantized by the function the
 // pre-pass applies to it (K: its mean subtracted in fp32, then nvfp4_block_cmp, as nvfp4_quant_rows with mu;
@@ -616,7 +623,7 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images(const unsigned char* __re
 // mu: K's mean (B, Hkv, D) fp32 or null. Grid (ceil(nk / 64), Hkv, B), block 128, dynamic shared memory
 // WS_IMG_RAW_SMEM<D>.
 template <int D>
-constexpr int WS_IMG_RAW_SMEM = WS_IMG_STAGE<D> + 64 * (D + 8) * 2 + D * 4;
+constexpr int WS_IMG_RAW_SMEM = kv_raw_smem<D, 1>();
 
 // nvfp4_kv_images_raw*'s pieces. A thread's K task of a tile: row tid % 64 of piece tid / 64, 64 elements as 8 x 16
 // bytes (keys >= nk zero), into registers.
@@ -628,13 +635,6 @@ __device__ __forceinline__ void kv_raw_load_k(uint4 (&kw)[4][2], const T* __rest
 #pragma unroll
   for (int i = 0; i < 8; ++i) kw[i / 2][i % 2] = key < nk ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u);
 }
-
-// Shared-memory layout of nvfp4_kv_images_raw*: the image (K^ then V^^T), then NVT 64-token V tiles (rows of D + 8
-// 16-bit values: conflict-free column reads), then K's mean (D floats).
-template <int D>
-using KvTile = unsigned short[64][D + 8];
-template <int D, int NVT>
-__host__ __device__ constexpr int kv_raw_smem() { return WS_IMG_STAGE<D> + NVT * 64 * (D + 8) * 2 + D * 4; }
 
 // One tile's image (every thread of the CTA): with the tile's V in shared memory vt (this thread's share written, not
 // yet synchronized) and K's task in registers kw: K's mean of channel tid to shared memory, a barrier, then K's task
@@ -705,7 +705,6 @@ __global__ void __launch_bounds__(128) nvfp4_kv_images_raw(const T* __restrict__
                                                            long long vsn, int nk, int n16,
                                                            unsigned char* __restrict__ img) {
   static_assert(D == 128, "one K task and one V^T channel per thread (the producer's split at D = 128)");
-  static_assert(kv_raw_smem<D, 1>() == WS_IMG_RAW_SMEM<D>, "the host's size");
   extern __shared__ __align__(16) char sm[];
   KvTile<D>& vt = *reinterpret_cast<KvTile<D>*>(sm + WS_IMG_STAGE<D>);
   float* smu = reinterpret_cast<float*>(sm + WS_IMG_STAGE<D> + sizeof(KvTile<D>));

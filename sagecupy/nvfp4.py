@@ -127,7 +127,7 @@ def fp4_persist(engine: str = "wgmma", head_dim: int = 128) -> bool:
     """Whether the NVFP4 forward runs the persistent warp-specialized kernel (``nvfp4_attn_fwd_ws_persist``: one CTA
     per SM walks the (query block, head) items, taking them from a counter, and stages each item's Q and first key
     tile while the one before finishes; bitwise the same O and LSE): ``SAGECUPY_FP4_PERSIST=1`` asks for it (opt-in,
-    ``0`` the default, until it is measured on the GPU), and it applies where the warp-specialized kernel with three
+    ``0`` the default), and it applies where the warp-specialized kernel with three
     consumers runs (D=128, wgmma engine)."""
     return env_switch("SAGECUPY_FP4_PERSIST") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
 
@@ -136,7 +136,8 @@ def fp4_qin(engine: str = "wgmma", head_dim: int = 128) -> bool:
     """Whether :func:`attention` quantizes Q inside the warp-specialized kernel (``nvfp4_attn_fwd_ws_qin``: each
     consumer warpgroup quantizes and dequantizes its 64 rows of the raw input into shared memory and computes their
     qmk, so the pre-pass quantizes only K and V; bitwise the same O and LSE) instead of in the pre-pass:
-    ``SAGECUPY_FP4_QIN=1`` asks for it (opt-in, ``0`` the default, until it is measured on the GPU). It applies
+    ``SAGECUPY_FP4_QIN=1`` asks for it (opt-in, ``0`` the default: the whole call ~1% slower on the H200, thirty-second
+    session). It applies
     where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent one does
     not (``SAGECUPY_FP4_PERSIST=1`` keeps the pre-pass's Q)."""
     return env_switch("SAGECUPY_FP4_QIN") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
@@ -164,7 +165,8 @@ def fp4_kvimg(engine: str = "wgmma", head_dim: int = 128) -> bool:
     out as the kernel's shared memory, scratch of 4x the packed K and V), which the warp-specialized kernel's producer
     copies with two bulk copies per tile (``nvfp4_attn_fwd_ws_img``), instead of its producer dequantizing every
     tile once per query block; bitwise the same O and LSE. On by default (``SAGECUPY_FP4_KVIMG=0`` turns it off; H200,
-    thirty-second session, B 4, 4K, D 128: the kernel 1.56 -> 1.36 ms, the whole call 1.68 -> 1.47 ms). :func:`attention` then writes the images from the raw K and V
+    thirty-second session, B 4, 4K, D 128: the kernel 1.56 -> 1.36 ms, the whole call 1.68 -> 1.47 ms).
+    :func:`attention` then writes the images from the raw K and V
     (``nvfp4_kv_images_raw``, in place of K's and V's quantizers, after K's mean as the split pre-pass takes it:
     :func:`fp4_prepass_mode` does not apply; ``SAGECUPY_FP4_KVIMG=pipe``: ``nvfp4_kv_images_raw_pipe``, as many CTAs
     as are resident at once, each loading its next image's operands while it works on the current one),
@@ -312,10 +314,10 @@ def kernel_names() -> dict:
     attn90 += [f"nvfp4_attn_fwd_ws_persist<{T}, 128, true, 3>" for T in _T.values()]
     # the warp-specialized kernel quantizing Q itself (opt-in, SAGECUPY_FP4_QIN=1): two-level P, 3 consumers
     attn90 += [_ws_name(T, 128, "true", cg, 3, qin=True) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
-    # its tail-splitting form (opt-in, SAGECUPY_FP4_TAIL_SPLIT=1; non-causal, two-level P, 3 consumers)
+    # its tail-splitting form (the default, SAGECUPY_FP4_TAIL_SPLIT; non-causal, two-level P, 3 consumers)
     attn90 += [_ws_split_name(T, 128, qin) for T in _T.values() for qin in (False, True)]
-    # the K/V stage images and the kernel on them (opt-in, SAGECUPY_FP4_KVIMG=1 or =pipe), with either Q form, split
-    # or not
+    # the K/V stage images and the kernel on them (the default, SAGECUPY_FP4_KVIMG=1; =pipe: the pipelined pass), with
+    # either Q form, split or not
     attn90 += ["nvfp4_kv_images<128>"] + [f"{kn}<{T}, 128>" for T in _T.values()
                                           for kn in ("nvfp4_kv_images_raw", "nvfp4_kv_images_raw_pipe")]
     attn90 += [_ws_img_name(T, 128, "true", cg, qin, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)
