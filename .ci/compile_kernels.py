@@ -26,20 +26,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sagecupy import _loader, _qat_bwd, int8, nvfp4  # noqa: E402
+from sagecupy import _layout, _loader, int8, nvfp4, qat  # noqa: E402
 
 ARCHS = {"sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
 
 
 def archs_for(filename):
     """Targets a source builds for: all of ARCHS unless the host module restricts it (wgmma: sm_90a)."""
-    only = int8.KERNEL_ARCHS.get(filename)
+    only = _layout.KERNEL_ARCHS.get(filename)
     return {a: f for a, f in ARCHS.items() if only is None or a in only}
 
 
 def all_names() -> dict:
     names = {}
-    for mod in (int8, nvfp4, _qat_bwd):
+    for mod in (int8, nvfp4, qat):
         for f, lst in mod.kernel_names().items():
             names.setdefault(f, [])
             names[f] += [n for n in lst if n not in names[f]]
@@ -47,16 +47,17 @@ def all_names() -> dict:
 
 
 def nvcc_compile(nvcc, filename, names, arch_flag, tmp):
-    wrapper = Path(tmp) / f"wrap_{filename}"
+    wrapper = Path(tmp) / f"wrap_{filename.replace('/', '_')}"
     refs = ",\n  ".join(f"(const void*)&{n}" for n in names)
     # Host-side sizes that must equal the kernel's own constants (shared-memory layouts): a mismatch is a
     # compile error here instead of an out-of-bounds shared access on the GPU.
     checks = "".join(f'static_assert({expr} == {value}, "host value {value} of {expr} (sagecupy) differs");\n'
                      for expr, value in {**int8.kernel_constants(), **nvfp4.kernel_constants(),
-                                         **_qat_bwd.kernel_constants()}.get(filename, ()))
+                                         **qat.kernel_constants()}.get(filename, ()))
     wrapper.write_text(f'#include "{_loader.kernel_dir() / filename}"\n'
                        f"const void* sagecupy_instances[] = {{\n  {refs}\n}};\n{checks}")
-    cmd = [nvcc, "-std=c++17", arch_flag, "-Xptxas", "-v", "-c", str(wrapper), "-o", str(Path(tmp) / "out.o")]
+    cmd = [nvcc, "-std=c++17", arch_flag, f"-I{_loader.kernel_dir()}", "-Xptxas", "-v", "-c", str(wrapper),
+           "-o", str(Path(tmp) / "out.o")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
 
@@ -167,7 +168,7 @@ def main(argv=None):
                     flag_s = (("  SPILLS" if (st or ld) else "") + ("  STACK" if stack and not (st or ld) else "")
                               + ("  WGMMA-SERIALIZED(C7512)" if fn in short else ""))
                     spilled |= bool(st or ld)
-                    print(f"ok   nvcc {arch:<7} {filename:<18} regs={regs:<4} spill_st={st:<5} spill_ld={ld:<5} "
+                    print(f"ok   nvcc {arch:<7} {filename:<26} regs={regs:<4} spill_st={st:<5} spill_ld={ld:<5} "
                           f"stack={stack:<5} {pretty[:90]}{flag_s}")
     lib = find_nvrtc()
     if lib is None:

@@ -22,7 +22,7 @@ _ARRAY_TYPES = None  # (cupy.ndarray, BF16Array), set by the first as_cupy call 
 
 
 def as_cupy(x, name: str):
-    """A CuPy view of ``x`` (CuPy array, :class:`~sagecupy.bf16.BF16Array`, or any CUDA array with
+    """A CuPy view of ``x`` (CuPy array, :class:`~sagecupy.adapters.bf16.BF16Array`, or any CUDA array with
     ``__dlpack__``), zero-copy."""
     global _ARRAY_TYPES
     import cupy
@@ -30,7 +30,7 @@ def as_cupy(x, name: str):
     if _ARRAY_TYPES is None or _ARRAY_TYPES[0] is not cupy.ndarray:
         # once per cupy module (tests swap in stand-ins): a function-level relative import runs importlib's package
         # lookup on every call (seen in bench/first_launch_probe.py's cProfile)
-        from .bf16 import BF16Array
+        from .adapters.bf16 import BF16Array
 
         _ARRAY_TYPES = (cupy.ndarray, BF16Array)
     if isinstance(x, _ARRAY_TYPES):
@@ -57,7 +57,7 @@ def raw(x):
 def wrap(x, dtype: str):
     """A kernel output (raw CuPy array) as the user sees it: BF16Array for bfloat16."""
     if dtype == "bfloat16":
-        from .bf16 import BF16Array
+        from .adapters.bf16 import BF16Array
 
         return BF16Array(x)
     return x

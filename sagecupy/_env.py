@@ -136,7 +136,8 @@ def kernel_hashes() -> dict:
     try:
         from ._loader import kernel_dir, kernel_source
 
-        return {p.name: kernel_source(p.name).split("sha256:", 1)[1].split()[0]
-                for p in sorted(kernel_dir().glob("*.cu"))}
+        root = kernel_dir()
+        return {p.relative_to(root).as_posix(): kernel_source(p.relative_to(root).as_posix()).split("sha256:", 1)[1].split()[0]
+                for p in sorted(root.glob("*/*.cu"))}
     except Exception:  # never let the header break a run
         return {}

@@ -38,14 +38,14 @@ def kernel_dir() -> Path:
     try:
         base = resources.files("sagecupy.kernels_cu")
         path = Path(str(base))
-        if (path / "int8_attn_fwd.cu").is_file():
+        if (path / "int8" / "int8_attn_fwd.cu").is_file():
             return path
     except (ModuleNotFoundError, TypeError):
         pass
     return Path(__file__).resolve().parent.parent / "kernels_cu"
 
 
-def _inline(path: Path, seen: set) -> str:
+def _inline(path: Path, seen: set, root: Path) -> str:
     text = path.read_text()
     if "#pragma once" in text:
         if path in seen:
@@ -54,10 +54,12 @@ def _inline(path: Path, seen: set) -> str:
         text = text.replace("#pragma once", "")
 
     def repl(m):
-        inc = (path.parent / m.group(1)).resolve()
+        # Every include names its header from the kernel root ("common/mma.cuh", "int8/fwd.cuh"), as nvcc sees
+        # them with -I <kernel root>: one rule, whichever folder the including file is in.
+        inc = (root / m.group(1)).resolve()
         if not inc.is_file():
-            inc = (kernel_dir() / m.group(1)).resolve()
-        return f"// ---- begin {m.group(1)}\n{_inline(inc, seen)}\n// ---- end {m.group(1)}"
+            raise FileNotFoundError(f"{path}: #include \"{m.group(1)}\" is not a file under {root}")
+        return f"// ---- begin {m.group(1)}\n{_inline(inc, seen, root)}\n// ---- end {m.group(1)}"
 
     return _INCLUDE_RE.sub(repl, text)
 
@@ -69,7 +71,7 @@ def kernel_source(filename: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_source(folder: str, filename: str) -> str:
-    body = _inline((Path(folder) / filename).resolve(), set())
+    body = _inline((Path(folder) / filename).resolve(), set(), Path(folder).resolve())
     digest = hashlib.sha256(body.encode()).hexdigest()[:16]
     return f"// sagecupy {filename} sha256:{digest}\n{body}"
 
@@ -173,7 +175,7 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
     ``all_names``: instantiate these together in one module (one compile for several variants); a ``name`` not
     among them (an instance left out of the list: single-level P, a non-default CTA size) compiles alone, in a
     module of its own: adding it to the list would compile every listed instance again for each such name (a file
-    such as fp4_attn_fwd_sm90.cu takes minutes), and would not reuse the list's module either.
+    such as nvfp4/fp4_attn_fwd_sm90.cu takes minutes), and would not reuse the list's module either.
     ``arch``: a target such as ``"sm_90a"`` for kernels that need architecture-specific instructions
     (wgmma); default: CuPy's choice for the current device.
     Every launch asks, so the answer is cached per (device, arguments, ``SAGECUPY_DEFINES``,

@@ -466,7 +466,7 @@ def _to_device(x: np.ndarray, dtype: str):
     """A device array of ``dtype`` holding the (already rounded) float64 values ``x``.
 
     fp16: a CuPy float16 array. bf16: the raw bits (:func:`bf16_bits`) wrapped in
-    :class:`sagecupy.bf16.BF16Array`, the bfloat16 type the kernels take; where
+    :class:`sagecupy.adapters.bf16.BF16Array`, the bfloat16 type the kernels take; where
     that module is absent, a CuPy array of ``ml_dtypes.bfloat16``.
     """
     import cupy as cp
@@ -475,7 +475,7 @@ def _to_device(x: np.ndarray, dtype: str):
         return cp.asarray(x.astype(np.float16))
     bits = cp.asarray(bf16_bits(x))
     try:
-        from sagecupy.bf16 import BF16Array
+        from sagecupy.adapters.bf16 import BF16Array
     except ImportError:
         pass
     else:
@@ -483,7 +483,7 @@ def _to_device(x: np.ndarray, dtype: str):
     try:
         import ml_dtypes
     except ImportError:
-        raise ValueError("dtype bf16 on the GPU backend needs sagecupy.bf16 or ml_dtypes") from None
+        raise ValueError("dtype bf16 on the GPU backend needs sagecupy.adapters.bf16 or ml_dtypes") from None
     return bits.view(ml_dtypes.bfloat16)
 
 

@@ -292,7 +292,7 @@ def cast(x, dtype):
     """``x`` as ``dtype`` (e.g. float16 into the INT8 kernels); the gradient is cast back."""
     def fwd(a):
         if dtype == "bfloat16":
-            from .bf16 import BF16Array
+            from .adapters.bf16 import BF16Array
 
             return BF16Array.from_float(a), a.dtype
         return a.astype(dtype), a.dtype

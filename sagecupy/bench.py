@@ -108,7 +108,7 @@ def _inputs(D, N, dtype):
     ``BF16Array``)."""
     import cupy
 
-    from .bf16 import BF16Array
+    from .adapters.bf16 import BF16Array
 
     B, H = _shape(D, N)
     rng = cupy.random.default_rng(0)
@@ -172,7 +172,7 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
     """Rows for the NVFP4 inference forward (kernel alone on packed operands, and end to end) or the FP4 QAT
     training pair (forward, backward, forward+backward, end to end). NVFP4 rows carry the bytes per element
     that packed Q, K, V occupy (fp16/bf16: 2)."""
-    from . import _qat_bwd, nvfp4, qat
+    from . import nvfp4, qat
     from ._loader import device_capability
 
     B, H, (q, k, v, do) = _inputs(D, N, dtype)
@@ -208,7 +208,7 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
         # Both backward engines explicitly (end to end: the delta pass and operand conversions included).
         for eng in ("mma", "wgmma") if device_capability() == (9, 0) else ("mma",):
             row("sagecupy-qat", "bwd", f"e2e-{eng}", time_ms(lambda: qat.backward(res, do, engine=eng), warmup, rep))
-            row("sagecupy-qat", "bwd", f"kernel-{eng}", time_ms(_qat_bwd._kernels_only(res, do, eng), warmup, rep))
+            row("sagecupy-qat", "bwd", f"kernel-{eng}", time_ms(qat._bwd_kernels_only(res, do, eng), warmup, rep))
 
         def fb():
             _, r = qat.forward(q, k, v, causal=causal)
@@ -315,7 +315,7 @@ def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) 
     from cupy.cuda import memory_hook
 
     from . import int8
-    from .bf16 import BF16Array
+    from .adapters.bf16 import BF16Array
 
     B, H = _shape(D, N)
     pool = cupy.get_default_memory_pool()

@@ -26,7 +26,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from . import _checks
+from . import _checks, _layout
 
 from ._loader import device_capability, get_function
 from ._program import Plan, Plans, Program, Ref, env_key, scale_key, signature
@@ -80,50 +80,6 @@ def _check_device():
                          f"{cc[0]}.{cc[1]}")
 
 
-def _strides(x, layout):
-    """Element strides (batch, head, token) of a 4-D array in `layout`."""
-    s = [st // x.itemsize for st in x.strides]
-    return (s[0], s[1], s[2]) if layout == "HND" else (s[0], s[2], s[1])
-
-
-def _prepare(x, name, layout, need_aligned):
-    """x's memory as a CuPy array (bits for bf16) whose last dim is contiguous (16-byte aligned rows when
-    needed): a view when it already is, else a copy; the caller's buffer is never modified."""
-    import cupy
-
-    x = _checks.raw(_checks.as_cupy(x, name))
-    if not _needs_copy(x, need_aligned):
-        return x
-    y = cupy.ascontiguousarray(x)
-    # ascontiguousarray returns a C-contiguous array itself, even at a misaligned address (a view at an odd
-    # offset): copy then, since a misaligned 16-byte load would fault and take the CUDA context with it.
-    return y.copy() if need_aligned and y.data.ptr % 16 else y
-
-
-def _roundup(n, m):
-    return (n + m - 1) // m * m
-
-
-def _layout_shape(shape, layout):
-    """An HND shape ``(B, H, N, D)`` in ``layout``'s order."""
-    b, h, n, d = shape
-    return (b, h, n, d) if layout == "HND" else (b, n, h, d)
-
-
-def _bits_dtype(dtype: str):
-    """The CuPy dtype holding ``dtype``'s values (uint16 bits for bfloat16)."""
-    import cupy
-
-    return cupy.float16 if dtype == "float16" else cupy.uint16
-
-
-def _empty(shape, layout, dtype: str):
-    """Raw output buffer (uint16 bits for bfloat16) in the caller's layout."""
-    import cupy
-
-    return cupy.empty(_layout_shape(shape, layout), dtype=_bits_dtype(dtype))
-
-
 _QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
 
 
@@ -142,68 +98,45 @@ def _quant_names(T, D):
     ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>") if D == 128 else ())
 
 
-#: Source files that only build for one architecture (CI compiles them for that target alone).
-KERNEL_ARCHS = {"int8_attn_fwd_sm90.cu": ("sm_90a",), "int8_attn_bwd_sm90.cu": ("sm_90a",),
-                "fp4_attn_fwd_sm90.cu": ("sm_90a",), "qat_attn_bwd_sm90.cu": ("sm_90a",),
-                "qat_attn_fwd_sm90.cu": ("sm_90a",)}
-_ENGINES = ("auto", "mma", "wgmma")
-
-
 def kernel_names() -> dict:
     """Every template instantiation this module launches, per source file (CI compiles them all)."""
-    out = {"int8_quant.cu": [], "int8_attn_fwd.cu": [], "int8_attn_fwd_sm90.cu": [], "int8_attn_bwd.cu": [],
-           "int8_attn_bwd_sm90.cu": []}
+    out = {"int8/int8_quant.cu": [], "int8/int8_attn_fwd.cu": [], "int8/int8_attn_fwd_sm90.cu": [], "int8/int8_attn_bwd.cu": [],
+           "int8/int8_attn_bwd_sm90.cu": []}
     for T in _T.values():
         for D in _checks.SUPPORTED_HEAD_DIMS:
-            out["int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8_quant.cu"]]
+            out["int8/int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8/int8_quant.cu"]]
             for w in _WARPS:
                 for bkv in _BLOCK_KV:
-                    out["int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
-                    out["int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>")
-            out["int8_attn_bwd.cu"] += list(_bwd_names(T, D))
-            out["int8_attn_bwd_sm90.cu"] += list(_bwd_names(T, D, "wgmma"))
+                    out["int8/int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
+                    out["int8/int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>")
+            out["int8/int8_attn_bwd.cu"] += list(_bwd_names(T, D))
+            out["int8/int8_attn_bwd_sm90.cu"] += list(_bwd_names(T, D, "wgmma"))
     return out
-
-
-def _pick_engine(engine, env_var):
-    """``engine`` validated ("auto" resolved: wgmma on sm_90, mma.sync elsewhere; ``env_var`` overrides
-    the default)."""
-    source = "engine"
-    if not engine:
-        engine, source = os.environ.get(env_var, "auto"), env_var
-    if engine not in _ENGINES:
-        raise ValueError(f"{source}={engine!r} is not supported; supported: {_ENGINES}")
-    if engine == "auto":
-        return "wgmma" if device_capability() == (9, 0) else "mma"
-    if engine == "wgmma" and device_capability() != (9, 0):
-        raise ValueError(f"engine='wgmma' needs compute capability 9.0 (Hopper), this device is "
-                         f"{device_capability()}")
-    return engine
 
 
 def forward_engine(engine: str | None = None, head_dim: int | None = None) -> str:
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
-    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_FWD_ENGINE`` overrides it) picks
+    ``engine``: ``None`` or ``"auto"`` (the default) picks
     ``"wgmma"`` on sm_90 (D = 64 and 128), where the pipelined wgmma kernel measured 1.25-1.34x
     (D = 64) and 1.75-1.88x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
     (``bench/results/session6_run3/bench_table.txt``), and ``"mma"`` elsewhere. Both compute the same function:
     their int32 products are exact and every float operation after them is the same, so O and the LSE agree
     bit for bit (tested). ``head_dim`` no longer changes the choice (kept for existing callers).
     """
-    return _pick_engine(engine, "SAGECUPY_FWD_ENGINE")
+    return _layout.pick_engine(engine)
 
 
 def backward_engine(engine: str | None = None) -> str:
     """The tensor-core path the backward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
-    ``engine``: ``"auto"`` (default; the environment variable ``SAGECUPY_BWD_ENGINE`` overrides it) picks
+    ``engine``: ``None`` or ``"auto"`` (the default) picks
     ``"wgmma"`` on sm_90 (1.55-1.91x the mma.sync kernels' speed on the H200, D 64/128, N 4K/16K,
     ``bench/results/session6_run3/bench_table.txt``) and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
-    float operations (``kernels_cu/common/int8_bwd.cuh``) and exact int32 products; they can differ only
+    float operations (``kernels_cu/int8/bwd.cuh``) and exact int32 products; they can differ only
     through the fp32 accumulation order of the fp16/bf16 ``dP = dO V^T`` inside the tensor cores (tested).
     """
-    return _pick_engine(engine, "SAGECUPY_BWD_ENGINE")
+    return _layout.pick_engine(engine)
 
 
 def _bwd_names(T, D, engine="mma"):
@@ -212,7 +145,7 @@ def _bwd_names(T, D, engine="mma"):
 
 
 def _bwd90_smem(D):
-    """Dynamic shared memory of the wgmma backward kernels (BwdSm90 / BwdDqSm90 in int8_attn_bwd_sm90.cu):
+    """Dynamic shared memory of the wgmma backward kernels (BwdSm90 / BwdDqSm90 in int8/int8_attn_bwd_sm90.cu):
     (dK/dV, dQ) bytes, each with 1024 bytes of slack for the 1024-byte alignment wgmma tiles need."""
     stage = -(-(320 * D + (192 + D) * 4) // 1024) * 1024
     stage_dq = -(-(256 * D + 256) // 1024) * 1024
@@ -243,11 +176,11 @@ def kernel_constants() -> dict:
     fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
            for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
     fwd += [(f"FwdImg<{D}>::STAGE", fwd_image(D)) for D in _checks.SUPPORTED_HEAD_DIMS]
-    return {"int8_attn_bwd_sm90.cu": out, "int8_attn_fwd_sm90.cu": fwd}
+    return {"int8/int8_attn_bwd_sm90.cu": out, "int8/int8_attn_fwd_sm90.cu": fwd}
 
 
 def _qfn(name, T, D):
-    return get_function("int8_quant.cu", name, all_names=_quant_names(T, D))
+    return get_function("int8/int8_quant.cu", name, all_names=_quant_names(T, D))
 
 
 @dataclass
@@ -288,8 +221,6 @@ def _column_stat(x, strides, T, shape, absmax):
 
 
 _PREPASS_MODES = ("merged", "split")
-#: The forward pre-pass's scratch arena (sagecupy/_program.py ``_Arena``): buffers no caller keeps past the call.
-_TMP = "tmp"
 
 
 def fwd_prepass_mode() -> str:
@@ -305,19 +236,19 @@ def fwd_prepass_mode() -> str:
 def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
     """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale),
     (B, H, D) float32 each. Inputs ``"k"``, ``"v"`` of the program's namespace. The partials and V's scales are
-    scratch (arena ``_TMP``); K's mean goes to ``mu_arena`` (None: an array of its own, a residual)."""
+    scratch (arena ``_layout.TMP``); K's mean goes to ``mu_arena`` (None: an array of its own, a residual)."""
     import cupy
 
     B, H, n, D = shape
     i32, i64 = cupy.int32, cupy.int64
     nchunk = (n + 255) // 256
-    part_k = prog.empty("part_k", (B, H, nchunk, D), cupy.float64, arena=_TMP)
-    part_v = prog.empty("part_v", (B, H, nchunk, D), cupy.float32, arena=_TMP)
+    part_k = prog.empty("part_k", (B, H, nchunk, D), cupy.float64, arena=_layout.TMP)
+    part_v = prog.empty("part_v", (B, H, nchunk, D), cupy.float32, arena=_layout.TMP)
     prog.launch(_qfn(f"column_partial_kv<{T}, {D}>", T, D), (nchunk, H, 2 * B), (256,),
                 (Ref("k"), *(i64(s) for s in strides_k), Ref("v"), *(i64(s) for s in strides_v), i32(n), part_k,
                  part_v))
     mu_k = prog.empty("mu_k", (B, H, D), cupy.float32, arena=mu_arena)
-    v_scale = prog.empty("v_scale", (B, H, D), cupy.float32, arena=_TMP)
+    v_scale = prog.empty("v_scale", (B, H, D), cupy.float32, arena=_layout.TMP)
     prog.launch(_qfn("column_finish_kv", T, D), (2 * B * H,), (D,),
                 (part_k, part_v, i32(nchunk), i32(n), i32(D), mu_k, v_scale), pdl=True)
     return mu_k, v_scale
@@ -325,45 +256,19 @@ def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
 
 def _column_stat_rec(prog, name, x, strides, T, shape, absmax, arena=None):
     """Record :func:`_column_stat` of input ``x`` (a Ref) into ``name`` (in ``arena``, or an array of its own);
-    the partials are scratch (arena ``_TMP``)."""
+    the partials are scratch (arena ``_layout.TMP``)."""
     import cupy
 
     B, H, n, D = shape
     i32, i64 = cupy.int32, cupy.int64
     nchunk = (n + 255) // 256
-    part = prog.empty(name + "_part", (B, H, nchunk, D), cupy.float32 if absmax else cupy.float64, arena=_TMP)
+    part = prog.empty(name + "_part", (B, H, nchunk, D), cupy.float32 if absmax else cupy.float64, arena=_layout.TMP)
     flag = "true" if absmax else "false"
     prog.launch(_qfn(f"column_partial<{T}, {D}, {flag}>", T, D), (nchunk, H, B), (256,),
                 (x, *(i64(s) for s in strides), i32(n), part))
     out = prog.empty(name, (B, H, D), cupy.float32, arena=arena)
     prog.launch(_qfn(f"column_finish<{flag}>", T, D), (B * H,), (D,), (part, i32(nchunk), i32(n), i32(D), out))
     return out
-
-
-def _c_strides(shape, layout):
-    """:func:`_strides` of a C-contiguous array of ``shape`` (the layout's own order)."""
-    _, a1, a2, d = shape
-    s = (a1 * a2 * d, a2 * d, d)
-    return s if layout == "HND" else (s[0], s[2], s[1])
-
-
-def _run_strides(x, copied, layout):
-    """:func:`_strides` of what a run passes for input ``x``: its own, or a C-contiguous copy's (:func:`_prepare`)."""
-    raw = _checks.raw(x)
-    return _c_strides(raw.shape, layout) if copied else _strides(raw, layout)
-
-
-def _needs_copy(x, need_aligned):
-    """Whether :func:`_prepare` copies the raw CuPy array ``x``."""
-    ok = x.strides[3] == x.itemsize
-    if ok and need_aligned:
-        ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:3])
-    return not ok
-
-
-def _input_ns(plan, layout, **inputs):
-    """A run's namespace: each input as it is (raw) or, where ``plan.copy`` says so, its aligned copy."""
-    return {n: (_prepare(x, n, layout, True) if c else _checks.raw(x)) for (n, x), c in zip(inputs.items(), plan.copy)}
 
 
 _FWD_PLANS = Plans()
@@ -385,16 +290,16 @@ def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=Non
 
 def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None, inference=False):
     """:func:`_preprocess_forward` for the public calls: (plan, pre), scratch buffers as addresses (ints; the arena
-    array that holds them is ``pre[_TMP]``, which the caller keeps until the attention kernel is launched)."""
+    array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
                  engine, warps, type(warps), bool(inference), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
                               engine=engine, warps=warps, inference=bool(inference)))
-    ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
+    ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
-    pre[_TMP], pre["engine"], pre["plan"] = ns.get(_TMP), plan.engine, plan
+    pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
     return plan, pre
 
 
@@ -412,11 +317,11 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     engine = forward_engine(engine)  # validate before any work
     forward_warps(warps)
     # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)
-    copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
+    copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk
-    nq_pad, nk_pad = _roundup(nq, _FWD_BQ), _roundup(nk, _FWD_BKV)
-    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
+    nq_pad, nk_pad = _layout.roundup(nq, _FWD_BQ), _layout.roundup(nk, _FWD_BKV)
+    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_layout.run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
@@ -424,22 +329,22 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
     v_channel = cfg.v_granularity == "channel"
     # Buffers: the backward's residuals (Q^, K^, their scales, mu_K) are arrays of their own in the training forward;
-    # everything else (and, in the inference forward, everything) is scratch in one arena (_TMP): one allocation per
+    # everything else (and, in the inference forward, everything) is scratch in one arena (_layout.TMP): one allocation per
     # call instead of up to eight, ~2 us of host time each, one of them before the first launch (a synchronized
     # call waits for that time; bench/NOTES.md, twenty-fourth session).
-    res = _TMP if inference else None
+    res = _layout.TMP if inference else None
     if cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn), mu_arena=res)
     else:
         mu_k = (_column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False, arena=res)
                 if cfg.k_smoothing else None)
-        v_scale = (_column_stat_rec(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True, arena=_TMP)
+        v_scale = (_column_stat_rec(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True, arena=_layout.TMP)
                    if v_channel else None)
     # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
     # qmk = sm_scale * q . mu_K for the LSE. K: psi(K - mu_K) per token or per 64-row block.
     q_codes = prog.empty("q_codes", (B, Hq, nq_pad, D), cupy.int8, arena=res)
     q_scale = prog.empty("q_scale", (B, Hq, nq_pad), f32, arena=res)
-    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32, arena=_TMP) if mu_k is not None else None
+    qmk = prog.empty("qmk", (B, Hq, nq_pad), f32, arena=_layout.TMP) if mu_k is not None else None
     # K's plain codes and scales are residuals of the backward (and the mma.sync kernel's operands); the wgmma kernel
     # reads K from the stage images, so the inference forward leaves them out: 32 MB fewer writes at B = 4, H = 16,
     # N = 4K, D = 128 (quant_rows_body skips null outputs).
@@ -447,13 +352,13 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     k_codes = prog.empty("k_codes", (B, Hkv, nk_pad, D), cupy.int8, arena=res) if plain_k else None
     k_scale = prog.empty("k_scale", (B, Hkv, nk_pad), f32, arena=res) if plain_k else None
     # The wgmma kernel copies each K/V stage from per-64-key images (K^ swizzled, V^T, key scales:
-    # kernels_cu/common/bwd_img.cuh FwdImg; a 128-key tile is two) with bulk copies; the K pass and the V pass
+    # kernels_cu/int8/bwd_img.cuh FwdImg; a 128-key tile is two) with bulk copies; the K pass and the V pass
     # write them.
-    kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8, arena=_TMP)
+    kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8, arena=_layout.TMP)
               if engine == "wgmma" else None)
     mode = 0 if v_channel else 2  # V's scales: per channel, or per 64-token block (computed by the V pass)
     if not v_channel:
-        v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32, arena=_TMP)
+        v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32, arena=_layout.TMP)
     qk_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
                qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
                kv_img)
@@ -486,7 +391,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))
     else:
         v_t = prog.empty("v_t", (B, Hkv, nk_pad // 64, D, 64) if tile_major else (B, Hkv, D, nk_pad), cupy.int8,
-                         arena=_TMP)
+                         arena=_layout.TMP)
         prog.launch(_qfn(f"quant_transpose_perm<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, v_t,
                      i32(int(tile_major))))
@@ -531,7 +436,7 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
 
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
-    nq_pad, nk_pad = _roundup(nq, _FWD_BQ), _roundup(nk, _FWD_BKV)  # as the pre-pass padded them
+    nq_pad, nk_pad = _layout.roundup(nq, _FWD_BQ), _layout.roundup(nk, _FWD_BKV)  # as the pre-pass padded them
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     w, bkv = forward_warps(warps), cfg.block_kv
     engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its K/V images)
@@ -542,18 +447,18 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
         raise ValueError("the pre-pass has no K/V stage images (kv_img), which the wgmma kernel reads; call "
                          "_preprocess_forward(..., engine='wgmma')")
     if engine == "wgmma":
-        fn = get_function("int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
+        fn = get_function("int8/int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
         stages = _fwd90_stages(D, bkv)
     else:
-        fn = get_function("int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
+        fn = get_function("int8/int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
         stages = 2
     smem = _fwd_smem(D, w, bkv, stages)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     prog = Program()
-    o_shape = _layout_shape((B, Hq, nq, D), layout)
-    o = prog.empty("o", o_shape, _bits_dtype(p.dtype))
-    osb, osh, osn = _c_strides(o_shape, layout)
+    o_shape = _layout.layout_shape((B, Hq, nq, D), layout)
+    o = prog.empty("o", o_shape, _layout.bits_dtype(p.dtype))
+    osb, osh, osn = _layout.c_strides(o_shape, layout)
     lse = prog.empty("lse", (B, Hq, nq), f32)
     # lse2 (the backward's residual) is written by the inference forward too: with a null lse2 the kernel's LSE came out
     # 1 ulp off in some rows (the epilogue compiles differently around the skipped store), and it is 4 bytes per row
@@ -607,14 +512,14 @@ def _bwd_smem(D):
 
 
 def fwd_image(D):
-    """Bytes of one K/V stage image of the wgmma forward (FwdImg<D> in kernels_cu/common/bwd_img.cuh): K^, V^T and
+    """Bytes of one K/V stage image of the wgmma forward (FwdImg<D> in kernels_cu/int8/bwd_img.cuh): K^, V^T and
     the key scales of 64 keys (a 128-key tile is two images)."""
     return 128 * D + 256
 
 
 def bwd_images(D):
     """Bytes of one query-side and one key-side stage image of the wgmma backward (BwdImg<D> in
-    kernels_cu/common/bwd_img.cuh): (Q_STAGE, K_STAGE)."""
+    kernels_cu/int8/bwd_img.cuh): (Q_STAGE, K_STAGE)."""
     return 320 * D + (192 + D) * 4, 256 * D + 256
 
 
@@ -625,7 +530,7 @@ _BPRE_NAMES = ("do", "delta", "q_img", "k_img", "do_t", "do_scale", "q_t", "k_t"
 
 def _preprocess_backward(residuals, do, engine=None):
     """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed (mma-permuted) Q and K codes. On the wgmma engine
-    they go, with Q^, K^, dO, V and the per-token vectors, into per-tile stage images (kernels_cu/common/bwd_img.cuh)
+    they go, with Q^, K^, dO, V and the per-token vectors, into per-tile stage images (kernels_cu/int8/bwd_img.cuh)
     that the kernels copy with one bulk copy per stage. Recorded once per call signature (sagecupy/_program.py)."""
     if not isinstance(residuals, Residuals):
         raise TypeError(f"residuals must be the Residuals returned by sagecupy.int8.forward, got "
@@ -636,7 +541,7 @@ def _preprocess_backward(residuals, do, engine=None):
         lambda: (r.problem, r.config, signature(r.v), signature(r.o), r.q_codes.shape, r.k_codes.shape,
                  signature(do), engine, env_key()),
         lambda: _backward_plan(r, do, engine))
-    ns = _input_ns(plan, plan.p.layout, do=do)
+    ns = _layout.input_ns(plan, plan.p.layout, do=do)
     ns.update((n, getattr(r, n)) for n in _RES_NAMES)
     plan.prog.run(ns)
     pre = {n: ns[n] for n in _BPRE_NAMES if n in ns}
@@ -652,13 +557,13 @@ def _backward_plan(r, do, engine):
         raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {tuple(r.o.shape)}")
     if _checks.dtype_name(do.dtype) != p.dtype:
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
-    copy = (_needs_copy(_checks.raw(do), True),)
+    copy = (_layout.needs_copy(_checks.raw(do), True),)
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq = p.batch, p.heads_q, p.heads_kv, p.nq
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    dsb, dsh, dsn = _run_strides(do, copy[0], p.layout)
-    osb, osh, osn = _strides(r.o, p.layout)
+    dsb, dsh, dsn = _layout.run_strides(do, copy[0], p.layout)
+    osb, osh, osn = _layout.strides(r.o, p.layout)
     engine = backward_engine(engine)
     prog = Program()
     rdo, ro = Ref("do"), Ref("o")
@@ -668,7 +573,7 @@ def _backward_plan(r, do, engine):
         qst, kst = bwd_images(D)
         q_img = prog.empty("q_img", (B, Hq, nq_pad // 64, qst), cupy.uint8)
         k_img = prog.empty("k_img", (B, Hkv, nk_pad // 64, kst), cupy.uint8)
-        vsb, vsh, vsn = _strides(r.v, p.layout)
+        vsb, vsh, vsn = _layout.strides(r.v, p.layout)
         prog.launch(_qfn(f"bwd_qk_images<{T}, {D}>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
                     (Ref("q_codes"), Ref("q_scale"), Ref("lse2"), i32(nq_pad), q_img, Ref("k_codes"), Ref("k_scale"),
                      i32(nk_pad), Ref("v"), i64(vsb), i64(vsh), i64(vsn), i32(p.nk), k_img, i32(Hq), i32(Hkv)))
@@ -714,26 +619,26 @@ def _backward_launch_program(r, pre, engine, kernels):
     B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    dsb, dsh, dsn = _strides(pre["do"], layout)
-    vsb, vsh, vsn = _strides(r.v, layout)
+    dsb, dsh, dsn = _layout.strides(pre["do"], layout)
+    vsb, vsh, vsn = _layout.strides(r.v, layout)
     engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its stage images)
     if engine_arg and backward_engine(engine_arg) != engine:
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
                          f"call _preprocess_backward(..., engine={engine_arg!r})")
     prog = Program()
-    bits = _bits_dtype(p.dtype)
-    kv_shape, q_shape = _layout_shape((B, Hkv, nk, D), layout), _layout_shape((B, Hq, nq, D), layout)
+    bits = _layout.bits_dtype(p.dtype)
+    kv_shape, q_shape = _layout.layout_shape((B, Hkv, nk, D), layout), _layout.layout_shape((B, Hq, nq, D), layout)
     dk, dv, dq = prog.empty("dk", kv_shape, bits), prog.empty("dv", kv_shape, bits), prog.empty("dq", q_shape, bits)
-    ksb_, ksh_, ksn_ = _c_strides(kv_shape, layout)
+    ksb_, ksh_, ksn_ = _layout.c_strides(kv_shape, layout)
     vvb, vvh, vvn = ksb_, ksh_, ksn_
-    qsb, qsh, qsn = _c_strides(q_shape, layout)
+    qsb, qsh, qsn = _layout.c_strides(q_shape, layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     names = _bwd_names(T, D, engine)
     if engine == "wgmma":
-        src, arch = "int8_attn_bwd_sm90.cu", "sm_90a"
+        src, arch = "int8/int8_attn_bwd_sm90.cu", "sm_90a"
         smem, smem_q = _bwd90_smem(D)
     else:
-        src, arch = "int8_attn_bwd.cu", None
+        src, arch = "int8/int8_attn_bwd.cu", None
         smem, smem_q = _bwd_smem(D), 704 * D + 2 * 64 * 4  # dQ: Q^, dO, two stages of K^, K^^T, V, key scales
     fn = get_function(src, names[0], all_names=names, arch=arch)
     if smem > 48 * 1024:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 
-from . import _checks
+from . import _checks, _layout
 from ._loader import device_capability, get_function
 from ._program import Plan, Plans, Program, Ref, env_key, env_switch, scale_key, signature
 from .config import NVFP4Config
@@ -231,7 +231,6 @@ def _split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level):
     counters)`` for :func:`_record_launch`, else None."""
     import cupy
 
-    from .int8 import _TMP
 
     if causal or not two_level or not fp4_tail_split(engine, D):
         return None
@@ -245,7 +244,7 @@ def _split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level):
     warps = 4 * nc  # (consumer warps: a counter and a slot of 17 x 32 float4 each, per split item and part)
     counters = prog.empty("fp4_split_cnt", (rest * warps,), cupy.int32)
     prog.call((), _zero_ints, (counters,))
-    part_ws = prog.empty("fp4_split_ws", (rest * nsplit * warps * (D // 8 + 1) * 32 * 4,), cupy.float32, arena=_TMP)
+    part_ws = prog.empty("fp4_split_ws", (rest * nsplit * warps * (D // 8 + 1) * 32 * 4,), cupy.float32, arena=_layout.TMP)
     return whole, nsplit, nblk, part_ws, counters
 
 
@@ -270,8 +269,7 @@ def _persist_counter(prog, engine, D):
 
 def fp4_engine(engine: str | None = None) -> str:
     """The tensor-core path of the NVFP4 forward: ``"wgmma"`` (Hopper, sm_90a: both products on warpgroup MMA,
-    ``kernels_cu/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``None`` (default: the
-    environment variable ``SAGECUPY_FP4_ENGINE``, else ``"auto"``), ``"auto"`` (``"wgmma"`` on sm_90, ``"mma"``
+    ``kernels_cu/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``None`` or ``"auto"`` (the default: ``"wgmma"`` on sm_90, ``"mma"``
     elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two share the per-tile softmax and P
     quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ only through the fp32 accumulation order inside
     the tensor cores and, for the 12-warp wgmma CTAs and the warp-specialized kernel (the default at D=128,
@@ -280,9 +278,7 @@ def fp4_engine(engine: str | None = None) -> str:
     choice (wgmma: ``kernels_cu/qat_attn_fwd_sm90.cu``); there the wgmma kernel also orders the fp32 scaling of O
     differently (O kept in the frame of its last tile, see that file) and skips, for O only, tiles whose weights
     are below 2^-60 of the row's largest."""
-    from .int8 import _pick_engine
-
-    return _pick_engine(engine, "SAGECUPY_FP4_ENGINE")
+    return _layout.pick_engine(engine)
 
 
 def kernel_names() -> dict:
@@ -325,25 +321,25 @@ def kernel_names() -> dict:
     attn90 += [_ws_img_name(T, 128, "true", 1, qin, True) for T in _T.values() for qin in (False, True)]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
-    return {"nvfp4_quant.cu": quant, "fp4_attn_fwd.cu": attn, "fp4_attn_fwd_sm90.cu": attn90,
-            "qat_attn_fwd_sm90.cu": qat90}
+    return {"nvfp4/nvfp4_quant.cu": quant, "nvfp4/fp4_attn_fwd.cu": attn, "nvfp4/fp4_attn_fwd_sm90.cu": attn90,
+            "qat/qat_attn_fwd_sm90.cu": qat90}
 
 
 def qat_fwd_sm90_smem_bytes(D: int) -> int:
-    """Dynamic shared memory of the wgmma QAT forward (QatFwdSm90<D> in qat_attn_fwd_sm90.cu): fp16 Q~ (128 rows),
+    """Dynamic shared memory of the wgmma QAT forward (QatFwdSm90<D> in qat/qat_attn_fwd_sm90.cu): fp16 Q~ (128 rows),
     4 stages of K~ and V~^T tiles (64 keys), 12 mbarriers, 1024 for the tiles' alignment."""
     return 128 * 2 * D + 4 * (_BKV * 2 * D + D * _BKV * 2) + 12 * 8 + 1024
 
 
 def kernel_constants() -> dict:
     """Host values the kernel sources define too ([(C++ expression, value)] per file; CI static_asserts them)."""
-    return {"fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
+    return {"nvfp4/fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
                                      for w in _WARPS + (12,)]
             + [(f"NvWs<128, {nc}>::SMEM", ws_smem_bytes(128, nc)) for nc in (2, 3)]
             + [("WS_SPLIT_MAX", _SPLIT_MAX), ("WS_IMG_STAGE<128>", ws_img_bytes(128)),
                ("WS_IMG_RAW_SMEM<128>", ws_img_raw_smem_bytes(128)),
                ("WS_IMG_RAW_PIPE_SMEM<128>", ws_img_raw_smem_bytes(128, True))],
-            "qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
+            "qat/qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
 def _ws_name(T: str, D: int, tl: str, cg: int, nc: int, qin: bool = False) -> str:
@@ -371,7 +367,7 @@ def _names(filename: str) -> tuple:
 
 
 def _fn(kind, T):
-    return get_function("nvfp4_quant.cu", f"{kind}<{T}>", all_names=_names("nvfp4_quant.cu"))
+    return get_function("nvfp4/nvfp4_quant.cu", f"{kind}<{T}>", all_names=_names("nvfp4/nvfp4_quant.cu"))
 
 
 #: Head dims nvfp4_quant_rows is compiled for with D a constant (0: any D, read at run time).
@@ -426,7 +422,7 @@ def _pipe_grid(pieces: int, ctas_per_sm: int) -> int:
 
 
 def _quant_fn(name):
-    return get_function("nvfp4_quant.cu", name, all_names=_names("nvfp4_quant.cu"))
+    return get_function("nvfp4/nvfp4_quant.cu", name, all_names=_names("nvfp4/nvfp4_quant.cu"))
 
 
 def _rows_launch(T, n, D):
@@ -438,12 +434,12 @@ def _rows_launch(T, n, D):
 
 
 def _attn_fn(name):
-    return get_function("fp4_attn_fwd.cu", name)
+    return get_function("nvfp4/fp4_attn_fwd.cu", name)
 
 
 def fwd_smem_bytes(D: int, warps: int, engine: str = "mma") -> int:
     """Dynamic shared memory of the FP4 forwards. mma.sync: fp16 Q tile, 2 stages of fp16 K and V^T tiles, the
-    packed staging area, alignment. wgmma (``Nv90`` in fp4_attn_fwd_sm90.cu): fp16 Q, 3 stages of K and V,
+    packed staging area, alignment. wgmma (``Nv90`` in nvfp4/fp4_attn_fwd_sm90.cu): fp16 Q, 3 stages of K and V,
     36 staging bytes per 64-element task (64 D / 64 K tasks + D V tasks, or the Q tile's 16 warps D / 64 tasks
     where those are more: 12 warps), 9 mbarriers, 1024 for alignment."""
     if engine not in ("mma", "wgmma"):
@@ -511,9 +507,8 @@ def quantize_tokens(x, *, layout="HND"):
     codes = cupy.empty((B, H, D, n16 // 2), dtype=cupy.uint8)
     scales = cupy.empty((B, H, D, n16 // 16), dtype=cupy.uint8)
     i32, i64 = cupy.int32, cupy.int64
-    from .int8 import _needs_copy
 
-    name, grid, block = _tokens_launch(not _needs_copy(raw, True), B, H, D, n16)
+    name, grid, block = _tokens_launch(not _layout.needs_copy(raw, True), B, H, D, n16)
     _fn(name, T)(grid, block, (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), codes, scales))
     return codes, scales
 
@@ -539,10 +534,10 @@ def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
     if k_smoothing:
         raw, T, shape, _ = _prep(k, "k", layout)
         if shape[3] in _checks.SUPPORTED_HEAD_DIMS:  # the INT8 pre-pass's column kernels (16-byte row loads)
-            from .int8 import _column_stat, _prepare, _strides
+            from .int8 import _column_stat
 
-            raw = _prepare(raw, "k", layout, True)
-            mu = _column_stat(raw, _strides(raw, layout), T, shape, False)
+            raw = _layout.prepare(raw, "k", layout, True)
+            mu = _column_stat(raw, _layout.strides(raw, layout), T, shape, False)
         else:
             mu = _as_float32_hnd(raw, layout).astype(cupy.float64).mean(axis=2).astype(cupy.float32)  # (B, H, D)
     out["q_packed"], out["q_scales"] = quantize_rows(q, layout=layout)
@@ -706,15 +701,14 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     where the pre-pass wrote them from the raw K and V (``nvfp4_kv_images_raw``; ``ops`` then has no K and V)."""
     import cupy
 
-    from .int8 import _bits_dtype, _c_strides, _layout_shape
 
     n16 = (nk + 15) // 16 * 16
     ws = fp4_ws(engine, D)  # consumer warpgroups of the warp-specialized kernel (64 query rows each), or 0
     w = None if ws else fp4_warps(engine, D)
     bq = 64 * ws if ws else 16 * w
-    o_shape = _layout_shape((B, Hq, nq, D), layout)
-    o = prog.empty("o", o_shape, _bits_dtype(dtype))
-    osb, osh, osn = _c_strides(o_shape, layout)
+    o_shape = _layout.layout_shape((B, Hq, nq, D), layout)
+    o = prog.empty("o", o_shape, _layout.bits_dtype(dtype))
+    osb, osh, osn = _layout.c_strides(o_shape, layout)
     lse = prog.empty("lse", (B, Hq, nq), cupy.float32)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     tl = "true" if two_level else "false"
@@ -736,18 +730,17 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         if kvimg:
             name = _ws_img_name(_T[dtype], D, tl, 1 if split is not None else fp4_causal_group(causal, None, D),
                                 q_in is not None, split is not None)
-        fn = get_function("fp4_attn_fwd_sm90.cu", name, all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
+        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", name, all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16 and kv_img is None:  # rows padded to whole 64-token tiles (a copy per call)
             vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
         v_args = (vc, vs, i32(n64 // 2))
         if kvimg and kv_img is None:  # each 64-key tile dequantized once, in the shared-memory layout
-            from .int8 import _TMP
 
             ntile = (nk + _BKV - 1) // _BKV
-            img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), cupy.uint8, arena=_TMP)
-            prog.launch(get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images<{D}>",
-                                     all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a"),
+            img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), cupy.uint8, arena=_layout.TMP)
+            prog.launch(get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images<{D}>",
+                                     all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a"),
                         (ntile, Hkv, B), (128,), (ops["k_packed"], ops["k_scales"], *v_args, i32(nk), i32(n16), img),
                         pdl=True)  # (it calls grid_dep_wait() first)
     else:
@@ -793,21 +786,20 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     """NVFP4 attention forward (SageAttention3-style; SPEC §5): ``o`` or ``(o, lse)``.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v alike with Hkv, Nk;
-    fp16 or bf16 (:class:`~sagecupy.bf16.BF16Array`); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
+    fp16 or bf16 (:class:`~sagecupy.adapters.bf16.BF16Array`); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
     bottom-right aligned. ``config``: :class:`~sagecupy.config.NVFP4Config` (default: two-level P, K-smoothing).
     ``lse`` float32 ``(B, Hq, Nq)``, natural log, of the unsmoothed logits ``sm_scale * q k^T`` as the
     kernel computes them (from the quantized operands). ``engine``: see :func:`fp4_engine`. Inputs are never
     modified. The first call with a signature validates and records its launches (sagecupy/_program.py); later
     ones replay them.
     """
-    from .int8 import _input_ns
 
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _ATTN_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
                  engine, env_key()),
         lambda: _attention_plan(q, k, v, causal, sm_scale, layout, config, engine))
-    ns = plan.prog.run(_input_ns(plan, plan.p.layout, q=q, k=k, v=v))
+    ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     o = _checks.wrap(ns["o"], plan.p.dtype)
     return (o, ns["lse"]) if return_lse else o
 
@@ -818,7 +810,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     kernel."""
     import cupy
 
-    from .int8 import _TMP, _column_stat_rec, _needs_copy, _run_strides
+    from .int8 import _column_stat_rec
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
@@ -830,11 +822,11 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     cq, ck = _row_chunks(p.nq, p.head_dim), _row_chunks(p.nk, p.head_dim)  # (pipe: the rows kernel's pieces)
     pipe = (fused_pre and mode == "pipe"  # (its 32-bit piece indices)
             and p.batch * (p.heads_q * cq + p.heads_kv * ck) < 2**30 and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30)
-    copy = tuple(_needs_copy(_checks.raw(x), True) for x in (q, k, v))
+    copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
     qin = fp4_qin(engine, p.head_dim)  # (Q quantized in the kernel: no Q pre-pass, no qmk array)
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
-    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
+    (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_layout.run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
     i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
     prog = Program()
     counter = _persist_counter(prog, engine, D)
@@ -865,7 +857,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         # V's quantizer with K's column sums per 64-token tile (the call's first launch: plain), K's mean from them,
         # then Q's and K's quantizers in one launch (programmatic dependents, as the kernel after them)
         ntile = (n16 + 63) // 64
-        part = prog.empty("mu_k_part", (B, Hkv, ntile, D), cupy.float64, arena=_TMP)
+        part = prog.empty("mu_k_part", (B, Hkv, ntile, D), cupy.float64, arena=_layout.TMP)
         v_args = (rv, i64(vsb), i64(vsh), i64(vsn), rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(n16))
         if pipe:  # (as many CTAs as are resident at once, walking the tiles of all heads)
             prog.launch(_quant_fn(f"nvfp4_quant_v_kpart_pipe<{T}, {D}>"),
@@ -906,11 +898,11 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
                          ops["q_scales"], *dot), pdl=True)
     if kvimg:  # K's and V's quantization and dequantization into the stage images, one pass over the raw K and V
         ntile = (nk + _BKV - 1) // _BKV
-        kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_TMP)
+        kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_layout.TMP)
         images = B * Hkv * ntile
         kv_pipe = _kvimg_env() == "pipe" and 2 * images < 2**31  # (its 32-bit image indices, w + grid included)
-        fn = get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw{'_pipe' if kv_pipe else ''}<{T}, {D}>",
-                          all_names=_names("fp4_attn_fwd_sm90.cu"), arch="sm_90a")
+        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw{'_pipe' if kv_pipe else ''}<{T}, {D}>",
+                          all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         smem = ws_img_raw_smem_bytes(D, kv_pipe)
         fn.max_dynamic_shared_size_bytes = smem
         raw = (rk, i64(ksb), i64(ksh), i64(ksn), mu, rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(n16))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import _checks
+from . import _checks, _layout
 from ._loader import get_function
 from .config import QATConfig
 from .nvfp4 import _cg_suffix, _fn, _is_supported, _names, _prep, _validated, fp4_causal_group
@@ -61,10 +61,6 @@ def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=N
                          qat=True)
 
 
-def _roundup(n, m):
-    return (n + m - 1) // m * m
-
-
 def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
     """``fq(x)`` in fp16, zero-padded: ``along="channels"`` -> ``(B, H, n_pad, D)`` (Q, K);
     ``along="tokens"`` -> ``fq(x)^T`` ``(B, H, D, n_pad)`` (V). ``n_pad`` defaults to N rounded up to 64."""
@@ -79,9 +75,9 @@ def _fake_quantize(x, layout, along, n_pad, bf16_too):
     if along not in ("channels", "tokens"):
         raise ValueError(f"along={along!r} is not supported; supported: 'channels', 'tokens'")
     raw, T, (B, H, N, D), (sb, sh, sn) = _prep(x, "x", layout)
-    need = N if along == "channels" else _roundup(N, 16)
+    need = N if along == "channels" else _layout.roundup(N, 16)
     if n_pad is None:
-        n_pad = _roundup(N, _BKV)
+        n_pad = _layout.roundup(N, _BKV)
     elif (isinstance(n_pad, bool) or not isinstance(n_pad, int) or n_pad < need
           or (along == "tokens" and n_pad % 8)):  # tokens: 16-byte stores into rows of n_pad halves
         raise ValueError(f"n_pad={n_pad!r} must be an int >= {need} (N{' rounded up to 16' if along == 'tokens' else ''})"
@@ -127,12 +123,12 @@ class Residuals:
 
 
 def _fwd_fn(T, D, w):
-    return get_function("fp4_attn_fwd.cu", f"qat_attn_fwd<{T}, {D}, {w}>")
+    return get_function("nvfp4/fp4_attn_fwd.cu", f"qat_attn_fwd<{T}, {D}, {w}>")
 
 
 def _fwd_fn_sm90(T, D, causal):
-    return get_function("qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(fp4_causal_group(causal))}>",
-                        all_names=_names("qat_attn_fwd_sm90.cu"), arch="sm_90a")
+    return get_function("qat/qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(fp4_causal_group(causal))}>",
+                        all_names=_names("qat/qat_attn_fwd_sm90.cu"), arch="sm_90a")
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
@@ -140,27 +136,26 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
 
     Arguments as :func:`sagecupy.int8.forward`: fp16 or bf16, D 64 or 128, GQA, both layouts, causal
     bottom-right aligned, any N. ``o = fq_P(P) V~`` in q's dtype and layout; ``lse`` float32 (B, Hq, Nq)
-    natural log. Inputs are never modified. ``engine``: as :func:`sagecupy.nvfp4.fp4_engine` (``"auto"``:
-    wgmma on sm_90, mma.sync elsewhere; ``SAGECUPY_FP4_ENGINE`` overrides the default).
+    natural log. Inputs are never modified. ``engine``: as :func:`sagecupy.nvfp4.fp4_engine` (``None`` or
+    ``"auto"``: wgmma on sm_90, mma.sync elsewhere).
     """
     import cupy
 
-    from .int8 import _empty, _strides
     from .nvfp4 import fp4_engine, fp4_warps, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
                                  qat=True)
     eng = fp4_engine(engine)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
-    nq_pad, nk_pad = _roundup(nq, _BQ_PAD), _roundup(nk, _BKV)
+    nq_pad, nk_pad = _layout.roundup(nq, _BQ_PAD), _layout.roundup(nk, _BKV)
     # fp16 operands for the forward kernel; for bf16 inputs the same values as bf16 in the same passes, kept for
     # the backward (whose products need dO's type), and the fp16 copies freed when this returns
     bf = p.dtype == "bfloat16"
     q_t, q_b = _fake_quantize(q, layout, "channels", nq_pad, bf)
     k_t, k_b = _fake_quantize(k, layout, "channels", nk_pad, bf)
     vt_t, vt_b = _fake_quantize(v, layout, "tokens", nk_pad, bf)
-    o = _empty((B, Hq, nq, D), layout, p.dtype)
-    osb, osh, osn = _strides(o, layout)
+    o = _layout.empty((B, Hq, nq, D), layout, p.dtype)
+    osb, osh, osn = _layout.strides(o, layout)
     lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
     o_prime = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.float32)
@@ -191,8 +186,151 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_
 def backward(residuals: Residuals, do, *, engine=None):
     """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype.
 
-    ``engine``: ``"auto"`` (default: wgmma on sm_90, mma.sync elsewhere; ``SAGECUPY_BWD_ENGINE`` overrides the
-    default), ``"mma"`` or ``"wgmma"`` (see :func:`sagecupy._qat_bwd.backward_engine`)."""
-    from . import _qat_bwd
+    ``engine``: ``None`` or ``"auto"`` (the default: wgmma on sm_90, mma.sync elsewhere), ``"mma"`` or
+    ``"wgmma"`` (see :func:`backward_engine`)."""
+    return _backward(residuals, do, engine=engine)
 
-    return _qat_bwd.backward(residuals, do, engine=engine)
+
+# The backward's launches (kernels_cu/qat/qat_attn_bwd.cu: mma.sync, sm_80+; kernels_cu/qat/qat_attn_bwd_sm90.cu:
+# wgmma, sm_90a).
+_BWD_SOURCES = {"mma": ("qat/qat_attn_bwd.cu", "", None), "wgmma": ("qat/qat_attn_bwd_sm90.cu", "_sm90", "sm_90a")}
+
+
+def _bwd_names(T, D, engine):
+    sfx = _BWD_SOURCES[engine][1]
+    return (f"qat_attn_bwd{sfx}<{T}, {D}>", f"qat_attn_bwd_dq{sfx}<{T}, {D}>")
+
+
+def kernel_names() -> dict:
+    out = {}
+    for engine, (src, _, _) in _BWD_SOURCES.items():
+        out[src] = [n for T in _T.values() for D in (64, 128) for n in _bwd_names(T, D, engine)]
+    return out
+
+
+def backward_engine(engine: str | None = None) -> str:
+    """The tensor-core path the QAT backward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
+
+    ``engine``: ``None`` or ``"auto"`` (the default) picks ``"wgmma"`` on sm_90 and ``"mma"`` elsewhere. Both run the same element-wise steps
+    (``kernels_cu/qat/bwd.cuh``) on the same 16-bit operands; they differ only through the fp32
+    accumulation order inside the tensor cores (tested)."""
+    return _layout.pick_engine(engine)
+
+
+def bwd_smem_bytes(D: int) -> int:
+    """The dK/dV kernel's: K~, V~, Q~, dO tiles, column maxima, block values of fq(P), per-query arrays, alignment."""
+    return 4 * 64 * 2 * D + (4 * 64 + 8 * 64 + 2 * 64) * 4 + 128
+
+
+def bwd_dq_smem_bytes(D: int) -> int:
+    """The dQ kernel's: Q~ and dO tiles, two stages of K~ and V~, alignment."""
+    return 6 * 64 * 2 * D + 128
+
+
+def bwd_sm90_smem_bytes(D: int) -> tuple:
+    """Dynamic shared memory of the wgmma kernels (QatBwdSm90 / QatBwdDqSm90 in qat/qat_attn_bwd_sm90.cu): (dK/dV,
+    dQ) bytes, each with 1024 bytes of slack for the 1024-byte alignment wgmma tiles need."""
+    tile = 128 * D
+    stage = -(-(2 * tile + 512) // 1024) * 1024
+    return 1024 + 2 * tile + 2 * stage + 12 * 64 * 4, 1024 + 2 * tile + 4 * tile
+
+
+def kernel_constants() -> dict:
+    """Host values the kernel sources define too (CI compiles ``static_assert(expression == value)``)."""
+    out = []
+    for D in (64, 128):
+        kv, dq = bwd_sm90_smem_bytes(D)
+        out += [(f"QatBwdSm90<{D}>::SMEM", kv), (f"QatBwdDqSm90<{D}>::SMEM", dq)]
+    return {"qat/qat_attn_bwd_sm90.cu": out}
+
+
+def _backward(res, do, engine=None):
+
+    if not isinstance(res, Residuals):
+        raise TypeError(f"residuals must be the Residuals returned by sagecupy.qat.forward, got {type(res).__name__}")
+    eng = backward_engine(engine)
+    p = res.problem
+    do = _checks.as_cupy(do, "do")
+    shape = (p.batch, p.heads_q, p.nq, p.head_dim) if p.layout == "HND" else (p.batch, p.nq, p.heads_q, p.head_dim)
+    if tuple(do.shape) != shape:
+        raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {shape}")
+    if _checks.dtype_name(do.dtype) != p.dtype:
+        raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
+    do = _layout.prepare(do, "do", p.layout, True)
+    return _bwd_launch(res, _bwd_operands(res, do, eng), eng)
+
+
+def _bwd_kernels_only(res, do, engine=None):
+    """A function that runs only the two backward kernels of ``_backward(res, do, engine=engine)`` on operands
+    prepared once (the benchmark's kernel-only rows; ``do`` is not validated: pass what ``_backward`` accepts)."""
+
+    eng = backward_engine(engine)
+    ops = _bwd_operands(res, _layout.prepare(_checks.as_cupy(do, "do"), "do", res.problem.layout, True), eng)
+    return lambda: _bwd_launch(res, ops, eng)
+
+
+def _bwd_operands(res, do, eng):
+    """delta and the kernels' 16-bit operands (the passes before the two kernels)."""
+    import cupy
+
+    from .nvfp4 import _fn
+
+    p = res.problem
+    B, Hq, D = p.batch, p.heads_q, p.head_dim
+    nq, nq_pad = p.nq, res.q_t.shape[2]
+    T = _T[p.dtype]
+    # delta = rowsum(dO o O') (O', not O: SPEC §6)
+    dsb, dsh, dsn = _layout.strides(do, p.layout)
+    delta = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
+    _fn("qat_delta", T)(
+        (nq_pad // 8, Hq, B), (256,),
+        (do, cupy.int64(dsb), cupy.int64(dsh), cupy.int64(dsn), res.o_prime, cupy.int32(nq), cupy.int32(nq_pad),
+         cupy.int32(D), delta))
+    # the forward keeps fq(Q), fq(K), fq(V)^T in the kernels' operand type (bf16 bits for bf16 inputs)
+    q_t = cupy.ascontiguousarray(res.q_t)
+    k_t = cupy.ascontiguousarray(res.k_t)
+    # V~: the wgmma kernels read the forward's V~^T (B, Hkv, D, nk_pad) as it is; mma.sync wants (B, Hkv, nk_pad, D)
+    v_n = cupy.ascontiguousarray(res.vt_t if eng == "wgmma" else res.vt_t.transpose(0, 1, 3, 2))
+    return do, delta, q_t, k_t, v_n
+
+
+def _bwd_launch(res, ops, eng):
+    """The dK/dV and dQ kernels on prepared operands (_bwd_operands)."""
+    import cupy
+
+
+    do, delta, q_t, k_t, v_n = ops
+    p = res.problem
+    B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
+    nq_pad, nk_pad = res.q_t.shape[2], res.k_t.shape[2]
+    T = _T[p.dtype]
+    dsb, dsh, dsn = _layout.strides(do, p.layout)
+    dk = _layout.empty((B, Hkv, nk, D), p.layout, p.dtype)
+    dv = _layout.empty((B, Hkv, nk, D), p.layout, p.dtype)
+    ksb, ksh, ksn = _layout.strides(dk, p.layout)
+    vvb, vvh, vvn = _layout.strides(dv, p.layout)
+    names = _bwd_names(T, D, eng)
+    src, _, arch = _BWD_SOURCES[eng]
+    smem_kv, smem_q = bwd_sm90_smem_bytes(D) if eng == "wgmma" else (bwd_smem_bytes(D), bwd_dq_smem_bytes(D))
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    log2e = 1.4426950408889634
+    fn = get_function(src, names[0], all_names=names, arch=arch)
+    if smem_kv > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem_kv
+    fn((nk_pad // 64, Hkv, B), (128,),
+       (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta,
+        dk, i64(ksb), i64(ksh), i64(ksn), dv, i64(vvb), i64(vvh), i64(vvn),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
+        i32(int(p.causal))),
+       shared_mem=smem_kv)
+    dq = _layout.empty((B, Hq, nq, D), p.layout, p.dtype)
+    qsb, qsh, qsn = _layout.strides(dq, p.layout)
+    fq = get_function(src, names[1], all_names=names, arch=arch)
+    if smem_q > 48 * 1024:
+        fq.max_dynamic_shared_size_bytes = smem_q
+    fq((nq_pad // 64, Hq, B), (128,),
+       (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta, dq, i64(qsb), i64(qsh), i64(qsn),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
+        i32(int(p.causal))),
+       shared_mem=smem_q)
+    return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))

@@ -5,7 +5,7 @@
 #pragma once
 #include <cuda_fp8.h>
 
-#include "numeric.cuh"
+#include "common/numeric.cuh"
 
 // SAGE_NVFP4_CMP_BSEARCH (default 1; 0: seven comparisons): nvfp4_block_cmp (K after its mean) finds each element's
 // code with three comparisons (a binary search over the seven thresholds) instead of seven; the same codes (H200,

@@ -3,8 +3,8 @@
 // same order, so the engines differ only through the fp32 accumulation order inside the tensor cores.
 // See fp4_attn_fwd.cu for the algorithm (x, beta, two-level P).
 #pragma once
-#include "fp4.cuh"
-#include "numeric.cuh"
+#include "common/fp4.cuh"
+#include "common/numeric.cuh"
 
 namespace sage {
 

@@ -1,7 +1,7 @@
 // Pieces every kernel that owns a block of query rows shares: which (batch, head, rows) a CTA owns, which
 // 64-key tiles those rows see, and the store of a warp's fp32 accumulator rows in the caller's layout.
 #pragma once
-#include "numeric.cuh"
+#include "common/numeric.cuh"
 
 namespace sage {
 

@@ -2,7 +2,7 @@
 // 128 (or 256) bytes, so that ldmatrix over 8 consecutive rows of one 16-byte column is
 // bank-conflict free, and cp.async loaders for such tiles.
 #pragma once
-#include "mma.cuh"
+#include "common/mma.cuh"
 
 namespace sage {
 

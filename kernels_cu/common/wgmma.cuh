@@ -7,7 +7,7 @@
 // an A operand in registers is the m16n8k32 A fragment of the warp's 16 rows.
 // 8-bit wgmma needs both operands K-major: A rows of K bytes, B as N rows of K bytes.
 #pragma once
-#include "mma.cuh"
+#include "common/mma.cuh"
 
 namespace sage {
 

@@ -389,7 +389,7 @@ def test_fake_gpu_backend(fake_gpu):
 
 
 def test_to_host_reads_bf16_through_the_bits():
-    class FakeBF16:  # the shape of sagecupy.bf16.BF16Array: raw bits in .bits, dtype named bfloat16
+    class FakeBF16:  # the shape of sagecupy.adapters.bf16.BF16Array: raw bits in .bits, dtype named bfloat16
         dtype = "bfloat16"
 
         def __init__(self, bits):
@@ -406,5 +406,5 @@ def test_environment_records_kernel_source_hashes():
     from sagecupy._loader import kernel_dir
 
     hashes = _env.kernel_hashes()
-    assert set(hashes) == {p.name for p in kernel_dir().glob("*.cu")}
+    assert set(hashes) == {p.relative_to(kernel_dir()).as_posix() for p in kernel_dir().glob("*/*.cu")}
     assert all(len(h) == 16 and int(h, 16) >= 0 for h in hashes.values())

@@ -70,13 +70,14 @@ def gpu(monkeypatch):
                                    runtime=types.SimpleNamespace(getDevice=lambda: 0),
                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    from sagecupy import int8, nvfp4
+    from sagecupy import _layout, int8, nvfp4, qat
 
     def get_function(filename, name, all_names=None, arch=None):
         return kernels.setdefault(name, Kernel(name, log))
 
-    for mod in (int8, nvfp4):
+    for mod in (int8, nvfp4, qat):
         monkeypatch.setattr(mod, "get_function", get_function)
+    for mod in (int8, nvfp4, _layout):
         monkeypatch.setattr(mod, "device_capability", lambda: (9, 0))
     monkeypatch.setattr(nvfp4, "_smem_optin", lambda device_id: 227 * 1024)
     monkeypatch.setattr(nvfp4, "_sm_count", lambda device_id: 132)  # (an H200's; tests that need another set theirs)

@@ -5,8 +5,8 @@ from sagecupy import _loader
 
 
 def test_every_kernel_source_inlines_all_quoted_includes():
-    files = sorted(p.name for p in _loader.kernel_dir().glob("*.cu"))
-    assert "int8_attn_bwd.cu" in files
+    files = sorted(p.relative_to(_loader.kernel_dir()).as_posix() for p in _loader.kernel_dir().glob("*/*.cu"))
+    assert "int8/int8_attn_bwd.cu" in files
     for name in files:
         src = _loader.kernel_source(name)
         left = re.findall(r'^\s*#\s*include\s+"[^"]+"', src, re.MULTILINE)
@@ -16,26 +16,24 @@ def test_every_kernel_source_inlines_all_quoted_includes():
 def test_include_with_trailing_comment_is_inlined(tmp_path):
     (tmp_path / "h.cuh").write_text("#pragma once\nint from_header;\n")
     (tmp_path / "k.cu").write_text('#include "h.cuh"  // why it is needed\n#include "h.cuh"\nint body;\n')
-    out = _loader._inline(tmp_path / "k.cu", set())
+    out = _loader._inline(tmp_path / "k.cu", set(), tmp_path)
     assert out.count("int from_header;") == 1 and "int body;" in out and '#include "' not in out
 
 
 def test_engine_names_are_validated_before_any_device_query(monkeypatch):
-    """A bad engine name, from the argument or the environment, is a ValueError naming where it came from; this
-    needs no GPU (the device is asked only to resolve "auto" and to check "wgmma")."""
+    """A bad engine name is a ValueError naming the argument and what is supported; this needs no GPU (the device
+    is asked only to resolve "auto" and to check "wgmma")."""
     import pytest
 
     from sagecupy import int8, nvfp4
 
-    with pytest.raises(ValueError, match=r"engine='tensor' is not supported"):
+    with pytest.raises(ValueError, match=r"engine='tensor' is not supported; supported: \('auto', 'mma', 'wgmma'\)"):
         nvfp4.fp4_engine("tensor")
-    monkeypatch.setenv("SAGECUPY_FP4_ENGINE", "tensor")
-    with pytest.raises(ValueError, match=r"SAGECUPY_FP4_ENGINE='tensor' is not supported"):
-        nvfp4.fp4_engine()
-    monkeypatch.setenv("SAGECUPY_FWD_ENGINE", "x")
-    with pytest.raises(ValueError, match=r"SAGECUPY_FWD_ENGINE='x'"):
-        int8.forward_engine()
-    assert nvfp4.fp4_engine("mma") == "mma"  # an explicit engine wins over the environment
+    with pytest.raises(ValueError, match=r"engine='x'"):
+        int8.forward_engine("x")
+    with pytest.raises(ValueError, match=r"engine='x'"):
+        int8.backward_engine("x")
+    assert nvfp4.fp4_engine("mma") == "mma"
 
 
 def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
@@ -49,7 +47,7 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
     monkeypatch.delenv("SAGECUPY_FP4_CAUSAL_GROUP", raising=False)
     with pytest.raises(ValueError, match="resolved engine"):
         nvfp4.fwd_smem_bytes(128, 8, "auto")
-    names = nvfp4.kernel_names()["fp4_attn_fwd_sm90.cu"]
+    names = nvfp4.kernel_names()["nvfp4/fp4_attn_fwd_sm90.cu"]
     # 4 and 8 warps at D 64/128, 12 at D=128; x 2 dtypes x 2 P modes; and the causal instances (dispatch groups) of
     # the default CTA sizes, the only ones the host launches with a group; the warp-specialized kernel (D=128, 2
     # dtypes x plain and grouped order x 2 or 3 consumers, two-level P) and its persistent form (2 dtypes, three
@@ -124,26 +122,25 @@ def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
 
 
 def test_qat_backward_engines_and_kernel_lists(monkeypatch):
-    """The QAT backward's engine follows SAGECUPY_BWD_ENGINE like the INT8 backward's; both engines' kernels are
-    in the lists CI compiles; the wgmma kernels' shared memory lets two CTAs share an SM (228 KiB, 1 KiB each
+    """The QAT backward's engine is validated like the INT8 backward's; both engines' kernels are in the lists CI
+    compiles; the wgmma kernels' shared memory lets two CTAs share an SM (228 KiB, 1 KiB each
     reserved)."""
     import pytest
 
-    from sagecupy import _qat_bwd, int8
+    from sagecupy import _layout, qat
 
-    monkeypatch.setenv("SAGECUPY_BWD_ENGINE", "tensor")
-    with pytest.raises(ValueError, match=r"SAGECUPY_BWD_ENGINE='tensor' is not supported"):
-        _qat_bwd.backward_engine()
-    assert _qat_bwd.backward_engine("mma") == "mma"
-    names = _qat_bwd.kernel_names()
-    assert names["qat_attn_bwd.cu"] and len(names["qat_attn_bwd_sm90.cu"]) == len(set(names["qat_attn_bwd_sm90.cu"])) == 8
-    assert int8.KERNEL_ARCHS["qat_attn_bwd_sm90.cu"] == int8.KERNEL_ARCHS["qat_attn_fwd_sm90.cu"] == ("sm_90a",)
+    with pytest.raises(ValueError, match=r"engine='tensor' is not supported"):
+        qat.backward_engine("tensor")
+    assert qat.backward_engine("mma") == "mma"
+    names = qat.kernel_names()
+    assert names["qat/qat_attn_bwd.cu"] and len(names["qat/qat_attn_bwd_sm90.cu"]) == len(set(names["qat/qat_attn_bwd_sm90.cu"])) == 8
+    assert _layout.KERNEL_ARCHS["qat/qat_attn_bwd_sm90.cu"] == _layout.KERNEL_ARCHS["qat/qat_attn_fwd_sm90.cu"] == ("sm_90a",)
     from sagecupy import nvfp4
 
-    assert len(nvfp4.kernel_names()["qat_attn_fwd_sm90.cu"]) == 8  # 2 dtypes x D 64/128 x plain / causal dispatch
+    assert len(nvfp4.kernel_names()["qat/qat_attn_fwd_sm90.cu"]) == 8  # 2 dtypes x D 64/128 x plain / causal dispatch
     assert nvfp4.qat_fwd_sm90_smem_bytes(128) <= 227 * 1024  # one CTA per SM
     for D in (64, 128):
-        for smem in _qat_bwd.sm90_smem_bytes(D):
+        for smem in qat.bwd_sm90_smem_bytes(D):
             assert 2 * (smem + 1024) <= 228 * 1024
 
 
@@ -167,24 +164,24 @@ def test_v_t_channels_undoes_the_tile_major_layout():
 def test_kernels_dir_override_compiles_another_tree(tmp_path, monkeypatch):
     """SAGECUPY_KERNELS_DIR (A/B timing of two kernel trees in one process) switches the sources the loader reads, and
     the hash on their first line (part of the module cache key) follows the text."""
-    base = _loader.kernel_source("int8_quant.cu")
+    base = _loader.kernel_source("int8/int8_quant.cu")
     alt = tmp_path / "kernels_cu"
-    (alt / "common").mkdir(parents=True)
-    for p in _loader.kernel_dir().glob("common/*.cuh"):
-        (alt / "common" / p.name).write_text(p.read_text())
-    (alt / "int8_quant.cu").write_text((_loader.kernel_dir() / "int8_quant.cu").read_text() + "\n// edited\n")
+    for p in _loader.kernel_dir().glob("*/*.cu*"):
+        (alt / p.parent.name).mkdir(parents=True, exist_ok=True)
+        (alt / p.parent.name / p.name).write_text(p.read_text())
+    (alt / "int8/int8_quant.cu").write_text((_loader.kernel_dir() / "int8/int8_quant.cu").read_text() + "\n// edited\n")
     monkeypatch.setenv("SAGECUPY_KERNELS_DIR", str(alt))
     assert _loader.kernel_dir() == alt
-    other = _loader.kernel_source("int8_quant.cu")
+    other = _loader.kernel_source("int8/int8_quant.cu")
     assert other.rstrip().endswith("// edited") and other.splitlines()[0] != base.splitlines()[0]
     monkeypatch.delenv("SAGECUPY_KERNELS_DIR")
-    assert _loader.kernel_source("int8_quant.cu") == base
+    assert _loader.kernel_source("int8/int8_quant.cu") == base
 
 
 def test_instance_outside_the_list_compiles_alone(monkeypatch):
     """get_function compiles its list of instances as one module; a name outside the list (single-level P's
     warp-specialized kernels, a non-default CTA size) compiles in a module of its own, not the whole list again with
-    it (fp4_attn_fwd_sm90.cu's list takes minutes: the thirty-third session found a test that recompiled it for each
+    it (nvfp4/fp4_attn_fwd_sm90.cu's list takes minutes: the thirty-third session found a test that recompiled it for each
     of its single-level-P kernels). SAGECUPY_DEFINES: only the name, listed or not. A fake cupy records the
     modules built."""
     import sys
@@ -211,15 +208,15 @@ def test_instance_outside_the_list_compiles_alone(monkeypatch):
     monkeypatch.setattr(_loader, "_functions", {})
     monkeypatch.delenv("SAGECUPY_DEFINES", raising=False)
     listed = ("k<1>", "k<2>", "k<3>")
-    assert _loader.get_function("int8_quant.cu", "k<2>", all_names=listed) == ("k<2>", listed)
-    assert _loader.get_function("int8_quant.cu", "k<3>", all_names=list(listed)) == ("k<3>", listed)
+    assert _loader.get_function("int8/int8_quant.cu", "k<2>", all_names=listed) == ("k<2>", listed)
+    assert _loader.get_function("int8/int8_quant.cu", "k<3>", all_names=list(listed)) == ("k<3>", listed)
     assert built == [listed]  # (one module for the listed instances)
-    assert _loader.get_function("int8_quant.cu", "k<9>", all_names=listed) == ("k<9>", ("k<9>",))
-    assert _loader.get_function("int8_quant.cu", "k<8>", all_names=listed) == ("k<8>", ("k<8>",))
-    assert _loader.get_function("int8_quant.cu", "k<9>", all_names=listed) == ("k<9>", ("k<9>",))
+    assert _loader.get_function("int8/int8_quant.cu", "k<9>", all_names=listed) == ("k<9>", ("k<9>",))
+    assert _loader.get_function("int8/int8_quant.cu", "k<8>", all_names=listed) == ("k<8>", ("k<8>",))
+    assert _loader.get_function("int8/int8_quant.cu", "k<9>", all_names=listed) == ("k<9>", ("k<9>",))
     assert built == [listed, ("k<9>",), ("k<8>",)]
     monkeypatch.setenv("SAGECUPY_DEFINES", "X=1")
-    assert _loader.get_function("int8_quant.cu", "k<1>", all_names=listed) == ("k<1>", ("k<1>",))
+    assert _loader.get_function("int8/int8_quant.cu", "k<1>", all_names=listed) == ("k<1>", ("k<1>",))
     assert built[-1] == ("k<1>",) and len(built) == 4
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sagecupy import _program
+from sagecupy import _layout, _program
 from sagecupy._program import Plans, Program, Ref
 
 
@@ -119,10 +119,10 @@ def test_signature_sees_alignment_and_strides():
 @pytest.mark.parametrize("shape", [(2, 3, 5, 64), (1, 1, 1, 128), (4, 16, 7, 64)])
 def test_c_strides_match_strides_of_a_fresh_array(shape, layout):
     """int8._c_strides (what a recorded launch passes for an output it allocates, or for an input it copies) equals
-    int8._strides of a C-contiguous array of that shape."""
+    _layout.strides of a C-contiguous array of that shape."""
     from sagecupy import int8
 
-    assert int8._c_strides(shape, layout) == int8._strides(np.empty(shape, dtype=np.float16), layout)
+    assert _layout.c_strides(shape, layout) == _layout.strides(np.empty(shape, dtype=np.float16), layout)
 
 
 class _DevArray:

@@ -1,6 +1,6 @@
-// Test kernel for int8_quant.cu's psi_quot (tests/gpu/test_int8.py::test_psi_exact_matches_division): the quotient
+// Test kernel for int8/int8_quant.cu's psi_quot (tests/gpu/test_int8.py::test_psi_exact_matches_division): the quotient
 // the exact code path divides with, against __fdiv_rn (div.rn), for every pair (x[i], s[i]) with psi_exact_ok(s).
-#include "int8_quant.cu"
+#include "int8/int8_quant.cu"
 
 // bad[0]: pairs whose codes differ (rint of the two quotients); bad[1]: pairs with |x / s| >= 1/4 whose quotients
 // differ in any bit; bad[2]: pairs checked. first[0..1]: an index of each kind of mismatch (or -1).

@@ -825,24 +825,24 @@ def _kv_images_all(nvfp4, cp, q, k, v, layout, smooth):
     n16 = (nk + 15) // 16 * 16
     ntile, n64 = (nk + 63) // 64, (n16 + 63) // 64 * 64
     size = B * Hkv * ntile * nvfp4.ws_img_bytes(128)
-    names = nvfp4._names("fp4_attn_fwd_sm90.cu")
+    names = nvfp4._names("nvfp4/fp4_attn_fwd_sm90.cu")
     axes = (0, 1, 2) if layout == "HND" else (0, 2, 1)  # (element strides of the (b, h, n) axes)
     st = lambda x: tuple(np.int64(x.strides[i] // x.itemsize) for i in axes)  # noqa: E731
     raw = cp.full(size, 0xAB, cp.uint8)
     T = "__half" if kr.dtype == cp.float16 else "__nv_bfloat16"
-    fn = nvfp4.get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, 128>", all_names=names, arch="sm_90a")
+    fn = nvfp4.get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, 128>", all_names=names, arch="sm_90a")
     fn.max_dynamic_shared_size_bytes = nvfp4.ws_img_raw_smem_bytes(128)
     fn((ntile, Hkv, B), (128,), (kr, *st(kr), ops["mu_k"], vr, *st(vr), np.int32(nk), np.int32(n16), raw),
        shared_mem=nvfp4.ws_img_raw_smem_bytes(128))
     pipe = cp.full(size, 0x5A, cp.uint8)
-    fn = nvfp4.get_function("fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw_pipe<{T}, 128>", all_names=names,
+    fn = nvfp4.get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw_pipe<{T}, 128>", all_names=names,
                             arch="sm_90a")
     fn.max_dynamic_shared_size_bytes = nvfp4.ws_img_raw_smem_bytes(128, True)
     fn((3,), (128,), (kr, *st(kr), ops["mu_k"], vr, *st(vr), np.int32(nk), np.int32(n16), np.int32(Hkv),
                       np.int32(ntile), np.int32(B * Hkv * ntile), pipe), shared_mem=nvfp4.ws_img_raw_smem_bytes(128, True))
     packed = cp.full(size, 0xCD, cp.uint8)
     vc, vs = nvfp4._pad_tokens64(ops["v_packed"], ops["v_scales"], n16)
-    fn = nvfp4.get_function("fp4_attn_fwd_sm90.cu", "nvfp4_kv_images<128>", all_names=names, arch="sm_90a")
+    fn = nvfp4.get_function("nvfp4/fp4_attn_fwd_sm90.cu", "nvfp4_kv_images<128>", all_names=names, arch="sm_90a")
     fn((ntile, Hkv, B), (128,), (ops["k_packed"], ops["k_scales"], vc, vs, np.int32(n64 // 2), np.int32(nk),
                                  np.int32(n16), packed))
     return raw.get(), pipe.get(), packed.get()

@@ -36,7 +36,7 @@ def _cupy():
 
 def _to_dev(x, dtype_name):
     cp = _cupy()
-    from sagecupy.bf16 import BF16Array
+    from sagecupy.adapters.bf16 import BF16Array
 
     x32 = cp.asarray(np.asarray(x, dtype=np.float32))
     return x32.astype(cp.float16) if dtype_name == "float16" else BF16Array.from_float(x32)
@@ -264,7 +264,7 @@ def test_error_paths():
                    cp.zeros((1, 2, 16, 96), cp.float16))
     with pytest.raises(TypeError, match="dtype"):
         s8.forward(q.astype(cp.float32), q.astype(cp.float32), q.astype(cp.float32))
-    from sagecupy.bf16 import BF16Array
+    from sagecupy.adapters.bf16 import BF16Array
 
     with pytest.raises(TypeError, match="one dtype"):
         s8.forward(q, q, BF16Array.from_float(q.astype(cp.float32)))
@@ -421,7 +421,7 @@ def _unk128(x, rows, row_bytes):
 
 
 def _image_views(pre, res, D):
-    """The wgmma pre-pass's stage images (kernels_cu/common/bwd_img.cuh) decoded into the mma.sync pre-pass's
+    """The wgmma pre-pass's stage images (kernels_cu/int8/bwd_img.cuh) decoded into the mma.sync pre-pass's
     arrays (q_t, k_t, do_t tile-major, do_scale, delta), plus what only the images hold."""
     qi, ki = pre["q_img"].get(), pre["k_img"].get()
     B, Hq, ntq, _ = qi.shape
@@ -754,7 +754,7 @@ def test_replay_on_a_fresh_thread():
 
 
 def test_psi_exact_matches_division():
-    """int8_quant.cu's exact code path (psi_quot: div.rn's arithmetic with the reciprocal refined once per scale and
+    """int8/int8_quant.cu's exact code path (psi_quot: div.rn's arithmetic with the reciprocal refined once per scale and
     without div.rn's range check) gives __fdiv_rn's quotient, hence the same codes, for every scale psi_exact_ok lets
     through: generic values over that whole exponent range, values within 8 ulps of a tie (k + 0.5) s, bf16 rows
     whose values sit at max / 2 and other bf16 grid points (the ties the tie test used to re-divide), and scales at

@@ -64,7 +64,7 @@ def _to_cupy(x):
     nothing with the adapter's zero-copy import."""
     import cupy
 
-    from sagecupy.bf16 import BF16Array
+    from sagecupy.adapters.bf16 import BF16Array
 
     h = np.asarray(x)
     if x.dtype == jnp.bfloat16:

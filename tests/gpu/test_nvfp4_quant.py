@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 def _dev(x, dtype):
     import cupy as cp
 
-    from sagecupy.bf16 import BF16Array
+    from sagecupy.adapters.bf16 import BF16Array
 
     x32 = cp.asarray(np.asarray(x, dtype=np.float32))
     return x32.astype(cp.float16) if dtype == "float16" else BF16Array.from_float(x32)

@@ -35,7 +35,7 @@ def module():
 def _dev(dtype, *xs):
     import cupy
 
-    from sagecupy.bf16 import BF16Array
+    from sagecupy.adapters.bf16 import BF16Array
 
     if dtype == "float16":
         return [cupy.asarray(x.astype(np.float16)) for x in xs]

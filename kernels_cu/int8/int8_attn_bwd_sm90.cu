@@ -16,8 +16,8 @@
 // Operand tiles are double-buffered: each stage is a pre-built image of the tile's operands in global memory
 // (common/bwd_img.cuh), copied by one thread with one cp.async.bulk whose completion the others wait for on an
 // mbarrier; the next iteration's arrives during this one.
-#include "common/bwd_img.cuh"
-#include "common/int8_bwd.cuh"
+#include "int8/bwd_img.cuh"
+#include "int8/bwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"

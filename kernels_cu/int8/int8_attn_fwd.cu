@@ -13,7 +13,7 @@
 // Outputs: O in T with caller strides; lse (BHq, nq) natural log of the unsmoothed logits
 // (adds qmk = sm_scale * q . mu_K); lse2 (BHq, nq_pad) base-2 LSE of the logits the kernel computed
 // (+inf for rows that see no key, so the backward's exp2(S - lse2) is 0 there).
-#include "common/int8_fwd.cuh"
+#include "int8/fwd.cuh"
 
 using namespace sage;
 

@@ -7,7 +7,7 @@
 // All outputs are padded: rows (tokens) up to a multiple of the attention tile, padding rows have
 // code 0 and scale 0.
 #include "common/numeric.cuh"
-#include "common/bwd_img.cuh"
+#include "int8/bwd_img.cuh"
 
 namespace sage {
 

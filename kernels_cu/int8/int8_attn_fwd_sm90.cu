@@ -3,7 +3,7 @@
 // read from the swizzled shared tiles through descriptors, P from registers), software-pipelined
 // (common/int8_fwd.cuh). Each stage is copied by one thread with bulk copies from the pre-pass's K/V stage images
 // (kv_img: one per 64 keys; kc, vt and ks are not read). Compile with --gpu-architecture=sm_90a.
-#include "common/int8_fwd.cuh"
+#include "int8/fwd.cuh"
 
 using namespace sage;
 

@@ -15,7 +15,7 @@
 // Every wait is unconditional and no accumulator is touched while its product is in flight (C7514).
 // Operands: q (BHq, nq_pad, D), k (BHkv, nk_pad, D), vt = V~^T (BHkv, D, nk_pad) in T (zero beyond nq / nk);
 // dout (caller strides, rows >= nq zero-filled); lse2, delta (BHq, nq_pad: +inf and 0 on padded rows).
-#include "common/qat_bwd.cuh"
+#include "qat/bwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"

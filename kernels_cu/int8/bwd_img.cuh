@@ -4,7 +4,7 @@
 // cp.async with their addressing: that code was ~15% of both kernels' instructions (bench/NOTES.md, fourteenth
 // session). The pre-passes (int8_quant.cu: bwd_qk_images, bwd_do_image) write them.
 #pragma once
-#include "tile.cuh"
+#include "common/tile.cuh"
 
 namespace sage {
 

@@ -4,8 +4,8 @@
 // Tiles are 16 x 64 per warp in the accumulator layout of mma.cuh / wgmma.cuh: x[nt][e] is row g + 8(e>>1),
 // column 8 nt + 2 t4 + (e&1) of the warp's 16 rows.
 #pragma once
-#include "mma.cuh"
-#include "numeric.cuh"
+#include "common/mma.cuh"
+#include "common/numeric.cuh"
 
 namespace sage {
 

@@ -1,12 +1,12 @@
 // The SageBwd forward's body, shared by the mma.sync kernel (int8_attn_fwd.cu) and the Hopper wgmma
 // kernel (int8_attn_fwd_sm90.cu). See int8_attn_fwd.cu for the algorithm and the operands.
 #pragma once
-#include "mma.cuh"
-#include "numeric.cuh"
-#include "bwd_img.cuh"
-#include "rows.cuh"
-#include "tile.cuh"
-#include "wgmma.cuh"
+#include "common/mma.cuh"
+#include "common/numeric.cuh"
+#include "int8/bwd_img.cuh"
+#include "common/rows.cuh"
+#include "common/tile.cuh"
+#include "common/wgmma.cuh"
 
 namespace sage {
 

@@ -4,9 +4,9 @@
 // (e & 1)), so one definition of the masking, of P and fq(P), and of dS serves both engines and their
 // results differ only through the fp32 accumulation order inside the tensor cores.
 #pragma once
-#include "fp4.cuh"
-#include "mma.cuh"
-#include "numeric.cuh"
+#include "common/fp4.cuh"
+#include "common/mma.cuh"
+#include "common/numeric.cuh"
 
 namespace sage {
 

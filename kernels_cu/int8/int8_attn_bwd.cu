@@ -21,8 +21,8 @@
 // dK/dV kernel carries no dQ state (registers, shared memory, barriers, atomics).
 // Kernel units: qs carries sm_scale * log2(e), so dK is multiplied by ln 2 at the end. The dQ kernel
 // shares the forward's Q.K^T (common/int8_fwd.cuh) and its choice of KV tiles (common/rows.cuh).
-#include "common/int8_bwd.cuh"
-#include "common/int8_fwd.cuh"
+#include "int8/bwd.cuh"
+#include "int8/fwd.cuh"
 #include "common/tile.cuh"
 
 using namespace sage;

@@ -16,7 +16,7 @@
 // gradients are bitwise repeatable.
 // Operands: q (BHq, nq_pad, D), k, v (BHkv, nk_pad, D) in T (zero rows beyond nq / nk); dout (caller strides,
 // rows >= nq zero-filled); lse2, delta (BHq, nq_pad).
-#include "common/qat_bwd.cuh"
+#include "qat/bwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
 

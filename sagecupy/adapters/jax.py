@@ -1,0 +1,425 @@
+"""JAX adapter: sagecupy's attention kernels as ``jax.custom_vjp`` functions that run inside ``jax.jit``.
+
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # before JAX touches the GPU, see below
+    import jax, jax.numpy as jnp
+    from sagecupy.jax import sage_attention
+
+    def loss(q, k, v):                       # q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D): float16 or bfloat16
+        return sage_attention(q, k, v, causal=True).astype(jnp.float32).sum()
+
+    dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+``sage_attention`` is INT8 SageBwd (:mod:`sagecupy.int8`), ``qat_attention`` FP4 QAT (:mod:`sagecupy.qat`).
+Both take the keyword arguments of the CuPy API (``causal``, ``sm_scale``, ``layout``, ``config``) and
+work eagerly and under ``jax.jit``, ``jax.grad`` and ``jax.vjp``.
+
+How the kernels run
+-------------------
+Through ``jax.experimental.buffer_callback`` (JAX 0.7 or newer; :func:`is_available` says whether this
+JAX has it): XLA calls a Python function in the middle of its executable with the CUDA stream it
+computes on (``ExecutionContext.stream``) and its own device buffers (``Buffer``, with
+``__cuda_array_interface__``). The function wraps the stream as a CuPy stream (``Stream.from_external``), views the
+buffers as CuPy arrays (zero-copy), runs the sagecupy kernels on that stream and copies the results into
+the output buffers XLA allocated, on the same stream. The kernels are therefore ordered after whatever
+produced q, k, v and before whatever reads the outputs, with no synchronization.
+
+* **Memory.** CuPy allocates its temporaries from its own pool, beside XLA's allocator. JAX takes 75% of
+  the GPU at start-up unless ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or a smaller
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION``) is in the environment before JAX initializes its GPU backend.
+* **bfloat16.** CuPy has no bfloat16 dtype: bf16 arrays cross into the callback as their uint16 bits
+  (``jax.lax.bitcast_convert_type``, free) and become :class:`~sagecupy.adapters.bf16.BF16Array` there.
+* **Residuals.** INT8: the forward callback also writes every array of :class:`sagecupy.int8.Residuals`
+  (Q and K codes and scales, base-2 LSE, K mean) into XLA outputs, which become the ``custom_vjp``
+  residuals with ``v`` and ``o``; the backward callback rebuilds the same ``Residuals`` from them. The
+  backward kernels read the very bytes a direct ``sagecupy.int8.backward(sagecupy.int8.forward(...))``
+  reads, so the gradients are bitwise those of the direct calls (the backward kernels use no atomics).
+  Outside differentiation (a plain call, also under ``jax.jit``) the callback runs
+  :func:`sagecupy.int8.sage_attention` instead, which keeps no residuals (its o is bitwise the forward's).
+  FP4 QAT: q, k, v are the residuals and the backward
+  callback reruns ``sagecupy.qat.forward`` (deterministic) before ``sagecupy.qat.backward``.
+
+Limits: one device (no sharding rule), no ``jax.vmap`` (the kernels batch over B and heads already),
+reverse mode only (``custom_vjp``), CUDA devices only. Importing :mod:`sagecupy` never imports JAX;
+importing this module does.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError("sagecupy.jax needs JAX with its CUDA plugin, e.g. pip install 'jax[cuda13]' "
+                      f"({_exc})") from _exc
+import numpy as np
+
+from .. import _checks, _layout, int8
+from ..config import SageBwdConfig, get_config
+
+__all__ = ["sage_attention", "qat_attention", "is_available"]
+
+_KDL_CUDA = 2  # DLPack DLDeviceType of CUDA device memory
+_NO_BUFFER_CALLBACK = (
+    "sagecupy.jax runs the CuPy kernels on XLA's stream through jax.experimental.buffer_callback, which the "
+    "installed JAX {version} does not have ({why}); install JAX 0.7 or newer (pip install -U 'jax[cuda13]')")
+
+
+# --------------------------------------------------------------------------------------------------
+# feature detection
+# --------------------------------------------------------------------------------------------------
+
+
+def _buffer_callback():
+    """``jax.experimental.buffer_callback.buffer_callback``, or the one error this module raises without it."""
+    try:
+        from jax.experimental.buffer_callback import buffer_callback
+    except ImportError as exc:
+        raise RuntimeError(_NO_BUFFER_CALLBACK.format(version=jax.__version__, why=exc)) from None
+    return buffer_callback
+
+
+def is_available() -> tuple[bool, str]:
+    """(True, "") when the adapter can run here (JAX with ``buffer_callback`` and a GPU backend, CuPy with a
+    device), else (False, why). Never raises."""
+    from .._loader import gpu_status
+
+    try:
+        _buffer_callback()
+    except RuntimeError as exc:
+        return False, str(exc)
+    try:
+        gpus = jax.devices("gpu")
+    except Exception as exc:  # RuntimeError without a GPU backend; anything else is as fatal here
+        return False, f"JAX has no GPU backend ({exc}); install the CUDA plugin, e.g. pip install 'jax[cuda13]'"
+    if not gpus:
+        return False, "JAX lists no GPU device"
+    ok, why = gpu_status()
+    return (True, "") if ok else (False, f"the CuPy side cannot run: {why}")
+
+
+# --------------------------------------------------------------------------------------------------
+# inside the callback: XLA buffers and stream as CuPy objects
+# --------------------------------------------------------------------------------------------------
+
+
+def _stream_ptr(ctx) -> int:
+    """The ``cudaStream_t`` XLA runs this callback's work on (a property; a method in early versions)."""
+    stream = ctx.stream
+    return int(stream() if callable(stream) else stream)
+
+
+@contextlib.contextmanager
+def _on_xla_stream(ctx, buf):
+    """Make ``buf``'s device and XLA's stream CuPy's current device and stream; yields the device id."""
+    import cupy
+
+    dev_type, dev = (int(x) for x in buf.__dlpack_device__())
+    if dev_type != _KDL_CUDA:
+        raise RuntimeError(f"sagecupy.jax runs CUDA kernels, but this computation runs on DLPack device type "
+                           f"{dev_type}, not CUDA ({_KDL_CUDA}); put the arrays on a GPU (is JAX on its CPU "
+                           f"backend?)")
+    with cupy.cuda.Device(dev), _checks.external_stream(_stream_ptr(ctx), dev):
+        yield dev
+
+
+def _view(buf, dev):
+    """A CuPy array over an XLA buffer's memory (zero-copy, C order; valid during the callback only)."""
+    import cupy
+
+    shape = tuple(int(s) for s in buf.shape)
+    dtype = np.dtype(buf.dtype)
+    ptr = int(buf.__cuda_array_interface__["data"][0])
+    mem = cupy.cuda.UnownedMemory(ptr, dtype.itemsize * math.prod(shape), buf, dev)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _kernel_input(arr, dtype: str):
+    """What the sagecupy API takes for ``dtype``: the CuPy array, or its uint16 bits as a BF16Array."""
+    if dtype == "bfloat16":
+        from .bf16 import BF16Array
+
+        return BF16Array(arr)
+    return arr
+
+
+def _write(buf, src, name, dev):
+    """Copy a kernel result (raw CuPy array) into the XLA output buffer ``buf``, on the current stream."""
+    dst = _view(buf, dev)
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise RuntimeError(f"sagecupy.jax: {name}: the kernels returned {src.dtype} {tuple(src.shape)} but XLA "
+                           f"expects {dst.dtype} {tuple(dst.shape)}")
+    dst[...] = src
+
+
+# --------------------------------------------------------------------------------------------------
+# outside the callback: JAX arrays
+# --------------------------------------------------------------------------------------------------
+
+
+def _bits(x):
+    """bfloat16 as its uint16 bits (CuPy has no bfloat16); other dtypes unchanged."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _unbits(x, dtype):
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if dtype == jnp.bfloat16 else x
+
+
+def _exchange_dtype(p: _checks.Problem):
+    """dtype of q/k/v/o/gradients inside the callback."""
+    return np.dtype(np.uint16) if p.dtype == "bfloat16" else np.dtype(np.float16)
+
+
+def _problem(q, k, v, causal, sm_scale, layout) -> _checks.Problem:
+    """Validate at trace time (shapes, dtypes, layout, GQA): errors name the argument, as in the CuPy API."""
+    return _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+
+
+def _hashable(name, value, supported):
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} is not supported; supported: {supported}") from None
+    return value
+
+
+def _scale(sm_scale):
+    if sm_scale is None:
+        return None
+    try:
+        return float(sm_scale)
+    except (TypeError, ValueError):  # a traced value raises a TypeError subclass too
+        raise TypeError(f"sm_scale must be a Python float or None, got {sm_scale!r}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# INT8 SageBwd
+# --------------------------------------------------------------------------------------------------
+
+#: int8.Residuals fields the forward callback hands to JAX as arrays, and those rebuilt from the call.
+_INT8_SAVED = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2", "mu_k")
+_INT8_FROM_CALL = ("problem", "config", "v", "o")
+
+
+def _int8_residual_specs(p: _checks.Problem, cfg: SageBwdConfig) -> dict:
+    """name -> (shape, dtype) of the arrays :func:`sagecupy.int8.forward` keeps in its Residuals (known at
+    trace time: XLA allocates them). Checked against the real arrays at run time (:func:`_int8_saved`)."""
+    nq_pad, nk_pad = _layout.roundup(p.nq, int8._FWD_BQ), _layout.roundup(p.nk, int8._FWD_BKV)
+    B, Hq, Hkv, D = p.batch, p.heads_q, p.heads_kv, p.head_dim
+    specs = {
+        "q_codes": ((B, Hq, nq_pad, D), np.dtype(np.int8)),
+        "q_scale": ((B, Hq, nq_pad), np.dtype(np.float32)),
+        "k_codes": ((B, Hkv, nk_pad, D), np.dtype(np.int8)),
+        "k_scale": ((B, Hkv, nk_pad), np.dtype(np.float32)),
+        "lse2": ((B, Hq, nq_pad), np.dtype(np.float32)),
+    }
+    if cfg.k_smoothing:
+        specs["mu_k"] = ((B, Hkv, D), np.dtype(np.float32))
+    return specs
+
+
+def _int8_saved(res, p, cfg) -> dict:
+    """The arrays of ``res`` to save, after checking that they are what :func:`_int8_residual_specs` told
+    XLA (a changed ``int8.Residuals`` fails here, loudly, instead of giving wrong gradients)."""
+    fields = {f.name for f in dataclasses.fields(res)}
+    if fields != set(_INT8_SAVED + _INT8_FROM_CALL):
+        raise RuntimeError(f"sagecupy.int8.Residuals has the fields {sorted(fields)}, the JAX adapter carries "
+                           f"{sorted(_INT8_SAVED + _INT8_FROM_CALL)}: update sagecupy/adapters/jax.py with int8.py")
+    specs = _int8_residual_specs(p, cfg)
+    saved = {}
+    for name in _INT8_SAVED:
+        arr = getattr(res, name)
+        if name not in specs:
+            if arr is not None:
+                raise RuntimeError(f"sagecupy.jax: int8.Residuals.{name} is set but the adapter did not expect it")
+            continue
+        shape, dtype = specs[name]
+        if arr is None or tuple(arr.shape) != shape or arr.dtype != dtype:
+            got = "None" if arr is None else f"{arr.dtype} {tuple(arr.shape)}"
+            raise RuntimeError(f"sagecupy.jax: int8.Residuals.{name} is {got}, the adapter expected {dtype} {shape}: "
+                               f"update _int8_residual_specs with int8.py")
+        saved[name] = arr
+    return saved
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool):
+    """The buffer_callback body of the forward: ``out`` holds ``o`` and, with ``keep``, the residual arrays.
+    Cached per problem so that eager calls reuse one compiled XLA program."""
+
+    def callback(ctx, out, q, k, v):
+        with _on_xla_stream(ctx, q) as dev:
+            qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
+            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg)
+            if keep:
+                o, res = int8.forward(qc, kc, vc, **kw)
+                for name, arr in _int8_saved(res, p, cfg).items():
+                    _write(out[name], arr, name, dev)
+            else:  # outside a vjp: the inference forward (no residuals; o bitwise int8.forward's)
+                o = int8.sage_attention(qc, kc, vc, **kw)
+            _write(out["o"], _checks.raw(o), "o", dev)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_backward_callback(p: _checks.Problem, cfg: SageBwdConfig):
+    """The buffer_callback body of the backward: rebuild the forward's Residuals, run int8.backward."""
+
+    def callback(ctx, out, saved, v, o, do):
+        with _on_xla_stream(ctx, do) as dev:
+            arrays = {name: _view(buf, dev) for name, buf in saved.items()}
+            arrays.setdefault("mu_k", None)
+            # int8.forward keeps `_layout.prepare(v)` (a view of the caller's V, or an aligned copy) and its raw O.
+            res = int8.Residuals(problem=p, config=cfg, v=_layout.prepare(_view(v, dev), "v", p.layout, True),
+                                 o=_view(o, dev), **arrays)
+            grads = int8.backward(res, _kernel_input(_view(do, dev), p.dtype))
+            for buf, g, name in zip(out, grads, ("dq", "dk", "dv")):
+                _write(buf, _checks.raw(g), name, dev)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_op(causal, sm_scale, layout, config):
+    """The custom_vjp function for one set of keyword arguments (cached: one object per set)."""
+    cfg = get_config(config)
+    why = int8._unsupported_config(cfg)
+    if why:
+        raise ValueError(f"config: {why}")
+
+    def forward_call(q, k, v, keep):
+        p = _problem(q, k, v, causal, sm_scale, layout)
+        ex = _exchange_dtype(p)
+        specs = {"o": jax.ShapeDtypeStruct(q.shape, ex)}
+        if keep:
+            specs.update({n: jax.ShapeDtypeStruct(s, d) for n, (s, d) in _int8_residual_specs(p, cfg).items()})
+        out = _buffer_callback()(_int8_forward_callback(p, cfg, keep), specs)(_bits(q), _bits(k), _bits(v))
+        o = _unbits(out.pop("o"), q.dtype)
+        return o, out
+
+    @jax.custom_vjp
+    def op(q, k, v):
+        return forward_call(q, k, v, False)[0]
+
+    def op_fwd(q, k, v):
+        o, saved = forward_call(q, k, v, True)
+        return o, (saved, v, o)
+
+    def op_bwd(residuals, do):
+        saved, v, o = residuals
+        # o has q's shape and dtype and v has k's: the forward's Problem, rebuilt without q and k.
+        p = _problem(o, v, v, causal, sm_scale, layout)
+        ex = _exchange_dtype(p)
+        specs = (jax.ShapeDtypeStruct(o.shape, ex), jax.ShapeDtypeStruct(v.shape, ex),
+                 jax.ShapeDtypeStruct(v.shape, ex))
+        dq, dk, dv = _buffer_callback()(_int8_backward_callback(p, cfg), specs)(
+            saved, _bits(v), _bits(o), _bits(do.astype(o.dtype)))
+        return tuple(_unbits(g, o.dtype) for g in (dq, dk, dv))
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
+    """INT8 SageBwd attention (:mod:`sagecupy.int8`) as a differentiable JAX function.
+
+    q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: the same with Hkv, Nk.
+    float16 or bfloat16, D 64 or 128, ``Hq % Hkv == 0``; ``causal`` is bottom-right aligned; ``sm_scale``
+    (a Python float) defaults to ``1/sqrt(D)``; ``config``: ``None``/``"default"``, ``"paper"`` or a
+    :class:`~sagecupy.config.SageBwdConfig`. Returns o with q's shape and dtype. ``jax.grad`` gives the
+    gradients of :func:`sagecupy.int8.backward`, bit for bit (see the module docstring).
+    """
+    _buffer_callback()
+    causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+    config = _hashable("config", config, "None, 'default', 'paper' or a SageBwdConfig")
+    return _int8_op(causal, _scale(sm_scale), layout, config)(q, k, v)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP4 QAT
+# --------------------------------------------------------------------------------------------------
+
+
+def _qat():
+    """:mod:`sagecupy.qat` with its forward/backward pair, or an ImportError that says what is missing."""
+    try:
+        from .. import qat
+    except ImportError as exc:
+        raise ImportError(f"qat_attention needs sagecupy.qat (the FP4 QAT GPU kernels), which cannot be imported "
+                          f"here ({exc})") from exc
+    if not (callable(getattr(qat, "forward", None)) and callable(getattr(qat, "backward", None))):
+        raise ImportError("qat_attention needs sagecupy.qat.forward and sagecupy.qat.backward, which this "
+                          "sagecupy.qat does not define yet")
+    return qat
+
+
+@functools.lru_cache(maxsize=None)
+def _qat_forward_callback(p: _checks.Problem, config):
+    def callback(ctx, out, q, k, v):
+        with _on_xla_stream(ctx, q) as dev:
+            qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
+            o, _ = _qat().forward(qc, kc, vc, causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=config)
+            _write(out, _checks.raw(o), "o", dev)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _qat_backward_callback(p: _checks.Problem, config):
+    """Rerun the (deterministic) QAT forward for its residuals, then the backward: the gradients are those
+    of the direct calls on the same inputs, at the cost of one more forward."""
+
+    def callback(ctx, out, q, k, v, do):
+        with _on_xla_stream(ctx, do) as dev:
+            qat = _qat()
+            qc, kc, vc, doc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v, do))
+            _, res = qat.forward(qc, kc, vc, causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=config)
+            for buf, g, name in zip(out, qat.backward(res, doc), ("dq", "dk", "dv")):
+                _write(buf, _checks.raw(g), name, dev)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _qat_op(causal, sm_scale, layout, config):
+    def forward_call(q, k, v):
+        p = _problem(q, k, v, causal, sm_scale, layout)
+        spec = jax.ShapeDtypeStruct(q.shape, _exchange_dtype(p))
+        o = _buffer_callback()(_qat_forward_callback(p, config), spec)(_bits(q), _bits(k), _bits(v))
+        return _unbits(o, q.dtype)
+
+    @jax.custom_vjp
+    def op(q, k, v):
+        return forward_call(q, k, v)
+
+    def op_fwd(q, k, v):
+        return forward_call(q, k, v), (q, k, v)
+
+    def op_bwd(residuals, do):
+        q, k, v = residuals
+        p = _problem(q, k, v, causal, sm_scale, layout)
+        ex = _exchange_dtype(p)
+        specs = tuple(jax.ShapeDtypeStruct(x.shape, ex) for x in (q, k, v))
+        grads = _buffer_callback()(_qat_backward_callback(p, config), specs)(
+            _bits(q), _bits(k), _bits(v), _bits(do.astype(q.dtype)))
+        return tuple(_unbits(g, q.dtype) for g in grads)
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
+    """FP4 quantization-aware attention (:mod:`sagecupy.qat`) as a differentiable JAX function: NVFP4
+    fake-quantized forward, straight-through backward. Same arguments and conventions as
+    :func:`sage_attention`; ``config``: ``None`` or a :class:`~sagecupy.config.QATConfig`."""
+    _buffer_callback()
+    _qat()
+    causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+    config = _hashable("config", config, "None or a QATConfig")
+    return _qat_op(causal, _scale(sm_scale), layout, config)(q, k, v)

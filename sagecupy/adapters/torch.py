@@ -1,0 +1,553 @@
+"""PyTorch adapter: sagecupy attention as differentiable PyTorch ops (optional; PyTorch is not a dependency).
+
+``import sagecupy`` never imports PyTorch; ``import sagecupy.torch`` does (it needs PyTorch >= 2.4, for
+``torch.library.custom_op``).
+
+    import torch
+    from sagecupy.torch import sage_attention
+
+    q = torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    o = sage_attention(q, k, v, causal=True)          # INT8 SageBwd forward, a torch tensor
+    o.sum().backward()                                 # INT8 SageBwd backward: q.grad, k.grad, v.grad
+    torch.compile(model, fullgraph=True)               # no graph break at the op
+
+Arguments and conventions are those of :func:`sagecupy.int8.forward` (layouts ``"HND"``/``"NHD"``, GQA,
+bottom-right causal, ``sm_scale=None`` meaning ``1/sqrt(D)``, fp16 or bf16, D 64 or 128).
+
+**Tensors.** Inputs travel to CuPy zero-copy through DLPack, strides included (the kernels take any
+strides with a contiguous last dimension and copy other inputs themselves). CuPy 14 has no bfloat16
+dtype: bf16 tensors travel as their int16 bits and become a :class:`~sagecupy.adapters.bf16.BF16Array`; outputs
+come back the same way (:func:`to_cupy`, :func:`from_cupy`).
+
+**Streams.** Every kernel runs on PyTorch's *current stream* of the inputs' device (:func:`on_torch_stream`
+makes it CuPy's current stream for the duration of the call). The kernels are therefore ordered after
+whatever produced the inputs on that stream and before whatever consumes the outputs on it, exactly like
+a native PyTorch op: no host synchronization and no device-wide synchronization happen, and none is
+needed. In the backward, PyTorch's autograd engine makes the stream of the forward call current, so the
+backward kernels run there too.
+
+**Memory.** Outputs (and the saved residuals) are allocated by CuPy's memory pool, on the stream above,
+and handed to PyTorch through DLPack: the PyTorch tensor keeps the CuPy allocation alive and frees it
+when it is itself freed. Two consequences: (1) CuPy's pool and PyTorch's caching allocator are separate
+pools (``torch.cuda.memory_allocated`` does not count sagecupy's buffers; ``cupy.get_default_memory_pool()``
+does); (2) CuPy reuses a freed block only for later allocations on the *same* stream, so the ordering is
+safe as long as the output is used on that stream. An output used on another stream must be kept alive
+(or that stream synchronized back) until the other stream is done with it: ``Tensor.record_stream`` only
+protects memory that PyTorch's allocator owns. CUDA-graph capture (``torch.compile(mode="reduce-overhead")``)
+is not supported: CuPy allocates during the call.
+
+**Two ways in, per family.**
+
+* INT8 SageBwd: :func:`sage_attention` always goes through the ``torch.library`` custom ops
+  ``sagecupy::sage_attention_fwd`` / ``sagecupy::sage_attention_bwd``. The forward op returns the output
+  and the residual *tensors* of :class:`sagecupy.int8.Residuals` (the INT8 codes of Q and K, their scales,
+  the base-2 LSE); the backward op rebuilds the ``Residuals`` from them and runs the same backward
+  kernels on the same buffers, so the gradients are those of ``int8.forward``/``int8.backward`` called
+  directly, bit for bit. The residuals are saved with ``save_for_backward``: freed after the backward,
+  and an in-place change of ``v`` or ``o`` before it is an error, as for any PyTorch op. A call that needs
+  no gradient (under ``torch.no_grad()`` / ``torch.inference_mode()``, or with no input requiring grad) runs
+  ``sagecupy::sage_attention_infer`` instead: :func:`sagecupy.int8.sage_attention`, which keeps no residuals
+  and writes less (its output is bitwise the forward op's).
+  :class:`SageAttentionFunction` is the plain ``torch.autograd.Function`` alternative (eager only: it
+  keeps the opaque residuals object on ``ctx``, alive as long as the autograd graph that holds it).
+* FP4 QAT (:mod:`sagecupy.qat`, imported when first used): :func:`qat_attention` runs
+  :class:`QATAttentionFunction` in eager mode (opaque residuals on ``ctx``, no extra work) and, under
+  ``torch.compile``, the custom ops ``sagecupy::qat_attention_fwd`` / ``sagecupy::qat_attention_bwd``,
+  whose backward recomputes the residuals from ``q, k, v`` (the forward is a deterministic function of
+  its inputs, so they are the same residuals) because an opaque Python object cannot cross a custom-op
+  boundary.
+"""
+import contextlib
+import dataclasses
+import functools
+import importlib
+import typing
+
+import torch
+
+from .. import _checks
+from ..config import QATConfig, SageBwdConfig, get_config
+
+__all__ = ["sage_attention", "qat_attention", "SageAttentionFunction", "QATAttentionFunction", "to_cupy",
+           "from_cupy", "on_torch_stream"]
+
+if not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"sagecupy.torch needs PyTorch >= 2.4 (torch.library.custom_op); this is {torch.__version__}")
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_LAYOUTS = ("HND", "NHD")
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# tensors and streams
+# --------------------------------------------------------------------------------------------------
+
+
+def _require_cuda_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise TypeError(f"{name} is a {t.device.type} tensor; sagecupy runs on CUDA tensors (move it with "
+                        f"{name}.cuda())")
+
+
+def to_cupy(tensor, name="tensor"):
+    """A zero-copy CuPy view of a CUDA tensor, strides kept: a ``cupy.ndarray``, or a
+    :class:`~sagecupy.adapters.bf16.BF16Array` for ``torch.bfloat16`` (its bits travel as int16: CuPy 14 has no
+    bfloat16 dtype). The view keeps the tensor alive. Call it on the stream that will use the view
+    (:func:`on_torch_stream`): DLPack orders that stream after the tensor's current stream."""
+    import cupy
+
+    from .bf16 import BF16Array
+
+    _require_cuda_tensor(tensor, name)
+    t = tensor.detach()  # DLPack refuses tensors that require grad; the memory is the same
+    if t.dtype == torch.bfloat16:
+        return BF16Array(cupy.from_dlpack(t.view(torch.int16)).view(cupy.uint16))
+    return cupy.from_dlpack(t)
+
+
+def from_cupy(x):
+    """A zero-copy PyTorch tensor of a CuPy array (``torch.bfloat16`` for a :class:`~sagecupy.adapters.bf16.BF16Array`).
+    The tensor keeps the CuPy allocation alive."""
+    import cupy
+
+    from .bf16 import BF16Array
+
+    if isinstance(x, BF16Array):
+        return torch.from_dlpack(x.bits.view(cupy.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(x)
+
+
+@contextlib.contextmanager
+def on_torch_stream(device):
+    """Make ``device`` CuPy's current device and PyTorch's current stream on it CuPy's current stream.
+
+    Everything CuPy launches or allocates inside the block is then ordered on PyTorch's stream: after
+    the kernels that produced the inputs, before those that will consume the outputs; nothing waits
+    on the host."""
+    import cupy
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    with cupy.cuda.Device(index), _checks.external_stream(stream.cuda_stream, index):
+        yield
+
+
+def _check_inputs(*named):
+    """TypeError/ValueError naming the argument for anything the kernels cannot take as a torch tensor:
+    not a tensor, not on a GPU, not fp16/bf16, dtypes or devices that differ. Shapes are checked by the
+    family itself. Returns the common device. Only tensor metadata is read (traceable by torch.compile)."""
+    first_name, first = None, None
+    for name, t in named:
+        _require_cuda_tensor(t, name)
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}.dtype={t.dtype} is not supported; supported: torch.float16, torch.bfloat16")
+        if first is None:
+            first_name, first = name, t
+            continue
+        if t.dtype != first.dtype:
+            raise TypeError(f"{first_name} and {name} must share one dtype, got {first.dtype} and {t.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} and {first_name} on {first.device}; all inputs must be on "
+                             f"one GPU")
+    return first.device
+
+
+def _check_options(causal, layout):
+    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS}")
+
+
+def _hnd(shape, layout):
+    """(B, H, N, D) of a 4-D shape in ``layout``."""
+    if len(shape) != 4:
+        raise ValueError(f"attention inputs must be 4-D, got shape {tuple(shape)}")
+    b, a1, a2, d = shape
+    return (b, a1, a2, d) if layout == "HND" else (b, a2, a1, d)
+
+
+def _family(name):
+    """The family module: ``sagecupy.int8`` or ``sagecupy.qat`` (imported on first use)."""
+    if name == "int8":
+        from .. import int8
+
+        return int8
+    try:
+        mod = importlib.import_module("sagecupy.qat")
+    except ImportError as exc:
+        raise ImportError(f"the FP4 QAT op needs sagecupy.qat (the QAT GPU kernels), which cannot be imported here: "
+                          f"{exc}") from exc
+    if not (callable(getattr(mod, "forward", None)) and callable(getattr(mod, "backward", None))):
+        raise ImportError("the FP4 QAT op needs sagecupy.qat.forward and sagecupy.qat.backward, which this "
+                          "installation's sagecupy.qat does not have yet")
+    return mod
+
+
+# --------------------------------------------------------------------------------------------------
+# configs across the custom-op boundary (custom ops take str, not dataclasses)
+# --------------------------------------------------------------------------------------------------
+
+
+def _field_names(cls):
+    """Field names of a config dataclass, ``name`` last (it is free text, so it is parsed last)."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
+    return tuple(names) + ("name",)
+
+
+_CONFIG_CLASSES = {"SageBwdConfig": (SageBwdConfig, _field_names(SageBwdConfig)),
+                   "QATConfig": (QATConfig, _field_names(QATConfig))}
+
+
+def _encode_config(cfg):
+    """A config as the custom ops' ``str`` argument: ``""`` for None, a preset name as is, a config
+    dataclass as ``"Class:field=value;...;name=..."``. Written with attribute reads and string
+    formatting only, so that torch.compile traces it without a graph break."""
+    if cfg is None:
+        return ""
+    if isinstance(cfg, str):
+        return cfg
+    if isinstance(cfg, SageBwdConfig):
+        tag = "SageBwdConfig"
+    elif isinstance(cfg, QATConfig):
+        tag = "QATConfig"
+    else:
+        raise TypeError(f"config must be None, a preset name, a SageBwdConfig or a QATConfig, got "
+                        f"{type(cfg).__name__}")
+    parts = []
+    for field in _CONFIG_CLASSES[tag][1]:
+        parts.append(f"{field}={getattr(cfg, field)}")
+    return tag + ":" + ";".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_config(text):
+    """Inverse of :func:`_encode_config`."""
+    if text == "":
+        return None
+    tag, sep, body = text.partition(":")
+    if not sep or tag not in _CONFIG_CLASSES:
+        return text  # a preset name: the family resolves it
+    cls, names = _CONFIG_CLASSES[tag]
+    defaults = cls()
+    values = {}
+    for field, item in zip(names, body.split(";", len(names) - 1)):
+        key, _, value = item.partition("=")
+        if key != field:
+            raise ValueError(f"malformed config string {text!r} (expected field {field!r}, got {key!r})")
+        kind = type(getattr(defaults, field))
+        values[field] = (value == "True") if kind is bool else kind(value)
+    return cls(**values)
+
+
+# --------------------------------------------------------------------------------------------------
+# plain autograd.Functions (eager): the residuals object stays on ctx
+# --------------------------------------------------------------------------------------------------
+
+
+def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config):
+    device = _check_inputs(("q", q), ("k", k), ("v", v))
+    mod = _family(family)
+    with on_torch_stream(device):
+        o, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                             layout=layout, config=config)
+        o = from_cupy(o)
+    ctx.family, ctx.device, ctx.res = family, device, res
+    # Not needed by the backward (the residuals hold what it needs): saved so that autograd's version
+    # counters report an in-place change of v or o before the backward instead of wrong gradients.
+    ctx.save_for_backward(v, o)
+    return o
+
+
+def _function_backward(ctx, do):
+    ctx.saved_tensors  # noqa: B018 -- raises if v or o was modified in place since the forward
+    _check_inputs(("do", do))
+    mod = _family(ctx.family)
+    with on_torch_stream(ctx.device):
+        grads = mod.backward(ctx.res, to_cupy(do.contiguous(), "do"))
+        dq, dk, dv = (from_cupy(g) for g in grads)
+    return dq, dk, dv, None, None, None, None
+
+
+class SageAttentionFunction(torch.autograd.Function):
+    """INT8 SageBwd attention as a ``torch.autograd.Function``:
+    ``SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)`` (positional).
+
+    Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, which goes through the
+    custom ops and gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
+    on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None):
+        return _function_forward(ctx, "int8", q, k, v, causal, sm_scale, layout, config)
+
+    @staticmethod
+    def backward(ctx, do):
+        return _function_backward(ctx, do)
+
+
+class QATAttentionFunction(torch.autograd.Function):
+    """FP4 QAT attention (:mod:`sagecupy.qat`) as a ``torch.autograd.Function``:
+    ``QATAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)`` (positional; ``config`` a
+    :class:`~sagecupy.config.QATConfig` or None). Eager only; :func:`qat_attention` uses it in eager mode."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None):
+        return _function_forward(ctx, "qat", q, k, v, causal, sm_scale, layout, config)
+
+    @staticmethod
+    def backward(ctx, do):
+        return _function_backward(ctx, do)
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library custom ops: tensors only across the boundary
+# --------------------------------------------------------------------------------------------------
+
+
+def _int8_residual_shapes(q_shape, k_shape, layout):
+    """Shapes of the residual tensors of :class:`sagecupy.int8.Residuals`, in the order the forward op
+    returns them: q_codes, q_scale, k_codes, k_scale, lse2. Query rows are padded to the forward's
+    128-row blocks, keys to a multiple of 128 (the largest forward key tile)."""
+    from ..int8 import _FWD_BKV, _FWD_BQ
+
+    B, Hq, Nq, D = _hnd(q_shape, layout)
+    _, Hkv, Nk, _ = _hnd(k_shape, layout)
+    nq_pad = (Nq + _FWD_BQ - 1) // _FWD_BQ * _FWD_BQ
+    nk_pad = (Nk + _FWD_BKV - 1) // _FWD_BKV * _FWD_BKV
+    return (B, Hq, nq_pad, D), (B, Hq, nq_pad), (B, Hkv, nk_pad, D), (B, Hkv, nk_pad), (B, Hq, nq_pad)
+
+
+_INT8_RESIDUAL_DTYPES = (torch.int8, torch.float32, torch.int8, torch.float32, torch.float32)
+_INT8_RESIDUAL_FIELDS = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2")
+
+
+def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, *, causal, sm_scale, layout, config):
+    """The :class:`sagecupy.int8.Residuals` the forward built, from the tensors it returned (CuPy views).
+
+    ``o`` has q's shape and dtype and ``v`` k's, so :func:`sagecupy._checks.check_attention_args` gives
+    the forward's ``Problem`` field for field; ``v`` is prepared exactly as the forward prepared it (a
+    view, or the same copy when its rows were not 16-byte aligned). ``mu_k`` is not used by the backward.
+    """
+    from .. import int8 as s8
+
+    p = _checks.check_attention_args(o, v, v, causal=causal, sm_scale=sm_scale, layout=layout)
+    return s8.Residuals(problem=p, config=get_config(config), q_codes=q_codes, q_scale=q_scale, k_codes=k_codes,
+                        k_scale=k_scale, v=s8._prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2, mu_k=None)
+
+
+@torch.library.custom_op("sagecupy::sage_attention_fwd", mutates_args=())
+def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+                 config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """INT8 SageBwd forward: (o, q_codes, q_scale, k_codes, k_scale, lse2); all but o are the residuals."""
+    from .. import int8 as s8
+
+    device = _check_inputs(("q", q), ("k", k), ("v", v))
+    with on_torch_stream(device):
+        o, res = s8.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                            layout=layout, config=_decode_config(config))
+        saved = [getattr(res, f) for f in _INT8_RESIDUAL_FIELDS]
+        want = _int8_residual_shapes(q.shape, k.shape, layout)
+        for field, x, shape in zip(_INT8_RESIDUAL_FIELDS, saved, want):
+            if tuple(x.shape) != shape:  # the fake implementation below would be wrong
+                raise RuntimeError(f"sagecupy.int8.Residuals.{field} has shape {tuple(x.shape)}, the adapter "
+                                   f"expected {shape}: sagecupy.torch is out of date with sagecupy.int8")
+        return tuple(from_cupy(x) for x in (o, *saved))
+
+
+@torch.library.custom_op("sagecupy::sage_attention_infer", mutates_args=())
+def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+                   config: str) -> Tensor:
+    """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
+    op's), for calls that need no gradient."""
+    from .. import int8 as s8
+
+    device = _check_inputs(("q", q), ("k", k), ("v", v))
+    with on_torch_stream(device):
+        o = s8.sage_attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                              layout=layout, config=_decode_config(config))
+        return from_cupy(o)
+
+
+@_sage_infer_op.register_fake
+def _sage_infer_fake(q, k, v, causal, sm_scale, layout, config):
+    return q.new_empty(q.shape)
+
+
+@_sage_fwd_op.register_fake
+def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config):
+    shapes = _int8_residual_shapes(q.shape, k.shape, layout)
+    return (q.new_empty(q.shape),
+            *(q.new_empty(s, dtype=dt) for s, dt in zip(shapes, _INT8_RESIDUAL_DTYPES)))
+
+
+@torch.library.custom_op("sagecupy::sage_attention_bwd", mutates_args=())
+def _sage_bwd_op(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Tensor, k_codes: Tensor,
+                 k_scale: Tensor, lse2: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+                 config: str) -> tuple[Tensor, Tensor, Tensor]:
+    """INT8 SageBwd backward from the forward op's output and residual tensors: (dq, dk, dv)."""
+    from .. import int8 as s8
+
+    device = _check_inputs(("do", do), ("o", o), ("v", v))
+    with on_torch_stream(device):
+        res = _int8_residuals(to_cupy(o, "o"), to_cupy(v, "v"),
+                              *(to_cupy(x, f) for x, f in zip((q_codes, q_scale, k_codes, k_scale, lse2),
+                                                               _INT8_RESIDUAL_FIELDS)),
+                              causal=causal, sm_scale=sm_scale, layout=layout, config=_decode_config(config))
+        return tuple(from_cupy(g) for g in s8.backward(res, to_cupy(do, "do")))
+
+
+@_sage_bwd_op.register_fake
+def _sage_bwd_fake(do, o, v, q_codes, q_scale, k_codes, k_scale, lse2, causal, sm_scale, layout, config):
+    return o.new_empty(o.shape), v.new_empty(v.shape), v.new_empty(v.shape)
+
+
+def _sage_setup_context(ctx, inputs, output):
+    q, k, v, causal, sm_scale, layout, config = inputs
+    o, *residuals = output
+    ctx.mark_non_differentiable(*residuals)
+    ctx.save_for_backward(o, v, *residuals)
+    ctx.options = (causal, sm_scale, layout, config)
+
+
+def _sage_backward(ctx, do, *_residual_grads):
+    o, v, *residuals = ctx.saved_tensors
+    dq, dk, dv = torch.ops.sagecupy.sage_attention_bwd(do.contiguous(), o, v, *residuals, *ctx.options)
+    return dq, dk, dv, None, None, None, None
+
+
+_sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context)
+
+
+@torch.library.custom_op("sagecupy::qat_attention_fwd", mutates_args=())
+def _qat_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+                config: str) -> Tensor:
+    """FP4 QAT forward: o (the residuals are recomputed by the backward op)."""
+    mod = _family("qat")
+    device = _check_inputs(("q", q), ("k", k), ("v", v))
+    with on_torch_stream(device):
+        o, _ = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                           layout=layout, config=_decode_config(config))
+        return from_cupy(o).contiguous()  # the fake below promises a contiguous o (a no-op if it already is)
+
+
+@_qat_fwd_op.register_fake
+def _qat_fwd_fake(q, k, v, causal, sm_scale, layout, config):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("sagecupy::qat_attention_bwd", mutates_args=())
+def _qat_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float],
+                layout: str, config: str) -> tuple[Tensor, Tensor, Tensor]:
+    """FP4 QAT backward: reruns the (deterministic) forward for its residuals, then the backward."""
+    mod = _family("qat")
+    device = _check_inputs(("do", do), ("q", q), ("k", k), ("v", v))
+    with on_torch_stream(device):
+        _, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                             layout=layout, config=_decode_config(config))
+        grads = mod.backward(res, to_cupy(do, "do"))
+        return tuple(from_cupy(g).contiguous() for g in grads)
+
+
+@_qat_bwd_op.register_fake
+def _qat_bwd_fake(do, q, k, v, causal, sm_scale, layout, config):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _qat_setup_context(ctx, inputs, output):
+    q, k, v, causal, sm_scale, layout, config = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.options = (causal, sm_scale, layout, config)
+
+
+def _qat_backward(ctx, do):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.sagecupy.qat_attention_bwd(do.contiguous(), q, k, v, *ctx.options)
+    return dq, dk, dv, None, None, None, None
+
+
+_qat_fwd_op.register_autograd(_qat_backward, setup_context=_qat_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def _compiling():
+    return torch.compiler.is_compiling()
+
+
+def _scale(sm_scale):
+    """``sm_scale`` as the ops' ``float?`` argument (its value is checked by the family)."""
+    if sm_scale is None:
+        return None
+    try:
+        return float(sm_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}") from None
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _sage_attention_op(q, k, v, causal, sm_scale, layout, config):
+    """The custom-op path (what :func:`sage_attention` runs), after argument checks. A call that needs no gradient
+    (grad mode off, or no input requires grad) runs the inference op, which keeps no residuals."""
+    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)))
+    if not _needs_grad(q, k, v):
+        return torch.ops.sagecupy.sage_attention_infer(*args)
+    o, *_residuals = torch.ops.sagecupy.sage_attention_fwd(*args)
+    return o
+
+
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
+    """INT8 SageBwd attention on PyTorch tensors, differentiable and ``torch.compile``-able.
+
+    q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: the same with Hkv,
+    Nk (``Hq % Hkv == 0``). CUDA tensors, fp16 or bf16 (one dtype), D 64 or 128, any strides. ``causal``
+    is bottom-right aligned (query row ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``)::
+
+        Nq=3, Nk=5      keys ->  0 1 2 3 4
+                  row 0          x x x . .
+                  row 1          x x x x .
+                  row 2          x x x x x
+
+    ``config``: ``"default"`` (None), ``"paper"`` or a :class:`~sagecupy.config.SageBwdConfig`. Returns
+    ``o`` with q's shape and dtype (contiguous); ``o.backward`` gives the INT8 SageBwd gradients, equal
+    bit for bit to :func:`sagecupy.int8.backward` after :func:`sagecupy.int8.forward` on the same inputs
+    (the backward kernels use no atomics). Runs on PyTorch's current stream (module docstring).
+    """
+    _check_inputs(("q", q), ("k", k), ("v", v))
+    _check_options(causal, layout)
+    return _sage_attention_op(q, k, v, causal, sm_scale, layout, config)
+
+
+def _qat_attention_op(q, k, v, causal, sm_scale, layout, config):
+    """The custom-op path of :func:`qat_attention` (what it runs under torch.compile)."""
+    if config is not None and not isinstance(config, QATConfig):
+        raise TypeError(f"config must be a QATConfig or None, got {type(config).__name__}")
+    return torch.ops.sagecupy.qat_attention_fwd(q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(config))
+
+
+def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
+    """FP4 quantization-aware attention (:mod:`sagecupy.qat`) on PyTorch tensors, differentiable and
+    ``torch.compile``-able. Arguments as :func:`sage_attention`; ``config`` a
+    :class:`~sagecupy.config.QATConfig` or None. Raises ImportError when this installation has no
+    :mod:`sagecupy.qat` kernels.
+
+    Eager calls run :class:`QATAttentionFunction` (the residuals object stays on the autograd ctx);
+    under ``torch.compile`` the custom ops run, whose backward recomputes the residuals from q, k, v.
+    Both give the gradients of ``qat.forward``/``qat.backward`` called directly."""
+    _check_inputs(("q", q), ("k", k), ("v", v))
+    _check_options(causal, layout)
+    if _compiling():
+        return _qat_attention_op(q, k, v, causal, sm_scale, layout, config)
+    return QATAttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout, config)
