@@ -4,7 +4,11 @@ The float64 reference lives in :mod:`sagecupy.reference`; the GPU families in
 :mod:`sagecupy.int8` (SageBwd), and the configuration objects in
 :mod:`sagecupy.config`.
 """
-import os as _os
+# The one version string: setup.cfg reads it (``version = attr: sagecupy.__version__``) without importing
+# the package, so it stays a plain literal assignment.
+__version__ = "0.1.0"
+
+import os as _os  # noqa: E402
 
 # In a source checkout used without installing (``python -m pytest`` from the repository root puts the
 # checkout first on sys.path), the sub-packages that setup.cfg maps from top-level folders
@@ -15,8 +19,6 @@ if not _os.path.isdir(_os.path.join(__path__[0], "reference")) and _os.path.isfi
         _os.path.join(_root, "reference", "__init__.py")):
     __path__.append(_root)
 
-from .config import DEFAULT, PAPER, NVFP4Config, QATConfig, SageBwdConfig, get_config
-
-__version__ = "0.1.0"
+from .config import DEFAULT, PAPER, NVFP4Config, QATConfig, SageBwdConfig, get_config  # noqa: E402
 
 __all__ = ["DEFAULT", "PAPER", "NVFP4Config", "QATConfig", "SageBwdConfig", "get_config", "__version__"]

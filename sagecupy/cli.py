@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import click
 
-from . import analysis
+from . import __version__, analysis
 from ._loader import gpu_status
 
 __all__ = ["main", "emit", "format_table", "analysis_options"]
@@ -363,7 +363,9 @@ def _prepare(opts: dict, *, loaded_shape: bool = False) -> _Run:
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="sagecupy", prog_name="sagecupy")
+# The package's own version string, not the installed distribution's metadata: `python -m sagecupy --version`
+# works from a checkout that was never installed.
+@click.version_option(version=__version__, prog_name="sagecupy")
 def main():
     """sagecupy: low-bit trainable attention (INT8 SageBwd, NVFP4, FP4 QAT), measured against float64.
 
