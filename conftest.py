@@ -32,7 +32,9 @@ def _gpu_status():
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return False, f"no CUDA device ({type(exc).__name__}: {exc})"
+        from sagecupy._loader import cuda_error_reason  # "no NVIDIA driver found" rather than CuPy's driver text
+
+        return False, cuda_error_reason(exc) or f"no CUDA device ({type(exc).__name__}: {exc})"
     if n < 1:
         return False, "no CUDA device"
     return True, ""

@@ -80,10 +80,12 @@ def gpu_info() -> dict:
     except Exception:
         pass
     try:
-        info["cuda_driver"] = runtime.driverGetVersion()
+        info["cuda_driver"] = runtime.driverGetVersion() or None  # 0: no driver
         count = runtime.getDeviceCount()
     except Exception as exc:
-        info["gpu_reason"] = f"no CUDA device: {type(exc).__name__}: {exc}".strip()
+        from ._loader import cuda_error_reason
+
+        info["gpu_reason"] = cuda_error_reason(exc) or f"no CUDA device: {type(exc).__name__}: {exc}".strip()
         return info
     if count < 1:
         info["gpu_reason"] = "no CUDA device"

@@ -25,7 +25,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["gpu_status", "kernel_dir", "kernel_source", "get_function", "cuda_include_dir"]
+__all__ = ["gpu_status", "cuda_error_reason", "kernel_dir", "kernel_source", "get_function", "cuda_include_dir"]
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[ \t]*(?://[^\n]*)?$', re.MULTILINE)  # a trailing // comment too
 
@@ -100,6 +100,63 @@ def cuda_include_dir() -> str | None:
     return None
 
 
+#: cudaErrorInsufficientDriver. CuPy words it "CUDA driver version is insufficient for CUDA runtime version",
+#: and it is also what the runtime reports when no driver is installed at all.
+_INSUFFICIENT_DRIVER = 35
+
+
+def _driver_library() -> str:
+    return "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+
+
+def _driver_loads() -> bool:
+    """Whether the NVIDIA driver's user-space library can be loaded."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(_driver_library())
+    except OSError:
+        return False
+    return True
+
+
+def _cuda_version(encoded) -> str | None:
+    """``12040`` -> ``"12.4"`` (CUDA's version encoding); None for 0 (no driver) or a non-number."""
+    try:
+        encoded = int(encoded)
+    except (TypeError, ValueError):
+        return None
+    return f"{encoded // 1000}.{encoded % 1000 // 10}" if encoded > 0 else None
+
+
+def cuda_error_reason(exc: BaseException) -> str | None:
+    """What a CUDA runtime error means for the user, where CuPy's own text would mislead; else None.
+
+    cudaErrorInsufficientDriver: "no NVIDIA driver found" when the driver library does not load, else which
+    CUDA the driver supports against the one this CuPy needs.
+    """
+    if getattr(exc, "status", None) != _INSUFFICIENT_DRIVER and "cudaErrorInsufficientDriver" not in str(exc):
+        return None
+    if not _driver_loads():
+        return f"no NVIDIA driver found ({_driver_library()} is not installed)"
+    need = have = None
+    try:
+        import cupy
+
+        need = _cuda_version(cupy.cuda.runtime.runtimeGetVersion())
+        have = _cuda_version(cupy.cuda.runtime.driverGetVersion())
+    except Exception:
+        pass
+    text = f"the NVIDIA driver is older than CUDA {need} needs" if need else \
+        "the NVIDIA driver is older than this CuPy's CUDA runtime needs"
+    if have:
+        text += f" (the driver supports CUDA {have})"
+    text += ": update the driver"
+    if have and need and have.split(".")[0] == "12" and need.split(".")[0] != "12":
+        text += " or install CuPy for CUDA 12 (pip install 'sagecupy[cuda12]')"
+    return text
+
+
 def gpu_status() -> tuple[bool, str]:
     """(True, device name) when CuPy imports and a CUDA device answers, else (False, why)."""
     try:
@@ -114,7 +171,7 @@ def gpu_status() -> tuple[bool, str]:
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         return True, f"{name} (sm_{props['major']}{props['minor']})"
     except Exception as exc:
-        return False, f"no usable CUDA device ({type(exc).__name__}: {exc})"
+        return False, cuda_error_reason(exc) or f"no usable CUDA device ({type(exc).__name__}: {exc})"
 
 
 def _options(arch: str | None = None) -> tuple:

@@ -283,3 +283,77 @@ def test_debug_env_shows_the_traceback(runner, monkeypatch):
     monkeypatch.setenv("SAGECUPY_DEBUG", "1")
     result = runner.invoke(main, ["smoothing", "--family", "qat", *TINY])
     assert result.exit_code != 0 and isinstance(result.exception, ValueError)
+
+
+# ----------------------------------------------------------------------------
+# CuPy installed, no usable driver: CuPy's "driver version is insufficient" is not what the user reads
+# ----------------------------------------------------------------------------
+
+
+def _fake_cupy(monkeypatch, *, driver_loads, driver_version=0, runtime_version=13000):
+    """A stand-in ``cupy`` whose device queries fail with cudaErrorInsufficientDriver, and a fake driver library."""
+    import ctypes
+    import importlib.machinery
+    import sys
+    import types
+
+    class CUDARuntimeError(RuntimeError):
+        def __init__(self, status):
+            self.status = status
+            super().__init__("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime "
+                             "version")
+
+    def insufficient(*_):
+        raise CUDARuntimeError(35)
+
+    runtime = types.ModuleType("cupy.cuda.runtime")
+    runtime.CUDARuntimeError = CUDARuntimeError
+    runtime.getDeviceCount = insufficient
+    runtime.getDeviceProperties = insufficient
+    runtime.runtimeGetVersion = lambda: runtime_version
+    runtime.driverGetVersion = lambda: driver_version
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.runtime = runtime
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime)):
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, module)
+    real_cdll = ctypes.CDLL
+
+    def cdll(name, *args, **kwargs):
+        if "libcuda" in str(name) or "nvcuda" in str(name):
+            if not driver_loads:
+                raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+            return object()
+        return real_cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+
+
+def test_no_driver_says_no_driver(monkeypatch, runner):
+    from sagecupy import _env, _loader
+
+    _fake_cupy(monkeypatch, driver_loads=False)
+    ok, why = _loader.gpu_status()
+    assert not ok and why == "no NVIDIA driver found (libcuda.so.1 is not installed)"
+    info = _env.gpu_info()
+    assert info["gpu"] is None and info["gpu_reason"] == why and info["cuda_driver"] is None
+    out = _ok(runner.invoke(main, ["info"])).stdout
+    assert "no NVIDIA driver found" in out and "insufficient" not in out
+
+
+def test_old_driver_says_which_cuda(monkeypatch):
+    from sagecupy import _env, _loader
+
+    _fake_cupy(monkeypatch, driver_loads=True, driver_version=12040, runtime_version=13000)
+    ok, why = _loader.gpu_status()
+    assert not ok and why.startswith("the NVIDIA driver is older than CUDA 13.0 needs (the driver supports CUDA 12.4)")
+    assert "sagecupy[cuda12]" in why and "insufficient" not in why
+    assert _env.gpu_info()["gpu_reason"] == why
+
+
+def test_other_cuda_errors_keep_their_text(monkeypatch):
+    from sagecupy import _loader
+
+    assert _loader.cuda_error_reason(RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")) is None
