@@ -1,4 +1,4 @@
-"""SageBwd on the GPU: INT8 attention forward and backward (SPEC §2-4).
+"""SageBwd on the GPU: INT8 attention forward and backward (docs/algorithms.md §2-4).
 
 Data flow: validate -> pre-process (K-smoothing mean, INT8 quantization of Q, K, V) -> attention
 kernel -> (O, LSE, residuals). The backward pre-processes dO (delta = rowsum(dO * O), INT8 dO^T)
@@ -23,7 +23,6 @@ Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 from . import _checks, _layout
@@ -89,8 +88,7 @@ def _quant_names(T, D):
         f"column_partial<{T}, {D}, false>", f"column_partial<{T}, {D}, true>", "column_finish<false>",
         "column_finish<true>", f"column_partial_kv<{T}, {D}>", "column_finish_kv", f"quant_rows_qk<{T}, {D}, {_QK_RPW}>",
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
-        f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 1>",
-        f"quant_transpose_perm<{T}, {D}, 2>",
+        f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 2>",
         f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
@@ -117,12 +115,12 @@ def kernel_names() -> dict:
 def forward_engine(engine: str | None = None, head_dim: int | None = None) -> str:
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
-    ``engine``: ``None`` or ``"auto"`` (the default) picks
-    ``"wgmma"`` on sm_90 (D = 64 and 128), where the pipelined wgmma kernel measured 1.25-1.34x
-    (D = 64) and 1.75-1.88x (D = 128) the mma.sync kernel's speed on the H200, causal or not, N 4K/16K
-    (``bench/results/session6_run3/bench_table.txt``), and ``"mma"`` elsewhere. Both compute the same function:
-    their int32 products are exact and every float operation after them is the same, so O and the LSE agree
-    bit for bit (tested). ``head_dim`` no longer changes the choice (kept for existing callers).
+    ``engine``: ``None`` or ``"auto"`` (the default) picks ``"wgmma"`` on sm_90 (D = 64 and 128), where the
+    pipelined wgmma kernel measured 1.25-1.34x (D = 64) and 1.75-1.88x (D = 128) the mma.sync kernel's speed on the
+    H200, causal or not, N 4K/16K (docs/experiments.md), and ``"mma"`` elsewhere; ``"mma"`` asks for the mma.sync
+    kernel on Hopper too. Both compute the same function: their int32 products are exact and every float operation
+    after them is the same, so O and the LSE agree bit for bit (tested). ``head_dim`` does not change the choice
+    (kept for existing callers).
     """
     return _layout.pick_engine(engine)
 
@@ -132,7 +130,7 @@ def backward_engine(engine: str | None = None) -> str:
 
     ``engine``: ``None`` or ``"auto"`` (the default) picks
     ``"wgmma"`` on sm_90 (1.55-1.91x the mma.sync kernels' speed on the H200, D 64/128, N 4K/16K,
-    ``bench/results/session6_run3/bench_table.txt``) and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
+    docs/experiments.md) and ``"mma"`` elsewhere. The two run the same algorithm with the same element-wise
     float operations (``kernels_cu/int8/bwd.cuh``) and exact int32 products; they can differ only
     through the fp32 accumulation order of the fp16/bf16 ``dP = dO V^T`` inside the tensor cores (tested).
     """
@@ -185,7 +183,7 @@ def _qfn(name, T, D):
 
 @dataclass
 class Residuals:
-    """What :func:`backward` needs, all on the device (SPEC §3.5). Treat as opaque.
+    """What :func:`backward` needs, all on the device (docs/algorithms.md §3.5). Treat as opaque.
 
     ``o`` is the very buffer :func:`forward` returned and ``v`` the caller's V (unless it had to be copied):
     like every autograd system that saves tensors, modifying them in place before :func:`backward`
@@ -218,19 +216,6 @@ def _column_stat(x, strides, T, shape, absmax):
     prog = Program()
     _column_stat_rec(prog, "out", Ref("x"), strides, T, shape, absmax)
     return prog.run({"x": x})["out"]
-
-
-_PREPASS_MODES = ("merged", "split")
-
-
-def fwd_prepass_mode() -> str:
-    """How the forward pre-pass's quantization is launched on the wgmma engine at D = 128 with per-token Q and K:
-    ``"merged"`` (default: Q, K and V in one launch, ``quant_qkv``) or ``"split"`` (Q/K, then V: the same bytes).
-    ``SAGECUPY_FWD_PREPASS`` overrides the default."""
-    mode = os.environ.get("SAGECUPY_FWD_PREPASS", "merged")
-    if mode not in _PREPASS_MODES:
-        raise ValueError(f"SAGECUPY_FWD_PREPASS={mode!r} is not supported; supported: {_PREPASS_MODES}")
-    return mode
 
 
 def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
@@ -331,7 +316,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     # Buffers: the backward's residuals (Q^, K^, their scales, mu_K) are arrays of their own in the training forward;
     # everything else (and, in the inference forward, everything) is scratch in one arena (_layout.TMP): one allocation per
     # call instead of up to eight, ~2 us of host time each, one of them before the first launch (a synchronized
-    # call waits for that time; bench/NOTES.md, twenty-fourth session).
+    # call waits for that time; docs/experiments.md).
     res = _layout.TMP if inference else None
     if cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn), mu_arena=res)
@@ -362,9 +347,9 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     qk_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
                qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
                kv_img)
-    # Q, K and V in one launch where V's 64-token blocks take 256 = 2 D threads, as the Q and K rows do
-    if (fwd_prepass_mode() == "merged" and cfg.q_granularity == "token" and cfg.k_granularity == "token"
-            and kv_img is not None and D == 128):
+    # Q, K and V in one launch where V's 64-token blocks take 256 = 2 D threads, as the Q and K rows do (the same
+    # bytes as quant_rows_qk then fwd_v_image, one launch fewer; docs/experiments.md)
+    if cfg.q_granularity == "token" and cfg.k_granularity == "token" and kv_img is not None and D == 128:
         prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),
                     qk_args + (rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale), pdl=True)
@@ -384,7 +369,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
     # V: psi(V) per channel (whole sequence) or per 64-token block, transposed and mma-permuted. The wgmma engine
     # (kv_img) gets the codes in the images; the mma.sync engine gets v_t, tile-major (B, Hkv, nk_pad / 64, D, 64)
     # for 64-key tiles (whole 128-byte lines per copied tile row pair: 1.02x forward kernel on the H200,
-    # bench/NOTES.md eleventh session) or (B, Hkv, D, nk_pad) for 128-key tiles.
+    # docs/experiments.md) or (B, Hkv, D, nk_pad) for 128-key tiles.
     tile_major = cfg.block_kv == 64
     if kv_img is not None:
         prog.launch(_qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
@@ -408,15 +393,12 @@ def v_t_channels(v_t):
 
 
 def forward_warps(warps: int | None = None) -> int:
-    """Warps per forward CTA (16 query rows each): 4 (default; on the wgmma engine with block_kv=64 three such
-    CTAs fit an SM at D=128 and four at D=64, bench/NOTES.md tenth session; the mma.sync kernel measured 3-7%
-    faster with 4 than with 8) or 8; ``SAGECUPY_FWD_WARPS`` overrides the default. The result does not depend on it (every
-    row is computed the same way; tested bitwise)."""
+    """Warps per forward CTA (16 query rows each): 4 (``None``, the default: on the wgmma engine with block_kv=64
+    three such CTAs fit an SM at D=128 and four at D=64; the mma.sync kernel measured 3-7% faster with 4 than with 8,
+    docs/experiments.md) or 8. The result does not depend on it (every row is computed the same way; tested
+    bitwise)."""
     if warps is None:
-        env = os.environ.get("SAGECUPY_FWD_WARPS", "4")
-        if env not in ("4", "8"):
-            raise ValueError(f"SAGECUPY_FWD_WARPS={env!r} is not supported; supported: '4', '8'")
-        return int(env)
+        return 4
     if warps not in _WARPS:
         raise ValueError(f"warps={warps!r} is not supported; supported: {_WARPS}")
     return warps
@@ -424,7 +406,7 @@ def forward_warps(warps: int | None = None) -> int:
 
 def _launch_forward(p, cfg, pre, engine=None, warps=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
-    recorded once per (pre-pass plan, engine, warps, environment)."""
+    recorded once per (pre-pass plan, engine, warps, :func:`~sagecupy._program.env_key`)."""
     prog = pre["plan"].launch_program(p, cfg, lambda: (engine, warps, type(warps), env_key()),
                                       lambda: _forward_launch_program(p, cfg, pre, engine, warps))
     ns = prog.run({n: pre[n] for n in _PRE_NAMES})
@@ -495,12 +477,15 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     return (o, lse, res) if return_lse else (o, res)
 
 
-def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None):
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None,
+                   engine=None):
     """Inference entry point: INT8 attention forward; ``o`` or ``(o, lse)``, bitwise :func:`forward`'s. It keeps no
-    residuals, so its pre-pass writes less (on the wgmma engine no plain K codes or scales: they are the backward's)."""
-    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, inference=True)
+    residuals, so its pre-pass writes less (on the wgmma engine no plain K codes or scales: they are the backward's).
+    ``engine``: see :func:`forward_engine`."""
+    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
+                         inference=True)
     p, cfg = plan.p, plan.cfg
-    o, lse, _ = _launch_forward(p, cfg, pre)
+    o, lse, _ = _launch_forward(p, cfg, pre, engine)
     o = _checks.wrap(o, p.dtype)
     return (o, lse) if return_lse else o
 

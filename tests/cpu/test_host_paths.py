@@ -117,13 +117,10 @@ def _inputs(layout="HND", dtype=np.float16, nq=100, nk=70, d=128):
     return FakeArray(shp(4, nq), dtype), FakeArray(shp(2, nk), dtype), FakeArray(shp(2, nk), dtype)
 
 
-@pytest.mark.parametrize("prepass", ["merged", "split"])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("engine", ["wgmma", "mma"])
-def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, prepass, monkeypatch):
+def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine):
     from sagecupy import int8
-
-    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", prepass)
 
     q, k, v = _inputs(layout)
     do = FakeArray(q.shape, q.dtype)
@@ -140,8 +137,7 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, 
     assert [_summary(x, names, b1) for x in first] == [_summary(x, names, b2) for x in second]
     # forward: the K/V statistics (partials, reduction); Q/K, then V (merged on the wgmma engine at D = 128: one
     # launch); the attention kernel. Backward: 2 pre-passes, 2 kernels.
-    quant = (["quant_qkv"] if engine == "wgmma" and prepass == "merged" else
-             ["quant_rows_qk", "fwd_v_image" if engine == "wgmma" else "quant_transpose_perm"])
+    quant = ["quant_qkv"] if engine == "wgmma" else ["quant_rows_qk", "quant_transpose_perm"]
     fwd = ["column_partial_kv", "column_finish_kv"] + quant
     assert [x[0].split("<")[0] for x in first[:len(fwd) + 1]] == fwd + ["int8_attn_fwd_sm90" if engine == "wgmma"
                                                                           else "int8_attn_fwd"]
@@ -157,23 +153,21 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine, 
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("config", ["default", "paper"])
-@pytest.mark.parametrize("prepass", ["merged", "split"])
-@pytest.mark.parametrize("engine", ["wgmma", "mma"])
-def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engine, prepass, config, d, monkeypatch):
+@pytest.mark.parametrize("engine", ["wgmma", "mma", None])
+def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engine, config, d):
     """sage_attention (no residuals) launches the kernels int8.forward launches, with the same grids and scalar
     arguments (nk_pad included); on the wgmma engine only K's plain codes and scales are null (the kernel reads K
-    from the stage images), on the mma.sync engine nothing is. Its program is a plan of its own."""
+    from the stage images), on the mma.sync engine nothing is. Its program is a plan of its own. ``engine=None``:
+    the wgmma engine of the (faked) sm_90 device."""
     from sagecupy import int8
 
-    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", prepass)
-    monkeypatch.setenv("SAGECUPY_FWD_ENGINE", engine)
     q, k, v = _inputs(d=d, nk=300)
     start = len(gpu)
-    int8.forward(q, k, v, causal=True, config=config)
+    int8.forward(q, k, v, causal=True, config=config, engine=engine)
     train = gpu[start:]
     for _ in range(2):  # recorded, then replayed
         start = len(gpu)
-        o = int8.sage_attention(q, k, v, causal=True, config=config)
+        o = int8.sage_attention(q, k, v, causal=True, config=config, engine=engine)
         infer = gpu[start:]
         assert isinstance(o, FakeArray)
         assert [x[0] for x in infer] == [x[0] for x in train]
@@ -194,7 +188,7 @@ def test_int8_sage_attention_launches_forwards_kernels_without_plain_k(gpu, engi
         if engine == "mma":
             assert nulled == []
         else:  # the K rows' launch (codes, scales) and the attention kernel (kc, ks)
-            k_pass = ("quant_qkv" if prepass == "merged" and d == 128 and config == "default" else
+            k_pass = ("quant_qkv" if d == 128 and config == "default" else
                       "quant_rows_qk" if config == "default" else "quant_rows")
             assert [n for n, _ in nulled] == [k_pass, "int8_attn_fwd_sm90"], nulled
             # the nulled arguments are buffers in forward: K's codes and scales (arrays of their own, residuals)
