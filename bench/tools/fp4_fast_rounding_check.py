@@ -5,8 +5,8 @@ for every fp16 value and every fp32-normal bf16 value, both signs, and every non
     value: q * s          == reference  s * e2m1_round(x / s)      (nvfp4_fq8)
     code:  byte of E4M3(copysign(q, x) * 2^-6) -> E2M1 code  == reference e2m1_encode(x / s)  (nvfp4_block_exact16)
 
-and that without the snap the check fails (so it can tell). Also the scaled form nvfp4_block_exact16 uses since the
-twenty-eighth session (2^-6 folded into 1/s and the magic number: y = snap16(|x| * (rcp_rn(s) * 2^-6)), M = 2^(16 +
+and that without the snap the check fails (so it can tell). Also the scaled form nvfp4_block_exact16 uses
+(2^-6 folded into 1/s and the magic number: y = snap16(|x| * (rcp_rn(s) * 2^-6)), M = 2^(16 +
 max(e, 0)), min(., 6 * 2^-6)), and its scale E4M3(amax * fp32(1/6)) against E4M3(amax / 6) in float64 for every
 fp16 and bf16 amax; and nvfp4_block_cmp's binary search (SAGE_NVFP4_CMP_BSEARCH) on general fp32 values against the
 reference's codes. ~2 minutes on a laptop:

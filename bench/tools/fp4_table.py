@@ -3,7 +3,7 @@ rows of the same file (the same run).
 
     python bench/tools/fp4_table.py NVFP4_RUN.jsonl [QAT_RUN.jsonl]
 
-A family absent from a file (e.g. a run with SAGECUPY_BENCH_FAMILIES=int8,qat) prints "–" in its columns.
+A family absent from a file (e.g. a run with --families int8,qat) prints "–" in its columns.
 """
 import json
 import sys
@@ -38,7 +38,7 @@ def main():
                 qf, qb = (pick(qa, impl="sagecupy-qat", mode=m, scope="e2e", **s) for m in ("fwd", "bwd"))
                 qff, qbf = (pick(qa, impl="sdpa-flash", mode=m, scope="e2e", **s) for m in ("fwd", "bwd"))
                 qfl, qcu = (pick(qa, impl=f"sdpa-{b}", mode="fwdbwd", scope="e2e", **s) for b in ("flash", "cudnn"))
-                # back to back (bench.time_ms_b2b): absent from runs before the eleventh session
+                # back to back (bench.time_ms_b2b): absent from older runs' files, printed as a dash
                 eb, qbb = (pick(rows, impl=i, mode=m, scope="e2e-b2b", **s)
                            for rows, i, m in ((nv, "sagecupy-nvfp4", "fwd"), (qa, "sagecupy-qat", "fwdbwd")))
                 flb, qflb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **s)

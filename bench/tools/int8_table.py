@@ -6,7 +6,7 @@ file (the same run).
     python bench/tools/int8_table.py RUN.jsonl --all-n    # every N the run has (default: 4K and 16K)
 
 "fwd e2e" is the inference call (``sage_attention``, as SDPA's forward is timed under ``torch.no_grad()``); the
-training forward (``int8.forward``) has its own column since the twenty-third session.
+training forward (``int8.forward``, which also keeps the backward's residuals) has its own column.
 "fwd kernel" is the ``kernel-wgmma`` row on sm_90 (the kernel the default call runs; the ``kernel`` row times
 the same call first in each case, after the inputs are made, and reads a few percent slower), else ``kernel``.
 """
@@ -17,7 +17,7 @@ from fp4_table import load, pick
 
 def ratio(base, ours):
     """base / ours as a table cell, or '–' when either row is missing (a baseline the run did not time, e.g.
-    --baselines flash; back-to-back rows, absent from runs before the eleventh session)."""
+    --baselines flash; back-to-back or training-forward rows, absent from older runs' files)."""
     return f"{base['ms'] / ours['ms']:.2f}" if base and ours else "–"
 
 
@@ -54,11 +54,10 @@ def main():
                 ff, fc = (pick(rows, impl=f"sdpa-{b}", mode="fwd", scope="e2e", **t) for b in ("flash", "cudnn"))
                 bf = pick(rows, impl="sdpa-flash", mode="bwd", scope="e2e", **t)
                 xf, xc = (pick(rows, impl=f"sdpa-{b}", mode="fwdbwd", scope="e2e", **t) for b in ("flash", "cudnn"))
-                # back to back (bench.time_ms_b2b): absent from runs before the eleventh session
+                # back to back (bench.time_ms_b2b)
                 fbb, xbb = (pick(rows, mode=m, scope="e2e-b2b", **s) for m in ("fwd", "fwdbwd"))
                 ffb, xfb = (pick(rows, impl="sdpa-flash", mode=m, scope="e2e-b2b", **t) for m in ("fwd", "fwdbwd"))
-                # the training forward (int8.forward, residuals kept): absent from runs before the twenty-third session,
-                # whose "e2e" forward rows timed it
+                # the training forward (int8.forward, residuals kept); in older files the "e2e" forward rows timed it
                 tr, trb = (pick(rows, mode="fwd", scope=sc, **s) for sc in ("train", "train-b2b"))
                 x = ratio
                 print(f"{head} {k['tops']:.0f} | {fe['tops']:.0f} | {x(ff, fe)} | {x(fc, fe)} | "

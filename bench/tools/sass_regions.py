@@ -1,8 +1,8 @@
 """Where a kernel's loop spends its instructions and stall samples, by region: the SASS of one kernel (an ncu source
 export, see sass_stats.py, or a text dump from sass_dump.py) cut at every tensor-core issue or wait, barrier, mbarrier
 operation and branch, with each region's instructions per unit (``--per``: e.g. warps x tiles), its share of the
-kernel's stall samples and its most frequent opcodes (executed counts). The seventeenth session found the QAT
-backward's per-column fq(P) work this way (one region of 633 instructions per warp and tile, 58% of the samples).
+kernel's stall samples and its most frequent opcodes (executed counts): a loop's costly stretch shows as one region
+(the QAT backward's per-column fq(P) work was found so: 633 instructions per warp and tile, 58% of the samples).
 
     python bench/tools/sass_regions.py sass.csv.gz --kernel qat_attn_bwd_sm90 --per 2097152 [--min-share 0.5]
     python bench/tools/sass_regions.py sass_dump.txt --per 2097152

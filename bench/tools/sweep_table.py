@@ -1,8 +1,9 @@
-"""README table of speed against N (1K…32K) from one full sweep's JSON lines (`python3 bench/run_bench.py --families
-int8,nvfp4,qat --out full.jsonl`): every ratio is end to end against SDPA flash in the same file; the INT8 columns
-also give the back-to-back ratio.
+"""Table of speed against SDPA flash from one benchmark run's JSON lines (`python3 bench/run_bench.py [--quick]
+--families int8,nvfp4,qat --out RUN.jsonl`): every ratio is SDPA flash's time over sagecupy's from the same file, end
+to end, and for INT8 also back to back; a family the run did not time prints a dash. The peak-memory rows, if the run
+has them, follow as one line. bench/gpu_check.sh prints this table last.
 
-    python bench/tools/sweep_table.py full.jsonl
+    python bench/tools/sweep_table.py RUN.jsonl
 """
 import sys
 
@@ -17,13 +18,13 @@ def ratio(rows, impl, mode, scope, t, **cfg):
 
 def main():
     rows = load(sys.argv[1])
-    ns = sorted({r["N"] for r in rows if r.get("impl") == "sagecupy-int8"})
+    ours = [r for r in rows if str(r.get("impl", "")).startswith("sagecupy-") and r.get("mode") != "peak_mem"]
     print("| D | causal | N | INT8 fwd × flash, e2e / b2b | INT8 fwd+bwd × flash, e2e / b2b | NVFP4 fwd × flash "
           "| QAT fwd+bwd × flash |")
     print("|---:|:---:|---:|---:|---:|---:|---:|")
-    for D in (64, 128):
+    for D in sorted({r["D"] for r in ours}):
         for c in (False, True):
-            for N in ns:
+            for N in sorted({r["N"] for r in ours if r["D"] == D}):
                 t = dict(D=D, N=N, causal=c)
                 i8 = dict(config="default")
                 fwd = " / ".join(ratio(rows, "sagecupy-int8", "fwd", sc, t, **i8) for sc in ("e2e", "e2e-b2b"))
@@ -31,6 +32,11 @@ def main():
                 nv = ratio(rows, "sagecupy-nvfp4", "fwd", "e2e", t)
                 qa = ratio(rows, "sagecupy-qat", "fwdbwd", "e2e", t)
                 print(f"| {D} | {'yes' if c else 'no'} | {N // 1024}K | {fwd} | {fb} | {nv} | {qa} |")
+    mem = [r for r in rows if r.get("mode") == "peak_mem" and "bytes" in r]
+    if mem:
+        r0 = mem[0]
+        print(f"peak memory of one forward+backward, D={r0['D']} N={r0['N'] // 1024}K: "
+              + ", ".join(f"{r['impl']} {r['bytes'] / 2**30:.2f} GiB" for r in mem))
 
 
 if __name__ == "__main__":

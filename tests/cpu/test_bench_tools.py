@@ -1,5 +1,6 @@
-"""The README's table tools (bench/tools/*.py) on synthetic benchmark rows: every ratio is SDPA flash's time over
-sagecupy's from the same file, and a missing row prints a dash instead of failing."""
+"""The bench tools on CPU: the README's table tools (bench/tools/*.py) on synthetic benchmark rows (every ratio is
+SDPA flash's time over sagecupy's from the same file, and a missing row prints a dash instead of failing), the A/B
+harness's variants (bench/ab.py) and the cubin comparison's list of sources (bench/tools/cubin_cmp.py)."""
 import json
 import subprocess
 import sys
@@ -54,3 +55,75 @@ def test_int8_table_engines(tmp_path):
     body = [x for x in out.splitlines() if x.startswith("| 64") or x.startswith("| 128")]
     assert len(body) == 8
     assert all(x.endswith("| 2.00 | 1.00 | 2.00 | 9.00 | 4.50 | 2.00 |") for x in body)
+
+
+def test_sweep_table_families_alone_and_peak_memory(tmp_path):
+    """A run without INT8 rows (--families nvfp4,qat) still lists its shapes; the peak-memory rows follow as a line."""
+    rows = [
+        _row("sagecupy-nvfp4", "fwd", "e2e", 2.0, D=64, N=16384),
+        _row("sdpa-flash", "fwd", "e2e", 1.0, D=64, N=16384),
+        dict(impl="sagecupy-int8", mode="peak_mem", D=128, N=32768, B=1, H=16, causal=False, bytes=2 * 2**30),
+        dict(impl="sdpa-flash", mode="peak_mem", D=128, N=32768, B=1, H=16, causal=False, bytes=2**30),
+    ]
+    out = _run("sweep_table.py", rows, tmp_path)
+    line = next(x for x in out.splitlines() if x.startswith("| 64 | no | 16K |"))
+    assert [c.strip() for c in line.strip("|").split("|")][3:] == ["– / –", "– / –", "0.50", "–"]
+    assert not any(x.startswith("| 128") for x in out.splitlines())
+    assert out.rstrip().splitlines()[-1] == ("peak memory of one forward+backward, D=128 N=32K: sagecupy-int8 2.00 GiB, "
+                                             "sdpa-flash 1.00 GiB")
+
+
+def _import_bench(name):
+    sys.path.insert(0, str(TOOLS.parent))
+    try:
+        sys.modules.pop(name, None)
+        return __import__(name)
+    finally:
+        sys.path.remove(str(TOOLS.parent))
+
+
+def test_ab_variants_set_only_the_loaders_variables(monkeypatch, tmp_path):
+    """bench/ab.py: a variant's defines go to SAGECUPY_DEFINES (with the variant's own tag, so that the loader compiles
+    only the launched instances and keeps each variant apart), kernels=PATH to SAGECUPY_KERNELS_DIR; the next variant
+    starts from neither; other SAGECUPY_* tokens are refused."""
+    import os
+
+    import pytest
+
+    ab = _import_bench("ab")
+    monkeypatch.delenv("SAGECUPY_DEFINES", raising=False)
+    monkeypatch.delenv("SAGECUPY_KERNELS_DIR", raising=False)
+    ab.set_variant(1, f"A=1, B ,kernels={tmp_path}")
+    assert os.environ["SAGECUPY_DEFINES"] == "SAGE_AB_VARIANT=1,A=1,B"
+    assert os.environ["SAGECUPY_KERNELS_DIR"] == str(tmp_path)
+    ab.set_variant(0, "")
+    assert os.environ["SAGECUPY_DEFINES"] == "SAGE_AB_VARIANT=0" and "SAGECUPY_KERNELS_DIR" not in os.environ
+    ab.set_variant(None, None)
+    assert "SAGECUPY_DEFINES" not in os.environ
+    with pytest.raises(SystemExit, match="SAGECUPY_FP4_KVIMG"):
+        ab.parse_variant("A=1,SAGECUPY_FP4_KVIMG=0")
+    assert set(ab.SDPA_MODE.values()) == {"fwd", "bwd", "fwdbwd"}
+
+
+def test_cubin_cmp_reads_the_ci_list_and_old_layouts(tmp_path):
+    """bench/tools/cubin_cmp.py compares what .ci/compile_kernels.py compiles: every source it lists is a file of the
+    checkout's kernels_cu; an old tree is read at the listed path, or at the top of a tree from before the sources
+    moved into family folders."""
+    import importlib.util
+
+    saved = list(sys.path)
+    spec = importlib.util.spec_from_file_location("cubin_cmp", TOOLS / "cubin_cmp.py")
+    cc = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(cc)  # (a script: it puts the checkout and .ci on sys.path)
+    finally:
+        sys.path[:] = saved
+    names = cc.ck.all_names()
+    assert names and all((cc.ROOT / "kernels_cu" / f).is_file() for f in names)
+    assert all(cc.ck.archs_for(f) for f in names)
+    (tmp_path / "fam").mkdir()
+    (tmp_path / "fam" / "a.cu").write_text("")
+    (tmp_path / "b.cu").write_text("")
+    assert cc.source_path(tmp_path, "fam/a.cu") == tmp_path / "fam" / "a.cu"
+    assert cc.source_path(tmp_path, "fam/b.cu") == tmp_path / "b.cu"  # (the layout before the move)
+    assert cc.source_path(tmp_path, "fam/c.cu") == tmp_path / "fam" / "c.cu"  # (missing: nvcc says so)

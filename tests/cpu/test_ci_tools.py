@@ -15,8 +15,8 @@ def _ck():
 
 
 def test_parse_ptxas_reads_registers_spills_and_stack_frames():
-    """A frame without spills (a local array indexed at run time: the nineteenth session's 128-key max tree) is
-    reported apart from spills, per function, and the counters restart for the next function."""
+    """A frame without spills (a local array indexed at run time, as a max tree left as a loop once was) is reported
+    apart from spills, per function, and the counters restart for the next function."""
     log = """ptxas info    : Compiling entry function '_Z1aPf' for 'sm_90a'
 ptxas info    : Function properties for _Z1aPf
     64 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads

@@ -218,24 +218,3 @@ def test_instance_outside_the_list_compiles_alone(monkeypatch):
     monkeypatch.setenv("SAGECUPY_DEFINES", "X=1")
     assert _loader.get_function("int8/int8_quant.cu", "k<1>", all_names=listed) == ("k<1>", ("k<1>",))
     assert built[-1] == ("k<1>",) and len(built) == 4
-
-
-def test_bench_variant_environment(monkeypatch):
-    """bench/variant_env.py: defines go to SAGECUPY_DEFINES, SAGECUPY_* tokens to the environment, and the previous
-    variant's variables are unset."""
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    monkeypatch.delenv("SAGECUPY_X", raising=False)
-    sys.modules.pop("variant_env", None)
-    import variant_env
-
-    variant_env.set_variant("A=1,SAGECUPY_X=2,B=3")
-    import os
-
-    assert os.environ["SAGECUPY_DEFINES"] == "A=1,B=3" and os.environ["SAGECUPY_X"] == "2"
-    variant_env.set_variant("")
-    assert os.environ["SAGECUPY_DEFINES"] == "" and "SAGECUPY_X" not in os.environ
-    variant_env.set_variant(None)
-    assert "SAGECUPY_DEFINES" not in os.environ

@@ -1,0 +1,215 @@
+"""A/B timing of kernel variants in one process: kernel define sets, or another kernel tree, each timed on the
+public calls, interleaved over rounds (A B A B ...; the best of each kept), with every variant's outputs compared
+bitwise against the first variant's. On the GPU machine, from the repository root:
+
+    python3 bench/ab.py --calls nvfp4,int8_infer --variants ";SAGE_X=1"           # the default build against -DSAGE_X=1
+    git archive REV kernels_cu | tar -x -C /tmp/old                               # an earlier commit's kernels
+    python3 bench/ab.py --calls int8_bwd --variants ";kernels=/tmp/old/kernels_cu" --timing both
+    python3 bench/ab.py --calls nvfp4 --ns 4096,8192,16384,32768 --sdpa flash,cudnn   # beside SDPA, same shapes
+
+Variants are ';'-separated; a variant is ','-separated tokens: ``NAME=VALUE`` (or ``NAME``) is a kernel define, passed
+to every compile through SAGECUPY_DEFINES; ``kernels=PATH`` compiles the sources of another ``kernels_cu`` folder
+through SAGECUPY_KERNELS_DIR (it must have the file layout the host code expects). The empty variant is the tree's own
+kernels without defines. Host code is not switched: to compare two trees of Python code, run this once per tree
+(``PYTHONPATH=TREE python3 bench/ab.py --hash ...``) and compare the printed times and output hashes.
+
+Shapes are the benchmark's (sagecupy.bench: bf16, batch x N = 16K tokens, heads x D = 2048). Calls (--calls):
+  int8_infer, int8_fwd, int8_bwd, int8_fwdbwd   the INT8 inference call, training forward, backward, both
+  qat_fwd, qat_bwd, qat_fwdbwd                   the FP4 QAT pair
+  nvfp4                                          the NVFP4 forward, whole call (quantization included)
+  nvfp4_packed                                   the NVFP4 kernel alone, on operands packed under the same variant
+Each row: per variant its time (ms), its speed against the first variant (> 1: faster) and its outputs against the
+first variant's ('=' bitwise the same, else the relative L2 difference of the first output); with --sdpa, SDPA's time
+on the same shape and each variant's speed against SDPA flash. --timing: b2b (calls back to back, the device's time
+when the host keeps ahead, bench.time_ms_b2b), sync (one call between two events, host time before the first launch
+included, bench.time_ms), or both.
+
+--once: each call twice per variant and no timing, for a profiler (the first call compiles and records the launches,
+so profile from the second: e.g. ncu --launch-skip, bench/tools/profile.sh).
+"""
+import argparse
+import hashlib
+import os
+import sys
+
+# Forward calls are compared with SDPA's forward, backward calls with its backward (bench.bench_sdpa's modes).
+SDPA_MODE = {"int8_infer": "fwd", "int8_fwd": "fwd", "int8_bwd": "bwd", "int8_fwdbwd": "fwdbwd", "qat_fwd": "fwd",
+             "qat_bwd": "bwd", "qat_fwdbwd": "fwdbwd", "nvfp4": "fwd", "nvfp4_packed": "fwd"}
+
+
+def parse_variant(text):
+    """(defines, kernels dir or None) of one variant's text."""
+    defines, kernels = [], None
+    for tok in (t.strip() for t in text.split(",")):
+        if not tok:
+            continue
+        if tok.startswith("kernels="):
+            kernels = os.path.abspath(os.path.expanduser(tok[len("kernels="):]))
+        elif tok.startswith("SAGECUPY_"):
+            raise SystemExit(f"variant token {tok!r}: only kernel defines and kernels=PATH are switched per variant")
+        else:
+            defines.append(tok)
+    return defines, kernels
+
+
+def set_variant(index, text):
+    """Puts variant ``index`` (its text) into the environment the loader reads at every launch; ``text=None`` restores
+    the tree's own kernels. Each variant also gets the define SAGE_AB_VARIANT=index, which no kernel reads: with any
+    define set the loader compiles only the instances a call launches, not a file's whole list (the NVFP4 forward's
+    list takes minutes), and each variant keeps a cache entry of its own."""
+    os.environ.pop("SAGECUPY_DEFINES", None)
+    os.environ.pop("SAGECUPY_KERNELS_DIR", None)
+    if text is None:
+        return
+    defines, kernels = parse_variant(text)
+    os.environ["SAGECUPY_DEFINES"] = ",".join([f"SAGE_AB_VARIANT={index}"] + defines)
+    if kernels:
+        os.environ["SAGECUPY_KERNELS_DIR"] = kernels
+
+
+def make_call(what, q, k, v, do, causal):
+    """(fn timed, fn returning the outputs to compare): the call's state (residuals, packed operands) is made here,
+    under the variant set at the time, since a define may change what the pre-passes write."""
+    from sagecupy import int8, nvfp4, qat
+
+    if what == "int8_infer":
+        return (lambda: int8.sage_attention(q, k, v, causal=causal),
+                lambda: int8.sage_attention(q, k, v, causal=causal, return_lse=True))
+    if what == "int8_fwd":
+        return (lambda: int8.forward(q, k, v, causal=causal),
+                lambda: int8.forward(q, k, v, causal=causal, return_lse=True)[:2])
+    if what in ("int8_bwd", "qat_bwd"):
+        mod = int8 if what == "int8_bwd" else qat
+        _, res = mod.forward(q, k, v, causal=causal)
+        return lambda: mod.backward(res, do), lambda: mod.backward(res, do)
+    if what in ("int8_fwdbwd", "qat_fwdbwd"):
+        mod = int8 if what == "int8_fwdbwd" else qat
+
+        def fwdbwd():
+            o, r = mod.forward(q, k, v, causal=causal)
+            return (o,) + tuple(mod.backward(r, do))
+        return fwdbwd, fwdbwd
+    if what == "qat_fwd":
+        return (lambda: qat.forward(q, k, v, causal=causal),
+                lambda: qat.forward(q, k, v, causal=causal, return_lse=True)[:2])
+    if what == "nvfp4":
+        return (lambda: nvfp4.attention(q, k, v, causal=causal),
+                lambda: nvfp4.attention(q, k, v, causal=causal, return_lse=True))
+    if what == "nvfp4_packed":
+        ops = nvfp4.quantize_inputs(q, k, v)
+        run = lambda: nvfp4.attention_packed(ops, causal=causal, out_dtype="bfloat16", return_lse=True)  # noqa: E731
+        return run, run
+    raise SystemExit(f"unknown call {what!r}; known: {', '.join(SDPA_MODE)}")
+
+
+def _arrays(outs):
+    from sagecupy import _checks
+
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return [_checks.raw(x) for x in outs]  # (a BF16Array as its raw bits: bitwise comparison)
+
+
+def _as_float(x):
+    import cupy
+
+    if x.dtype == cupy.uint16:  # bf16 bits -> fp32 values
+        return (x.astype(cupy.uint32) << 16).view(cupy.float32)
+    return x.astype(cupy.float32)
+
+
+def compare(ref, got):
+    """'=' when every output is bitwise the reference's, else the first differing output's relative L2 difference."""
+    import cupy
+
+    for a, b in zip(ref, got):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"outputs differ in shape or type: {a.shape} {a.dtype} against {b.shape} {b.dtype}"
+        if not bool((a == b).all()):
+            fa, fb = _as_float(a), _as_float(b)
+            return f"rel_l2 {float(cupy.linalg.norm(fb - fa) / max(float(cupy.linalg.norm(fa)), 1e-30)):.1e}"
+    return "="
+
+
+def digest(arrays):
+    return hashlib.sha1(b"".join(x.get().tobytes() for x in arrays)).hexdigest()[:12]
+
+
+def sdpa_times(D, N, causal, backends):
+    """{(backend, mode, 'sync' | 'b2b'): ms} from bench.bench_sdpa on the same shape (no b2b row for its backward)."""
+    from sagecupy import bench
+
+    out = {}
+    for be in backends:
+        for r in bench.bench_sdpa(D, N, causal, be):
+            if r.get("mode") != "error":
+                out[(be, r["mode"], "b2b" if r["scope"] == "e2e-b2b" else "sync")] = r["ms"]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", default="int8_infer,int8_bwd", help="comma-separated: " + ", ".join(SDPA_MODE))
+    ap.add_argument("--variants", default=";", help="';'-separated variants (see above); the first is the reference")
+    ap.add_argument("--ns", default="4096,16384")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each variant's best time is kept")
+    ap.add_argument("--timing", default="b2b", choices=("b2b", "sync", "both"))
+    ap.add_argument("--sdpa", default="", help="SDPA backends timed beside: flash,cudnn ('' none)")
+    ap.add_argument("--hash", action="store_true", help="print a hash of each variant's outputs")
+    ap.add_argument("--once", action="store_true", help="run each call twice per variant, no timing (profilers)")
+    a = ap.parse_args(argv)
+
+    from sagecupy import bench
+
+    variants = a.variants.split(";")
+    for text in variants:
+        parse_variant(text)  # (reject a bad token before any compile)
+    calls = [c for c in a.calls.split(",") if c]
+    timings = ("b2b", "sync") if a.timing == "both" else (a.timing,)
+    timer = {"b2b": lambda fn: bench.time_ms_b2b(fn), "sync": lambda fn: bench.time_ms(fn)}
+    for n in map(int, a.ns.split(",")):
+        B, H, (q, k, v, do) = bench._inputs(a.d, n, "bfloat16")
+        for causal in (c.strip() == "1" for c in a.causal.split(",")):
+            sdpa = sdpa_times(a.d, n, causal, [b for b in a.sdpa.split(",") if b]) if a.sdpa and not a.once else {}
+            for what in calls:
+                best, outs = {}, {}
+                for _ in range(1 if a.once else a.rounds):
+                    for i, text in enumerate(variants):
+                        set_variant(i, text)
+                        fn, result = make_call(what, q, k, v, do, causal)
+                        if a.once:
+                            fn()
+                            fn()
+                            continue
+                        for t in timings:
+                            ms = timer[t](fn)
+                            best[i, t] = min(best.get((i, t), ms), ms)
+                        if i not in outs:
+                            outs[i] = _arrays(result())
+                set_variant(None, None)
+                if a.once:
+                    print(f"{what} D={a.d} N={n} causal={int(causal)}: ran", flush=True)
+                    continue
+                line = f"{what:<12} D={a.d} N={n:<6} B={B} causal={int(causal)}"
+                for t in timings:
+                    cells = []
+                    for i, text in enumerate(variants):
+                        ms = best[i, t]
+                        cell = f"[{text or 'default'}] {ms:.3f} ms"
+                        if i:
+                            cell += f" {best[0, t] / ms:.3f}x {compare(outs[0], outs[i])}"
+                        flash = sdpa.get(("flash", SDPA_MODE[what], t))
+                        if flash:
+                            cell += f" ({flash / ms:.2f}x flash)"
+                        if a.hash:
+                            cell += f" #{digest(outs[i])}"
+                        cells.append(cell)
+                    base = " ".join(f"{be} {ms:.3f} ms" for (be, mode, tt), ms in sdpa.items()
+                                    if mode == SDPA_MODE[what] and tt == t)
+                    print(f"{line} {t:<4} | " + " | ".join(cells) + (f" | sdpa: {base}" if base else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
