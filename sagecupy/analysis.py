@@ -45,6 +45,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from ._checks import SUPPORTED_HEAD_DIMS
 from .config import NVFP4Config, QATConfig, SageBwdConfig, get_config
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "GPU_DEFAULT_N",
     "CPU_DEFAULT_N",
     "GPU_FAMILIES",
+    "GPU_HEAD_DIMS",
     "ACCURACY_TENSORS",
     "INTERMEDIATE_TENSORS",
     "SMOOTHING_VARIANTS",
@@ -75,6 +77,7 @@ __all__ = [
     "load_inputs",
     "run_family",
     "accuracy_sweep",
+    "worst_case",
     "intermediates",
     "smoothing_ablation",
     "check_smoothing",
@@ -91,6 +94,17 @@ FAMILY_CONFIGS = {
     "qat": ("default",),
 }
 CONFIG_NAMES = ("default", "paper", "bkv64", "single-level-p", "no-smoothing", "plain")
+#: What each named config is, for ``--config``'s help (keys of :data:`FAMILY_CONFIGS`).
+CONFIG_HELP = {
+    ("int8", "default"): "the finest granularities",
+    ("int8", "paper"): "the published SageBwd granularities",
+    ("int8", "bkv64"): "default with 64-key forward tiles",
+    ("nvfp4", "default"): "two-level P, K-smoothing",
+    ("nvfp4", "single-level-p"): "two-level P off",
+    ("nvfp4", "no-smoothing"): "K-smoothing off",
+    ("nvfp4", "plain"): "both off",
+    ("qat", "default"): "NVFP4 fake quantization",
+}
 #: SPEC §7: the σ of Q and K in the sweep.
 SIGMAS = (1.0, 3.0, 5.0, 8.0, 10.0)
 #: SPEC §7 default sequence length on a GPU.
@@ -100,6 +114,8 @@ GPU_DEFAULT_N = 4096
 #: on a 2-core machine (README: measured).
 CPU_DEFAULT_N = 2048
 DEFAULT_BATCH, DEFAULT_HEADS, DEFAULT_D = 1, 8, 128
+#: The head dims the GPU kernels are built for; the reference simulators take any D.
+GPU_HEAD_DIMS = SUPPORTED_HEAD_DIMS
 
 ACCURACY_TENSORS = ("O", "dQ", "dK", "dV")
 #: SPEC §7 intermediates, in the order they are reported.
@@ -238,12 +254,12 @@ def family_status(family_name: str) -> dict:
             "gpu_short": short}
 
 
-def resolve_backend(backend: str, family_name: str) -> tuple[str, str]:
+def resolve_backend(backend: str, family_name: str, head_dim: int | None = None) -> tuple[str, str]:
     """``(resolved backend, reason)`` for ``backend`` in :data:`BACKENDS`.
 
-    ``"gpu"`` raises :class:`BackendUnavailable` when there is no usable device
-    or the family has no kernels; ``"auto"`` then falls back to the reference
-    and says why.
+    ``"gpu"`` raises :class:`BackendUnavailable` when there is no usable device,
+    the family has no kernels or ``head_dim`` (when given) is not one of
+    :data:`GPU_HEAD_DIMS`; ``"auto"`` then falls back to the reference and says why.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; supported: {', '.join(BACKENDS)}")
@@ -255,6 +271,9 @@ def resolve_backend(backend: str, family_name: str) -> tuple[str, str]:
         module, why = _gpu_module(fam)
         if module is None:
             ok, reason = False, why
+    if ok and head_dim is not None and head_dim not in GPU_HEAD_DIMS:
+        dims = " and ".join(str(d) for d in GPU_HEAD_DIMS)
+        ok, reason = False, f"the GPU kernels take head dims {dims}, not D={head_dim}"
     if ok:
         return "gpu", f"GPU available: {reason}"
     if backend == "gpu":
@@ -617,6 +636,37 @@ def accuracy_sweep(spec: RunSpec, sigmas=SIGMAS, progress: Callable[[int], None]
         if progress is not None:
             progress(1)
     return records
+
+
+def _worse(new: float, old, *, lower: bool) -> bool:
+    """Whether ``new`` is a worse value than ``old`` (None: nothing yet); NaN is the worst value."""
+    if old is None:
+        return True
+    if math.isnan(old):
+        return False
+    if math.isnan(new):
+        return True
+    return new < old if lower else new > old
+
+
+def worst_case(records: Iterable[dict]) -> list[dict]:
+    """The worst of a σ-sweep per tensor: the lowest ``cos`` and the highest ``rel_l2`` over σ.
+
+    ``records``: :func:`accuracy_sweep`'s. Returns one dict per tensor, in the
+    order they first appear: ``tensor, cos, cos_sigma, rel_l2, rel_l2_sigma``
+    (the σ each worst value came from). A NaN counts as the worst value.
+    """
+    worst: dict = {}
+    for rec in records:
+        if rec.get("type") != "accuracy":
+            continue
+        w = worst.setdefault(rec["tensor"], dict(tensor=rec["tensor"], cos=None, cos_sigma=None, rel_l2=None,
+                                                 rel_l2_sigma=None))
+        if _worse(float(rec["cos"]), w["cos"], lower=True):
+            w.update(cos=float(rec["cos"]), cos_sigma=rec["sigma"])
+        if _worse(float(rec["rel_l2"]), w["rel_l2"], lower=False):
+            w.update(rel_l2=float(rec["rel_l2"]), rel_l2_sigma=rec["sigma"])
+    return list(worst.values())
 
 
 def check_smoothing(spec: RunSpec) -> None:

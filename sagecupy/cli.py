@@ -21,7 +21,9 @@ import io
 import json
 import math
 import os
+import shlex
 import sys
+import time
 from dataclasses import dataclass
 
 import click
@@ -230,11 +232,35 @@ def emit(records: list[dict], head: dict, fmt: str, out) -> None:
     click.echo(f"sagecupy: wrote {len(records)} records to {out}", err=True)
 
 
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 @contextlib.contextmanager
-def _progress(length: int, label: str):
-    """A progress bar on stderr; yields ``step(n)``."""
-    with click.progressbar(length=length, label=label, file=sys.stderr, show_eta=True) as bar:
-        yield bar.update
+def _progress(steps: list[str], label: str):
+    """Progress on stderr while ``len(steps)`` steps run; yields ``step(n)``, called after each ``n`` steps.
+
+    On a terminal a click progress bar. Elsewhere (a log file, a pipe, CI) click's bar prints only its label,
+    so each finished step gets a line instead: ``sagecupy: sigma 3 done (2/5, 31 s)``.
+    """
+    stream = sys.stderr
+    if _isatty(stream):
+        with click.progressbar(length=len(steps), label=label, file=stream, show_eta=True) as bar:
+            yield bar.update
+        return
+    start, done = time.monotonic(), 0
+
+    def step(n: int = 1) -> None:
+        nonlocal done
+        for _ in range(n):
+            done += 1
+            what = steps[done - 1] if done <= len(steps) else label
+            click.echo(f"sagecupy: {what} done ({done}/{len(steps)}, {time.monotonic() - start:.0f} s)", err=True)
+
+    yield step
 
 
 # ----------------------------------------------------------------------------
@@ -257,6 +283,16 @@ def _parse_sigmas(ctx, param, value):
 _POSITIVE = click.IntRange(min=1)
 
 
+def _config_help() -> str:
+    """``--config``'s help: the configs each family takes, from :data:`analysis.FAMILY_CONFIGS`."""
+    parts = []
+    for fam, names in analysis.FAMILY_CONFIGS.items():
+        described = [f"{name} ({analysis.CONFIG_HELP[fam, name]})" if (fam, name) in analysis.CONFIG_HELP else name
+                     for name in names]
+        parts.append(f"{fam}: {' | '.join(described)}")
+    return "Named config of --family. " + "; ".join(parts) + "."
+
+
 def analysis_options(*, sigmas: bool = False, sigma: bool = False, load: bool = False):
     """The options every analysis command takes (plus ``--sigmas`` / ``--sigma`` / ``--load``)."""
 
@@ -267,13 +303,14 @@ def analysis_options(*, sigmas: bool = False, sigma: bool = False, load: bool = 
             click.option("--family", type=click.Choice(analysis.FAMILIES), default="int8", show_default=True,
                          help="int8: SageBwd; nvfp4: NVFP4 forward; qat: FP4 QAT."),
             click.option("--config", "config_name", type=click.Choice(analysis.CONFIG_NAMES), default="default",
-                         show_default=True,
-                         help="int8: default | paper; nvfp4: default | single-level-p | no-smoothing | plain "
-                              "(two-level P and K-smoothing off); qat: default."),
+                         show_default=True, help=_config_help()),
             click.option("--n", type=_POSITIVE, default=None,
                          help=f"Sequence length (Nq = Nk). Default {analysis.GPU_DEFAULT_N} on the GPU, "
                               f"{analysis.CPU_DEFAULT_N} on the reference."),
-            click.option("--d", type=_POSITIVE, default=None, help=f"Head dim [default: {analysis.DEFAULT_D}]."),
+            click.option("--d", type=_POSITIVE, default=None,
+                         help=f"Head dim [default: {analysis.DEFAULT_D}]. The GPU kernels take "
+                              f"{' or '.join(str(d) for d in analysis.GPU_HEAD_DIMS)} (--backend gpu gives an "
+                              f"error for another D, --backend auto runs the reference); the reference takes any D."),
             click.option("--heads", type=_POSITIVE, default=None,
                          help=f"Number of heads [default: {analysis.DEFAULT_HEADS}]."),
             click.option("--batch", type=_POSITIVE, default=None,
@@ -320,16 +357,19 @@ class _Run:
             click.echo(note, err=True)
 
 
-def _prepare(opts: dict, *, loaded_shape: bool = False) -> _Run:
+def _prepare(opts: dict, *, loaded_d: int | None = None) -> _Run:
     """Resolve the backend and the default N and validate ``--out``; prints nothing yet.
 
+    ``loaded_d``: the head dim of ``--load``'s file (the file gives the shape).
     Commands do their own checks next and call :meth:`_Run.announce` just
     before running, so a bad argument ends in exactly one line.
     """
     notes = []
+    loaded_shape = loaded_d is not None
+    head_dim = loaded_d if loaded_shape else opts["d"] or analysis.DEFAULT_D
     with _library_errors():
         try:
-            backend, reason = analysis.resolve_backend(opts["backend"], opts["family"])
+            backend, reason = analysis.resolve_backend(opts["backend"], opts["family"], head_dim=head_dim)
         except analysis.BackendUnavailable as exc:
             raise click.ClickException(_one_line(str(exc))) from None
         if opts["backend"] == "auto":
@@ -343,7 +383,7 @@ def _prepare(opts: dict, *, loaded_shape: bool = False) -> _Run:
             batch=opts["batch"] or analysis.DEFAULT_BATCH,
             heads=opts["heads"] or analysis.DEFAULT_HEADS,
             n=n,
-            d=opts["d"] or analysis.DEFAULT_D,
+            d=head_dim,
         )
         spec = analysis.RunSpec(family=opts["family"], config=opts["config_name"], backend=backend, shape=shape,
                                 dtype=opts["dtype"], seed=opts["seed"], causal=opts["causal"])
@@ -358,11 +398,74 @@ def _prepare(opts: dict, *, loaded_shape: bool = False) -> _Run:
 
 
 # ----------------------------------------------------------------------------
+# the accuracy summary
+# ----------------------------------------------------------------------------
+
+
+def _command_line(replace: dict) -> str:
+    """The current command with the options given on its command line (``--out``, ``--format`` dropped) and
+    ``replace`` (long option name without dashes -> value) set: the command a summary suggests running next."""
+    ctx = click.get_current_context()
+    words = shlex.split(ctx.command_path)
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.opts[0].lstrip("-") in ("out", "format", *replace):
+            continue
+        source = ctx.get_parameter_source(param.name)
+        if source not in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT):
+            continue
+        value = ctx.params[param.name]
+        if param.is_flag:
+            flags = param.opts if value else param.secondary_opts
+            words += flags[:1]
+        elif param.name == "sigmas":
+            words += [param.opts[0], ",".join(_fmt_sigma(s) for s in value)]
+        else:
+            words += [param.opts[0], str(value)]
+    for name, value in replace.items():
+        words += [f"--{name}", value]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _comparison(opts: dict) -> str:
+    """What to run to put the sweep beside the reference point of its family."""
+    family, config = opts["family"], opts["config_name"]
+    if family == "int8":
+        if config == "paper":
+            return f"the project default: {_command_line({'config': 'default'})}"
+        return f"the published SageBwd granularities: {_command_line({'config': 'paper'})}"
+    if family == "nvfp4":
+        if config == "default":
+            return f"without two-level P and K-smoothing: {_command_line({'config': 'plain'})}"
+        return f"the NVFP4 default: {_command_line({'config': 'default'})}"
+    return f"INT8 SageBwd on the same inputs: {_command_line({'family': 'int8', 'config': 'default'})}"
+
+
+def _accuracy_summary(records: list[dict], sigmas, opts: dict) -> str:
+    """One stderr line after the table: the worst cos and rel_l2 of each tensor over the sweep, and the command
+    that runs the comparison (no second sweep runs here)."""
+    worst = analysis.worst_case(records)
+    at = {w[key] for w in worst for key in ("cos_sigma", "rel_l2_sigma")}
+    where = f" (all at sigma {_fmt_sigma(at.pop())})" if len(at) == 1 and len(sigmas) > 1 else ""
+
+    def one(w):
+        text = f"{w['tensor']} cos {_fmt_cos(w['cos'])}"
+        if not where and len(sigmas) > 1:
+            text += f" (sigma {_fmt_sigma(w['cos_sigma'])})"
+        text += f" rel_l2 {w['rel_l2']:.3g}"
+        if not where and len(sigmas) > 1:
+            text += f" (sigma {_fmt_sigma(w['rel_l2_sigma'])})"
+        return text
+
+    over = "sigma " + ",".join(_fmt_sigma(s) for s in sigmas)
+    return f"sagecupy: worst over {over}{where}: {', '.join(one(w) for w in worst)}; {_comparison(opts)}"
+
+
+# ----------------------------------------------------------------------------
 # commands
 # ----------------------------------------------------------------------------
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("sagecupy", cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 # The package's own version string, not the installed distribution's metadata: `python -m sagecupy --version`
 # works from a checkout that was never installed.
 @click.version_option(version=__version__, prog_name="sagecupy")
@@ -408,11 +511,12 @@ def accuracy(**opts):
     run = _prepare(opts)
     spec, sigmas = run.spec, opts["sigmas"]
     run.announce()
-    with _library_errors(), _progress(len(sigmas), "sigma sweep") as step:
+    with _library_errors(), _progress([f"sigma {_fmt_sigma(s)}" for s in sigmas], "sigma sweep") as step:
         records = analysis.accuracy_sweep(spec, sigmas, progress=step)
     head = analysis.header("accuracy", spec, backend_requested=opts["backend"], backend_reason=run.backend_reason,
                            sigmas=sigmas)
     emit(records, head, opts["fmt"], opts["out"])
+    click.echo(_accuracy_summary(records, sigmas, opts), err=True)
 
 
 @main.command()
@@ -424,7 +528,9 @@ def smoothing(**opts):
     with _library_errors():
         analysis.check_smoothing(spec)
     run.announce()
-    with _library_errors(), _progress(len(sigmas) * len(analysis.SMOOTHING_VARIANTS), "smoothing") as step:
+    steps = [f"{variant} smoothing, sigma {_fmt_sigma(s)}" for variant, _, _ in analysis.SMOOTHING_VARIANTS
+             for s in sigmas]
+    with _library_errors(), _progress(steps, "smoothing") as step:
         records = analysis.smoothing_ablation(spec, sigmas, progress=step)
     head = analysis.header("smoothing", spec, backend_requested=opts["backend"], backend_reason=run.backend_reason,
                            sigmas=sigmas)
@@ -445,13 +551,14 @@ def intermediates(**opts):
         given = [f"--{name}" for name in ("n", "d", "heads", "batch") if opts[name] is not None]
         if given:
             raise click.UsageError(f"{', '.join(given)} cannot be combined with --load (the file gives the shape)")
-    run = _prepare(opts, loaded_shape=path is not None)
-    spec, inputs = run.spec, None
-    if path is not None:
+    inputs = None
+    if path is not None:  # first: the file's head dim decides whether the GPU kernels can take it
         with _library_errors():
             inputs = analysis.load_inputs(path, dtype=opts["dtype"], layout=opts["layout"])
+    run = _prepare(opts, loaded_d=None if inputs is None else inputs["q"].shape[-1])
+    spec = run.spec
     run.announce()
-    with _library_errors(), _progress(2, "intermediates") as step:
+    with _library_errors(), _progress([f"{spec.backend} run", "float64 exact run"], "intermediates") as step:
         records = analysis.intermediates(spec, sigma=opts["sigma"], inputs=inputs, progress=step)
     head = analysis.header("intermediates", spec, backend_requested=opts["backend"],
                            backend_reason=run.backend_reason,

@@ -208,6 +208,30 @@ def test_backend_resolution_without_gpu(no_gpu):
     assert analysis.default_n("gpu") == analysis.GPU_DEFAULT_N == 4096
 
 
+def test_backend_resolution_by_head_dim(monkeypatch):
+    monkeypatch.setattr(analysis, "gpu_status", lambda: (True, "fake device"))
+    monkeypatch.setattr(analysis, "_gpu_module", lambda fam: (object(), None))
+    for d in analysis.GPU_HEAD_DIMS:
+        assert analysis.resolve_backend("gpu", "int8", head_dim=d)[0] == "gpu"
+    backend, reason = analysis.resolve_backend("auto", "int8", head_dim=96)
+    assert backend == "reference" and "head dims 64 and 128, not D=96" in reason
+    with pytest.raises(analysis.BackendUnavailable, match="not D=96"):
+        analysis.resolve_backend("gpu", "int8", head_dim=96)
+    assert analysis.resolve_backend("reference", "int8", head_dim=96)[0] == "reference"
+
+
+def test_worst_case():
+    records = [dict(type="accuracy", sigma=s, tensor=t, cos=c, rel_l2=r)
+               for s, t, c, r in ((1.0, "O", 0.999, 0.01), (1.0, "dQ", 0.99, 0.1), (5.0, "O", 0.99, 0.05),
+                                  (5.0, "dQ", 0.995, float("nan")))]
+    worst = analysis.worst_case(records)
+    assert [w["tensor"] for w in worst] == ["O", "dQ"]
+    assert (worst[0]["cos"], worst[0]["cos_sigma"], worst[0]["rel_l2"], worst[0]["rel_l2_sigma"]) == (0.99, 5.0,
+                                                                                                      0.05, 5.0)
+    assert worst[1]["cos"] == 0.99 and worst[1]["cos_sigma"] == 1.0
+    assert np.isnan(worst[1]["rel_l2"]) and worst[1]["rel_l2_sigma"] == 5.0  # NaN is the worst value
+
+
 def test_gpu_status_without_loader(monkeypatch):
     monkeypatch.setitem(sys.modules, "sagecupy._loader", None)  # import raises ImportError
     ok, reason = analysis.gpu_status()

@@ -211,6 +211,110 @@ def test_smoothing_table_and_json(runner):
 
 
 # ----------------------------------------------------------------------------
+# stderr: progress without a terminal, and the closing summary line
+# ----------------------------------------------------------------------------
+
+
+def test_progress_lines_without_a_terminal(runner):
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1,3"]))
+    lines = result.stderr.splitlines()
+    assert lines[1].startswith("sagecupy: sigma 1 done (1/2, ") and lines[1].endswith(" s)")
+    assert lines[2].startswith("sagecupy: sigma 3 done (2/2, ")
+    assert "sigma sweep" not in result.stderr  # click's bar (its label) is for terminals
+    smoothing = _ok(runner.invoke(main, ["smoothing", *TINY, "--sigmas", "3"])).stderr
+    assert "sagecupy: Q+K smoothing, sigma 3 done (3/3, " in smoothing
+    inter = _ok(runner.invoke(main, ["intermediates", *TINY])).stderr
+    assert "sagecupy: reference run done (1/2, " in inter and "float64 exact run done (2/2, " in inter
+
+
+def test_progress_bar_on_a_terminal(runner, monkeypatch):
+    from sagecupy import cli
+
+    monkeypatch.setattr(cli, "_isatty", lambda stream: True)
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1,3"]))
+    assert "sigma sweep" in result.stderr and " done (" not in result.stderr
+
+
+def test_accuracy_ends_with_the_worst_errors(runner):
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "1,5", "--format", "json", "--causal"]))
+    _, records = _json_lines(result.stdout)  # stdout: the records only
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("sagecupy: worst over sigma 1,5")
+    for tensor in analysis.ACCURACY_TENSORS:
+        rows = [r for r in records if r["tensor"] == tensor]
+        worst_cos = min(r["cos"] for r in rows)
+        worst_l2 = max(r["rel_l2"] for r in rows)
+        assert f"{tensor} cos {worst_cos:.6f}" in last and f"rel_l2 {worst_l2:.3g}" in last
+    # the comparison is a command to run (with the options given here), not a second sweep
+    assert last.endswith("the published SageBwd granularities: sagecupy accuracy --n 32 --d 32 --heads 1 "
+                         "--causal --sigmas 1,5 --config paper")
+    assert "worst" not in result.stdout
+
+
+@pytest.mark.parametrize("args, suggestion", [
+    (["--config", "paper"], "the project default: sagecupy accuracy --n 32 --d 32 --heads 1 --sigmas 3 "
+                            "--config default"),
+    (["--config", "bkv64"], "--config paper"),
+    (["--family", "nvfp4"], "without two-level P and K-smoothing: sagecupy accuracy --family nvfp4 --n 32 "
+                            "--d 32 --heads 1 --sigmas 3 --config plain"),
+    (["--family", "nvfp4", "--config", "plain"], "the NVFP4 default: sagecupy accuracy --family nvfp4 --n 32 "
+                                                 "--d 32 --heads 1 --sigmas 3 --config default"),
+    (["--family", "qat"], "INT8 SageBwd on the same inputs: sagecupy accuracy --n 32 --d 32 --heads 1 "
+                          "--sigmas 3 --family int8 --config default"),
+])
+def test_accuracy_summary_names_the_comparison(runner, tmp_path, args, suggestion):
+    out = tmp_path / "acc.json"
+    result = _ok(runner.invoke(main, ["accuracy", *TINY, "--sigmas", "3", *args, "--out", str(out)]))
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("sagecupy: worst over sigma 3: O cos ") and last.endswith(suggestion)
+    assert str(out) not in last  # the suggested run would not overwrite this one's file
+
+
+# ----------------------------------------------------------------------------
+# head dims and configs
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A usable device with kernels for every family (nothing here may run on it)."""
+    monkeypatch.setattr(analysis, "gpu_status", lambda: (True, "Fake GPU (sm_90)"))
+    monkeypatch.setattr(analysis, "_gpu_module", lambda fam: (object(), None))
+
+
+def test_unsupported_head_dim_on_the_gpu_backend(runner, fake_gpu):
+    line = _one_line_error(runner.invoke(main, ["accuracy", "--backend", "gpu", "--d", "96"]))
+    assert "head dims 64 and 128, not D=96" in line and "--backend reference" in line
+
+
+def test_unsupported_head_dim_auto_runs_the_reference(runner, fake_gpu, tmp_path):
+    result = _ok(runner.invoke(main, ["accuracy", "--n", "32", "--heads", "1", "--d", "24", "--sigmas", "1"]))
+    assert "--backend auto -> reference: the GPU kernels take head dims 64 and 128, not D=24" in result.stderr
+    assert "backend reference" in result.stdout and "D=24" in result.stdout
+    path = tmp_path / "acts.npz"  # --load: the file's head dim decides
+    np.savez(path, **{name: np.ones((1, 1, 8, 16)) for name in ("q", "k", "v", "do")})
+    result = _ok(runner.invoke(main, ["intermediates", "--load", str(path)]))
+    assert "not D=16" in result.stderr and "backend reference" in result.stdout
+
+
+def test_any_head_dim_on_the_reference(runner):
+    result = _ok(runner.invoke(main, ["accuracy", "--backend", "reference", "--n", "32", "--heads", "1", "--d", "96",
+                                      "--sigmas", "1"]))
+    assert "D=96" in result.stdout
+    assert "64 or 128" in _ok(runner.invoke(main, ["accuracy", "--help"])).stdout
+
+
+def test_config_help_names_every_config_of_every_family(runner):
+    from sagecupy.cli import _config_help
+
+    text = _config_help()
+    for fam, names in analysis.FAMILY_CONFIGS.items():
+        section = text.split(f"{fam}: ", 1)[1].split(";")[0]
+        assert all(name in section for name in names), (fam, section)
+    assert "bkv64" in _ok(runner.invoke(main, ["accuracy", "--help"])).stdout
+
+
+# ----------------------------------------------------------------------------
 # bad arguments: one line, non-zero exit, no traceback
 # ----------------------------------------------------------------------------
 
