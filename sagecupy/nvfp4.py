@@ -1,10 +1,10 @@
-"""NVFP4 on the GPU (SPEC §5): quantization into the exchange format.
+"""NVFP4 on the GPU (docs/algorithms.md §5): quantization into the exchange format and the attention forward.
 
 * :func:`attention` -- SageAttention3-style NVFP4 attention forward (quantize Q, K - mu_K, V, then the
   fused kernel); :func:`attention_packed` -- the same kernel on operands already in the exchange format
   (a quantized KV cache); :func:`quantize_inputs` and friends -- the quantization pre-passes.
 * On Hopper there are no FP4 tensor cores: the kernel keeps Q, K, V packed in device memory, dequantizes
-  each 16-block to fp16 in registers (exact, SPEC §5) and multiplies on fp16 tensor cores with fp32
+  each 16-block to fp16 (exact, docs/algorithms.md §5.7) and multiplies on fp16 tensor cores with fp32
   accumulation. P is quantized to NVFP4 in registers (two-level by default) and dequantized the same way.
 
 Exchange format (what DLPack can carry): packed ``uint8`` E2M1 codes, two per byte, element ``2i`` in
@@ -16,15 +16,22 @@ the low nibble, and ``uint8`` E4M3 scales, one per 16 elements along the contrac
 
 Bit-exact with :mod:`sagecupy.reference.fp4` (every code and scale byte), including ties, saturation,
 subnormal scales, zero blocks (scale 0, codes +0) and blocks holding NaN/Inf (scale 0x7F, NaN).
+
+The forward's kernels, per engine (:func:`fp4_engine`) and head dim: mma.sync ``nvfp4_attn_fwd`` (8 warps); wgmma
+at D=64 ``nvfp4_attn_fwd_sm90`` (4 warps); wgmma at D=128 the warp-specialized ``nvfp4_attn_fwd_ws_img`` (one
+producer warpgroup, :data:`WS_CONSUMERS` consumer warpgroups) on K/V stage images (:func:`ws_img_bytes`), with
+the tail split (:func:`_tail_split`) on non-causal calls with two-level P. The variants measured no better
+(other CTA sizes, two consumers, a persistent kernel, Q quantized in the kernel, a producer that dequantizes every
+tile, fused or pipelined pre-passes) are gone from the tree (git history keeps them; docs/experiments.md records
+their numbers).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 from . import _checks, _layout
 from ._loader import device_capability, get_function
-from ._program import Plan, Plans, Program, Ref, env_key, env_switch, scale_key, signature
+from ._program import Plan, Plans, Program, Ref, env_key, scale_key, signature
 from .config import NVFP4Config
 
 __all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize_rows", "quantize_tokens", "quantize_inputs",
@@ -32,37 +39,29 @@ __all__ = ["attention", "attention_packed", "forward", "is_supported", "quantize
 
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 LOG2E = 1.4426950408889634
-_WARPS = (4, 8)
 _BKV = 64
 
-
-#: Warps per CTA of the wgmma NVFP4 forward at D=128 by default (SAGECUPY_FP4_WARPS overrides it).
-_WGMMA_WARPS = 12
-
-
-def _wgmma_default_warps(head_dim: int) -> int:
-    """The wgmma NVFP4 forward's default CTA size: 12 warps at D=128, 4 at D=64 (see :func:`fp4_warps`)."""
-    return _WGMMA_WARPS if head_dim == 128 else 4
+#: Warps per CTA of the mma.sync FP4 forwards (NVFP4 and QAT): K/V tiles dequantized once per 128 query rows,
+#: 17% faster than 4 warps on the H200 (docs/experiments.md).
+MMA_WARPS = 8
+#: Warps per CTA of the wgmma NVFP4 forward at D=64 (within a few percent of 8 and 12 there; docs/experiments.md).
+WGMMA_D64_WARPS = 4
+#: Consumer warpgroups (64 query rows each) of the warp-specialized wgmma NVFP4 forward at D=128: 1.04-1.08x the
+#: 12-warp kernel it replaced, two consumers 0.99-1.04x (docs/experiments.md).
+WS_CONSUMERS = 3
 
 #: Causal calls of the wgmma FP4 forwards (NVFP4, QAT) dispatch their query blocks heaviest first across groups of
 #: this many (batch, head) pairs (kernels_cu/common/rows.cuh query_block), not one pair after another: then the last
-#: wave does not hold the heavy blocks of the last heads alone. On the H200 at D=128 (``bench/ab_time.py``, sixteenth
-#: session, end to end, interleaved): NVFP4 causal 1.06x (4K) / 1.04x (16K), QAT forward causal 1.06x / 1.03x. The
-#: kernels are template instances (CG); calls without the mask keep the plain order (CG = 1), whose NVFP4 timings
-#: read 0.97-1.00x with the grouped instance in two runs. SAGECUPY_FP4_CAUSAL_GROUP=1 gives the plain order back.
+#: wave does not hold the heavy blocks of the last heads alone (H200, D=128, end to end: NVFP4 causal 1.06x at 4K,
+#: 1.04x at 16K; QAT forward causal 1.06x / 1.03x; docs/experiments.md). The kernels are template instances (CG);
+#: calls without the mask keep the plain order (CG = 1).
 FP4_CAUSAL_GROUP = 16
 
 
-def fp4_causal_group(causal: bool, warps: int | None = None, head_dim: int = 128) -> int:
-    """The dispatch group (CG template argument) of a wgmma FP4 forward launch: 1 without the causal mask or for
-    an NVFP4 CTA size other than the default (``warps``; experiments, whose causal instances are not in the list CI
-    compiles), else ``SAGECUPY_FP4_CAUSAL_GROUP`` (a positive integer) or :data:`FP4_CAUSAL_GROUP`."""
-    env = os.environ.get("SAGECUPY_FP4_CAUSAL_GROUP")
-    if env is not None and (not env.isdigit() or not 1 <= int(env) <= 4096):
-        raise ValueError(f"SAGECUPY_FP4_CAUSAL_GROUP={env!r}: an integer from 1 (the plain dispatch order) to 4096")
-    if not causal or (warps is not None and warps != _wgmma_default_warps(head_dim)):
-        return 1
-    return FP4_CAUSAL_GROUP if env is None else int(env)
+def fp4_causal_group(causal: bool) -> int:
+    """The dispatch group (CG template argument) of a wgmma FP4 forward launch: :data:`FP4_CAUSAL_GROUP` with the
+    causal mask, else 1 (the plain order)."""
+    return FP4_CAUSAL_GROUP if causal else 1
 
 
 def _cg_suffix(cg: int) -> str:
@@ -71,126 +70,40 @@ def _cg_suffix(cg: int) -> str:
 
 
 def fp4_warps(engine: str = "mma", head_dim: int = 128) -> int:
-    """Warps per FP4 forward CTA (16 query rows each). mma.sync kernels: 8 by default (K/V tiles dequantized
-    once per 128 query rows: measured 17% faster than 4 on the H200, bench/NOTES.md); the wgmma NVFP4 kernel (at
-    D=128 only where the warp-specialized kernel is off, :func:`fp4_ws`; setting this variable turns it off): 12
-    at D=128 (three warpgroups share each dequantized tile, O kept in the frame of its last tile to fit 168
-    registers: 1.01-1.08x the 8-warp kernel), 4 at D=64 (within a few percent of 8 and 12 there, either way
-    between runs; ``python bench/fp4_variants.py``). ``SAGECUPY_FP4_WARPS=4|8`` overrides both, ``12`` the wgmma
-    kernel only (experiments; and GPUs with less shared memory per block: ~104 KiB for 8 warps at D=128, ~159 KiB
-    for 12). 4 and 8 warps give bitwise equal results for finite inputs (tested); 12 warps (the frame rule) round
-    O's fp32 rescaling differently (within the simulator's 1e-3 bound, tested). With a NaN in V, rows that
-    cannot see its block may or may not turn NaN depending on which CTAs load the tile."""
-    default = _wgmma_default_warps(head_dim) if engine == "wgmma" else 8
-    env = os.environ.get("SAGECUPY_FP4_WARPS", str(default))
-    ok = ("4", "8", "12") if engine == "wgmma" else ("4", "8")
-    if env not in ok:
-        raise ValueError(f"SAGECUPY_FP4_WARPS={env!r} is not supported with engine={engine!r}; supported: "
-                         + ", ".join(repr(x) for x in ok))
-    return int(env)
+    """Warps per CTA (16 query rows each) of the FP4 forwards that are not warp-specialized: :data:`MMA_WARPS` on
+    the mma.sync engine, :data:`WGMMA_D64_WARPS` for the wgmma NVFP4 kernel (which runs at D=64 only; at D=128
+    :func:`fp4_ws` applies)."""
+    return WGMMA_D64_WARPS if engine == "wgmma" else MMA_WARPS
 
 
 def fp4_ws(engine: str = "wgmma", head_dim: int = 128) -> int:
-    """Consumer warpgroups of the warp-specialized wgmma NVFP4 forward (``nvfp4_attn_fwd_ws`` in
-    ``kernels_cu/fp4_attn_fwd_sm90.cu``: one warpgroup dequantizes K/V, 2 or 3 multiply and quantize P, 64 query rows
-    each), or 0 for the 12-warp kernel whose warpgroups all do everything. The default at D=128 on the wgmma
-    engine is 3 (unless ``SAGECUPY_FP4_WARPS`` asks for a CTA size of the 12-warp kernel); ``SAGECUPY_FP4_WS=0|2|3``
-    chooses. Bitwise the same results; three consumers measured 1.04-1.08x the 12-warp kernel on the H200, two
-    0.99-1.04x (``bench/fp4_floor.py``, bench/NOTES.md twenty-sixth session)."""
-    env = os.environ.get("SAGECUPY_FP4_WS")
-    if env not in (None, "0", "2", "3"):
-        raise ValueError(f"SAGECUPY_FP4_WS={env!r}: '0' (the 12-warp kernel), '2' or '3' (consumer warpgroups of "
-                         "the warp-specialized kernel, 3 the default; D=128, wgmma engine)")
-    if engine != "wgmma" or head_dim != 128:
-        return 0
-    if env is None:
-        return 0 if os.environ.get("SAGECUPY_FP4_WARPS") is not None else 3
-    return int(env)
+    """Consumer warpgroups of the warp-specialized wgmma NVFP4 forward (``nvfp4_attn_fwd_ws_img`` in
+    ``kernels_cu/nvfp4/fp4_attn_fwd_sm90.cu``: one warpgroup copies the K/V stage images into a ring of stages, the
+    consumers multiply and quantize P, 64 query rows each), where it runs: :data:`WS_CONSUMERS` at D=128 on the
+    wgmma engine; else 0."""
+    return WS_CONSUMERS if engine == "wgmma" and head_dim == 128 else 0
 
 
-def ws_smem_bytes(D: int, nc: int) -> int:
+def ws_smem_bytes(D: int, nc: int = WS_CONSUMERS) -> int:
     """Dynamic shared memory of the warp-specialized NVFP4 forward (``NvWs<D, nc>``): fp16 Q (64 nc rows), 4 stages
     of K and V, two staging buffers of 36 bytes per 64-element task, 9 mbarriers, 1024 for alignment."""
     slots = max(64 * nc * D // 64, _BKV * D // 64 + D)
     return 64 * nc * 2 * D + 4 * (_BKV * 2 * D + D * _BKV * 2) + 2 * 36 * slots + 9 * 8 + 1024
 
 
-def ws_persist_smem_bytes(D: int) -> int:
-    """Dynamic shared memory of the persistent warp-specialized NVFP4 forward (``NvWsP<D, 3>``): the
-    warp-specialized kernel's, a third staging buffer, one more mbarrier and 64 bytes for the two 24-byte item
-    slots."""
-    slots = max(64 * 3 * D // 64, _BKV * D // 64 + D)
-    return ws_smem_bytes(D, 3) + 36 * slots + 8 + 64
-
-
-def fp4_persist(engine: str = "wgmma", head_dim: int = 128) -> bool:
-    """Whether the NVFP4 forward runs the persistent warp-specialized kernel (``nvfp4_attn_fwd_ws_persist``: one CTA
-    per SM walks the (query block, head) items, taking them from a counter, and stages each item's Q and first key
-    tile while the one before finishes; bitwise the same O and LSE): ``SAGECUPY_FP4_PERSIST=1`` asks for it (opt-in,
-    ``0`` the default), and it applies where the warp-specialized kernel with three
-    consumers runs (D=128, wgmma engine)."""
-    return env_switch("SAGECUPY_FP4_PERSIST") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
-
-
-def fp4_qin(engine: str = "wgmma", head_dim: int = 128) -> bool:
-    """Whether :func:`attention` quantizes Q inside the warp-specialized kernel (``nvfp4_attn_fwd_ws_qin``: each
-    consumer warpgroup quantizes and dequantizes its 64 rows of the raw input into shared memory and computes their
-    qmk, so the pre-pass quantizes only K and V; bitwise the same O and LSE) instead of in the pre-pass:
-    ``SAGECUPY_FP4_QIN=1`` asks for it (opt-in, ``0`` the default: the whole call ~1% slower on the H200, thirty-second
-    session). It applies
-    where the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent one does
-    not (``SAGECUPY_FP4_PERSIST=1`` keeps the pre-pass's Q)."""
-    return env_switch("SAGECUPY_FP4_QIN") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
-
-
-def fp4_tail_split(engine: str = "wgmma", head_dim: int = 128) -> bool:
-    """Whether the NVFP4 forward splits the keys of the items beyond its grid's last full wave over several CTAs
-    (``nvfp4_attn_fwd_ws_split``, :func:`_tail_split`; the parts' O and LSE combined in the kernel, equal to the
-    unsplit ones within fp32 rounding): on by default (``SAGECUPY_FP4_TAIL_SPLIT=0`` turns it off; H200, thirty-second
-    session: the 4K call with the K/V images 1.468 -> 1.450 ms). It applies to non-causal calls with two-level P where
-    the warp-specialized kernel with three consumers runs (D=128, wgmma engine) and the persistent one does not."""
-    return env_switch("SAGECUPY_FP4_TAIL_SPLIT", "1") and engine == "wgmma" and fp4_ws(engine, head_dim) == 3 and not fp4_persist(engine, head_dim)
-
-
-def _kvimg_env() -> str:
-    """``SAGECUPY_FP4_KVIMG``: ``"1"`` (unset: one CTA per image), ``"pipe"`` (the pipelined pass) or ``"0"`` (off)."""
-    env = os.environ.get("SAGECUPY_FP4_KVIMG", "1")
-    if env not in ("0", "1", "pipe"):
-        raise ValueError(f"SAGECUPY_FP4_KVIMG={env!r} is not supported; supported: '0', '1', 'pipe'")
-    return env
-
-
-def fp4_kvimg(engine: str = "wgmma", head_dim: int = 128) -> bool:
-    """Whether the NVFP4 forward dequantizes each K/V tile once, into a stage image (fp16 K^ and V^^T tiles laid
-    out as the kernel's shared memory, scratch of 4x the packed K and V), which the warp-specialized kernel's producer
-    copies with two bulk copies per tile (``nvfp4_attn_fwd_ws_img``), instead of its producer dequantizing every
-    tile once per query block; bitwise the same O and LSE. On by default (``SAGECUPY_FP4_KVIMG=0`` turns it off; H200,
-    thirty-second session, B 4, 4K, D 128: the kernel 1.56 -> 1.36 ms, the whole call 1.68 -> 1.47 ms).
-    :func:`attention` then writes the images from the raw K and V
-    (``nvfp4_kv_images_raw``, in place of K's and V's quantizers, after K's mean as the split pre-pass takes it:
-    :func:`fp4_prepass_mode` does not apply; ``SAGECUPY_FP4_KVIMG=pipe``: ``nvfp4_kv_images_raw_pipe``, as many CTAs
-    as are resident at once, each loading its next image's operands while it works on the current one),
-    :func:`attention_packed` from the packed ones (``nvfp4_kv_images``). It applies where the warp-specialized kernel
-    with three consumers runs (D=128, wgmma engine) and the persistent one does not; with :func:`fp4_qin` and
-    :func:`fp4_tail_split` too."""
-    return (_kvimg_env() != "0" and engine == "wgmma" and fp4_ws(engine, head_dim) == 3
-            and not fp4_persist(engine, head_dim))
-
-
 def ws_img_bytes(D: int) -> int:
-    """Bytes of one K/V stage image (``WS_IMG_STAGE<D>``): a 64-key fp16 K^ tile and its D x 64 fp16 V^^T tile."""
+    """Bytes of one K/V stage image (``WS_IMG_STAGE<D>``): a 64-key fp16 K^ tile and its D x 64 fp16 V^^T tile,
+    laid out as the warp-specialized kernel's shared-memory stage. Each key tile is dequantized once, into its image
+    (scratch of 4x the packed K and V), which the kernel's producer copies with two bulk copies per tile: on the H200
+    at B 4, 4K, D 128 the kernel 1.56 -> 1.36 ms against a producer that dequantizes every tile once per query block
+    (docs/experiments.md)."""
     return 2 * _BKV * 2 * D
 
 
-def ws_img_raw_smem_bytes(D: int, pipe: bool = False) -> int:
+def ws_img_raw_smem_bytes(D: int) -> int:
     """Dynamic shared memory of ``nvfp4_kv_images_raw`` (``WS_IMG_RAW_SMEM<D>``): one image, V's 64-token tile
-    (rows of D + 8 16-bit values) and K's mean (D floats); ``pipe``: of ``nvfp4_kv_images_raw_pipe``
-    (``WS_IMG_RAW_PIPE_SMEM<D>``: two V tiles)."""
-    return ws_img_bytes(D) + (2 if pipe else 1) * 64 * (D + 8) * 2 + D * 4
-
-
-#: CTAs per SM of nvfp4_kv_images_raw_pipe (its __launch_bounds__; shared memory 3 x 66.5 KB).
-_PIPE_IMG_CTAS = 3
+    (rows of D + 8 16-bit values) and K's mean (D floats)."""
+    return ws_img_bytes(D) + 64 * (D + 8) * 2 + D * 4
 
 
 #: Parts a split item's keys go to at most (the kernel's combination reads at most this many).
@@ -202,7 +115,8 @@ def _tail_split(items: int, sms: int, ntiles: int):
     ``items - whole = items % sms`` after them in ``nsplit`` parts of their key tiles each; or None where that gains
     nothing. ``nsplit`` in 2..4 with at least 4 key tiles per part, the one that makes the tail shortest in item
     times, ceil(rest * nsplit / sms) / nsplit (1 unsplit), the smaller on a tie; None unless that is at most 0.8
-    (e.g. 1,408 items on 132 SMs: 88 split in 3, 10 2/3 item times instead of 11)."""
+    (e.g. 1,408 items on 132 SMs: 88 split in 3, 10 2/3 item times instead of 11; H200, 4K: 1.468 -> 1.450 ms,
+    docs/experiments.md)."""
     rest = items % sms
     if rest == 0:
         return None
@@ -219,20 +133,20 @@ def _tail_split(items: int, sms: int, ntiles: int):
 
 
 def _zero_ints(counters):
-    """Program glue: an int32 array to 0 on the current stream (the persistent kernel's item counter, the split
-    kernel's counters: recorded first in a call, before its launches)."""
+    """Program glue: an int32 array to 0 on the current stream (the split kernel's counters: recorded first in a
+    call, before its launches)."""
     counters.data.memset_async(0, counters.size * 4)
     return ()
 
 
 def _split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level):
-    """Record the tail split's scratch (the parts' partials, and their counters, zeroed first in the call) where
-    :func:`fp4_tail_split` applies and :func:`_tail_split` splits; returns ``(whole, nsplit, nblk, part_ws,
-    counters)`` for :func:`_record_launch`, else None."""
+    """Record the tail split's scratch (the parts' partials, and their counters, zeroed first in the call) where it
+    applies (non-causal calls with two-level P where the warp-specialized kernel runs; with single-level P the parts
+    would quantize P against another running max) and :func:`_tail_split` splits; returns ``(whole, nsplit, nblk,
+    part_ws, counters)`` for :func:`_record_launch`, else None."""
     import cupy
 
-
-    if causal or not two_level or not fp4_tail_split(engine, D):
+    if causal or not two_level or not fp4_ws(engine, D):
         return None
     nc = fp4_ws(engine, D)  # (consumer warpgroups of 64 query rows)
     nblk = (nq + 64 * nc - 1) // (64 * nc)
@@ -255,70 +169,41 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def _persist_counter(prog, engine, D):
-    """Record the persistent kernel's counter (allocated and zeroed first in the call, so that the programmatic
-    dependent launches after it stay back to back) where that kernel runs; else None."""
-    import cupy
-
-    if not fp4_persist(engine, D):
-        return None
-    counter = prog.empty("fp4_counter", (1,), cupy.int32)
-    prog.call((), _zero_ints, (counter,))
-    return counter
-
-
 def fp4_engine(engine: str | None = None) -> str:
     """The tensor-core path of the NVFP4 forward: ``"wgmma"`` (Hopper, sm_90a: both products on warpgroup MMA,
-    ``kernels_cu/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``None`` or ``"auto"`` (the default: ``"wgmma"`` on sm_90, ``"mma"``
-    elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two share the per-tile softmax and P
-    quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ only through the fp32 accumulation order inside
-    the tensor cores and, for the 12-warp wgmma CTAs and the warp-specialized kernel (the default at D=128,
-    bitwise equal to them), the order of O's fp32 rescaling
-    (O kept in the frame of its last tile; tested against the simulator). The QAT forward (``sagecupy.qat.forward``) follows the same
-    choice (wgmma: ``kernels_cu/qat_attn_fwd_sm90.cu``); there the wgmma kernel also orders the fp32 scaling of O
-    differently (O kept in the frame of its last tile, see that file) and skips, for O only, tiles whose weights
-    are below 2^-60 of the row's largest."""
+    ``kernels_cu/nvfp4/fp4_attn_fwd_sm90.cu``) or ``"mma"`` (mma.sync, sm_80+). ``engine``: ``None`` or ``"auto"``
+    (the default: ``"wgmma"`` on sm_90, ``"mma"`` elsewhere), ``"mma"`` or ``"wgmma"``, as the INT8 engines. The two
+    share the per-tile softmax and P quantization (``kernels_cu/common/fp4_fwd.cuh``) and differ through the fp32
+    accumulation order inside the tensor cores and, for the warp-specialized kernel (D=128), the order of O's fp32
+    rescaling (O kept in the frame of its last tile) and of the keys within a tile (each thread's 16 logits of a row
+    one whole 16-key block of P); tested against the simulator. The QAT forward (``sagecupy.qat.forward``) follows
+    the same choice (wgmma: ``kernels_cu/qat/qat_attn_fwd_sm90.cu``); there the wgmma kernel also keeps O in the
+    frame of its last tile and skips, for O only, tiles whose weights are below 2^-60 of the row's largest."""
     return _layout.pick_engine(engine)
 
 
 def kernel_names() -> dict:
-    """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them)."""
+    """Every template instantiation this module (and sagecupy.qat) launches, per source file (CI compiles them; the
+    loader compiles a file's list at its first use). Single-level P on the warp-specialized kernel (a config field)
+    compiles on first use."""
     quant = [f"nvfp4_quant_rows<{T}, {dt}>" for T in _T.values() for dt in _ROWS_DT]
     quant += [f"{k}<{T}>" for T in _T.values()
               for k in ("nvfp4_quant_tokens", "nvfp4_quant_tokens_tiled", "nvfp4_fq_rows",
                         "nvfp4_fq_rows_any", "nvfp4_fq_tokens", "row_mu_dot", "qat_delta")]
-    # the fused pre-pass of attention (SAGECUPY_FP4_PREPASS=fused; D 64 / 128)
-    quant += [f"{k}<{T}, {D}>" for T in _T.values() for D in (64, 128)
-              for k in ("nvfp4_quant_v_kpart", "nvfp4_quant_qk_rows", "nvfp4_quant_v_kpart_pipe",
-                        "nvfp4_quant_qk_rows_pipe")]
-    quant += [f"nvfp4_kmean_finish<{D}>" for D in (64, 128)]
     attn = []
     for T in _T.values():
         for D in (64, 128):
-            w = 8  # the default; 4 (SAGECUPY_FP4_WARPS, experiments) compiles at run time only
-            attn += [f"nvfp4_attn_fwd<{T}, {D}, {w}, {tl}>" for tl in ("true", "false")]
-            attn.append(f"qat_attn_fwd<{T}, {D}, {w}>")
-    attn90 = [f"nvfp4_attn_fwd_sm90<{T}, {D}, {w}, {tl}>" for T in _T.values() for D in (64, 128)
-              for w in (_WARPS + (_WGMMA_WARPS,) if D == 128 else _WARPS) for tl in ("true", "false")]
-    # causal instances: the default CTA sizes only (others compile on first use)
-    attn90 += [f"nvfp4_attn_fwd_sm90<{T}, {D}, {_wgmma_default_warps(D)}, {tl}, {FP4_CAUSAL_GROUP}>"
-               for T in _T.values() for D in (64, 128) for tl in ("true", "false")]
-    # the warp-specialized kernel (3 consumers: the default at D=128; 2: opt-in): two-level P only (single-level P
-    # compiles on first use)
-    attn90 += [_ws_name(T, 128, "true", cg, nc) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP) for nc in (2, 3)]
-    # the persistent warp-specialized kernel (opt-in, SAGECUPY_FP4_PERSIST=1): two-level P
-    attn90 += [f"nvfp4_attn_fwd_ws_persist<{T}, 128, true, 3>" for T in _T.values()]
-    # the warp-specialized kernel quantizing Q itself (opt-in, SAGECUPY_FP4_QIN=1): two-level P, 3 consumers
-    attn90 += [_ws_name(T, 128, "true", cg, 3, qin=True) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
-    # its tail-splitting form (the default, SAGECUPY_FP4_TAIL_SPLIT; non-causal, two-level P, 3 consumers)
-    attn90 += [_ws_split_name(T, 128, qin) for T in _T.values() for qin in (False, True)]
-    # the K/V stage images and the kernel on them (the default, SAGECUPY_FP4_KVIMG=1; =pipe: the pipelined pass), with
-    # either Q form, split or not
-    attn90 += ["nvfp4_kv_images<128>"] + [f"{kn}<{T}, 128>" for T in _T.values()
-                                          for kn in ("nvfp4_kv_images_raw", "nvfp4_kv_images_raw_pipe")]
-    attn90 += [_ws_img_name(T, 128, "true", cg, qin, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)
-               for qin in (False, True)]
-    attn90 += [_ws_img_name(T, 128, "true", 1, qin, True) for T in _T.values() for qin in (False, True)]
+            attn += [f"nvfp4_attn_fwd<{T}, {D}, {MMA_WARPS}, {tl}>" for tl in ("true", "false")]
+            attn.append(f"qat_attn_fwd<{T}, {D}, {MMA_WARPS}>")
+    # wgmma, D=64: plain and causal dispatch orders
+    attn90 = [f"nvfp4_attn_fwd_sm90<{T}, 64, {WGMMA_D64_WARPS}, {tl}>" for T in _T.values() for tl in ("true", "false")]
+    attn90 += [f"nvfp4_attn_fwd_sm90<{T}, 64, {WGMMA_D64_WARPS}, {tl}, {FP4_CAUSAL_GROUP}>"
+               for T in _T.values() for tl in ("true", "false")]
+    # wgmma, D=128: the K/V stage images (from the packed or the raw K and V) and the warp-specialized kernel on
+    # them (two-level P), whole items (both dispatch orders) or the tail split
+    attn90 += ["nvfp4_kv_images<128>"] + [f"nvfp4_kv_images_raw<{T}, 128>" for T in _T.values()]
+    attn90 += [_ws_img_name(T, 128, "true", cg, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
+    attn90 += [_ws_img_name(T, 128, "true", 1, True) for T in _T.values()]
     qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
     return {"nvfp4/nvfp4_quant.cu": quant, "nvfp4/fp4_attn_fwd.cu": attn, "nvfp4/fp4_attn_fwd_sm90.cu": attn90,
@@ -333,31 +218,18 @@ def qat_fwd_sm90_smem_bytes(D: int) -> int:
 
 def kernel_constants() -> dict:
     """Host values the kernel sources define too ([(C++ expression, value)] per file; CI static_asserts them)."""
-    return {"nvfp4/fp4_attn_fwd_sm90.cu": [(f"Nv90<{D}, {w}>::SMEM", fwd_smem_bytes(D, w, "wgmma")) for D in (64, 128)
-                                     for w in _WARPS + (12,)]
-            + [(f"NvWs<128, {nc}>::SMEM", ws_smem_bytes(128, nc)) for nc in (2, 3)]
-            + [("WS_SPLIT_MAX", _SPLIT_MAX), ("WS_IMG_STAGE<128>", ws_img_bytes(128)),
-               ("WS_IMG_RAW_SMEM<128>", ws_img_raw_smem_bytes(128)),
-               ("WS_IMG_RAW_PIPE_SMEM<128>", ws_img_raw_smem_bytes(128, True))],
+    return {"nvfp4/fp4_attn_fwd_sm90.cu": [(f"Nv90<64, {WGMMA_D64_WARPS}>::SMEM",
+                                            fwd_smem_bytes(64, WGMMA_D64_WARPS, "wgmma")),
+                                           (f"NvWs<128, {WS_CONSUMERS}>::SMEM", ws_smem_bytes(128)),
+                                           ("WS_SPLIT_MAX", _SPLIT_MAX), ("WS_IMG_STAGE<128>", ws_img_bytes(128)),
+                                           ("WS_IMG_RAW_SMEM<128>", ws_img_raw_smem_bytes(128))],
             "qat/qat_attn_fwd_sm90.cu": [(f"QatFwdSm90<{D}>::SMEM", qat_fwd_sm90_smem_bytes(D)) for D in (64, 128)]}
 
 
-def _ws_name(T: str, D: int, tl: str, cg: int, nc: int, qin: bool = False) -> str:
-    """The warp-specialized kernel's instance (CG and NC template arguments written out); ``qin``: the one that
-    quantizes Q itself (``nvfp4_attn_fwd_ws_qin``)."""
-    return f"nvfp4_attn_fwd_ws{'_qin' if qin else ''}<{T}, {D}, {tl}, {cg}, {nc}>"
-
-
-def _ws_split_name(T: str, D: int, qin: bool) -> str:
-    """The tail-splitting warp-specialized kernel's instance (two-level P, three consumers)."""
-    return f"nvfp4_attn_fwd_ws_split<{T}, {D}, true, 3, {'true' if qin else 'false'}>"
-
-
-def _ws_img_name(T: str, D: int, tl: str, cg: int, qin: bool, split: bool) -> str:
-    """The warp-specialized kernel on K/V stage images (three consumers): ``qin`` Q quantized in the kernel,
-    ``split`` the tail-splitting grid."""
-    b = {False: "false", True: "true"}
-    return f"nvfp4_attn_fwd_ws_img<{T}, {D}, {tl}, {cg}, 3, {b[qin]}, {b[split]}>"
+def _ws_img_name(T: str, D: int, tl: str, cg: int, split: bool) -> str:
+    """The warp-specialized kernel's instance (:data:`WS_CONSUMERS` consumers; ``split``: the tail-splitting grid).
+    Its sixth template argument (once a Q-quantizing form) is always false."""
+    return f"nvfp4_attn_fwd_ws_img<{T}, {D}, {tl}, {cg}, {WS_CONSUMERS}, false, {'true' if split else 'false'}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,57 +244,6 @@ def _fn(kind, T):
 
 #: Head dims nvfp4_quant_rows is compiled for with D a constant (0: any D, read at run time).
 _ROWS_DT = (0, 64, 128, 256)
-
-
-_FP4_PREPASS_MODES = ("split", "fused", "pipe")
-
-
-def fp4_prepass_mode() -> str:
-    """How :func:`attention` launches its pre-pass when it smooths K at D = 64 or 128: ``"split"`` (the default:
-    K's column sums and mean, then Q's, K's and V's quantizers; five launches) or ``"fused"`` (V's quantizer with
-    K's column sums over the same tiles, the mean, then Q's and K's quantizers in one launch; three launches, each
-    block doing what it does in the split launches) or ``"pipe"`` (the fused launches with as many CTAs as are
-    resident at once, each walking tiles or row chunks of a flat list over all heads and loading the next one while it
-    quantizes the current one; the same outputs as ``"fused"``). The same codes, scales and qmk; K's mean is summed
-    over other chunks, which is the same float64 sum while K's values span at most ~27 binades (fp16 at 32K tokens;
-    the sum is exact then), and may differ in its last bits beyond (rarely the float32 mean).
-    ``SAGECUPY_FP4_PREPASS`` overrides the default."""
-    mode = os.environ.get("SAGECUPY_FP4_PREPASS", "split")
-    if mode not in _FP4_PREPASS_MODES:
-        raise ValueError(f"SAGECUPY_FP4_PREPASS={mode!r} is not supported; supported: {_FP4_PREPASS_MODES}")
-    return mode
-
-
-# SAGECUPY_FP4_PREPASS=pipe: CTAs per SM the pipelined pre-pass kernels are compiled for (their __launch_bounds__
-# minimum: registers allow at least this many, and V's kernel asserts its shared memory does)
-_PIPE_V_CTAS, _PIPE_ROWS_CTAS = 4, 3
-
-
-def _row_chunks(n: int, d: int) -> int:
-    """Pieces of a head in the pipelined row quantizer: chunks of 256 threads x 32 elements."""
-    return (n * (d // 32) + 255) // 256
-
-
-def _fast_div(d: int):
-    """The pipelined pre-pass kernels' ``FastDiv`` for divisor d >= 1, as an int64 l << 32 | m: n / d = (hi(n m) +
-    n) >> l for 0 <= n < 2^31, with l = ceil(log2 d) and the round-up multiplier m = floor(2^32 (2^l - d) / d) + 1 (<
-    2^32)."""
-    import cupy
-
-    l = (d - 1).bit_length()
-    return cupy.int64(l << 32 | ((1 << 32) * ((1 << l) - d) // d + 1))
-
-
-def _pipe_grid(pieces: int, ctas_per_sm: int) -> int:
-    """The pipelined pre-pass's CTAs: every one resident at once (each walks pieces x, x + grid, ... of one flat list
-    over all heads), at most one per piece."""
-    import cupy
-
-    return max(1, min(pieces, _sm_count(cupy.cuda.Device().id) * ctas_per_sm))
-
-
-def _quant_fn(name):
-    return get_function("nvfp4/nvfp4_quant.cu", name, all_names=_names("nvfp4/nvfp4_quant.cu"))
 
 
 def _rows_launch(T, n, D):
@@ -589,7 +410,7 @@ def _smem_optin(device_id: int) -> int:
 
 
 def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
-    """ValueError if the FP4 forward's shared memory (at the configured CTA size) exceeds what the current
+    """ValueError if the FP4 forward's shared memory (at its CTA size) exceeds what the current
     device allows a block (e.g. D=128 with 8 warps needs ~104 KiB; sm_86/sm_89 allow 99 KiB). ``qat``: the QAT
     forward (on wgmma a kernel of its own, with a fixed CTA size)."""
     import cupy
@@ -601,18 +422,17 @@ def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
             raise ValueError(f"the wgmma QAT forward at head_dim={D} needs {need} bytes of shared memory per "
                              f"block; this device allows {have}")
         return
-    nc = fp4_ws(engine, D)
-    if nc:
-        need = ws_persist_smem_bytes(D) if fp4_persist(engine, D) else ws_smem_bytes(D, nc)
+    if fp4_ws(engine, D):
+        need = ws_smem_bytes(D)
         if need > have:
             raise ValueError(f"the warp-specialized NVFP4 forward at head_dim={D} needs {need} bytes of shared "
-                             f"memory per block; this device allows {have} (try SAGECUPY_FP4_WS=0)")
+                             f"memory per block; this device allows {have}")
         return
     w = fp4_warps(engine, D)
     need = fwd_smem_bytes(D, w, engine)
     if need > have:
         raise ValueError(f"the FP4 forward at head_dim={D} with {w} warps per CTA needs {need} bytes of "
-                         f"shared memory per block; this device allows {have} (try SAGECUPY_FP4_WARPS=4)")
+                         f"shared memory per block; this device allows {have}")
 
 
 def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine=None, qat=False):
@@ -690,17 +510,14 @@ def _pad_tokens64(codes, scales, n16):
 
 
 def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine,
-                   counter=None, q_in=None, split=None, kv_img=None):
+                   split=None, kv_img=None):
     """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
     scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
-    ``"o"`` (raw, in ``layout``) and ``"lse"``; where :func:`fp4_kvimg` applies, the K/V stage images' pass first.
-    ``counter``: :func:`_persist_counter`'s (the persistent kernel runs
-    when it is given). ``q_in``: ``(q, qsb, qsh, qsn, mu)`` (the raw Q's Ref and element strides, K's mean's Ref or
-    None) where the kernel quantizes Q itself (:func:`fp4_qin`; ``ops`` then has no Q, ``qmk`` is None). ``split``:
-    :func:`_split_setup`'s (the tail-splitting kernel runs when it is given). ``kv_img``: the K/V stage images' Ref
-    where the pre-pass wrote them from the raw K and V (``nvfp4_kv_images_raw``; ``ops`` then has no K and V)."""
+    ``"o"`` (raw, in ``layout``) and ``"lse"``. Where the warp-specialized kernel runs (:func:`fp4_ws`) it reads K/V
+    stage images: ``kv_img``, their Ref where the pre-pass wrote them from the raw K and V (``nvfp4_kv_images_raw``;
+    ``ops`` then has no K and V), else ``nvfp4_kv_images`` writes them from the packed K and V first. ``split``:
+    :func:`_split_setup`'s (the tail-splitting grid when it is given)."""
     import cupy
-
 
     n16 = (nk + 15) // 16 * 16
     ws = fp4_ws(engine, D)  # consumer warpgroups of the warp-specialized kernel (64 query rows each), or 0
@@ -713,30 +530,19 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     tl = "true" if two_level else "false"
     vc, vs = ops.get("v_packed"), ops.get("v_scales")
-    img = kv_img  # (the K/V stage images' Ref where fp4_kvimg applies)
+    img = kv_img
     if engine == "wgmma":
-        name = (_ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws) if ws else
-                f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal, w, D))}>")
-        if counter is not None:
-            name = f"nvfp4_attn_fwd_ws_persist<{_T[dtype]}, {D}, {tl}, 3>"
-        if q_in is not None:
-            assert ws == 3 and counter is None and qmk is None  # (fp4_qin's conditions)
-            name = _ws_name(_T[dtype], D, tl, fp4_causal_group(causal, None, D), ws, qin=True)
-        if split is not None:
-            assert ws == 3 and counter is None and two_level and not causal  # (fp4_tail_split's, _split_setup's)
-            name = _ws_split_name(_T[dtype], D, q_in is not None)
-        kvimg = ws == 3 and counter is None and fp4_kvimg(engine, D)  # (K/V stage images)
-        assert kvimg or kv_img is None
-        if kvimg:
-            name = _ws_img_name(_T[dtype], D, tl, 1 if split is not None else fp4_causal_group(causal, None, D),
-                                q_in is not None, split is not None)
+        if ws:
+            assert split is None or (two_level and not causal)  # (_split_setup's conditions)
+            name = _ws_img_name(_T[dtype], D, tl, 1 if split is not None else fp4_causal_group(causal), split is not None)
+        else:
+            name = f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal))}>"
         fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", name, all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16 and kv_img is None:  # rows padded to whole 64-token tiles (a copy per call)
             vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
         v_args = (vc, vs, i32(n64 // 2))
-        if kvimg and kv_img is None:  # each 64-key tile dequantized once, in the shared-memory layout
-
+        if ws and kv_img is None:  # each 64-key tile dequantized once, in the shared-memory layout
             ntile = (nk + _BKV - 1) // _BKV
             img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), cupy.uint8, arena=_layout.TMP)
             prog.launch(get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images<{D}>",
@@ -748,26 +554,16 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         v_args = (vc, vs)
     smem = ws_smem_bytes(D, ws) if ws else fwd_smem_bytes(D, w, engine)
     grid = ((nq + bq - 1) // bq, Hq, B)
-    extra = ()
-    if counter is not None:  # one CTA per SM (at most one per item), the items from the counter
-        smem = ws_persist_smem_bytes(D)
-        nitems = grid[0] * Hq * B
-        grid = (min(nitems, _sm_count(cupy.cuda.Device().id)),)
-        extra = (i32(B), counter, i32(nitems))
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
-    if split is not None or img is not None:  # (both Q forms' arguments; split: a 1-D grid, whole items first)
+    extra = ()
+    if ws:  # (split: a 1-D grid, whole items first)
         whole, nsplit, nblk, part_ws, counters = split if split is not None else (0, 1, 1, None, None)
-        rq, qsb, qsh, qsn, mu = q_in if q_in is not None else (None, 0, 0, 0, None)
-        kv = (img,) if img is not None else (ops["k_packed"], ops["k_scales"], *v_args)
-        head = (ops.get("q_packed"), ops.get("q_scales"), rq, i64(qsb), i64(qsh), i64(qsn), mu, f32(sm_scale), *kv,
-                qmk)
+        # (the raw Q, its strides, K's mean and sm_scale: null arguments of the kernel's signature)
+        head = (ops["q_packed"], ops["q_scales"], None, i64(0), i64(0), i64(0), None, f32(sm_scale), img, qmk)
         if split is not None:
             grid = (whole + (grid[0] * Hq * B - whole) * nsplit,)
         extra = (i32(whole), i32(nsplit), i32(nblk), part_ws, counters)
-    elif q_in is not None:  # (nvfp4_attn_fwd_ws_qin: the raw Q and K's mean instead of Q's bytes and qmk)
-        rq, qsb, qsh, qsn, mu = q_in
-        head = (rq, i64(qsb), i64(qsh), i64(qsn), mu, f32(sm_scale), ops["k_packed"], ops["k_scales"], *v_args)
     else:
         head = (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk)
     prog.launch(fn, grid, (128 * (ws + 1) if ws else 32 * w,),
@@ -783,7 +579,7 @@ _ATTN_PLANS = Plans()
 
 
 def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None):
-    """NVFP4 attention forward (SageAttention3-style; SPEC §5): ``o`` or ``(o, lse)``.
+    """NVFP4 attention forward (SageAttention3-style; docs/algorithms.md §5): ``o`` or ``(o, lse)``.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v alike with Hkv, Nk;
     fp16 or bf16 (:class:`~sagecupy.adapters.bf16.BF16Array`); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
@@ -807,44 +603,35 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
 def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     """Validate an :func:`attention` call and record its program: the pre-passes of :func:`quantize_inputs` (on
     16-byte aligned rows: a misaligned input is copied per call), qmk = sm_scale * q . mu_K for the LSE, and the
-    kernel."""
+    kernel. Where the warp-specialized kernel runs (:func:`fp4_ws`), ``nvfp4_kv_images_raw`` writes the K/V stage
+    images from the raw K and V in place of K's and V's quantizers (the same bytes as ``nvfp4_kv_images`` on their
+    outputs)."""
     import cupy
 
     from .int8 import _column_stat_rec
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
-    mode = fp4_prepass_mode()
-    # K/V stage images from the raw K and V (fp4_kvimg): K's mean as in the split pre-pass, Q's quantizer unless qin,
-    # then nvfp4_kv_images_raw in place of K's and V's quantizers (SAGECUPY_FP4_PREPASS does not apply)
-    kvimg = fp4_kvimg(engine, p.head_dim)
-    fused_pre = mode in ("fused", "pipe") and cfg.k_smoothing and p.head_dim in (64, 128) and not kvimg
-    cq, ck = _row_chunks(p.nq, p.head_dim), _row_chunks(p.nk, p.head_dim)  # (pipe: the rows kernel's pieces)
-    pipe = (fused_pre and mode == "pipe"  # (its 32-bit piece indices)
-            and p.batch * (p.heads_q * cq + p.heads_kv * ck) < 2**30 and max(p.nq, p.nk) * (p.head_dim // 32) < 2**30)
+    kvimg = fp4_ws(engine, p.head_dim) > 0
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
-    qin = fp4_qin(engine, p.head_dim)  # (Q quantized in the kernel: no Q pre-pass, no qmk array)
     T = _T[p.dtype]
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_layout.run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
     i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
     prog = Program()
-    counter = _persist_counter(prog, engine, D)
     split = _split_setup(prog, engine, D, B, Hq, nq, nk, p.causal, cfg.two_level_p)
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
     mu = None
-    if cfg.k_smoothing and not fused_pre:
+    if cfg.k_smoothing:
         mu = _column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
-    elif fused_pre:
-        mu = Ref("mu_k")  # (recorded below, after V's quantizer)
-    ops = {} if qin else {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
-                          "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8)}
+    ops = {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
+           "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8)}
     if not kvimg:
         ops["k_packed"] = prog.empty("k_packed", (B, Hkv, nk, D // 2), u8)
         ops["k_scales"] = prog.empty("k_scales", (B, Hkv, nk, D // 16), u8)
     # qmk = sm_scale * q . mu_K per row (B, Hq, Nq), for the LSE: computed by Q's quantizer where a row's 16-blocks
-    # are neighbouring lanes of a warp (D / 16 a power of two), else by row_mu_dot (below); by the kernel with qin
-    qmk = prog.empty("qmk", (B, Hq, nq), f32) if mu is not None and not qin else None
+    # are neighbouring lanes of a warp (D / 16 a power of two), else by row_mu_dot (below)
+    qmk = prog.empty("qmk", (B, Hq, nq), f32) if mu is not None else None
     fused = qmk is not None and (D // 16) & (D // 16 - 1) == 0 and D // 16 <= 32
     dot = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk) if fused else (None, i32(1), f32(0), None)
     (fq, gq), (fk, gk) = _rows_launch(T, nq, D), _rows_launch(T, nk, D)
@@ -853,66 +640,22 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     if not kvimg:
         ops["v_packed"] = prog.empty("v_packed", (B, Hkv, D, n16 // 2), u8)
         ops["v_scales"] = prog.empty("v_scales", (B, Hkv, D, n16 // 16), u8)
-    if fused_pre:
-        # V's quantizer with K's column sums per 64-token tile (the call's first launch: plain), K's mean from them,
-        # then Q's and K's quantizers in one launch (programmatic dependents, as the kernel after them)
-        ntile = (n16 + 63) // 64
-        part = prog.empty("mu_k_part", (B, Hkv, ntile, D), cupy.float64, arena=_layout.TMP)
-        v_args = (rv, i64(vsb), i64(vsh), i64(vsn), rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(n16))
-        if pipe:  # (as many CTAs as are resident at once, walking the tiles of all heads)
-            prog.launch(_quant_fn(f"nvfp4_quant_v_kpart_pipe<{T}, {D}>"),
-                        (_pipe_grid(B * Hkv * ntile, _PIPE_V_CTAS),), (128,),
-                        (*v_args, i32(ntile), i32(Hkv), i32(B), _fast_div(ntile), _fast_div(Hkv), ops["v_packed"],
-                         ops["v_scales"], part))
-        else:
-            prog.launch(_quant_fn(f"nvfp4_quant_v_kpart<{T}, {D}>"), (ntile, Hkv, B), (128,),
-                        (*v_args, ops["v_packed"], ops["v_scales"], part))
-        prog.empty("mu_k", (B, Hkv, D), f32)
-        prog.launch(_quant_fn(f"nvfp4_kmean_finish<{D}>"), (B * Hkv,), (D,), (part, i32(ntile), i32(nk), mu),
-                    pdl=True)
-        q_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(Hq))
-        k_args = (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(Hkv))
-        dot_args = (mu, i32(Hq // Hkv), f32(p.sm_scale), qmk)
-        if pipe:  # (with qin: K's pieces only, nq = 0)
-            cq_run = 0 if qin else cq
-            if qin:
-                q_args = (None, i64(0), i64(0), i64(0), i32(0), i32(Hq))
-            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows_pipe<{T}, {D}>"),
-                        (_pipe_grid(B * (Hq * cq_run + Hkv * ck), _PIPE_ROWS_CTAS),), (256,),
-                        (*q_args, ops.get("q_packed"), ops.get("q_scales"), *dot_args, *k_args, mu, ops["k_packed"],
-                         ops["k_scales"], i32(B), *map(_fast_div, (max(cq_run, 1), ck, Hq, Hkv))), pdl=True)
-        elif qin:  # K's row quantizer alone
-            prog.launch(fk, (gk, Hkv, B), (256,),
-                        (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"],
-                         ops["k_scales"], None, i32(1), f32(0), None), pdl=True)
-        else:
-            prog.launch(_quant_fn(f"nvfp4_quant_qk_rows<{T}, {D}>"), (gq * Hq + gk * Hkv, 1, B), (256,),
-                        (*q_args, i32(gq), ops["q_packed"], ops["q_scales"], *dot_args, *k_args, i32(gk), mu,
-                         ops["k_packed"], ops["k_scales"], i32(D)), pdl=True)
-    else:
-        # Q's, K's and V's quantizers and the kernel are programmatic dependents (pdl=True; each calls
-        # grid_dep_wait() before touching global memory): each launches while the one before drains
-        if not qin:
-            prog.launch(fq, (gq, Hq, B), (256,),
-                        (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"],
-                         ops["q_scales"], *dot), pdl=True)
+    # Q's, K's and V's quantizers (or the images) and the kernel are programmatic dependents (pdl=True; each calls
+    # grid_dep_wait() before touching global memory): each launches while the one before drains
+    prog.launch(fq, (gq, Hq, B), (256,),
+                (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), None, i32(1), ops["q_packed"], ops["q_scales"],
+                 *dot), pdl=True)
     if kvimg:  # K's and V's quantization and dequantization into the stage images, one pass over the raw K and V
         ntile = (nk + _BKV - 1) // _BKV
         kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_layout.TMP)
-        images = B * Hkv * ntile
-        kv_pipe = _kvimg_env() == "pipe" and 2 * images < 2**31  # (its 32-bit image indices, w + grid included)
-        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw{'_pipe' if kv_pipe else ''}<{T}, {D}>",
+        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, {D}>",
                           all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
-        smem = ws_img_raw_smem_bytes(D, kv_pipe)
+        smem = ws_img_raw_smem_bytes(D)
         fn.max_dynamic_shared_size_bytes = smem
-        raw = (rk, i64(ksb), i64(ksh), i64(ksn), mu, rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(n16))
-        if kv_pipe:  # (resident CTAs walking every head's images)
-            prog.launch(fn, (_pipe_grid(images, _PIPE_IMG_CTAS),), (128,),
-                        (*raw, i32(Hkv), i32(ntile), i32(images), kv_img), shared_mem=smem, pdl=True)
-        else:
-            prog.launch(fn, (ntile, Hkv, B), (128,), (*raw, kv_img), shared_mem=smem, pdl=True)
-        # (both call grid_dep_wait() first)
-    elif not fused_pre:
+        prog.launch(fn, (ntile, Hkv, B), (128,),
+                    (rk, i64(ksb), i64(ksh), i64(ksn), mu, rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(n16), kv_img),
+                    shared_mem=smem, pdl=True)  # (it calls grid_dep_wait() first)
+    else:
         prog.launch(fk, (gk, Hkv, B), (256,),
                     (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
                      None, i32(1), f32(0), None), pdl=True)
@@ -924,8 +667,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
-                   sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, counter=counter,
-                   q_in=(rq, qsb, qsh, qsn, mu) if qin else None, split=split, kv_img=kv_img)
+                   sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, split=split, kv_img=kv_img)
     return Plan(p, cfg, engine, copy, prog)
 
 
@@ -993,10 +735,9 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     engine = fp4_engine(engine)
     check_fwd_smem(D, engine)
     prog = Program()
-    counter = _persist_counter(prog, engine, D)
     _record_launch(prog, {n: Ref(n) for n in _OPS}, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype,
                    layout=layout, causal=causal, sm_scale=sm_scale, two_level=two_level_p,
-                   qmk=None if lse_offset is None else Ref("qmk"), engine=engine, counter=counter,
+                   qmk=None if lse_offset is None else Ref("qmk"), engine=engine,
                    split=_split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level_p))
     ns = prog.run({**ops, "qmk": lse_offset})
     o = _checks.wrap(ns["o"], out_dtype)

@@ -1,4 +1,4 @@
-"""FP4 quantization-aware training attention on the GPU (Attn-QAT-style, SPEC §6).
+"""FP4 quantization-aware training attention on the GPU (Attn-QAT-style, docs/algorithms.md §6).
 
 ``forward(q, k, v, ...) -> (o, residuals)`` and ``backward(residuals, do) -> (dq, dk, dv)``, the same shape
 as :mod:`sagecupy.int8`. The math is :mod:`sagecupy.reference.qat`'s:
@@ -141,7 +141,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     """
     import cupy
 
-    from .nvfp4 import fp4_engine, fp4_warps, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
+    from .nvfp4 import MMA_WARPS, fp4_engine, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
 
     q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
                                  qat=True)
@@ -159,10 +159,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
     o_prime = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.float32)
-    if eng == "wgmma":
+    if eng == "wgmma":  # (two warpgroups: 128 query rows)
         fn, smem, w = _fwd_fn_sm90(_T[p.dtype], D, p.causal), qat_fwd_sm90_smem_bytes(D), 8
     else:
-        w = fp4_warps()
+        w = MMA_WARPS
         fn, smem = _fwd_fn(_T[p.dtype], D, w), fwd_smem_bytes(D, w)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
@@ -279,7 +279,7 @@ def _bwd_operands(res, do, eng):
     B, Hq, D = p.batch, p.heads_q, p.head_dim
     nq, nq_pad = p.nq, res.q_t.shape[2]
     T = _T[p.dtype]
-    # delta = rowsum(dO o O') (O', not O: SPEC §6)
+    # delta = rowsum(dO o O') (O', not O: docs/algorithms.md §6.2)
     dsb, dsh, dsn = _layout.strides(do, p.layout)
     delta = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
     _fn("qat_delta", T)(

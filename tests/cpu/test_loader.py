@@ -36,89 +36,40 @@ def test_engine_names_are_validated_before_any_device_query(monkeypatch):
     assert nvfp4.fp4_engine("mma") == "mma"
 
 
-def test_fp4_shared_memory_sizes_and_kernel_lists(monkeypatch):
-    """The host's shared-memory formula needs a resolved engine; every wgmma NVFP4 instantiation the host can
-    launch (both CTA sizes, both P modes, D 64/128, fp16/bf16) is in the list CI compiles."""
+def test_fp4_shared_memory_sizes_and_kernel_lists():
+    """The host's shared-memory formula needs a resolved engine; the lists CI compiles (and the loader at a file's
+    first use) hold exactly the FP4 forward instances the defaults launch: mma.sync 8 warps; wgmma at D=64 4 warps
+    (both P modes, plain and causal dispatch order); at D=128 the K/V stage images' kernels and the warp-specialized
+    kernel on them (two-level P: plain and causal order, and the tail split)."""
     import pytest
 
     from sagecupy import nvfp4
 
-    monkeypatch.delenv("SAGECUPY_FP4_WARPS", raising=False)
-    monkeypatch.delenv("SAGECUPY_FP4_CAUSAL_GROUP", raising=False)
     with pytest.raises(ValueError, match="resolved engine"):
         nvfp4.fwd_smem_bytes(128, 8, "auto")
-    names = nvfp4.kernel_names()["nvfp4/fp4_attn_fwd_sm90.cu"]
-    # 4 and 8 warps at D 64/128, 12 at D=128; x 2 dtypes x 2 P modes; and the causal instances (dispatch groups) of
-    # the default CTA sizes, the only ones the host launches with a group; the warp-specialized kernel (D=128, 2
-    # dtypes x plain and grouped order x 2 or 3 consumers, two-level P) and its persistent form (2 dtypes, three
-    # consumers, two-level P), its Q-quantizing form (2 dtypes x plain and grouped order, three consumers,
-    # two-level P) and its tail-splitting form (2 dtypes x the two Q forms; non-causal, three consumers, two-level P);
-    # the K/V stage images' kernels (from the packed K and V; from the raw ones, 2 dtypes x one CTA per image or the
-    # pipelined pass) and the kernel on them (2
-    # dtypes x the two Q forms x plain and grouped order, and x the two Q forms split)
-    assert len(names) == len(set(names)) == 20 + 8 + 8 + 2 + 4 + 4 + 5 + 8 + 4
-    assert sum(n.startswith("nvfp4_attn_fwd_ws<") for n in names) == 8
-    assert {n for n in names if n.startswith("nvfp4_attn_fwd_ws_persist<")} == {
-        f"nvfp4_attn_fwd_ws_persist<{T}, 128, true, 3>" for T in ("__half", "__nv_bfloat16")}
-    assert {n for n in names if n.startswith("nvfp4_attn_fwd_ws_qin<")} == {
-        f"nvfp4_attn_fwd_ws_qin<{T}, 128, true, {cg}, 3>" for T in ("__half", "__nv_bfloat16")
-        for cg in (1, nvfp4.FP4_CAUSAL_GROUP)}
-    assert {n for n in names if n.startswith("nvfp4_attn_fwd_ws_split<")} == {
-        f"nvfp4_attn_fwd_ws_split<{T}, 128, true, 3, {qin}>" for T in ("__half", "__nv_bfloat16")
-        for qin in ("false", "true")}
-    assert {n for n in names if "img" in n or "images" in n} == {
-        "nvfp4_kv_images<128>", "nvfp4_kv_images_raw<__half, 128>", "nvfp4_kv_images_raw<__nv_bfloat16, 128>",
-        "nvfp4_kv_images_raw_pipe<__half, 128>", "nvfp4_kv_images_raw_pipe<__nv_bfloat16, 128>"} | {
-        f"nvfp4_attn_fwd_ws_img<{T}, 128, true, {cg}, 3, {qin}, {split}>" for T in ("__half", "__nv_bfloat16")
-        for qin in ("false", "true") for cg, split in ((1, "false"), (nvfp4.FP4_CAUSAL_GROUP, "false"), (1, "true"))}
-    assert nvfp4.ws_img_bytes(128) == 32768  # (a 64-key fp16 K^ tile and its 128 x 64 fp16 V^^T tile)
-    assert nvfp4.ws_img_raw_smem_bytes(128) <= 227 * 1024
-    assert nvfp4._PIPE_IMG_CTAS * nvfp4.ws_img_raw_smem_bytes(128, True) <= 227 * 1024  # (resident at once)
-    # the persistent kernel's shared memory: the warp-specialized kernel's, a third staging buffer (Q's 384 tasks),
-    # one more mbarrier and two item slots; it still fits one block per SM on Hopper
-    assert nvfp4.ws_persist_smem_bytes(128) == nvfp4.ws_smem_bytes(128, 3) + 36 * 384 + 8 + 64 < 227 * 1024
-    for D in (64, 128):
-        w = nvfp4.fp4_warps("wgmma", D)
-        for causal in (False, True):
-            cg = nvfp4.fp4_causal_group(causal, w, D)
-            assert (cg > 1) == causal
-            assert f"nvfp4_attn_fwd_sm90<__half, {D}, {w}, true{nvfp4._cg_suffix(cg)}>" in names
-        assert nvfp4.fp4_causal_group(True, 8, D) == 1  # another CTA size: the plain order
-    monkeypatch.setenv("SAGECUPY_FP4_CAUSAL_GROUP", "1")
-    assert nvfp4.fp4_causal_group(True, 12, 128) == 1
-    for bad in ("zero", "0", "100000"):  # rejected with or without the mask
-        monkeypatch.setenv("SAGECUPY_FP4_CAUSAL_GROUP", bad)
-        for causal in (False, True):
-            with pytest.raises(ValueError, match=f"SAGECUPY_FP4_CAUSAL_GROUP='{bad}'"):
-                nvfp4.fp4_causal_group(causal, 12, 128)
-    monkeypatch.delenv("SAGECUPY_FP4_CAUSAL_GROUP")
-    # D=128, 8 and 12 warps: one CTA per SM on Hopper (227 KiB); the 12-warp staging area holds Q's 384 tasks
-    assert nvfp4.fwd_smem_bytes(128, 8, "wgmma") < 160 * 1024
-    assert nvfp4.fwd_smem_bytes(128, 12, "wgmma") == 192 * 256 + 3 * 2 * 16384 + 36 * 384 + 72 + 1024 < 227 * 1024
-    assert nvfp4.fp4_warps("wgmma", 128) == 12 and nvfp4.fp4_warps("wgmma", 64) == 4 and nvfp4.fp4_warps() == 8
-    # the warp-specialized kernel: D=128 on wgmma only, three consumers by default unless a CTA size is asked for;
-    # 64 rows of Q per consumer, 4 stages, two staging buffers
-    monkeypatch.delenv("SAGECUPY_FP4_WS", raising=False)
+    lists = nvfp4.kernel_names()
+    T2 = ("__half", "__nv_bfloat16")
+    names = lists["nvfp4/fp4_attn_fwd_sm90.cu"]
+    assert len(names) == len(set(names)) == 8 + 1 + 2 + 6
+    assert set(names) == {f"nvfp4_attn_fwd_sm90<{T}, 64, 4, {tl}{cg}>" for T in T2 for tl in ("true", "false")
+                          for cg in ("", ", 16")} | {"nvfp4_kv_images<128>"} | {
+        f"nvfp4_kv_images_raw<{T}, 128>" for T in T2} | {
+        f"nvfp4_attn_fwd_ws_img<{T}, 128, true, {cg}, 3, false, {split}>" for T in T2
+        for cg, split in ((1, "false"), (16, "false"), (1, "true"))}
+    assert set(lists["nvfp4/fp4_attn_fwd.cu"]) == {f"nvfp4_attn_fwd<{T}, {D}, 8, {tl}>" for T in T2 for D in (64, 128)
+                                                   for tl in ("true", "false")} | {
+        f"qat_attn_fwd<{T}, {D}, 8>" for T in T2 for D in (64, 128)}
+    assert not any(n.startswith(("nvfp4_quant_v_kpart", "nvfp4_quant_qk_rows", "nvfp4_kmean_finish"))
+                   for n in lists["nvfp4/nvfp4_quant.cu"])
+    assert nvfp4.fp4_warps() == nvfp4.fp4_warps("mma", 64) == 8 and nvfp4.fp4_warps("wgmma", 64) == 4
     assert nvfp4.fp4_ws("wgmma", 128) == 3 and nvfp4.fp4_ws("wgmma", 64) == 0 and nvfp4.fp4_ws("mma", 128) == 0
-    monkeypatch.setenv("SAGECUPY_FP4_WARPS", "12")
-    assert nvfp4.fp4_ws("wgmma", 128) == 0
-    monkeypatch.delenv("SAGECUPY_FP4_WARPS")
-    monkeypatch.setenv("SAGECUPY_FP4_WS", "0")
-    assert nvfp4.fp4_ws("wgmma", 128) == 0
-    monkeypatch.setenv("SAGECUPY_FP4_WS", "2")
-    assert nvfp4.fp4_ws("wgmma", 128) == 2 and not nvfp4.fp4_ws("wgmma", 64) and not nvfp4.fp4_ws("mma", 128)
-    monkeypatch.setenv("SAGECUPY_FP4_WS", "3")
-    assert nvfp4.fp4_ws("wgmma", 128) == 3
-    assert nvfp4.ws_smem_bytes(128, 2) == 128 * 256 + 4 * 2 * 16384 + 2 * 36 * 256 + 72 + 1024 < 227 * 1024
-    assert nvfp4.ws_smem_bytes(128, 3) == 192 * 256 + 4 * 2 * 16384 + 2 * 36 * 384 + 72 + 1024 < 227 * 1024
-    monkeypatch.setenv("SAGECUPY_FP4_WS", "yes")
-    with pytest.raises(ValueError, match="SAGECUPY_FP4_WS='yes'"):
-        nvfp4.fp4_ws("wgmma", 128)
-    monkeypatch.delenv("SAGECUPY_FP4_WS")
-    monkeypatch.setenv("SAGECUPY_FP4_WARPS", "12")
-    assert nvfp4.fp4_warps("wgmma", 64) == 12
-    with pytest.raises(ValueError, match="SAGECUPY_FP4_WARPS='12' is not supported with engine='mma'"):
-        nvfp4.fp4_warps("mma", 128)
+    assert nvfp4.fp4_causal_group(False) == 1 and nvfp4.fp4_causal_group(True) == nvfp4.FP4_CAUSAL_GROUP == 16
+    # shared memory: D=64 with 4 warps (Q's 64 rows, 3 stages of K and V, a staging slot per tile task); the
+    # warp-specialized kernel (64 rows of Q per consumer, 4 stages, two staging buffers): one CTA per SM on Hopper
+    assert nvfp4.fwd_smem_bytes(64, 4, "wgmma") == 64 * 128 + 3 * 2 * 8192 + 36 * 128 + 72 + 1024
+    assert nvfp4.ws_smem_bytes(128) == 192 * 256 + 4 * 2 * 16384 + 2 * 36 * 384 + 72 + 1024 < 227 * 1024
+    assert nvfp4.ws_img_bytes(128) == 32768  # (a 64-key fp16 K^ tile and its 128 x 64 fp16 V^^T tile)
+    assert nvfp4.ws_img_raw_smem_bytes(128) == 32768 + 64 * 136 * 2 + 512 <= 227 * 1024
 
 
 def test_qat_backward_engines_and_kernel_lists(monkeypatch):
