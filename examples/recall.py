@@ -106,18 +106,53 @@ def train(impl, *, backend="numpy", steps=100, bs=32, n_pairs=8, n_keys=16, n_va
     return curve
 
 
-def main(argv=None):
+IMPLS = ("fpa", "sagebwd", "sagebwd-paper")
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=("numpy", "cupy"), default="numpy")
-    ap.add_argument("--impl", default="fpa,sagebwd,sagebwd-paper")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--backend", choices=("numpy", "cupy"), default="numpy",
+                    help="numpy: float64 on the CPU (the reference attention and the SageBwd simulator); cupy: the "
+                         "GPU (cuBLAS and the INT8 kernels; needs CuPy and a CUDA device) [default: numpy]")
+    ap.add_argument("--impl", default=",".join(IMPLS),
+                    help=f"comma-separated attention implementations, from {', '.join(IMPLS)} [default: all]")
+    ap.add_argument("--steps", type=_positive, default=100, help="training steps per implementation [default: 100]")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initialization and the data [default: 0]")
+    ap.add_argument("--out", default=None, metavar="FILE.json",
+                    help="write the loss curves here as JSON (one object per implementation)")
+    return ap
+
+
+def _fail(ap, message):
+    """One line on stderr, exit status 1 (a machine that cannot run the request; not a malformed command line)."""
+    print(f"{ap.prog}: error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main(argv=None):
+    ap = build_parser()
     a = ap.parse_args(argv)
+    impls = a.impl.split(",")
+    for impl in impls:
+        if impl not in IMPLS:
+            ap.error(f"--impl: {impl!r} is not one of {', '.join(IMPLS)}")
+    try:
+        from sagecupy._loader import gpu_status
+    except ImportError as exc:
+        _fail(ap, f"sagecupy is not importable ({exc}); install it: pip install .")
+    if a.backend == "cupy":
+        ok, why = gpu_status()
+        if not ok:
+            _fail(ap, f"--backend cupy needs CuPy and a CUDA device: {why}; --backend numpy runs on the CPU")
     results = []
-    for impl in a.impl.split(","):
-        if impl not in ("fpa", "sagebwd", "sagebwd-paper"):
-            ap.error(f"--impl: {impl!r} is not one of fpa, sagebwd, sagebwd-paper")
+    for impl in impls:
         curve = train(impl, backend=a.backend, steps=a.steps, seed=a.seed)
         results.append(dict(impl=impl, backend=a.backend, steps=a.steps, seed=a.seed, final_loss=curve[-1],
                             loss=curve))

@@ -147,25 +147,50 @@ def train(impl, *, steps=300, bs=32, n_pairs=8, n_keys=16, n_values=16, C=128, H
     return curve
 
 
-def main(argv=None):
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impl", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the loss curves here as JSON")
+    ap.add_argument("--impl", default=",".join(IMPLS),
+                    help=f"comma-separated attention implementations, from {', '.join(IMPLS)} [default: all]; "
+                         f"the sagebwd ones need JAX's CUDA plugin, CuPy and a GPU")
+    ap.add_argument("--steps", type=_positive, default=300, help="training steps per implementation [default: 300]")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initialization and the data [default: 0]")
+    ap.add_argument("--out", default=None, metavar="FILE.json",
+                    help="write the loss curves here as JSON (one object per implementation, as recall.py)")
+    return ap
+
+
+def _fail(ap, message):
+    """One line on stderr, exit status 1 (a machine that cannot run the request; not a malformed command line)."""
+    print(f"{ap.prog}: error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main(argv=None):
+    ap = build_parser()
     a = ap.parse_args(argv)
     impls = a.impl.split(",")
     for impl in impls:
         if impl not in IMPLS:
             ap.error(f"--impl: {impl!r} is not one of {', '.join(IMPLS)}")
-    import jax
-
+    try:
+        import jax
+    except ImportError as exc:
+        _fail(ap, f"needs JAX ({exc}): pip install jax ('jax[cuda13]' with the GPU plugin)")
     if any(impl != "fpa" for impl in impls):
-        from sagecupy.jax import is_available
-
+        try:
+            from sagecupy.jax import is_available
+        except ImportError as exc:
+            _fail(ap, f"--impl sagebwd needs sagecupy's JAX adapter ({exc})")
         ok, why = is_available()
         if not ok:
-            ap.error(f"--impl sagebwd needs the JAX adapter: {why}")
+            _fail(ap, f"--impl sagebwd needs the JAX adapter: {why}")
     print(f"jax {jax.__version__} on {jax.devices()[0]}", file=sys.stderr)
     results = []
     for impl in impls:

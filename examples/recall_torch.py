@@ -106,14 +106,55 @@ def train(impl, *, steps=300, bs=32, n_pairs=8, n_keys=16, n_values=16, C=128, H
     return curve
 
 
-def main(argv=None):
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impl", default=",".join(IMPLS), help="comma-separated: " + ", ".join(IMPLS))
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (sdpa only)")
+    ap.add_argument("--impl", default=",".join(IMPLS),
+                    help=f"comma-separated attention implementations, from {', '.join(IMPLS)} [default: all]")
+    ap.add_argument("--steps", type=_positive, default=300, help="training steps per implementation [default: 300]")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initialization and the data [default: 0]")
+    ap.add_argument("--device", default="cuda",
+                    help="PyTorch device: cuda (needs a CUDA device) or cpu (sdpa only) [default: cuda]")
     ap.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the loss")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, metavar="FILE.json",
+                    help="write the loss curves here as JSON (one object per implementation, as recall.py)")
+    return ap
+
+
+def _fail(ap, message):
+    """One line on stderr, exit status 1 (a machine that cannot run the request; not a malformed command line)."""
+    print(f"{ap.prog}: error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _check_machine(ap, impls, device):
+    """Exit with one line when this machine lacks what the run needs (PyTorch, a CUDA device, CuPy)."""
+    try:
+        import torch
+    except ImportError as exc:
+        _fail(ap, f"needs PyTorch ({exc}): pip install torch")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail(ap, f"--device {device}: PyTorch sees no CUDA device; --impl sdpa --device cpu runs on the CPU")
+    if any(impl != "sdpa" for impl in impls):
+        try:
+            from sagecupy._loader import gpu_status
+
+            import sagecupy.torch  # noqa: F401
+        except ImportError as exc:
+            _fail(ap, f"--impl sagebwd needs sagecupy's PyTorch adapter ({exc})")
+        ok, why = gpu_status()
+        if not ok:
+            _fail(ap, f"--impl sagebwd needs CuPy and a CUDA device: {why}")
+
+
+def main(argv=None):
+    ap = build_parser()
     a = ap.parse_args(argv)
     impls = a.impl.split(",")
     for impl in impls:
@@ -121,6 +162,7 @@ def main(argv=None):
             ap.error(f"--impl: {impl!r} is not one of {', '.join(IMPLS)}")
         if impl != "sdpa" and not a.device.startswith("cuda"):
             ap.error(f"--impl {impl} runs the sagecupy GPU kernels: it needs --device cuda")
+    _check_machine(ap, impls, a.device)
     results = []
     for impl in impls:
         curve = train(impl, steps=a.steps, seed=a.seed, device=a.device, compiled=a.compile)
