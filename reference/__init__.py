@@ -1,4 +1,4 @@
-"""Float64 NumPy reference of every sagecupy family: the spec (``SPEC.md``) in code.
+"""Float64 NumPy reference of every sagecupy family: docs/algorithms.md in code.
 
 Modules: ``attention`` (exact attention), ``quant`` (INT8 quantizers), ``fp4``
 (E2M1 / E4M3 / NVFP4 / MXFP4 codecs), ``sagebwd`` (INT8 SageBwd simulator),

@@ -1,6 +1,6 @@
 """Exact attention in float64: the ground truth every sagecupy family is measured against.
 
-SPEC §1 in code. Everything here is computed in float64 with plain vectorized
+docs/algorithms.md §1 in code. Everything here is computed in float64 with plain vectorized
 NumPy (whole ``(Nq, Nk)`` score matrices; there is no memory constraint on the
 reference). Inputs of any real dtype are accepted and converted to float64; the
 caller's arrays are never modified.
@@ -269,7 +269,7 @@ def _scores(qh, kh, scale, mask):
 
 
 def _backward_core(qh, kh, vh, p, oh, doh, scale, Hkv):
-    """Exact backward (SPEC §1) on HND float64 operands with GQA-expanded k, v.
+    """Exact backward (docs/algorithms.md §1) on HND float64 operands with GQA-expanded k, v.
 
     Returns ``dict(dP, delta, dS, dQ, dK, dV)`` with dK/dV summed over GQA groups.
     """
@@ -295,7 +295,7 @@ def attention_forward(q, k, v, *, causal=False, sm_scale=None, layout="HND"):
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal=False, sm_scale=None, layout="HND"):
-    """Exact attention backward (SPEC §1); returns ``(dq, dk, dv)`` in ``layout``, float64.
+    """Exact attention backward (docs/algorithms.md §1); returns ``(dq, dk, dv)`` in ``layout``, float64.
 
     ``P`` is recomputed as ``exp(S − lse)`` from the given ``lse`` (as the
     FlashAttention backward does) and ``δ = rowsum(dO ∘ O)`` from the given

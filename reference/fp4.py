@@ -1,4 +1,4 @@
-"""FP4 / FP8 codecs and block quantizers in float64 (SPEC §5).
+"""FP4 / FP8 codecs and block quantizers in float64 (docs/algorithms.md §5).
 
 Formats
 -------
@@ -450,7 +450,7 @@ def mxfp4_fake_quantize(x, axis: int = -1) -> np.ndarray:
 
 
 def two_level_p_fake_quantize(p, block_kv: int, axis: int = -1) -> np.ndarray:
-    """Two-level NVFP4 fake quantization of probabilities ``p >= 0`` (SPEC §5).
+    """Two-level NVFP4 fake quantization of probabilities ``p >= 0`` (docs/algorithms.md §5).
 
     Along ``axis`` (the keys), the keys are cut into tiles of ``block_kv``
     starting at key 0 (the last tile may be partial). For every row (every

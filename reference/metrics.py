@@ -1,4 +1,4 @@
-"""Scale-free error metrics (SPEC §7), all in float64.
+"""Scale-free error metrics (docs/algorithms.md §7), all in float64.
 
 Every metric converts its arguments to float64 first and returns a Python
 ``float``. Arguments compared with each other must have the same shape
@@ -97,7 +97,7 @@ def compare(a, ref) -> dict:
 
 
 def ds_rms_bound(dP, delta, visible) -> np.ndarray:
-    """Per-row bound on ``RMS(dS_i)`` (SPEC §4): ``max_j |dP_ij − δ_i| / sqrt(n_i)``.
+    """Per-row bound on ``RMS(dS_i)`` (docs/algorithms.md §4.5): ``max_j |dP_ij − δ_i| / sqrt(n_i)``.
 
     ``dP`` is ``(..., Nq, Nk)``, ``delta`` ``(..., Nq)`` and ``visible`` a bool
     mask broadcastable to ``dP`` (e.g. the ``(Nq, Nk)`` output of

@@ -1,4 +1,4 @@
-"""NVFP4 attention forward (SageAttention3-style microscaling), float64 simulator (SPEC §5).
+"""NVFP4 attention forward (SageAttention3-style microscaling), float64 simulator (docs/algorithms.md §5).
 
 This is the function the GPU kernel computes, written with whole matrices.
 Every quantizer is :mod:`sagecupy.reference.fp4`'s NVFP4 (1x16 blocks, E4M3

@@ -1,4 +1,4 @@
-"""FP4 quantization-aware attention (Attn-QAT-style), float64 simulator (SPEC §6).
+"""FP4 quantization-aware attention (Attn-QAT-style), float64 simulator (docs/algorithms.md §6).
 
 ``fq`` is NVFP4 fake quantization (:func:`sagecupy.reference.fp4.nvfp4_fake_quantize`,
 quantize then dequantize) with a straight-through gradient.

@@ -1,6 +1,6 @@
-"""Symmetric INT8 quantization in float64: SPEC §2 in code.
+"""Symmetric INT8 quantization in float64: docs/algorithms.md §2 in code.
 
-The one quantizer is :func:`psi` (the spec's ``ψ``). Over one *block* (the
+The one quantizer is :func:`psi` (``ψ`` of docs/algorithms.md §2.1). Over one *block* (the
 elements that share a scale)::
 
     s = max|x| / qmax
@@ -13,7 +13,7 @@ elements that share a scale)::
 ``x / s`` (not ``x · (qmax / max)``, which can round a tie differently): the
 kernels must compute the same expression.
 
-Choices the spec leaves open, made here:
+The edge cases (docs/algorithms.md §2.1) and the conventions of this module:
 
 * **Zero block** (``max|x| = 0``): ``s = 0`` and every code 0; no division by
   zero, no NaN, no floating-point warning. (A block whose max is so tiny that

@@ -1,4 +1,4 @@
-"""SageBwd — INT8 trainable attention — simulated in float64: SPEC §3-4 in code.
+"""SageBwd — INT8 trainable attention — simulated in float64: docs/algorithms.md §3-4 in code.
 
 This is the function the GPU kernels (``sagecupy.int8``) are held to: the same
 quantized operands (codes and scales, bit for bit), the same integer products,
@@ -141,7 +141,7 @@ from .quant import INT8_QMAX, quantize_tiles
 
 __all__ = ["quantize_inputs", "forward", "backward", "run", "RESIDUAL_KEYS"]
 
-#: Keys of the ``residuals`` dict returned by :func:`forward` (SPEC §3.5).
+#: Keys of the ``residuals`` dict returned by :func:`forward` (docs/algorithms.md §3.5).
 RESIDUAL_KEYS = (
     "q_codes",       # (B, Hq, Nq, D) int16
     "q_scale",       # (B, Hq, Nq)
@@ -233,7 +233,7 @@ def _forward_head(S, pv_rhs, cfg: SageBwdConfig):
 
 
 def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, cfg: SageBwdConfig):
-    """SPEC §4 for one head; returns ``(dq, dk, dv, intermediates)`` (module docstring, Backward)."""
+    """docs/algorithms.md §4 for one head; returns ``(dq, dk, dv, intermediates)`` (module docstring, Backward)."""
     bq, bkv = cfg.bwd_block_q, cfg.bwd_block_kv
     delta = np.sum(do * o, axis=-1)
     do_codes, do_scale = _quant(cfg, do, bq, None if cfg.do_granularity == "block" else 1, fp32=cfg.quantize)

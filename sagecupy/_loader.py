@@ -205,7 +205,7 @@ def _module(filename: str, names: tuple, arch: str | None = None):
     source = kernel_source(filename)
     options = _options(arch)
     # The source's first line carries its hash: the key (every launch computes it, so no pass over the
-    # ~100 KB source here: splitting it on every launch once cost ~0.1 ms per kernel).
+    # ~100 KB source here: splitting it costs ~0.1 ms per kernel launch).
     key = (dev, source[:source.find("\n")], options, names)
     mod = _modules.get(key)
     if mod is not None:

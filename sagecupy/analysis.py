@@ -1,4 +1,4 @@
-"""The standard accuracy experiments of SPEC §7, as importable functions.
+"""The standard accuracy experiments of docs/algorithms.md §7, as importable functions.
 
 The ``sagecupy`` command line (:mod:`sagecupy.cli`) is a thin layer over this
 module; everything here returns plain data — a list of dicts, one per
@@ -7,7 +7,7 @@ written as JSON lines or CSV, or used directly from Python::
 
     from sagecupy import analysis
     spec = analysis.RunSpec(family="int8", config="paper", shape=analysis.Shape(n=256))
-    records = analysis.accuracy_sweep(spec)            # SPEC §7 σ-sweep
+    records = analysis.accuracy_sweep(spec)            # docs/algorithms.md §7 σ-sweep
     records = analysis.intermediates(spec, sigma=5.0)  # δ, P, dP, dS, O, dQ, dK, dV + dS bound
     records = analysis.smoothing_ablation(spec)        # none / K / Q+K smoothing
 
@@ -105,20 +105,20 @@ CONFIG_HELP = {
     ("nvfp4", "plain"): "both off",
     ("qat", "default"): "NVFP4 fake quantization",
 }
-#: SPEC §7: the σ of Q and K in the sweep.
+#: docs/algorithms.md §7: the σ of Q and K in the sweep.
 SIGMAS = (1.0, 3.0, 5.0, 8.0, 10.0)
-#: SPEC §7 default sequence length on a GPU.
+#: docs/algorithms.md §7 default sequence length on a GPU.
 GPU_DEFAULT_N = 4096
 #: Default sequence length for the float64 reference, small enough that the
-#: default ``sagecupy accuracy`` (int8, default config) takes about 2 minutes
-#: on a 2-core machine (README: measured).
+#: default ``sagecupy accuracy`` (int8, default config) takes about 80 s and
+#: 3.2 GB on a 2-core machine (README).
 CPU_DEFAULT_N = 2048
 DEFAULT_BATCH, DEFAULT_HEADS, DEFAULT_D = 1, 8, 128
 #: The head dims the GPU kernels are built for; the reference simulators take any D.
 GPU_HEAD_DIMS = SUPPORTED_HEAD_DIMS
 
 ACCURACY_TENSORS = ("O", "dQ", "dK", "dV")
-#: SPEC §7 intermediates, in the order they are reported.
+#: docs/algorithms.md §7 intermediates, in the order they are reported.
 INTERMEDIATE_TENSORS = ("delta", "P", "dP", "dS", "O", "dQ", "dK", "dV")
 #: The smoothing ablation: (name, k_smoothing, q_smoothing).
 SMOOTHING_VARIANTS = (("none", False, False), ("K", True, False), ("Q+K", True, True))
@@ -282,7 +282,7 @@ def resolve_backend(backend: str, family_name: str, head_dim: int | None = None)
 
 
 def default_n(backend: str) -> int:
-    """SPEC §7 default N: :data:`GPU_DEFAULT_N` on the GPU, :data:`CPU_DEFAULT_N` on the reference."""
+    """docs/algorithms.md §7 default N: :data:`GPU_DEFAULT_N` on the GPU, :data:`CPU_DEFAULT_N` on the reference."""
     return GPU_DEFAULT_N if backend == "gpu" else CPU_DEFAULT_N
 
 
@@ -368,7 +368,7 @@ def round_to_dtype(x, dtype: str) -> np.ndarray:
 
 
 def make_inputs(shape: Shape, sigma: float, seed: int, dtype: str = "fp16") -> dict:
-    """SPEC §7 inputs: ``q, k ~ N(0, σ²)``, ``v, do ~ N(0, 1)``, rounded to ``dtype``.
+    """docs/algorithms.md §7.1 inputs: ``q, k ~ N(0, σ²)``, ``v, do ~ N(0, 1)``, rounded to ``dtype``.
 
     Returns ``dict(q, k, v, do)`` of HND float64 arrays holding dtype-representable
     values. The standard-normal draws depend on ``seed`` only, not on ``sigma``.
@@ -619,7 +619,7 @@ def _tensors_of(fam: Family) -> tuple[str, ...]:
 
 
 def accuracy_sweep(spec: RunSpec, sigmas=SIGMAS, progress: Callable[[int], None] | None = None) -> list[dict]:
-    """SPEC §7 σ-sweep: for each σ, cos / rel_l2 / rel_l1 / rmse of O (dQ, dK, dV) vs exact.
+    """docs/algorithms.md §7.1 σ-sweep: for each σ, cos / rel_l2 / rel_l1 / rmse of O (dQ, dK, dV) vs exact.
 
     Returns one dict per (σ, tensor): ``type="accuracy", sigma, tensor, cos,
     rel_l2, rel_l1, rmse``. ``progress(1)`` is called after each σ.
@@ -678,7 +678,7 @@ def check_smoothing(spec: RunSpec) -> None:
 
 def smoothing_ablation(spec: RunSpec, sigmas=SIGMAS,
                        progress: Callable[[int], None] | None = None) -> list[dict]:
-    """SPEC §7 smoothing ablation: the σ-sweep for each of :data:`SMOOTHING_VARIANTS`.
+    """docs/algorithms.md §7.3 smoothing ablation: the σ-sweep for each of :data:`SMOOTHING_VARIANTS`.
 
     For families whose config has ``k_smoothing`` / ``q_smoothing`` (int8,
     nvfp4); the other fields of ``spec.config`` are kept. Returns one dict per
@@ -701,7 +701,7 @@ def smoothing_ablation(spec: RunSpec, sigmas=SIGMAS,
 
 def intermediates(spec: RunSpec, sigma: float = 1.0, inputs: dict | None = None,
                   progress: Callable[[int], None] | None = None) -> list[dict]:
-    """SPEC §7 intermediates: every tensor of the computation vs float64 exact, plus the dS bound.
+    """docs/algorithms.md §7.2 intermediates: every tensor of the computation vs float64 exact, plus the dS bound.
 
     ``inputs``: HND float64 ``dict(q, k, v, do)`` (e.g. from :func:`load_inputs`);
     ``None`` draws the σ-sweep inputs at ``sigma`` with ``spec.shape`` and ``spec.seed``.
@@ -709,7 +709,7 @@ def intermediates(spec: RunSpec, sigma: float = 1.0, inputs: dict | None = None,
     Returns one ``type="intermediate"`` dict per tensor the family has (order of
     :data:`INTERMEDIATE_TENSORS`): ``tensor, source, cos, rel_l2, rel_l1, rmse,
     rms`` (of the measured tensor), ``rms_exact``; then, for families with a
-    backward, one ``type="ds_bound"`` dict: the SPEC §4 bound
+    backward, one ``type="ds_bound"`` dict: the docs/algorithms.md §4.5 bound
     ``max_j |dP_ij − δ_i| / sqrt(n_i)`` of every row of the exact computation
     (``bound_mean``, ``bound_max`` over rows) against the actual per-row RMS of
     the exact dS over the visible keys (``ds_row_rms_mean``, ``ds_row_rms_max``),

@@ -1,6 +1,6 @@
 """The ``sagecupy`` command line: a thin click layer over :mod:`sagecupy.analysis`.
 
-Commands: ``info``, ``accuracy`` (SPEC §7 σ-sweep), ``intermediates`` and
+Commands: ``info``, ``accuracy`` (the σ-sweep of docs/algorithms.md §7.1), ``intermediates`` and
 ``smoothing`` (the ablation). Every analysis command shares the options of
 :func:`analysis_options`, resolves the backend with :func:`_prepare`, runs an
 :mod:`sagecupy.analysis` function under a stderr progress bar and writes the
@@ -128,7 +128,8 @@ _COLUMNS = {
 }
 
 _TITLES = {
-    "ds_bound": "dS RMS bound (SPEC §4), exact computation, per row: RMS(dS_i) <= max_j |dP_ij - delta_i| / sqrt(n_i)",
+    "ds_bound": "dS RMS bound (docs/algorithms.md §4.5), exact computation, per row: "
+                "RMS(dS_i) <= max_j |dP_ij - delta_i| / sqrt(n_i)",
 }
 
 
@@ -507,7 +508,7 @@ def info(fmt):
 @main.command()
 @analysis_options(sigmas=True)
 def accuracy(**opts):
-    """σ-sweep (SPEC §7): O, dQ, dK, dV vs float64 exact for Q, K ~ N(0, σ²)."""
+    """σ-sweep (docs/algorithms.md §7.1): O, dQ, dK, dV vs float64 exact for Q, K ~ N(0, σ²)."""
     run = _prepare(opts)
     spec, sigmas = run.spec, opts["sigmas"]
     run.announce()
@@ -522,7 +523,7 @@ def accuracy(**opts):
 @main.command()
 @analysis_options(sigmas=True)
 def smoothing(**opts):
-    """Smoothing ablation (SPEC §7): the σ-sweep without smoothing, with K-, with Q+K-smoothing."""
+    """Smoothing ablation (docs/algorithms.md §7.3): the σ-sweep without smoothing, with K-, with Q+K-smoothing."""
     run = _prepare(opts)
     spec, sigmas = run.spec, opts["sigmas"]
     with _library_errors():
@@ -540,7 +541,7 @@ def smoothing(**opts):
 @main.command()
 @analysis_options(sigma=True, load=True)
 def intermediates(**opts):
-    """Error and RMS of δ, P, dP, dS, O, dQ, dK, dV vs float64 exact, and the dS RMS bound (SPEC §4, §7).
+    """Error and RMS of δ, P, dP, dS, O, dQ, dK, dV vs float64 exact, and the dS RMS bound (docs/algorithms.md §7.2).
 
     Random inputs (--sigma) by default; --load FILE.npz studies real activations
     (arrays q, k, v, do; the shape comes from the file, so --n, --d, --heads,
@@ -581,7 +582,7 @@ def intermediates(**opts):
 def bench_cmd(quick, configs, baselines, memory, rep, out, families):
     """Speed of the kernels (fwd, bwd, fwd+bwd; kernel-only and end-to-end) beside SDPA, with ratios.
 
-    Shapes: batch * N = 16K tokens, heads * D = 2048, D in {64, 128}, causal and not (SPEC §8 FLOPs).
+    Shapes: batch * N = 16K tokens, heads * D = 2048, D in {64, 128}, causal and not (docs/algorithms.md §8.1 FLOPs).
     """
     import json
 

@@ -7,7 +7,7 @@ Tile sizes that change numbers are fields here, because the SageBwd forward
 quantizes P per token *per KV tile* and the backward quantizes P, dS per
 ``(bwd_block_q x bwd_block_kv)`` tile: the reference mirrors those tiles.
 
-SageBwd granularities (SPEC §2-4); every product is an integer matmul whose
+SageBwd granularities (docs/algorithms.md §2-4); every product is an integer matmul whose
 scales factor out of the contraction:
 
 =================  ==========================================================
@@ -113,13 +113,13 @@ DEFAULT = SageBwdConfig()
 
 #: The default's granularities with the forward's P quantized per token over 64-key tiles: the finer P (O's
 #: relative error ~4% lower at sigma = 1, the same at sigma >= 3) at 1.11-1.19x the forward kernel's time on
-#: the H200 at D = 128 (README, bench/NOTES.md nineteenth session). The default until 2026-12-01.
+#: the H200 at D = 128 (docs/experiments.md). The default before commit 08ef803.
 BKV64 = SageBwdConfig(name="bkv64", block_kv=64)
 
 
 @dataclass(frozen=True)
 class NVFP4Config:
-    """NVFP4 attention (SPEC §5): 1x16 E2M1 blocks with E4M3 scales.
+    """NVFP4 attention (docs/algorithms.md §5): 1x16 E2M1 blocks with E4M3 scales.
 
     ``two_level_p``: scale each P row to a tile max of 448*6 before the block
     quantization. ``tensor_scale``: the optional fp32 per-tensor second level for
@@ -147,7 +147,7 @@ class NVFP4Config:
 
 @dataclass(frozen=True)
 class QATConfig:
-    """FP4 quantization-aware training (SPEC §6): NVFP4 fake quantization of Q, K, V, P."""
+    """FP4 quantization-aware training (docs/algorithms.md §6): NVFP4 fake quantization of Q, K, V, P."""
 
     name: str = "qat"
     block_kv: int = 64

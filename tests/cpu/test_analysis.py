@@ -272,7 +272,7 @@ def test_accuracy_sweep_records():
         assert r["type"] == "accuracy"
         assert set(r) == {"type", "sigma", "tensor", "cos", "rel_l2", "rel_l1", "rmse"}
         assert 0.9 < r["cos"] <= 1.0 and 0.0 < r["rel_l2"] < 0.5
-    # larger sigma: larger error in the gradients (the SPEC §4 story)
+    # larger sigma: larger error in the gradients (docs/algorithms.md §4.5)
     dq = {r["sigma"]: r["rel_l2"] for r in records if r["tensor"] == "dQ"}
     assert dq[8.0] > dq[1.0]
 
@@ -398,7 +398,7 @@ def fake_gpu(monkeypatch):
 
 def test_fake_gpu_backend(fake_gpu):
     assert analysis.resolve_backend("auto", "int8")[0] == "gpu"
-    assert analysis.resolve_backend("auto", "nvfp4")[0] == "gpu"  # every family has kernels now
+    assert analysis.resolve_backend("auto", "nvfp4")[0] == "gpu"  # every family has kernels
     assert analysis.resolve_backend("gpu", "qat")[0] == "gpu"
     assert analysis.family_status("int8")["gpu"] is True
     spec = _spec(backend="gpu")

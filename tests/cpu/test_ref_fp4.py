@@ -146,7 +146,7 @@ def test_pack_unpack():
 
 
 def _nvfp4_loop(x):
-    """Per-block loop over the last axis: the SPEC formula literally."""
+    """Per-block loop over the last axis: the formula of docs/algorithms.md §5.3, literally."""
     out = np.empty_like(x)
     for idx in np.ndindex(x.shape[:-1]):
         for j in range(0, x.shape[-1], 16):

@@ -1,4 +1,4 @@
-"""The float64 INT8 quantizers (reference/quant.py, SPEC §2)."""
+"""The float64 INT8 quantizers (reference/quant.py, docs/algorithms.md §2)."""
 import warnings
 
 import numpy as np

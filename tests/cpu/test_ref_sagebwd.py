@@ -1,4 +1,4 @@
-"""The float64 SageBwd simulator (reference/sagebwd.py, SPEC §3-4)."""
+"""The float64 SageBwd simulator (reference/sagebwd.py, docs/algorithms.md §3-4)."""
 import numpy as np
 import pytest
 
@@ -88,7 +88,7 @@ def test_without_quantization_equals_exact_attention(base, causal, Nq, Nk, Hq, H
 
 
 def _literal_forward(qi, cfg, causal):
-    """The online softmax of SPEC §3 written as a plain loop over rows and KV tiles."""
+    """The online softmax of docs/algorithms.md §3 written as a plain loop over rows and KV tiles."""
     B, Hq, Nq, D = qi["q_codes"].shape
     Hkv, Nk = qi["k_codes"].shape[1:3]
     mask = visible_mask(Nq, Nk, causal)
@@ -127,7 +127,7 @@ def _literal_forward(qi, cfg, causal):
 
 
 def _literal_backward(res, do, cfg):
-    """SPEC §4 as a loop over (bwd_block_q x bwd_block_kv) tiles with psi on each tile."""
+    """docs/algorithms.md §4 as a loop over (bwd_block_q x bwd_block_kv) tiles with psi on each tile."""
     qc, qs, kc, ks = res["q_codes"], res["q_scale"], res["k_codes"], res["k_scale"]
     B, Hq, Nq, D = qc.shape
     Hkv, Nk = kc.shape[1:3]
