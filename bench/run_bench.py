@@ -1,7 +1,7 @@
-"""Run the speed sweep and print a table with ratios to SDPA (flash, cuDNN) from the same run.
+"""Run the speed sweep and print a table with ratios to the baselines (SDPA, cuDNN FP8) from the same run.
 
     python bench/run_bench.py [--quick] [--memory] [--out FILE.jsonl] [--configs default,paper] [--families int8,nvfp4,qat]
-        [--ds 128] [--ns 8192,32768]
+        [--ds 128] [--ns 8192,32768] [--baselines sdpa,cudnn-fp8,flash]
 
 (`sagecupy bench` is the same with CLI conventions; this script also logs every row to stderr.)
 """
@@ -21,10 +21,18 @@ def main(argv=None):
     ap.add_argument("--families", default="int8,nvfp4,qat", help="kernel families to time: int8,nvfp4,qat")
     ap.add_argument("--rep", type=int, default=10)
     ap.add_argument("--memory", action="store_true", help="also measure peak memory of fwd+bwd at N=32K, D=128")
-    ap.add_argument("--baselines", default="flash,cudnn", help="SDPA backends to time beside ('' for none)")
+    ap.add_argument("--baselines", default=",".join(bench.DEFAULT_BASELINES),
+                    help="baselines timed beside, comma-separated: sdpa (PyTorch's default SDPA, cuDNN bf16 on "
+                         "Hopper), flash / cudnn (SDPA with that backend forced), cudnn-fp8 (cuDNN's FP8 attention "
+                         "through the cuDNN frontend); '' for none. One that cannot run here is skipped with a line "
+                         "saying why")
     ap.add_argument("--ds", default=None, help="head dims to keep (e.g. 128; default: all of the sweep's)")
     ap.add_argument("--ns", default=None, help="sequence lengths to keep (e.g. 8192,32768; default: all)")
     a = ap.parse_args(argv)
+    try:
+        baselines = bench.parse_baselines(a.baselines)
+    except ValueError as exc:
+        ap.error(str(exc))
     out = open(a.out, "w") if a.out else None
     if out:
         out.write(json.dumps(dict(type="env", **environment())) + "\n")
@@ -34,7 +42,7 @@ def main(argv=None):
     if a.ns:
         cases = [c for c in cases if c[1] in {int(x) for x in a.ns.split(",")}]
     rows = bench.run_suite(cases, configs=tuple(a.configs.split(",")), out=out,
-                           baselines=tuple(b for b in a.baselines.split(",") if b),
+                           baselines=baselines,
                            rep=a.rep, families=tuple(a.families.split(",")), log=lambda r: print(json.dumps(r), file=sys.stderr))
     if a.memory:
         mem = bench.peak_memory()

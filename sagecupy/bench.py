@@ -1,7 +1,16 @@
-"""Speed measurements: sagecupy kernels beside PyTorch SDPA (flash, cuDNN) in the same process.
+"""Speed measurements: sagecupy kernels beside the attention baselines that count on Hopper, in the same process.
+
+Baselines (``BASELINES``; each one that cannot run here is skipped with one row saying why):
+
+- ``sdpa``: PyTorch's ``scaled_dot_product_attention`` as a user calls it, no backend forced (on Hopper it picks
+  cuDNN for bf16); rows ``sdpa-default``.
+- ``flash`` / ``cudnn``: the same with that backend forced; rows ``sdpa-flash`` / ``sdpa-cudnn``.
+- ``cudnn-fp8``: cuDNN's FP8 (E4M3) attention forward and backward through the cuDNN frontend's graph API
+  (:mod:`sagecupy._cudnn_fp8`); rows ``cudnn-fp8``, scope ``kernel`` on FP8 inputs as cuDNN receives them, ``e2e``
+  with the amax passes and bf16-to-FP8 casts of Q, K, V (and dO for the backward) included.
 
 Everything is timed with CUDA events on the current stream after warm-up; the median of
-``rep`` runs is reported in milliseconds (``ms``). FLOPs follow SPEC §8 (FlashAttention's
+``rep`` runs is reported in milliseconds (``ms``). FLOPs follow docs/algorithms.md §8 (FlashAttention's
 convention): forward ``4 B Hq Nq Nk D``, halved for causal with ``Nq == Nk``; backward 2.5x,
 forward+backward 3.5x. INT8 rates are TOPS, the others TFLOPS; the ``tops`` field holds either.
 
@@ -19,8 +28,52 @@ import json
 import statistics
 import time
 
-__all__ = ["flops", "time_ms", "time_ms_b2b", "bench_int8", "bench_fp4", "bench_sdpa", "default_cases", "run_suite",
-           "peak_memory", "format_rows", "plot"]
+__all__ = ["flops", "time_ms", "time_ms_b2b", "time_ms_torch", "bench_int8", "bench_fp4", "bench_sdpa",
+           "bench_cudnn_fp8", "default_cases", "run_suite", "peak_memory", "format_rows", "plot", "BASELINES",
+           "DEFAULT_BASELINES", "parse_baselines", "baseline_unavailable"]
+
+#: Baselines ``run_suite`` can time beside sagecupy, and the ``impl`` of their rows.
+BASELINES = {"sdpa": "sdpa-default", "flash": "sdpa-flash", "cudnn": "sdpa-cudnn", "cudnn-fp8": "cudnn-fp8"}
+#: What a plain run times: PyTorch's default SDPA (cuDNN bf16 on Hopper), cuDNN's FP8 attention and flash.
+DEFAULT_BASELINES = ("sdpa", "cudnn-fp8", "flash")
+
+
+def parse_baselines(spec) -> tuple:
+    """Baseline names from ``"sdpa,cudnn-fp8"`` (or an iterable of names), in order, without repeats; ``""`` is
+    none. ``ValueError`` names an unknown one."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for name in (n.strip() for n in names):
+        if not name:
+            continue
+        if name not in BASELINES:
+            raise ValueError(f"--baselines: {name!r} is not one of {', '.join(BASELINES)}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def baseline_unavailable(name):
+    """Why baseline ``name`` cannot run in this process, or None."""
+    if name == "cudnn-fp8":
+        from . import _cudnn_fp8
+
+        return _cudnn_fp8.unavailable_reason()
+    try:
+        import torch
+    except Exception as exc:
+        return f"PyTorch is not importable ({type(exc).__name__}: {exc})"
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device visible to PyTorch"
+    except Exception as exc:
+        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
+    if name != "sdpa":
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+        except Exception as exc:
+            return f"PyTorch {torch.__version__} cannot force an SDPA backend ({type(exc).__name__}: {exc})"
+    return None
 
 
 def flops(B, Hq, Nq, Nk, D, causal, mode="fwd") -> float:
@@ -93,8 +146,34 @@ def _cupy_elapsed(start, end):
     return cupy.cuda.get_elapsed_time(start, end)
 
 
+def time_ms_torch(fn, warmup=3, rep=10) -> float:
+    """:func:`time_ms` with PyTorch's events and synchronize, on PyTorch's current stream (for the baselines, whose
+    work PyTorch launches)."""
+    import torch
+
+    _warm_up(fn, warmup, torch.cuda.synchronize)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_ms_b2b_torch(fn, warmup=3):
+    """:func:`time_ms_b2b` with PyTorch's events and synchronize."""
+    import torch
+
+    return time_ms_b2b(fn, warmup, event=lambda: torch.cuda.Event(enable_timing=True), sync=torch.cuda.synchronize)
+
+
 def default_cases(quick=False):
-    """(D, N, causal) with batch * N = 16K tokens and H * D = 2048 (the issue's sweep)."""
+    """(D, N, causal) with batch * N = 16K tokens and H * D = 2048 (H = 16 at D = 128), D in {64, 128}, N from 1K
+    to 32K, causal and not (docs/algorithms.md §8.1); ``quick``: N in {4K, 16K}."""
     ns = (4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384, 32768)
     return [(d, n, c) for d in (64, 128) for n in ns for c in (False, True)]
 
@@ -221,36 +300,35 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
 
 
 def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
-    """Rows for torch.nn.functional.scaled_dot_product_attention with one backend (flash | cudnn)."""
+    """Rows for torch.nn.functional.scaled_dot_product_attention: ``backend`` ``"default"`` calls it as a user does
+    (PyTorch picks the backend: cuDNN for bf16 on Hopper), ``"flash"`` / ``"cudnn"`` force that backend."""
+    import contextlib
+
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B, H = _shape(D, N)
     dt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn((B, H, N, D), device="cuda", dtype=dt, generator=g) for _ in range(4))
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    if backend == "default":
+        ctx = contextlib.nullcontext
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+        def ctx():
+            return sdpa_kernel([be])
     F = torch.nn.functional.scaled_dot_product_attention
     rows = []
 
     def timed(fn):
-        with sdpa_kernel([be]):
-            _warm_up(fn, warmup, torch.cuda.synchronize)
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(rep):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e))
-        return statistics.median(ts)
+        with ctx():
+            return time_ms_torch(fn, warmup, rep)
 
     def b2b(fn):
-        with sdpa_kernel([be]):
-            return time_ms_b2b(fn, warmup, event=lambda: torch.cuda.Event(enable_timing=True),
-                               sync=torch.cuda.synchronize)
+        with ctx():
+            return time_ms_b2b_torch(fn, warmup)
 
     def row(mode, ms, scope="e2e"):
         rows.append(dict(impl=f"sdpa-{backend}", config="", mode=mode, scope=scope, D=D, N=N, B=B, H=H,
@@ -263,7 +341,7 @@ def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, mod
                 row("fwd", b2b(lambda: F(q, k, v, is_causal=causal)), "e2e-b2b")
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         if "bwd" in modes:
-            with sdpa_kernel([be]):
+            with ctx():
                 out = F(qg, kg, vg, is_causal=causal)
             row("bwd", timed(lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)))
         if "fwdbwd" in modes:
@@ -277,11 +355,119 @@ def bench_sdpa(D, N, causal, backend, *, dtype="bfloat16", warmup=3, rep=10, mod
     return rows
 
 
-def run_suite(cases, *, configs=("default",), baselines=("flash", "cudnn"), out=None, warmup=3, rep=10, log=None,
+def bench_cudnn_fp8(D, N, causal, *, warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
+    """Rows for cuDNN's FP8 (E4M3) attention (:mod:`sagecupy._cudnn_fp8`), impl ``cudnn-fp8``.
+
+    ``kernel``: the cuDNN graph alone, on FP8 operands as cuDNN receives them (Q, K, V; also O and dO for the
+    backward), scales set. ``e2e`` / ``e2e-b2b``: also the amax pass and the bf16-to-E4M3 cast of Q, K, V (forward)
+    and dO (backward) with their power-of-two scales, what a caller holding bf16 tensors pays; the outputs stay E4M3
+    (a per-tensor descale the consumer folds in). The forward writes the softmax stats (the training forward). The
+    bf16 inputs are standard normal (seed 0) in ``[B, N, H, D]`` storage, the layout the graphs declare; the output
+    scales are calibrated once on them, untimed. A stage cuDNN cannot run gives an ``error`` row with its reason;
+    the rows of the stages before it stay.
+    """
+    from . import _cudnn_fp8
+
+    B, H = _shape(D, N)
+    rows = []
+
+    def row(mode, scope, ms):
+        rows.append(dict(impl="cudnn-fp8", config="", mode=mode, scope=scope, D=D, N=N, B=B, H=H, causal=causal,
+                         dtype="float8_e4m3fn" if scope == "kernel" else "bfloat16", ms=ms,
+                         tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
+
+    def error(stage, exc):
+        rows.append(dict(impl="cudnn-fp8", mode="error", D=D, N=N, B=B, H=H, causal=causal,
+                         error=f"{stage}: {type(exc).__name__}: {exc}"[:400]))
+
+    att = None
+    try:
+        import torch
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn((B, N, H, D), device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                       for _ in range(4))
+        att = _cudnn_fp8.CudnnFp8Attention(B, H, N, D, causal)
+        att.calibrate(q, k, v)
+        if "fwd" in modes:
+            row("fwd", "kernel", time_ms_torch(att.forward, warmup, rep))
+            row("fwd", "e2e", time_ms_torch(lambda: att.forward_from(q, k, v), warmup, rep))
+            row("fwd", "e2e-b2b", time_ms_b2b_torch(lambda: att.forward_from(q, k, v), warmup))
+    except Exception as exc:
+        error("forward", exc)
+        return rows
+    try:
+        if "bwd" in modes or "fwdbwd" in modes:
+            att.calibrate(q, k, v, do)
+        if "bwd" in modes:
+            row("bwd", "kernel", time_ms_torch(att.backward, warmup, rep))
+            row("bwd", "e2e", time_ms_torch(lambda: att.backward_from(do), warmup, rep))
+        if "fwdbwd" in modes:
+            def fb_kernel():
+                att.forward()
+                att.backward()
+
+            def fb():
+                att.forward_from(q, k, v)
+                att.backward_from(do)
+            row("fwdbwd", "kernel", time_ms_torch(fb_kernel, warmup, rep))
+            row("fwdbwd", "e2e", time_ms_torch(fb, warmup, rep))
+            row("fwdbwd", "e2e-b2b", time_ms_b2b_torch(fb, warmup))
+    except Exception as exc:
+        error("backward", exc)
+    finally:
+        del att, q, k, v, do
+        torch.cuda.empty_cache()  # hand the cached blocks back before the next case's CuPy kernels
+    return rows
+
+
+def _baseline_reason(name):
+    """:func:`baseline_unavailable`, never raising (a probe that breaks is a reason too)."""
+    try:
+        return baseline_unavailable(name)
+    except Exception as exc:
+        return f"availability check failed ({type(exc).__name__}: {exc})"
+
+
+def _bench_baseline(name, D, N, causal, *, warmup, rep):
+    """One baseline's rows for one case; whatever it raises becomes an ``error`` row (the sweep goes on)."""
+    try:
+        if name == "cudnn-fp8":
+            return bench_cudnn_fp8(D, N, causal, warmup=warmup, rep=rep)
+        return bench_sdpa(D, N, causal, "default" if name == "sdpa" else name, warmup=warmup, rep=rep)
+    except Exception as exc:
+        return [dict(impl=BASELINES[name], mode="error", D=D, N=N, causal=causal,
+                     error=f"{type(exc).__name__}: {exc}"[:400])]
+
+
+def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=None, warmup=3, rep=10, log=None,
               families=("int8",)):
     """Every case for every family (int8 with each config, nvfp4, qat) and baseline; JSON lines to ``out`` (a
-    file object) as they come."""
+    file object) as they come.
+
+    ``baselines``: names of ``BASELINES`` (a comma-separated string or an iterable). One that cannot run in this
+    process gives a single ``mode="skip"`` row saying why, first, and is not timed; one that fails on a case gives an
+    ``error`` row for that case. Neither stops the sweep.
+    """
     rows = []
+
+    def emit(batch):
+        for r in batch:
+            if out is not None:
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+            if log is not None:
+                log(r)
+        rows.extend(batch)
+
+    active, skipped = [], []
+    for be in parse_baselines(baselines):
+        why = _baseline_reason(be)
+        if why is None:
+            active.append(be)
+        else:
+            skipped.append(dict(impl=BASELINES[be], mode="skip", baseline=be, reason=why))
+    emit(skipped)
     for D, N, causal in cases:
         batch = []
         if "int8" in families:
@@ -290,18 +476,9 @@ def run_suite(cases, *, configs=("default",), baselines=("flash", "cudnn"), out=
         for fam in ("nvfp4", "qat"):
             if fam in families:
                 batch += bench_fp4(D, N, causal, family=fam, warmup=warmup, rep=rep)
-        for be in baselines:
-            try:
-                batch += bench_sdpa(D, N, causal, be, warmup=warmup, rep=rep)
-            except ImportError:
-                pass
-        for r in batch:
-            if out is not None:
-                out.write(json.dumps(r) + "\n")
-                out.flush()
-            if log is not None:
-                log(r)
-        rows += batch
+        for be in active:
+            batch += _bench_baseline(be, D, N, causal, warmup=warmup, rep=rep)
+        emit(batch)
     return rows
 
 
@@ -372,28 +549,50 @@ def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) 
     return rows
 
 
+def _compared_scopes(scope):
+    """(SDPA scope, cuDNN FP8 scope) a row of ``scope`` is divided into: back-to-back rows into back-to-back rows;
+    rows on operands already quantized (``kernel*``) into cuDNN FP8's ``kernel`` rows (FP8 operands); everything
+    else into the synchronized ``e2e`` rows (SDPA has no kernel-only rows)."""
+    if scope.endswith("b2b"):
+        return "e2e-b2b", "e2e-b2b"
+    return "e2e", ("kernel" if scope.startswith("kernel") else "e2e")
+
+
 def format_rows(rows) -> str:
-    """An aligned table of benchmark rows with the ratio to each SDPA baseline of the same run."""
-    # SDPA rows by scope: back-to-back rows ("e2e-b2b", "train-b2b") are compared with SDPA timed the same way, the
-    # rest with "e2e"
+    """An aligned table of benchmark rows with each row's speedup over the baselines of the same run and case
+    (baseline ms / row ms; same mode, so fwd+bwd against the baselines' fwd+bwd): ``x sdpa`` PyTorch's default
+    SDPA (cuDNN bf16 on Hopper), ``x fp8`` cuDNN's FP8 attention, ``x flash`` / ``x cudnn`` SDPA with that backend
+    forced. ``-`` where the run has no such row; skipped baselines and errors get a line each."""
     base = {(r["impl"], r.get("scope", "e2e"), r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows
-            if "ms" in r and r["impl"].startswith("sdpa-")}
+            if "ms" in r and (r["impl"].startswith("sdpa-") or r["impl"] == "cudnn-fp8")}
     lines = [f"{'impl':<16}{'cfg':<9}{'mode':<8}{'scope':<13}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
-             f"{'x flash':>9}{'x cudnn':>9}"]
+             f"{'x sdpa':>8}{'x fp8':>8}{'x flash':>9}{'x cudnn':>9}"]
     for r in rows:
-        if r.get("mode") == "peak_mem":
+        mode = r.get("mode")
+        if mode == "peak_mem":
             lines.append(f"{r['impl']:<16}peak memory fwd+bwd D={r['D']} N={r['N']} B={r['B']} H={r['H']}: "
                          f"{r['bytes'] / 2**30:.2f} GiB")
             continue
-        if "ms" not in r:
-            lines.append(f"{r['impl']:<16} error D={r['D']} N={r['N']} causal={r['causal']}: {r.get('error')}")
+        if mode == "skip":
+            lines.append(f"{r.get('impl', '?'):<16} skipped: {r.get('reason', '')}")
             continue
-        key = ("e2e-b2b" if r.get("scope", "").endswith("b2b") else "e2e", r["mode"], r["D"], r["N"], r["causal"])
-        fl, cu = base.get(("sdpa-flash",) + key), base.get(("sdpa-cudnn",) + key)
-        rf = f"{fl / r['ms']:.2f}" if fl else "-"
-        rc = f"{cu / r['ms']:.2f}" if cu else "-"
-        lines.append(f"{r['impl']:<16}{r.get('config', ''):<9}{r['mode']:<8}{r['scope']:<13}{r['D']:>4}{r['N']:>7}"
-                     f"{str(r['causal']):>7}{r['ms']:>9.3f}{r['tops']:>8.1f}{rf:>9}{rc:>9}")
+        if "ms" not in r:
+            lines.append(f"{r.get('impl', '?'):<16} error D={r.get('D')} N={r.get('N')} causal={r.get('causal')}: "
+                         f"{r.get('error')}")
+            continue
+        scope = r.get("scope", "e2e")
+        sdpa_scope, fp8_scope = _compared_scopes(scope)
+        case = (r["mode"], r["D"], r["N"], r["causal"])
+
+        def ratio(impl, sc):
+            ms = base.get((impl, sc) + case)
+            return f"{ms / r['ms']:.2f}" if ms and r["ms"] else "-"
+
+        tops = r.get("tops")
+        lines.append(f"{r['impl']:<16}{r.get('config', ''):<9}{r['mode']:<8}{scope:<13}{r['D']:>4}{r['N']:>7}"
+                     f"{str(r['causal']):>7}{r['ms']:>9.3f}" + (f"{tops:>8.1f}" if tops is not None else f"{'-':>8}")
+                     + f"{ratio('sdpa-default', sdpa_scope):>8}{ratio('cudnn-fp8', fp8_scope):>8}"
+                     f"{ratio('sdpa-flash', sdpa_scope):>9}{ratio('sdpa-cudnn', sdpa_scope):>9}")
     return "\n".join(lines)
 
 
