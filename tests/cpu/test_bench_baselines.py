@@ -1,0 +1,257 @@
+"""The benchmark's baselines without a GPU: names, soft skips, FP8 scale rule, and the ratio columns of the table."""
+import math
+
+import pytest
+
+from sagecupy import _cudnn_fp8, bench
+
+COLS = ("x sdpa", "x fp8", "x flash", "x cudnn")
+
+
+def _row(impl, mode, scope, ms, **kw):
+    base = dict(impl=impl, config="default" if impl.startswith("sagecupy") else "", mode=mode, scope=scope, D=128,
+                N=4096, B=4, H=16, causal=False, dtype="bfloat16", ms=ms, tops=1.0)
+    base.update(kw)
+    return base
+
+
+def _ratios(line):
+    """The four ratio columns (x sdpa, x fp8, x flash, x cudnn) of a table line."""
+    return line.split()[-4:]
+
+
+def _table(rows):
+    lines = bench.format_rows(rows).splitlines()
+    assert all(c in lines[0] for c in COLS)
+    return lines
+
+
+# -- baseline names ----------------------------------------------------------------------------------------------
+def test_default_baselines_are_default_sdpa_cudnn_fp8_and_flash():
+    assert bench.DEFAULT_BASELINES == ("sdpa", "cudnn-fp8", "flash")
+    assert set(bench.DEFAULT_BASELINES) <= set(bench.BASELINES)
+    assert bench.BASELINES["sdpa"] == "sdpa-default" and bench.BASELINES["cudnn-fp8"] == "cudnn-fp8"
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("sdpa,cudnn-fp8,flash", ("sdpa", "cudnn-fp8", "flash")),
+    ("", ()),
+    (" flash , sdpa ,", ("flash", "sdpa")),
+    ("cudnn,cudnn", ("cudnn",)),
+    (("sdpa", "cudnn-fp8"), ("sdpa", "cudnn-fp8")),
+    ((), ()),
+])
+def test_parse_baselines(spec, want):
+    assert bench.parse_baselines(spec) == want
+
+
+@pytest.mark.parametrize("bad", ["fp8", "sdpa,cudnn_fp8", "default", "FLASH"])
+def test_parse_baselines_names_the_unknown_one(bad):
+    with pytest.raises(ValueError) as exc:
+        bench.parse_baselines(bad)
+    msg = str(exc.value)
+    assert "--baselines" in msg and "cudnn-fp8" in msg and "sdpa" in msg
+
+
+def test_run_bench_rejects_unknown_baseline(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "run_bench.py"
+    spec = importlib.util.spec_from_file_location("run_bench_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as exc:  # the script's imports need what the package needs
+        pytest.skip(f"bench/run_bench.py not importable here: {exc}")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--baselines", "sdpa,nope"])
+    assert exc.value.code == 2
+    assert "'nope' is not one of" in capsys.readouterr().err
+
+
+# -- soft skips --------------------------------------------------------------------------------------------------
+def test_run_suite_skips_an_unavailable_baseline_with_one_row(monkeypatch):
+    """A baseline that cannot run gives one ``skip`` row (first, once, also to ``log``) and is never timed."""
+    monkeypatch.setattr(bench, "baseline_unavailable", lambda name: f"{name} is not here")
+    called = []
+    monkeypatch.setattr(bench, "bench_sdpa", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(bench, "bench_cudnn_fp8", lambda *a, **k: called.append(a) or [])
+    logged = []
+    rows = bench.run_suite([(128, 4096, False), (128, 4096, True)], baselines="sdpa,cudnn-fp8", families=(),
+                           log=logged.append)
+    assert called == []
+    assert [r["mode"] for r in rows] == ["skip", "skip"]
+    assert [r["impl"] for r in rows] == ["sdpa-default", "cudnn-fp8"]
+    assert rows[1]["reason"] == "cudnn-fp8 is not here"
+    assert logged == rows
+    text = bench.format_rows(rows)
+    assert "skipped: cudnn-fp8 is not here" in text and "Traceback" not in text
+
+
+def test_run_suite_turns_a_failing_baseline_into_an_error_row(monkeypatch):
+    """Whatever a baseline raises on one case becomes that case's ``error`` row; the sweep goes on."""
+    monkeypatch.setattr(bench, "baseline_unavailable", lambda name: None)
+
+    def boom(D, N, causal, **kw):
+        raise RuntimeError(f"no FP8 graph at D={D}")
+
+    seen = []
+    monkeypatch.setattr(bench, "bench_cudnn_fp8", boom)
+    monkeypatch.setattr(bench, "bench_sdpa", lambda D, N, c, be, **kw: seen.append(be) or [
+        _row(f"sdpa-{be}", "fwd", "e2e", 1.0, D=D, N=N, causal=c)])
+    rows = bench.run_suite([(64, 4096, False), (128, 4096, False)], baselines=("cudnn-fp8", "sdpa", "flash"),
+                           families=())
+    assert seen == ["default", "flash", "default", "flash"]
+    errors = [r for r in rows if r["mode"] == "error"]
+    assert [r["D"] for r in errors] == [64, 128] and all(r["impl"] == "cudnn-fp8" for r in errors)
+    assert "no FP8 graph at D=64" in errors[0]["error"]
+    assert "error D=64" in bench.format_rows(rows)
+
+
+def test_run_suite_availability_probe_that_raises_is_a_skip(monkeypatch):
+    def probe(name):
+        raise OSError("driver gone")
+
+    monkeypatch.setattr(bench, "baseline_unavailable", probe)
+    rows = bench.run_suite([], baselines="cudnn-fp8")
+    assert len(rows) == 1 and rows[0]["mode"] == "skip" and "driver gone" in rows[0]["reason"]
+
+
+def test_baseline_unavailable_answers_without_a_gpu():
+    """On a machine without CUDA (CI), every baseline says why instead of raising."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        pytest.skip("a CUDA device is visible")
+    for name in bench.BASELINES:
+        why = bench.baseline_unavailable(name)
+        assert isinstance(why, str) and why
+
+
+def test_cudnn_fp8_unavailable_is_a_reason_not_a_crash():
+    """The module imports without torch; where the FP8 path cannot run, calling it raises Unavailable with the
+    reason."""
+    why = _cudnn_fp8.unavailable_reason()
+    assert why is None or (isinstance(why, str) and why)
+    if why:
+        with pytest.raises(_cudnn_fp8.Unavailable) as exc:
+            _cudnn_fp8.cudnn_fp8_attention(None, None, None, None)
+        assert str(exc.value) == why
+
+
+# -- FP8 scale rule and layout -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("amax", [1e-30, 1e-3, 0.5, 0.75, 1.0, 1.0 + 2**-20, 1.5, 2.0, 3.999, 4.0, 5.0, 31.9, 32.0,
+                                  33.0, 64.0, 65.0, 448.0, 1e6, 3.0e38])
+def test_pow2_scale_brings_amax_into_32_64(amax):
+    s = _cudnn_fp8.pow2_scale(amax)
+    assert math.frexp(s)[0] == 0.5  # a power of two: scaling is exact
+    assert 32.0 < amax * s <= 64.0
+
+
+@pytest.mark.parametrize("amax, want", [(1.0, 64.0), (1.5, 32.0), (2.0, 32.0), (64.0, 1.0), (0.25, 256.0)])
+def test_pow2_scale_values(amax, want):
+    assert _cudnn_fp8.pow2_scale(amax) == want
+    assert _cudnn_fp8.pow2_scale(amax) == 2.0 ** (6 - math.ceil(math.log2(amax)))
+
+
+@pytest.mark.parametrize("amax", [0.0, -1.0, float("inf"), float("nan")])
+def test_pow2_scale_of_nothing_to_scale_is_one(amax):
+    assert _cudnn_fp8.pow2_scale(amax) == 1.0
+
+
+def test_bnhd_strides_declare_bnhd_storage():
+    B, H, N, D = 2, 3, 5, 16
+    st = _cudnn_fp8.bnhd_strides(B, H, N, D)
+    # element (b, h, n, d) of the logical [B, H, N, D] view sits at ((b * N + n) * H + h) * D + d of [B, N, H, D]
+    for b, h, n, d in ((1, 2, 4, 15), (0, 1, 3, 7), (1, 0, 0, 0)):
+        assert sum(i * s for i, s in zip((b, h, n, d), st)) == ((b * N + n) * H + h) * D + d
+
+
+# -- table ratios ------------------------------------------------------------------------------------------------
+def test_format_rows_ratios_to_default_sdpa_and_cudnn_fp8():
+    rows = [_row("sdpa-default", "fwd", "e2e", 2.0), _row("sdpa-default", "fwd", "e2e-b2b", 1.8),
+            _row("cudnn-fp8", "fwd", "kernel", 0.5), _row("cudnn-fp8", "fwd", "e2e", 0.8),
+            _row("cudnn-fp8", "fwd", "e2e-b2b", 0.6), _row("sdpa-flash", "fwd", "e2e", 3.0),
+            _row("sagecupy-int8", "fwd", "kernel", 0.4), _row("sagecupy-int8", "fwd", "e2e", 1.0),
+            _row("sagecupy-int8", "fwd", "e2e-b2b", 0.9), _row("sagecupy-int8", "fwd", "train", 1.6),
+            _row("sagecupy-int8", "fwd", "kernel-wgmma", 0.25)]
+    lines = _table(rows)
+    mine = {ln.split()[3]: _ratios(ln) for ln in lines[1:] if ln.startswith("sagecupy-int8")}
+    assert mine["kernel"] == ["5.00", "1.25", "7.50", "-"]        # SDPA e2e / 0.4; FP8 kernel / 0.4; flash e2e / 0.4
+    assert mine["e2e"] == ["2.00", "0.80", "3.00", "-"]
+    assert mine["e2e-b2b"] == ["2.00", "0.67", "-", "-"]          # back to back against back to back only
+    assert mine["train"] == ["1.25", "0.50", "1.88", "-"]
+    assert mine["kernel-wgmma"] == ["8.00", "2.00", "12.00", "-"]
+
+
+def test_format_rows_fwdbwd_compares_with_the_baselines_fwdbwd():
+    rows = [_row("cudnn-fp8", "fwd", "e2e", 1.0), _row("cudnn-fp8", "fwdbwd", "e2e", 4.0),
+            _row("sdpa-default", "fwdbwd", "e2e", 6.0), _row("sdpa-default", "bwd", "e2e", 5.0),
+            _row("cudnn-fp8", "bwd", "e2e", 2.5), _row("sagecupy-int8", "fwdbwd", "e2e", 2.0),
+            _row("sagecupy-int8", "bwd", "e2e", 2.5)]
+    lines = _table(rows)
+    fb = next(ln for ln in lines if ln.startswith("sagecupy-int8") and " fwdbwd " in ln)
+    bw = next(ln for ln in lines if ln.startswith("sagecupy-int8") and " bwd " in ln)
+    assert _ratios(fb) == ["3.00", "2.00", "-", "-"]
+    assert _ratios(bw) == ["2.00", "1.00", "-", "-"]
+
+
+def test_format_rows_without_baselines_prints_dashes():
+    rows = [_row("sagecupy-int8", m, s, 1.0) for m, s in (("fwd", "kernel"), ("bwd", "e2e"), ("fwdbwd", "e2e-b2b"))]
+    rows.append(_row("sagecupy-nvfp4", "fwd", "e2e", 0.5, qkv_bytes_per_elem=0.5625))
+    lines = _table(rows)
+    assert len(lines) == 1 + len(rows)
+    for ln in lines[1:]:
+        assert _ratios(ln) == ["-", "-", "-", "-"]
+
+
+def test_format_rows_other_case_or_mask_does_not_match():
+    rows = [_row("cudnn-fp8", "fwd", "e2e", 1.0, N=8192), _row("sdpa-default", "fwd", "e2e", 1.0, causal=True),
+            _row("sagecupy-int8", "fwd", "e2e", 1.0)]
+    assert _ratios(_table(rows)[-1]) == ["-", "-", "-", "-"]
+
+
+def test_format_rows_tolerates_skip_error_and_memory_rows():
+    rows = [dict(impl="cudnn-fp8", mode="skip", baseline="cudnn-fp8", reason="no CUDA device visible to PyTorch"),
+            dict(impl="cudnn-fp8", mode="error", D=64, N=1024, causal=True, error="forward: Unavailable: D=64"),
+            dict(impl="sdpa-default", mode="error", error="RuntimeError: out of memory"),
+            dict(impl="sagecupy-int8", mode="peak_mem", D=128, N=32768, B=1, H=16, bytes=3 * 2**30),
+            _row("sagecupy-int8", "fwd", "e2e", 1.0)]
+    lines = _table(rows)
+    assert "skipped: no CUDA device" in lines[1]
+    assert "error D=64 N=1024 causal=True: forward: Unavailable: D=64" in lines[2]
+    assert "out of memory" in lines[3]
+    assert "3.00 GiB" in lines[4]
+    assert _ratios(lines[5]) == ["-", "-", "-", "-"]
+
+
+def test_baseline_rows_get_ratios_too():
+    """The FP8 row against the bf16 default: how much the FP8 path buys on the same case."""
+    rows = [_row("sdpa-default", "fwd", "e2e", 2.0), _row("cudnn-fp8", "fwd", "kernel", 0.5),
+            _row("cudnn-fp8", "fwd", "e2e", 1.0)]
+    lines = _table(rows)
+    assert _ratios(lines[1])[:2] == ["1.00", "0.50"]
+    assert _ratios(lines[2])[:2] == ["4.00", "1.00"]
+    assert _ratios(lines[3])[:2] == ["2.00", "1.00"]
+
+
+def test_flops_of_cudnn_fp8_rows_use_the_shared_convention():
+    B, H = bench._shape(128, 4096)
+    assert (B, H) == (4, 16)
+    f = bench.flops(B, H, 4096, 4096, 128, True, "fwdbwd")
+    assert f == 3.5 * 4 * B * H * 4096 * 4096 * 128 / 2
+
+
+def test_default_cases_cover_the_speed_target():
+    cases = bench.default_cases()
+    assert {(128, n) for n in (1024, 2048, 4096, 8192, 16384, 32768)} <= {(d, n) for d, n, _ in cases}
+    assert {(64, n) for n in (4096, 8192, 16384, 32768)} <= {(d, n) for d, n, _ in cases}
+    for d, n, _ in cases:
+        B, H = bench._shape(d, n)
+        assert B * n == max(16384, n) and H * d == 2048  # 16K tokens (one sequence from 16K on)
+    assert {n for _, n, _ in bench.default_cases(quick=True)} == {4096, 16384}
