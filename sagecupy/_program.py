@@ -7,8 +7,7 @@ arguments, the device and the ``SAGECUPY_*`` environment variables that choose k
 first call with a signature records a :class:`Program` (the arrays to allocate, by name and shape, and the launches
 with their constant arguments and the names of the arrays they take) and later calls with the same signature
 replay it: allocations and launches only. On the H200 the synchronized 4K INT8 forward spent more host time before
-and between its launches than its pre-pass kernels take on the device (``bench/host_costs.py``; bench/NOTES.md,
-fifteenth session).
+and between its launches than its pre-pass kernels take on the device (docs/experiments.md, E-HOST-PROGRAM).
 
 Every call, the first one included, runs the recorded program, so the tests exercise the replay path.
 
@@ -16,7 +15,7 @@ Launches are replayed through the driver (``cuLaunchKernel`` via ``cupy.cuda.dri
 launches recorded with ``pdl=True`` through ``cuLaunchKernelEx`` as programmatic dependents, see :func:`pdl_enabled`) with the
 kernel's parameter block packed when the launch is recorded: a replay writes only the per-call array pointers into
 it. CuPy's own kernel call converts every argument on every call (9.4-10.9 us for a launch with 25 arguments on
-the H200 machine's CPU against 6.5-7.0 us replayed this way, ``bench/host_costs.py``). ``SAGECUPY_LAUNCH=cupy``
+the H200 machine's CPU against 6.5-7.0 us replayed this way; docs/experiments.md, E-HOST-DRIVER). ``SAGECUPY_LAUNCH=cupy``
 (read when a program is recorded) keeps CuPy's call instead, for A/B timing.
 """
 from __future__ import annotations
