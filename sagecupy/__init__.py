@@ -1,8 +1,9 @@
 """sagecupy: trainable low-bit (INT8 / NVFP4) attention kernels for CuPy.
 
 The float64 reference lives in :mod:`sagecupy.reference`; the GPU families in
-:mod:`sagecupy.int8` (SageBwd), and the configuration objects in
-:mod:`sagecupy.config`.
+:mod:`sagecupy.int8` (SageBwd), :mod:`sagecupy.nvfp4` and :mod:`sagecupy.qat`;
+the configuration objects in :mod:`sagecupy.config`; the command line
+(``sagecupy`` or ``python -m sagecupy``) in :mod:`sagecupy.cli`.
 """
 # The one version string: setup.cfg reads it (``version = attr: sagecupy.__version__``) without importing
 # the package, so it stays a plain literal assignment.
