@@ -1,4 +1,4 @@
-// INT8 pre-processing for SageBwd (SPEC §2-4): K-smoothing mean, per-token / per-block row
+// INT8 pre-processing for SageBwd (docs/algorithms.md §2-4): K-smoothing mean, per-token / per-block row
 // quantization of Q and K, transposed (mma-permuted) quantization of V and dO (with delta = rowsum(dO*O)),
 // and int8 transposes of the saved Q/K codes for the backward.
 //
@@ -59,7 +59,7 @@ __device__ __forceinline__ float psi_rcp(float s) {
 
 // psi's codes of N values sharing the scale s (psi_valid) as low bytes of cw[]: psi_code_word's result, with one
 // branch per N values instead of one per value (the per-value tie branch was 3 of the row quantization's ~29
-// instructions per element, bench/NOTES.md fourteenth session). t = fma(x, 1/s, M) rounds the exact product
+// instructions per element, docs/experiments.md). t = fma(x, 1/s, M) rounds the exact product
 // x * inv_s to an integer k; the exact quotient and fl32(x / s) both lie within ~3e-5 of that product (inv_s's 2^-23
 // relative, psi_rcp, and the quotient's own rounding, 2^-24, at |x / s| <= 127), so where
 // |x * inv_s - k| <= 0.4999 (the FMA's residual, off by at most 2^-25), rint(fl32(x / s)) is k as well. Otherwise
@@ -90,14 +90,11 @@ __device__ __forceinline__ void psi_code_words(const float (&x)[N], float s, flo
 // stay normal (tests/gpu/test_int8.py::test_psi_exact_matches_division compares it with __fdiv_rn near ties and
 // over the whole range). psi_code_words' tie test flags about a third of Q's warp steps on bf16 data (a value at
 // max / 2 lands within 1e-5 of 63.5), and each flagged step re-checks all of its lanes' values: ~20% of the Q rows'
-// instructions (ncu, bench/NOTES.md twenty-second session). Bit 1 of SAGE_PSI_EXACT: Q's per-token rows; 2: K's
-// per-token rows (both in quant_rows_qk and quant_qkv; quant_rows, the per-block configs' pass, keeps the tie test);
-// 4: the transposed blocks (V, dO). Default 5: the forward pre-pass 153.5 -> 139.7 us at D = 128, 4K (with the
-// unpacking and division changes below; 148.9 without the exact path, 142.8 with Q's alone); K's rows (bit 2) trip
-// the tie test far less often (K - mu is not on the bf16 grid) and measured no better.
-#ifndef SAGE_PSI_EXACT
-#define SAGE_PSI_EXACT 5
-#endif
+// instructions (ncu, docs/experiments.md). Q's per-token rows (quant_rows_qk, quant_qkv) and the transposed blocks
+// (V, dO) take the exact path: the forward pre-pass 153.5 -> 139.7 us at D = 128, 4K (with the unpacking and division
+// changes below; 148.9 without the exact path, 142.8 with Q's alone). K's rows and quant_rows (the per-block configs'
+// pass) keep the tie test: K - mu is not on the bf16 grid, trips it far less often, and exact K rows measured no
+// better.
 __device__ __forceinline__ bool psi_exact_ok(float s) { return s >= 0x1p-79f && s <= 0x1p+99f; }
 
 __device__ __forceinline__ float psi_recip(float s) {
@@ -167,15 +164,12 @@ using namespace sage;
 // part[b, h, chunk, d] (sum, or NaN-propagating absmax when ABSMAX). Pass 2 reduces the chunks in order.
 // grid (ceil(n / CHUNK), H, B), block 256; rows 16-byte aligned.
 constexpr int STAT_CHUNK = 256;
-#ifndef SAGE_STAT_UNROLL
-#define SAGE_STAT_UNROLL 4
-#endif
-constexpr int kStatUnroll = SAGE_STAT_UNROLL;
+// Loads in flight per thread of column_partial_body (one was 70% of DRAM bandwidth at two CTAs per SM; 8 measured
+// the same as 4).
+constexpr int kStatUnroll = 4;
 // Minimum CTAs per SM of column_partial_kv: 4 (61 registers) measured the forward pre-pass 158.3 -> 153.5 us at
-// D = 128, 4K against 2 (84 registers; 3: 155.1), bench/NOTES.md twentieth session: the pass is latency-bound.
-#ifndef SAGE_STAT_MIN_CTAS
-#define SAGE_STAT_MIN_CTAS 4
-#endif
+// D = 128, 4K against 2 (84 registers; 3: 155.1), docs/experiments.md: the pass is latency-bound.
+constexpr int kStatMinCtas = 4;
 
 // Sums accumulate in double (the mean is then rounded once to fp32, as the reference does), maxima in float.
 template <bool ABSMAX> struct StatAcc { using type = double; };
@@ -204,7 +198,7 @@ __device__ __forceinline__ void column_partial_body(const T* __restrict__ x, lon
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0;
   const T* base = x + b * sb + h * sh + cl * 8;
-  // Unrolled: SAGE_STAT_UNROLL loads in flight per thread (one was 70% of DRAM bandwidth at two CTAs per SM).
+  // Unrolled: kStatUnroll loads in flight per thread.
 #pragma unroll kStatUnroll
   for (int t = t0 + row0; t < t1; t += R) {
     float f[8];
@@ -236,31 +230,27 @@ __global__ void __launch_bounds__(256, 1) column_partial(const T* __restrict__ x
                                     red);
 }
 
-// SAGE_PREPASS_L2_ORDER (1, default): column_partial_kv reads the batches last to first, each batch's V then K, so
-// that what it read last (batch 0's K and V) may still be in L2 (50 MB on the H200; 32 MB of K and V per batch at
-// B = 4, H = 16, N = 4K, D = 128) when the quantization pass that follows reads batch 0 first. The same bytes either
-// way (each CTA's work does not depend on the order). Inference pre-pass, back to back: 135.2 -> 132.0 us at 4K,
-// 139.0 -> 137.6 at 16K (bench/NOTES.md, twenty-fourth session; quant_qkv's heads reordered too, K and V before Q,
-// measured 133.9 and 136.8 with 12 bytes of spills, and was not kept).
-#ifndef SAGE_PREPASS_L2_ORDER
-#define SAGE_PREPASS_L2_ORDER 1
-#endif
+// column_partial_kv reads the batches last to first, each batch's V then K, so that what it read last (batch 0's K
+// and V) may still be in L2 (50 MB on the H200; 32 MB of K and V per batch at B = 4, H = 16, N = 4K, D = 128) when
+// the quantization pass that follows reads batch 0 first. The same bytes as in batch order (each CTA's work does not
+// depend on the order). Inference pre-pass, back to back: 135.2 -> 132.0 us at 4K, 139.0 -> 137.6 at 16K
+// (docs/experiments.md; quant_qkv's heads reordered too, K and V before Q, measured 133.9 and 136.8 with 12 bytes of
+// spills, and was not kept).
 
 // The forward's two statistics in one launch: K's channel sums and V's channel maxima, one batch each per z.
 // grid (ceil(n / CHUNK), H, 2 B), block 256.
 template <typename T, int D>
-__global__ void __launch_bounds__(256, SAGE_STAT_MIN_CTAS) column_partial_kv(const T* __restrict__ k, long long ksb, long long ksh,
+__global__ void __launch_bounds__(256, kStatMinCtas) column_partial_kv(const T* __restrict__ k, long long ksb, long long ksh,
                                                          long long ksn, const T* __restrict__ v, long long vsb,
                                                          long long vsh, long long vsn, int n,
                                                          double* __restrict__ part_k, float* __restrict__ part_v) {
   grid_dep_wait();
   grid_dep_launch_dependents();
   const int B = gridDim.z / 2, z = blockIdx.z;
-  // (is K, batch): z < B K of batch z, else V of batch z - B; with SAGE_PREPASS_L2_ORDER the last z is batch 0's K,
-  // the one before it batch 0's V
+  // (is K, batch): the last z is batch 0's K, the one before it batch 0's V
   const int zz = 2 * B - 1 - z;
-  const bool is_k = SAGE_PREPASS_L2_ORDER ? (zz % 2 == 0) : (z < B);
-  const int b = SAGE_PREPASS_L2_ORDER ? zz / 2 : (z < B ? z : z - B);
+  const bool is_k = zz % 2 == 0;
+  const int b = zz / 2;
   __shared__ StatRed<D> red;
   if (is_k)
     column_partial_body<T, D, false>(k, ksb, ksh, ksn, n, part_k, blockIdx.x, blockIdx.y, b, gridDim.y, gridDim.x,
@@ -313,18 +303,15 @@ __global__ void column_finish_kv(const double* __restrict__ part_k, const float*
 //
 // C (pieces per lane, quant_rows_cpl): the per-row work (the row max's shuffles, the scale's division and
 // reciprocal with their range checks, the stores' addresses and branches) is shared by D / LPR = 8 C elements per
-// lane. With C = 1 (16 lanes per row at D = 128) it was much of the ~28 instructions per element the fifteenth
-// session's profile counted. SAGE_QROWS_MAX_CPL caps C: 2 (the default) measured the forward pre-pass 179.8 ->
-// 168.7 us at D = 128, N = 4K (C = 4, with 84 registers: 186.7; bench/NOTES.md sixteenth session); 1 is the old
-// mapping.
-#ifndef SAGE_QROWS_MAX_CPL
-#define SAGE_QROWS_MAX_CPL 2
-#endif
+// lane. With C = 1 (16 lanes per row at D = 128) it was much of the ~28 instructions per element a profile counted.
+// QROWS_MAX_CPL caps C: 2 measured the forward pre-pass 179.8 -> 168.7 us at D = 128, N = 4K against 1 (C = 4, with
+// 84 registers: 186.7; docs/experiments.md).
+constexpr int QROWS_MAX_CPL = 2;
 template <int D, int RPW, bool GROUPED>
 __host__ __device__ constexpr int quant_rows_cpl() {
   // the largest C <= the cap with 32 / LPR = 256 C / D rows per warp step dividing RPW; grouped rows (one scale
   // per CTA: no per-row scale work to share) keep C = 1 (C = 4 took the 16-row-per-warp build to 168 registers)
-  int c = GROUPED ? 1 : (SAGE_QROWS_MAX_CPL < D / 8 ? SAGE_QROWS_MAX_CPL : D / 8);
+  int c = GROUPED ? 1 : (QROWS_MAX_CPL < D / 8 ? QROWS_MAX_CPL : D / 8);
   while (c > 1 && (256 * c / D > RPW || RPW % (256 * c / D) != 0)) c /= 2;
   return c;
 }
@@ -436,7 +423,7 @@ __device__ __forceinline__ void quant_rows_body(const T* __restrict__ x, long lo
     }
     const float stored = row < n ? s * scale_mult : 0.f;
     if (cl == 0 && scales) scales[bh * n_pad + row] = stored;
-    if (kv_img) {  // K^ for the wgmma forward's stage images (common/bwd_img.cuh FwdImg): the same bytes, swizzled
+    if (kv_img) {  // K^ for the wgmma forward's stage images (int8/bwd_img.cuh FwdImg): the same bytes, swizzled
       char* img = kv_img + (bh * (n_pad / 64) + row / 64) * static_cast<long long>(FwdImg<D>::STAGE);
 #pragma unroll
       for (int j = 0; j < C; ++j) {
@@ -464,13 +451,11 @@ quant_rows(const T* __restrict__ x, long long sb, long long sh, long long sn, in
 // launches): heads y < Hq are Q's (psi(q_mult * Q), scale * q_scale_mult, qmk = q_mult * q . mu_K of the
 // head's KV head), the others K's (psi(K - mu_K)). grid (max(nq_pad, nk_pad) / (8 RPW), Hq + Hkv, B).
 // 4 CTAs per SM (64 registers; ptxas then saves 2-3 registers on the stack around the rare __fdiv_rn slow path):
-// quant_rows_qk 83 -> 72 us at D = 128, 4K against 3 (77 registers); 5 spills 400 bytes (bench/NOTES.md, twentieth
-// session).
-#ifndef SAGE_QROWS_QK_MIN_CTAS
-#define SAGE_QROWS_QK_MIN_CTAS 4
-#endif
+// quant_rows_qk 83 -> 72 us at D = 128, 4K against 3 (77 registers); 5 spills 400 bytes (docs/experiments.md).
+// quant_qkv is built for the same.
+constexpr int kQrowsQkMinCtas = 4;
 template <typename T, int D, int RPW>
-__global__ void __launch_bounds__(256, SAGE_QROWS_QK_MIN_CTAS)
+__global__ void __launch_bounds__(256, kQrowsQkMinCtas)
 quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad, float q_mult,
               signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
               float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn, int nk,
@@ -479,14 +464,12 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
-                                                                 q_codes, q_scales, q_scale_mult, mu_k, Hq / Hkv,
-                                                                 q_mult, qmk, bx, y, blockIdx.z, Hq);
+    quant_rows_body<T, D, RPW, false, true>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes, q_scales,
+                                            q_scale_mult, mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
   } else {
     if (bx * rows >= nk_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f,
-                                                                 k_codes, k_scales, 1.f, nullptr, 1, 0.f, nullptr,
-                                                                 bx, y - Hq, blockIdx.z, Hkv, kv_img);
+    quant_rows_body<T, D, RPW, false, false>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes, k_scales, 1.f,
+                                             nullptr, 1, 0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
   }
 }
 
@@ -502,17 +485,13 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // grid (n_pad / 64, H, B), block 2 * D; rows 16-byte aligned.
 // DELTA (the backward's dO): also delta[b, h, token] = sum_d dO * O in fp32 (0 for tokens >= n) from O (strides
 // osb, osh, osn; rows 16-byte aligned), so that dO is read once for both (a separate rowdot pass read it again:
-// 45 us of the backward's 160 us of pre-passes at B = 4, H = 16, N = 4K, D = 128). Per token: this thread's 8
-// channels in order, the other half-warp's 8, then the warps' sums in warp order.
-// IMG = 1 (with DELTA; the wgmma backward): out is the query-side stage images (common/bwd_img.cuh) and the block's
+// 45 us of the backward's 160 us of pre-passes at B = 4, H = 16, N = 4K, D = 128). Per token: the 8 products of
+// each 16-byte chunk of the row in order, then the row's chunks by a shuffle tree.
+// IMG = 1 (with DELTA; the wgmma backward): out is the query-side stage images (int8/bwd_img.cuh) and the block's
 // dO^^T, its scales, delta (also into `delta`) and dO itself (the caller's values, K128-swizzled) go into its image.
 // IMG = 2 (the wgmma forward's V): out is the K/V stage images (FwdImg) and the V^^T codes go into their VT part.
-// SAGE_QTP_ROWLOAD (default 1): the block's rows are first staged in shared memory with row-contiguous loads (the
-// per-thread 4 tokens x 8 channels loads read 16 rows x 32 bytes per warp instruction: ~2 TB/s), and the delta of
-// each row is summed along the row. 0: the direct per-thread loads.
-#ifndef SAGE_QTP_ROWLOAD
-#define SAGE_QTP_ROWLOAD 1
-#endif
+// The block's rows are first staged in shared memory with row-contiguous loads: per-thread loads of 4 tokens x 8
+// channels read 16 rows x 32 bytes per warp instruction (~2 TB/s; docs/experiments.md).
 template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
 __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ x, long long sb, long long sh,
                                                           long long sn, int n, int n_pad,
@@ -525,94 +504,55 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   // the tokens {2t, 2t+1, 2t+8, 2t+9} + 16 hf of the block (hf = tg / 4, t = tg % 4): mma-permuted positions
   // 16 hf + 4t .. 16 hf + 4t + 3, so each of its 8 channels gives one 32-bit word of the output row.
   constexpr int WARPS = D / 16;
-  constexpr bool ROWLOAD = SAGE_QTP_ROWLOAD != 0;
   __shared__ __align__(16) unsigned words[D][16];  // output rows: 64 bytes per channel
   __shared__ float wmax[WARPS];
   const long long bh = static_cast<long long>(b) * H + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tg = lane % 16, c0 = warp * 16 + (lane / 16) * 8;
   const int hf = tg / 4, t = tg % 4;
   float v[4][8];
-  float ov[DELTA && !ROWLOAD ? 4 : 1][8];
   using Img = BwdImg<D>;
   constexpr int IMG_STAGE = IMG == 1 ? Img::Q_STAGE : FwdImg<D>::STAGE;
   char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
                   : nullptr;
-  if constexpr (ROWLOAD) {
-    // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
-    // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
-    // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
-    constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
-    __shared__ __align__(16) char stile[64 * RS];
+  // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
+  // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
+  // are padded by 16 bytes: the read-back (16 lanes, 16 rows, one column) then hits each bank at most twice.
+  constexpr int CPR = D / 8, RS = 2 * D + 16, PASSES = 64 * CPR / (2 * D);
+  __shared__ __align__(16) char stile[64 * RS];
 #pragma unroll
-    for (int j = 0; j < PASSES; ++j) {
-      const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
-      const bool ok = tok < n;
-      const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
-                         : make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
-      if constexpr (IMG == 1) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
-      if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
-        float f[8], g8[8];
-        const uint4 uo = ok ? *reinterpret_cast<const uint4*>(o + b * osb + h * osh + tok * osn + 8 * c)
-                            : make_uint4(0u, 0u, 0u, 0u);
-        const T* e = reinterpret_cast<const T*>(&u);
-        const T* eo = reinterpret_cast<const T*>(&uo);
+  for (int j = 0; j < PASSES; ++j) {
+    const int idx = threadIdx.x + j * 2 * D, r = idx / CPR, c = idx % CPR, tok = blk * 64 + r;
+    const bool ok = tok < n;
+    const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
+                       : make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
+    if constexpr (IMG == 1) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
+    if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
+      float f[8], g8[8];
+      const uint4 uo = ok ? *reinterpret_cast<const uint4*>(o + b * osb + h * osh + tok * osn + 8 * c)
+                          : make_uint4(0u, 0u, 0u, 0u);
+      const T* e = reinterpret_cast<const T*>(&u);
+      const T* eo = reinterpret_cast<const T*>(&uo);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          f[i] = to_float(e[i]);
-          g8[i] = to_float(eo[i]);
-        }
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d = fmaf(f[i], g8[i], d);
-#pragma unroll
-        for (int m = 1; m < CPR; m <<= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
-        if (c == 0) {
-          delta[bh * n_pad + blk * 64 + r] = d;  // 0 beyond n
-          if constexpr (IMG == 1) reinterpret_cast<float*>(img + Img::Q_DELTA)[r] = d;
-        }
+      for (int i = 0; i < 8; ++i) {
+        f[i] = to_float(e[i]);
+        g8[i] = to_float(eo[i]);
       }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      unpack8<T>(*reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0), v[k]);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 4 && !ROWLOAD; ++k) {
-    const int tok = blk * 64 + 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
-    if (tok < n) {
-      load8(x + b * sb + h * sh + tok * sn + c0, v[k]);
-      if constexpr (DELTA) load8(o + b * osb + h * osh + tok * osn + c0, ov[k]);
-    } else {
-#pragma unroll
-      for (int c = 0; c < 8; ++c) v[k][c] = 0.f;
-      if constexpr (DELTA) {
-#pragma unroll
-        for (int c = 0; c < 8; ++c) ov[k][c] = 0.f;
-      }
-    }
-  }
-  if constexpr (IMG == 1 && !ROWLOAD) {  // dO as the dK/dV stage's 16-bit operand: 16 bytes (8 channels) of 4 rows
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = 16 * hf + 2 * t + (k & 1) + 8 * (k >> 1);
-      const uint4 w = make_uint4(pack2<T>(v[k][0], v[k][1]), pack2<T>(v[k][2], v[k][3]), pack2<T>(v[k][4], v[k][5]),
-                                 pack2<T>(v[k][6], v[k][7]));
-      *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c0 / 8)) = w;
-    }
-  }
-  __shared__ float sdelta[DELTA ? WARPS : 1][64];
-  if constexpr (DELTA && !ROWLOAD) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
       float d = 0.f;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) d = fmaf(v[k][c], ov[k][c], d);
-      d += __shfl_xor_sync(0xffffffffu, d, 16);  // the other 8 channels of this warp's 16
-      if (lane < 16) sdelta[warp][16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)] = d;
+      for (int i = 0; i < 8; ++i) d = fmaf(f[i], g8[i], d);
+#pragma unroll
+      for (int m = 1; m < CPR; m <<= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
+      if (c == 0) {
+        delta[bh * n_pad + blk * 64 + r] = d;  // 0 beyond n
+        if constexpr (IMG == 1) reinterpret_cast<float*>(img + Img::Q_DELTA)[r] = d;
+      }
     }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    unpack8<T>(*reinterpret_cast<const uint4*>(stile + (16 * hf + 2 * t + (k & 1) + 8 * (k >> 1)) * RS + 2 * c0), v[k]);
   }
   float sc[8];
   if (MODE == 0) {
@@ -653,22 +593,12 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     if (psi_valid(sc[c])) {
       const float xc[4] = {v[0][c], v[1][c], v[2][c], v[3][c]};
       unsigned cw[4];
-      if (SAGE_PSI_EXACT & 4) psi_code_words_exact<4>(xc, sc[c], cw);
-      else psi_code_words<4>(xc, sc[c], psi_rcp(sc[c]), cw);
+      psi_code_words_exact<4>(xc, sc[c], cw);
       w = pack4_low_bytes(cw[0], cw[1], cw[2], cw[3]);
     }
     words[c0 + c][tg] = w;
   }
   __syncthreads();
-  if constexpr (DELTA && !ROWLOAD) {
-    if (threadIdx.x < 64) {
-      float d = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) d += sdelta[w][threadIdx.x];
-      delta[bh * n_pad + blk * 64 + threadIdx.x] = d;  // 0 beyond n: the values there were zeros
-      if constexpr (IMG == 1) reinterpret_cast<float*>(img + Img::Q_DELTA)[threadIdx.x] = d;
-    }
-  }
   // D rows x 4 chunks of 16 bytes; 8 consecutive lanes read two whole rows (conflict-free).
 #pragma unroll
   for (int i = threadIdx.x; i < D * 4; i += 2 * D) {
@@ -695,13 +625,10 @@ quant_transpose_perm(const T* __restrict__ x, long long sb, long long sh, long l
 
 // The wgmma forward's V pass (block_kv = 64): quant_transpose_perm's V^^T codes (MODE 0 or 2; scales of MODE 2 into
 // scale_out as there) written into the K/V stage images kv_img (B, H, n_pad / 64, FwdImg<D>::STAGE bytes).
-// grid (n_pad / 64, H, B), block 2 * D.
-// (A tuning knob: at D = 128 the kernel already fits 4 CTAs per SM in 64 registers; 5 spills.)
-#ifndef SAGE_FWD_V_MIN_CTAS
-#define SAGE_FWD_V_MIN_CTAS 1
-#endif
+// grid (n_pad / 64, H, B), block 2 * D. (At D = 128 the kernel fits 4 CTAs per SM in 64 registers as it is; asking
+// for 5 spills.)
 template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(2 * D, SAGE_FWD_V_MIN_CTAS)
+__global__ void __launch_bounds__(2 * D, 1)
 fwd_v_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
             const float* __restrict__ scale_in, float* __restrict__ scale_out, char* __restrict__ kv_img) {
   quant_transpose_perm_body<T, D, MODE, false, 2>(x, sb, sh, sn, n, n_pad, scale_in, scale_out,
@@ -799,7 +726,7 @@ __device__ __forceinline__ void transpose_i8_body(const signed char* __restrict_
   });
 }
 
-// The wgmma backward's stage images from the forward's residuals (common/bwd_img.cuh): heads y < Hq fill the
+// The wgmma backward's stage images from the forward's residuals (int8/bwd_img.cuh): heads y < Hq fill the
 // query side of q_img (Q^, Q^^T, q scales, lse2; bwd_do_image adds dO's parts), the others k_img (K^, K^^T, V
 // with zero rows beyond nk, key scales). Codes as in transpose_i8_body; the untransposed tile is stored swizzled
 // from the same loads. grid (max(nq_pad, nk_pad) / 64, Hq + Hkv, B), block 256; V's rows 16-byte aligned.
@@ -862,10 +789,12 @@ __global__ void transpose_i8_qk(const signed char* __restrict__ qc, int nq_pad, 
 
 // quant_rows_qk and fwd_v_image in one launch where both take 256 threads (D = 128, 64-row CTAs): heads y < Hq
 // are Q's rows, then Hkv of K's rows, then Hkv of V's 64-token blocks (fwd_v_image's MODE 0 or 2 work into
-// kv_img). The same bodies, so the same bytes; one launch and one kernel boundary fewer (the forward pre-pass measured the same at 4K and 2%
-// faster at 16K: the host's launch is what it saves; bench/NOTES.md, twenty-first session). grid (max(nq_pad, nk_pad) / 64, Hq + 2 Hkv, B), block 256.
+// kv_img). The same bodies, so the same bytes; one launch and one kernel boundary fewer (the forward pre-pass measured
+// the same at 4K and 2% faster at 16K: the host's launch is what it saves; docs/experiments.md). The host launches it
+// wherever it applies (wgmma engine, D = 128, per-token Q and K). grid (max(nq_pad, nk_pad) / 64, Hq + 2 Hkv, B),
+// block 256.
 template <typename T, int D, int RPW, int MODE>
-__global__ void __launch_bounds__(256, SAGE_QROWS_QK_MIN_CTAS)
+__global__ void __launch_bounds__(256, kQrowsQkMinCtas)
 quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, int nq, int nq_pad, float q_mult,
           signed char* __restrict__ q_codes, float* __restrict__ q_scales, float q_scale_mult,
           float* __restrict__ qmk, const T* __restrict__ k, long long ksb, long long ksh, long long ksn, int nk,
@@ -879,14 +808,12 @@ quant_qkv(const T* __restrict__ q, long long qsb, long long qsh, long long qsn, 
   const int y = blockIdx.y, bx = blockIdx.x, rows = 8 * RPW;
   if (y < Hq) {
     if (bx * rows >= nq_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 1) != 0>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult,
-                                                                 q_codes, q_scales, q_scale_mult, mu_k, Hq / Hkv,
-                                                                 q_mult, qmk, bx, y, blockIdx.z, Hq);
+    quant_rows_body<T, D, RPW, false, true>(q, qsb, qsh, qsn, nq, nq_pad, nullptr, 1, q_mult, q_codes, q_scales,
+                                            q_scale_mult, mu_k, Hq / Hkv, q_mult, qmk, bx, y, blockIdx.z, Hq);
   } else if (y < Hq + Hkv) {
     if (bx * rows >= nk_pad) return;
-    quant_rows_body<T, D, RPW, false, (SAGE_PSI_EXACT & 2) != 0>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f,
-                                                                 k_codes, k_scales, 1.f, nullptr, 1, 0.f, nullptr,
-                                                                 bx, y - Hq, blockIdx.z, Hkv, kv_img);
+    quant_rows_body<T, D, RPW, false, false>(k, ksb, ksh, ksn, nk, nk_pad, mu_k, 1, 1.f, k_codes, k_scales, 1.f,
+                                             nullptr, 1, 0.f, nullptr, bx, y - Hq, blockIdx.z, Hkv, kv_img);
   } else {
     if (bx * 64 >= nk_pad) return;
     quant_transpose_perm_body<T, D, MODE, false, 2>(v, vsb, vsh, vsn, nk, nk_pad, v_scale_in, v_scale_out,
