@@ -10,7 +10,7 @@ namespace sage {
 // first across its G heads (block n-1 of the G heads, then block n-2, ...), so the grid ends on light blocks of many
 // heads instead of on all the blocks of one head, heavy ones included, and the CTAs that run together read the K/V of
 // up to G heads. A bijection of the grid: every CTA computes the same rows, so results do not change. The INT8 wgmma
-// forward uses G = 16 (SAGE_FWD_CAUSAL_GROUP in int8_fwd.cuh; bench/NOTES.md, fifteenth session); G = 1 everywhere else.
+// forward uses G = 16 (FWD_CAUSAL_GROUP in int8/fwd.cuh; docs/experiments.md); G = 1 everywhere else.
 struct QueryBlock {
   int q0, h, b;
   long long bh, bhk;  // (b, h) and (b, kv head of h) flattened

@@ -16,11 +16,9 @@ namespace sage {
 // ---- Pieces shared by the two engines (the same float operations in the same order, so the engines
 // agree bit for bit) ----
 
-// SAGE_FWD_RESCALE_SLACK (base-2 logit units; 0: the running max follows every tile max): how far a tile's max may
-// exceed the running max before the softmax frame moves (fwd_softmax_tile).
-#ifndef SAGE_FWD_RESCALE_SLACK
-#define SAGE_FWD_RESCALE_SLACK 8
-#endif
+// How far (base-2 logit units) a tile's max may exceed the running max before the softmax frame moves
+// (fwd_softmax_tile); against 0 (the running max follows every tile max) see docs/experiments.md.
+constexpr float FWD_RESCALE_SLACK = 8.f;
 
 // Where key tile t of V^^T starts and the distance between its D channel rows (the mma.sync engine; the wgmma engine
 // reads the pre-pass's K/V stage images instead). With 64-key tiles V^^T is stored
@@ -62,8 +60,8 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   // This thread's key scales: columns 8 nt + 2 t4, 8 nt + 2 t4 + 1 of the tile, one 8-byte shared load each at an
   // immediate offset from one address (in the build CuPy runs, ks_tile[kt] took two address instructions per
   // load). The loads are plain asm (the compiler schedules them: volatile ones measured the forward kernel 10%
-  // slower) on an address that after_barriers keeps behind the stage's barriers. Kernel 1.01-1.02x (bench/NOTES.md,
-  // eighteenth session).
+  // slower) on an address that after_barriers keeps behind the stage's barriers. Kernel 1.01-1.02x
+  // (docs/experiments.md).
   const unsigned ks_addr = after_barriers(smem_u32(ks_tile) + 8 * t4);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -93,15 +91,11 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = quad_max(mx[r]) * rs.sq[r];  // s_Q > 0, so the max commutes with the row scale
-#if SAGE_FWD_RESCALE_SLACK > 0
     // Lazy frame: the running max m moves only when a tile's max exceeds it by more than the slack, so
     // P~ = exp2(S - m) <= 2^SLACK and O's rescale (an FMUL per O element) is skipped on almost every tile.
     // P^ does not depend on m (its factor carries exp2(m - tile max)), and O / l and LSE = m + log2 l are
     // the same numbers up to fp32 rounding.
-    const float m_new = mx[r] > rs.m[r] + static_cast<float>(SAGE_FWD_RESCALE_SLACK) ? mx[r] : rs.m[r];
-#else
-    const float m_new = fmaxf(rs.m[r], mx[r]);
-#endif
+    const float m_new = mx[r] > rs.m[r] + FWD_RESCALE_SLACK ? mx[r] : rs.m[r];
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact
     // >= -SLACK; clamped above: such a tile contributes < 2^-64
@@ -337,33 +331,25 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // mma.sync kernel's order, so the two engines agree bit for bit.
 // K/V: a ring of NST tiles, each copied from the pre-pass's per-64-key stage images by thread 0 with bulk copies (tile
 // t+NST-1 loads while t+1 is read by Q.K^T(t+1) and t by P.V(t)).
-// PV_HALVES (D = 128, BKV = 64; SAGE_FWD_PV_HALVES=0 turns it off): P.V(t) as two m64n64 products into one
+// PV_HALVES (D = 128, BKV = 64): P.V(t) as two m64n64 products into one
 // 32-register accumulator: the first half is folded into O while Q.K^T(t+1) runs, then the second is issued,
 // waited for (with Q.K^T(t+1)) and folded. With 64 fewer live registers the 4-warp kernel is built for three
-// CTAs per SM (168 registers, __launch_bounds__) instead of two (254): 1.00-1.07x on the H200 (bench/NOTES.md,
-// tenth session). The float operations per element are the same: bitwise the same O. At D = 64 (BKV = 64) the
-// 4-warp kernel is built for four CTAs per SM (128 registers instead of 185, 12 bytes of spills): 1.14-1.22x.
-// SAGE_FWD_MIN_CTAS (experiment) overrides that budget for D = 64.
-#ifndef SAGE_FWD_PV_HALVES
-#define SAGE_FWD_PV_HALVES 1
-#endif
-#ifndef SAGE_FWD_MIN_CTAS
-#define SAGE_FWD_MIN_CTAS 4
-#endif
+// CTAs per SM (168 registers, __launch_bounds__) instead of two (254): 1.00-1.07x on the H200 (docs/experiments.md).
+// The float operations per element are the same: bitwise the same O. At D = 64 (BKV = 64) the 4-warp kernel is
+// built for four CTAs per SM (128 registers instead of 185, 12 bytes of spills): 1.14-1.22x (three: 1.10-1.13x).
+//
 // Causal grids dispatched heaviest first across groups of this many (batch, head) pairs (common/rows.cuh
 // query_block): forward kernel 1.05x (4K) and 1.07x (16K) causal at D = 128 with 16, 1.07x / 1.07x with 64, against
-// one head at a time (`python bench/fwd_variants.py`, fifteenth session; O bitwise the same). 16 keeps the K/V of
-// fewer heads in flight for large batch x heads.
-#ifndef SAGE_FWD_CAUSAL_GROUP
-#define SAGE_FWD_CAUSAL_GROUP 16
-#endif
+// one head at a time (docs/experiments.md; O bitwise the same). 16 keeps the K/V of fewer heads in flight for large
+// batch x heads.
+constexpr int FWD_CAUSAL_GROUP = 16;
 template <int D, int BKV>
 struct FwdSm90 {
-  static constexpr bool PV_HALVES = SAGE_FWD_PV_HALVES && D == 128 && BKV == 64;
+  static constexpr bool PV_HALVES = D == 128 && BKV == 64;
   // K/V ring stages: two 4-warp CTAs per SM fit in shared memory (three with PV_HALVES: 75,776 bytes each)
   static constexpr int NST = (D == 128 && BKV == 128) ? 3 : 4;
   // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
-  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64) ? SAGE_FWD_MIN_CTAS : 1);
+  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64) ? 4 : 1);
 };
 template <typename T, int D, int WARPS, int BKV>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
@@ -376,7 +362,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               const char* __restrict__ kv_img) {
   static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
   static_assert(D == 64 || D == 128, "wgmma N = D");
-  // Each stage is its tile's K/V images (common/bwd_img.cuh FwdImg: K^, V^^T, key scales of 64 keys; NI = BKV / 64
+  // Each stage is its tile's K/V images (int8/bwd_img.cuh FwdImg: K^, V^^T, key scales of 64 keys; NI = BKV / 64
   // of them), three bulk copies per image by thread 0, completing on full[stage]; kc, vt and ks are not read.
   // In a stage, the NI images' K^ rows follow each other (one BKV-row swizzled tile, as Q.K^T reads it), and so do
   // their key scales; image i's V^^T (D rows of 64 keys, 64-byte swizzled rows) is P.V's k-steps 2 i, 2 i + 1.
@@ -395,7 +381,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV
   float* sKs = reinterpret_cast<float*>(sV + NST * D * BKV);  // NST stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<SAGE_FWD_CAUSAL_GROUP>(FWD_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<FWD_CAUSAL_GROUP>(FWD_BQ, CAUSAL, Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;

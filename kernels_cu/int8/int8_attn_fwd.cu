@@ -1,4 +1,4 @@
-// SageBwd forward (SPEC §3): INT8 Q.K^T and P.V on mma.sync m16n8k32 with int32 accumulation,
+// SageBwd forward (docs/algorithms.md §3): INT8 Q.K^T and P.V on mma.sync m16n8k32 with int32 accumulation,
 // FlashAttention-2 structure (one CTA = 64 or 128 query rows, 4 or 8 warps x 16 rows; KV tiles of BKV = 64
 // or 128 keys (SageBwdConfig.block_kv), cp.async double-buffered), online softmax in base 2, P quantized per
 // token per KV tile:
@@ -8,7 +8,7 @@
 //   qc (BHq, nq_pad, D) int8 of psi(sm_scale * Q), qs per row (times log2(e): the kernels use exp2);
 //   kc (BHkv, nk_pad, D) int8 of psi(K - mu_K), ks per row;
 //   vt int8 of psi(V), tokens mma-permuted in 32-groups (numeric.cuh: mma_perm32): (BHkv, nk_pad / 64, D, 64)
-//      (tile-major) for BKV = 64, (BHkv, D, nk_pad) for BKV = 128 (common/int8_fwd.cuh FwdVt);
+//      (tile-major) for BKV = 64, (BHkv, D, nk_pad) for BKV = 128 (int8/fwd.cuh FwdVt);
 //   vs: per channel (BHkv, D) or, V_BLOCK, per 64-token block (BHkv, nk_pad / 64, D) (repeated over D).
 // Outputs: O in T with caller strides; lse (BHq, nq) natural log of the unsmoothed logits
 // (adds qmk = sm_scale * q . mu_K); lse2 (BHq, nq_pad) base-2 LSE of the logits the kernel computed
@@ -17,18 +17,13 @@
 
 using namespace sage;
 
-// SAGE_FWD_MIN_BLOCKS (a tuning knob, -D through SAGECUPY_DEFINES): CTAs per SM the register allocation
-// must allow. Unset, only the thread count bounds it (bench/NOTES.md: "(256, 1)" measured slower at D = 64).
-#ifdef SAGE_FWD_MIN_BLOCKS
-#define SAGE_FWD_BOUNDS __launch_bounds__(32 * WARPS, SAGE_FWD_MIN_BLOCKS)
-#else
-#define SAGE_FWD_BOUNDS __launch_bounds__(32 * WARPS)
-#endif
+// Only the thread count bounds the registers: a minimum of 2 CTAs per SM measured 4-11% slower at D = 128 (388 bytes
+// of spills) and no faster at D = 64 (docs/experiments.md).
 // Dynamic shared memory: (16 * WARPS + 2 * stages * BKV) * D + 4 * stages * BKV (key scales) bytes
 // + 1024 (alignment); 2 stages here.
 
 template <typename T, int D, int WARPS, int BKV>
-__global__ void SAGE_FWD_BOUNDS
+__global__ void __launch_bounds__(32 * WARPS)
 int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,

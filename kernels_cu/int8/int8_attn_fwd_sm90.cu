@@ -1,7 +1,7 @@
 // SageBwd forward on Hopper tensor cores (sm_90a only): the same algorithm and operands as
 // int8_attn_fwd.cu, with Q.K^T and P.V on wgmma (one m64nNk32 per warpgroup of 4 warps; Q, K and V^T
 // read from the swizzled shared tiles through descriptors, P from registers), software-pipelined
-// (common/int8_fwd.cuh). Each stage is copied by one thread with bulk copies from the pre-pass's K/V stage images
+// (int8/fwd.cuh). Each stage is copied by one thread with bulk copies from the pre-pass's K/V stage images
 // (kv_img: one per 64 keys; kc, vt and ks are not read). Compile with --gpu-architecture=sm_90a.
 #include "int8/fwd.cuh"
 
