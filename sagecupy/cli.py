@@ -570,9 +570,13 @@ def intermediates(**opts):
 
 @main.command("bench")
 @click.option("--quick", is_flag=True, help="N in {4K, 16K} only (default: 1K ... 32K)")
-@click.option("--configs", default="default", show_default=True, help="comma-separated: default,paper")
-@click.option("--baselines", default="flash,cudnn", show_default=True,
-              help="PyTorch SDPA backends timed beside ('' for none; needs torch)")
+@click.option("--configs", default="default", show_default=True,
+              help=f"comma-separated INT8 configs: {', '.join(analysis.FAMILY_CONFIGS['int8'])}")
+@click.option("--baselines", default=None,
+              help="comma-separated attention baselines timed beside ('' for none; each needs PyTorch, cudnn-fp8 the "
+                   "cuDNN frontend; one that cannot run is skipped with a line saying why): sdpa (PyTorch's default "
+                   "SDPA), flash, cudnn (SDPA with that backend forced), cudnn-fp8 (cuDNN's FP8 attention) "
+                   "[default: sdpa,cudnn-fp8,flash]")
 @click.option("--memory/--no-memory", default=False, help="also peak memory of fwd+bwd at N=32K, D=128")
 @click.option("--rep", type=click.IntRange(1), default=10, show_default=True, help="timed runs (median)")
 @click.option("--out", "out", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -589,21 +593,21 @@ def bench_cmd(quick, configs, baselines, memory, rep, out, families):
     from . import bench
     from ._env import environment
 
+    cfgs = tuple(c for c in configs.split(",") if c)
+    for c in cfgs:
+        if c not in analysis.FAMILY_CONFIGS["int8"]:
+            raise click.UsageError(f"--configs: {c!r} is not one of {', '.join(analysis.FAMILY_CONFIGS['int8'])}")
+    fams = tuple(f for f in families.split(",") if f)
+    for f in fams:
+        if f not in analysis.FAMILIES:
+            raise click.UsageError(f"--families: {f!r} is not one of {', '.join(analysis.FAMILIES)}")
+    try:
+        bases = bench.DEFAULT_BASELINES if baselines is None else bench.parse_baselines(baselines)
+    except ValueError as exc:
+        raise click.UsageError(_one_line(str(exc))) from None
     ok, why = gpu_status()
     if not ok:
         raise click.ClickException(f"bench needs a CUDA device: {why}")
-    cfgs = tuple(c for c in configs.split(",") if c)
-    for c in cfgs:
-        if c not in ("default", "paper"):
-            raise click.UsageError(f"--configs: {c!r} is not one of default, paper")
-    fams = tuple(f for f in families.split(",") if f)
-    for f in fams:
-        if f not in ("int8", "nvfp4", "qat"):
-            raise click.UsageError(f"--families: {f!r} is not one of int8, nvfp4, qat")
-    bases = tuple(b for b in baselines.split(",") if b)
-    for b in bases:
-        if b not in ("flash", "cudnn"):
-            raise click.UsageError(f"--baselines: {b!r} is not one of flash, cudnn")
     fh = open(out, "w") if out else None
     try:
         if fh:

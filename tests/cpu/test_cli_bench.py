@@ -85,3 +85,17 @@ def test_time_ms_b2b_divides_each_round_by_its_calls():
     ms = bench.time_ms_b2b(lambda: calls.append(1), warmup=2, calls=7, rounds=3, event=FakeEvent, sync=lambda: None)
     assert ms == 1.0
     assert len(calls) >= 2 + 7 * 3
+
+
+def test_bench_baselines_option_matches_bench(monkeypatch):
+    """`--baselines` takes bench.BASELINES, its help states bench.DEFAULT_BASELINES, and a bad name is a usage
+    error before any GPU check."""
+    monkeypatch.setattr("sagecupy.cli.gpu_status", lambda: (False, "no CUDA device"))
+    text = " ".join(CliRunner().invoke(main, ["bench", "--help"]).stdout.split())
+    for name in bench.BASELINES:
+        assert name in text
+    assert f"[default: {','.join(bench.DEFAULT_BASELINES)}]" in text.replace("- ", "-")
+    r = CliRunner().invoke(main, ["bench", "--baselines", "sdpa,nope"])
+    assert r.exit_code == 2 and "'nope' is not one of" in r.stderr and "needs a CUDA device" not in r.output
+    r = CliRunner().invoke(main, ["bench", "--configs", "bkv64", "--baselines", "cudnn-fp8"])
+    assert r.exit_code == 1 and "needs a CUDA device" in r.stderr  # valid arguments: only the GPU is missing
