@@ -38,24 +38,18 @@ __device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const flo
 // Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over
 // the whole 64 x 64 tile (the CTA), times 1 / (the code range). Returns the scales and the inverses the codes
 // are rounded with (0 for a max of 0, NaN or Inf: see below).
-// SAGE_BWD_FAST_SCALE (default 1): s = max * (1 / range) and inv = range * rcp.approx(max), both within two
-// ulps of max / range and range / max, with no IEEE division on the loop's critical path (each division
-// compiled to a checked fast path with a branch: 14% of the dK/dV kernel's stall samples in the thirteenth
-// session's profile of the previous kernels). The largest element still maps to `range`: max * inv <= range
-// (1 + 2^-21) rounds to range. Limits (CuPy compiles with -ftz=true, so max is never denormal):
+// s = max * (1 / range) and inv = range * rcp.approx(max), both within two ulps of max / range and range / max, with
+// no IEEE division on the loop's critical path (each division compiled to a checked fast path with a branch: 14% of
+// the dK/dV kernel's stall samples in a profile; docs/experiments.md). The largest element still maps to `range`:
+// max * inv <= range (1 + 2^-21) rounds to range. Limits (CuPy compiles with -ftz=true, so max is never denormal):
 // - max < range * 2^-126: range * rcp(max) would overflow to inf (and 0 * inf = NaN bits as a code), so inv is
-//   capped at 2^126; the codes are then below `range`, and s = max / range flushes to 0 as the IEEE build's
-//   did, so the group contributes 0 either way.
+//   capped at 2^126; the codes are then below `range`, and s = max / range flushes to 0 as the IEEE quotient
+//   does, so the group contributes 0 either way.
 // - max > 2^126 (~8.5e37; only Y = s_Q dS or X = dS s_K near fp32 overflow, never P <= 1): rcp.approx.ftz(max)
-//   would flush to 0 (all-zero codes; the thirteenth session's kernels did that). The reciprocal is taken of
-//   max / 16 and range / 16 multiplies it, which keeps it normal up to FLT_MAX and leaves every other product as
-//   it was (fourteenth session).
-// 0: the IEEE quotient and reciprocal (the twelfth session's kernels). The codes differ from the 0 build's only
-// where max / range or x * inv lands within an ulp of a rounding boundary; both engines share this function, so
-// they still agree bit for bit.
-#ifndef SAGE_BWD_FAST_SCALE
-#define SAGE_BWD_FAST_SCALE 1
-#endif
+//   would flush to 0 (all-zero codes). The reciprocal is taken of max / 16 and range / 16 multiplies it, which keeps
+//   it normal up to FLT_MAX and leaves every other product as it was.
+// The codes differ from those of the IEEE quotient and reciprocal only where max / range or x * inv lands within an
+// ulp of a rounding boundary; both engines share this function, so they agree bit for bit.
 __device__ __forceinline__ void bwd_group_scale(float (&s)[2], float (&inv)[2], const float (&mx)[2], bool per_row,
                                                 float range, float inv_range, float* scratch, int warp, int lane) {
   float m[2];
@@ -67,15 +61,10 @@ __device__ __forceinline__ void bwd_group_scale(float (&s)[2], float (&inv)[2], 
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-#if SAGE_BWD_FAST_SCALE
     s[r] = m[r] * inv_range;
     // (range / 16) * rcp(max / 16): the same product as range * rcp(max) (both factors scaled by exact powers of
     // two) for max >= 2^-122, and a normal rcp up to fp32's largest max (rcp(max) alone flushes to 0 above 2^126).
     inv[r] = m[r] > 0.f ? fminf((range * 0x1p-4f) * fast_rcp(m[r] * 0x1p-4f), 0x1p126f) : 0.f;  // NaN, 0 -> 0
-#else
-    s[r] = m[r] / range;
-    inv[r] = s[r] > 0.f ? 1.f / s[r] : 0.f;
-#endif
   }
 }
 

@@ -1,8 +1,9 @@
-// Stage images of the wgmma kernels (int8_attn_bwd_sm90.cu, and the forward's K/V: int8_fwd.cuh): each 64-token tile's operands laid out in global
-// memory exactly as one stage of the kernel's shared memory (swizzled tiles, then the tile's fp32 vectors), so that
-// one thread copies a stage with one bulk copy (cp.async.bulk + mbarrier) instead of every thread issuing ~20
-// cp.async with their addressing: that code was ~15% of both kernels' instructions (bench/NOTES.md, fourteenth
-// session). The pre-passes (int8_quant.cu: bwd_qk_images, bwd_do_image) write them.
+// Stage images of the wgmma kernels (int8_attn_bwd_sm90.cu, and the forward's K/V: int8/fwd.cuh): each 64-token
+// tile's operands laid out in global memory exactly as one stage of the kernel's shared memory (swizzled tiles, then
+// the tile's fp32 vectors), so that one thread copies a stage with one bulk copy (cp.async.bulk + mbarrier) instead
+// of every thread issuing ~20 cp.async with their addressing: that code was ~15% of both kernels' instructions
+// (docs/experiments.md). The pre-passes (int8_quant.cu: bwd_qk_images, bwd_do_image, fwd_v_image, quant_qkv, and
+// quant_rows_body's K rows) write them.
 #pragma once
 #include "common/tile.cuh"
 

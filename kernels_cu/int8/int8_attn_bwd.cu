@@ -1,4 +1,4 @@
-// SageBwd backward (SPEC §4), two kernels that share no state, so neither needs atomics and all three
+// SageBwd backward (docs/algorithms.md §4), two kernels that share no state, so neither needs atomics and all three
 // gradients are bitwise repeatable:
 //
 // int8_attn_bwd (dK, dV): one CTA = one KV block of 64 keys, 4 warps x 16 keys; it loops over the query
@@ -20,7 +20,7 @@
 // The recomputation costs two of the five products again (S in INT8, dP in fp16/bf16); in exchange the
 // dK/dV kernel carries no dQ state (registers, shared memory, barriers, atomics).
 // Kernel units: qs carries sm_scale * log2(e), so dK is multiplied by ln 2 at the end. The dQ kernel
-// shares the forward's Q.K^T (common/int8_fwd.cuh) and its choice of KV tiles (common/rows.cuh).
+// shares the forward's Q.K^T (int8/fwd.cuh) and its choice of KV tiles (common/rows.cuh).
 #include "int8/bwd.cuh"
 #include "int8/fwd.cuh"
 #include "common/tile.cuh"
@@ -168,35 +168,26 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
           }
         }
       }
-      // dP^T = V dO^T (fp16/bf16, fp32 accumulation), then dS^T = P^T o (dP^T - delta) in place.
-#ifndef SAGE_BWD_DP_GROUP
-#define SAGE_BWD_DP_GROUP 1  // 16-query groups per pass over V's fragments (experiment: 2 halves the V ldmatrix)
-#endif
-      constexpr int G = SAGE_BWD_DP_GROUP;
+      // dP^T = V dO^T (fp16/bf16, fp32 accumulation), 16 queries per pass over V's fragments, then
+      // dS^T = P^T o (dP^T - delta) in place. (Four 16-query groups per pass, a quarter of the V ldmatrix and fewer
+      // spills, measured 1.02x on the backward kernel: noise level; docs/experiments.md.)
 #pragma unroll
-      for (int np0 = 0; np0 < 4; np0 += G) {
-        float acc[G][2][4];
+      for (int np = 0; np < 4; ++np) {
+        float acc[2][4];
 #pragma unroll
-        for (int g2 = 0; g2 < G; ++g2)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) acc[g2][j][0] = acc[g2][j][1] = acc[g2][j][2] = acc[g2][j][3] = 0.f;
+        for (int j = 0; j < 2; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
         for (int kstep = 0; kstep < D / 16; ++kstep) {
           unsigned a[4];
           ldsm_x4<2 * D, true>(a, sV, warp * 16, 2 * kstep, lane);
-#pragma unroll
-          for (int g2 = 0; g2 < G; ++g2) {
-            unsigned bo[4];
-            ldsm_x4<2 * D, false>(bo, sdO, (np0 + g2) * 16, 2 * kstep, lane);
-            const unsigned b0[2] = {bo[0], bo[1]}, b1[2] = {bo[2], bo[3]};
-            mma_f16<T>(acc[g2][0], a, b0);
-            mma_f16<T>(acc[g2][1], a, b1);
-          }
+          unsigned bo[4];
+          ldsm_x4<2 * D, false>(bo, sdO, np * 16, 2 * kstep, lane);
+          const unsigned b0[2] = {bo[0], bo[1]}, b1[2] = {bo[2], bo[3]};
+          mma_f16<T>(acc[0], a, b0);
+          mma_f16<T>(acc[1], a, b1);
         }
 #pragma unroll
-        for (int g2 = 0; g2 < G; ++g2)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) bwd_ds_ntile(p[2 * (np0 + g2) + j], acc[g2][j], sDel, 2 * (np0 + g2) + j, t4);
+        for (int j = 0; j < 2; ++j) bwd_ds_ntile(p[2 * np + j], acc[j], sDel, 2 * np + j, t4);
       }
       // dK path: Y = diag(s_Q) dS, quantized per key (row here) or per tile.
       {

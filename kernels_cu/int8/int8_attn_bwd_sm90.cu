@@ -9,12 +9,12 @@
 //     dK  += Y^^T Q^          m64n64k32 s8.s8      (Y^ registers, Q^^T shared), D / 64 products
 //   dQ kernel, per 64-key tile:
 //     S = Q^ K^^T, dP = dO V^T as above;  dQ += X^ K^   m64nDk32 s8.s8 (X^ registers, K^^T shared)
-// The element-wise steps are common/int8_bwd.cuh's, shared with the mma.sync kernels: the int32 products
+// The element-wise steps are int8/bwd.cuh's, shared with the mma.sync kernels: the int32 products
 // are exact either way, so the two engines differ only through the fp32 accumulation order of dP inside
 // the tensor cores. Every wait is unconditional and no accumulator is touched while its product is in
 // flight (ptxas would serialize all wgmma otherwise: warning C7514, which CI treats as an error).
 // Operand tiles are double-buffered: each stage is a pre-built image of the tile's operands in global memory
-// (common/bwd_img.cuh), copied by one thread with one cp.async.bulk whose completion the others wait for on an
+// (int8/bwd_img.cuh), copied by one thread with one cp.async.bulk whose completion the others wait for on an
 // mbarrier; the next iteration's arrives during this one.
 #include "int8/bwd_img.cuh"
 #include "int8/bwd.cuh"
@@ -63,32 +63,19 @@ struct BwdSm90 {
 };
 
 // CTAs per SM the D = 64 kernels' registers are budgeted for (__launch_bounds__): three, 168 registers (dK/dV
-// 203 -> 168 with 64 bytes of spills, dQ 181 -> 168 with 16, in the tenth session; with the fourteenth session's
-// stage images dK/dV spills 140 bytes and dQ fits 158 registers), instead of two: both kernels together 1.13-1.20x
-// on the H200 (bench/bwd_variants.py, bench/NOTES.md tenth session; bitwise the same gradients). D = 128 is
-// held to two CTAs by its shared memory anyway. SAGE_BWD_KV_MIN_CTAS / SAGE_BWD_DQ_MIN_CTAS override.
-#ifndef SAGE_BWD_KV_MIN_CTAS
-#define SAGE_BWD_KV_MIN_CTAS 3
-#endif
-#ifndef SAGE_BWD_DQ_MIN_CTAS
-#define SAGE_BWD_DQ_MIN_CTAS 3
-#endif
+// 203 -> 168 with 64 bytes of spills, dQ 181 -> 168 with 16; with the stage images dK/dV spills 140 bytes and dQ
+// fits 158 registers), instead of two: both kernels together 1.13-1.20x on the H200 (docs/experiments.md; bitwise
+// the same gradients). D = 128 is held to two CTAs by its shared memory anyway.
+constexpr int BWD90_D64_MIN_CTAS = 3;
 // D = 128 dK/dV: the last dK product's fold (int32 -> fp32 into acc_dk's columns 64..127) is done in the next
 // iteration, while that iteration's S and dP run on the tensor cores, instead of before its barrier. Each
 // accumulator element still receives the tiles in order: the gradients are bitwise the same. Measured 1.04-1.05x
-// on the dK/dV kernel at N = 4K and 16K, 1.02-1.03x causal (bench/bwd_variants.py, three runs).
-#ifndef SAGE_BWD_DEFER_DK
-#define SAGE_BWD_DEFER_DK 1
-#endif
-// Issue S and dP first after the barrier, the next stage's copies (address arithmetic and cp.async) after them:
-// 1.04x on the D = 64 dK/dV kernel, 0.98-1.01x at D = 128 (bench/bwd_variants.py, two runs; bitwise the same).
-// -1 (default): D = 64 only; 0: never; 1: both.
-#ifndef SAGE_BWD_LOAD_AFTER_S
-#define SAGE_BWD_LOAD_AFTER_S -1
-#endif
+// on the dK/dV kernel at N = 4K and 16K, 1.02-1.03x causal (docs/experiments.md).
+// D = 64 dK/dV: S and dP are issued first after the barrier, the next stage's copy after them: 1.04x on the kernel,
+// 0.98-1.01x at D = 128, which keeps the copy first (docs/experiments.md; bitwise the same).
 
 template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? SAGE_BWD_KV_MIN_CTAS : 1)
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
@@ -97,7 +84,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   using Img = BwdImg<D>;
   const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
-  constexpr bool LOAD_AFTER_S = SAGE_BWD_LOAD_AFTER_S < 0 ? D == 64 : SAGE_BWD_LOAD_AFTER_S != 0;
+  constexpr bool LOAD_AFTER_S = D == 64;  // (see above)
   constexpr int STAGE = BwdSm90<D>::STAGE;
   static_assert(Img::Q_STAGE <= STAGE && Img::Q_QS == 320 * D, "a stage image is the stage's layout");
   extern __shared__ __align__(128) char smem_raw[];
@@ -127,7 +114,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
 
   const QueryTiles qtl = query_tiles(k0, BWD_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
   const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
-  // Stage it is the image of its (query head, query tile) (common/bwd_img.cuh: Q^, dO, Q^^T, dO^^T, the per-query
+  // Stage it is the image of its (query head, query tile) (int8/bwd_img.cuh: Q^, dO, Q^^T, dO^^T, the per-query
   // vectors over the whole padded tile, the tile's dO scales), copied by thread 0 with one bulk copy; its
   // completion is phase it / 2 of full[it % 2]. K^ and V of this block (its key-side image) come with stage 0.
   if (tid == 0) {
@@ -153,7 +140,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
     load_stage(0);
   }
 
-  // D = 128 with SAGE_BWD_DEFER_DK: dk_prev holds the previous iteration's last dK product (waited for, not yet
+  // D = 128: dk_prev holds the previous iteration's last dK product (waited for, not yet
   // folded; zeros before the first), s_y_prev its scales. A copy, not acc_b itself: ptxas would otherwise wait
   // for every wgmma in flight before the fold (C7517: it does not track the wait across the loop's back edge).
   int dk_prev[32];
@@ -194,7 +181,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
     float acc_dp[32];
     issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K^ Q^^T, dP^T = V dO^T
     if constexpr (LOAD_AFTER_S) issue_next();  // the next stage's copy is issued while S and dP run
-    if constexpr (D == 128 && SAGE_BWD_DEFER_DK) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
+    if constexpr (D == 128) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
     wgmma_wait<1>();
     fence_regs(acc_s);
     float p[8][4], pmax[2], s_p[2], inv_p[2];
@@ -251,14 +238,10 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
       wgmma_wait<0>();
       fence_regs(acc_b);
       hold_regs(ya);
-      if constexpr (SAGE_BWD_DEFER_DK) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
-        s_y_prev[0] = s_y[0];
-        s_y_prev[1] = s_y[1];
-      } else {
-        add_dk(acc_b, 1, s_y);
-      }
+      for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
+      s_y_prev[0] = s_y[0];
+      s_y_prev[1] = s_y[1];
     } else {
       wgmma_wait<0>();
       fence_regs(acc_a);
@@ -273,7 +256,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
       add_dk(acc_a, 0, s_y);
     }
   }
-  if constexpr (D == 128 && SAGE_BWD_DEFER_DK) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
+  if constexpr (D == 128) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
   store_acc_rows<T, D>(dv + b * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
@@ -290,7 +273,7 @@ struct BwdDqSm90 {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? SAGE_BWD_DQ_MIN_CTAS : 1)
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
@@ -316,7 +299,7 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
   const int shift = nk - nq;
   const KeyTiles tl = key_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
 
-  // Key tile t's stage is its key-side image (common/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0 with
+  // Key tile t's stage is its key-side image (int8/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0 with
   // one bulk copy; its completion is phase t / 2 of full[t % 2]. Q^ and dO (the first 192 D bytes of this query
   // tile's image, laid out as sQ, sdO) come with tile 0.
   if (tid == 0) {
