@@ -1,6 +1,6 @@
 """SageBwd GPU kernels against the float64 references.
 
-Two comparisons per case (SPEC / STYLE):
+Two comparisons per case (docs/algorithms.md):
 * against the quantization-aware simulator run with the kernel's own config (tight: what remains is
   fp32 vs float64 accumulation, fp32 rounding at quantization ties, and the rounding of the outputs
   to fp16/bf16);
@@ -20,7 +20,7 @@ from sagecupy.reference import sagebwd as ref_sage
 
 pytestmark = pytest.mark.gpu
 
-# Tight bounds of the issue (relative L2 vs the simulator): O and dV 1e-3, dQ and dK 5e-3.
+# Tight bounds (relative L2 vs the simulator): O and dV 1e-3, dQ and dK 5e-3.
 TOL = {"O": 1e-3, "dV": 1e-3, "dQ": 5e-3, "dK": 5e-3}
 # Unit roundoff of the output formats: the kernel must round its fp32 result to the output dtype, and
 # the simulator does not, so the bound adds the simulator's own error when rounded to that dtype
@@ -212,32 +212,33 @@ def test_backward_is_bitwise_repeatable(causal, config):
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{name} differs between two runs"
 
 
-@pytest.mark.parametrize("D,dtype,layout,config,causal,Hq,Hkv,Nq,Nk,prepass", [
-    (64, "float16", "HND", "default", True, 2, 2, 100, 100, "merged"),
-    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000, "merged"),   # quant_qkv (one pre-pass launch), GQA
-    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000, "split"),    # quant_rows_qk + fwd_v_image
-    (128, "float16", "NHD", "default", False, 2, 1, 1000, 17, "merged"),
-    (128, "bfloat16", "HND", "paper", True, 2, 2, 300, 517, "merged"),      # per-block Q / K / V: quant_rows passes
-    (64, "bfloat16", "NHD", BKV64, False, 4, 4, 17, 300, "merged"),
+@pytest.mark.parametrize("D,dtype,layout,config,causal,Hq,Hkv,Nq,Nk,engine", [
+    (64, "float16", "HND", "default", True, 2, 2, 100, 100, None),
+    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000, None),   # wgmma: quant_qkv (one pre-pass launch), GQA
+    (128, "bfloat16", "HND", "default", True, 4, 2, 113, 1000, "mma"),  # quant_rows_qk + quant_transpose_perm
+    (128, "float16", "NHD", "default", False, 2, 1, 1000, 17, None),
+    (128, "bfloat16", "HND", "paper", True, 2, 2, 300, 517, None),      # per-block Q / K / V: quant_rows passes
+    (64, "bfloat16", "NHD", BKV64, False, 4, 4, 17, 300, None),
 ])
-def test_sage_attention_matches_forward(monkeypatch, D, dtype, layout, config, causal, Hq, Hkv, Nq, Nk, prepass):
+def test_sage_attention_matches_forward(D, dtype, layout, config, causal, Hq, Hkv, Nq, Nk, engine):
     """sage_attention keeps no residuals (on the wgmma engine its pre-pass writes no plain K codes or scales): O and
-    the LSE are bitwise forward's, and so is every pre-pass output it keeps."""
+    the LSE are bitwise forward's, and so is every pre-pass output it keeps. ``engine=None``: the device's default;
+    "mma": the mma.sync engine, asked for by argument (on Hopper too)."""
     import sagecupy.int8 as s8
 
-    monkeypatch.setenv("SAGECUPY_FWD_PREPASS", prepass)
-
     (q, k, v, _), _ = _inputs(11, 1, Hq, Hkv, Nq, Nk, D, layout, dtype)
-    o1 = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config)
-    o2, lse_i = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
-    o3, lse_t, _ = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
+    o1 = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config, engine=engine)
+    o2, lse_i = s8.sage_attention(q, k, v, causal=causal, layout=layout, config=config, return_lse=True,
+                                  engine=engine)
+    o3, lse_t, _ = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True, engine=engine)
     for o in (o1, o2):
         assert np.array_equal(_raw(o).get(), _raw(o3).get()), "sage_attention's O differs from forward's"
     assert np.array_equal(lse_i.get(), lse_t.get()), "sage_attention's LSE differs from forward's"
-    kw = dict(causal=causal, sm_scale=None, layout=layout, config=config)
+    kw = dict(causal=causal, sm_scale=None, layout=layout, config=config, engine=engine)
     _, _, pre_t = s8._preprocess_forward(q, k, v, **kw)
     _, _, pre_i = s8._preprocess_forward(q, k, v, inference=True, **kw)
     assert pre_i["plan"] is not pre_t["plan"]  # a program of its own
+    assert engine is None or pre_i["engine"] == engine
     if pre_i["engine"] == "wgmma":
         assert pre_i["k_codes"] is None and pre_i["k_scale"] is None
     for name, x in pre_i.items():
@@ -317,7 +318,7 @@ def test_noncontiguous_and_strided_inputs_match_contiguous():
     o3, _ = s8.forward(qt, k, v)
     assert bool((o1 == o3).all())
     # C-contiguous views at a 2-byte offset (every input, and dO): copied, not read with misaligned
-    # 16-byte loads (review of the vectorized pre-passes, fourth session; not yet run on a GPU then).
+    # 16-byte loads.
     def shifted(x):
         buf = cp.zeros(x.size + 1, x.dtype)
         y = buf[1:].reshape(x.shape)
@@ -355,7 +356,8 @@ def _v_channels(pre):
     kc = _unswizzle(ki[..., :64 * D], 64, D).view(np.int8).reshape(*ki.shape[:2], ntk * 64, D)
     assert np.array_equal(kc, pre["k_codes"].get()), "K^ in the K/V images differs from the codes"
     ks = np.ascontiguousarray(ki[..., 128 * D:128 * D + 256]).view(np.float32).reshape(*ki.shape[:2], -1)
-    assert np.array_equal(ks, pre["k_scale"].get()), "key scales in the K/V images differ"
+    same = np.array_equal(ks.view(np.uint32), pre["k_scale"].get().view(np.uint32))  # bitwise: NaN scales too
+    assert same, "key scales in the K/V images differ"
     return v_t_channels(_unswizzle(ki[..., 64 * D:128 * D], D, 64).view(np.int8))
 
 
@@ -371,8 +373,7 @@ def _assert_same_codes(pre, ref, nq, nk):
 
 QUANT_SHAPES = [(2, 4, 2, 200, 333, 128, "NHD"),
                 # D = 64, HND, 4 query heads per kv head, lengths around the 64-token blocks; one token
-                # against a sequence longer than a 256-token statistics chunk (added in the fourth session,
-                # after its device time was spent: first run in the next GPU suite).
+                # against a sequence longer than a 256-token statistics chunk.
                 (1, 8, 2, 17, 65, 64, "HND"),
                 (1, 2, 1, 1, 4100, 64, "NHD")]
 
@@ -509,12 +510,12 @@ def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantizer_ties_and_tiny_scales_bit_identical(dtype):
     """Rows (and V's channels) built so that x / s lands exactly on k + 0.5 for many elements (the row max is
-    127 * 2^e, so s = 2^e): rint must break every tie to even as the reference does. The pre-pass divides by
-    multiplying with 1/s and re-divides only near a tie, so this is the case that tells the two apart. In bf16
-    one row sits at 2^-110 (1/s = 2^113). Not below: CuPy compiles every kernel with -ftz=true, so fp32
-    subnormals (|x| < 2^-126, e.g. a 2^-130 row: its codes come out 0, the reference's do not) are flushed;
-    the codes are bit-identical wherever the fp32 values involved are normal numbers (first run: a 2^-130
-    row differed in 63 codes, bench/results/session6_run4/pytest_gpu.log)."""
+    127 * 2^e, so s = 2^e): rint must break every tie to even as the reference does. K's rows are divided by
+    multiplying with 1/s and re-divided only near a tie (Q's rows and V's blocks take the exact quotient), so this is
+    the case that tells the two apart. In bf16 one row sits at 2^-110 (1/s = 2^113). Not below: CuPy compiles every
+    kernel with -ftz=true, so fp32 subnormals (|x| < 2^-126, e.g. a 2^-130 row: its codes come out 0, the
+    reference's do not) are flushed; the codes are bit-identical wherever the fp32 values involved are normal numbers
+    (a 2^-130 row differed in 63 codes)."""
     import sagecupy.int8 as s8
 
     D, N = 64, 64  # sm_scale = 1/8: Q's products stay exact, and its ties with them
@@ -680,17 +681,19 @@ def _launched(pre):
 
 @pytest.mark.parametrize("case", [
     (2, 4, 2, 200, 333, 128, "NHD", "bfloat16", None),
-    (1, 8, 2, 17, 65, 64, "HND", "float16", None),          # D = 64: split either way
+    (1, 8, 2, 17, 65, 64, "HND", "float16", None),          # D = 64: quant_rows_qk + fwd_v_image on the wgmma engine
     (1, 2, 1, 1, 4100, 128, "HND", "float16", "k"),          # 17 chunks; NaN in K: the mean of that head is NaN
     (2, 2, 2, 1000, 1000, 128, "HND", "bfloat16", "v"),      # NaN in V: that channel's scale
     (1, 4, 4, 4224, 513, 128, "NHD", "bfloat16", None),
 ], ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("config", [DEFAULT, PAPER, VBLOCK, NOSMOOTH], ids=["default", "paper", "vblock", "nosmooth"])
-def test_merged_prepass_equals_split(monkeypatch, case, config):
-    """The merged forward pre-pass (Q, K and V quantized in one launch on the wgmma engine at D = 128) writes bitwise
-    the same codes, scales, images, means and qmk as the split launches, on every call, on the default stream and
-    on another one."""
+def test_forward_prepass_engines_agree_bitwise(case, config):
+    """The wgmma engine's forward pre-pass (at D = 128 with per-token Q and K: Q, K and V quantized in one launch,
+    quant_qkv, into the K/V stage images) writes bitwise the codes, scales, means and qmk of the mma.sync engine's
+    (quant_rows_qk or quant_rows, then quant_transpose_perm), V's codes and K's in the images included, on every
+    call, on the default stream and on another one. Without sm_90: the mma.sync pre-pass against itself."""
     import sagecupy.int8 as s8
+    from sagecupy._loader import device_capability
 
     cp = _cupy()
     B, Hq, Hkv, Nq, Nk, D, layout, dtype, nan_in = case
@@ -699,27 +702,26 @@ def test_merged_prepass_equals_split(monkeypatch, case, config):
         x = _raw(k if nan_in == "k" else v)
         x[(0, 3, 0, 5) if layout == "NHD" else (0, 0, 3, 5)] = cp.nan if x.dtype == cp.float16 else 0x7FC0
     cp.cuda.Device().synchronize()  # the inputs are written on the null stream; the second stream does not wait
-    got = {}
-    for mode in ("split", "merged", "merged"):
-        monkeypatch.setenv("SAGECUPY_FWD_PREPASS", mode)
+    engines = ("mma", "wgmma", "wgmma") if device_capability() == (9, 0) else ("mma", "mma")
+    runs = []
+    for engine in engines:
         for stream in (None, cp.cuda.Stream(non_blocking=True)):
             with stream if stream is not None else cp.cuda.Stream.null:
                 _, _, pre = s8._preprocess_forward(q, k, v, causal=False, sm_scale=None, layout=layout,
-                                                   config=config)
-                got.setdefault(mode, []).append(_pre_host(pre))
+                                                   config=config, engine=engine)
+                assert pre["engine"] == engine
                 merged = any("quant_qkv" in n for n in _launched(pre))
-                # the merged launch is what this test compares, where it applies (wgmma engine, D = 128, per-token
-                # Q and K)
-                assert merged == (mode == "merged" and pre["engine"] == "wgmma" and D == 128
+                assert merged == (engine == "wgmma" and D == 128
                                   and config.q_granularity == config.k_granularity == "token"), _launched(pre)
+                got = {n: x for n, x in _pre_host(pre).items() if n not in ("v_t", "kv_img")}
+                got["v_codes"] = np.asarray(_v_channels(pre))  # (from the images: K^ and the key scales checked there)
+                runs.append((engine, got))
             cp.cuda.Device().synchronize()
-    want = got["split"][0]
-    assert got["split"][1].keys() == want.keys()
-    for mode, runs in got.items():
-        for run in runs:
-            assert run.keys() == want.keys(), mode
-            for n in want:
-                np.testing.assert_array_equal(run[n].view(np.uint8), want[n].view(np.uint8), err_msg=f"{mode}: {n}")
+    want = runs[0][1]
+    for engine, got in runs:
+        assert got.keys() == want.keys(), engine
+        for n in want:
+            np.testing.assert_array_equal(got[n].view(np.uint8), want[n].view(np.uint8), err_msg=f"{engine}: {n}")
     if nan_in == "k" and config.k_smoothing:
         assert np.isnan(want["mu_k"][0, 0, 5]) and np.isfinite(np.delete(want["mu_k"][0, 0], 5)).all()
 
@@ -834,8 +836,8 @@ def test_programmatic_dependent_launch_is_bitwise_the_plain_launch(monkeypatch, 
     previous call's buffers, which the memory pool hands out again at once). Each call is queued behind a ~2 ms spin
     kernel, so that its launches reach the device before the first of them runs and then run back to back: at these
     sizes each kernel takes less time than the host needs between two launches, and without the spin every
-    predecessor would have finished before its dependent was submitted (a helper's run on the H200, twenty-fifth
-    session: without the spin the test passed with every grid_dep_wait deleted; with it, 9 of 9 calls differed)."""
+    predecessor would have finished before its dependent was submitted (on the H200, without the spin the test
+    passed with every grid_dep_wait deleted; with it, 9 of 9 calls differed)."""
     import sagecupy.int8 as s8
     from sagecupy import _program
 
