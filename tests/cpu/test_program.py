@@ -91,15 +91,15 @@ def test_env_key_holds_every_kernel_choosing_variable(fake_cupy):
 def test_env_key_follows_os_environ(fake_cupy, monkeypatch):
     """env_key reads os.environ's own store where it can (a fast path): a variable set, changed or removed through
     os.environ (as monkeypatch and users do) changes the key, and an unrelated one does not."""
-    monkeypatch.delenv("SAGECUPY_FWD_WARPS", raising=False)
+    monkeypatch.delenv("SAGECUPY_DEFINES", raising=False)
     k0 = _program.env_key()
-    monkeypatch.setenv("SAGECUPY_FWD_WARPS", "8")
+    monkeypatch.setenv("SAGECUPY_DEFINES", "X=8")
     k1 = _program.env_key()
-    monkeypatch.setenv("SAGECUPY_FWD_WARPS", "4")
+    monkeypatch.setenv("SAGECUPY_DEFINES", "X=4")
     k2 = _program.env_key()
     monkeypatch.setenv("SAGECUPY_UNRELATED_TEST_VARIABLE", "1")
     assert len({k0, k1, k2}) == 3 and _program.env_key() == k2
-    monkeypatch.delenv("SAGECUPY_FWD_WARPS")
+    monkeypatch.delenv("SAGECUPY_DEFINES")
     assert _program.env_key() == k0
 
 
@@ -118,10 +118,8 @@ def test_signature_sees_alignment_and_strides():
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("shape", [(2, 3, 5, 64), (1, 1, 1, 128), (4, 16, 7, 64)])
 def test_c_strides_match_strides_of_a_fresh_array(shape, layout):
-    """int8._c_strides (what a recorded launch passes for an output it allocates, or for an input it copies) equals
+    """_layout.c_strides (what a recorded launch passes for an output it allocates, or for an input it copies) equals
     _layout.strides of a C-contiguous array of that shape."""
-    from sagecupy import int8
-
     assert _layout.c_strides(shape, layout) == _layout.strides(np.empty(shape, dtype=np.float16), layout)
 
 
