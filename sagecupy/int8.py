@@ -36,7 +36,10 @@ __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
 LOG2E = 1.4426950408889634
 _FWD_BQ, _FWD_BKV = 128, 128  # padding granularity of Q rows (pre-pass groups) and of keys (forward tiles)
 _BLOCK_KV = (64, 128)  # forward key tiles the kernels implement (SageBwdConfig.block_kv)
-_WARPS = (4, 8)
+# Warps per forward CTA (16 query rows each): on the wgmma engine with block_kv=64 three such CTAs fit an SM at D=128 and
+# four at D=64. 8-warp CTAs measured 3-7% slower on the mma.sync kernel and 1.05x (D=128, 128-key tiles) to 1.4x (D=64)
+# slower on the wgmma one (docs/experiments.md, E-I8F-WARPS).
+_FWD_WARPS = 4
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
@@ -103,10 +106,9 @@ def kernel_names() -> dict:
     for T in _T.values():
         for D in _checks.SUPPORTED_HEAD_DIMS:
             out["int8/int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8/int8_quant.cu"]]
-            for w in _WARPS:
-                for bkv in _BLOCK_KV:
-                    out["int8/int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
-                    out["int8/int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>")
+            for bkv in _BLOCK_KV:
+                out["int8/int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {_FWD_WARPS}, {bkv}>")
+                out["int8/int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {_FWD_WARPS}, {bkv}>")
             out["int8/int8_attn_bwd.cu"] += list(_bwd_names(T, D))
             out["int8/int8_attn_bwd_sm90.cu"] += list(_bwd_names(T, D, "wgmma"))
     return out
@@ -150,10 +152,10 @@ def _bwd90_smem(D):
     return 1024 + 192 * D + 2 * stage, 1024 + 192 * D + 2 * stage_dq
 
 
-def _fwd_smem(D, warps, bkv, stages):
+def _fwd_smem(D, bkv, stages):
     """Dynamic shared memory of a forward CTA: Q, the K/V ring, the key scales of each stage, and alignment
     of the tiles to 1024 bytes."""
-    return (16 * warps + 2 * stages * bkv) * D + stages * bkv * 4 + 1024
+    return (16 * _FWD_WARPS + 2 * stages * bkv) * D + stages * bkv * 4 + 1024
 
 
 def _fwd90_stages(D, bkv):
@@ -260,35 +262,35 @@ _FWD_PLANS = Plans()
 _PRE_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale", "qmk", "mu_k", "v", "kv_img")
 
 
-def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None, inference=False):
+def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state).
     The first call with a signature validates and records its program (sagecupy/_program.py); later ones replay
     it. ``inference=True`` (:func:`sage_attention`): no residuals are kept, so on the wgmma engine K's plain codes
     and scales are not written (the kernel reads K from the stage images); ``pre["k_codes"]`` is then None."""
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         warps=warps, inference=inference)
+                         inference=inference)
     for n in _PRE_NAMES:  # scratch buffers as arrays (views of the arena), for the tests and tools that read them
         if type(pre[n]) is int:
             pre[n] = plan.prog.member_array(pre, n)
     return plan.p, plan.cfg, pre
 
 
-def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, warps=None, inference=False):
+def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False):
     """:func:`_preprocess_forward` for the public calls: (plan, pre), scratch buffers as addresses (ints; the arena
     array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
-                 engine, warps, type(warps), bool(inference), env_key()),
+                 engine, bool(inference), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                              engine=engine, warps=warps, inference=bool(inference)))
+                              engine=engine, inference=bool(inference)))
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
     pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
     return plan, pre
 
 
-def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, inference=False):
+def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inference=False):
     """Validate a forward call (CuPy arrays or BF16Arrays) and record its pre-pass program: a :class:`Plan`
     (``inference``: see :func:`_preprocess_forward`)."""
     import cupy
@@ -300,7 +302,6 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, warps, i
         raise ValueError(f"config: {why}")
     _check_device()
     engine = forward_engine(engine)  # validate before any work
-    forward_warps(warps)
     # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T, D = _T[p.dtype], p.head_dim
@@ -392,35 +393,23 @@ def v_t_channels(v_t):
     return v_t.transpose(0, 1, 3, 2, 4).reshape(B, H, D, nblk * w)
 
 
-def forward_warps(warps: int | None = None) -> int:
-    """Warps per forward CTA (16 query rows each): 4 (``None``, the default: on the wgmma engine with block_kv=64
-    three such CTAs fit an SM at D=128 and four at D=64; the mma.sync kernel measured 3-7% faster with 4 than with 8,
-    docs/experiments.md) or 8. The result does not depend on it (every row is computed the same way; tested
-    bitwise)."""
-    if warps is None:
-        return 4
-    if warps not in _WARPS:
-        raise ValueError(f"warps={warps!r} is not supported; supported: {_WARPS}")
-    return warps
-
-
-def _launch_forward(p, cfg, pre, engine=None, warps=None):
+def _launch_forward(p, cfg, pre, engine=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
-    recorded once per (pre-pass plan, engine, warps, :func:`~sagecupy._program.env_key`)."""
-    prog = pre["plan"].launch_program(p, cfg, lambda: (engine, warps, type(warps), env_key()),
-                                      lambda: _forward_launch_program(p, cfg, pre, engine, warps))
+    recorded once per (pre-pass plan, engine, :func:`~sagecupy._program.env_key`)."""
+    prog = pre["plan"].launch_program(p, cfg, lambda: (engine, env_key()),
+                                      lambda: _forward_launch_program(p, cfg, pre, engine))
     ns = prog.run({n: pre[n] for n in _PRE_NAMES})
     return ns["o"], ns["lse"], ns["lse2"]
 
 
-def _forward_launch_program(p, cfg, pre, engine, warps):
+def _forward_launch_program(p, cfg, pre, engine):
     import cupy
 
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
     nq_pad, nk_pad = _layout.roundup(nq, _FWD_BQ), _layout.roundup(nk, _FWD_BKV)  # as the pre-pass padded them
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    w, bkv = forward_warps(warps), cfg.block_kv
+    w, bkv = _FWD_WARPS, cfg.block_kv
     engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its K/V images)
     if engine_arg and forward_engine(engine_arg) != engine:
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
@@ -434,7 +423,7 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
     else:
         fn = get_function("int8/int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
         stages = 2
-    smem = _fwd_smem(D, w, bkv, stages)
+    smem = _fwd_smem(D, bkv, stages)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     prog = Program()
@@ -459,18 +448,16 @@ def _forward_launch_program(p, cfg, pre, engine, warps):
     return prog
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
-            warps=None):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
     """SageBwd forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
     fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
-    float32 ``(B, Hq, Nq)``. ``engine``, ``warps``: see :func:`forward_engine`, :func:`forward_warps`.
+    float32 ``(B, Hq, Nq)``. ``engine``: see :func:`forward_engine`.
     """
-    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         warps=warps)
+    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine)
     p, cfg = plan.p, plan.cfg
-    o, lse, lse2 = _launch_forward(p, cfg, pre, engine, warps)
+    o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
     o = _checks.wrap(o, p.dtype)

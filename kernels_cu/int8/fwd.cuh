@@ -230,7 +230,7 @@ __device__ __forceinline__ void qk_s8(int (&acc_s)[NT][4], const unsigned (&qf)[
 }
 
 // ---- mma.sync forward (sm_80+) ----
-// WARPS warps of 16 query rows each (4: 64 rows; 8: 128 rows); tiles of BKV keys (64 or 128); K/V tiles
+// WARPS = 4 warps of 16 query rows each (64 rows; int8.py _FWD_WARPS); tiles of BKV keys (64 or 128); K/V tiles
 // double-buffered with cp.async.
 template <typename T, int D, int WARPS, int BKV>
 __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
@@ -240,7 +240,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
-  static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
+  static_assert(WARPS == 4, "4 warps");
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22: 127 * 127 * D and 255 * 127 * BKV must stay below");
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NT = BKV / 8;
@@ -360,7 +360,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block,
               const char* __restrict__ kv_img) {
-  static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps");
+  static_assert(WARPS == 4, "one warpgroup");
   static_assert(D == 64 || D == 128, "wgmma N = D");
   // Each stage is its tile's K/V images (int8/bwd_img.cuh FwdImg: K^, V^^T, key scales of 64 keys; NI = BKV / 64
   // of them), three bulk copies per image by thread 0, completing on full[stage]; kc, vt and ks are not read.

@@ -1,6 +1,6 @@
 // SageBwd forward (docs/algorithms.md §3): INT8 Q.K^T and P.V on mma.sync m16n8k32 with int32 accumulation,
-// FlashAttention-2 structure (one CTA = 64 or 128 query rows, 4 or 8 warps x 16 rows; KV tiles of BKV = 64
-// or 128 keys (SageBwdConfig.block_kv), cp.async double-buffered), online softmax in base 2, P quantized per
+// FlashAttention-2 structure (one CTA = 64 query rows, 4 warps x 16 rows; KV tiles of BKV = 64 or 128 keys
+// (SageBwdConfig.block_kv), cp.async double-buffered), online softmax in base 2, P quantized per
 // token per KV tile:
 //   P^ = rint(p_max * exp2(S - rowmax_tile(S)))   computed as rint(P~ * factor) with
 //   P~ = exp2(S - m_new), factor = p_max * exp2(m_new - rowmax_tile)   (one exp2 per element).

@@ -10,7 +10,7 @@ using namespace sage;
 // Dynamic shared memory: (16 * WARPS + 2 * NST * BKV) * D + 4 * NST * BKV bytes + 1024 (alignment): a ring of
 // NST = FwdSm90<D, BKV>::NST stages of K, V and the key scales.
 template <typename T, int D, int WARPS, int BKV>
-__global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? FwdSm90<D, BKV>::MIN_CTAS : 1)
+__global__ void __launch_bounds__(32 * WARPS, FwdSm90<D, BKV>::MIN_CTAS)
 int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
                    const signed char* __restrict__ kc, const float* __restrict__ ks,
                    const signed char* __restrict__ vt, const float* __restrict__ vs,

@@ -299,8 +299,6 @@ def test_error_paths():
     ok, why = s8.is_supported(np.zeros((1, 2, 16, 64), np.float16), q, q)  # host arrays: not supported, no raise
     assert not ok and "CUDA" in why
     assert s8.is_supported(None, q, q)[0] is False
-    with pytest.raises(ValueError, match="warps"):
-        s8.forward(q, q, q, warps=6)
 
 
 def test_noncontiguous_and_strided_inputs_match_contiguous():
@@ -458,8 +456,8 @@ def _host_bits(x, layout):
 def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
     """The backward's pre-pass: dO's codes and scales bit-identical to the reference's fp32-mode quantizer (per
     64-token tile and channel, or per tile); delta = rowsum(dO * O) within fp32 rounding of the float64 sum (the
-    kernel sums 8 channels per thread, then halves and warps: a different order than numpy's, so not bitwise) and 0
-    on padding rows; Q^T and K^T exactly the forward's codes, transposed tile-major and mma-permuted. wgmma: the same
+    kernel sums each 16-byte chunk's 8 products in order, then the row's chunks by a shuffle tree: a different order
+    than numpy's, so not bitwise) and 0 on padding rows; Q^T and K^T exactly the forward's codes, transposed tile-major and mma-permuted. wgmma: the same
     read back from the stage images, which also hold Q^, K^, dO, V (zero rows beyond N) and the per-token vectors
     exactly."""
     import sagecupy.int8 as s8
@@ -559,8 +557,8 @@ ENGINE_CASES = [(1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", DEFAULT),
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", ENGINE_CASES)
 def test_forward_engines_agree_bitwise(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config):
-    """wgmma (Hopper) and mma.sync, with 4 or 8 warps per CTA, compute the same int32 products and the
-    same float operations after them: O, LSE and the saved base-2 LSE must be identical bit for bit."""
+    """wgmma (Hopper) and mma.sync compute the same int32 products and the same float operations after them: O,
+    LSE and the saved base-2 LSE must be identical bit for bit (and repeatable: each engine runs twice)."""
     import sagecupy.int8 as s8
     from sagecupy._loader import device_capability
 
@@ -568,15 +566,15 @@ def test_forward_engines_agree_bitwise(B, Hq, Hkv, Nq, Nk, D, causal, layout, dt
     (q, k, v, _), _ = _inputs(21, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=2.0)
     outs = {}
     for engine in engines:
-        for warps in (4, 8):
+        for run in range(2):
             o, lse, res = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True,
-                                     engine=engine, warps=warps)
-            outs[engine, warps] = (_raw(o).get(), lse.get(), res.lse2.get())
-    ref = outs["mma", 8]
+                                     engine=engine)
+            outs[engine, run] = (_raw(o).get(), lse.get(), res.lse2.get())
+    ref = outs["mma", 0]
     for key, got in outs.items():
         for name, a, b in zip(("O", "LSE", "lse2"), ref, got):
             same = np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(b).view(np.uint8)
-            assert same.all(), f"{name} of {key} differs from mma/8 warps in {int((~same).sum())} bytes"
+            assert same.all(), f"{name} of {key} differs from mma.sync's in {int((~same).sum())} bytes"
 
 
 BWD_ENGINE_CASES = ENGINE_CASES + [(1, 4, 1, 239, 113, 128, True, "NHD", "bfloat16", PAPER),
@@ -612,8 +610,8 @@ def test_engine_argument_errors():
         s8.forward_engine("fast")
     with pytest.raises(ValueError, match="engine"):
         s8.backward_engine("fast")
-    with pytest.raises(ValueError, match="warps"):
-        s8.forward_warps(6)
+    with pytest.raises(ValueError, match="engine"):
+        s8.sage_attention(*(_cupy().zeros((1, 1, 16, 64), _cupy().float16),) * 3, engine="fast")
 
 
 def test_pre_pass_of_another_engine_is_refused():
