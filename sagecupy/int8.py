@@ -36,9 +36,9 @@ __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
 LOG2E = 1.4426950408889634
 _FWD_BQ, _FWD_BKV = 128, 128  # padding granularity of Q rows (pre-pass groups) and of keys (forward tiles)
 _BLOCK_KV = (64, 128)  # forward key tiles the kernels implement (SageBwdConfig.block_kv)
-# Warps per forward CTA (16 query rows each): on the wgmma engine with block_kv=64 three such CTAs fit an SM at D=128 and
-# four at D=64. 8-warp CTAs measured 3-7% slower on the mma.sync kernel and 1.05x (D=128, 128-key tiles) to 1.4x (D=64)
-# slower on the wgmma one (docs/experiments.md, E-I8F-WARPS).
+# Warps per forward CTA (16 query rows each): on the wgmma engine with block_kv=64 three such CTAs fit an SM at D=128
+# and four at D=64. 8-warp CTAs measured 3-7% slower on the mma.sync kernel and 1.05x (D=128, 128-key tiles) to 1.4x
+# (D=64) slower on the wgmma one (docs/experiments.md, E-I8F-WARPS).
 _FWD_WARPS = 4
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -101,8 +101,8 @@ def _quant_names(T, D):
 
 def kernel_names() -> dict:
     """Every template instantiation this module launches, per source file (CI compiles them all)."""
-    out = {"int8/int8_quant.cu": [], "int8/int8_attn_fwd.cu": [], "int8/int8_attn_fwd_sm90.cu": [], "int8/int8_attn_bwd.cu": [],
-           "int8/int8_attn_bwd_sm90.cu": []}
+    out = {f: [] for f in ("int8/int8_quant.cu", "int8/int8_attn_fwd.cu", "int8/int8_attn_fwd_sm90.cu",
+                           "int8/int8_attn_bwd.cu", "int8/int8_attn_bwd_sm90.cu")}
     for T in _T.values():
         for D in _checks.SUPPORTED_HEAD_DIMS:
             out["int8/int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8/int8_quant.cu"]]

@@ -457,9 +457,9 @@ def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
     """The backward's pre-pass: dO's codes and scales bit-identical to the reference's fp32-mode quantizer (per
     64-token tile and channel, or per tile); delta = rowsum(dO * O) within fp32 rounding of the float64 sum (the
     kernel sums each 16-byte chunk's 8 products in order, then the row's chunks by a shuffle tree: a different order
-    than numpy's, so not bitwise) and 0 on padding rows; Q^T and K^T exactly the forward's codes, transposed tile-major and mma-permuted. wgmma: the same
-    read back from the stage images, which also hold Q^, K^, dO, V (zero rows beyond N) and the per-token vectors
-    exactly."""
+    than numpy's, so not bitwise) and 0 on padding rows; Q^T and K^T exactly the forward's codes, transposed
+    tile-major and mma-permuted. wgmma: the same read back from the stage images, which also hold Q^, K^, dO, V (zero
+    rows beyond N) and the per-token vectors exactly."""
     import sagecupy.int8 as s8
     from sagecupy._loader import device_capability
     from sagecupy.reference.quant import quantize_tiles
