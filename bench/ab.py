@@ -155,7 +155,8 @@ def main(argv=None):
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each variant's best time is kept")
     ap.add_argument("--timing", default="b2b", choices=("b2b", "sync", "both"))
-    ap.add_argument("--sdpa", default="", help="SDPA backends timed beside: flash,cudnn ('' none)")
+    ap.add_argument("--sdpa", default="", help="SDPA timed beside, comma-separated: flash, cudnn (that backend forced), "
+                                               "default (PyTorch's choice); '' none")
     ap.add_argument("--hash", action="store_true", help="print a hash of each variant's outputs")
     ap.add_argument("--once", action="store_true", help="run each call twice per variant, no timing (profilers)")
     a = ap.parse_args(argv)

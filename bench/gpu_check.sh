@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one script to run on a fresh GPU machine: installs the checkout, runs the whole GPU test suite in parallel
-# shards (bench/gpu_shards.sh), times the key benchmarks against SDPA's flash and cuDNN backends (bench/run_bench.py)
-# and prints a short table last. The whole call stays within --budget seconds (default 570), for machines that cut a
-# command at 10 minutes. Logs and JSON lines go to $OUT (or --out DIR; default /tmp/sagecupy_out).
+# shards (bench/gpu_shards.sh), times the key benchmarks against run_bench.py's default baselines (PyTorch SDPA,
+# cuDNN FP8, SDPA forced to flash) and prints a short table last. The whole call stays within --budget seconds
+# (default 570), for machines that cut a command at 10 minutes. Logs and JSON lines go to $OUT (or --out DIR;
+# default /tmp/sagecupy_out).
 #
 #   bash bench/gpu_check.sh [all|tests|bench|accuracy|examples] [options]
 #
@@ -10,8 +11,10 @@
 #              are cut for time, run `tests` and `bench` as two calls on the same machine (CuPy's disk cache keeps
 #              the compiled kernels between calls).
 #   tests      the GPU suite: tests/gpu, or --files; --k EXPR selects tests as pytest -k does.
-#   bench      the benchmark over D 64/128, N 4K/16K, causal and not (--full: N 1K...32K), peak memory at 32K;
-#              the table is bench/tools/sweep_table.py's, the run's every row in $OUT/bench_table.txt.
+#   bench      the benchmark over D 64/128, N 4K/16K, causal and not, peak memory at 32K (--full: N 1K...32K,
+#              which may need more than one call's time: narrow --families);
+#              the table is bench/tools/sweep_table.py's (× SDPA flash; `--vs sdpa` on $OUT/bench.jsonl gives
+#              PyTorch's default SDPA), the run's every row in $OUT/bench_table.txt.
 #   accuracy   the GPU σ-sweeps behind the README's accuracy tables (INT8 default and paper, NVFP4's four
 #              configs, QAT), run side by side; a table of relative L2 errors.
 #   examples   the training examples (examples/recall*.py, 300 steps each); loss curves as JSON in $OUT.
@@ -40,7 +43,7 @@ while [ $# -gt 0 ]; do
     --bench-time) bench_time=$2; shift 2 ;;
     --full) full=1; shift ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

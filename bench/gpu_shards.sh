@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tests of the given files (default tests/gpu) in parallel pytest processes on one GPU: most of the suite's
-# time is kernel compiles, which run on the CPUs, so shards finish about SHARDS times sooner than one process. Each
-# shard is cut at --timeout seconds, so the whole run ends within a known time. Prints one line per
-# shard, a total, and the failures; logs in $OUT/shard_*.log. Exit status 1 if a test failed or a shard was cut.
+# time is kernel compiles, which run on the CPUs, so parallel shards shorten the run several times over. Each shard
+# is cut at --timeout seconds, so the whole run ends within a known time. Prints one line per shard, a total, and
+# the failures; logs in $OUT/shard_*.log. Exit status 1 if a test failed or errored, a shard was cut, or a file
+# could not be collected.
 #   bash bench/gpu_shards.sh [--shards 12] [--timeout 480] [--k EXPR] [--out DIR] [FILE_OR_TEST_ID ...]
 set -u
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ while [ $# -gt 0 ]; do
     --timeout) timeout_s=$2; shift 2 ;;
     --k) kexpr=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) files+=("$1"); shift ;;
   esac
 done

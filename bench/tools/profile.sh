@@ -15,7 +15,7 @@
 # (--clock-control none): the kernels run at the clocks a benchmark sees.
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -ge 1 ] || { sed -n '2,16p' "$0"; exit 2; }
+[ $# -ge 1 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2; }
 kregex=$1; shift
 OUT=${OUT:-/tmp/sagecupy_out}; skip=1; count=1; per=1; tag=prof; sections=()
 while [ $# -gt 0 ]; do

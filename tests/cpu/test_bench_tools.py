@@ -127,3 +127,16 @@ def test_cubin_cmp_reads_the_ci_list_and_old_layouts(tmp_path):
     assert cc.source_path(tmp_path, "fam/a.cu") == tmp_path / "fam" / "a.cu"
     assert cc.source_path(tmp_path, "fam/b.cu") == tmp_path / "b.cu"  # (the layout before the move)
     assert cc.source_path(tmp_path, "fam/c.cu") == tmp_path / "fam" / "c.cu"  # (missing: nvcc says so)
+
+
+def test_sweep_table_against_another_baseline(tmp_path):
+    """--vs sdpa: the ratios are against PyTorch's default SDPA rows (impl sdpa-default) of the same file."""
+    rows = [
+        _row("sagecupy-int8", "fwd", "e2e", 1.0, config="default"),
+        _row("sdpa-flash", "fwd", "e2e", 1.5),
+        _row("sdpa-default", "fwd", "e2e", 0.8),
+    ]
+    out = _run("sweep_table.py", rows, tmp_path, "--vs", "sdpa")
+    assert "INT8 fwd × sdpa" in out.splitlines()[0]
+    line = next(x for x in out.splitlines() if x.startswith("| 128 | no | 4K |"))
+    assert [c.strip() for c in line.strip("|").split("|")][3] == "0.80 / –"
