@@ -17,9 +17,9 @@ Scales (per tensor, amax-derived as the frontend's FP8 tests do; ``descale = 1 /
 - O, dQ, dK, dV, dP: the same rule applied to the amax cuDNN reports (it measures them in FP32 before quantizing) in a
   calibration pass with that scale at 1 (:meth:`CudnnFp8Attention.calibrate`); they then stay fixed, as in delayed
   scaling. dP is calibrated before dQ and dK, whose inputs it quantizes (at scale 1, dP's small values flush to 0).
-- P (cuDNN's "S"): the frontend's documented bound, ``448 / amax_P`` with ``amax_P = 1`` (P is the softmax numerator
-  ``exp(s - rowmax)``, whose largest element is 1 in every row): the whole E4M3 range, as amax-based FP8 recipes
-  give for P.
+- P (cuDNN's "S", the softmax probabilities, at most 1): the bound the frontend documents instead of an amax,
+  ``scale_s = 448`` for E4M3 without dropout (it deprecates the Amax_S output, which on Hopper reports the largest
+  normalized probability, e.g. 0.12 for a full 1K-key row, not a bound on what is quantized).
 
 Plans: only cuDNN's native engines are built (:func:`_build_native`). The frontend can also rank Python engines
 of its own, which need packages (the CuTe DSL, cuda-python) a plain install of the wheel lacks; a plan list of
@@ -31,6 +31,7 @@ does not support raises :class:`Unavailable` with cuDNN's message.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 __all__ = ["Unavailable", "unavailable_reason", "pow2_scale", "bnhd_strides", "CudnnFp8Attention", "get", "clear",
@@ -74,6 +75,11 @@ def _modules():
     except Exception as exc:
         raise Unavailable(f"the cuDNN frontend (nvidia-cudnn-frontend) is not importable "
                           f"({type(exc).__name__}: {exc})") from None
+    log = logging.getLogger("cudnn")
+    if not log.handlers:
+        # The frontend logs a declined graph as a warning; that reason reaches the caller in Unavailable already, so
+        # without a handler of the caller's own it is not printed a second time.
+        log.addHandler(logging.NullHandler())
     return torch, cudnn
 
 
@@ -264,7 +270,9 @@ class CudnnFp8Attention:
                 g, pack = self._graph(kind, style)
                 name = _build_native(g, self.cudnn)
             except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
+                msg = f"{type(exc).__name__}: {exc}"
+                if msg not in errors:
+                    errors.append(msg)
                 continue
             self.mask_style = style
             if kind == "fwd":
@@ -367,12 +375,15 @@ class CudnnFp8Attention:
         """Host copies of every scale and descale in use (synchronizes)."""
         return {n: float(t.item()) for n, t in self.s.items()}
 
-    def dequantized(self):
-        """(o, dq, dk, dv) from the FP8 buffers as float32 ``[B, H, N, D]`` contiguous tensors (descaled)."""
-        o = self.o8.float() * self.s["descale_o"].view(())
-        grads = [x.float() / self.s[f"scale_{n}"].view(()) for x, n in ((self.dq8, "dQ"), (self.dk8, "dK"),
-                                                                         (self.dv8, "dV"))]
-        return tuple(t.contiguous() for t in (o, *grads))
+    def dequantized(self, grads=True):
+        """(o, dq, dk, dv) from the FP8 buffers as float32 ``[B, H, N, D]`` contiguous tensors (descaled); the
+        gradients are None with ``grads=False``."""
+        o = (self.o8.float() * self.s["descale_o"].view(())).contiguous()
+        if not grads:
+            return o, None, None, None
+        g = [(x.float() / self.s[f"scale_{n}"].view(())).contiguous()
+             for x, n in ((self.dq8, "dQ"), (self.dk8, "dK"), (self.dv8, "dV"))]
+        return (o, *g)
 
 
 _CACHE = {}
@@ -401,28 +412,30 @@ def _as_torch(x, torch):
     return torch.as_tensor(x, device="cuda")
 
 
-def cudnn_fp8_attention(q, k, v, do, causal=False, *, sm_scale=None):
+def cudnn_fp8_attention(q, k, v, do=None, causal=False, *, sm_scale=None):
     """cuDNN's FP8 attention forward and backward of ``q, k, v`` (``[B, H, N, D]``, one head count, Nq == Nk) and
     output gradient ``do``, with the amax-derived scales of this module (calibrated on these inputs).
 
     Inputs: torch tensors, or arrays ``torch.as_tensor`` takes (CuPy, NumPy; sagecupy's BF16Array through its
     float32 values), in any float dtype. Returns ``(o, dq, dk, dv)`` as float32 ``[B, H, N, D]`` torch tensors,
-    dequantized from cuDNN's E4M3 outputs. Raises :class:`Unavailable` where cuDNN's FP8 attention cannot run.
+    dequantized from cuDNN's E4M3 outputs; with ``do=None`` the forward alone (``dq, dk, dv`` None: on Hopper cuDNN
+    has an FP8 forward at D = 64 but its FP8 backward needs D = 128). Raises :class:`Unavailable` where cuDNN's FP8
+    attention cannot run (that shape included).
     """
     why = unavailable_reason()
     if why is not None:
         raise Unavailable(why)
     torch, _ = _modules()
-    q, k, v, do = (_as_torch(x, torch) for x in (q, k, v, do))
-    if q.dim() != 4 or not (q.shape == k.shape == v.shape == do.shape):
-        raise ValueError(f"q, k, v, do must share one [B, H, N, D] shape; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}, {tuple(do.shape)}")
-    if not q.is_floating_point():
-        raise ValueError(f"q must be a floating-point tensor; got {q.dtype}")
+    xs = [_as_torch(x, torch) for x in ((q, k, v) if do is None else (q, k, v, do))]
+    if xs[0].dim() != 4 or any(x.shape != xs[0].shape for x in xs):
+        raise ValueError("q, k, v, do must share one [B, H, N, D] shape; got "
+                         + ", ".join(str(tuple(x.shape)) for x in xs))
+    if not all(x.is_floating_point() for x in xs):
+        raise ValueError(f"inputs must be floating-point tensors; got {', '.join(str(x.dtype) for x in xs)}")
     # float64 inputs are rounded once to float32 before the E4M3 cast (a power-of-two scale is exact in both)
-    q, k, v, do = (x.float() if x.dtype == torch.float64 else x for x in (q, k, v, do))
-    B, H, N, D = q.shape
+    xs = [x.float() if x.dtype == torch.float64 else x for x in xs]
+    B, H, N, D = xs[0].shape
     att = get(B, H, N, D, causal, attn_scale=sm_scale)
-    att.calibrate(q, k, v, do)
+    att.calibrate(*xs)
     torch.cuda.synchronize()
-    return att.dequantized()
+    return att.dequantized(grads=do is not None)

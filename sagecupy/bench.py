@@ -372,9 +372,11 @@ def bench_cudnn_fp8(D, N, causal, *, warmup=3, rep=10, modes=("fwd", "bwd", "fwd
     rows = []
 
     def row(mode, scope, ms):
+        # plan: cuDNN's engine for the forward and, where timed, the backward
+        plan = att.fwd_plan if mode == "fwd" else f"{att.fwd_plan}+{att.bwd_plan}" if mode == "fwdbwd" else att.bwd_plan
         rows.append(dict(impl="cudnn-fp8", config="", mode=mode, scope=scope, D=D, N=N, B=B, H=H, causal=causal,
                          dtype="float8_e4m3fn" if scope == "kernel" else "bfloat16", ms=ms,
-                         tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
+                         tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9, plan=plan))
 
     def error(stage, exc):
         rows.append(dict(impl="cudnn-fp8", mode="error", D=D, N=N, B=B, H=H, causal=causal,
