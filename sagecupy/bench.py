@@ -85,7 +85,7 @@ def flops(B, Hq, Nq, Nk, D, causal, mode="fwd") -> float:
 
 #: Warm-up before timing lasts at least this long as well as ``warmup`` calls: after host-side work (making the
 #: inputs, the pre-passes) the first case's kernel row read 1-16% slower than the same call timed next
-#: (bench/results/session10_final), as if the GPU had not reached its clocks after 3 calls of ~1 ms.
+#: (measured with commit 5257c62), as if the GPU had not reached its clocks after 3 calls of ~1 ms.
 MIN_WARMUP_S = 0.025
 
 
