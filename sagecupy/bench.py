@@ -418,7 +418,7 @@ def bench_cudnn_fp8(D, N, causal, *, warmup=3, rep=10, modes=("fwd", "bwd", "fwd
     except Exception as exc:
         error("backward", exc)
     finally:
-        del att, q, k, v, do
+        att = q = k = v = do = None  # drop the buffers before emptying the cache
         torch.cuda.empty_cache()  # hand the cached blocks back before the next case's CuPy kernels
     return rows
 
