@@ -114,15 +114,14 @@ def kernel_names() -> dict:
     return out
 
 
-def forward_engine(engine: str | None = None, head_dim: int | None = None) -> str:
+def forward_engine(engine: str | None = None) -> str:
     """The tensor-core path the forward uses: ``"wgmma"`` (Hopper, sm_90) or ``"mma"`` (mma.sync, sm_80+).
 
     ``engine``: ``None`` or ``"auto"`` (the default) picks ``"wgmma"`` on sm_90 (D = 64 and 128), where the
     pipelined wgmma kernel measured 1.25-1.34x (D = 64) and 1.75-1.88x (D = 128) the mma.sync kernel's speed on the
     H200, causal or not, N 4K/16K (docs/experiments.md), and ``"mma"`` elsewhere; ``"mma"`` asks for the mma.sync
     kernel on Hopper too. Both compute the same function: their int32 products are exact and every float operation
-    after them is the same, so O and the LSE agree bit for bit (tested). ``head_dim`` does not change the choice
-    (kept for existing callers).
+    after them is the same, so O and the LSE agree bit for bit (tested).
     """
     return _layout.pick_engine(engine)
 
