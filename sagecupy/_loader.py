@@ -64,6 +64,12 @@ def _inline(path: Path, seen: set, root: Path) -> str:
     return _INCLUDE_RE.sub(repl, text)
 
 
+def inline_file(path) -> str:
+    """A CUDA file outside the kernel tree (a test's harness) with its ``#include "…"`` lines inlined, each named from
+    the kernel root as in the tree's own files."""
+    return _inline(Path(path).resolve(), set(), kernel_dir().resolve())
+
+
 def kernel_source(filename: str) -> str:
     """The self-contained source of ``kernels_cu/<filename>`` with a content hash on its first line."""
     return _kernel_source(str(kernel_dir()), filename)

@@ -26,7 +26,7 @@ def module():
 
     if _loader.device_capability() != (9, 0):
         pytest.skip("wgmma needs compute capability 9.0")
-    source = _loader._inline(_SRC.resolve(), set())
+    source = _loader.inline_file(_SRC)
     mod = cupy.RawModule(code=source, options=_loader._options("sm_90a"), name_expressions=_names())
     mod.compile()
     return mod
