@@ -29,7 +29,7 @@ def as_cupy(x, name: str):
 
     if _ARRAY_TYPES is None or _ARRAY_TYPES[0] is not cupy.ndarray:
         # once per cupy module (tests swap in stand-ins): a function-level relative import runs importlib's package
-        # lookup on every call (seen in bench/first_launch_probe.py's cProfile)
+        # lookup on every call (a measurable share of the first launch's host time in cProfile)
         from .adapters.bf16 import BF16Array
 
         _ARRAY_TYPES = (cupy.ndarray, BF16Array)

@@ -10,7 +10,7 @@
 * ``SAGECUPY_DEFINES="A=1,B=2"`` adds ``-DA=1 -DB=2`` to every compile (tuning experiments; the
   defines are part of the cache key).
 * ``SAGECUPY_KERNELS_DIR=/path/kernels_cu`` compiles the sources of another folder instead (A/B timing of two
-  kernel trees in one process, e.g. ``bench/bwd_variants.py`` against a copy of an earlier commit's kernels).
+  kernel trees in one process: ``bench/ab.py`` against a copy of an earlier commit's kernels).
 * ``SAGECUPY_JIT_DEBUG=1`` writes the generated source and compiler options to a temporary
   folder (and prints where) for every compile; a compile failure always says how to get them.
 """
