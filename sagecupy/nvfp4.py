@@ -534,7 +534,8 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     if engine == "wgmma":
         if ws:
             assert split is None or (two_level and not causal)  # (_split_setup's conditions)
-            name = _ws_img_name(_T[dtype], D, tl, 1 if split is not None else fp4_causal_group(causal), split is not None)
+            cg = 1 if split is not None else fp4_causal_group(causal)
+            name = _ws_img_name(_T[dtype], D, tl, cg, split is not None)
         else:
             name = f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal))}>"
         fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", name, all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")

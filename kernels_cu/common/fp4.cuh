@@ -1,4 +1,4 @@
-// NVFP4 codecs (SPEC §5): E2M1 elements (round to nearest, ties to even, saturating at 6) and E4M3
+// NVFP4 codecs (docs/algorithms.md §5): E2M1 elements (round to nearest, ties to even, saturating at 6) and E4M3
 // block scales (through cuda_fp8.h, which rounds to nearest even and saturates). Bit-exact with
 // sagecupy.reference.fp4. Hopper has no E2M1 conversion instruction (cvt ... e2m1x2 is sm_100+), so
 // the element rounding is done with comparisons against the exact midpoints of the E2M1 grid.
@@ -6,13 +6,6 @@
 #include <cuda_fp8.h>
 
 #include "common/numeric.cuh"
-
-// SAGE_NVFP4_CMP_BSEARCH (default 1; 0: seven comparisons): nvfp4_block_cmp (K after its mean) finds each element's
-// code with three comparisons (a binary search over the seven thresholds) instead of seven; the same codes (H200,
-// thirty-second session: the 4K call with the K/V images 1.468 -> 1.460 ms, causal 0.915 -> 0.898).
-#ifndef SAGE_NVFP4_CMP_BSEARCH
-#define SAGE_NVFP4_CMP_BSEARCH 1
-#endif
 
 namespace sage {
 
@@ -108,19 +101,12 @@ __device__ __forceinline__ unsigned nvfp4_block_cmp(const float (&x)[16], unsign
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float xv = x[8 * h + i], a = fabsf(xv);
-      // (plain comparisons: ptxas makes FSETP and predicated adds of them, 52 us for K at 4K; set.*.u32.f32 summed as
-      // -1s became FSETP + SEL, 65 us)
-#if SAGE_NVFP4_CMP_BSEARCH
       // The thresholds a passes are a prefix t1 .. tm (increasing, each test monotone in a), so m by a binary search:
-      // m >= 4, then m >= 6 or m >= 2, then the odd threshold between: three tests instead of seven.
+      // m >= 4, then m >= 6 or m >= 2, then the odd threshold between: three tests instead of seven, the same codes
+      // (H200: the 4K call 1.468 -> 1.460 ms, causal 0.915 -> 0.898; docs/experiments.md).
       const bool b1 = a >= t4, b2 = a >= (b1 ? t6 : t2);
       const float t_odd = b1 ? (b2 ? t7 : t5) : (b2 ? t3 : t1);
       const unsigned m = (b1 ? 4u : 0u) + (b2 ? 2u : 0u) + (a > t_odd ? 1u : 0u);
-#else
-      const unsigned m = static_cast<unsigned>(a > t1) + static_cast<unsigned>(a >= t2) +
-                         static_cast<unsigned>(a > t3) + static_cast<unsigned>(a >= t4) +
-                         static_cast<unsigned>(a > t5) + static_cast<unsigned>(a >= t6) + static_cast<unsigned>(a > t7);
-#endif
       w |= (m | ((__float_as_uint(xv) >> 28) & 8u)) << (4 * i);
     }
     packed[h] = bad ? 0x77777777u : (s == 0.f ? 0u : w);
@@ -184,7 +170,7 @@ __device__ __forceinline__ void dequant16_half(uint2 w, unsigned scale_code, uns
 // from there on, so a + M - M with M = 2^(22 + max(e, 0)) rounds to it (M's fp32 ulp is that step; the adds
 // round to nearest even); a >= 8 rounds to at least 8 and saturates. Five instructions (AND, add-max, two
 // FADD, FMNMX). Identical to the previous form (two magic-number paths and a select) for every fp32 value in
-// [0, 64) and for Inf/NaN (checked exhaustively in numpy, bench/NOTES.md). NaN and Inf give 6 (a NaN exponent
+// [0, 64) and for Inf/NaN (checked exhaustively in numpy; docs/experiments.md). NaN and Inf give 6 (a NaN exponent
 // field makes M negative as an int, so the max picks 2^22; fminf drops the NaN): callers carry NaN another way
 // (the attention row sums do).
 // e2m1_round_nonneg without the saturation (a >= 7 rounds to 8 or more, Inf to Inf, NaN to NaN): for callers that
@@ -230,7 +216,7 @@ __device__ __forceinline__ __half2 e4m3_block_scale_fast2(float a0, float a1, fl
 // to 16 significant bits (+0x40, clear the low 7 bits) lands exactly on the midpoint in the first case and on
 // the quotient's side of it in the second; e2m1_round_nonneg then rounds as the reference does, and q s is exact
 // in fp16 (at most 6 significant bits in [2^-10, 2688]). Checked exhaustively against the reference for every
-// fp16 value and every fp32-normal bf16 value with every nonzero E4M3 scale (bench/NOTES.md, ninth session). The
+// fp16 value and every fp32-normal bf16 value with every nonzero E4M3 scale (docs/experiments.md). The
 // sign is copied back (-0 and small negatives stay negative, as their codes keep the sign bit); a zero scale
 // gives +0 (nvfp4_block's +0 codes), a NaN scale (NaN/Inf in the block) NaN.
 struct FqScale {

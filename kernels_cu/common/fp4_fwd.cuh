@@ -1,39 +1,28 @@
 // The FP4 attention forwards' per-tile softmax and P quantization, shared by the mma.sync kernels
-// (fp4_attn_fwd.cu) and the Hopper wgmma kernel (fp4_attn_fwd_sm90.cu): the same float operations in the
-// same order, so the engines differ only through the fp32 accumulation order inside the tensor cores.
-// See fp4_attn_fwd.cu for the algorithm (x, beta, two-level P).
+// (nvfp4/fp4_attn_fwd.cu) and the Hopper wgmma kernels (nvfp4/fp4_attn_fwd_sm90.cu, qat/qat_attn_fwd_sm90.cu): the
+// same float operations in the same order, so the engines differ only through the fp32 accumulation order inside the
+// tensor cores (and where a kernel keeps O in the frame of its last tile or thread-owned P blocks: below).
+// See nvfp4/fp4_attn_fwd.cu for the algorithm (x, beta, two-level P).
 #pragma once
 #include "common/fp4.cuh"
 #include "common/numeric.cuh"
 
 namespace sage {
 
-// SAGE_FP4_RESCALE_SLACK (base-2 logit units, two-level P only; 0: the running max follows every tile max).
-// The 16-key blocks' maxima taken on the logits (before exp2), the row max from them (SAGE_FP4_BMAX_LOGITS, default
-// 1; 0: the row max over the logits and each block's max over x = exp2(...) after the exponentials). exp2 and the
-// FFMA before it are monotone, so the block maxima of x are the same numbers (O bitwise equal on the H200 at 4K and
-// 16K, causal and not), but the block scales no longer wait for the exponentials and the row max needs no pass of
-// its own: the NVFP4 wgmma forward 1.05-1.08x (bench/fp4_floor.py, bench/NOTES.md twenty-sixth session).
-#ifndef SAGE_FP4_BMAX_LOGITS
-#define SAGE_FP4_BMAX_LOGITS 1
-#endif
-// SAGE_FP4_LOGFOLD (default 1; needs SAGE_FP4_BMAX_LOGITS): each 16-key block's scale s enters the exponent,
-// y = 2^(S - r + log2 2688 - log2 s) (one FFMA with a per-block constant, then ex2), instead of y = x * (1/s) per
-// element; the row sum takes s * (the block's sum of y). Per element one FMUL fewer, per block a lg2 for a reciprocal
-// (and its zero test): y is the same quotient as x * rcp(s) within fp32 error (the special-function unit's, and one
-// rounding of the per-block constant base - log2 s, ~|base| ulps), which moves an element of P across an E2M1
-// midpoint only within ~1e-6 of it, as the rcp form's error does (tests: _ambiguous_rows). A zero scale (the block's
-// max x at most 6 * 2^-10) takes s = 2^-10 in the exponent (finite y, so the row sum still counts the block) and
-// zeroes P^ through its fp16 scale. 0: x * rcp(s) (bench/NOTES.md twenty-seventh session).
-#ifndef SAGE_FP4_LOGFOLD
-#define SAGE_FP4_LOGFOLD 1
-#endif
-#if SAGE_FP4_LOGFOLD && !SAGE_FP4_BMAX_LOGITS
-#error "SAGE_FP4_LOGFOLD needs SAGE_FP4_BMAX_LOGITS (the block scales before the exponentials)"
-#endif
-#ifndef SAGE_FP4_RESCALE_SLACK
-#define SAGE_FP4_RESCALE_SLACK 8
-#endif
+// How fp4_softmax_tile computes (each measured against its alternative; docs/experiments.md):
+// * The 16-key blocks' maxima are taken on the logits (before exp2) and the row max from them. exp2 and the FFMA
+//   before it are monotone, so the block maxima of x are the same numbers as after the exponentials (O bitwise
+//   equal), but the block scales do not wait for the exponentials and the row max needs no pass of its own: the NVFP4
+//   wgmma forward 1.05-1.08x.
+// * Each 16-key block's scale s enters the exponent, y = 2^(S - r + log2 2688 - log2 s) (one FFMA with a per-block
+//   constant, then ex2), instead of y = x * (1/s) per element; the row sum takes s * (the block's sum of y). Per
+//   element one FMUL fewer, per block a lg2 for a reciprocal (and its zero test): y is the same quotient as
+//   x * rcp(s) within fp32 error (the special-function unit's, and one rounding of the per-block constant
+//   base - log2 s, ~|base| ulps), which moves an element of P across an E2M1 midpoint only within ~1e-6 of it, as the
+//   rcp form's error does (tests: _ambiguous_rows). A zero scale (the block's max x at most 6 * 2^-10) takes
+//   s = 2^-10 in the exponent (finite y, so the row sum still counts the block) and zeroes P^ through its fp16 scale.
+// * With two-level P the running max moves only when a tile's max exceeds it by more than FP4_RESCALE_SLACK (base-2
+//   logit units; below).
 
 // Per-thread row state of the online softmax: rows r_lo and r_lo + 8 of the warp's 16.
 struct Fp4Rows {
@@ -51,6 +40,7 @@ struct Fp4TileScale {
 };
 
 constexpr float FP4_FRAME_GAP = 60.f;  // tiles more than this (log2) below the running max are skipped for O
+constexpr int FP4_RESCALE_SLACK = 8;   // two-level P: how far (log2) a tile's max may exceed the running max unmoved
 
 __device__ __forceinline__ unsigned half2_bits(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
@@ -77,14 +67,14 @@ __host__ __device__ constexpr int FP4_TBLK_KEY(int c) { return 16 * ((c & 7) >> 
 // TBLK (thread-owned blocks): the tile's K^ rows and V^ tokens are stored in the order FP4_TBLK_KEY (below), so that
 // s[nt][e] is key tile * 64 + 16 t4 + 2 nt + (e & 1): each thread's 16 values of a row are one whole 16-key block.
 // Its block max and scale need no shuffles (one per row instead of four), the row max one quad reduction. The
-// products are the same sums over another order of the keys (fp32 accumulation order only). Needs SAGE_FP4_LOGFOLD.
+// products are the same sums over another order of the keys (fp32 accumulation order only).
 template <bool TWO_LEVEL, bool QAT, bool FRAME = false, bool TBLK = false>
 __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Rows& rs, unsigned (&pa)[4][4],
                                                          unsigned (&pp)[QAT ? 4 : 1][4], int tile, bool need_mask,
                                                          bool causal, int r_lo, int t4, int nk, int shift,
                                                          float scale_log2) {
   constexpr float LOG2_X_MAX = 11.392317422778761f;  // log2(2688), 2688 = 448 * 6
-  static_assert(!TBLK || (SAGE_FP4_LOGFOLD && !QAT), "thread-owned blocks: the folded scale path, NVFP4 only");
+  static_assert(!TBLK || !QAT, "thread-owned blocks: NVFP4 only");
   if (need_mask) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -99,7 +89,6 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
   // Row maxima as trees (short dependency chains). fmaxf drops a NaN logit unless all of a reduction's inputs are
   // NaN (quad_max propagates one), so the row and block maxima may or may not be NaN; either way an unmasked NaN
   // logit reaches O through its x and the row sum.
-#if SAGE_FP4_BMAX_LOGITS
   // Each 16-key block's max logit (quad-reduced), the row max as their max: exp2 is monotone, so the block maxima
   // of x follow from these without a pass over x (below). TBLK: bt[r], this thread's block of row r, and the row
   // max over the quad.
@@ -123,25 +112,18 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
 #pragma unroll
     for (int r = 0; r < 2; ++r) rmax[r] = fmaxf(fmaxf(bm[0][r], bm[1][r]), fmaxf(bm[2][r], bm[3][r]));
   }
-#else
-  float rmax[2] = {acc_row_max<8, 0>(s), acc_row_max<8, 1>(s)};
-#endif
   Fp4TileScale ts;
   float base[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-#if SAGE_FP4_BMAX_LOGITS
     rmax[r] *= scale_log2;  // (TBLK: bt[r] stays raw, scaled in its exponent below)
-#else
-    rmax[r] = quad_max(rmax[r]) * scale_log2;
-#endif
     ts.rmax[r] = rmax[r];
     // Two-level P is relative to the tile's own max, so the running max may lag (lazy frame, as the INT8 forward:
-    // common/int8_fwd.cuh): it moves only when a tile's max exceeds it by more than SAGE_FP4_RESCALE_SLACK, and
+    // int8/fwd.cuh): it moves only when a tile's max exceeds it by more than FP4_RESCALE_SLACK, and
     // O' (QAT) / O (alpha-beta kernels) skip their rescale on almost every tile. Single-level P quantizes
     // 2^(S - m) itself, whose E4M3 scales depend on m: there m stays the exact running max.
-    const float m_new = (TWO_LEVEL && SAGE_FP4_RESCALE_SLACK > 0)
-                            ? (rmax[r] > rs.m[r] + static_cast<float>(SAGE_FP4_RESCALE_SLACK) ? rmax[r] : rs.m[r])
+    const float m_new = TWO_LEVEL
+                            ? (rmax[r] > rs.m[r] + static_cast<float>(FP4_RESCALE_SLACK) ? rmax[r] : rs.m[r])
                             : fmaxf(rs.m[r], rmax[r]);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact
@@ -165,7 +147,7 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
   const __half2 six2 = __float2half2_rn(6.f);
   float lsum[2] = {0.f, 0.f};
   if constexpr (TBLK) {
-    // One block per row and thread: its scale (folded into the exponent, as SAGE_FP4_LOGFOLD below), then the
+    // One block per row and thread: its scale (folded into the exponent, as below), then the
     // 16 values; P^'s A fragment of k16 chunk kk takes the values of n8 tiles 2 kk and 2 kk + 1 as before.
     float sc[2], sf[2], bb[2];
 #pragma unroll
@@ -201,95 +183,49 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
                        six2);
       }
   } else {
-  // x, row sums, and the NVFP4 P^ as fp16 A operands (16-key blocks = k16 chunks kk).
+    // x, row sums, and the NVFP4 P^ as fp16 A operands (16-key blocks = k16 chunks kk).
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-#if SAGE_FP4_LOGFOLD
-    float sc[2], sf[2], bb[2];
+    for (int kk = 0; kk < 4; ++kk) {
+      float sc[2], sf[2], bb[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) sc[r] = fast_exp2(fmaf(bm[kk][r], scale_log2, base[r]));  // the block maxima of x
-    __half2 sch = e4m3_block_scale_fast2(sc[0], sc[1], sc);
-    {
-      const unsigned kb = *reinterpret_cast<const unsigned*>(&sch) & keep;
-      sch = *reinterpret_cast<const __half2*>(&kb);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      sf[r] = fmaxf(sc[r], 0x1p-10f);  // (a NaN scale: 2^-10 here; P^ is NaN through sch)
-      bb[r] = base[r] - fast_log2(sf[r]);
-    }
-    float y[2][4], ys[2] = {0.f, 0.f};  // y = x / s; the block's sum of y per row
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const float yv = fast_exp2(fmaf(s[2 * kk + j][e], scale_log2, bb[r]));
-        y[r][2 * j + (e & 1)] = yv;
-        ys[r] += yv;
+      for (int r = 0; r < 2; ++r) sc[r] = fast_exp2(fmaf(bm[kk][r], scale_log2, base[r]));  // the block maxima of x
+      __half2 sch = e4m3_block_scale_fast2(sc[0], sc[1], sc);
+      {
+        const unsigned kb = *reinterpret_cast<const unsigned*>(&sch) & keep;
+        sch = *reinterpret_cast<const __half2*>(&kb);
       }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      lsum[r] = fmaf(sf[r], ys[r], lsum[r]);
-      const __half2 s2 = r == 0 ? __low2half2(sch) : __high2half2(sch);
-      float qv[4];
+      for (int r = 0; r < 2; ++r) {
+        sf[r] = fmaxf(sc[r], 0x1p-10f);  // (a NaN scale: 2^-10 here; P^ is NaN through sch)
+        bb[r] = base[r] - fast_log2(sf[r]);
+      }
+      float y[2][4], ys[2] = {0.f, 0.f};  // y = x / s; the block's sum of y per row
 #pragma unroll
-      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg_unsat(y[r][i]);
-      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
-      pa[kk][r] = fp4_p_pair(qv[0], qv[1], s2, six2);
-      pa[kk][2 + r] = fp4_p_pair(qv[2], qv[3], s2, six2);
-      if constexpr (QAT) {
-        const float sb = sf[r] * ts.beta[r];  // P~ = beta * x = beta * s * y
-        pp[kk][r] = half2_bits(y[r][0] * sb, y[r][1] * sb);
-        pp[kk][2 + r] = half2_bits(y[r][2] * sb, y[r][3] * sb);
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const float yv = fast_exp2(fmaf(s[2 * kk + j][e], scale_log2, bb[r]));
+          y[r][2 * j + (e & 1)] = yv;
+          ys[r] += yv;
+        }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        lsum[r] = fmaf(sf[r], ys[r], lsum[r]);
+        const __half2 s2 = r == 0 ? __low2half2(sch) : __high2half2(sch);
+        float qv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg_unsat(y[r][i]);
+        // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
+        pa[kk][r] = fp4_p_pair(qv[0], qv[1], s2, six2);
+        pa[kk][2 + r] = fp4_p_pair(qv[2], qv[3], s2, six2);
+        if constexpr (QAT) {
+          const float sb = sf[r] * ts.beta[r];  // P~ = beta * x = beta * s * y
+          pp[kk][r] = half2_bits(y[r][0] * sb, y[r][1] * sb);
+          pp[kk][2 + r] = half2_bits(y[r][2] * sb, y[r][3] * sb);
+        }
       }
     }
-#else
-    float x[2][4];  // [row half][4 values of this thread in the block]
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const float xv = fast_exp2(fmaf(s[2 * kk + j][e], scale_log2, base[r]));
-        x[r][2 * j + (e & 1)] = xv;
-        lsum[r] += xv;
-      }
-    float amax[2], sc[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#if SAGE_FP4_BMAX_LOGITS
-      amax[r] = fast_exp2(fmaf(bm[kk][r], scale_log2, base[r]));
-#else
-      amax[r] = fmaxf(fmaxf(x[r][0], x[r][1]), fmaxf(x[r][2], x[r][3]));
-      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
-      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
-#endif
-    }
-    // Both row halves' block scales in one conversion each way; the E2M1 values times the scale in fp16 (exact:
-    // at most 6 significant bits within [2^-10, 2688]).
-    __half2 sch = e4m3_block_scale_fast2(amax[0], amax[1], sc);
-    {
-      const unsigned kb = *reinterpret_cast<const unsigned*>(&sch) & keep;
-      sch = *reinterpret_cast<const __half2*>(&kb);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float inv = rcp_approx(sc[r]);
-      const __half2 s2 = r == 0 ? __low2half2(sch) : __high2half2(sch);
-      float qv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) qv[i] = e2m1_round_nonneg_unsat(x[r][i] * inv);
-      // A fragment: a0 (row g, k 2t..) a1 (row g+8, k 2t..) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
-      pa[kk][r] = fp4_p_pair(qv[0], qv[1], s2, six2);
-      pa[kk][2 + r] = fp4_p_pair(qv[2], qv[3], s2, six2);
-      if constexpr (QAT) {
-        pp[kk][r] = half2_bits(x[r][0] * ts.beta[r], x[r][1] * ts.beta[r]);
-        pp[kk][2 + r] = half2_bits(x[r][2] * ts.beta[r], x[r][3] * ts.beta[r]);
-      }
-    }
-#endif
-  }
   }
   rs.l[0] = fmaf(rs.l[0], ts.alpha[0], lsum[0] * ts.beta[0]);
   rs.l[1] = fmaf(rs.l[1], ts.alpha[1], lsum[1] * ts.beta[1]);
@@ -298,8 +234,8 @@ __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Ro
   return ts;
 }
 
-// O accumulated in place in the frame of the last tile it took (two-level P; the wgmma QAT forward, and the NVFP4
-// wgmma forward under SAGE_FP4_OFRAME): O_f = O / beta_f, beta_f = 2^(r_f - m) / 2688. See qat_attn_fwd_sm90.cu
+// O accumulated in place in the frame of the last tile it took (two-level P; the wgmma QAT forward and the NVFP4
+// warp-specialized forward): O_f = O / beta_f, beta_f = 2^(r_f - m) / 2688. See qat/qat_attn_fwd_sm90.cu
 // for the rule, its error and its bounds. Per row: r_f (-inf until a tile is taken).
 struct Fp4Frame {
   float r[2];
@@ -367,18 +303,15 @@ __device__ __forceinline__ void fp4_pv_update(float (&o)[N][4], const float (&ac
   }
 }
 
-// Epilogue: normalize and store O (T), O' (fp32, QAT only), LSE (+ qmk: qmk_bh[row] from memory, or qmk_rows[r] for
-// rows r_lo + 8 r from the caller's registers when it is given; 0 without either). A row that sees no key
+// Epilogue: normalize and store O (T), O' (fp32, QAT only), LSE (+ qmk_bh[row] when given). A row that sees no key
 // (l == 0) stores exact zeros (not acc * 0: a NaN of V reaches acc through 0 * NaN in the MMA even for rows
 // that do not see it).
-// SEPARATE (the persistent warp-specialized kernel): the LSE as an explicit fp32 product then sum, so that ptxas
-// cannot contract it into one FFMA (it did there, not in nvfp4_attn_fwd_ws: the LSEs differed in their last bit).
-template <typename T, int D, bool QAT, bool SEPARATE = false>
+template <typename T, int D, bool QAT>
 __device__ __forceinline__ void fp4_fwd_epilogue(const float (&acc_o)[D / 8][4], const float (*acc_p)[4], Fp4Rows& rs,
                                                  T* __restrict__ o_bh, long long osn, float* __restrict__ oprime_bh,
                                                  float* __restrict__ lse_bh, float* __restrict__ lse2_bh,
                                                  const float* __restrict__ qmk_bh, int r_lo, int t4, int nq,
-                                                 int nq_pad, const float* qmk_rows = nullptr) {
+                                                 int nq_pad) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) rs.l[r] = quad_sum(rs.l[r]);
   const float inv_l[2] = {rs.l[0] == 0.f ? 0.f : 1.f / rs.l[0], rs.l[1] == 0.f ? 0.f : 1.f / rs.l[1]};
@@ -404,10 +337,7 @@ __device__ __forceinline__ void fp4_fwd_epilogue(const float (&acc_o)[D / 8][4],
       const int row = r_lo + 8 * r;
       const float l2 = rs.l[r] == 0.f ? INFINITY : rs.m[r] + log2f(rs.l[r]);
       if (row < nq)
-        lse_bh[row] = rs.l[r] == 0.f ? -INFINITY
-                                     : SEPARATE ? __fadd_rn(__fmul_rn(l2, 0.6931471805599453f),
-                                                            qmk_rows ? qmk_rows[r] : qmk_bh ? qmk_bh[row] : 0.f)
-                                                : l2 * 0.6931471805599453f + (qmk_rows ? qmk_rows[r] : qmk_bh ? qmk_bh[row] : 0.f);
+        lse_bh[row] = rs.l[r] == 0.f ? -INFINITY : l2 * 0.6931471805599453f + (qmk_bh ? qmk_bh[row] : 0.f);
       if (lse2_bh && row < nq_pad) lse2_bh[row] = row < nq ? l2 : INFINITY;
     }
   }

@@ -1,6 +1,6 @@
-// FP4 attention forwards on fp16 tensor cores (SPEC §5-6), FlashAttention-2 structure: one CTA = 16 * WARPS
-// query rows (one warp per 16 rows), KV tiles of 64 keys, online softmax in base 2, mma.sync m16n8k16 fp16
-// with fp32 accumulation for Q.K^T and P.V.
+// FP4 attention forwards on fp16 tensor cores (docs/algorithms.md §5-6), FlashAttention-2 structure: one CTA = 16 *
+// WARPS query rows (one warp per 16 rows), KV tiles of 64 keys, online softmax in base 2, mma.sync m16n8k16 fp16 with
+// fp32 accumulation for Q.K^T and P.V.
 //
 // nvfp4_attn_fwd (SageAttention3-style inference): Q, K, V arrive packed (two E2M1 codes per byte + one
 // E4M3 scale per 16 along the contraction axis, the exchange format of sagecupy.nvfp4). Each 16-block

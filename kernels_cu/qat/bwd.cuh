@@ -1,8 +1,8 @@
-// The element-wise steps of the FP4 QAT backward (SPEC §6), shared by the mma.sync kernels (qat_attn_bwd.cu)
-// and the wgmma kernels (qat_attn_bwd_sm90.cu): both hold their 64 x 64 score tiles in the same per-warp
-// layout (warp w: rows 16w + g and 16w + g + 8; float acc[nt][e] is row g + 8 (e >> 1), column 8 nt + 2 t4 +
-// (e & 1)), so one definition of the masking, of P and fq(P), and of dS serves both engines and their
-// results differ only through the fp32 accumulation order inside the tensor cores.
+// The element-wise steps of the FP4 QAT backward (docs/algorithms.md §6), shared by the mma.sync kernels
+// (qat_attn_bwd.cu) and the wgmma kernels (qat_attn_bwd_sm90.cu): both hold their 64 x 64 score tiles in the same
+// per-warp layout (warp w: rows 16w + g and 16w + g + 8; float acc[nt][e] is row g + 8 (e >> 1), column 8 nt + 2 t4 +
+// (e & 1)), so one definition of the masking, of P and fq(P), and of dS serves both engines and their results differ
+// only through the fp32 accumulation order inside the tensor cores.
 #pragma once
 #include "common/fp4.cuh"
 #include "common/mma.cuh"
@@ -42,7 +42,7 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
 // The 16-key blocks of fq(P) for this key tile, after the warps' column maxima are in sCmax (4 x BQ: warp w's
 // 16 keys = one block per query), computed once per block here rather than by each of the 8 lanes that hold a
 // block's values (that per-column form spent ~300 of ~1200 instructions per warp and tile on it, and most of
-// its MUFU and shared-memory latency: bench/NOTES.md, seventeenth session). Thread tid handles query q = tid % BQ
+// its MUFU and shared-memory latency; docs/experiments.md). Thread tid handles query q = tid % BQ
 // and the blocks of warps 2 (tid / BQ) and 2 (tid / BQ) + 1 (THREADS = 2 BQ). Per query: r = the tile's max logit (as the forward
 // computes it), beta = exp2(r - lse2) / 2688 (0 for a query that sees no key of the tile). Per block: the E4M3
 // scale s of its x = 2688 exp2(S - r) (from the block's max), and sKS[w BQ + q] = (k, s beta) with
@@ -87,7 +87,7 @@ __device__ __forceinline__ void qat_block_scales(float2* sKS, const float* sCmax
 // VEC: one vector load per two columns (sKSw, sL and sDel then 16-, 8- and 8-byte aligned): the wgmma kernel at
 // D = 128 measured 1.02-1.03x with them in three of four cases (1.00x at 16K causal) although ptxas spills 20-24
 // bytes there at 255 registers (none without), at D = 64 0.98-0.99x (more live registers, more spills at its 168);
-// bench/NOTES.md, seventeenth session.
+// docs/experiments.md.
 template <typename T, bool VEC = false>
 __device__ __forceinline__ void qat_pq_ds_tile(unsigned (&pa)[4][4], unsigned (&da)[4][4], const float (&s)[8][4],
                                                const float (&dpt)[8][4], const float2* sKSw, const float* sL,

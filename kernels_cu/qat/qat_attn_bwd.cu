@@ -1,4 +1,4 @@
-// FP4 QAT backward (Attn-QAT-style, SPEC §6) on fp16/bf16 tensor cores with fp32 accumulation.
+// FP4 QAT backward (Attn-QAT-style, docs/algorithms.md §6) on fp16/bf16 tensor cores with fp32 accumulation.
 // One CTA = one block of 64 keys, 4 warps x 16 keys; it loops over the query heads of its kv head (GQA:
 // dK, dV summed in registers) and over the query tiles of 64 rows that can see its keys. Computed
 // transposed (keys as the mma M dimension) so that P^T and dS^T re-pack from accumulators into A operands:
@@ -8,7 +8,7 @@
 //           forward computes it), NVFP4 of x in 16-key blocks (one warp's 16 keys), times
 //           beta = exp2(r - lse2) / 2688
 //   dP^T  = V~ dO^T
-//   dV   += P_q^T dO                (P_q^T and dS^T formed in one pass once S^T and dP^T are in: common/qat_bwd.cuh)
+//   dV   += P_q^T dO                (P_q^T and dS^T formed in one pass once S^T and dP^T are in: qat/bwd.cuh)
 //   dS^T  = P^T o (dP^T - delta),   delta = rowsum(dO o O')   (pre-computed)
 //   dK   += dS^T Q~                 (times sm_scale at the end)
 // dQ has its own kernel (qat_attn_bwd_dq, below: one CTA per 64 query rows, recomputing S, P, dP and dS of

@@ -1,5 +1,5 @@
-// FP4 QAT backward (SPEC §6) on Hopper tensor cores (sm_90a only): the algorithm, CTA shapes and element-wise
-// steps of qat_attn_bwd.cu (see there; the steps are common/qat_bwd.cuh's, shared), with every product on
+// FP4 QAT backward (docs/algorithms.md §6) on Hopper tensor cores (sm_90a only): the algorithm, CTA shapes and
+// element-wise steps of qat_attn_bwd.cu (see there; the steps are qat/bwd.cuh's, shared), with every product on
 // wgmma (fp16/bf16 operands, fp32 accumulation). One CTA = one warpgroup (4 warps, 64 rows of M):
 //   dK/dV kernel, per (query head of the kv head, 64-query tile):
 //     S^T  = K~ Q~^T        m64n64k16 SS   (K~, Q~ K-major)
@@ -20,11 +20,10 @@
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"
 
-// CTAs per SM the D = 64 dK/dV kernel's registers are budgeted for (__launch_bounds__; SAGE_QAT_BWD_KV_MIN_CTAS
-// overrides): three, 168 registers (191 -> 168, 76 bytes of spills then; 28 since the seventeenth session's one-pass
-// element step, which also ended ptxas's serialization of the kernel's wgmma, C7512), instead of two: QAT backward
-// 1.11-1.15x end to end on the H200 (bench/fp4_d64_variants.py, tenth session; bitwise the same gradients). The D = 64
-// dQ kernel already fits four (124 registers).
+// CTAs per SM the D = 64 dK/dV kernel's registers are budgeted for (__launch_bounds__): three, 168 registers
+// (191 -> 168, 76 bytes of spills then; 28 since the one-pass element step of qat/bwd.cuh, which also ended ptxas's
+// serialization of the kernel's wgmma, C7512), instead of two: QAT backward 1.11-1.15x end to end on the H200
+// (bitwise the same gradients; docs/experiments.md). The D = 64 dQ kernel already fits four (124 registers).
 #ifndef SAGE_QAT_BWD_KV_MIN_CTAS
 #define SAGE_QAT_BWD_KV_MIN_CTAS 3
 #endif

@@ -1,6 +1,6 @@
-// FP4 QAT forward (Attn-QAT-style, SPEC §6) on Hopper tensor cores (sm_90a only): the numerics of qat_attn_fwd
-// (fp4_attn_fwd.cu: the same per-tile softmax, P quantization and P~, common/fp4_fwd.cuh), with every product on
-// wgmma (fp16, fp32 accumulation):
+// FP4 QAT forward (Attn-QAT-style, docs/algorithms.md §6) on Hopper tensor cores (sm_90a only): the numerics of
+// qat_attn_fwd (fp4_attn_fwd.cu: the same per-tile softmax, P quantization and P~, common/fp4_fwd.cuh), with every
+// product on wgmma (fp16, fp32 accumulation):
 //   S  = Q~ K~^T      m64n64k16 SS   (Q~, K~ K-major tiles)
 //   O  += P^ V~       m64nDk16 RS    (P^: NVFP4 of x, exact fp16 A fragments; V~^T K-major tile)
 //   O' += P~ V~       m64nDk16 RS    (P~ = beta x rounded to fp16, as the mma.sync kernel)
@@ -34,9 +34,9 @@
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"
 
-// CTAs per SM the D = 64 kernel's registers are budgeted for (__launch_bounds__; SAGE_QAT_FWD_MIN_CTAS
-// overrides): two, 128 registers (166 -> 128, 56 bytes of spills), instead of one: QAT forward 1.00-1.08x end
-// to end on the H200 (bench/fp4_d64_variants.py, tenth session; bitwise the same outputs).
+// CTAs per SM the D = 64 kernel's registers are budgeted for (__launch_bounds__): two, 128 registers (166 -> 128,
+// 56 bytes of spills), instead of one: QAT forward 1.00-1.08x end to end on the H200 (bitwise the same outputs;
+// docs/experiments.md).
 #ifndef SAGE_QAT_FWD_MIN_CTAS
 #define SAGE_QAT_FWD_MIN_CTAS 2
 #endif
@@ -47,17 +47,14 @@ namespace {
 
 constexpr int QF_BKV = 64, QF_THREADS = 256, QF_BQ = 128, QF_NST = 4;
 
-// D = 64: O and O' of tile t retired before Q.K^T(t+1) is issued (SAGE_QAT_FWD_RETIRE_PV_FIRST, default 1), instead of
-// all three in flight together: at the 2-CTA budget (128 registers) ptxas otherwise serializes every wgmma (C7512,
-// now flagged by .ci/compile_kernels.py). QAT forward 1.065-1.083x end to end at D = 64 (bench/ab_time.py, seventeenth
-// session; the same float operations, so the same outputs).
-#ifndef SAGE_QAT_FWD_RETIRE_PV_FIRST
-#define SAGE_QAT_FWD_RETIRE_PV_FIRST 1
-#endif
+// D = 64: O and O' of tile t retired before Q.K^T(t+1) is issued (RETIRE_PV_FIRST), instead of all three in flight
+// together: at the 2-CTA budget (128 registers) ptxas otherwise serializes every wgmma (C7512, flagged by
+// .ci/compile_kernels.py). QAT forward 1.065-1.083x end to end at D = 64 (the same float operations, so the same
+// outputs; docs/experiments.md).
 
 template <int D>
 struct QatFwdSm90 {
-  static constexpr bool RETIRE_PV_FIRST = D == 64 && SAGE_QAT_FWD_RETIRE_PV_FIRST;
+  static constexpr bool RETIRE_PV_FIRST = D == 64;
   static constexpr int Q_BYTES = QF_BQ * 2 * D, K_BYTES = QF_BKV * 2 * D, V_BYTES = D * QF_BKV * 2;
   static constexpr int BARS = 3 * QF_NST * 8;
   // Q~, the K~ and V~^T rings, the mbarriers; + 1024 for the tiles' alignment (host: nvfp4.qat_fwd_sm90_smem_bytes)
