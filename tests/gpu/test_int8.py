@@ -764,7 +764,7 @@ def test_psi_exact_matches_division():
     from sagecupy import _loader
 
     cp = _cupy()
-    src = _loader._inline(Path(__file__).with_name("psi_exact.cu").resolve(), set())
+    src = _loader.inline_file(Path(__file__).with_name("psi_exact.cu"))
     mod = cp.RawModule(code=src, options=_loader._options())
     fn = mod.get_function("psi_quot_vs_div")
     rs = cp.random.RandomState(7)
