@@ -33,14 +33,11 @@ _ALLOC, _VIEW, _LAUNCH, _CALL, _ARENA = 0, 1, 2, 3, 4
 #: Byte alignment of the buffers inside an arena (cudaMalloc's; the kernels need at most 128 for bulk copies).
 ARENA_ALIGN = 256
 
-#: Environment variables that choose kernels (engines, CTA sizes, compile-time defines, another kernel tree):
+#: Environment variables (development aids, docs/design.md) that change what the kernels are or how they launch:
 #: part of every program's key, so that changing one between calls takes effect as it did before programs. A new
 #: ``SAGECUPY_*`` switch read by the package must be added here (``tests/cpu/test_program.py`` checks the package's
 #: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
-_ENV_VARS = ("SAGECUPY_FWD_ENGINE", "SAGECUPY_BWD_ENGINE", "SAGECUPY_FWD_WARPS", "SAGECUPY_FP4_ENGINE",
-             "SAGECUPY_FP4_WARPS", "SAGECUPY_FP4_CAUSAL_GROUP", "SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR",
-             "SAGECUPY_FWD_PREPASS", "SAGECUPY_PDL", "SAGECUPY_FP4_WS", "SAGECUPY_FP4_PREPASS",
-             "SAGECUPY_FP4_PERSIST", "SAGECUPY_FP4_QIN", "SAGECUPY_FP4_TAIL_SPLIT", "SAGECUPY_FP4_KVIMG")
+_ENV_VARS = ("SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR", "SAGECUPY_PDL")
 #: Variables the package reads that do not change which kernels run or how (debug output only).
 NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG", "SAGECUPY_LAUNCH")
 

@@ -8,7 +8,7 @@ for every fp16 value and every fp32-normal bf16 value, both signs, and every non
 and that without the snap the check fails (so it can tell). Also the scaled form nvfp4_block_exact16 uses
 (2^-6 folded into 1/s and the magic number: y = snap16(|x| * (rcp_rn(s) * 2^-6)), M = 2^(16 +
 max(e, 0)), min(., 6 * 2^-6)), and its scale E4M3(amax * fp32(1/6)) against E4M3(amax / 6) in float64 for every
-fp16 and bf16 amax; and nvfp4_block_cmp's binary search (SAGE_NVFP4_CMP_BSEARCH) on general fp32 values against the
+fp16 and bf16 amax; and nvfp4_block_cmp's binary search on general fp32 values against the
 reference's codes. ~2 minutes on a laptop:
     python bench/tools/fp4_fast_rounding_check.py
 """
@@ -75,7 +75,7 @@ def check_scale_by_mul():
 
 
 def check_cmp_bsearch(ties_wrong=False):
-    """nvfp4_block_cmp's codes for general fp32 |x| (K after its mean): the binary search of SAGE_NVFP4_CMP_BSEARCH
+    """nvfp4_block_cmp's codes for general fp32 |x| (K after its mean): the binary search
     (m >= 4?, then m >= 6 or m >= 2?, then the odd threshold between) against the reference's code of |x| / s in
     float64, for every nonzero finite E4M3 scale s and |x| at and within 8 ulps of every threshold m s plus random
     magnitudes in [0, 7 s]. ties_wrong (a control, must mismatch): > instead of >= at the even thresholds."""
