@@ -48,7 +48,7 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, fl
 
 // int32 -> float, exact for |x| < 2^22 (the kernels' products stay below, see their static_asserts).
 // sm_90: one I2FP instruction, measured 1.18x on the whole INT8 forward against the integer form below
-// (bench/NOTES.md). Older GPUs convert on a quarter-rate unit, so there 0x4B400000 (1.5 * 2^23) is added
+// (docs/experiments.md, E-I8F-I2FP). Older GPUs convert on a quarter-rate unit, so there 0x4B400000 (1.5 * 2^23) is added
 // to x's bit pattern, which puts x in the mantissa, and 1.5 * 2^23 is subtracted (two full-rate operations).
 __device__ __forceinline__ float i2f_small(int x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -113,7 +113,7 @@ __device__ __forceinline__ float quad_max(float v) {
 // Folds t[0 .. N) into t[0] as a tree (short dependency chain): level w = N / 2, N / 4, .., 1 folds t[i + w] into
 // t[i] for i < w, with op(t[i], t[i + w]). N a power of two. The loops have constant trip counts: written as
 // `for (w = N / 2; w >= 1; w >>= 1)`, nvcc kept the N = 16 tree a loop over a local-memory array (the INT8 forward
-// with 128-key tiles: LDL/STL on every tile, bench/NOTES.md nineteenth session).
+// with 128-key tiles: LDL/STL on every tile, docs/experiments.md E-I8F-BKV128).
 template <int N, typename Op>
 __device__ __forceinline__ void tree_fold(float (&t)[N], Op op) {
   static_assert(N >= 1 && (N & (N - 1)) == 0, "a power of two");

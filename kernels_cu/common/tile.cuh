@@ -91,8 +91,8 @@ struct TileCopy {
   }
   // copy_rows with a branch: a whole tile (valid_rows >= ROWS: all but a sequence's last) takes copy()'s path,
   // without copy_rows' predicate and select per chunk. Measured on the INT8 dQ kernel's per-tile V copy: 1.02-1.06x
-  // on that kernel; on the dK/dV kernel's per-stage dO copy 0.97-1.02x, so that one keeps copy_rows (bench/NOTES.md,
-  // thirteenth session).
+  // on that kernel; on the dK/dV kernel's per-stage dO copy 0.97-1.02x, so that one keeps copy_rows
+  // (docs/experiments.md, E-I8B-COPYROWS).
   __device__ __forceinline__ void copy_rows_split(char* smem, const char* gmem, long long gstride,
                                                   int valid_rows) const {
     if (valid_rows >= ROWS)

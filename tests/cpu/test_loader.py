@@ -132,8 +132,8 @@ def test_kernels_dir_override_compiles_another_tree(tmp_path, monkeypatch):
 def test_instance_outside_the_list_compiles_alone(monkeypatch):
     """get_function compiles its list of instances as one module; a name outside the list (single-level P's
     warp-specialized kernels, a non-default CTA size) compiles in a module of its own, not the whole list again with
-    it (nvfp4/fp4_attn_fwd_sm90.cu's list takes minutes: the thirty-third session found a test that recompiled it for each
-    of its single-level-P kernels). SAGECUPY_DEFINES: only the name, listed or not. A fake cupy records the
+    it (a file's whole list can take minutes to compile: a test that recompiled it for each of its single-level-P
+    kernels ran past its time limit, 1257590). SAGECUPY_DEFINES: only the name, listed or not. A fake cupy records the
     modules built."""
     import sys
     import types
