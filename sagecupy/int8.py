@@ -210,17 +210,18 @@ class Residuals:
         return self.k_codes.shape[2]
 
 
-def _column_stat(x, strides, T, shape, absmax):
+def column_stat(x, strides, T, shape, absmax):
     """Mean (``absmax=False``: summed in float64, rounded to float32) or psi scale (``True``) of every channel
     of ``x`` (raw (B, H, N, D) memory with 16-byte aligned rows, element ``strides`` (batch, head, token))
-    over its N tokens: (B, H, D) float32. Two kernels, no host round trip."""
+    over its N tokens: (B, H, D) float32. Two kernels, no host round trip. NVFP4's K-smoothing takes its mean here
+    too (one definition of the statistic for both families)."""
     prog = Program()
-    _column_stat_rec(prog, "out", Ref("x"), strides, T, shape, absmax)
+    record_column_stat(prog, "out", Ref("x"), strides, T, shape, absmax)
     return prog.run({"x": x})["out"]
 
 
 def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
-    """Record :func:`_column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale),
+    """Record :func:`column_stat` of K (mean) and of V (psi scale) in one pair of launches: refs (mu_k, v_scale),
     (B, H, D) float32 each. Inputs ``"k"``, ``"v"`` of the program's namespace. The partials and V's scales are
     scratch (arena ``_layout.TMP``); K's mean goes to ``mu_arena`` (None: an array of its own, a residual)."""
     import cupy
@@ -240,8 +241,8 @@ def _column_stats_kv(prog, T, shape, strides_k, strides_v, mu_arena=None):
     return mu_k, v_scale
 
 
-def _column_stat_rec(prog, name, x, strides, T, shape, absmax, arena=None):
-    """Record :func:`_column_stat` of input ``x`` (a Ref) into ``name`` (in ``arena``, or an array of its own);
+def record_column_stat(prog, name, x, strides, T, shape, absmax, arena=None):
+    """Record :func:`column_stat` of input ``x`` (a Ref) into ``name`` (in ``arena``, or an array of its own);
     the partials are scratch (arena ``_layout.TMP``)."""
     import cupy
 
@@ -321,9 +322,9 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     if cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn), mu_arena=res)
     else:
-        mu_k = (_column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False, arena=res)
+        mu_k = (record_column_stat(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False, arena=res)
                 if cfg.k_smoothing else None)
-        v_scale = (_column_stat_rec(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True, arena=_layout.TMP)
+        v_scale = (record_column_stat(prog, "v_scale", rv, (vsb, vsh, vsn), T, (B, Hkv, nk, D), True, arena=_layout.TMP)
                    if v_channel else None)
     # Q: psi(sm_scale * Q) per token or per 128-row block, scale stored x log2(e) (the kernels use exp2);
     # qmk = sm_scale * q . mu_K for the LSE. K: psi(K - mu_K) per token or per 64-row block.

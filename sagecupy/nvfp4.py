@@ -64,7 +64,7 @@ def fp4_causal_group(causal: bool) -> int:
     return FP4_CAUSAL_GROUP if causal else 1
 
 
-def _cg_suffix(cg: int) -> str:
+def causal_group_suffix(cg: int) -> str:
     """The template arguments' tail for dispatch group ``cg`` (none for 1, the default argument)."""
     return "" if cg == 1 else f", {cg}"
 
@@ -204,7 +204,7 @@ def kernel_names() -> dict:
     attn90 += ["nvfp4_kv_images<128>"] + [f"nvfp4_kv_images_raw<{T}, 128>" for T in _T.values()]
     attn90 += [_ws_img_name(T, 128, "true", cg, False) for T in _T.values() for cg in (1, FP4_CAUSAL_GROUP)]
     attn90 += [_ws_img_name(T, 128, "true", 1, True) for T in _T.values()]
-    qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(cg)}>" for T in _T.values() for D in (64, 128)
+    qat90 = [f"qat_attn_fwd_sm90<{T}, {D}{causal_group_suffix(cg)}>" for T in _T.values() for D in (64, 128)
              for cg in (1, FP4_CAUSAL_GROUP)]
     return {"nvfp4/nvfp4_quant.cu": quant, "nvfp4/fp4_attn_fwd.cu": attn, "nvfp4/fp4_attn_fwd_sm90.cu": attn90,
             "qat/qat_attn_fwd_sm90.cu": qat90}
@@ -233,13 +233,14 @@ def _ws_img_name(T: str, D: int, tl: str, cg: int, split: bool) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _names(filename: str) -> tuple:
+def compile_list(filename: str) -> tuple:
     """kernel_names()[filename] as a tuple, built once (launches pass it on every call)."""
     return tuple(kernel_names()[filename])
 
 
-def _fn(kind, T):
-    return get_function("nvfp4/nvfp4_quant.cu", f"{kind}<{T}>", all_names=_names("nvfp4/nvfp4_quant.cu"))
+def quant_function(kind, T):
+    """The ``nvfp4_quant.cu`` kernel ``kind<T>`` (the QAT family's fake quantizers too)."""
+    return get_function("nvfp4/nvfp4_quant.cu", f"{kind}<{T}>", all_names=compile_list("nvfp4/nvfp4_quant.cu"))
 
 
 #: Head dims nvfp4_quant_rows is compiled for with D a constant (0: any D, read at run time).
@@ -251,7 +252,7 @@ def _rows_launch(T, n, D):
     otherwise) and the x extent of its grid for n rows."""
     dt = D if D in _ROWS_DT else 0
     bpt = 2 if dt else 1
-    return _fn("nvfp4_quant_rows", f"{T}, {dt}"), (n * D // 16 // bpt + 255) // 256
+    return quant_function("nvfp4_quant_rows", f"{T}, {dt}"), (n * D // 16 // bpt + 255) // 256
 
 
 def _attn_fn(name):
@@ -271,7 +272,8 @@ def fwd_smem_bytes(D: int, warps: int, engine: str = "mma") -> int:
     return 16 * warps * 2 * D + 2 * (_BKV * 2 * D + D * _BKV * 2) + _BKV * D + 128
 
 
-def _prep(x, name, layout):
+def prepare_input(x, name, layout):
+    """``x`` as a CuPy array the quantizers read (both FP4 families' inputs)."""
     import cupy
 
     x = _checks.as_cupy(x, name)
@@ -299,7 +301,7 @@ def quantize_rows(x, *, layout="HND", mean=None):
     dividing H; K-smoothing) when given. Returns ``(codes (B,H,N,D/2) uint8, scales (B,H,N,D/16) uint8)``."""
     import cupy
 
-    raw, T, (B, H, N, D), (sb, sh, sn) = _prep(x, "x", layout)
+    raw, T, (B, H, N, D), (sb, sh, sn) = prepare_input(x, "x", layout)
     group = 1
     if mean is not None:
         mean = cupy.ascontiguousarray(_checks.as_cupy(mean, "mean"), dtype=cupy.float32)
@@ -323,14 +325,14 @@ def quantize_tokens(x, *, layout="HND"):
     to N16). Returns ``(codes (B,H,D,N16/2) uint8, scales (B,H,D,N16/16) uint8)``."""
     import cupy
 
-    raw, T, (B, H, N, D), (sb, sh, sn) = _prep(x, "x", layout)
+    raw, T, (B, H, N, D), (sb, sh, sn) = prepare_input(x, "x", layout)
     n16 = (N + 15) // 16 * 16
     codes = cupy.empty((B, H, D, n16 // 2), dtype=cupy.uint8)
     scales = cupy.empty((B, H, D, n16 // 16), dtype=cupy.uint8)
     i32, i64 = cupy.int32, cupy.int64
 
     name, grid, block = _tokens_launch(not _layout.needs_copy(raw, True), B, H, D, n16)
-    _fn(name, T)(grid, block, (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), codes, scales))
+    quant_function(name, T)(grid, block, (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n16), codes, scales))
     return codes, scales
 
 
@@ -353,12 +355,12 @@ def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
     out = {}
     mu = None
     if k_smoothing:
-        raw, T, shape, _ = _prep(k, "k", layout)
+        raw, T, shape, _ = prepare_input(k, "k", layout)
         if shape[3] in _checks.SUPPORTED_HEAD_DIMS:  # the INT8 pre-pass's column kernels (16-byte row loads)
-            from .int8 import _column_stat
+            from .int8 import column_stat
 
             raw = _layout.prepare(raw, "k", layout, True)
-            mu = _column_stat(raw, _layout.strides(raw, layout), T, shape, False)
+            mu = column_stat(raw, _layout.strides(raw, layout), T, shape, False)
         else:
             mu = _as_float32_hnd(raw, layout).astype(cupy.float64).mean(axis=2).astype(cupy.float32)  # (B, H, D)
     out["q_packed"], out["q_scales"] = quantize_rows(q, layout=layout)
@@ -435,7 +437,7 @@ def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
                          f"shared memory per block; this device allows {have}")
 
 
-def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine=None, qat=False):
+def validated_problem(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine=None, qat=False):
     """The checks of both FP4 families' entry points (:func:`attention`, :func:`sagecupy.qat.forward` with
     ``qat=True``), raising the first failure: ``(q, k, v, problem, config)`` with q, k, v as CuPy arrays.
     ``engine``: the caller's ``engine`` argument (validated and resolved by :func:`fp4_engine`)."""
@@ -450,7 +452,7 @@ def _validated(q, k, v, causal, sm_scale, layout, config, get_config, unsupporte
     return q, k, v, p, cfg
 
 
-def _is_supported(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config,
+def check_support(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config,
                   engine=None, qat=False) -> tuple[bool, str]:
     """The ``is_supported`` of both FP4 families (this module's and :mod:`sagecupy.qat`'s): never raises."""
     try:
@@ -469,7 +471,7 @@ def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=N
                  engine=None) -> tuple[bool, str]:
     """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
     Never raises."""
-    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
+    return check_support(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
 
 
 def _as_float32_hnd(x, layout):
@@ -537,8 +539,8 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
             cg = 1 if split is not None else fp4_causal_group(causal)
             name = _ws_img_name(_T[dtype], D, tl, cg, split is not None)
         else:
-            name = f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{_cg_suffix(fp4_causal_group(causal))}>"
-        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", name, all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
+            name = f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{causal_group_suffix(fp4_causal_group(causal))}>"
+        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", name, all_names=compile_list("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16 and kv_img is None:  # rows padded to whole 64-token tiles (a copy per call)
             vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
@@ -547,7 +549,7 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
             ntile = (nk + _BKV - 1) // _BKV
             img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), cupy.uint8, arena=_layout.TMP)
             prog.launch(get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images<{D}>",
-                                     all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a"),
+                                     all_names=compile_list("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a"),
                         (ntile, Hkv, B), (128,), (ops["k_packed"], ops["k_scales"], *v_args, i32(nk), i32(n16), img),
                         pdl=True)  # (it calls grid_dep_wait() first)
     else:
@@ -609,9 +611,9 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     outputs)."""
     import cupy
 
-    from .int8 import _column_stat_rec
+    from .int8 import record_column_stat
 
-    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
+    q, k, v, p, cfg = validated_problem(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
     kvimg = fp4_ws(engine, p.head_dim) > 0
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
@@ -624,7 +626,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
     mu = None
     if cfg.k_smoothing:
-        mu = _column_stat_rec(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
+        mu = record_column_stat(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False)
     ops = {"q_packed": prog.empty("q_packed", (B, Hq, nq, D // 2), u8),
            "q_scales": prog.empty("q_scales", (B, Hq, nq, D // 16), u8)}
     if not kvimg:
@@ -650,7 +652,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
         ntile = (nk + _BKV - 1) // _BKV
         kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_layout.TMP)
         fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, {D}>",
-                          all_names=_names("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
+                          all_names=compile_list("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         smem = ws_img_raw_smem_bytes(D)
         fn.max_dynamic_shared_size_bytes = smem
         prog.launch(fn, (ntile, Hkv, B), (128,),
@@ -661,11 +663,11 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
                     (rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(D), mu, i32(1), ops["k_packed"], ops["k_scales"],
                      None, i32(1), f32(0), None), pdl=True)
         name, grid, block = _tokens_launch(True, B, Hkv, D, n16)  # (rows 16-byte aligned: copied otherwise)
-        prog.launch(_fn(name, T), grid, block,
+        prog.launch(quant_function(name, T), grid, block,
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(D), i32(n16), ops["v_packed"], ops["v_scales"]),
                     pdl=True)
     if qmk is not None and not fused:
-        prog.launch(_fn("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
+        prog.launch(quant_function("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
     _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
                    sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, split=split, kv_img=kv_img)

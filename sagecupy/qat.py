@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import _checks, _layout
 from ._loader import get_function
 from .config import QATConfig
-from .nvfp4 import _cg_suffix, _fn, _is_supported, _names, _prep, _validated, fp4_causal_group
+from .nvfp4 import causal_group_suffix, quant_function, check_support, compile_list, prepare_input, validated_problem, fp4_causal_group
 
 __all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize"]
 
@@ -57,7 +57,7 @@ def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=N
                  engine=None) -> tuple[bool, str]:
     """(True, "") if :func:`forward` accepts these arguments (``engine`` included) on the current device, else
     (False, why). Never raises."""
-    return _is_supported(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
+    return check_support(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
                          qat=True)
 
 
@@ -74,7 +74,7 @@ def _fake_quantize(x, layout, along, n_pad, bf16_too):
 
     if along not in ("channels", "tokens"):
         raise ValueError(f"along={along!r} is not supported; supported: 'channels', 'tokens'")
-    raw, T, (B, H, N, D), (sb, sh, sn) = _prep(x, "x", layout)
+    raw, T, (B, H, N, D), (sb, sh, sn) = prepare_input(x, "x", layout)
     need = N if along == "channels" else _layout.roundup(N, 16)
     if n_pad is None:
         n_pad = _layout.roundup(N, _BKV)
@@ -95,15 +95,15 @@ def _fake_quantize(x, layout, along, n_pad, bf16_too):
     if along == "channels":
         if raw.data.ptr % 16 == 0 and sb % 8 == 0 and sh % 8 == 0 and sn % 8 == 0 and N * D // 8 < 2 ** 31:
             halves = N * D // 8  # one thread per 8 channels, 16-byte loads
-            _fn("nvfp4_fq_rows", T)(((halves + 255) // 256, H, B), (256,),
+            quant_function("nvfp4_fq_rows", T)(((halves + 255) // 256, H, B), (256,),
                                     (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out, out_b))
         else:
             nblk = N * D // 16
-            _fn("nvfp4_fq_rows_any", T)(((nblk + 255) // 256, H, B), (256,),
+            quant_function("nvfp4_fq_rows_any", T)(((nblk + 255) // 256, H, B), (256,),
                                         (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(n_pad), out, out_b))
     else:  # tokens
         work = D * (need // 16)
-        _fn("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
+        quant_function("nvfp4_fq_tokens", T)(((work + 255) // 256, H, B), (256,),
                                   (raw, i64(sb), i64(sh), i64(sn), i32(N), i32(D), i32(need), i32(n_pad), out, out_b))
     return out, out_b
 
@@ -127,8 +127,8 @@ def _fwd_fn(T, D, w):
 
 
 def _fwd_fn_sm90(T, D, causal):
-    return get_function("qat/qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}{_cg_suffix(fp4_causal_group(causal))}>",
-                        all_names=_names("qat/qat_attn_fwd_sm90.cu"), arch="sm_90a")
+    return get_function("qat/qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}{causal_group_suffix(fp4_causal_group(causal))}>",
+                        all_names=compile_list("qat/qat_attn_fwd_sm90.cu"), arch="sm_90a")
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
@@ -143,7 +143,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
 
     from .nvfp4 import MMA_WARPS, fp4_engine, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
 
-    q, k, v, p, cfg = _validated(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
+    q, k, v, p, cfg = validated_problem(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
                                  qat=True)
     eng = fp4_engine(engine)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
@@ -273,7 +273,7 @@ def _bwd_operands(res, do, eng):
     """delta and the kernels' 16-bit operands (the passes before the two kernels)."""
     import cupy
 
-    from .nvfp4 import _fn
+    from .nvfp4 import quant_function
 
     p = res.problem
     B, Hq, D = p.batch, p.heads_q, p.head_dim
@@ -282,7 +282,7 @@ def _bwd_operands(res, do, eng):
     # delta = rowsum(dO o O') (O', not O: docs/algorithms.md §6.2)
     dsb, dsh, dsn = _layout.strides(do, p.layout)
     delta = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
-    _fn("qat_delta", T)(
+    quant_function("qat_delta", T)(
         (nq_pad // 8, Hq, B), (256,),
         (do, cupy.int64(dsb), cupy.int64(dsh), cupy.int64(dsn), res.o_prime, cupy.int32(nq), cupy.int32(nq_pad),
          cupy.int32(D), delta))

@@ -614,7 +614,7 @@ def _kv_images_both(nvfp4, cp, q, k, v, layout, smooth):
     n16 = (nk + 15) // 16 * 16
     ntile, n64 = (nk + 63) // 64, (n16 + 63) // 64 * 64
     size = B * Hkv * ntile * nvfp4.ws_img_bytes(128)
-    names = nvfp4._names("nvfp4/fp4_attn_fwd_sm90.cu")
+    names = nvfp4.compile_list("nvfp4/fp4_attn_fwd_sm90.cu")
     axes = (0, 1, 2) if layout == "HND" else (0, 2, 1)  # (element strides of the (b, h, n) axes)
     st = lambda x: tuple(np.int64(x.strides[i] // x.itemsize) for i in axes)  # noqa: E731
     raw = cp.full(size, 0xAB, cp.uint8)
