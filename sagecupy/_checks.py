@@ -6,12 +6,84 @@ value) whose message names the argument, the value, and what is supported.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
-__all__ = ["Problem", "as_cupy", "raw", "wrap", "check_attention_args", "SUPPORTED_HEAD_DIMS", "dtype_name"]
+__all__ = ["Problem", "as_cupy", "raw", "wrap", "check_attention_args", "check_problem", "check_limits",
+           "check_sm_scale", "check_dims", "check_buffer", "check_rows", "max_seq_len", "SUPPORTED_HEAD_DIMS",
+           "dtype_name", "INT32_MAX", "PAD_MAX", "GRID_YZ_MAX"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LAYOUTS = ("HND", "NHD")
+
+# ---------------------------------------------------------------------------------------------------------
+# Limits of the kernels' index arithmetic (docs/design.md, "Limits"). The kernels hold a (batch, head) pair's base
+# offset in 64 bits, but offsets *within* a head in 32-bit ints: e.g. `gK + (tile + 1) * BKV * D` (int8/fwd.cuh),
+# `qq0 * D` and `k0 * D` (int8/int8_attn_bwd.cu), whose largest value is the padded length times D. A longer
+# sequence would wrap those offsets and read or write outside the arrays, so the host refuses it first.
+
+#: Largest value of a 32-bit signed index.
+INT32_MAX = 2**31 - 1
+#: The coarsest padding of a sequence length in any family (the INT8 forward's 128-row blocks, QAT's query rows).
+PAD_MAX = 128
+#: CUDA's largest grid extent along y and z. The grids are (blocks, heads, batch); the INT8 pre-pass launches
+#: (blocks, Hq + 2 Hkv, B) (quant_qkv: Q, K and V heads in one grid) and (chunks, H, 2 B) (column_partial_kv).
+GRID_YZ_MAX = 65535
+#: Query rows per CTA in the smallest forward CTA: the causal dispatch order (common/rows.cuh query_block<G>)
+#: computes a CTA's linear index, blocks x heads x batch, in a 32-bit int.
+_MIN_CTA_ROWS = 64
+
+
+def max_seq_len(head_dim: int) -> int:
+    """The longest Nq or Nk the kernels take at ``head_dim``: the largest multiple of :data:`PAD_MAX` whose
+    product with ``head_dim`` fits :data:`INT32_MAX` (16,777,088 at D = 128, 33,554,304 at D = 64)."""
+    return INT32_MAX // max(int(head_dim), 1) // PAD_MAX * PAD_MAX
+
+
+def _roundup(n, m):
+    return (n + m - 1) // m * m
+
+
+def check_limits(batch, heads_q, heads_kv, nq, nk, head_dim, *, what="") -> None:
+    """ValueError unless the kernels' 32-bit index arithmetic and grid extents hold every index of this problem
+    (module comment above). ``what``: a prefix naming where the sizes came from (e.g. ``"residuals.problem: "``)."""
+    limit = max_seq_len(head_dim)
+    for name, n in (("Nq", nq), ("Nk", nk)):
+        if n > limit:
+            raise ValueError(f"{what}{name}={n} exceeds the kernels' limit of {limit} at head_dim={head_dim}: the "
+                             f"padded length ({PAD_MAX}-multiple) times head_dim must fit a 32-bit index "
+                             f"(<= {INT32_MAX})")
+    if 2 * batch > GRID_YZ_MAX:
+        raise ValueError(f"{what}batch={batch} exceeds the kernels' limit of {GRID_YZ_MAX // 2} (a grid extent of "
+                         f"2 * batch, at most {GRID_YZ_MAX})")
+    if heads_q + 2 * heads_kv > GRID_YZ_MAX:
+        raise ValueError(f"{what}heads: Hq + 2 * Hkv = {heads_q + 2 * heads_kv} exceeds the kernels' limit of "
+                         f"{GRID_YZ_MAX} (a grid extent)")
+    ctas = batch * heads_q * (_roundup(nq, PAD_MAX) // _MIN_CTA_ROWS)
+    if ctas > INT32_MAX:
+        raise ValueError(f"{what}batch * Hq * ceil(Nq / {PAD_MAX}) * {PAD_MAX // _MIN_CTA_ROWS} = {ctas} query blocks "
+                         f"exceeds the kernels' limit of {INT32_MAX} (a CTA's 32-bit linear index)")
+
+
+def check_dims(shape, name: str, labels) -> None:
+    """ValueError naming ``name`` and the dimension when any of ``shape`` is zero (or negative)."""
+    for label, n in zip(labels, shape):
+        if n < 1:
+            raise ValueError(f"{name} has a zero-size dimension {label}={n} (shape {tuple(shape)}); every "
+                             f"dimension must be at least 1")
+
+
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """``sm_scale`` as a float (None: ``1/sqrt(head_dim)``). TypeError unless a real number (bool excluded);
+    ValueError unless finite and > 0 (the kernels fold it into exp2 arguments and quantization scales)."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_" or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}")
+    value = float(sm_scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"sm_scale={value} must be finite and > 0")
+    return value
 
 
 def dtype_name(dtype) -> str:
@@ -90,8 +162,9 @@ def _hnd_shape(x, layout):
 
 def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16", "bfloat16"),
                          head_dims=SUPPORTED_HEAD_DIMS) -> Problem:
-    """Validate q, k, v (array-likes with .shape/.dtype) and the keyword arguments."""
-    if layout not in _LAYOUTS:
+    """Validate q, k, v (array-likes with .shape/.dtype) and the keyword arguments, the kernels' index limits
+    (:func:`check_limits`) included."""
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS}")
     if not isinstance(causal, (bool,)) and type(causal).__name__ != "bool_":
         raise TypeError(f"causal must be a bool, got {causal!r}")
@@ -99,6 +172,7 @@ def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16"
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D ({'(B, H, N, D)' if layout == 'HND' else '(B, N, H, D)'} for "
                              f"layout={layout!r}), got shape {tuple(x.shape)}")
+        check_dims(x.shape, name, ("B", "H", "N", "D") if layout == "HND" else ("B", "N", "H", "D"))
         if dtype_name(x.dtype) not in dtypes:
             raise TypeError(f"{name}.dtype={dtype_name(x.dtype)} is not supported; supported: {dtypes}")
     if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
@@ -115,20 +189,91 @@ def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16"
         raise ValueError(f"batch mismatch: q has {B}, k/v have {Bk}")
     if Dk != D:
         raise ValueError(f"head_dim mismatch: q has {D}, k/v have {Dk}")
-    if Hk < 1 or Hq % Hk:
+    if Hq % Hk:
         raise ValueError(f"heads: q has {Hq}, k/v have {Hk}; q heads must be a multiple of kv heads (GQA/MQA)")
-    if min(B, Hq, Nq, Nk) < 1:
-        raise ValueError(f"empty input: q shape {tuple(q.shape)}, k shape {tuple(k.shape)}")
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    else:
-        try:
-            sm_scale = float(sm_scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}") from None
-        if not math.isfinite(sm_scale) or sm_scale <= 0:
-            raise ValueError(f"sm_scale={sm_scale} must be finite and > 0")
+    check_limits(B, Hq, Hk, Nq, Nk, D)
+    sm_scale = check_sm_scale(sm_scale, D)
     return Problem(B, Hq, Hk, Nq, Nk, D, dtype_name(q.dtype), layout, bool(causal), sm_scale)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+
+
+def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPORTED_HEAD_DIMS) -> None:
+    """Validate a :class:`Problem` that did not come from :func:`check_attention_args` (one carried in a
+    ``Residuals``): field types, sizes, GQA, dtype, layout, ``sm_scale`` and :func:`check_limits`. ``name``
+    prefixes every message (e.g. ``"residuals.problem"``)."""
+    if not isinstance(p, Problem):
+        raise TypeError(f"{name} must be a sagecupy._checks.Problem, got {type(p).__name__}")
+    for field in ("batch", "heads_q", "heads_kv", "nq", "nk", "head_dim"):
+        value = getattr(p, field)
+        if not _is_int(value):
+            raise TypeError(f"{name}.{field} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name}.{field}={value} must be at least 1")
+    if p.head_dim not in head_dims:
+        raise ValueError(f"{name}.head_dim={p.head_dim} is not supported; supported: {head_dims}")
+    if p.heads_q % p.heads_kv:
+        raise ValueError(f"{name}: heads_q={p.heads_q} must be a multiple of heads_kv={p.heads_kv}")
+    if p.dtype not in dtypes:
+        raise ValueError(f"{name}.dtype={p.dtype!r} is not supported; supported: {dtypes}")
+    if not isinstance(p.layout, str) or p.layout not in _LAYOUTS:
+        raise ValueError(f"{name}.layout={p.layout!r} is not supported; supported: {_LAYOUTS}")
+    if not isinstance(p.causal, bool):
+        raise TypeError(f"{name}.causal must be a bool, got {p.causal!r}")
+    if not isinstance(p.sm_scale, float) or not math.isfinite(p.sm_scale) or p.sm_scale <= 0:
+        raise ValueError(f"{name}.sm_scale={p.sm_scale!r} must be a finite float > 0")
+    check_limits(p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim, what=f"{name}: ")
+
+
+def _device_of(x, name: str) -> None:
+    import cupy
+
+    dev, cur = x.data.device_id, cupy.cuda.runtime.getDevice()
+    if dev != cur:
+        raise ValueError(f"{name} is on CUDA device {dev}, the current device is {cur}")
+
+
+def _array(x, name: str, shape, dtype):
+    """``x`` as a CuPy array of ``shape`` and ``dtype`` on the current device, or the TypeError/ValueError that
+    names ``name`` and what was expected."""
+    import cupy
+    import numpy as np
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a CuPy array of shape {tuple(shape)} and dtype {np.dtype(dtype).name}, "
+                        f"got {type(x).__name__}")
+    if np.dtype(x.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name}.dtype={dtype_name(x.dtype)} must be {np.dtype(dtype).name}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {tuple(shape)}")
+    _device_of(x, name)
+    return x
+
+
+def check_buffer(x, name: str, shape, dtype) -> None:
+    """A buffer the kernels index from its base address alone (residual codes, scales, LSEs): a CuPy array of
+    exactly ``shape`` and ``dtype``, C-contiguous, 16-byte aligned (vector loads and bulk copies), on the current
+    device. Metadata only: no device work."""
+    _array(x, name, shape, dtype)
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (the kernels index it from its base address), got strides "
+                         f"{tuple(x.strides)}")
+    if x.data.ptr % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (the kernels read it with 16-byte loads), got address "
+                         f"{x.data.ptr:#x}")
+
+
+def check_rows(x, name: str, shape, dtype) -> None:
+    """An array the kernels read by rows at its own strides (a residual V or O): exactly ``shape`` and ``dtype``,
+    on the current device, the last dimension contiguous and every row 16-byte aligned (16-byte loads)."""
+    _array(x, name, shape, dtype)
+    if x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {tuple(x.strides)}")
+    if x.data.ptr % 16 or any(st % 16 for st in x.strides[:-1]):
+        raise ValueError(f"{name} must have 16-byte aligned rows (the kernels read them with 16-byte loads), got "
+                         f"address {x.data.ptr:#x} and strides {tuple(x.strides)}")
 
 
 class _StreamHandle:

@@ -31,7 +31,7 @@ from ._loader import device_capability, get_function
 from ._program import Plan, Plans, Program, Ref, env_key, scale_key, signature
 from .config import SageBwdConfig, get_config
 
-__all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals"]
+__all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals", "check_residuals"]
 
 LOG2E = 1.4426950408889634
 _FWD_BQ, _FWD_BKV = 128, 128  # padding granularity of Q rows (pre-pass groups) and of keys (forward tiles)
@@ -280,7 +280,7 @@ def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inferenc
     array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
-        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
+        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale), layout, config,
                  engine, bool(inference), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
                               engine=engine, inference=bool(inference)))
@@ -500,19 +500,66 @@ _RES_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v", "o", "lse2")
 _BPRE_NAMES = ("do", "delta", "q_img", "k_img", "do_t", "do_scale", "q_t", "k_t")
 
 
+def check_residuals(r) -> None:
+    """TypeError/ValueError naming the field unless ``r`` is a :class:`Residuals` whose arrays are what
+    :func:`forward` makes for the problem it claims (``r.problem``): shapes (with the forward's padding: query rows
+    and keys to multiples of 128), dtypes, the current device, C-contiguous 16-byte aligned buffers, V and O with
+    16-byte aligned rows in the problem's layout, and a config the kernels implement. The backward kernels index
+    every residual from the problem's sizes, so a residual of another problem would make them read past its end.
+    Metadata only (no device work); :func:`backward` runs it once per residual signature."""
+    if not isinstance(r, Residuals):
+        raise TypeError(f"residuals must be the Residuals returned by sagecupy.int8.forward, got {type(r).__name__}")
+    _checks.check_problem(r.problem, "residuals.problem")
+    if not isinstance(r.config, SageBwdConfig):
+        raise TypeError(f"residuals.config must be a SageBwdConfig, got {type(r.config).__name__}")
+    why = _unsupported_config(r.config)
+    if why:
+        raise ValueError(f"residuals.config: {why}")
+    import cupy
+
+    p = r.problem
+    B, Hq, Hkv, D = p.batch, p.heads_q, p.heads_kv, p.head_dim
+    nq_pad, nk_pad = _layout.roundup(p.nq, _FWD_BQ), _layout.roundup(p.nk, _FWD_BKV)  # as _forward_plan pads
+    f32 = cupy.float32
+    for name, shape, dtype in (("q_codes", (B, Hq, nq_pad, D), cupy.int8), ("q_scale", (B, Hq, nq_pad), f32),
+                               ("k_codes", (B, Hkv, nk_pad, D), cupy.int8), ("k_scale", (B, Hkv, nk_pad), f32),
+                               ("lse2", (B, Hq, nq_pad), f32)):
+        _checks.check_buffer(getattr(r, name), f"residuals.{name}", shape, dtype)
+    if r.mu_k is not None:  # (not read by the backward; the adapters may leave it out)
+        _checks.check_buffer(r.mu_k, "residuals.mu_k", (B, Hkv, D), f32)
+    bits = _layout.bits_dtype(p.dtype)
+    _checks.check_rows(r.v, "residuals.v", _layout.layout_shape((B, Hkv, p.nk, D), p.layout), bits)
+    _checks.check_rows(r.o, "residuals.o", _layout.layout_shape((B, Hq, p.nq, D), p.layout), bits)
+
+
+def _res_sig(x):
+    """What :func:`check_residuals` reads of a residual array (its device included), or None for None."""
+    return None if x is None else (type(x), x.shape, x.strides, x.dtype, x.data.ptr & 15, x.data.device_id)
+
+
+def _bwd_key(r, do, engine):
+    """The backward plan's key: the residuals' problem, config and every residual array's metadata, so that a plan
+    (recorded after :func:`check_residuals` passed) is only ever replayed for residuals that pass it too (a problem
+    equal by value to a checked one, ``nq=100.0`` for ``100``, shares its plan and launches). A field that is not an
+    array raises TypeError: the call then takes the uncached path, whose validation names it."""
+    try:
+        arrays = tuple(_res_sig(getattr(r, n)) for n in _RES_NAMES) + (_res_sig(r.mu_k),)
+    except AttributeError:
+        raise TypeError("a residual is not an array") from None
+    return r.problem, r.config, arrays, signature(do), engine, env_key()
+
+
 def _preprocess_backward(residuals, do, engine=None):
     """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed (mma-permuted) Q and K codes. On the wgmma engine
     they go, with Q^, K^, dO, V and the per-token vectors, into per-tile stage images (kernels_cu/int8/bwd_img.cuh)
-    that the kernels copy with one bulk copy per stage. Recorded once per call signature (sagecupy/_program.py)."""
+    that the kernels copy with one bulk copy per stage. Recorded once per call signature (sagecupy/_program.py),
+    the residuals' metadata included (:func:`_bwd_key`)."""
     if not isinstance(residuals, Residuals):
         raise TypeError(f"residuals must be the Residuals returned by sagecupy.int8.forward, got "
                         f"{type(residuals).__name__}")
     r = residuals
     do = _checks.as_cupy(do, "do")
-    plan = _BWD_PLANS.get_or_build(
-        lambda: (r.problem, r.config, signature(r.v), signature(r.o), r.q_codes.shape, r.k_codes.shape,
-                 signature(do), engine, env_key()),
-        lambda: _backward_plan(r, do, engine))
+    plan = _BWD_PLANS.get_or_build(lambda: _bwd_key(r, do, engine), lambda: _backward_plan(r, do, engine))
     ns = _layout.input_ns(plan, plan.p.layout, do=do)
     ns.update((n, getattr(r, n)) for n in _RES_NAMES)
     plan.prog.run(ns)
@@ -524,6 +571,7 @@ def _preprocess_backward(residuals, do, engine=None):
 def _backward_plan(r, do, engine):
     import cupy
 
+    check_residuals(r)
     p, cfg = r.problem, r.config
     if tuple(do.shape) != tuple(r.o.shape):
         raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {tuple(r.o.shape)}")
@@ -655,6 +703,7 @@ def _backward_launch_program(r, pre, engine, kernels):
 
 def backward(residuals: Residuals, do, *, engine=None):
     """SageBwd backward: ``(dq, dk, dv)`` in the forward's layout and dtype (fp32 accumulation inside).
-    ``engine``: see :func:`backward_engine`."""
+    ``engine``: see :func:`backward_engine`. ``residuals`` are checked against the problem they claim
+    (:func:`check_residuals`) before any launch."""
     backward_engine(engine)  # validate before any work
     return _launch_backward(residuals, _preprocess_backward(residuals, do, engine), engine)

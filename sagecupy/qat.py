@@ -27,7 +27,7 @@ from ._loader import get_function
 from .config import QATConfig
 from .nvfp4 import causal_group_suffix, quant_function, check_support, compile_list, prepare_input, validated_problem, fp4_causal_group
 
-__all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize"]
+__all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize", "check_residuals"]
 
 LOG2E = 1.4426950408889634
 _BQ_PAD, _BKV = 128, 64
@@ -43,6 +43,12 @@ def _get_config(config) -> QATConfig:
 
 
 def _unsupported_config(cfg: QATConfig) -> str | None:
+    # (QATConfig does not check its field types; a float or bool where the kernels take an int is refused here)
+    if isinstance(cfg.block_kv, bool) or not isinstance(cfg.block_kv, int):
+        return f"block_kv={cfg.block_kv!r} must be an int ({_BKV})"
+    for field in ("two_level_p", "quantize"):
+        if not isinstance(getattr(cfg, field), bool):
+            return f"{field}={getattr(cfg, field)!r} must be a bool"
     if cfg.block_kv != _BKV:
         return f"block_kv={cfg.block_kv} is not supported by the kernels; supported: {_BKV}"
     if not cfg.two_level_p:
@@ -184,7 +190,8 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_
 
 
 def backward(residuals: Residuals, do, *, engine=None):
-    """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype.
+    """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype. ``residuals`` are checked against the
+    problem they claim (:func:`check_residuals`) before any launch.
 
     ``engine``: ``None`` or ``"auto"`` (the default: wgmma on sm_90, mma.sync elsewhere), ``"mma"`` or
     ``"wgmma"`` (see :func:`backward_engine`)."""
@@ -244,10 +251,36 @@ def kernel_constants() -> dict:
     return {"qat/qat_attn_bwd_sm90.cu": out}
 
 
-def _backward(res, do, engine=None):
+def check_residuals(res) -> None:
+    """TypeError/ValueError naming the field unless ``res`` is a :class:`Residuals` whose arrays are what
+    :func:`forward` makes for the problem it claims (``res.problem``): fq(Q) ``(B, Hq, nq_pad, D)`` and fq(K)
+    ``(B, Hkv, nk_pad, D)``, fq(V)^T ``(B, Hkv, D, nk_pad)`` in the backward's operand type (fp16, or bf16 bits for
+    bf16 inputs), O' ``(B, Hq, nq_pad, D)`` and the base-2 LSE ``(B, Hq, nq_pad)`` in float32, with the forward's
+    padding (query rows to a multiple of 128, keys of 64); C-contiguous, 16-byte aligned, on the current device;
+    and a config the kernels implement. The kernels index every residual from the problem's sizes, so a residual
+    of another problem would make them read past its end. Metadata only (no device work)."""
+    import cupy
 
     if not isinstance(res, Residuals):
         raise TypeError(f"residuals must be the Residuals returned by sagecupy.qat.forward, got {type(res).__name__}")
+    _checks.check_problem(res.problem, "residuals.problem")
+    if not isinstance(res.config, QATConfig):
+        raise TypeError(f"residuals.config must be a QATConfig, got {type(res.config).__name__}")
+    why = _unsupported_config(res.config)
+    if why:
+        raise ValueError(f"residuals.config: {why}")
+    p = res.problem
+    B, Hq, Hkv, D = p.batch, p.heads_q, p.heads_kv, p.head_dim
+    nq_pad, nk_pad = _layout.roundup(p.nq, _BQ_PAD), _layout.roundup(p.nk, _BKV)  # as forward pads them
+    op = _layout.bits_dtype(p.dtype)  # (fp16 values for fp16 inputs, bf16 bits for bf16 ones)
+    for name, shape, dtype in (("q_t", (B, Hq, nq_pad, D), op), ("k_t", (B, Hkv, nk_pad, D), op),
+                               ("vt_t", (B, Hkv, D, nk_pad), op), ("o_prime", (B, Hq, nq_pad, D), cupy.float32),
+                               ("lse2", (B, Hq, nq_pad), cupy.float32)):
+        _checks.check_buffer(getattr(res, name), f"residuals.{name}", shape, dtype)
+
+
+def _backward(res, do, engine=None):
+    check_residuals(res)
     eng = backward_engine(engine)
     p = res.problem
     do = _checks.as_cupy(do, "do")
@@ -264,6 +297,7 @@ def _bwd_kernels_only(res, do, engine=None):
     """A function that runs only the two backward kernels of ``_backward(res, do, engine=engine)`` on operands
     prepared once (the benchmark's kernel-only rows; ``do`` is not validated: pass what ``_backward`` accepts)."""
 
+    check_residuals(res)
     eng = backward_engine(engine)
     ops = _bwd_operands(res, _layout.prepare(_checks.as_cupy(do, "do"), "do", res.problem.layout, True), eng)
     return lambda: _bwd_launch(res, ops, eng)
