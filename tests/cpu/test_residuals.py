@@ -8,6 +8,16 @@ import pytest
 
 from test_host_paths import FakeArray, _arena_base, _inputs, _summary, gpu  # noqa: F401  (gpu: the fixture)
 
+@pytest.fixture(autouse=True)
+def _fresh_plans(gpu):
+    """Recorded programs hold the kernels of the test that recorded them (each test's stand-ins log to its own
+    list): start every test without any."""
+    from sagecupy import int8, nvfp4
+
+    for plans in (int8._FWD_PLANS, int8._BWD_PLANS, nvfp4._ATTN_PLANS):
+        plans.clear()
+
+
 INT8_ARRAYS = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2", "mu_k", "v", "o")
 QAT_ARRAYS = ("q_t", "k_t", "vt_t", "o_prime", "lse2")
 
@@ -116,9 +126,8 @@ def test_int8_residual_problem_and_config_are_checked(gpu):
     from sagecupy.config import SageBwdConfig
 
     res, do = _int8_call()
-    # (no plan recorded for this problem yet: a Problem equal by value to a checked one, e.g. nq=100.0 for 100,
-    # would share its plan, whose launches are the same)
-    int8._BWD_PLANS.clear()
+    # (no backward call first: a Problem equal by value to a checked one, nq=100.0 for 100, would share its plan,
+    # whose launches are the same)
     p = res.problem
     bad_problems = [
         (dict(nq=100.0), TypeError, r"residuals\.problem\.nq must be an int"),
