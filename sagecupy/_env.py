@@ -13,7 +13,7 @@ import os
 import platform
 import subprocess
 
-__all__ = ["environment", "git_commit", "gpu_info", "kernel_hashes", "package_version"]
+__all__ = ["environment", "git_commit", "gpu_info", "nvrtc_info", "kernel_hashes", "package_version"]
 
 # The CuPy distributions sagecupy's extras install (cuda12 / cuda13), then the source build.
 _CUPY_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy")
@@ -101,6 +101,21 @@ def gpu_info() -> dict:
     return info
 
 
+def nvrtc_info() -> dict:
+    """``{"nvrtc": version or None, "nvrtc_reason": what is missing or None}``: whether CuPy's NVRTC, which
+    compiles every kernel at first use, loads here (:func:`sagecupy._loader.nvrtc_status`). Needs no GPU."""
+    if importlib.util.find_spec("cupy") is None:  # not imported: a missing CuPy must stay cheap to report
+        return {"nvrtc": None, "nvrtc_reason": "CuPy is not installed: pip install 'sagecupy[cuda13]' (or "
+                                              "'sagecupy[cuda12]' for a CUDA 12 driver)"}
+    try:
+        from ._loader import nvrtc_status
+
+        ok, text = nvrtc_status()
+    except Exception as exc:  # never let the header break a run
+        return {"nvrtc": None, "nvrtc_reason": f"NVRTC probe failed: {type(exc).__name__}: {exc}"}
+    return {"nvrtc": text, "nvrtc_reason": None} if ok else {"nvrtc": None, "nvrtc_reason": text}
+
+
 def environment() -> dict:
     """Versions, commit, machine and GPU (or ``None``) as a flat, JSON-ready dict."""
     from . import __version__
@@ -121,6 +136,7 @@ def environment() -> dict:
         "kernel_env": kernel_env(),
     }
     env.update(gpu_info())
+    env.update(nvrtc_info())
     return env
 
 

@@ -25,7 +25,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["gpu_status", "cuda_error_reason", "kernel_dir", "kernel_source", "get_function", "cuda_include_dir"]
+__all__ = ["gpu_status", "nvrtc_status", "cuda_error_reason", "kernel_dir", "kernel_source", "get_function", "cuda_include_dir"]
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[ \t]*(?://[^\n]*)?$', re.MULTILINE)  # a trailing // comment too
 
@@ -164,7 +164,8 @@ def cuda_error_reason(exc: BaseException) -> str | None:
 
 
 def gpu_status() -> tuple[bool, str]:
-    """(True, device name) when CuPy imports and a CUDA device answers, else (False, why)."""
+    """(True, device name) when CuPy imports, a CUDA device answers and NVRTC loads (:func:`nvrtc_status`: every
+    kernel is compiled at first use), else (False, why)."""
     try:
         import cupy
     except Exception as exc:
@@ -175,9 +176,33 @@ def gpu_status() -> tuple[bool, str]:
             return False, "no CUDA device"
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-        return True, f"{name} (sm_{props['major']}{props['minor']})"
+        device = f"{name} (sm_{props['major']}{props['minor']})"
     except Exception as exc:
         return False, cuda_error_reason(exc) or f"no usable CUDA device ({type(exc).__name__}: {exc})"
+    ok, nvrtc = nvrtc_status()
+    if not ok:
+        return False, f"{device} found, but the kernels cannot be compiled: {nvrtc}"
+    return True, device
+
+
+#: What to install when NVRTC is missing: CuPy's [ctk] extra (through sagecupy's) brings NVRTC and the CUDA headers.
+_NVRTC_HINT = "pip install 'sagecupy[cuda13]' (or 'sagecupy[cuda12]' for a CUDA 12 driver), or a CUDA toolkit"
+
+
+def nvrtc_status() -> tuple[bool, str]:
+    """(True, NVRTC's version as "13.0") when CuPy imports and its NVRTC library loads, else (False, what is missing).
+
+    Every kernel is compiled at first use by NVRTC, which CuPy loads lazily: a CuPy wheel installed without its CUDA
+    toolkit wheels imports and sees the GPU, then fails at the first compile. Needs no GPU."""
+    try:
+        import cupy
+    except Exception as exc:
+        return False, f"CuPy is not importable ({type(exc).__name__}: {exc}): {_NVRTC_HINT}"
+    try:
+        major, minor = cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:  # CuPy raises RuntimeError naming the library it could not load
+        return False, f"NVRTC does not load ({type(exc).__name__}: {' '.join(str(exc).split())}): {_NVRTC_HINT}"
+    return True, f"{major}.{minor}"
 
 
 def _options(arch: str | None = None) -> tuple:
