@@ -431,21 +431,23 @@ def _baseline_reason(name):
         return f"availability check failed ({type(exc).__name__}: {exc})"
 
 
-def _bench_baseline(name, D, N, causal, *, warmup, rep):
-    """One baseline's rows for one case; whatever it raises becomes an ``error`` row (the sweep goes on)."""
+def _bench_baseline(name, D, N, causal, *, warmup, rep, dtype="bfloat16"):
+    """One baseline's rows for one case; whatever it raises becomes an ``error`` row (the sweep goes on). cuDNN FP8
+    casts from bf16 whatever ``dtype`` is (its rows say so)."""
     try:
         if name == "cudnn-fp8":
             return bench_cudnn_fp8(D, N, causal, warmup=warmup, rep=rep)
-        return bench_sdpa(D, N, causal, "default" if name == "sdpa" else name, warmup=warmup, rep=rep)
+        return bench_sdpa(D, N, causal, "default" if name == "sdpa" else name, dtype=dtype, warmup=warmup, rep=rep)
     except Exception as exc:
         return [dict(impl=BASELINES[name], mode="error", D=D, N=N, causal=causal,
                      error=f"{type(exc).__name__}: {exc}"[:400])]
 
 
 def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=None, warmup=3, rep=10, log=None,
-              families=("int8",)):
+              families=("int8",), dtype="bfloat16", progress=None):
     """Every case for every family (int8 with each config, nvfp4, qat) and baseline; JSON lines to ``out`` (a
-    file object) as they come.
+    file object) as they come. ``dtype``: ``"bfloat16"`` or ``"float16"`` inputs; ``progress(case)`` is called
+    after each case's rows.
 
     ``baselines``: names of ``BASELINES`` (a comma-separated string or an iterable). One that cannot run in this
     process gives a single ``mode="skip"`` row saying why, first, and is not timed; one that fails on a case gives an
@@ -474,13 +476,15 @@ def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=N
         batch = []
         if "int8" in families:
             for cfg in configs:
-                batch += bench_int8(D, N, causal, config=cfg, warmup=warmup, rep=rep)
+                batch += bench_int8(D, N, causal, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
         for fam in ("nvfp4", "qat"):
             if fam in families:
-                batch += bench_fp4(D, N, causal, family=fam, warmup=warmup, rep=rep)
+                batch += bench_fp4(D, N, causal, family=fam, dtype=dtype, warmup=warmup, rep=rep)
         for be in active:
-            batch += _bench_baseline(be, D, N, causal, warmup=warmup, rep=rep)
+            batch += _bench_baseline(be, D, N, causal, warmup=warmup, rep=rep, dtype=dtype)
         emit(batch)
+        if progress is not None:
+            progress((D, N, causal))
     return rows
 
 

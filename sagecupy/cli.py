@@ -568,6 +568,26 @@ def intermediates(**opts):
     emit(records, head, opts["fmt"], opts["out"])
 
 
+#: The bench's input dtypes by the analysis commands' names.
+_BENCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def bench_cases(*, quick: bool, d: int | None, n: int | None, causal: bool | None) -> list:
+    """The sweep's (D, N, causal) cases (:func:`sagecupy.bench.default_cases`) narrowed by ``--d``, ``--n`` and
+    ``--causal/--no-causal``; ``--n`` may name a length outside the sweep (it then replaces the sweep's lengths)."""
+    from . import bench
+
+    cases = bench.default_cases(quick=quick)
+    if n is not None:
+        cases = list(dict.fromkeys((cd, n, cc) for cd, _, cc in cases))
+    return [(cd, cn, cc) for cd, cn, cc in cases if (d is None or cd == d) and (causal is None or cc == causal)]
+
+
+def _case_name(case) -> str:
+    d, n, causal = case
+    return f"D={d} N={n} {'causal' if causal else 'full'}"
+
+
 @main.command("bench")
 @click.option("--quick", is_flag=True, help="N in {4K, 16K} only (default: 1K ... 32K)")
 @click.option("--configs", default="default", show_default=True,
@@ -580,16 +600,24 @@ def intermediates(**opts):
 @click.option("--memory/--no-memory", default=False, help="also peak memory of fwd+bwd at N=32K, D=128")
 @click.option("--rep", type=click.IntRange(1), default=10, show_default=True, help="timed runs (median)")
 @click.option("--out", "out", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="write JSON lines (environment header first)")
+              help="also write JSON lines to FILE as the rows come (environment header first; what `sagecupy plot` "
+                   "reads)")
 @click.option("--families", default="int8,nvfp4,qat", show_default=True,
               help="kernel families: int8 (SageBwd fwd/bwd), nvfp4 (inference fwd), qat (FP4 QAT fwd/bwd)")
-def bench_cmd(quick, configs, baselines, memory, rep, out, families):
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+              help="stdout: the table with ratios to the baselines, JSON lines (environment header first) or CSV")
+@click.option("--dtype", type=click.Choice(tuple(_BENCH_DTYPES)), default="bf16", show_default=True,
+              help="input dtype of sagecupy and the SDPA baselines (cudnn-fp8 casts from bf16 either way)")
+@click.option("--d", type=click.Choice(tuple(str(d) for d in analysis.GPU_HEAD_DIMS)), default=None,
+              help="only this head dim [default: both]")
+@click.option("--n", type=_POSITIVE, default=None, help="only this sequence length (batch * N stays 16K tokens)")
+@click.option("--causal/--no-causal", default=None, help="only causal / only non-causal cases [default: both]")
+def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype, d, n, causal):
     """Speed of the kernels (fwd, bwd, fwd+bwd; kernel-only and end-to-end) beside SDPA, with ratios.
 
-    Shapes: batch * N = 16K tokens, heads * D = 2048, D in {64, 128}, causal and not (docs/algorithms.md §8.1 FLOPs).
+    Shapes: batch * N = 16K tokens, heads * D = 2048, D in {64, 128}, causal and not (docs/algorithms.md §8.1 FLOPs);
+    --d, --n and --causal/--no-causal narrow the sweep. One line per finished case on stderr.
     """
-    import json
-
     from . import bench
     from ._env import environment
 
@@ -605,18 +633,20 @@ def bench_cmd(quick, configs, baselines, memory, rep, out, families):
         bases = bench.DEFAULT_BASELINES if baselines is None else bench.parse_baselines(baselines)
     except ValueError as exc:
         raise click.UsageError(_one_line(str(exc))) from None
+    cases = bench_cases(quick=quick, d=None if d is None else int(d), n=n, causal=causal)
     ok, why = gpu_status()
     if not ok:
         raise click.ClickException(f"bench needs a CUDA device: {why}")
+    env = dict(type="env", **environment())
     fh = open(out, "w") if out else None
     try:
         if fh:
-            fh.write(json.dumps(dict(type="env", **environment())) + "\n")
-        with _library_errors():
-            rows = bench.run_suite(bench.default_cases(quick=quick), configs=cfgs, baselines=bases, out=fh, rep=rep,
-                                   families=fams)
+            fh.write(json.dumps(_json_safe(env)) + "\n")
+        with _library_errors(), _progress([_case_name(c) for c in cases], "bench") as step:
+            rows = bench.run_suite(cases, configs=cfgs, baselines=bases, out=fh, rep=rep, families=fams,
+                                   dtype=_BENCH_DTYPES[dtype], progress=lambda case: step(1))
             if memory:
-                mem = bench.peak_memory()
+                mem = bench.peak_memory(dtype=_BENCH_DTYPES[dtype])
                 rows += mem
                 if fh:
                     for r in mem:
@@ -624,7 +654,10 @@ def bench_cmd(quick, configs, baselines, memory, rep, out, families):
     finally:
         if fh:
             fh.close()
-    click.echo(bench.format_rows(rows))
+    if fmt == "table":
+        click.echo(bench.format_rows(rows))
+    else:
+        click.echo(render(rows, env, fmt), nl=False)
 
 
 @main.command("plot")
