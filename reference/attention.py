@@ -1,9 +1,16 @@
 """Exact attention in float64: the ground truth every sagecupy family is measured against.
 
 docs/algorithms.md §1 in code. Everything here is computed in float64 with plain vectorized
-NumPy (whole ``(Nq, Nk)`` score matrices; there is no memory constraint on the
-reference). Inputs of any real dtype are accepted and converted to float64; the
-caller's arrays are never modified.
+NumPy. Two forms: the dense one (:func:`attention_forward`,
+:func:`attention_backward`, :func:`attention_intermediates`) holds whole
+``(B, Hq, Nq, Nk)`` score matrices; the chunked one (:func:`attention_chunked`,
+:func:`attention_forward_chunked`, :func:`attention_backward_chunked`) walks
+key and query blocks with an online softmax and holds ``O(N·D)`` per head plus
+one block, for long sequences. They agree to float64 rounding (~1e-15
+relative; tested to 1e-12). The dense functions, and the dense simulators of
+the other reference modules, refuse a call whose arrays would exceed
+:data:`MEMORY_LIMIT` (:func:`check_memory`). Inputs of any real dtype are
+accepted and converted to float64; the caller's arrays are never modified.
 
 Conventions
 -----------
@@ -60,9 +67,58 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_intermediates",
+    "attention_chunked",
+    "attention_forward_chunked",
+    "attention_backward_chunked",
+    "MEMORY_LIMIT",
+    "check_memory",
+    "dense_bytes",
+    "dense_peak_bytes",
 ]
 
 LAYOUTS = ("HND", "NHD")
+
+#: Bytes a dense float64 reference call (exact attention with whole score matrices, or one of the quantization
+#: simulators) may hold at once; a call that would need more raises ValueError up front, naming what it would need
+#: (:func:`check_memory`), instead of exhausting the machine's memory. Read at call time: assign a larger value
+#: (``sagecupy.reference.attention.MEMORY_LIMIT = 32 << 30``) on a machine that has it. The chunked exact functions
+#: need no such limit.
+MEMORY_LIMIT = 8 << 30
+# Peak bytes per (B, Hq, Nq, Nk) score entry of the dense functions (scores, P, and NumPy's temporaries; the
+# intermediates keep S, P, dP, dS): upper bounds of tracemalloc's peak with a margin (tests/cpu/test_ref_chunked.py).
+_DENSE_FWD, _DENSE_BWD, _DENSE_INTERMEDIATES = 32, 48, 48
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def check_memory(what: str, nbytes: int) -> None:
+    """ValueError if ``nbytes`` (what the dense computation ``what`` would hold at its peak) exceeds
+    :data:`MEMORY_LIMIT`; the message gives both, so a caller (the ``sagecupy`` CLI prints it on one line) can
+    say how far over the limit a problem is."""
+    limit = MEMORY_LIMIT
+    if nbytes > limit:
+        raise ValueError(
+            f"{what} would need about {_gb(nbytes)} of memory, more than the reference's limit of {_gb(limit)} "
+            f"(sagecupy.reference.attention.MEMORY_LIMIT): use a shorter sequence or fewer heads, or raise the limit"
+        )
+
+
+def dense_bytes(B: int, Hq: int, Nq: int, Nk: int, D: int, *, scores: float, head_scores: float = 0.0,
+                rows: float = 8.0) -> int:
+    """Peak bytes of a dense float64 reference computation: ``scores`` bytes per entry of the whole ``(B, Hq, Nq,
+    Nk)`` score tensor it holds at once, ``head_scores`` bytes per entry of one head's ``(Nq, Nk)`` (computations
+    that loop over heads), and ``rows`` float64 ``(B, Hq, max(Nq, Nk), D)`` arrays (inputs, outputs, gradients).
+    The per-function coefficients are upper bounds of tracemalloc's peak (tests/cpu/test_ref_chunked.py)."""
+    return int(scores * B * Hq * Nq * Nk + head_scores * Nq * Nk + rows * 8 * B * Hq * max(Nq, Nk) * D)
+
+
+def dense_peak_bytes(B: int, Hq: int, Nq: int, Nk: int, D: int, *, kind: str = "intermediates") -> int:
+    """What :func:`check_memory` holds a dense exact call to: ``kind`` ``"forward"`` (:func:`attention_forward`),
+    ``"backward"`` (:func:`attention_backward`) or ``"intermediates"`` (:func:`attention_intermediates`)."""
+    scores = {"forward": _DENSE_FWD, "backward": _DENSE_BWD, "intermediates": _DENSE_INTERMEDIATES}[kind]
+    return dense_bytes(B, Hq, Nq, Nk, D, scores=scores)
 
 
 # ----------------------------------------------------------------------------
@@ -289,6 +345,9 @@ def attention_forward(q, k, v, *, causal=False, sm_scale=None, layout="HND"):
     ``(B, Hq, Nq)``, the natural-log log-sum-exp of each row's visible scores.
     Fully masked rows: ``o = 0``, ``lse = -inf``.
     """
+    (B, Hq, _, Nq, Nk, D) = check_qkv(q, k, v, layout)
+    check_memory(f"dense exact attention (B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}; attention_forward_chunked needs none)",
+                 dense_peak_bytes(B, Hq, Nq, Nk, D, kind="forward"))
     _, scale, mask, qh, kh, vh = _prepare(q, k, v, causal, sm_scale, layout)
     p, _, _, lse = masked_softmax(_scores(qh, kh, scale, mask))
     return from_hnd(np.matmul(p, vh), layout), lse
@@ -304,6 +363,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, sm_scale=None, layo
     (they see no key), get ``P = 0`` and therefore zero gradients.
     ``dk``/``dv`` of a kv head sum over its GQA group.
     """
+    (B, Hq, _, Nq, Nk, D) = check_qkv(q, k, v, layout)
+    check_memory(f"dense exact attention backward (B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}; attention_backward_chunked "
+                 f"needs none)", dense_peak_bytes(B, Hq, Nq, Nk, D, kind="backward"))
     (B, Hq, Hkv, Nq, Nk, D), scale, mask, qh, kh, vh = _prepare(q, k, v, causal, sm_scale, layout)
     oh = _check_like(o, "o", (B, Hq, Nq, D), layout)
     doh = _check_like(do, "do", (B, Hq, Nq, D), layout)
@@ -327,6 +389,9 @@ def attention_intermediates(q, k, v, do, *, causal=False, sm_scale=None, layout=
     (``(B, Hkv, Nk, D)``, GQA-summed). Note the layout: HND whatever ``layout``
     the inputs use (``layout`` only says how to read ``q, k, v, do``).
     """
+    (B, Hq, _, Nq, Nk, D) = check_qkv(q, k, v, layout)
+    check_memory(f"the exact intermediates (B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}: S, P, dP, dS whole)",
+                 dense_peak_bytes(B, Hq, Nq, Nk, D, kind="intermediates"))
     (B, Hq, Hkv, Nq, Nk, D), scale, mask, qh, kh, vh = _prepare(q, k, v, causal, sm_scale, layout)
     doh = _check_like(do, "do", (B, Hq, Nq, D), layout)
     s = _scores(qh, kh, scale, mask)
@@ -335,3 +400,156 @@ def attention_intermediates(q, k, v, do, *, causal=False, sm_scale=None, layout=
     out = {"S": s, "P": p, "O": oh, "lse": lse}
     out.update(_backward_core(qh, kh, vh, p, oh, doh, scale, Hkv))
     return out
+
+
+# ----------------------------------------------------------------------------
+# chunked exact attention: O(N·D) per head plus one block
+# ----------------------------------------------------------------------------
+
+#: Query rows and keys per block of the chunked functions: a (1024, 1024) float64 block is 8 MB (a few live at once).
+#: On a 2-core machine at N = 2048-4096, D = 128 these blocks ran as fast as wider ones and faster than 256 or 512
+#: (fewer Python steps per product) and than the dense form.
+CHUNK = 1024
+
+
+def _check_block(value, name: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
+def _chunked_args(q, k, v, causal, sm_scale, layout, block_q, block_k):
+    """Validation and HND float64 copies (K and V per kv head, not expanded over the GQA group)."""
+    B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    scale = resolve_sm_scale(sm_scale, D)
+    bq, bk = _check_block(block_q, "block_q"), _check_block(block_k, "block_k")
+    qh, kh, vh = (as_float64(to_hnd(x, layout), n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    return (B, Hq, Hkv, Nq, Nk, D), scale, bool(causal), bq, bk, qh, kh, vh
+
+
+def _block_scores(qb, kb, scale, causal, i0, j0, shift):
+    """``scale · q_blk k_blkᵀ`` with ``-inf`` where a row may not see a key (bottom-right causal mask)."""
+    s = scale * (qb @ kb.T)
+    if causal and j0 + kb.shape[0] - 1 > i0 + shift:  # (the block reaches past some row's last visible key)
+        i = np.arange(i0, i0 + qb.shape[0])[:, None]
+        j = np.arange(j0, j0 + kb.shape[0])[None, :]
+        s = np.where(j <= i + shift, s, -np.inf)
+    return s
+
+
+def _forward_head(qh, kh, vh, scale, causal, bq, bk):
+    """One head's O and LSE by key blocks with an online softmax (running max ``m``, sum ``l``, accumulator)."""
+    Nq, D = qh.shape
+    Nk = kh.shape[0]
+    shift = Nk - Nq
+    o = np.zeros((Nq, D))
+    lse = np.full(Nq, -np.inf)
+    for i0 in range(0, Nq, bq):
+        qb = qh[i0:i0 + bq]
+        n = qb.shape[0]
+        last = Nk if not causal else min(Nk, i0 + n + shift)  # keys any row of the block sees: j < last
+        m = np.full(n, -np.inf)
+        l = np.zeros(n)
+        acc = np.zeros((n, D))
+        for j0 in range(0, max(last, 0), bk):
+            s = _block_scores(qb, kh[j0:j0 + bk], scale, causal, i0, j0, shift)
+            m_new = np.maximum(m, s.max(axis=1))
+            m_safe = np.where(m_new == -np.inf, 0.0, m_new)  # (a row that has seen no key yet: no −inf − −inf)
+            alpha = np.exp(m - m_safe)
+            p = np.exp(s - m_safe[:, None])
+            l = alpha * l + p.sum(axis=1)
+            acc = alpha[:, None] * acc + p @ vh[j0:j0 + bk]
+            m = m_new
+        seen = l > 0
+        m_safe = np.where(seen, m, 0.0)
+        o[i0:i0 + n] = acc / np.where(seen, l, 1.0)[:, None]
+        lse[i0:i0 + n] = np.where(seen, m_safe + np.log(np.where(seen, l, 1.0)), -np.inf)
+    return o, lse
+
+
+def _backward_head(qh, kh, vh, lse, doh, delta, scale, causal, bq, bk, dq, dk, dv):
+    """One head's gradients by key blocks (outer: dK, dV of the block) and query blocks (inner: dQ accumulated in
+    ``dq``), ``P = exp(S − lse)`` recomputed per block; ``dk``, ``dv`` (the kv head's) are added to."""
+    Nq = qh.shape[0]
+    Nk = kh.shape[0]
+    shift = Nk - Nq
+    row_ok = lse != -np.inf
+    lse_safe = np.where(row_ok, lse, 0.0)
+    for j0 in range(0, Nk, bk):
+        kb, vb = kh[j0:j0 + bk], vh[j0:j0 + bk]
+        first = 0 if not causal else max(0, j0 - shift)  # the first row that sees key j0
+        for i0 in range(first // bq * bq, Nq, bq):
+            sl = slice(i0, i0 + bq)
+            s = _block_scores(qh[sl], kb, scale, causal, i0, j0, shift)
+            p = np.where(row_ok[sl, None], np.exp(s - lse_safe[sl, None]), 0.0)
+            dv[j0:j0 + bk] += p.T @ doh[sl]
+            ds = p * (doh[sl] @ vb.T - delta[sl, None])
+            dq[sl] += scale * (ds @ kb)
+            dk[j0:j0 + bk] += scale * (ds.T @ qh[sl])
+
+
+def attention_chunked(q, k, v, do=None, *, causal=False, sm_scale=None, layout="HND", block_q=CHUNK,
+                      block_k=CHUNK) -> dict:
+    """Exact attention in float64 by blocks of ``block_q`` query rows and ``block_k`` keys: memory ``O(N·D)`` per
+    head plus one ``(block_q, block_k)`` block, whatever N.
+
+    Returns HND float64 arrays under the keys of :func:`attention_intermediates` that need no ``(Nq, Nk)``
+    matrix: ``"O"``, ``"lse"`` and, when ``do`` is given, ``"delta"``, ``"dQ"``, ``"dK"``, ``"dV"`` (dK, dV
+    summed over each GQA group). Equal to the dense functions up to float64 rounding. The forward is an online
+    softmax over key blocks in float64 (running row max and sum, docs/algorithms.md §1.3); the backward recomputes
+    ``P = exp(S − LSE)`` per block (§1.7). Conventions as the dense functions (causal bottom-right; a row that sees
+    no key: ``O = 0``, ``LSE = −inf``, zero gradients, no warning).
+    """
+    (B, Hq, Hkv, Nq, Nk, D), scale, causal, bq, bk, qh, kh, vh = _chunked_args(q, k, v, causal, sm_scale, layout,
+                                                                              block_q, block_k)
+    doh = None if do is None else _check_like(do, "do", (B, Hq, Nq, D), layout)
+    group = Hq // Hkv
+    o = np.zeros((B, Hq, Nq, D))
+    lse = np.full((B, Hq, Nq), -np.inf)
+    out = {"O": o, "lse": lse}
+    if doh is not None:
+        out.update(delta=np.zeros((B, Hq, Nq)), dQ=np.zeros((B, Hq, Nq, D)), dK=np.zeros((B, Hkv, Nk, D)),
+                   dV=np.zeros((B, Hkv, Nk, D)))
+    with np.errstate(under="ignore"):  # (exp of very negative logits: 0, as in the dense form)
+        for b in range(B):
+            for h in range(Hq):
+                g = h // group
+                o[b, h], lse[b, h] = _forward_head(qh[b, h], kh[b, g], vh[b, g], scale, causal, bq, bk)
+                if doh is not None:
+                    out["delta"][b, h] = np.sum(doh[b, h] * o[b, h], axis=-1)
+                    _backward_head(qh[b, h], kh[b, g], vh[b, g], lse[b, h], doh[b, h], out["delta"][b, h], scale,
+                                   causal, bq, bk, out["dQ"][b, h], out["dK"][b, g], out["dV"][b, g])
+    return out
+
+
+def attention_forward_chunked(q, k, v, *, causal=False, sm_scale=None, layout="HND", block_q=CHUNK, block_k=CHUNK):
+    """:func:`attention_forward` by blocks (:func:`attention_chunked`): ``(o, lse)``, ``o`` in ``layout``."""
+    out = attention_chunked(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, block_q=block_q,
+                            block_k=block_k)
+    return from_hnd(out["O"], layout), out["lse"]
+
+
+def attention_backward_chunked(q, k, v, o, lse, do, *, causal=False, sm_scale=None, layout="HND", block_q=CHUNK,
+                               block_k=CHUNK):
+    """:func:`attention_backward` by blocks: ``(dq, dk, dv)`` in ``layout`` from the given ``o`` (for δ) and
+    ``lse`` (for P), as the dense one; memory ``O(N·D)`` per head plus one block."""
+    (B, Hq, Hkv, Nq, Nk, D), scale, causal, bq, bk, qh, kh, vh = _chunked_args(q, k, v, causal, sm_scale, layout,
+                                                                              block_q, block_k)
+    oh = _check_like(o, "o", (B, Hq, Nq, D), layout)
+    doh = _check_like(do, "do", (B, Hq, Nq, D), layout)
+    lse64 = as_float64(lse, "lse")
+    if lse64.shape != (B, Hq, Nq):
+        raise ValueError(f"lse must have shape {(B, Hq, Nq)}, got {lse64.shape}")
+    group = Hq // Hkv
+    dq, dk, dv = np.zeros((B, Hq, Nq, D)), np.zeros((B, Hkv, Nk, D)), np.zeros((B, Hkv, Nk, D))
+    lse64 = np.where(np.isfinite(lse64), lse64, -np.inf)  # (a row whose LSE is not finite sees nothing: P = 0)
+    with np.errstate(under="ignore"):
+        for b in range(B):
+            for h in range(Hq):
+                g = h // group
+                delta = np.sum(doh[b, h] * oh[b, h], axis=-1)
+                _backward_head(qh[b, h], kh[b, g], vh[b, g], lse64[b, h], doh[b, h], delta, scale, causal, bq, bk,
+                               dq[b, h], dk[b, g], dv[b, g])
+    return tuple(from_hnd(x, layout) for x in (dq, dk, dv))

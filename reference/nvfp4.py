@@ -60,7 +60,9 @@ from sagecupy.config import NVFP4Config
 from . import fp4
 from .attention import (
     as_float64,
+    check_memory,
     check_qkv,
+    dense_bytes,
     expand_kv_heads,
     from_hnd,
     resolve_sm_scale,
@@ -68,7 +70,19 @@ from .attention import (
     visible_mask,
 )
 
-__all__ = ["forward", "quantize_inputs", "smooth"]
+__all__ = ["forward", "quantize_inputs", "smooth", "peak_bytes"]
+
+# Peak bytes per (B, Hq, Nq, Nk) entry (keys padded to the tiles) of :func:`forward`, which works on whole score
+# tensors: S, its tiles, the running maxima per key, P̃, the two-level quantization's temporaries, P̂; an upper bound of
+# tracemalloc's peak with a margin (tests/cpu/test_ref_chunked.py).
+_SCORE_BYTES = 160
+
+
+def peak_bytes(B: int, Hq: int, Nq: int, Nk: int, D: int, config=NVFP4Config()) -> int:
+    """Bytes :func:`forward` holds at its peak for this size, what it compares with
+    :data:`sagecupy.reference.attention.MEMORY_LIMIT` before any work."""
+    tile = max(config.block_kv, fp4.NVFP4_BLOCK)
+    return dense_bytes(B, Hq, Nq, -(-Nk // tile) * tile, D, scores=_SCORE_BYTES, rows=16)
 
 
 def _check_config(config) -> NVFP4Config:
@@ -199,6 +213,8 @@ def forward(
     """
     return_intermediates = _check_bool(return_intermediates, "return_intermediates")
     config, (B, Hq, Hkv, Nq, Nk, D), scale, qh, kh, vh = _validate(q, k, v, causal, sm_scale, layout, config)
+    check_memory(f"the float64 NVFP4 simulator (B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}, D={D}, dense (B, Hq, Nq, Nk) "
+                 f"tensors)", peak_bytes(B, Hq, Nq, Nk, D, config))
     sm = smooth(qh, kh, scale, config)
     if config.quantize:
         q_hat, k_hat, v_hat, _ = _quantize_operands(sm["qs"], sm["ks"], vh, config)

@@ -57,7 +57,9 @@ from sagecupy.config import QATConfig
 from . import fp4
 from .attention import (
     as_float64,
+    check_memory,
     check_qkv,
+    dense_bytes,
     expand_kv_heads,
     from_hnd,
     masked_softmax,
@@ -67,7 +69,24 @@ from .attention import (
     visible_mask,
 )
 
-__all__ = ["forward", "backward", "fake_quantize_inputs", "fake_quantize_p"]
+__all__ = ["forward", "backward", "fake_quantize_inputs", "fake_quantize_p", "peak_bytes"]
+
+# Peak bytes per (B, Hq, Nq, Nk) entry (keys padded to the tiles) of :func:`forward` and of :func:`backward`, which
+# work on whole score tensors (S, P, fq_P(P) and its quantizer's temporaries; the backward's dP and dS); an upper
+# bound of tracemalloc's peak with a margin (tests/cpu/test_ref_chunked.py).
+_SCORE_BYTES = 144
+
+
+def peak_bytes(B: int, Hq: int, Nq: int, Nk: int, D: int, config=QATConfig()) -> int:
+    """Bytes :func:`forward` or :func:`backward` holds at its peak for this size, what each compares with
+    :data:`sagecupy.reference.attention.MEMORY_LIMIT` before any work."""
+    tile = max(config.block_kv, fp4.NVFP4_BLOCK)
+    return dense_bytes(B, Hq, Nq, -(-Nk // tile) * tile, D, scores=_SCORE_BYTES, rows=16)
+
+
+def _check_memory(B, Hq, Nq, Nk, D, config):
+    check_memory(f"the float64 QAT simulator (B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}, D={D}, dense (B, Hq, Nq, Nk) "
+                 f"tensors)", peak_bytes(B, Hq, Nq, Nk, D, config))
 
 _RESIDUAL_KEYS = ("q_t", "k_t", "v_t", "o_prime", "o", "lse", "causal", "sm_scale", "layout", "config", "Hq", "Hkv")
 
@@ -130,6 +149,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATCon
     if not isinstance(return_intermediates, (bool, np.bool_)):
         raise TypeError(f"return_intermediates must be a bool, got {return_intermediates!r}")
     B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
+    _check_memory(B, Hq, Nq, Nk, D, config)
     scale = resolve_sm_scale(sm_scale, D)
     qh = as_float64(to_hnd(q, layout), "q")
     kh = as_float64(to_hnd(k, layout), "k")
@@ -176,6 +196,7 @@ def backward(residuals: dict, do, *, delta_from: str = "o_prime"):
     q_t, k_t, v_t, scale, layout = r["q_t"], r["k_t"], r["v_t"], r["sm_scale"], r["layout"]
     B, Hq, Nq, D = q_t.shape
     Hkv, Nk = k_t.shape[1], k_t.shape[2]
+    _check_memory(B, Hq, Nq, Nk, D, config)
     if not hasattr(do, "ndim") or do.ndim != 4:
         raise ValueError(f"do must be a 4-D array in layout {layout!r}")
     doh = as_float64(to_hnd(do, layout), "do")

@@ -119,7 +119,10 @@ dequantized operands; the code uses that form (one matmul per product and
 head), which again differs from the kernels only in accumulation order.
 
 The simulator loops over (batch, query head) and holds whole ``(Nq, Nk)``
-matrices per head; the memory limit of the kernels does not apply here.
+matrices per head (and, for the intermediates, every head's): :func:`peak_bytes`
+says how much, and every entry point refuses up front (ValueError) a call that
+would exceed :data:`sagecupy.reference.attention.MEMORY_LIMIT`. The kernels'
+index limits do not apply here.
 """
 from __future__ import annotations
 
@@ -129,7 +132,9 @@ from sagecupy.config import DEFAULT, SageBwdConfig, get_config
 
 from .attention import (
     as_float64,
+    check_memory,
     check_qkv,
+    dense_bytes,
     from_hnd,
     kv_head_index,
     resolve_sm_scale,
@@ -139,7 +144,7 @@ from .attention import (
 )
 from .quant import INT8_QMAX, quantize_tiles
 
-__all__ = ["quantize_inputs", "forward", "backward", "run", "RESIDUAL_KEYS"]
+__all__ = ["quantize_inputs", "forward", "backward", "run", "peak_bytes", "RESIDUAL_KEYS"]
 
 #: Keys of the ``residuals`` dict returned by :func:`forward` (docs/algorithms.md §3.5).
 RESIDUAL_KEYS = (
@@ -159,6 +164,29 @@ RESIDUAL_KEYS = (
     "layout",        # "HND" | "NHD" (the layout of the caller's arrays)
     "config",        # SageBwdConfig
 )
+
+
+# Peak bytes per (query row, key) entry, both padded to the config's tiles: one head's working set (the backward's,
+# the larger: S, P, its codes and scales, dP, dS, the folded X and Y with theirs, NumPy's temporaries), and what the
+# intermediates keep of every head (forward and backward). Upper bounds of tracemalloc's peak with a margin
+# (tests/cpu/test_ref_chunked.py).
+_HEAD_BYTES, _KEPT_BYTES = 144, 96
+
+
+def peak_bytes(B: int, Hq: int, Nq: int, Nk: int, D: int, config=DEFAULT, *, intermediates: bool = False) -> int:
+    """Bytes a :func:`forward` + :func:`backward` of this size holds at its peak (``intermediates``: as :func:`run`
+    does, every head's ``(Nq, Nk)`` intermediates kept), what :func:`check_memory` compares with the limit."""
+    cfg = get_config(config)
+    nq = -(-Nq // max(cfg.block_q, cfg.bwd_block_q)) * max(cfg.block_q, cfg.bwd_block_q)
+    nk = -(-Nk // max(cfg.block_kv, cfg.bwd_block_kv)) * max(cfg.block_kv, cfg.bwd_block_kv)
+    return dense_bytes(B, Hq, nq, nk, D, scores=_KEPT_BYTES if intermediates else 0, head_scores=_HEAD_BYTES,
+                       rows=16)
+
+
+def _check_memory(B, Hq, Nq, Nk, D, cfg, intermediates):
+    check_memory(f"the float64 SageBwd simulator (B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}, D={D}, dense (Nq, Nk) matrices"
+                 f"{' of every head' if intermediates else ' per head'})",
+                 peak_bytes(B, Hq, Nq, Nk, D, cfg, intermediates=intermediates))
 
 
 # ----------------------------------------------------------------------------
@@ -353,6 +381,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
     causal = _check_bool(causal, "causal")
     return_intermediates = _check_bool(return_intermediates, "return_intermediates")
     B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
+    _check_memory(B, Hq, Nq, Nk, D, cfg, return_intermediates)
     qi = quantize_inputs(q, k, v, sm_scale=sm_scale, layout=layout, config=cfg)
     scale = qi["sm_scale"]
     qh = as_float64(to_hnd(q, layout), "q")
@@ -383,6 +412,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
                 seen = lse_int[b, h] != -np.inf
                 lse_safe = np.where(seen, lse_int[b, h], 0.0)
                 inter["P"][b, h] = np.where(seen[:, None], np.exp(S - lse_safe[:, None]), 0.0)
+            del S, pc  # (else this head's (Nq, Nk) arrays live on while the next head's are made)
 
     # Public LSE: add back sm_scale · q_i · μ_K with the unsmoothed q (step 5).
     q_dot_mu = np.einsum("bhnd,bhd->bhn", qh, qi["mu_k"][:, kv_of])
@@ -439,6 +469,7 @@ def backward(residuals, do, *, return_intermediates=False):
         raise TypeError(f"do must be a NumPy array, got {type(do).__name__}")
     if do.ndim != 4 or tuple(to_hnd(do, layout).shape) != (B, Hq, Nq, D):
         raise ValueError(f"do must have the output's HND shape {(B, Hq, Nq, D)} ({layout=}), got shape {tuple(do.shape)}")
+    _check_memory(B, Hq, Nq, Nk, D, cfg, return_intermediates)
     doh = as_float64(to_hnd(do, layout), "do")
     mask = visible_mask(Nq, Nk, residuals["causal"])
     kv_of = kv_head_index(Hq, Hkv)
@@ -463,6 +494,7 @@ def backward(residuals, do, *, return_intermediates=False):
                     if key not in inter:
                         inter[key] = np.zeros((B, Hq, *value.shape), dtype=value.dtype)
                     inter[key][b, h] = value
+            del S, head  # (else this head's (Nq, Nk) arrays live on while the next head's are made)
     grads = (dq, sum_kv_groups(dk, Hkv), sum_kv_groups(dv, Hkv))
     grads = tuple(from_hnd(x, layout) for x in grads)
     if return_intermediates:
@@ -481,6 +513,8 @@ def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
     (see :func:`forward` and :func:`backward`; the backward's ``"P"`` is
     reported, which equals the forward's).
     """
+    B, Hq, _, Nq, Nk, D = check_qkv(q, k, v, layout)
+    _check_memory(B, Hq, Nq, Nk, D, get_config(config), True)  # (before the forward: the backward's keep too)
     o, residuals, fwd = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
                                 return_intermediates=True)
     dq, dk, dv, bwd = backward(residuals, do, return_intermediates=True)

@@ -81,6 +81,8 @@ __all__ = [
     "intermediates",
     "smoothing_ablation",
     "check_smoothing",
+    "check_reference_memory",
+    "reference_peak_bytes",
     "header",
 ]
 
@@ -456,9 +458,12 @@ def _run_reference(fam: Family, config, inputs: dict, causal: bool, want_interme
     q, k, v, do = (inputs[name] for name in LOAD_KEYS)
     kw = dict(causal=causal, sm_scale=None, layout="HND", config=config)
     if fam.name == "int8":
+        if not want_intermediates:  # (forward and backward alone hold one head's (N, N) matrices at a time)
+            o, residuals = module.forward(q, k, v, **kw)
+            grads = module.backward(residuals, do)
+            return {key: np.asarray(x, dtype=np.float64) for key, x in zip(ACCURACY_TENSORS, (o, *grads))}
         out = module.run(q, k, v, do, **kw)
-        keys = INTERMEDIATE_TENSORS if want_intermediates else ACCURACY_TENSORS
-        return {key: np.asarray(out[key], dtype=np.float64) for key in keys if key in out}
+        return {key: np.asarray(out[key], dtype=np.float64) for key in INTERMEDIATE_TENSORS if key in out}
     if fam.name == "nvfp4":
         if not want_intermediates:
             o, _ = module.forward(q, k, v, **kw)
@@ -594,11 +599,70 @@ class RunSpec:
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
 
 
-def _exact(inputs: dict, causal: bool, keys: Iterable[str]) -> dict:
-    from sagecupy.reference.attention import attention_intermediates
+#: What the chunked exact attention gives (no (Nq, Nk) matrix among them): tensors of these keys only are computed
+#: in O(N·D) memory per head (sagecupy.reference.attention.attention_chunked), whatever N.
+_CHUNKED_KEYS = frozenset(("O", "lse", "delta", "dQ", "dK", "dV"))
 
-    full = attention_intermediates(inputs["q"], inputs["k"], inputs["v"], inputs["do"], causal=causal)
+
+def _exact(inputs: dict, causal: bool, keys: Iterable[str]) -> dict:
+    """Exact float64 tensors ``keys`` on ``inputs``: by blocks (bounded memory) unless a key needs the whole P, dP
+    or dS, which the dense form keeps."""
+    from sagecupy.reference import attention as A
+
+    keys = tuple(keys)
+    q, k, v, do = (inputs[name] for name in LOAD_KEYS)
+    if set(keys) <= _CHUNKED_KEYS:
+        full = A.attention_chunked(q, k, v, do if set(keys) - {"O", "lse"} else None, causal=causal)
+    else:
+        full = A.attention_intermediates(q, k, v, do, causal=causal)
     return {key: full[key] for key in keys}
+
+
+def reference_peak_bytes(spec: RunSpec, *, intermediates: bool = False, inputs: dict | None = None) -> int:
+    """Bytes the float64 side of a measurement holds at its peak: the family's simulator (run on the reference
+    backend, and for the intermediates on either backend) and, for the intermediates, the dense exact ones (the
+    σ-sweep's exact side is chunked: no (N, N) matrix). ``inputs`` (loaded files) give the shape; else
+    ``spec.shape``."""
+    from sagecupy.reference import attention as A
+
+    if inputs is not None:
+        B, Hq, Nq, D = inputs["q"].shape
+        Nk = inputs["k"].shape[2]
+    else:
+        B, Hq, Nq, D = spec.shape.hnd
+        Nk = Nq
+    total = 0
+    if spec.backend == "reference" or intermediates:
+        module = importlib.import_module(family(spec.family).reference_module)
+        if spec.family == "int8":
+            total += module.peak_bytes(B, Hq, Nq, Nk, D, spec.config, intermediates=intermediates)
+        else:
+            total += module.peak_bytes(B, Hq, Nq, Nk, D, spec.config)
+    if intermediates:
+        total += A.dense_peak_bytes(B, Hq, Nq, Nk, D, kind="intermediates")
+    return total
+
+
+def check_reference_memory(spec: RunSpec, *, intermediates: bool = False, inputs: dict | None = None) -> None:
+    """ValueError, before anything is drawn or run, if :func:`reference_peak_bytes` exceeds
+    :data:`sagecupy.reference.attention.MEMORY_LIMIT` (the simulators would refuse the same call); the CLI prints
+    it as one ``Error:`` line."""
+    from sagecupy.reference import attention as A
+
+    if inputs is not None:
+        B, Hq, Nq, D = inputs["q"].shape
+        Nk = inputs["k"].shape[2]
+    else:
+        B, Hq, Nq, D = spec.shape.hnd
+        Nk = Nq
+    parts = []
+    if spec.backend == "reference" or intermediates:
+        parts.append(f"the float64 simulator of {family(spec.family).title} (dense (N, N) matrices)")
+    if intermediates:
+        parts.append("the dense exact intermediates")
+    if parts:
+        A.check_memory(f"{' and '.join(parts)} at B={B}, H={Hq}, Nq={Nq}, Nk={Nk}, D={D}",
+                       reference_peak_bytes(spec, intermediates=intermediates, inputs=inputs))
 
 
 def _measure(tensors: dict, exact: dict, keys: Iterable[str]) -> list[dict]:
@@ -627,6 +691,7 @@ def accuracy_sweep(spec: RunSpec, sigmas=SIGMAS, progress: Callable[[int], None]
     sigmas = _check_sigmas(sigmas)
     fam = family(spec.family)
     keys = _tensors_of(fam)
+    check_reference_memory(spec)
     records = []
     for sigma in sigmas:
         inputs = make_inputs(spec.shape, sigma, spec.seed, spec.dtype)
@@ -721,6 +786,7 @@ def intermediates(spec: RunSpec, sigma: float = 1.0, inputs: dict | None = None,
     from sagecupy.reference.metrics import ds_rms_bound, rms
 
     fam = family(spec.family)
+    check_reference_memory(spec, intermediates=True, inputs=inputs)
     if inputs is None:
         inputs = make_inputs(spec.shape, sigma, spec.seed, spec.dtype)
     tensors, sources = run_family(spec.backend, spec.family, spec.config, inputs, causal=spec.causal,

@@ -319,6 +319,72 @@ def test_intermediates_on_loaded_gqa_inputs(tmp_path):
     assert (head["heads"], head["heads_kv"], head["n_q"], head["n_k"]) == (4, 2, 24, 40)
 
 
+def test_accuracy_sweep_exact_side_is_chunked(monkeypatch):
+    """The σ-sweep's exact side needs no (N, N) matrix: it runs by blocks (the dense intermediates are never called)
+    and gives what the dense form gives."""
+    from sagecupy.reference import attention as A
+
+    spec = _spec(config=DEFAULT.replace(quantize=False), causal=True)
+    inputs = analysis.make_inputs(spec.shape, 3.0, spec.seed, spec.dtype)
+    dense = A.attention_intermediates(inputs["q"], inputs["k"], inputs["v"], inputs["do"], causal=True)
+
+    def refuse(*a, **kw):
+        raise AssertionError("the dense intermediates were called")
+
+    monkeypatch.setattr(A, "attention_intermediates", refuse)
+    exact = analysis._exact(inputs, True, analysis.ACCURACY_TENSORS)
+    for key in analysis.ACCURACY_TENSORS:
+        assert np.abs(exact[key] - dense[key]).max() <= 1e-12 * np.abs(dense[key]).max(), key
+    for r in analysis.accuracy_sweep(spec, sigmas=(3,)):  # (quantizers off: exact against exact)
+        assert r["rel_l2"] < 1e-12, r
+    with pytest.raises(AssertionError, match="dense intermediates"):  # (P, dP, dS need the dense form)
+        analysis._exact(inputs, True, analysis.INTERMEDIATE_TENSORS)
+
+
+def test_reference_memory_is_checked_before_anything_runs(monkeypatch):
+    """A reference run whose dense simulator (or, for the intermediates, simulator plus dense exact intermediates)
+    would exceed MEMORY_LIMIT is refused up front, before any input is drawn, with the bytes it would need."""
+    from sagecupy.reference import attention as A
+    from sagecupy.reference import sagebwd
+
+    def no_inputs(*a, **kw):
+        raise AssertionError("inputs were drawn")
+
+    monkeypatch.setattr(analysis, "make_inputs", no_inputs)
+    big = _spec(shape=analysis.Shape(batch=1, heads=1, n=32768, d=128))
+    need = sagebwd.peak_bytes(1, 1, 32768, 32768, 128, DEFAULT)
+    assert need > A.MEMORY_LIMIT and analysis.reference_peak_bytes(big) == need
+    with pytest.raises(ValueError, match=r"the float64 simulator of SageBwd .* at B=1, H=1, Nq=32768, Nk=32768, D=128 "
+                                         r"would need about [0-9.]+ GiB of memory, more than the reference's limit"):
+        analysis.accuracy_sweep(big, sigmas=(1,))
+    with pytest.raises(ValueError, match="would need about"):
+        analysis.smoothing_ablation(big, sigmas=(1,))
+    # the intermediates keep every head's (N, N) tensors, simulated and exact: both count
+    both = analysis.reference_peak_bytes(_spec(), intermediates=True)
+    assert both == (sagebwd.peak_bytes(1, 2, 40, 40, 32, DEFAULT, intermediates=True)
+                    + A.dense_peak_bytes(1, 2, 40, 40, 32, kind="intermediates"))
+    monkeypatch.setattr(A, "MEMORY_LIMIT", both - 1)
+    with pytest.raises(ValueError, match="simulator of SageBwd .* and the dense exact intermediates at B=1, H=2"):
+        analysis.intermediates(_spec())
+    # the GPU backend's sweep runs no simulator and a chunked exact side: nothing to refuse
+    assert analysis.reference_peak_bytes(dataclasses.replace(big, backend="gpu")) == 0
+
+
+def test_cli_refuses_a_simulation_beyond_the_memory_limit_in_one_line():
+    """`sagecupy accuracy --backend reference --n 32768 --heads 1 --sigmas 1`: one `Error:` line with the memory
+    the dense simulator would need and the limit; no traceback, nothing on stdout."""
+    from click.testing import CliRunner
+
+    from sagecupy.cli import main
+
+    result = CliRunner().invoke(main, ["accuracy", "--backend", "reference", "--n", "32768", "--heads", "1",
+                                       "--sigmas", "1"])
+    assert result.exit_code == 1 and result.stdout == "" and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: the float64 simulator of SageBwd"), result.stderr
+    assert "would need about" in lines[0] and "GiB of memory, more than the reference's limit of 8.0 GiB" in lines[0]
+
+
 def test_smoothing_ablation():
     steps = []
     records = analysis.smoothing_ablation(_spec(config="paper"), sigmas=(5,), progress=steps.append)
