@@ -44,11 +44,12 @@ def _roundup(n, m):
     return (n + m - 1) // m * m
 
 
-def check_limits(batch, heads_q, heads_kv, nq, nk, head_dim, *, what="") -> None:
+def check_limits(batch, heads_q, heads_kv, nq, nk, head_dim, *, what="", names=("Nq", "Nk")) -> None:
     """ValueError unless the kernels' 32-bit index arithmetic and grid extents hold every index of this problem
-    (module comment above). ``what``: a prefix naming where the sizes came from (e.g. ``"residuals.problem: "``)."""
+    (module comment above). ``what``: a prefix naming where the sizes came from (e.g. ``"residuals.problem: "``);
+    ``names``: what the messages call the two lengths."""
     limit = max_seq_len(head_dim)
-    for name, n in (("Nq", nq), ("Nk", nk)):
+    for name, n in zip(names, (nq, nk)):
         if n > limit:
             raise ValueError(f"{what}{name}={n} exceeds the kernels' limit of {limit} at head_dim={head_dim}: the "
                              f"padded length ({PAD_MAX}-multiple) times head_dim must fit a 32-bit index "

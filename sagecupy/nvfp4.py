@@ -284,15 +284,18 @@ def prepare_input(x, name, layout):
         raise ValueError(f"{name} must be 4-D, got shape {tuple(x.shape)}")
     if layout not in ("HND", "NHD"):
         raise ValueError(f"layout={layout!r} is not supported; supported: ('HND', 'NHD')")
+    _checks.check_dims(x.shape, name, ("B", "H", "N", "D") if layout == "HND" else ("B", "N", "H", "D"))
+    B, a1, a2, D = x.shape
+    H, N = (a1, a2) if layout == "HND" else (a2, a1)
+    if D % 16:
+        raise ValueError(f"head_dim={D} must be a multiple of 16 for NVFP4 (16-element blocks)")
+    # (the quantizers' grids are (blocks, H, B) and their offsets within a head 32-bit, as the attention kernels')
+    _checks.check_limits(B, H, 0, N, N, D, what=f"{name}: ", names=("N", "N"))
     raw = _checks.raw(x)
     if raw.strides[3] != raw.itemsize:
         raw = cupy.ascontiguousarray(raw)
     s = [st // raw.itemsize for st in raw.strides]
-    B, a1, a2, D = raw.shape
-    H, N = (a1, a2) if layout == "HND" else (a2, a1)
     strides = (s[0], s[1], s[2]) if layout == "HND" else (s[0], s[2], s[1])
-    if D % 16:
-        raise ValueError(f"head_dim={D} must be a multiple of 16 for NVFP4 (16-element blocks)")
     return raw, _T[dt], (B, H, N, D), strides
 
 
@@ -375,6 +378,10 @@ def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
 
 
 def _unsupported_config(cfg: NVFP4Config) -> str | None:
+    # (NVFP4Config checks its tile sizes, not its switches: a non-bool switch is refused here)
+    for field in ("two_level_p", "k_smoothing", "q_smoothing", "tensor_scale", "quantize"):
+        if not isinstance(getattr(cfg, field), bool):
+            return f"{field}={getattr(cfg, field)!r} must be a bool"
     if cfg.block_kv != _BKV:
         return f"block_kv={cfg.block_kv} is not supported by the kernel; supported: {_BKV}"
     if cfg.q_smoothing:
@@ -595,7 +602,7 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
 
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _ATTN_PLANS.get_or_build(
-        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), layout, config,
+        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale), layout, config,
                  engine, env_key()),
         lambda: _attention_plan(q, k, v, causal, sm_scale, layout, config, engine))
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
@@ -687,8 +694,6 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     operands; ``lse_offset`` (float32 ``(B, Hq, Nq)``, e.g. ``sm_scale * q . mu_K`` when K was smoothed) is
     added to it. ``engine``: see :func:`fp4_engine`. Returns ``o`` or ``(o, lse)``.
     """
-    import math
-
     import cupy
 
     if not isinstance(packed, dict):
@@ -708,14 +713,17 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     kp = _checks.as_cupy(packed["k_packed"], "packed['k_packed']")
     if len(qp.shape) != 4 or len(kp.shape) != 4:
         raise ValueError("packed['q_packed'] and packed['k_packed'] must be 4-D (B, H, N, D/2)")
+    _checks.check_dims(qp.shape, "packed['q_packed']", ("B", "Hq", "Nq", "D/2"))
+    _checks.check_dims(kp.shape, "packed['k_packed']", ("B", "Hkv", "Nk", "D/2"))
     B, Hq, nq, d2 = qp.shape
     Bk, Hkv, nk, dk2 = kp.shape
     D = 2 * d2
     if D not in (64, 128):
         raise ValueError(f"head_dim={D} (from packed['q_packed'].shape[-1] * 2) is not supported; supported: (64, 128)")
-    if (Bk, dk2) != (B, d2) or min(B, Hq, Hkv, nq, nk) < 1 or Hq % Hkv:
+    if (Bk, dk2) != (B, d2) or Hq % Hkv:
         raise ValueError(f"packed shapes do not match: q_packed {tuple(qp.shape)}, k_packed {tuple(kp.shape)} "
-                         f"(same B and D; q heads a multiple of kv heads; nothing empty)")
+                         f"(same B and D; q heads a multiple of kv heads)")
+    _checks.check_limits(B, Hq, Hkv, nq, nk, D, what="packed: ")
     n16 = (nk + 15) // 16 * 16
     ops = {
         "q_packed": _u8(qp, "packed['q_packed']", (B, Hq, nq, D // 2)),
@@ -725,11 +733,7 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
         "v_packed": _u8(packed["v_packed"], "packed['v_packed']", (B, Hkv, D, n16 // 2)),
         "v_scales": _u8(packed["v_scales"], "packed['v_scales']", (B, Hkv, D, n16 // 16)),
     }
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    sm_scale = float(sm_scale)
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale={sm_scale} must be finite and > 0")
+    sm_scale = _checks.check_sm_scale(sm_scale, D)
     if lse_offset is not None:
         lse_offset = cupy.ascontiguousarray(_checks.as_cupy(lse_offset, "lse_offset"), dtype=cupy.float32)
         if tuple(lse_offset.shape) != (B, Hq, nq):
