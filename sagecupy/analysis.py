@@ -112,8 +112,9 @@ SIGMAS = (1.0, 3.0, 5.0, 8.0, 10.0)
 #: docs/algorithms.md §7 default sequence length on a GPU.
 GPU_DEFAULT_N = 4096
 #: Default sequence length for the float64 reference, small enough that the
-#: default ``sagecupy accuracy`` (int8, default config) takes about 80 s and
-#: 3.2 GB on a 2-core machine (README).
+#: default ``sagecupy accuracy`` (int8, default config) takes under 80 s and
+#: about 0.8 GB on a 2-core machine (the simulator holds one head's (N, N)
+#: matrices at a time; the exact side runs by blocks).
 CPU_DEFAULT_N = 2048
 DEFAULT_BATCH, DEFAULT_HEADS, DEFAULT_D = 1, 8, 128
 #: The head dims the GPU kernels are built for; the reference simulators take any D.
