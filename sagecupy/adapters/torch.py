@@ -13,6 +13,9 @@
     o.sum().backward()                                 # INT8 SageBwd backward: q.grad, k.grad, v.grad
     torch.compile(model, fullgraph=True)               # no graph break at the op
 
+    from sagecupy.torch import scaled_dot_product_attention          # torch.nn.functional's, as a drop-in
+    o = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # the INT8 kernels run here
+
 Arguments and conventions are those of :func:`sagecupy.int8.forward` (layouts ``"HND"``/``"NHD"``, GQA,
 bottom-right causal, ``sm_scale=None`` meaning ``1/sqrt(D)``, fp16 or bf16, D 64 or 128).
 
@@ -58,6 +61,16 @@ is not supported: CuPy allocates during the call.
   whose backward recomputes the residuals from ``q, k, v`` (the forward is a deterministic function of
   its inputs, so they are the same residuals) because an opaque Python object cannot cross a custom-op
   boundary.
+* NVFP4 (:mod:`sagecupy.nvfp4`, inference only): :func:`nvfp4_attention` runs the custom op
+  ``sagecupy::nvfp4_attention``; a call that needs a gradient is refused.
+
+``return_lse=True`` makes each entry point also return the natural-log LSE, float32 ``(B, Hq, Nq)``; it carries no
+gradient (PyTorch treats it as a non-differentiable output).
+
+**Drop-in.** :func:`scaled_dot_product_attention` has ``torch.nn.functional.scaled_dot_product_attention``'s
+signature and semantics; it runs a family's kernels on the calls they compute exactly as PyTorch defines them and
+PyTorch's SDPA on the others, counting each such fallback by reason (:func:`fallback_counts`) and warning once per
+reason. :func:`register_hf` makes it an ``attn_implementation`` of Hugging Face transformers.
 """
 import contextlib
 import dataclasses
@@ -68,10 +81,13 @@ import typing
 import torch
 
 from .. import _checks
-from ..config import QATConfig, SageBwdConfig, get_config
+from ..config import NVFP4Config, QATConfig, SageBwdConfig, get_config
+from . import dropin
+from .dropin import SageFallbackWarning
 
-__all__ = ["sage_attention", "qat_attention", "SageAttentionFunction", "QATAttentionFunction", "to_cupy",
-           "from_cupy", "on_torch_stream"]
+__all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
+           "fallback_counts", "reset_fallback_counts", "SageFallbackWarning", "SageAttentionFunction",
+           "QATAttentionFunction", "to_cupy", "from_cupy", "on_torch_stream"]
 
 if not hasattr(torch.library, "custom_op"):
     raise ImportError(f"sagecupy.torch needs PyTorch >= 2.4 (torch.library.custom_op); this is {torch.__version__}")
@@ -202,7 +218,8 @@ def _field_names(cls):
 
 
 _CONFIG_CLASSES = {"SageBwdConfig": (SageBwdConfig, _field_names(SageBwdConfig)),
-                   "QATConfig": (QATConfig, _field_names(QATConfig))}
+                   "QATConfig": (QATConfig, _field_names(QATConfig)),
+                   "NVFP4Config": (NVFP4Config, _field_names(NVFP4Config))}
 
 
 def _encode_config(cfg):
@@ -217,8 +234,10 @@ def _encode_config(cfg):
         tag = "SageBwdConfig"
     elif isinstance(cfg, QATConfig):
         tag = "QATConfig"
+    elif isinstance(cfg, NVFP4Config):
+        tag = "NVFP4Config"
     else:
-        raise TypeError(f"config must be None, a preset name, a SageBwdConfig or a QATConfig, got "
+        raise TypeError(f"config must be None, a preset name, a SageBwdConfig, a QATConfig or an NVFP4Config, got "
                         f"{type(cfg).__name__}")
     parts = []
     for field in _CONFIG_CLASSES[tag][1]:
@@ -251,59 +270,66 @@ def _decode_config(text):
 # --------------------------------------------------------------------------------------------------
 
 
-def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config):
+def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config, return_lse=False):
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     mod = _family(family)
     with on_torch_stream(device):
-        o, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                             layout=layout, config=config)
-        o = from_cupy(o)
+        # The kernels write the LSE either way: asking for it costs nothing.
+        o, lse, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
+                                  sm_scale=sm_scale, layout=layout, config=config, return_lse=True)
+        o, lse = from_cupy(o), from_cupy(lse)
     ctx.family, ctx.device, ctx.res = family, device, res
     # Not needed by the backward (the residuals hold what it needs): saved so that autograd's version
     # counters report an in-place change of v or o before the backward instead of wrong gradients.
     ctx.save_for_backward(v, o)
-    return o
+    if not return_lse:
+        return o
+    ctx.mark_non_differentiable(lse)  # the backward kernels take dO only
+    return o, lse
 
 
-def _function_backward(ctx, do):
+def _function_backward(ctx, do, *_lse_grad):
     ctx.saved_tensors  # noqa: B018 -- raises if v or o was modified in place since the forward
     _check_inputs(("do", do))
     mod = _family(ctx.family)
     with on_torch_stream(ctx.device):
         grads = mod.backward(ctx.res, to_cupy(do.contiguous(), "do"))
         dq, dk, dv = (from_cupy(g) for g in grads)
-    return dq, dk, dv, None, None, None, None
+    # one None per non-tensor input; autograd accepts the trailing None when return_lse was not passed
+    return dq, dk, dv, None, None, None, None, None
 
 
 class SageAttentionFunction(torch.autograd.Function):
     """INT8 SageBwd attention as a ``torch.autograd.Function``:
-    ``SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)`` (positional).
+    ``SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)`` (positional; an eighth argument
+    ``return_lse=True`` returns ``(o, lse)``, the LSE without gradient).
 
     Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, which goes through the
     custom ops and gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
     on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None):
-        return _function_forward(ctx, "int8", q, k, v, causal, sm_scale, layout, config)
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+        return _function_forward(ctx, "int8", q, k, v, causal, sm_scale, layout, config, return_lse)
 
     @staticmethod
-    def backward(ctx, do):
-        return _function_backward(ctx, do)
+    def backward(ctx, do, *lse_grad):
+        return _function_backward(ctx, do, *lse_grad)
 
 
 class QATAttentionFunction(torch.autograd.Function):
     """FP4 QAT attention (:mod:`sagecupy.qat`) as a ``torch.autograd.Function``:
     ``QATAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)`` (positional; ``config`` a
-    :class:`~sagecupy.config.QATConfig` or None). Eager only; :func:`qat_attention` uses it in eager mode."""
+    :class:`~sagecupy.config.QATConfig` or None; ``return_lse`` as :class:`SageAttentionFunction`). Eager only;
+    :func:`qat_attention` uses it in eager mode."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None):
-        return _function_forward(ctx, "qat", q, k, v, causal, sm_scale, layout, config)
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+        return _function_forward(ctx, "qat", q, k, v, causal, sm_scale, layout, config, return_lse)
 
     @staticmethod
-    def backward(ctx, do):
-        return _function_backward(ctx, do)
+    def backward(ctx, do, *lse_grad):
+        return _function_backward(ctx, do, *lse_grad)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,48 +368,54 @@ def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, *, causal, s
                         k_scale=k_scale, v=s8._prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2, mu_k=None)
 
 
+def _lse_shape(q_shape, layout):
+    """(B, Hq, Nq): the LSE every forward writes, whatever the layout."""
+    B, Hq, Nq, _ = _hnd(q_shape, layout)
+    return (B, Hq, Nq)
+
+
 @torch.library.custom_op("sagecupy::sage_attention_fwd", mutates_args=())
 def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                 config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """INT8 SageBwd forward: (o, q_codes, q_scale, k_codes, k_scale, lse2); all but o are the residuals."""
+                 config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """INT8 SageBwd forward: (o, lse, q_codes, q_scale, k_codes, k_scale, lse2); the last five are the residuals."""
     from .. import int8 as s8
 
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        o, res = s8.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                            layout=layout, config=_decode_config(config))
+        o, lse, res = s8.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
+                                 sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True)
         saved = [getattr(res, f) for f in _INT8_RESIDUAL_FIELDS]
         want = _int8_residual_shapes(q.shape, k.shape, layout)
         for field, x, shape in zip(_INT8_RESIDUAL_FIELDS, saved, want):
             if tuple(x.shape) != shape:  # the fake implementation below would be wrong
                 raise RuntimeError(f"sagecupy.int8.Residuals.{field} has shape {tuple(x.shape)}, the adapter "
                                    f"expected {shape}: sagecupy.torch is out of date with sagecupy.int8")
-        return tuple(from_cupy(x) for x in (o, *saved))
+        return tuple(from_cupy(x) for x in (o, lse, *saved))
 
 
 @torch.library.custom_op("sagecupy::sage_attention_infer", mutates_args=())
 def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                   config: str) -> Tensor:
+                   config: str) -> tuple[Tensor, Tensor]:
     """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
-    op's), for calls that need no gradient."""
+    op's), for calls that need no gradient: (o, lse)."""
     from .. import int8 as s8
 
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        o = s8.sage_attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                              layout=layout, config=_decode_config(config))
-        return from_cupy(o)
+        o, lse = s8.sage_attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
+                                   sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True)
+        return from_cupy(o), from_cupy(lse)
 
 
 @_sage_infer_op.register_fake
 def _sage_infer_fake(q, k, v, causal, sm_scale, layout, config):
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
 
 
 @_sage_fwd_op.register_fake
 def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config):
     shapes = _int8_residual_shapes(q.shape, k.shape, layout)
-    return (q.new_empty(q.shape),
+    return (q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32),
             *(q.new_empty(s, dtype=dt) for s, dt in zip(shapes, _INT8_RESIDUAL_DTYPES)))
 
 
@@ -410,13 +442,14 @@ def _sage_bwd_fake(do, o, v, q_codes, q_scale, k_codes, k_scale, lse2, causal, s
 
 def _sage_setup_context(ctx, inputs, output):
     q, k, v, causal, sm_scale, layout, config = inputs
-    o, *residuals = output
-    ctx.mark_non_differentiable(*residuals)
+    o, lse, *residuals = output
+    # The LSE is an output for the caller, not a differentiable one: the backward kernels take dO only.
+    ctx.mark_non_differentiable(lse, *residuals)
     ctx.save_for_backward(o, v, *residuals)
     ctx.options = (causal, sm_scale, layout, config)
 
 
-def _sage_backward(ctx, do, *_residual_grads):
+def _sage_backward(ctx, do, *_other_grads):
     o, v, *residuals = ctx.saved_tensors
     dq, dk, dv = torch.ops.sagecupy.sage_attention_bwd(do.contiguous(), o, v, *residuals, *ctx.options)
     return dq, dk, dv, None, None, None, None
@@ -427,19 +460,20 @@ _sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context
 
 @torch.library.custom_op("sagecupy::qat_attention_fwd", mutates_args=())
 def _qat_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                config: str) -> Tensor:
-    """FP4 QAT forward: o (the residuals are recomputed by the backward op)."""
+                config: str) -> tuple[Tensor, Tensor]:
+    """FP4 QAT forward: (o, lse) (the residuals are recomputed by the backward op)."""
     mod = _family("qat")
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        o, _ = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                           layout=layout, config=_decode_config(config))
-        return from_cupy(o).contiguous()  # the fake below promises a contiguous o (a no-op if it already is)
+        o, lse, _ = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                                layout=layout, config=_decode_config(config), return_lse=True)
+        # the fake below promises contiguous outputs (a no-op if they already are)
+        return from_cupy(o).contiguous(), from_cupy(lse).contiguous()
 
 
 @_qat_fwd_op.register_fake
 def _qat_fwd_fake(q, k, v, causal, sm_scale, layout, config):
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
 
 
 @torch.library.custom_op("sagecupy::qat_attention_bwd", mutates_args=())
@@ -462,17 +496,50 @@ def _qat_bwd_fake(do, q, k, v, causal, sm_scale, layout, config):
 
 def _qat_setup_context(ctx, inputs, output):
     q, k, v, causal, sm_scale, layout, config = inputs
+    ctx.mark_non_differentiable(output[1])  # the LSE: the backward takes dO only
     ctx.save_for_backward(q, k, v)
     ctx.options = (causal, sm_scale, layout, config)
 
 
-def _qat_backward(ctx, do):
+def _qat_backward(ctx, do, _lse_grad):
     q, k, v = ctx.saved_tensors
     dq, dk, dv = torch.ops.sagecupy.qat_attention_bwd(do.contiguous(), q, k, v, *ctx.options)
     return dq, dk, dv, None, None, None, None
 
 
 _qat_fwd_op.register_autograd(_qat_backward, setup_context=_qat_setup_context)
+
+
+@torch.library.custom_op("sagecupy::nvfp4_attention", mutates_args=())
+def _nvfp4_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+              config: str) -> tuple[Tensor, Tensor]:
+    """NVFP4 attention forward (:func:`sagecupy.nvfp4.attention`, inference only): (o, lse)."""
+    from .. import nvfp4
+
+    device = _check_inputs(("q", q), ("k", k), ("v", v))
+    with on_torch_stream(device):
+        o, lse = nvfp4.attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                                 layout=layout, config=_decode_config(config), return_lse=True)
+        # the fake below promises contiguous outputs (a no-op if they already are)
+        return from_cupy(o).contiguous(), from_cupy(lse).contiguous()
+
+
+@_nvfp4_op.register_fake
+def _nvfp4_fake(q, k, v, causal, sm_scale, layout, config):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
+
+
+def _nvfp4_backward(ctx, *grads):
+    # nvfp4_attention refuses calls that need a gradient; this is what a direct torch.ops call gets.
+    raise RuntimeError("sagecupy::nvfp4_attention is inference-only (NVFP4 has no backward): run it under "
+                       "torch.no_grad(), or train with sagecupy.torch.sage_attention or qat_attention")
+
+
+def _nvfp4_setup_context(ctx, inputs, output):
+    pass
+
+
+_nvfp4_op.register_autograd(_nvfp4_backward, setup_context=_nvfp4_setup_context)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,17 +565,18 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _sage_attention_op(q, k, v, causal, sm_scale, layout, config):
+def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False):
     """The custom-op path (what :func:`sage_attention` runs), after argument checks. A call that needs no gradient
     (grad mode off, or no input requires grad) runs the inference op, which keeps no residuals."""
     args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)))
     if not _needs_grad(q, k, v):
-        return torch.ops.sagecupy.sage_attention_infer(*args)
-    o, *_residuals = torch.ops.sagecupy.sage_attention_fwd(*args)
-    return o
+        o, lse = torch.ops.sagecupy.sage_attention_infer(*args)
+    else:
+        o, lse, *_residuals = torch.ops.sagecupy.sage_attention_fwd(*args)
+    return (o, lse) if return_lse else o
 
 
-def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
     """INT8 SageBwd attention on PyTorch tensors, differentiable and ``torch.compile``-able.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: the same with Hkv,
@@ -523,21 +591,24 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     ``config``: ``"default"`` (None), ``"paper"`` or a :class:`~sagecupy.config.SageBwdConfig`. Returns
     ``o`` with q's shape and dtype (contiguous); ``o.backward`` gives the INT8 SageBwd gradients, equal
     bit for bit to :func:`sagecupy.int8.backward` after :func:`sagecupy.int8.forward` on the same inputs
-    (the backward kernels use no atomics). Runs on PyTorch's current stream (module docstring).
+    (the backward kernels use no atomics). ``return_lse=True``: ``(o, lse)``, ``lse`` float32 ``(B, Hq, Nq)``,
+    natural log, without gradient. Runs on PyTorch's current stream (module docstring).
     """
     _check_inputs(("q", q), ("k", k), ("v", v))
     _check_options(causal, layout)
-    return _sage_attention_op(q, k, v, causal, sm_scale, layout, config)
+    return _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse)
 
 
-def _qat_attention_op(q, k, v, causal, sm_scale, layout, config):
+def _qat_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False):
     """The custom-op path of :func:`qat_attention` (what it runs under torch.compile)."""
     if config is not None and not isinstance(config, QATConfig):
         raise TypeError(f"config must be a QATConfig or None, got {type(config).__name__}")
-    return torch.ops.sagecupy.qat_attention_fwd(q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(config))
+    o, lse = torch.ops.sagecupy.qat_attention_fwd(q, k, v, bool(causal), _scale(sm_scale), layout,
+                                                  _encode_config(config))
+    return (o, lse) if return_lse else o
 
 
-def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
+def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
     """FP4 quantization-aware attention (:mod:`sagecupy.qat`) on PyTorch tensors, differentiable and
     ``torch.compile``-able. Arguments as :func:`sage_attention`; ``config`` a
     :class:`~sagecupy.config.QATConfig` or None. Raises ImportError when this installation has no
@@ -549,5 +620,225 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
     _check_inputs(("q", q), ("k", k), ("v", v))
     _check_options(causal, layout)
     if _compiling():
-        return _qat_attention_op(q, k, v, causal, sm_scale, layout, config)
-    return QATAttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout, config)
+        return _qat_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse)
+    return QATAttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout, config, bool(return_lse))
+
+
+def _nvfp4_attention_op(q, k, v, causal, sm_scale, layout, config):
+    if config is not None and not isinstance(config, NVFP4Config):
+        raise TypeError(f"config must be an NVFP4Config or None, got {type(config).__name__}")
+    return torch.ops.sagecupy.nvfp4_attention(q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(config))
+
+
+def nvfp4_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+    """NVFP4 attention (:func:`sagecupy.nvfp4.attention`) on PyTorch tensors: inference only,
+    ``torch.compile``-able. Arguments as :func:`sage_attention`; ``config`` an
+    :class:`~sagecupy.config.NVFP4Config` or None.
+
+    NVFP4 has no backward: a call that needs a gradient (grad mode on and an input requiring grad) raises
+    ValueError; run it under ``torch.no_grad()`` / ``torch.inference_mode()``. Returns ``o`` (q's shape and dtype,
+    contiguous), or ``(o, lse)`` with ``return_lse``."""
+    _check_inputs(("q", q), ("k", k), ("v", v))
+    _check_options(causal, layout)
+    if _needs_grad(q, k, v):
+        raise ValueError("nvfp4_attention is inference-only (NVFP4 has no backward) and this call needs a gradient: "
+                         "run it under torch.no_grad() or torch.inference_mode(), or train with sage_attention or "
+                         "qat_attention")
+    o, lse = _nvfp4_attention_op(q, k, v, causal, sm_scale, layout, config)
+    return (o, lse) if return_lse else o
+
+
+_FAMILY_FUNCTIONS = {"int8": sage_attention, "qat": qat_attention, "nvfp4": nvfp4_attention}
+
+
+# --------------------------------------------------------------------------------------------------
+# drop-in scaled_dot_product_attention
+# --------------------------------------------------------------------------------------------------
+
+# Under torch.compile, dynamo calls a function marked assume_constant_result while it traces and puts its
+# (constant) result in the graph: the fallback bookkeeping below then runs once per traced graph and leaves no
+# graph break (a plain Python side effect would break the graph, so fullgraph=True would fail on a fallback).
+_assume_constant_result = getattr(torch.compiler, "assume_constant_result", None) or \
+    torch._dynamo.assume_constant_result
+
+_FALLBACKS = dropin.FallbackLog()
+
+
+def fallback_counts() -> dict:
+    """Calls that ran PyTorch's SDPA instead of sagecupy's kernels since the last :func:`reset_fallback_counts`:
+    ``{reason: count}`` (empty when every call ran the kernels). Counts :func:`scaled_dot_product_attention` and
+    the transformers attention of :func:`register_hf`. Under ``torch.compile`` a fallback is decided, warned and
+    counted when the call is traced, once per compiled graph, not at every run of that graph."""
+    return _FALLBACKS.counts()
+
+
+def reset_fallback_counts() -> None:
+    """Zero :func:`fallback_counts`; each reason warns again at its next fallback."""
+    _FALLBACKS.reset()
+
+
+@_assume_constant_result
+def _note_fallback(reason: str) -> bool:
+    # stacklevel: warn at the caller of scaled_dot_product_attention in eager mode
+    return _FALLBACKS.record(reason, stacklevel=4)
+
+
+_ENVIRONMENT: dict = {}
+
+
+@_assume_constant_result
+def _environment_reason(index) -> str:
+    """``""`` when the kernels can run on CUDA device ``index`` (None: the current one) in this process, else why
+    not: CuPy or its NVRTC missing, or a GPU older than sm_80. Cached: neither changes while the process runs."""
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _ENVIRONMENT:
+        from .._loader import nvrtc_status
+
+        ok, why = nvrtc_status()
+        if not ok:
+            reason = f"sagecupy's GPU kernels are unavailable here: {why}"
+        else:
+            major, minor = torch.cuda.get_device_capability(index)
+            reason = "" if (major, minor) >= (8, 0) else \
+                f"compute capability {major}.{minor} (the kernels need 8.0 or newer)"
+        _ENVIRONMENT[index] = reason
+    return _ENVIRONMENT[index]
+
+
+def _kernel_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, family):
+    """None when ``family``'s kernels compute this SDPA call as PyTorch defines it, else why not. Metadata only
+    (:func:`sagecupy.adapters.dropin.unsupported_reason`), so torch.compile traces it without a data-dependent
+    branch."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a torch.Tensor"
+    reason = dropin.unsupported_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                       family=family, grad_needed=_needs_grad(query, key, value), dtypes=_DTYPES)
+    if reason is None:
+        reason = _environment_reason(query.device.index) or None
+    return reason
+
+
+def _fall_back(reason, family, fallback, where):
+    if fallback == "error":
+        raise ValueError(f"{where}: family {family!r} cannot compute this call with sagecupy's kernels: {reason} "
+                         f"(fallback='sdpa' runs PyTorch's SDPA instead)")
+    _note_fallback(reason)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, family="int8", fallback="sdpa"):
+    """``torch.nn.functional.scaled_dot_product_attention`` with sagecupy's kernels where they apply.
+
+    The first eight arguments and the result are PyTorch's: ``query (B, Hq, Nq, D)``, ``key``/``value
+    (B, Hkv, Nk, D)``, ``is_causal`` top-left aligned (PyTorch's mask), ``scale`` None for ``1/sqrt(D)``,
+    ``enable_gqa`` as PyTorch defines it; the output ``(B, Hq, Nq, D)`` in the input dtype.
+
+    ``family``'s kernels (``"int8"`` SageBwd, ``"qat"`` FP4 QAT, ``"nvfp4"`` inference only) run when the call is
+    within what they compute exactly as PyTorch defines it: fp16/bf16 CUDA tensors on one device, D 64 or 128, no
+    ``attn_mask``, ``dropout_p == 0``, ``is_causal`` only with ``Nq == Nk`` (there top-left and the kernels'
+    bottom-right agree), ``Hq == Hkv`` or ``enable_gqa`` with ``Hq % Hkv == 0``, a positive ``scale``, for
+    ``"nvfp4"`` no gradient needed; and CuPy with NVRTC on an sm_80+ GPU. The result then carries the family's
+    quantization error, and its gradients are the family's backward.
+
+    Any other call runs ``torch.nn.functional.scaled_dot_product_attention`` (``fallback="sdpa"``, the result is
+    PyTorch's), with a :class:`SageFallbackWarning` the first time each reason occurs and a count per reason
+    (:func:`fallback_counts`); ``fallback="error"`` raises ValueError naming the reason instead. The decision reads
+    tensor metadata only, never values: under ``torch.compile(fullgraph=True)`` it is made at trace time and leaves
+    no graph break.
+    """
+    dropin.check_options(family, fallback)
+    reason = _kernel_reason(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, family)
+    if reason is None:
+        return _FAMILY_FUNCTIONS[family](query, key, value, causal=bool(is_causal), sm_scale=scale, layout="HND")
+    _fall_back(reason, family, fallback, "sagecupy.torch.scaled_dot_product_attention")
+    extra = {"enable_gqa": True} if enable_gqa else {}  # PyTorch before 2.5 has no enable_gqa argument
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                            is_causal=is_causal, scale=scale, **extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face transformers
+# --------------------------------------------------------------------------------------------------
+
+#: Keyword arguments with which transformers asks attention for math the kernels do not do (logit soft-capping,
+#: an additive position bias, attention sinks): such a call runs transformers' own SDPA attention.
+_HF_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, *, family,
+                  fallback, sdpa_forward):
+    """transformers' attention-function contract: ``query (B, Hq, Nq, D)``, ``key``/``value (B, Hkv, Nk, D)``
+    (GQA not repeated); returns ``(attn_output (B, Nq, Hq, D), None)``.
+
+    Causality follows transformers' ``sdpa_attention_forward`` exactly: with no mask, ``is_causal`` (the argument,
+    else ``module.is_causal``) holds when more than one query row is computed (a single decoding row sees every
+    cached key), and keys past Nq are dropped then (a prefill into an empty static cache). The mask itself comes
+    from the same mask function as for ``"sdpa"`` (:func:`register_hf`), which is None exactly when no padding,
+    packing or window applies; any mask runs transformers' SDPA attention."""
+    reason = None
+    if attention_mask is not None:
+        reason = ("transformers passed an attention mask (padding, packed sequences, a sliding window or a cache "
+                  "longer than the queries)")
+    else:
+        for name in _HF_UNSUPPORTED_KWARGS:
+            if kwargs.get(name) is not None:
+                reason = f"transformers passed {name} (the kernels do not compute it)"
+                break
+    if reason is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        # the length first: under dynamic shapes `q_len > 1` is a SymBool, which `and` then turns into a guard
+        causal = bool(q_len > 1) and bool(causal)
+        if causal and kv_len > q_len:
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        reason = _kernel_reason(query, key, value, None, dropout, causal, scaling, True, family)
+    if reason is None:
+        # NHD views of the same memory: the kernels write O as (B, Nq, Hq, D), the layout transformers returns,
+        # so no transpose copy follows.
+        o = _FAMILY_FUNCTIONS[family](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                      causal=causal, sm_scale=scaling, layout="NHD")
+        return o, None
+    _fall_back(reason, family, fallback, "the sagecupy transformers attention")
+    return sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+
+
+def register_hf(name="sagecupy", family="int8", fallback="sdpa"):
+    """Register sagecupy attention with Hugging Face transformers as ``attn_implementation=name``.
+
+        import sagecupy.torch as st
+        from transformers import AutoModelForCausalLM
+        st.register_hf()                                    # "sagecupy": INT8 SageBwd, else transformers' SDPA
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sagecupy")
+
+    Registers the attention function with ``transformers.AttentionInterface`` and, where transformers has one
+    (``masking_utils.AttentionMaskInterface``), the mask function transformers uses for ``"sdpa"`` under the same
+    name: the model then builds exactly the masks it builds for ``"sdpa"``, None when attention is purely causal
+    (or full) with no padding. Those calls run ``family``'s kernels (causal through the kernels' causal path,
+    GQA without repeating K and V); the others (a padding, packing or window mask, dropout in training, an
+    unsupported head dim or dtype, ``family="nvfp4"`` with gradients) run transformers' own SDPA attention with
+    :func:`fallback_counts` counting them, or raise ValueError with ``fallback="error"``. Works under
+    ``torch.compile(fullgraph=True)``. Returns the registered function.
+    """
+    dropin.check_options(family, fallback)
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError as exc:
+        raise ImportError(f"register_hf needs transformers with AttentionInterface: {exc}") from exc
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        return _hf_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs,
+                             family=family, fallback=fallback, sdpa_forward=sdpa_attention_forward)
+
+    attention.__name__ = attention.__qualname__ = f"sagecupy_{family}_attention"
+    AttentionInterface.register(name, attention)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:  # older transformers: models build their masks themselves
+        pass
+    else:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return attention

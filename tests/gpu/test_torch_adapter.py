@@ -8,6 +8,8 @@
 * ``torch.compile(fullgraph=True)``: no graph break at the op, the same bits as eager.
 * Streams: the kernels run on PyTorch's current stream, ordered after the producer, with no sync.
 * Error paths, and the FP4 QAT op when ``sagecupy.qat`` has its kernels.
+* ``return_lse``, the NVFP4 inference op, and the drop-in ``scaled_dot_product_attention``: bitwise the family
+  entry points where the kernels apply, bitwise PyTorch's SDPA where they do not, no graph break under compile.
 
 Neither the INT8 nor the QAT backward uses atomics (dQ has its own kernel), so every gradient is compared
 bit for bit, also with many key blocks (Nk = 517).
@@ -309,9 +311,12 @@ def test_opcheck():
     fwd, bwd = torch.ops.sagecupy.sage_attention_fwd.default, torch.ops.sagecupy.sage_attention_bwd.default
     torch.library.opcheck(fwd, args)
     torch.library.opcheck(fwd, (*(x.detach().clone().requires_grad_() for x in (q, k, v)), *args[3:]))
-    o, *residuals = fwd(*args)
+    o, _lse, *residuals = fwd(*args)
     torch.library.opcheck(bwd, (do, o, v, *residuals, True, None, "HND", cfg))
     torch.library.opcheck(torch.ops.sagecupy.sage_attention_infer.default, args)
+    torch.library.opcheck(torch.ops.sagecupy.nvfp4_attention.default, (q, k, v, True, None, "HND", ""))
+    if importlib.util.find_spec("sagecupy.qat") is not None:
+        torch.library.opcheck(torch.ops.sagecupy.qat_attention_fwd.default, (q, k, v, True, None, "HND", ""))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -544,3 +549,155 @@ def test_recall_example_trains():
         curve = mod.train(impl, steps=60, log=None)
         assert np.all(np.isfinite(curve))
         assert np.mean(curve[-5:]) < 0.8 * curve[0], f"{impl}: loss {curve[0]:.3f} -> {np.mean(curve[-5:]):.3f}"
+
+
+# --------------------------------------------------------------------------------------------------
+# (g) return_lse and NVFP4
+# --------------------------------------------------------------------------------------------------
+
+
+def _host_f32(x):
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else T._raw(x).get()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+def test_return_lse_is_the_forwards(grad):
+    """sage_attention(return_lse=True): the LSE of the direct call bit for bit (int8.sage_attention for the inference
+    op, int8.forward for the training op), without gradient; O unchanged."""
+    import sagecupy.int8 as s8
+
+    q, k, v, do = _inputs(41, 1, 4, 2, 90, 130, 64, "NHD", torch.bfloat16)
+    q = q.detach().requires_grad_(grad)
+    o, lse = st.sage_attention(q, k, v, causal=True, layout="NHD", return_lse=True)
+    cq, ck, cv = (T._to_dev(_host(x), "bfloat16") for x in (q, k, v))
+    if grad:
+        o_ref, lse_ref, _ = s8.forward(cq, ck, cv, causal=True, layout="NHD", return_lse=True)
+    else:
+        o_ref, lse_ref = s8.sage_attention(cq, ck, cv, causal=True, layout="NHD", return_lse=True)
+    _assert_same_bits([o], [o_ref], "return_lse", names=("O",))
+    assert lse.shape == (1, 4, 90) and lse.dtype == torch.float32 and not lse.requires_grad
+    assert np.array_equal(_host_f32(lse), _host_f32(lse_ref), equal_nan=True)
+    if grad:
+        o.backward(do)  # the LSE output does not get in the way of the backward
+        assert q.grad is not None
+
+
+def test_nvfp4_op_is_the_direct_call():
+    import sagecupy.nvfp4 as nv
+
+    for layout, causal in (("HND", True), ("NHD", False)):
+        q, k, v, _ = _inputs(43, 1, 4, 2, 100, 200, 128, layout, torch.float16)
+        o, lse = st.nvfp4_attention(q, k, v, causal=causal, layout=layout, return_lse=True)
+        cq, ck, cv = (T._to_dev(_host(x), "float16") for x in (q, k, v))
+        o_ref, lse_ref = nv.attention(cq, ck, cv, causal=causal, layout=layout, return_lse=True)
+        _assert_same_bits([o], [o_ref], ("nvfp4", layout), names=("O",))
+        assert np.array_equal(_host_f32(lse), _host_f32(lse_ref), equal_nan=True)
+    with pytest.raises(ValueError, match="inference-only"):
+        st.nvfp4_attention(q.detach().requires_grad_(), k, v)
+    with torch.no_grad():
+        st.nvfp4_attention(q.detach().requires_grad_(), k, v)  # no gradient needed: runs
+    with pytest.raises(TypeError, match="NVFP4Config"):
+        st.nvfp4_attention(q, k, v, config=DEFAULT)
+
+
+def test_nvfp4_compiles_fullgraph():
+    q, k, v, _ = _inputs(47, 1, 4, 4, 128, 128, 64, "HND", torch.bfloat16)
+
+    def f(q, k, v):
+        return st.nvfp4_attention(q, k, v, causal=True) * 2
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+        _assert_same_bits([got], [f(q, k, v)], "nvfp4 compiled", names=("O",))
+
+
+# --------------------------------------------------------------------------------------------------
+# (h) the drop-in scaled_dot_product_attention
+# --------------------------------------------------------------------------------------------------
+
+F = torch.nn.functional
+
+SDPA_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, is_causal, dtype
+    (2, 4, 4, 128, 128, 64, True, torch.bfloat16),
+    (1, 8, 2, 200, 200, 128, True, torch.float16),  # GQA (enable_gqa)
+    (1, 4, 4, 100, 300, 64, False, torch.bfloat16),  # Nq != Nk without a mask: the kernels' too
+]
+
+
+@pytest.fixture
+def counts():
+    st.reset_fallback_counts()
+    yield st.fallback_counts
+    st.reset_fallback_counts()
+
+
+@pytest.mark.parametrize("case", SDPA_CASES, ids=[f"{c[3]}x{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-gqa{c[1] // c[2]}"
+                                                  for c in SDPA_CASES])
+def test_sdpa_dropin_runs_the_kernels(case, counts):
+    """Output and gradients bitwise those of sage_attention (PyTorch's top-left causal equals the kernels'
+    bottom-right on square masks); within the INT8 error of PyTorch's own SDPA; nothing falls back."""
+    B, Hq, Hkv, Nq, Nk, D, causal, dtype = case
+    q, k, v, do = _inputs(53, B, Hq, Hkv, Nq, Nk, D, "HND", dtype)
+
+    def dropin(q, k, v):
+        return st.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
+
+    got = _through(dropin, q, k, v, do)
+    _assert_same_bits(got, _through(st.sage_attention, q, k, v, do, causal=causal), "drop-in")
+    assert counts() == {}
+    ref = F.scaled_dot_product_attention(*(x.float() for x in (q, k, v)), is_causal=causal, enable_gqa=Hq != Hkv)
+    err = metrics.rel_l2(_host(got[0]), _host(ref))
+    # INT8 SageBwd's O is ~1.5e-2 from exact attention at sigma 1 (README); a wrong mask or head mapping is O(1)
+    assert err <= 3e-2, err
+    assert st._environment_reason(q.device.index) == ""
+
+
+def test_sdpa_dropin_falls_back_bitwise(counts):
+    """What the kernels do not compute is PyTorch's SDPA, bit for bit, counted once per call by reason."""
+    q, k, v, _ = _inputs(59, 1, 4, 4, 64, 64, 64, "HND", torch.float16)
+    q96, k96, v96, _ = _inputs(59, 1, 4, 4, 64, 64, 96, "HND", torch.float16)
+    mask = torch.ones(64, 64, device="cuda", dtype=torch.bool).tril()
+    calls = [((q, k[:, :, :40], v[:, :, :40]), dict(is_causal=True)),  # top-left causal, Nq != Nk
+             ((q, k, v), dict(attn_mask=mask)),
+             ((q96, k96, v96), {}),
+             ((q.float(), k.float(), v.float()), {})]
+    with pytest.warns(st.SageFallbackWarning):
+        for args, kw in calls:
+            assert torch.equal(st.scaled_dot_product_attention(*args, **kw), F.scaled_dot_product_attention(*args, **kw))
+    assert sorted(counts().values()) == [1, 1, 1, 1]
+    torch.manual_seed(0)
+    got = st.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, dropout_p=0.5))
+    with pytest.raises(ValueError, match="attn_mask"):
+        st.scaled_dot_product_attention(q, k, v, attn_mask=mask, fallback="error")
+
+
+def test_sdpa_dropin_families(counts):
+    q, k, v, do = _inputs(61, 1, 4, 2, 128, 128, 128, "HND", torch.bfloat16)
+    with torch.no_grad():
+        _assert_same_bits([st.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, family="nvfp4")],
+                          [st.nvfp4_attention(q, k, v, causal=True)], "nvfp4", names=("O",))
+    with pytest.warns(st.SageFallbackWarning, match="inference-only"):
+        st.scaled_dot_product_attention(q.detach().requires_grad_(), k, v, enable_gqa=True, family="nvfp4")
+    assert len(counts()) == 1
+    if importlib.util.find_spec("sagecupy.qat") is not None:
+        def dropin(q, k, v):
+            return st.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, family="qat")
+
+        _assert_same_bits(_through(dropin, q, k, v, do), _through(st.qat_attention, q, k, v, do, causal=True), "qat")
+    assert len(counts()) == 1
+
+
+def test_sdpa_dropin_compiles_fullgraph(counts):
+    q, k, v, do = _inputs(67, 2, 4, 2, 100, 100, 64, "HND", torch.float16)
+
+    def f(q, k, v):
+        return st.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    _assert_same_bits(_through(compiled, q, k, v, do), _through(f, q, k, v, do), "drop-in compiled")
+    assert counts() == {}
