@@ -280,8 +280,8 @@ def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inferenc
     array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
-        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale), layout, config,
-                 engine, bool(inference), env_key()),
+        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale),
+                 layout, config, engine, bool(inference), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
                               engine=engine, inference=bool(inference)))
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))

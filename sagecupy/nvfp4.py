@@ -602,8 +602,8 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
 
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _ATTN_PLANS.get_or_build(
-        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale), layout, config,
-                 engine, env_key()),
+        lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale),
+                 layout, config, engine, env_key()),
         lambda: _attention_plan(q, k, v, causal, sm_scale, layout, config, engine))
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     o = _checks.wrap(ns["o"], plan.p.dtype)
