@@ -308,7 +308,7 @@ def quantize_rows(x, *, layout="HND", mean=None):
     group = 1
     if mean is not None:
         mean = cupy.ascontiguousarray(_checks.as_cupy(mean, "mean"), dtype=cupy.float32)
-        if mean.ndim != 3 or mean.shape[0] != B or mean.shape[2] != D or H % mean.shape[1]:
+        if mean.ndim != 3 or mean.shape[0] != B or mean.shape[2] != D or mean.shape[1] < 1 or H % mean.shape[1]:
             raise ValueError(f"mean.shape={tuple(mean.shape)} must be (B, Hm, D) = ({B}, Hm, {D}) with Hm dividing {H}")
         group = H // mean.shape[1]
         if mean.data.ptr % 16:  # (the kernel reads it with 16-byte loads; the caller's array is not modified)

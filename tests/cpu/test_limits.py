@@ -197,6 +197,9 @@ def test_quantizers_limits(gpu, fn):
                          ((1, 65536, 16, 128), r"x: heads: Hq \+ 2 \* Hkv = 65536 exceeds")):
         with pytest.raises(ValueError, match=words):
             call(FakeArray(shape, np.float16))
+    if fn == "quantize_rows":  # (a mean with no heads: named, not a division by zero)
+        with pytest.raises(ValueError, match=r"mean\.shape=\(1, 0, 128\) must be \(B, Hm, D\)"):
+            call(FakeArray((1, 2, 64, 128), np.float16), mean=FakeArray((1, 0, 128), np.float32))
     with pytest.raises(ValueError, match=r"k has a zero-size dimension N=0"):
         nvfp4.quantize_inputs(*(FakeArray(s, np.float16) for s in ((1, 2, 64, 128), (1, 1, 0, 128), (1, 1, 0, 128))))
     assert len(gpu) == start
