@@ -658,7 +658,7 @@ def check_reference_memory(spec: RunSpec, *, intermediates: bool = False, inputs
         Nk = Nq
     parts = []
     if spec.backend == "reference" or intermediates:
-        parts.append(f"the float64 simulator of {family(spec.family).title} (dense (N, N) matrices)")
+        parts.append(f"the float64 {spec.family} simulator (dense (N, N) matrices)")
     if intermediates:
         parts.append("the dense exact intermediates")
     if parts:

@@ -354,8 +354,9 @@ def test_reference_memory_is_checked_before_anything_runs(monkeypatch):
     big = _spec(shape=analysis.Shape(batch=1, heads=1, n=32768, d=128))
     need = sagebwd.peak_bytes(1, 1, 32768, 32768, 128, DEFAULT)
     assert need > A.MEMORY_LIMIT and analysis.reference_peak_bytes(big) == need
-    with pytest.raises(ValueError, match=r"the float64 simulator of SageBwd .* at B=1, H=1, Nq=32768, Nk=32768, D=128 "
-                                         r"would need about [0-9.]+ GiB of memory, more than the reference's limit"):
+    with pytest.raises(ValueError, match=r"the float64 int8 simulator \(dense \(N, N\) matrices\) at B=1, H=1, "
+                                         r"Nq=32768, Nk=32768, D=128 would need about [0-9.]+ GiB of memory, more "
+                                         r"than the reference's limit"):
         analysis.accuracy_sweep(big, sigmas=(1,))
     with pytest.raises(ValueError, match="would need about"):
         analysis.smoothing_ablation(big, sigmas=(1,))
@@ -364,7 +365,8 @@ def test_reference_memory_is_checked_before_anything_runs(monkeypatch):
     assert both == (sagebwd.peak_bytes(1, 2, 40, 40, 32, DEFAULT, intermediates=True)
                     + A.dense_peak_bytes(1, 2, 40, 40, 32, kind="intermediates"))
     monkeypatch.setattr(A, "MEMORY_LIMIT", both - 1)
-    with pytest.raises(ValueError, match="simulator of SageBwd .* and the dense exact intermediates at B=1, H=2"):
+    with pytest.raises(ValueError, match=r"int8 simulator \(dense \(N, N\) matrices\) and the dense exact "
+                                         r"intermediates at B=1, H=2"):
         analysis.intermediates(_spec())
     # the GPU backend's sweep runs no simulator and a chunked exact side: nothing to refuse
     assert analysis.reference_peak_bytes(dataclasses.replace(big, backend="gpu")) == 0
@@ -381,7 +383,8 @@ def test_cli_refuses_a_simulation_beyond_the_memory_limit_in_one_line():
                                        "--sigmas", "1"])
     assert result.exit_code == 1 and result.stdout == "" and "Traceback" not in result.output
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: the float64 simulator of SageBwd"), result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: the float64 int8 simulator (dense (N, N) matrices) at B=1, H=1, Nq=32768")
     assert "would need about" in lines[0] and "GiB of memory, more than the reference's limit of 8.0 GiB" in lines[0]
 
 
