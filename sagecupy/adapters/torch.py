@@ -820,7 +820,9 @@ def register_hf(name="sagecupy", family="int8", fallback="sdpa"):
     GQA without repeating K and V); the others (a padding, packing or window mask, dropout in training, an
     unsupported head dim or dtype, ``family="nvfp4"`` with gradients) run transformers' own SDPA attention with
     :func:`fallback_counts` counting them, or raise ValueError with ``fallback="error"``. Works under
-    ``torch.compile(fullgraph=True)``. Returns the registered function.
+    ``torch.compile(fullgraph=True)``; there, a forward without a KV cache (``use_cache=False``) gets a mask
+    (transformers cannot rule out packed sequences without reading ``position_ids``) and falls back. Returns the
+    registered function.
     """
     dropin.check_options(family, fallback)
     try:

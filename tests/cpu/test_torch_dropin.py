@@ -96,6 +96,22 @@ def test_compiled_fallback_has_no_graph_break():
     assert st.fallback_counts() == {"query is a cpu tensor (the kernels run on CUDA tensors)": 1}
 
 
+def test_environment_reason(monkeypatch):
+    """A GPU call still falls back when the kernels cannot run in this process: no NVRTC, or a pre-sm_80 GPU."""
+    import sagecupy._loader as loader
+
+    monkeypatch.setattr(st, "_ENVIRONMENT", {})
+    monkeypatch.setattr(loader, "nvrtc_status", lambda: (False, "NVRTC does not load (test)"))
+    assert st._environment_reason(0) == "sagecupy's GPU kernels are unavailable here: NVRTC does not load (test)"
+    monkeypatch.setattr(st, "_ENVIRONMENT", {})
+    monkeypatch.setattr(loader, "nvrtc_status", lambda: (True, "13.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
+    assert st._environment_reason(1) == "compute capability 7.5 (the kernels need 8.0 or newer)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    assert st._environment_reason(1) == "compute capability 7.5 (the kernels need 8.0 or newer)"  # cached
+    assert st._environment_reason(0) == ""
+
+
 # --------------------------------------------------------------------------------------------------
 # the kernel route, with the device check pointed at "cuda" and a stand-in for the kernels
 # --------------------------------------------------------------------------------------------------
