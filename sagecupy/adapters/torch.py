@@ -80,7 +80,7 @@ import typing
 
 import torch
 
-from .. import _checks
+from .. import _checks, _layout
 from ..config import NVFP4Config, QATConfig, SageBwdConfig, get_config
 from . import dropin
 from .dropin import SageFallbackWarning
@@ -365,7 +365,7 @@ def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, *, causal, s
 
     p = _checks.check_attention_args(o, v, v, causal=causal, sm_scale=sm_scale, layout=layout)
     return s8.Residuals(problem=p, config=get_config(config), q_codes=q_codes, q_scale=q_scale, k_codes=k_codes,
-                        k_scale=k_scale, v=s8._prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2, mu_k=None)
+                        k_scale=k_scale, v=_layout.prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2, mu_k=None)
 
 
 def _lse_shape(q_shape, layout):
