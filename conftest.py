@@ -37,7 +37,10 @@ def _gpu_status():
         return False, cuda_error_reason(exc) or f"no CUDA device ({type(exc).__name__}: {exc})"
     if n < 1:
         return False, "no CUDA device"
-    return True, ""
+    from sagecupy._loader import nvrtc_status  # every kernel compiles through NVRTC: without it, skip, not fail
+
+    ok, why = nvrtc_status()
+    return (True, "") if ok else (False, why)
 
 
 def pytest_runtest_setup(item):
