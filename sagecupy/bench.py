@@ -21,6 +21,17 @@ when the host keeps ahead (as in a training or serving loop). The INT8 forward's
 inference call (``int8.sage_attention``), as SDPA's forward is timed under ``torch.no_grad()``; ``train`` /
 ``train-b2b`` time the training forward (``int8.forward``, which also keeps the backward's residuals), compared with
 the same no-grad SDPA forward.
+
+Adapters (``ADAPTERS``; off unless ``run_suite`` is given ``adapters``; each one that cannot run here is skipped with
+one row saying why): the same INT8 calls through ``sagecupy.torch.sage_attention`` on PyTorch tensors (rows
+``sagecupy-int8-torch``) and through ``sagecupy.jax.sage_attention`` inside ``jax.jit`` (rows
+``sagecupy-int8-jax``), on the inputs of the CuPy rows, scopes named as theirs (``e2e``, ``e2e-b2b``, ``train``,
+``train-b2b``): what a framework user pays over the CuPy call. PyTorch rows are timed with PyTorch's events on its
+current stream, where the adapter launches the kernels. XLA computes on a stream of its own that no event recorded
+from outside can be ordered with, so the JAX rows read the host clock around the calls and
+``jax.block_until_ready`` (field ``timer="host"``): their back-to-back rows measure what the event-timed rows
+measure (the last call's wait is shared by ``calls`` calls); their synchronized rows also count the wait for the
+result to reach the host (tens of microseconds).
 """
 from __future__ import annotations
 
@@ -28,14 +39,17 @@ import json
 import statistics
 import time
 
-__all__ = ["flops", "time_ms", "time_ms_b2b", "time_ms_torch", "bench_int8", "bench_fp4", "bench_sdpa",
-           "bench_cudnn_fp8", "default_cases", "run_suite", "peak_memory", "format_rows", "plot", "BASELINES",
-           "DEFAULT_BASELINES", "parse_baselines", "baseline_unavailable"]
+__all__ = ["flops", "time_ms", "time_ms_b2b", "time_ms_torch", "bench_int8", "bench_int8_torch", "bench_int8_jax",
+           "bench_fp4", "bench_sdpa", "bench_cudnn_fp8", "default_cases", "run_suite", "peak_memory", "format_rows",
+           "plot", "BASELINES", "DEFAULT_BASELINES", "parse_baselines", "baseline_unavailable", "ADAPTERS",
+           "parse_adapters", "adapter_unavailable"]
 
 #: Baselines ``run_suite`` can time beside sagecupy, and the ``impl`` of their rows.
 BASELINES = {"sdpa": "sdpa-default", "flash": "sdpa-flash", "cudnn": "sdpa-cudnn", "cudnn-fp8": "cudnn-fp8"}
 #: What a plain run times: PyTorch's default SDPA (cuDNN bf16 on Hopper), cuDNN's FP8 attention and flash.
 DEFAULT_BASELINES = ("sdpa", "cudnn-fp8", "flash")
+#: Framework adapters ``run_suite`` can time beside the CuPy INT8 rows (``adapters=``), and the ``impl`` of their rows.
+ADAPTERS = {"torch": "sagecupy-int8-torch", "jax": "sagecupy-int8-jax"}
 
 
 def parse_baselines(spec) -> tuple:
@@ -51,6 +65,60 @@ def parse_baselines(spec) -> tuple:
         if name not in out:
             out.append(name)
     return tuple(out)
+
+
+def parse_adapters(spec) -> tuple:
+    """Adapter names from ``"torch,jax"`` (or an iterable of names), in order, without repeats; ``""`` is none.
+    ``ValueError`` names an unknown one."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for name in (n.strip() for n in names):
+        if not name:
+            continue
+        if name not in ADAPTERS:
+            raise ValueError(f"--adapters: {name!r} is not one of {', '.join(ADAPTERS)}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def _jax_environment():
+    """Keep JAX from taking 75% of the GPU when its backend starts: the CuPy rows and PyTorch need that memory.
+    A process that started JAX's GPU backend earlier keeps what it chose."""
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def adapter_unavailable(name):
+    """Why adapter ``name`` (``"torch"``, ``"jax"``) cannot run in this process, or None."""
+    if name == "jax":
+        _jax_environment()
+        try:
+            from .adapters import jax as sj
+        except Exception as exc:
+            return f"sagecupy.jax is not importable ({type(exc).__name__}: {exc})"
+        ok, why = sj.is_available()
+        return None if ok else why
+    if name != "torch":
+        raise ValueError(f"adapter {name!r} is not one of {', '.join(ADAPTERS)}")
+    try:
+        import torch
+    except Exception as exc:
+        return f"PyTorch is not importable ({type(exc).__name__}: {exc})"
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device visible to PyTorch"
+    except Exception as exc:
+        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
+    try:
+        from .adapters import torch as _st  # noqa: F401
+    except Exception as exc:
+        return f"sagecupy.torch is not importable ({type(exc).__name__}: {exc})"
+    from ._loader import gpu_status
+
+    ok, why = gpu_status()
+    return None if ok else f"the CuPy side cannot run: {why}"
 
 
 def baseline_unavailable(name):
@@ -99,20 +167,23 @@ def _warm_up(fn, warmup, sync):
             sync()
 
 
-def time_ms(fn, warmup=3, rep=10) -> float:
-    """Median wall time of ``fn()`` on the device, in milliseconds (CUDA events), after :func:`_warm_up`."""
-    import cupy
+def time_ms(fn, warmup=3, rep=10, *, event=None, sync=None) -> float:
+    """Median wall time of ``fn()`` on the device, in milliseconds (CUDA events), after :func:`_warm_up`.
+    ``event``/``sync``: the framework's event class and synchronize (default CuPy's, on its current stream)."""
+    if event is None:
+        import cupy
 
-    _warm_up(fn, warmup, cupy.cuda.get_current_stream().synchronize)
-    cupy.cuda.get_current_stream().synchronize()
+        event, sync = cupy.cuda.Event, cupy.cuda.get_current_stream().synchronize
+    _warm_up(fn, warmup, sync)
+    sync()
     times = []
     for _ in range(rep):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start, end = event(), event()
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
+        times.append(_elapsed_ms(start, end))
     return statistics.median(times)
 
 
@@ -136,14 +207,55 @@ def time_ms_b2b(fn, warmup=3, calls=10, rounds=5, *, event=None, sync=None) -> f
             fn()
         end.record()
         end.synchronize()
-        out.append((start.elapsed_time(end) if hasattr(start, "elapsed_time") else _cupy_elapsed(start, end)) / calls)
+        out.append(_elapsed_ms(start, end) / calls)
     return statistics.median(out)
 
 
-def _cupy_elapsed(start, end):
+def _elapsed_ms(start, end):
+    """Milliseconds between two recorded events: PyTorch's (and :class:`_HostClock`'s) ``elapsed_time``, CuPy's
+    ``get_elapsed_time``."""
+    if hasattr(start, "elapsed_time"):
+        return start.elapsed_time(end)
     import cupy
 
     return cupy.cuda.get_elapsed_time(start, end)
+
+
+class _HostClock:
+    """Stand-ins for CUDA events where the timed work runs on a stream that events recorded from outside cannot be
+    ordered with (XLA's): ``fn`` hands its result to :meth:`track`; an event's ``synchronize`` waits for the last
+    tracked result (``block``) and then reads the host clock, ``record`` reads it at once. Calls issued in order on
+    one device finish in order, so the last result's completion is the completion of all."""
+
+    def __init__(self, block):
+        self._block, self._pending = block, None
+
+    def track(self, result):
+        self._pending = result
+        return result
+
+    def sync(self):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._block(pending)
+
+    def event(self):
+        return _HostEvent(self)
+
+
+class _HostEvent:
+    def __init__(self, clock):
+        self._clock, self.t = clock, None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        self._clock.sync()
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
 
 
 def time_ms_torch(fn, warmup=3, rep=10) -> float:
@@ -199,6 +311,11 @@ def _inputs(D, N, dtype):
     return B, H, (mk(), mk(), mk(), mk())
 
 
+def _config_name(config):
+    """The ``config`` field of an INT8 row: the preset's name, or the config object's ``name``."""
+    return (config or "default") if isinstance(config, (str, type(None))) else config.name
+
+
 def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
     """Rows for the SageBwd kernels, kernel-only and end-to-end."""
     from . import int8
@@ -208,9 +325,8 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
     rows = []
 
     def row(mode, scope, ms):
-        rows.append(dict(impl="sagecupy-int8", config=(config or "default") if isinstance(config, (str, type(None)))
-                         else config.name, mode=mode, scope=scope, D=D, N=N, B=B, H=H, causal=causal, dtype=dtype,
-                         ms=ms, tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
+        rows.append(dict(impl="sagecupy-int8", config=_config_name(config), mode=mode, scope=scope, D=D, N=N, B=B,
+                         H=H, causal=causal, dtype=dtype, ms=ms, tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
 
     p, cfg, pre = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config)
     if "fwd" in modes:
@@ -245,6 +361,154 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
         row("fwdbwd", "e2e", time_ms(fb, warmup, rep))
         row("fwdbwd", "e2e-b2b", time_ms_b2b(fb, warmup))
     return rows
+
+
+def bench_int8_torch(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
+                     modes=("fwd", "bwd", "fwdbwd")):
+    """Rows ``sagecupy-int8-torch``: the INT8 calls of :func:`bench_int8`'s end-to-end rows through
+    ``sagecupy.torch.sage_attention`` on PyTorch tensors holding the same values (copied into PyTorch's allocator,
+    as a model's activations are). ``fwd`` ``e2e``/``e2e-b2b``: under ``torch.no_grad()`` (the adapter's inference
+    op, :func:`sagecupy.int8.sage_attention`); ``train``/``train-b2b``: inputs requiring grad (the forward op, which
+    keeps the residuals: :func:`sagecupy.int8.forward`); ``bwd``: ``torch.autograd.grad`` through a kept graph
+    (:func:`sagecupy.int8.backward`); ``fwdbwd``: both. Timed by :func:`time_ms` / :func:`time_ms_b2b` with
+    PyTorch's events on its current stream, where the adapter launches the kernels."""
+    import cupy
+    import torch
+
+    from .adapters import torch as st
+
+    B, H, cupy_inputs = _inputs(D, N, dtype)
+    cupy.cuda.get_current_stream().synchronize()  # the values are written before PyTorch's stream copies them
+    q, k, v, do = (st.from_cupy(x).clone() for x in cupy_inputs)
+    del cupy_inputs
+    rows = []
+
+    def row(mode, scope, ms):
+        rows.append(dict(impl=ADAPTERS["torch"], config=_config_name(config), mode=mode, scope=scope, D=D, N=N,
+                         B=B, H=H, causal=causal, dtype=dtype, ms=ms,
+                         tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9))
+
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    def timed(fn):
+        return time_ms(fn, warmup, rep, event=event, sync=torch.cuda.synchronize)
+
+    def b2b(fn):
+        return time_ms_b2b(fn, warmup, event=event, sync=torch.cuda.synchronize)
+
+    def att(a, b, c):
+        return st.sage_attention(a, b, c, causal=causal, config=config)
+
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    try:
+        if "fwd" in modes:
+            with torch.no_grad():
+                row("fwd", "e2e", timed(lambda: att(q, k, v)))
+                row("fwd", "e2e-b2b", b2b(lambda: att(q, k, v)))
+            row("fwd", "train", timed(lambda: att(qg, kg, vg)))
+            row("fwd", "train-b2b", b2b(lambda: att(qg, kg, vg)))
+        if "bwd" in modes:
+            out = att(qg, kg, vg)
+            row("bwd", "e2e", timed(lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)))
+            del out
+        if "fwdbwd" in modes:
+            def fb():
+                torch.autograd.grad(att(qg, kg, vg), (qg, kg, vg), do)
+            row("fwdbwd", "e2e", timed(fb))
+            row("fwdbwd", "e2e-b2b", b2b(fb))
+    finally:
+        q = k = v = do = qg = kg = vg = None  # drop the inputs before emptying the cache
+        torch.cuda.empty_cache()  # hand PyTorch's cached blocks back before the next case's CuPy kernels
+    return rows
+
+
+def bench_int8_jax(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
+    """Rows ``sagecupy-int8-jax``: the INT8 calls of :func:`bench_int8`'s end-to-end rows through
+    ``sagecupy.jax.sage_attention`` inside ``jax.jit``, on JAX arrays holding the same values. ``fwd``
+    ``e2e``/``e2e-b2b``: the jitted call (the adapter's inference forward outside differentiation,
+    :func:`sagecupy.int8.sage_attention`); ``train``/``train-b2b``: ``jax.vjp`` jitted, returning the output and the
+    residuals (:func:`sagecupy.int8.forward`); ``bwd``: the jitted pullback of a forward run once, untimed;
+    ``fwdbwd``: forward and pullback in one jitted function. Timed by :func:`time_ms` / :func:`time_ms_b2b` on the
+    host clock (:class:`_HostClock`, rows ``timer="host"``): XLA runs the kernels on a stream of its own."""
+    _jax_environment()
+    import cupy
+    import jax
+    import jax.numpy as jnp
+
+    from . import _checks
+    from .adapters import jax as sj
+
+    B, H, cupy_inputs = _inputs(D, N, dtype)
+
+    def to_jax(x):
+        # through the host, once per case (untimed): fp16 values, or bf16's bits reinterpreted on the device
+        a = jax.device_put(cupy.asnumpy(_checks.raw(x)))
+        return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if dtype == "bfloat16" else a
+
+    q, k, v, do = (to_jax(x) for x in cupy_inputs)
+    del cupy_inputs
+    jax.block_until_ready((q, k, v, do))
+    rows = []
+
+    def row(mode, scope, ms):
+        rows.append(dict(impl=ADAPTERS["jax"], config=_config_name(config), mode=mode, scope=scope, D=D, N=N, B=B,
+                         H=H, causal=causal, dtype=dtype, ms=ms, tops=flops(B, H, N, N, D, causal, mode) / ms / 1e9,
+                         timer="host"))
+
+    clock = _HostClock(jax.block_until_ready)
+
+    def timed(fn):
+        return time_ms(lambda: clock.track(fn()), warmup, rep, event=clock.event, sync=clock.sync)
+
+    def b2b(fn):
+        return time_ms_b2b(lambda: clock.track(fn()), warmup, event=clock.event, sync=clock.sync)
+
+    def att(a, b, c):
+        return sj.sage_attention(a, b, c, causal=causal, config=config)
+
+    def train_forward(a, b, c):
+        o, pullback = jax.vjp(att, a, b, c)
+        return o, jax.tree_util.tree_leaves(pullback)  # the residuals, as arrays: all of them are written
+
+    infer = jax.jit(att)
+    train = jax.jit(train_forward)
+    pull = jax.jit(lambda pullback, g: pullback(g))
+    fwdbwd = jax.jit(lambda a, b, c, g: jax.vjp(att, a, b, c)[1](g))
+    if "fwd" in modes:
+        row("fwd", "e2e", timed(lambda: infer(q, k, v)))
+        row("fwd", "e2e-b2b", b2b(lambda: infer(q, k, v)))
+        row("fwd", "train", timed(lambda: train(q, k, v)))
+        row("fwd", "train-b2b", b2b(lambda: train(q, k, v)))
+    if "bwd" in modes:
+        _, pullback = jax.vjp(att, q, k, v)
+        row("bwd", "e2e", timed(lambda: pull(pullback, do)))
+        del pullback
+    if "fwdbwd" in modes:
+        row("fwdbwd", "e2e", timed(lambda: fwdbwd(q, k, v, do)))
+        row("fwdbwd", "e2e-b2b", b2b(lambda: fwdbwd(q, k, v, do)))
+    return rows
+
+
+#: The function timing each adapter's rows (looked up at call time, so that tests can stand in for them).
+_ADAPTER_BENCH = {"torch": "bench_int8_torch", "jax": "bench_int8_jax"}
+
+
+def _adapter_reason(name):
+    """:func:`adapter_unavailable`, never raising (a probe that breaks is a reason too)."""
+    try:
+        return adapter_unavailable(name)
+    except Exception as exc:
+        return f"availability check failed ({type(exc).__name__}: {exc})"
+
+
+def _bench_adapter(name, D, N, causal, *, config, dtype, warmup, rep):
+    """One adapter's rows for one case and config; whatever it raises becomes an ``error`` row (the sweep goes on)."""
+    try:
+        return globals()[_ADAPTER_BENCH[name]](D, N, causal, config=config, dtype=dtype, warmup=warmup, rep=rep)
+    except Exception as exc:
+        return [dict(impl=ADAPTERS[name], mode="error", D=D, N=N, causal=causal, config=_config_name(config),
+                     error=f"{type(exc).__name__}: {exc}"[:400])]
 
 
 def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=10):
@@ -444,7 +708,7 @@ def _bench_baseline(name, D, N, causal, *, warmup, rep, dtype="bfloat16"):
 
 
 def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=None, warmup=3, rep=10, log=None,
-              families=("int8",), dtype="bfloat16", progress=None):
+              families=("int8",), dtype="bfloat16", progress=None, adapters=()):
     """Every case for every family (int8 with each config, nvfp4, qat) and baseline; JSON lines to ``out`` (a
     file object) as they come. ``dtype``: ``"bfloat16"`` or ``"float16"`` inputs; ``progress(case)`` is called
     after each case's rows.
@@ -452,6 +716,9 @@ def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=N
     ``baselines``: names of ``BASELINES`` (a comma-separated string or an iterable). One that cannot run in this
     process gives a single ``mode="skip"`` row saying why, first, and is not timed; one that fails on a case gives an
     ``error`` row for that case. Neither stops the sweep.
+
+    ``adapters``: names of ``ADAPTERS`` (none by default): their rows follow each config's INT8 rows, with the
+    same config; skipped and failing adapters are treated as baselines are.
     """
     rows = []
 
@@ -471,12 +738,21 @@ def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=N
             active.append(be)
         else:
             skipped.append(dict(impl=BASELINES[be], mode="skip", baseline=be, reason=why))
+    active_adapters = []
+    for ad in parse_adapters(adapters):
+        why = _adapter_reason(ad)
+        if why is None:
+            active_adapters.append(ad)
+        else:
+            skipped.append(dict(impl=ADAPTERS[ad], mode="skip", adapter=ad, reason=why))
     emit(skipped)
     for D, N, causal in cases:
         batch = []
-        if "int8" in families:
-            for cfg in configs:
+        for cfg in configs if "int8" in families or active_adapters else ():
+            if "int8" in families:
                 batch += bench_int8(D, N, causal, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
+            for ad in active_adapters:
+                batch += _bench_adapter(ad, D, N, causal, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
         for fam in ("nvfp4", "qat"):
             if fam in families:
                 batch += bench_fp4(D, N, causal, family=fam, dtype=dtype, warmup=warmup, rep=rep)
@@ -564,26 +840,39 @@ def _compared_scopes(scope):
     return "e2e", ("kernel" if scope.startswith("kernel") else "e2e")
 
 
+def _cupy_key(r):
+    """What an adapter row and its CuPy row share: config, mode, scope, case and dtype."""
+    return (r.get("config", ""), r["mode"], r.get("scope", "e2e"), r["D"], r["N"], r["causal"], r.get("dtype"))
+
+
 def format_rows(rows) -> str:
     """An aligned table of benchmark rows with each row's speedup over the baselines of the same run and case
     (baseline ms / row ms; same mode, so fwd+bwd against the baselines' fwd+bwd): ``x sdpa`` PyTorch's default
     SDPA (cuDNN bf16 on Hopper), ``x fp8`` cuDNN's FP8 attention, ``x flash`` / ``x cudnn`` SDPA with that backend
-    forced. ``-`` where the run has no such row; skipped baselines and errors get a line each."""
+    forced. ``-`` where the run has no such row; skipped baselines and errors get a line each.
+
+    Where the rows include adapter rows (``ADAPTERS``), the impl column widens to their names and a last column
+    ``x cupy`` gives each adapter row's CuPy ms / its ms for the ``sagecupy-int8`` row of the same config, mode,
+    scope, case and dtype: 1.00 is no cost over the CuPy call, 0.97 a 3% slower call through the framework."""
     base = {(r["impl"], r.get("scope", "e2e"), r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows
             if "ms" in r and (r["impl"].startswith("sdpa-") or r["impl"] == "cudnn-fp8")}
-    lines = [f"{'impl':<16}{'cfg':<9}{'mode':<8}{'scope':<13}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
-             f"{'x sdpa':>8}{'x fp8':>8}{'x flash':>9}{'x cudnn':>9}"]
+    adapter_impls = set(ADAPTERS.values())
+    with_adapters = any(r.get("impl") in adapter_impls for r in rows)
+    cupy_ms = {_cupy_key(r): r["ms"] for r in rows if with_adapters and "ms" in r and r["impl"] == "sagecupy-int8"}
+    w = max([16] + [len(str(r.get("impl", ""))) + 1 for r in rows]) if with_adapters else 16
+    lines = [f"{'impl':<{w}}{'cfg':<9}{'mode':<8}{'scope':<13}{'D':>4}{'N':>7}{'causal':>7}{'ms':>9}{'TOPS':>8}"
+             f"{'x sdpa':>8}{'x fp8':>8}{'x flash':>9}{'x cudnn':>9}" + (f"{'x cupy':>8}" if with_adapters else "")]
     for r in rows:
         mode = r.get("mode")
         if mode == "peak_mem":
-            lines.append(f"{r['impl']:<16}peak memory fwd+bwd D={r['D']} N={r['N']} B={r['B']} H={r['H']}: "
+            lines.append(f"{r['impl']:<{w}}peak memory fwd+bwd D={r['D']} N={r['N']} B={r['B']} H={r['H']}: "
                          f"{r['bytes'] / 2**30:.2f} GiB")
             continue
         if mode == "skip":
-            lines.append(f"{r.get('impl', '?'):<16} skipped: {r.get('reason', '')}")
+            lines.append(f"{r.get('impl', '?'):<{w}} skipped: {r.get('reason', '')}")
             continue
         if "ms" not in r:
-            lines.append(f"{r.get('impl', '?'):<16} error D={r.get('D')} N={r.get('N')} causal={r.get('causal')}: "
+            lines.append(f"{r.get('impl', '?'):<{w}} error D={r.get('D')} N={r.get('N')} causal={r.get('causal')}: "
                          f"{r.get('error')}")
             continue
         scope = r.get("scope", "e2e")
@@ -595,10 +884,14 @@ def format_rows(rows) -> str:
             return f"{ms / r['ms']:.2f}" if ms and r["ms"] else "-"
 
         tops = r.get("tops")
-        lines.append(f"{r['impl']:<16}{r.get('config', ''):<9}{r['mode']:<8}{scope:<13}{r['D']:>4}{r['N']:>7}"
-                     f"{str(r['causal']):>7}{r['ms']:>9.3f}" + (f"{tops:>8.1f}" if tops is not None else f"{'-':>8}")
-                     + f"{ratio('sdpa-default', sdpa_scope):>8}{ratio('cudnn-fp8', fp8_scope):>8}"
-                     f"{ratio('sdpa-flash', sdpa_scope):>9}{ratio('sdpa-cudnn', sdpa_scope):>9}")
+        line = (f"{r['impl']:<{w}}{r.get('config', ''):<9}{r['mode']:<8}{scope:<13}{r['D']:>4}{r['N']:>7}"
+                f"{str(r['causal']):>7}{r['ms']:>9.3f}" + (f"{tops:>8.1f}" if tops is not None else f"{'-':>8}")
+                + f"{ratio('sdpa-default', sdpa_scope):>8}{ratio('cudnn-fp8', fp8_scope):>8}"
+                f"{ratio('sdpa-flash', sdpa_scope):>9}{ratio('sdpa-cudnn', sdpa_scope):>9}")
+        if with_adapters:
+            ms = cupy_ms.get(_cupy_key(r)) if r["impl"] in adapter_impls else None
+            line += f"{ms / r['ms']:>8.2f}" if ms and r["ms"] else f"{'-':>8}"
+        lines.append(line)
     return "\n".join(lines)
 
 

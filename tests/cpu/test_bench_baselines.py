@@ -1,5 +1,6 @@
 """The benchmark's baselines without a GPU: names, soft skips, FP8 scale rule, and the ratio columns of the table."""
 import math
+import sys
 
 import pytest
 
@@ -255,3 +256,245 @@ def test_default_cases_cover_the_speed_target():
         B, H = bench._shape(d, n)
         assert B * n == max(16384, n) and H * d == 2048  # 16K tokens (one sequence from 16K on)
     assert {n for _, n, _ in bench.default_cases(quick=True)} == {4096, 16384}
+
+
+# -- framework adapters ------------------------------------------------------------------------------------------
+ADAPTER_ROWS = ("sagecupy-int8-torch", "sagecupy-int8-jax")
+
+
+def test_adapters_name_their_rows():
+    assert bench.ADAPTERS == {"torch": "sagecupy-int8-torch", "jax": "sagecupy-int8-jax"}
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("torch,jax", ("torch", "jax")), ("", ()), (" jax , torch ,jax", ("jax", "torch")), (("torch",), ("torch",)),
+])
+def test_parse_adapters(spec, want):
+    assert bench.parse_adapters(spec) == want
+
+
+@pytest.mark.parametrize("bad", ["pytorch", "torch,flax", "sdpa"])
+def test_parse_adapters_names_the_unknown_one(bad):
+    with pytest.raises(ValueError) as exc:
+        bench.parse_adapters(bad)
+    assert "--adapters" in str(exc.value) and "torch, jax" in str(exc.value)
+
+
+def test_adapter_unavailable_answers_without_a_gpu(monkeypatch):
+    """Without PyTorch/JAX, CUDA or CuPy, each adapter says why instead of raising (JAX is told not to preallocate
+    before anything starts its backend)."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # restored after the test
+    try:
+        from sagecupy._loader import gpu_status
+
+        usable = gpu_status()[0]
+    except Exception:
+        usable = False
+    if usable:
+        pytest.skip("a usable CUDA device is visible")
+    for name in bench.ADAPTERS:
+        why = bench.adapter_unavailable(name)
+        assert isinstance(why, str) and why
+
+
+def test_adapter_unavailable_without_torch_names_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert bench.adapter_unavailable("torch").startswith("PyTorch is not importable")
+
+
+def test_run_suite_skips_an_unavailable_adapter_with_one_row(monkeypatch):
+    monkeypatch.setattr(bench, "adapter_unavailable", lambda name: f"no {name} here")
+    monkeypatch.setattr(bench, "bench_int8", lambda D, N, c, **kw: [_row("sagecupy-int8", "fwd", "e2e", 1.0)])
+    called = []
+    monkeypatch.setattr(bench, "bench_int8_torch", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(bench, "bench_int8_jax", lambda *a, **k: called.append(a) or [])
+    rows = bench.run_suite([(128, 4096, False)], baselines="", adapters="torch,jax")
+    assert called == []
+    assert [(r["impl"], r["mode"]) for r in rows] == [("sagecupy-int8-torch", "skip"), ("sagecupy-int8-jax", "skip"),
+                                                      ("sagecupy-int8", "fwd")]
+    assert rows[1]["reason"] == "no jax here"
+    text = bench.format_rows(rows)
+    assert "skipped: no torch here" in text and "skipped: no jax here" in text
+
+
+def test_run_suite_adapter_rows_follow_each_configs_int8_rows(monkeypatch):
+    monkeypatch.setattr(bench, "adapter_unavailable", lambda name: None)
+    order = []
+
+    def cupy_rows(D, N, causal, *, config, dtype, **kw):
+        order.append(("cupy", config, dtype))
+        return [_row("sagecupy-int8", "fwd", "e2e", 1.0, config=config, dtype=dtype)]
+
+    def torch_rows(D, N, causal, *, config, dtype, **kw):
+        order.append(("torch", config, dtype))
+        return [_row("sagecupy-int8-torch", "fwd", "e2e", 1.25, config=config, dtype=dtype)]
+
+    def jax_rows(D, N, causal, **kw):
+        raise RuntimeError("XLA said no")
+
+    monkeypatch.setattr(bench, "bench_int8", cupy_rows)
+    monkeypatch.setattr(bench, "bench_int8_torch", torch_rows)
+    monkeypatch.setattr(bench, "bench_int8_jax", jax_rows)
+    rows = bench.run_suite([(128, 4096, False)], configs=("default", "paper"), baselines="", adapters=("torch", "jax"),
+                           dtype="float16")
+    assert order == [("cupy", "default", "float16"), ("torch", "default", "float16"),
+                     ("cupy", "paper", "float16"), ("torch", "paper", "float16")]
+    assert [r["impl"] for r in rows] == ["sagecupy-int8", "sagecupy-int8-torch", "sagecupy-int8-jax"] * 2
+    errors = [r for r in rows if r["mode"] == "error"]
+    assert [r["config"] for r in errors] == ["default", "paper"] and "XLA said no" in errors[0]["error"]
+    lines = bench.format_rows(rows).splitlines()
+    torch_lines = [ln for ln in lines if ln.startswith("sagecupy-int8-torch ")]
+    assert [ln.split()[-1] for ln in torch_lines] == ["0.80", "0.80"]  # 1.0 ms / 1.25 ms, each against its config
+
+
+def test_run_suite_without_adapters_calls_none(monkeypatch):
+    monkeypatch.setattr(bench, "adapter_unavailable", lambda name: pytest.fail("probed an adapter"))
+    monkeypatch.setattr(bench, "bench_int8", lambda D, N, c, **kw: [_row("sagecupy-int8", "fwd", "e2e", 1.0)])
+    rows = bench.run_suite([(128, 4096, False)], baselines="")
+    assert [r["impl"] for r in rows] == ["sagecupy-int8"]
+
+
+def _adapter_table(rows):
+    lines = bench.format_rows(rows).splitlines()
+    assert lines[0].split()[-2:] == ["x", "cupy"] and all(c in lines[0] for c in COLS)
+    return lines
+
+
+def test_format_rows_adapter_ratio_to_the_cupy_row_of_the_same_case_mode_and_scope():
+    rows = [_row("sagecupy-int8", "fwd", "e2e", 1.0), _row("sagecupy-int8", "fwd", "train", 2.0),
+            _row("sagecupy-int8", "fwd", "e2e-b2b", 0.9), _row("sagecupy-int8", "fwdbwd", "e2e", 4.0),
+            _row("sdpa-default", "fwd", "e2e", 2.0),
+            _row("sagecupy-int8-torch", "fwd", "e2e", 1.25), _row("sagecupy-int8-torch", "fwd", "train", 2.0),
+            _row("sagecupy-int8-torch", "fwd", "e2e-b2b", 0.87), _row("sagecupy-int8-torch", "fwdbwd", "e2e", 5.0),
+            _row("sagecupy-int8-jax", "fwd", "e2e", 1.0, timer="host"),
+            _row("sagecupy-int8-jax", "fwdbwd", "e2e", 4.12, timer="host"),
+            _row("sagecupy-int8-jax", "bwd", "e2e", 3.0)]  # no CuPy bwd row in this run
+    lines = _adapter_table(rows)
+    got = {(ln.split()[0], ln.split()[2], ln.split()[3]): ln.split()[-1] for ln in lines[1:]}
+    assert got[("sagecupy-int8-torch", "fwd", "e2e")] == "0.80"
+    assert got[("sagecupy-int8-torch", "fwd", "train")] == "1.00"
+    assert got[("sagecupy-int8-torch", "fwd", "e2e-b2b")] == "1.03"
+    assert got[("sagecupy-int8-torch", "fwdbwd", "e2e")] == "0.80"
+    assert got[("sagecupy-int8-jax", "fwd", "e2e")] == "1.00"
+    assert got[("sagecupy-int8-jax", "fwdbwd", "e2e")] == "0.97"
+    assert got[("sagecupy-int8-jax", "bwd", "e2e")] == "-"
+    # the CuPy and baseline rows have no x cupy; every row keeps its baseline ratios before it
+    assert got[("sagecupy-int8", "fwd", "e2e")] == "-"
+    assert next(ln for ln in lines if ln.startswith("sdpa-default")).split()[-1] == "-"
+    torch_e2e = next(ln for ln in lines if ln.startswith("sagecupy-int8-torch ") and " train " not in ln)
+    assert torch_e2e.split()[-5:-1] == ["1.60", "-", "-", "-"]  # SDPA 2.0 ms / 1.25 ms
+
+
+def test_format_rows_adapter_rows_match_config_case_and_dtype_only():
+    rows = [_row("sagecupy-int8", "fwd", "e2e", 1.0, config="paper"), _row("sagecupy-int8", "fwd", "e2e", 1.0, N=8192),
+            _row("sagecupy-int8", "fwd", "e2e", 1.0, causal=True), _row("sagecupy-int8", "fwd", "e2e", 1.0,
+                                                                        dtype="float16"),
+            _row("sagecupy-int8", "fwd", "kernel", 1.0), _row("sagecupy-int8-torch", "fwd", "e2e", 1.0)]
+    assert _adapter_table(rows)[-1].split()[-1] == "-"
+
+
+def test_format_rows_adapter_column_is_aligned_and_absent_without_adapter_rows():
+    plain = [_row("sagecupy-int8", "fwd", "e2e", 1.0), _row("sdpa-default", "fwd", "e2e", 2.0)]
+    before = bench.format_rows(plain)
+    assert "x cupy" not in before and before.splitlines()[0].startswith(f"{'impl':<16}cfg")
+    rows = plain + [_row("sagecupy-int8-torch", "fwd", "e2e", 1.1),
+                    dict(impl="sagecupy-int8-jax", mode="skip", adapter="jax", reason="no JAX"),
+                    dict(impl="sagecupy-int8-jax", mode="error", D=128, N=4096, causal=False, error="boom")]
+    lines = bench.format_rows(rows).splitlines()
+    assert lines[0].startswith(f"{'impl':<20}cfg")  # the longest impl name and a space
+    table = [ln for ln in lines if " skipped: " not in ln and " error " not in ln]
+    assert len({len(ln) for ln in table}) == 1  # every column lines up, the new one included
+    assert lines[4].startswith(f"{'sagecupy-int8-jax':<20} skipped: no JAX")
+    assert lines[5].startswith(f"{'sagecupy-int8-jax':<20} error D=128")
+
+
+# -- timing functions with other clocks --------------------------------------------------------------------------
+class _FakeEvent:
+    """A PyTorch-like event on a fake device clock that advances 2 ms per call of the timed function."""
+    now = 0.0
+
+    def record(self):
+        self.t = _FakeEvent.now
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_time_ms_and_b2b_take_a_frameworks_events():
+    calls, syncs = [], []
+
+    def fn():
+        calls.append(1)
+        _FakeEvent.now += 2.0
+
+    assert bench.time_ms(fn, 3, 5, event=_FakeEvent, sync=lambda: syncs.append(1)) == pytest.approx(2.0)
+    assert len(calls) >= 3 + 5 and syncs
+    assert bench.time_ms_b2b(fn, 3, calls=4, rounds=3, event=_FakeEvent, sync=lambda: None) == pytest.approx(2.0)
+
+
+def test_host_clock_waits_for_the_last_tracked_result():
+    """The JAX rows' clock: an event's synchronize blocks on the last result handed to track, then reads the clock;
+    the time between a start and an end includes that wait."""
+    import time
+
+    blocked = []
+
+    def block(x):
+        blocked.append(x)
+        time.sleep(0.002)
+
+    clock = bench._HostClock(block)
+    n = iter(range(10**6))
+    ms = bench.time_ms(lambda: clock.track(next(n)), 1, 3, event=clock.event, sync=clock.sync)
+    assert ms >= 2.0 and blocked == sorted(blocked) and len(set(blocked)) == len(blocked)
+    blocked.clear()
+    per_call = bench.time_ms_b2b(lambda: clock.track(next(n)), 1, calls=4, rounds=2, event=clock.event,
+                                 sync=clock.sync)
+    assert 0.5 <= per_call < 2.0  # one 2 ms wait per round, shared by its 4 calls
+    waited = len(blocked)
+    clock.sync()  # nothing pending: no wait
+    assert len(blocked) == waited
+
+
+def _run_bench_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "run_bench.py"
+    spec = importlib.util.spec_from_file_location("run_bench_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as exc:  # the script's imports need what the package needs
+        pytest.skip(f"bench/run_bench.py not importable here: {exc}")
+    return mod
+
+
+@pytest.mark.parametrize("argv, want", [([], ()), (["--adapters"], ("torch", "jax")),
+                                        (["--adapters", "jax"], ("jax",)), (["--adapters", ""], ())])
+def test_run_bench_adapters_flag(monkeypatch, capsys, argv, want):
+    mod = _run_bench_module()
+    seen = {}
+
+    def suite(cases, **kw):
+        seen.update(kw)
+        return []
+
+    monkeypatch.setattr(mod.bench, "run_suite", suite)
+    mod.main(["--quick", "--baselines", ""] + argv)
+    assert seen["adapters"] == want and seen["dtype"] == "bfloat16"
+    assert capsys.readouterr().out.startswith("impl")
+
+
+def test_run_bench_rejects_unknown_adapter_and_takes_a_dtype(monkeypatch, capsys):
+    mod = _run_bench_module()
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--adapters", "torch,flax"])
+    assert exc.value.code == 2 and "'flax' is not one of" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(mod.bench, "run_suite", lambda cases, **kw: seen.update(kw) or [])
+    mod.main(["--dtype", "float16", "--adapters", "torch", "--baselines", ""])
+    assert seen["dtype"] == "float16" and seen["adapters"] == ("torch",)
