@@ -32,7 +32,7 @@ import hashlib
 import os
 import sys
 
-# Forward calls are compared with SDPA's forward, backward calls with its backward (bench.bench_sdpa's modes).
+# Forward calls are compared with SDPA's forward, backward calls with its backward (bench_frameworks.bench_sdpa's modes).
 SDPA_MODE = {"int8_infer": "fwd", "int8_fwd": "fwd", "int8_bwd": "bwd", "int8_fwdbwd": "fwdbwd", "qat_fwd": "fwd",
              "qat_bwd": "bwd", "qat_fwdbwd": "fwdbwd", "nvfp4": "fwd", "nvfp4_packed": "fwd"}
 
@@ -135,12 +135,13 @@ def digest(arrays):
 
 
 def sdpa_times(D, N, causal, backends):
-    """{(backend, mode, 'sync' | 'b2b'): ms} from bench.bench_sdpa on the same shape (no b2b row for its backward)."""
-    from sagecupy import bench
+    """{(backend, mode, 'sync' | 'b2b'): ms} from bench_frameworks.bench_sdpa on the same shape (no b2b row for its
+    backward)."""
+    from sagecupy import bench_frameworks
 
     out = {}
     for be in backends:
-        for r in bench.bench_sdpa(D, N, causal, be):
+        for r in bench_frameworks.bench_sdpa(D, N, causal, be):
             if r.get("mode") != "error":
                 out[(be, r["mode"], "b2b" if r["scope"] == "e2e-b2b" else "sync")] = r["ms"]
     return out

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from sagecupy import _cudnn_fp8, bench
+from sagecupy import bench_frameworks as fw
 
 COLS = ("x sdpa", "x fp8", "x flash", "x cudnn")
 
@@ -74,10 +75,10 @@ def test_run_bench_rejects_unknown_baseline(capsys):
 # -- soft skips --------------------------------------------------------------------------------------------------
 def test_run_suite_skips_an_unavailable_baseline_with_one_row(monkeypatch):
     """A baseline that cannot run gives one ``skip`` row (first, once, also to ``log``) and is never timed."""
-    monkeypatch.setattr(bench, "baseline_unavailable", lambda name: f"{name} is not here")
+    monkeypatch.setattr(fw, "baseline_unavailable", lambda name: f"{name} is not here")
     called = []
-    monkeypatch.setattr(bench, "bench_sdpa", lambda *a, **k: called.append(a) or [])
-    monkeypatch.setattr(bench, "bench_cudnn_fp8", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(fw, "bench_sdpa", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(fw, "bench_cudnn_fp8", lambda *a, **k: called.append(a) or [])
     logged = []
     rows = bench.run_suite([(128, 4096, False), (128, 4096, True)], baselines="sdpa,cudnn-fp8", families=(),
                            log=logged.append)
@@ -92,14 +93,14 @@ def test_run_suite_skips_an_unavailable_baseline_with_one_row(monkeypatch):
 
 def test_run_suite_turns_a_failing_baseline_into_an_error_row(monkeypatch):
     """Whatever a baseline raises on one case becomes that case's ``error`` row; the sweep goes on."""
-    monkeypatch.setattr(bench, "baseline_unavailable", lambda name: None)
+    monkeypatch.setattr(fw, "baseline_unavailable", lambda name: None)
 
     def boom(D, N, causal, **kw):
         raise RuntimeError(f"no FP8 graph at D={D}")
 
     seen = []
-    monkeypatch.setattr(bench, "bench_cudnn_fp8", boom)
-    monkeypatch.setattr(bench, "bench_sdpa", lambda D, N, c, be, **kw: seen.append(be) or [
+    monkeypatch.setattr(fw, "bench_cudnn_fp8", boom)
+    monkeypatch.setattr(fw, "bench_sdpa", lambda D, N, c, be, **kw: seen.append(be) or [
         _row(f"sdpa-{be}", "fwd", "e2e", 1.0, D=D, N=N, causal=c)])
     rows = bench.run_suite([(64, 4096, False), (128, 4096, False)], baselines=("cudnn-fp8", "sdpa", "flash"),
                            families=())
@@ -114,7 +115,7 @@ def test_run_suite_availability_probe_that_raises_is_a_skip(monkeypatch):
     def probe(name):
         raise OSError("driver gone")
 
-    monkeypatch.setattr(bench, "baseline_unavailable", probe)
+    monkeypatch.setattr(fw, "baseline_unavailable", probe)
     rows = bench.run_suite([], baselines="cudnn-fp8")
     assert len(rows) == 1 and rows[0]["mode"] == "skip" and "driver gone" in rows[0]["reason"]
 
@@ -130,7 +131,7 @@ def test_baseline_unavailable_answers_without_a_gpu():
     if has_cuda:
         pytest.skip("a CUDA device is visible")
     for name in bench.BASELINES:
-        why = bench.baseline_unavailable(name)
+        why = fw.baseline_unavailable(name)
         assert isinstance(why, str) and why
 
 
@@ -293,21 +294,21 @@ def test_adapter_unavailable_answers_without_a_gpu(monkeypatch):
     if usable:
         pytest.skip("a usable CUDA device is visible")
     for name in bench.ADAPTERS:
-        why = bench.adapter_unavailable(name)
+        why = fw.adapter_unavailable(name)
         assert isinstance(why, str) and why
 
 
 def test_adapter_unavailable_without_torch_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
-    assert bench.adapter_unavailable("torch").startswith("PyTorch is not importable")
+    assert fw.adapter_unavailable("torch").startswith("PyTorch is not importable")
 
 
 def test_run_suite_skips_an_unavailable_adapter_with_one_row(monkeypatch):
-    monkeypatch.setattr(bench, "adapter_unavailable", lambda name: f"no {name} here")
+    monkeypatch.setattr(fw, "adapter_unavailable", lambda name: f"no {name} here")
     monkeypatch.setattr(bench, "bench_int8", lambda D, N, c, **kw: [_row("sagecupy-int8", "fwd", "e2e", 1.0)])
     called = []
-    monkeypatch.setattr(bench, "bench_int8_torch", lambda *a, **k: called.append(a) or [])
-    monkeypatch.setattr(bench, "bench_int8_jax", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(fw, "bench_int8_torch", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(fw, "bench_int8_jax", lambda *a, **k: called.append(a) or [])
     rows = bench.run_suite([(128, 4096, False)], baselines="", adapters="torch,jax")
     assert called == []
     assert [(r["impl"], r["mode"]) for r in rows] == [("sagecupy-int8-torch", "skip"), ("sagecupy-int8-jax", "skip"),
@@ -318,7 +319,7 @@ def test_run_suite_skips_an_unavailable_adapter_with_one_row(monkeypatch):
 
 
 def test_run_suite_adapter_rows_follow_each_configs_int8_rows(monkeypatch):
-    monkeypatch.setattr(bench, "adapter_unavailable", lambda name: None)
+    monkeypatch.setattr(fw, "adapter_unavailable", lambda name: None)
     order = []
 
     def cupy_rows(D, N, causal, *, config, dtype, **kw):
@@ -333,8 +334,8 @@ def test_run_suite_adapter_rows_follow_each_configs_int8_rows(monkeypatch):
         raise RuntimeError("XLA said no")
 
     monkeypatch.setattr(bench, "bench_int8", cupy_rows)
-    monkeypatch.setattr(bench, "bench_int8_torch", torch_rows)
-    monkeypatch.setattr(bench, "bench_int8_jax", jax_rows)
+    monkeypatch.setattr(fw, "bench_int8_torch", torch_rows)
+    monkeypatch.setattr(fw, "bench_int8_jax", jax_rows)
     rows = bench.run_suite([(128, 4096, False)], configs=("default", "paper"), baselines="", adapters=("torch", "jax"),
                            dtype="float16")
     assert order == [("cupy", "default", "float16"), ("torch", "default", "float16"),
@@ -348,7 +349,7 @@ def test_run_suite_adapter_rows_follow_each_configs_int8_rows(monkeypatch):
 
 
 def test_run_suite_without_adapters_calls_none(monkeypatch):
-    monkeypatch.setattr(bench, "adapter_unavailable", lambda name: pytest.fail("probed an adapter"))
+    monkeypatch.setattr(fw, "adapter_unavailable", lambda name: pytest.fail("probed an adapter"))
     monkeypatch.setattr(bench, "bench_int8", lambda D, N, c, **kw: [_row("sagecupy-int8", "fwd", "e2e", 1.0)])
     rows = bench.run_suite([(128, 4096, False)], baselines="")
     assert [r["impl"] for r in rows] == ["sagecupy-int8"]
@@ -446,7 +447,7 @@ def test_host_clock_waits_for_the_last_tracked_result():
         blocked.append(x)
         time.sleep(0.002)
 
-    clock = bench._HostClock(block)
+    clock = fw._HostClock(block)
     n = iter(range(10**6))
     ms = bench.time_ms(lambda: clock.track(next(n)), 1, 3, event=clock.event, sync=clock.sync)
     assert ms >= 2.0 and blocked == sorted(blocked) and len(set(blocked)) == len(blocked)
