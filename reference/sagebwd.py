@@ -137,7 +137,9 @@ from .attention import (
     dense_bytes,
     from_hnd,
     kv_head_index,
+    packed_sequences,
     resolve_sm_scale,
+    resolve_window,
     sum_kv_groups,
     to_hnd,
     visible_mask,
@@ -160,6 +162,7 @@ RESIDUAL_KEYS = (
     "mu_q",          # (B, Hq, nqb, D)
     "bias",          # (B, Hq, nqb, Nk)
     "causal",        # bool
+    "window",        # None or (left, right) as given to forward (docs/algorithms.md §1.8)
     "sm_scale",      # float
     "layout",        # "HND" | "NHD" (the layout of the caller's arrays)
     "config",        # SageBwdConfig
@@ -299,12 +302,19 @@ def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, 
 # ----------------------------------------------------------------------------
 
 
-def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT) -> dict:
+def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT, cu_seqlens_q=None, cu_seqlens_k=None,
+                    max_seqlen_q=None, max_seqlen_k=None):
     """Smoothing and quantization of the forward's operands (steps 1-2); a dict of HND arrays.
 
     Keys and shapes are in the module docstring's table: ``q_codes, q_scale,
-    k_codes, k_scale, v_codes, v_scale, mu_k, mu_q, bias, sm_scale``.
+    k_codes, k_scale, v_codes, v_scale, mu_k, mu_q, bias, sm_scale``. Packed
+    (``layout="THD"``): a list with one such dict (batch 1) per sequence, None
+    for a sequence without queries or keys; every statistic is the sequence's own.
     """
+    packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None:
+        return [quantize_inputs(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sm_scale=sm_scale, layout="NHD",
+                                config=config) if q1 > q0 and k1 > k0 else None for q0, q1, k0, k1 in packed[1]]
     cfg = get_config(config)
     B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
     scale = resolve_sm_scale(sm_scale, D)
@@ -362,7 +372,8 @@ def _v_rows(v_scale: np.ndarray, cfg: SageBwdConfig, Nk: int) -> np.ndarray:
     return _rows(v_scale, cfg.block_kv, Nk)
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, return_intermediates=False):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, return_intermediates=False,
+            window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """SageBwd forward. Returns ``(o, residuals)`` or ``(o, residuals, intermediates)``.
 
     ``o``: float64 in ``layout``. ``residuals``: dict with :data:`RESIDUAL_KEYS`
@@ -376,17 +387,26 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
       quantizing); ``"P_fwd_weight"`` ``(B, Hq, Nq, T)``: ``w_t = e^{r_t − M}/p_max``,
       the online ``s_P`` of tile ``t`` rescaled to the final max;
     * ``"P"`` ``(B, Hq, Nq, Nk)``: ``exp(S − lse_internal)``, the softmax of ``S``.
+
+    ``window``: a sliding window (docs/algorithms.md §1.8); tiles are masked, the
+    quantization statistics stay those of all the keys. Packed (``layout="THD"``,
+    ``cu_seqlens_q/k``): :func:`_packed_forward`.
     """
     cfg = get_config(config)
     causal = _check_bool(causal, "causal")
+    resolve_window(causal, window)
     return_intermediates = _check_bool(return_intermediates, "return_intermediates")
+    packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None:
+        return _packed_forward(q, k, v, packed, return_intermediates, causal=causal, sm_scale=sm_scale,
+                               config=cfg, window=window)
     B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
     _check_memory(B, Hq, Nq, Nk, D, cfg, return_intermediates)
     qi = quantize_inputs(q, k, v, sm_scale=sm_scale, layout=layout, config=cfg)
     scale = qi["sm_scale"]
     qh = as_float64(to_hnd(q, layout), "q")
     vh = as_float64(to_hnd(v, layout), "v")
-    mask = visible_mask(Nq, Nk, causal)
+    mask = visible_mask(Nq, Nk, causal, window)
     kv_of = kv_head_index(Hq, Hkv)
     T = -(-Nk // cfg.block_kv)
 
@@ -422,7 +442,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
         "k_codes": qi["k_codes"], "k_scale": qi["k_scale"],
         "v": vh, "o": o, "lse_internal": lse_int, "lse": lse,
         "mu_k": qi["mu_k"], "mu_q": qi["mu_q"], "bias": qi["bias"],
-        "causal": causal, "sm_scale": scale, "layout": layout, "config": cfg,
+        "causal": causal, "window": window, "sm_scale": scale, "layout": layout, "config": cfg,
     }
     out = from_hnd(o, layout)
     if return_intermediates:
@@ -433,7 +453,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
 def _check_residuals(residuals) -> None:
     if not isinstance(residuals, dict):
         raise TypeError(f"residuals must be the dict returned by forward(), got {type(residuals).__name__}")
-    missing = [key for key in RESIDUAL_KEYS if key not in residuals]
+    missing = [key for key in RESIDUAL_KEYS if key not in residuals and key != "window"]  # (None if absent)
     if missing:
         raise ValueError(f"residuals is missing keys {missing}; pass the dict returned by forward()")
     if not isinstance(residuals["config"], SageBwdConfig):
@@ -457,9 +477,14 @@ def backward(residuals, do, *, return_intermediates=False):
       ``(B, Hq, Nq, Nk)`` (each tile's scale repeated over the entries it covers).
 
     With ``config.quantize=False`` the codes are float64 values and scales 1.
+    Packed residuals (``layout="THD"``): ``do`` ``(total_q, Hq, D)``; ``dq``
+    ``(total_q, Hq, D)``, ``dk``, ``dv`` ``(total_k, Hkv, D)``; intermediates a
+    list per sequence (None for an empty one).
     """
-    _check_residuals(residuals)
     return_intermediates = _check_bool(return_intermediates, "return_intermediates")
+    if isinstance(residuals, dict) and residuals.get("layout") == "THD":
+        return _packed_backward(residuals, do, return_intermediates)
+    _check_residuals(residuals)
     cfg: SageBwdConfig = residuals["config"]
     layout = residuals["layout"]
     scale = residuals["sm_scale"]
@@ -471,7 +496,7 @@ def backward(residuals, do, *, return_intermediates=False):
         raise ValueError(f"do must have the output's HND shape {(B, Hq, Nq, D)} ({layout=}), got shape {tuple(do.shape)}")
     _check_memory(B, Hq, Nq, Nk, D, cfg, return_intermediates)
     doh = as_float64(to_hnd(do, layout), "do")
-    mask = visible_mask(Nq, Nk, residuals["causal"])
+    mask = visible_mask(Nq, Nk, residuals["causal"], residuals.get("window"))
     kv_of = kv_head_index(Hq, Hkv)
 
     dq = np.zeros((B, Hq, Nq, D))
@@ -502,7 +527,7 @@ def backward(residuals, do, *, return_intermediates=False):
     return grads
 
 
-def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT) -> dict:
+def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> dict:
     """Forward and backward with every intermediate, as one dict of HND float64 arrays.
 
     The keys shared with :func:`sagecupy.reference.attention.attention_intermediates`
@@ -512,11 +537,26 @@ def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
     ``"lse_internal"`` and the forward's and backward's other intermediates
     (see :func:`forward` and :func:`backward`; the backward's ``"P"`` is
     reported, which equals the forward's).
+
+    Packed (``layout="THD"``): ``"O"``, ``"dQ"`` ``(total_q, Hq, D)``, ``"dK"``,
+    ``"dV"`` ``(total_k, Hkv, D)``, ``"lse"``, ``"lse_internal"`` ``(Hq, total_q)``
+    and ``"sequences"``, the list of each sequence's own dict (None if empty).
     """
+    packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None:
+        o, res = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, window=window,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        dq, dk, dv = backward(res, do)
+        seqs = [None if r is None else run(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], do[None, q0:q1],
+                                           causal=causal, sm_scale=sm_scale, layout="NHD", config=config,
+                                           window=window)
+                for r, (q0, q1, k0, k1) in zip(res["sequences"], packed[1])]
+        return {"O": o, "lse": res["lse"], "lse_internal": res["lse_internal"], "dQ": dq, "dK": dk, "dV": dv,
+                "sequences": seqs}
     B, Hq, _, Nq, Nk, D = check_qkv(q, k, v, layout)
     _check_memory(B, Hq, Nq, Nk, D, get_config(config), True)  # (before the forward: the backward's keep too)
     o, residuals, fwd = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                                return_intermediates=True)
+                                return_intermediates=True, window=window)
     dq, dk, dv, bwd = backward(residuals, do, return_intermediates=True)
     out = dict(fwd)
     out.update(bwd)
@@ -525,3 +565,58 @@ def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
         "dQ": to_hnd(dq, layout), "dK": to_hnd(dk, layout), "dV": to_hnd(dv, layout),
     })
     return out
+
+
+# ----------------------------------------------------------------------------
+# packed sequences (layout "THD", docs/algorithms.md §1.8)
+# ----------------------------------------------------------------------------
+
+
+def _packed_forward(q, k, v, packed, return_intermediates, **kw):
+    """:func:`forward` once per sequence (batch 1, NHD views), so that μ_K, the V channel scales and every other
+    statistic are the sequence's own and a packed call equals the separate calls.
+
+    Returns ``o`` ``(total_q, Hq, D)`` and residuals ``{"layout": "THD", "sequences": [one forward's residuals,
+    or None for a sequence without queries or keys], "spans", "shape", "o", "lse", "lse_internal"}`` (the LSEs
+    ``(Hq, total_q)``, ``−inf`` in rows that see no key); with ``return_intermediates`` also the list of each
+    sequence's intermediates (None where empty).
+    """
+    (Hq, Hkv, Tq, Tk, D), spans = packed
+    resolve_sm_scale(kw["sm_scale"], D)
+    o = np.zeros((Tq, Hq, D))
+    lse, lse_int = np.full((Hq, Tq), -np.inf), np.full((Hq, Tq), -np.inf)
+    seqs, inters = [], []
+    for q0, q1, k0, k1 in spans:
+        if q1 == q0 or k1 == k0:
+            seqs.append(None)
+            inters.append(None)
+            continue
+        r = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], layout="NHD",
+                    return_intermediates=return_intermediates, **kw)
+        o[q0:q1] = r[0][0]
+        lse[:, q0:q1], lse_int[:, q0:q1] = r[1]["lse"][0], r[1]["lse_internal"][0]
+        seqs.append(r[1])
+        inters.append(r[2] if return_intermediates else None)
+    residuals = {"layout": "THD", "sequences": seqs, "spans": spans, "shape": (Hq, Hkv, Tq, Tk, D), "o": o,
+                 "lse": lse, "lse_internal": lse_int}
+    return (o, residuals, inters) if return_intermediates else (o, residuals)
+
+
+def _packed_backward(residuals, do, return_intermediates):
+    """:func:`backward` of :func:`_packed_forward`'s residuals, sequence by sequence."""
+    for key in ("sequences", "spans", "shape"):
+        if key not in residuals:
+            raise ValueError(f"packed residuals are missing {key!r}; pass the dict returned by forward()")
+    Hq, Hkv, Tq, Tk, D = residuals["shape"]
+    if not hasattr(do, "shape") or tuple(do.shape) != (Tq, Hq, D):
+        raise ValueError(f"do must have shape {(Tq, Hq, D)} (layout='THD'), got {tuple(getattr(do, 'shape', ()))}")
+    dq, dk, dv = np.zeros((Tq, Hq, D)), np.zeros((Tk, Hkv, D)), np.zeros((Tk, Hkv, D))
+    inters = []
+    for res, (q0, q1, k0, k1) in zip(residuals["sequences"], residuals["spans"]):
+        if res is None:
+            inters.append(None)
+            continue
+        g = backward(res, do[None, q0:q1], return_intermediates=return_intermediates)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+        inters.append(g[3] if return_intermediates else None)
+    return (dq, dk, dv, inters) if return_intermediates else (dq, dk, dv)
