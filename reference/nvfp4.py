@@ -65,7 +65,9 @@ from .attention import (
     dense_bytes,
     expand_kv_heads,
     from_hnd,
+    packed_sequences,
     resolve_sm_scale,
+    resolve_window,
     to_hnd,
     visible_mask,
 )
@@ -159,7 +161,8 @@ def _validate(q, k, v, causal, sm_scale, layout, config):
     return config, (B, Hq, Hkv, Nq, Nk, D), scale, qh, kh, vh
 
 
-def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=NVFP4Config()) -> dict:
+def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=NVFP4Config(), cu_seqlens_q=None,
+                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Smoothing + NVFP4 quantization of Q, K, V in the exchange format (steps 1-3).
 
     The GPU quantizers are tested bit-exact against this. Returns a dict (all
@@ -180,7 +183,14 @@ def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=NVFP4Config(
     Packing: element ``2i`` in the low nibble (:func:`sagecupy.reference.fp4.pack_e2m1`).
     ``sm_scale`` matters only for the bias. ValueError if ``config.quantize`` is
     False (there is nothing to quantize) or ``D`` is not a multiple of 16.
+    Packed (``layout="THD"``): a list with one such dict (batch 1) per sequence,
+    None for a sequence without queries or keys (per-sequence μ_K, μ_Q and
+    tensor scales).
     """
+    packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None:
+        return [quantize_inputs(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sm_scale=sm_scale, layout="NHD",
+                                config=config) if q1 > q0 and k1 > k0 else None for q0, q1, k0, k1 in packed[1]]
     config, _, scale, qh, kh, vh = _validate(q, k, v, False, sm_scale, layout, config)
     if not config.quantize:
         raise ValueError("config.quantize is False: quantize_inputs needs a quantizing NVFP4Config")
@@ -197,7 +207,8 @@ def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=NVFP4Config(
 
 
 def forward(
-    q, k, v, *, causal=False, sm_scale=None, layout="HND", config=NVFP4Config(), return_intermediates=False
+    q, k, v, *, causal=False, sm_scale=None, layout="HND", config=NVFP4Config(), return_intermediates=False,
+    window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
 ):
     """NVFP4 attention forward (see the module docstring). Returns ``(o, lse)``.
 
@@ -210,8 +221,30 @@ def forward(
     ``"m"``, ``"l"`` ``(B,Hq,Nq)`` (final max and unquantized row sum),
     ``"P_hat"`` ``(B,Hq,Nq,Nk)`` (the quantized probabilities as they multiply
     ``V̂``, already rescaled to the final max: ``O = P_hat V̂ / l``), ``"O"``.
+
+    ``window``: a sliding window (docs/algorithms.md §1.8): scores are masked;
+    μ_K, V's 16-token blocks and the tile order stay those of all the keys.
+    Packed (``layout="THD"``, ``cu_seqlens_q/k``): ``o`` ``(total_q, Hq, D)``,
+    ``lse`` ``(Hq, total_q)``, each sequence computed on its own (its own μ_K,
+    μ_Q and, with ``tensor_scale``, its own tensor scales); the intermediates a
+    list per sequence (None for one without queries or keys).
     """
     return_intermediates = _check_bool(return_intermediates, "return_intermediates")
+    _check_bool(causal, "causal")
+    resolve_window(causal, window)
+    packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None:
+        (Hq, _, Tq, _, D), spans = packed
+        o, lse, inters = np.zeros((Tq, Hq, D)), np.full((Hq, Tq), -np.inf), []
+        for q0, q1, k0, k1 in spans:
+            if q1 == q0 or k1 == k0:
+                inters.append(None)
+                continue
+            r = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal, sm_scale=sm_scale,
+                        layout="NHD", config=config, return_intermediates=return_intermediates, window=window)
+            o[q0:q1], lse[:, q0:q1] = r[0][0], r[1][0]
+            inters.append(r[2] if return_intermediates else None)
+        return (o, lse, inters) if return_intermediates else (o, lse)
     config, (B, Hq, Hkv, Nq, Nk, D), scale, qh, kh, vh = _validate(q, k, v, causal, sm_scale, layout, config)
     check_memory(f"the float64 NVFP4 simulator (B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}, D={D}, dense (B, Hq, Nq, Nk) "
                  f"tensors)", peak_bytes(B, Hq, Nq, Nk, D, config))
@@ -225,7 +258,7 @@ def forward(
     s = scale * np.matmul(q_hat, np.swapaxes(expand_kv_heads(k_hat, Hq), -1, -2))
     if sm["bias"] is not None:
         s = s + sm["bias"][:, :, np.arange(Nq) // config.block_q]
-    mask = visible_mask(Nq, Nk, causal)
+    mask = visible_mask(Nq, Nk, causal, window)
     s = np.where(mask, s, -np.inf)
 
     # step 5: online softmax over KV tiles, vectorized

@@ -63,7 +63,9 @@ from .attention import (
     expand_kv_heads,
     from_hnd,
     masked_softmax,
+    packed_sequences,
     resolve_sm_scale,
+    resolve_window,
     sum_kv_groups,
     to_hnd,
     visible_mask,
@@ -132,7 +134,8 @@ def _scores(q_t, k_t, Hq, scale, mask):
     return np.where(mask, s, -np.inf)
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATConfig(), return_intermediates=False):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATConfig(), return_intermediates=False,
+            window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """QAT forward; returns ``(o, residuals)`` (``(o, residuals, intermediates)`` when asked).
 
     ``o`` float64 in ``layout``. ``residuals`` (everything :func:`backward`
@@ -142,12 +145,37 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATCon
     (resolved float), ``"layout"``, ``"config"``, ``"Hq"``, ``"Hkv"``.
     ``intermediates``: ``"S"``, ``"P"``, ``"P_q"`` (``fq_P(P)``), all
     ``(B,Hq,Nq,Nk)``.
+
+    ``window``: a sliding window (docs/algorithms.md §1.8), a mask on ``S``; the
+    fake quantization of Q, K, V (16-blocks, V's along all the keys) and
+    ``fq_P``'s blocks are unchanged (masked ``P`` is 0). Packed
+    (``layout="THD"``, ``cu_seqlens_q/k``): ``o`` ``(total_q, Hq, D)`` and
+    residuals ``{"layout": "THD", "sequences": [each sequence's residuals or
+    None], "spans", "shape", "lse" (Hq, total_q)}``; intermediates a list per
+    sequence.
     """
     config = _check_config(config)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if not isinstance(return_intermediates, (bool, np.bool_)):
         raise TypeError(f"return_intermediates must be a bool, got {return_intermediates!r}")
+    resolve_window(causal, window)
+    packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None:
+        (Hq, Hkv, Tq, Tk, D), spans = packed
+        o, lse, seqs, inters = np.zeros((Tq, Hq, D)), np.full((Hq, Tq), -np.inf), [], []
+        for q0, q1, k0, k1 in spans:
+            if q1 == q0 or k1 == k0:
+                seqs.append(None)
+                inters.append(None)
+                continue
+            r = forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal, sm_scale=sm_scale,
+                        layout="NHD", config=config, return_intermediates=return_intermediates, window=window)
+            o[q0:q1], lse[:, q0:q1] = r[0][0], r[1]["lse"][0]
+            seqs.append(r[1])
+            inters.append(r[2] if return_intermediates else None)
+        res = {"layout": "THD", "sequences": seqs, "spans": spans, "shape": (Hq, Hkv, Tq, Tk, D), "lse": lse}
+        return (o, res, inters) if return_intermediates else (o, res)
     B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
     _check_memory(B, Hq, Nq, Nk, D, config)
     scale = resolve_sm_scale(sm_scale, D)
@@ -155,7 +183,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATCon
     kh = as_float64(to_hnd(k, layout), "k")
     vh = as_float64(to_hnd(v, layout), "v")
     q_t, k_t, v_t = fake_quantize_inputs(qh, kh, vh, config)
-    s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, bool(causal)))
+    s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, bool(causal), window))
     p, _, _, lse = masked_softmax(s)
     p_q = fake_quantize_p(p, config)
     v_x = expand_kv_heads(v_t, Hq)
@@ -169,6 +197,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATCon
         "o": o,
         "lse": lse,
         "causal": bool(causal),
+        "window": window,
         "sm_scale": scale,
         "layout": layout,
         "config": config,
@@ -184,8 +213,21 @@ def backward(residuals: dict, do, *, delta_from: str = "o_prime"):
     """QAT backward (see the module docstring); returns ``(dq, dk, dv)`` in the forward's layout.
 
     ``delta_from="o_prime"`` (default, correct) or ``"o"`` (wrong on purpose:
-    exists so the tests can show the difference).
+    exists so the tests can show the difference). Packed residuals
+    (``layout="THD"``): ``do`` ``(total_q, Hq, D)``, gradients packed
+    (``dk``, ``dv`` ``(total_k, Hkv, D)``), sequence by sequence.
     """
+    if isinstance(residuals, dict) and residuals.get("layout") == "THD":
+        Hq, Hkv, Tq, Tk, D = residuals["shape"]
+        if not hasattr(do, "shape") or tuple(do.shape) != (Tq, Hq, D):
+            raise ValueError(f"do must have shape {(Tq, Hq, D)} (layout='THD'), got "
+                             f"{tuple(getattr(do, 'shape', ()))}")
+        dq, dk, dv = np.zeros((Tq, Hq, D)), np.zeros((Tk, Hkv, D)), np.zeros((Tk, Hkv, D))
+        for res, (q0, q1, k0, k1) in zip(residuals["sequences"], residuals["spans"]):
+            if res is not None:
+                g = backward(res, do[None, q0:q1], delta_from=delta_from)
+                dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv
     if not isinstance(residuals, dict) or any(key not in residuals for key in _RESIDUAL_KEYS):
         missing = [key for key in _RESIDUAL_KEYS if not isinstance(residuals, dict) or key not in residuals]
         raise ValueError(f"residuals must be the dict returned by qat.forward; missing {missing}")
@@ -203,7 +245,7 @@ def backward(residuals: dict, do, *, delta_from: str = "o_prime"):
     if doh.shape != (B, Hq, Nq, D):
         raise ValueError(f"do must have HND shape {(B, Hq, Nq, D)} ({layout=}), got shape {tuple(do.shape)}")
 
-    s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, r["causal"]))
+    s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, r["causal"], r.get("window")))
     lse = r["lse"]
     row_ok = np.isfinite(lse)
     p = np.where(row_ok[..., None], np.exp(s - np.where(row_ok, lse, 0.0)[..., None]), 0.0)
