@@ -2,7 +2,7 @@
 
     pytest bench/test_bench_fp4.py --benchmark-only [--benchmark-json out.json]
 
-As in test_bench_int8.py: the callables synchronize, the CUDA-event device time (median) and the TFLOPS
+As in test_bench_int8.py: the callables synchronize, the CUDA-event GPU time (median) and the TFLOPS
 go to ``benchmark.extra_info``; speed targets are read from these numbers, never asserted.
 """
 import pytest

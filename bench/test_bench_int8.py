@@ -3,7 +3,7 @@
     pytest bench/ --benchmark-only [--benchmark-json out.json]
 
 pytest-benchmark's own timer is a host clock: every timed callable synchronizes the device, and the
-device time measured with CUDA events (median, sagecupy.bench.time_ms) and the TOPS are put in
+GPU time measured with CUDA events (median, sagecupy.bench.time_ms) and the TOPS are put in
 ``benchmark.extra_info``. Speed targets are read from these numbers, never asserted.
 """
 import pytest

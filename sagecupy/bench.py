@@ -16,7 +16,7 @@ forward+backward 3.5x. INT8 rates are TOPS, the others TFLOPS; the ``tops`` fiel
 
 Modes: ``fwd`` / ``bwd`` / ``fwdbwd``; ``scope``: ``kernel`` (the attention kernel alone, inputs
 already quantized) or ``e2e`` (what a user calls: validation, smoothing, quantization, kernel), each call
-synchronized; ``e2e-b2b``: the same call issued back to back (:func:`time_ms_b2b`), the device time per call
+synchronized; ``e2e-b2b``: the same call issued back to back (:func:`time_ms_b2b`), the GPU time per call
 when the host keeps ahead (as in a training or serving loop). The INT8 forward's ``e2e`` / ``e2e-b2b`` rows time the
 inference call (``int8.sage_attention``), as SDPA's forward is timed under ``torch.no_grad()``; ``train`` /
 ``train-b2b`` time the training forward (``int8.forward``, which also keeps the backward's residuals), compared with
