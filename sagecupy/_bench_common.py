@@ -89,7 +89,7 @@ def time_ms(fn, warmup=3, rep=10, *, event=None, sync=None) -> float:
 
 
 def time_ms_b2b(fn, warmup=3, calls=10, rounds=5, *, event=None, sync=None) -> float:
-    """Device time per call of ``fn()`` issued ``calls`` times back to back (no synchronization between the calls:
+    """GPU time per call of ``fn()`` issued ``calls`` times back to back (no synchronization between the calls:
     the host issues ahead while the device works, as in a training or serving loop and as ``triton.testing.do_bench``
     measures), the median over ``rounds``, in milliseconds. :func:`time_ms` synchronizes after every call, so the
     host time spent before a call's first launch counts there (the ``e2e`` rows); here it overlaps the previous

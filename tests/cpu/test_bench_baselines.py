@@ -56,16 +56,7 @@ def test_parse_baselines_names_the_unknown_one(bad):
 
 
 def test_run_bench_rejects_unknown_baseline(capsys):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "run_bench.py"
-    spec = importlib.util.spec_from_file_location("run_bench_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except ImportError as exc:  # the script's imports need what the package needs
-        pytest.skip(f"bench/run_bench.py not importable here: {exc}")
+    mod = _run_bench_module()
     with pytest.raises(SystemExit) as exc:
         mod.main(["--baselines", "sdpa,nope"])
     assert exc.value.code == 2
