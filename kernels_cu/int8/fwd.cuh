@@ -479,6 +479,34 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
                                                    inv_p_max);
       int(&pv)[D / 2] = reinterpret_cast<int(&)[D / 2]>(cur);
       wgmma_fence();
+      if constexpr (SAGE_FWD_OVERLAP_QK == 2 && D == 128) {
+        // P.V(t) as two 64-column products (two commit groups): the first half's fold runs while the second
+        // half is on the tensor cores. Half h of image i's V^^T is its channel rows 64 h .. 64 h + 63.
+        int(&pv_h)[2][32] = reinterpret_cast<int(&)[2][32]>(pv);
+        const char* cV = sV + (tile % NST) * D * BKV;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int kstep = 0; kstep < BKV / 32; ++kstep) {
+            const unsigned long long dv =
+                gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D + h * 64 * 64), 32 * (kstep % 2));
+            if (kstep == 0) wgmma_m64n64k32_rs_u8s8_first(pv_h[h], pa[0], dv);
+            else wgmma_m64n64k32_rs_u8s8(pv_h[h], pa[kstep], dv, kstep);
+          }
+          wgmma_commit();
+        }
+        wgmma_wait<1>();  // Q.K^T(t+1) and the first half
+        fence_regs(pv_h[0]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[j], pv_h[0] + 4 * j, ts);
+        wgmma_wait<0>();
+        fence_regs(pv_h[1]);
+        fence_regs(reinterpret_cast<int(&)[4 * NT]>(nxt));
+        hold_regs(pa);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[8 + j], pv_h[1] + 4 * j, ts);
+        return;
+      }
       {  // P.V(t): k-steps 2 i, 2 i + 1 read image i's V^^T
         const char* cV = sV + (tile % NST) * D * BKV;
 #pragma unroll
