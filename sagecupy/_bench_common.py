@@ -134,18 +134,18 @@ def _shape(D, N):
 
 
 def _inputs(D, N, dtype):
-    """B, H and standard-normal q, k, v, dO of the sweep's shape (seed 0) in ``dtype`` (fp16, or bf16 as
-    ``BF16Array``)."""
+    """B, H and standard-normal q, k, v, dO of the sweep's shape (seed 0) in ``dtype`` (fp16, or bf16: a CuPy
+    bfloat16 array where CuPy has that dtype, else a ``BF16Array``)."""
     import cupy
 
-    from .adapters.bf16 import BF16Array
+    from .adapters.bf16 import from_float
 
     B, H = _shape(D, N)
     rng = cupy.random.default_rng(0)
 
     def mk():
         x = rng.standard_normal((B, H, N, D), dtype=cupy.float32)
-        return x.astype(cupy.float16) if dtype == "float16" else BF16Array.from_float(x)
+        return x.astype(cupy.float16) if dtype == "float16" else from_float(x)
 
     return B, H, (mk(), mk(), mk(), mk())
 

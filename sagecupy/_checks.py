@@ -9,9 +9,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as _np
+
 __all__ = ["Problem", "as_cupy", "raw", "wrap", "check_attention_args", "check_problem", "check_limits",
            "check_sm_scale", "check_dims", "check_buffer", "check_rows", "max_seq_len", "SUPPORTED_HEAD_DIMS",
-           "dtype_name", "INT32_MAX", "PAD_MAX", "GRID_YZ_MAX"]
+           "dtype_name", "INT32_MAX", "PAD_MAX", "GRID_YZ_MAX", "BF16_FORMS"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LAYOUTS = ("HND", "NHD")
@@ -92,11 +94,13 @@ def dtype_name(dtype) -> str:
 
 
 _ARRAY_TYPES = None  # (cupy.ndarray, BF16Array), set by the first as_cupy call (cupy is imported lazily)
+#: What a dtype error adds where bfloat16 is supported: the two forms it is taken in (a plain uint16 array is not).
+BF16_FORMS = " (bfloat16: a CuPy array of ml_dtypes.bfloat16, or a sagecupy.adapters.bf16.BF16Array)"
 
 
 def as_cupy(x, name: str):
-    """A CuPy view of ``x`` (CuPy array, :class:`~sagecupy.adapters.bf16.BF16Array`, or any CUDA array with
-    ``__dlpack__``), zero-copy."""
+    """A CuPy view of ``x`` (CuPy array, bfloat16 ones included, :class:`~sagecupy.adapters.bf16.BF16Array`, or any
+    CUDA array with ``__dlpack__``), zero-copy."""
     global _ARRAY_TYPES
     import cupy
 
@@ -123,16 +127,24 @@ def as_cupy(x, name: str):
 
 
 def raw(x):
-    """The CuPy array holding x's memory (the uint16 bits of a BF16Array)."""
-    return getattr(x, "bits", x)
+    """The CuPy array holding x's memory as the kernels take it: a bfloat16 array's uint16 bits (a BF16Array's
+    ``.bits``, or a ``.view`` of a CuPy array of ``ml_dtypes.bfloat16``: no copy), any other array itself."""
+    bits = getattr(x, "bits", None)
+    if bits is not None:
+        return bits
+    dt = x.dtype
+    # (kind first: the fp16 path pays one attribute read; "V" with the name is ml_dtypes' bfloat16)
+    return x.view(_np.uint16) if dt.kind == "V" and dt.name == "bfloat16" else x
 
 
-def wrap(x, dtype: str):
-    """A kernel output (raw CuPy array) as the user sees it: BF16Array for bfloat16."""
+def wrap(x, dtype: str, like=None):
+    """A kernel output (raw CuPy array) as the user sees it. bfloat16: its uint16 bits as the input ``like``
+    holds bfloat16 (a CuPy bfloat16 view, or a BF16Array; with no ``like``, the native dtype where CuPy has it:
+    :func:`sagecupy.adapters.bf16.output_kind`), no copy. Other dtypes: ``x`` itself."""
     if dtype == "bfloat16":
-        from .adapters.bf16 import BF16Array
+        from .adapters.bf16 import from_bits
 
-        return BF16Array(x)
+        return from_bits(x, like)
     return x
 
 
@@ -175,7 +187,8 @@ def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16"
                              f"layout={layout!r}), got shape {tuple(x.shape)}")
         check_dims(x.shape, name, ("B", "H", "N", "D") if layout == "HND" else ("B", "N", "H", "D"))
         if dtype_name(x.dtype) not in dtypes:
-            raise TypeError(f"{name}.dtype={dtype_name(x.dtype)} is not supported; supported: {dtypes}")
+            raise TypeError(f"{name}.dtype={dtype_name(x.dtype)} is not supported; supported: {dtypes}"
+                            f"{BF16_FORMS if 'bfloat16' in dtypes else ''}")
     if not (dtype_name(q.dtype) == dtype_name(k.dtype) == dtype_name(v.dtype)):
         raise TypeError(f"q, k, v must share one dtype, got {dtype_name(q.dtype)}, {dtype_name(k.dtype)}, "
                         f"{dtype_name(v.dtype)}")

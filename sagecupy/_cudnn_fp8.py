@@ -407,8 +407,10 @@ def clear():
 def _as_torch(x, torch):
     if isinstance(x, torch.Tensor):
         return x if x.is_cuda else x.cuda()
-    if hasattr(x, "to_float32"):  # sagecupy's BF16Array: its values as float32 (exact)
-        x = x.to_float32()
+    from .adapters import bf16
+
+    if bf16.is_bf16(x):  # a CuPy bfloat16 array or a BF16Array: its values as float32 (exact)
+        x = bf16.to_float32(x)
     return torch.as_tensor(x, device="cuda")
 
 
@@ -416,11 +418,11 @@ def cudnn_fp8_attention(q, k, v, do=None, causal=False, *, sm_scale=None):
     """cuDNN's FP8 attention forward and backward of ``q, k, v`` (``[B, H, N, D]``, one head count, Nq == Nk) and
     output gradient ``do``, with the amax-derived scales of this module (calibrated on these inputs).
 
-    Inputs: torch tensors, or arrays ``torch.as_tensor`` takes (CuPy, NumPy; sagecupy's BF16Array through its
-    float32 values), in any float dtype. Returns ``(o, dq, dk, dv)`` as float32 ``[B, H, N, D]`` torch tensors,
-    dequantized from cuDNN's E4M3 outputs; with ``do=None`` the forward alone (``dq, dk, dv`` None: on Hopper cuDNN
-    has an FP8 forward at D = 64 but its FP8 backward needs D = 128). Raises :class:`Unavailable` where cuDNN's FP8
-    attention cannot run (that shape included).
+    Inputs: torch tensors, or arrays ``torch.as_tensor`` takes (CuPy, NumPy; bfloat16 CuPy arrays and sagecupy's
+    BF16Array through their float32 values), in any float dtype. Returns ``(o, dq, dk, dv)`` as float32
+    ``[B, H, N, D]`` torch tensors, dequantized from cuDNN's E4M3 outputs; with ``do=None`` the forward alone
+    (``dq, dk, dv`` None: on Hopper cuDNN has an FP8 forward at D = 64 but its FP8 backward needs D = 128). Raises
+    :class:`Unavailable` where cuDNN's FP8 attention cannot run (that shape included).
     """
     why = unavailable_reason()
     if why is not None:

@@ -490,26 +490,17 @@ def _run_reference(fam: Family, config, inputs: dict, causal: bool, want_interme
 def _to_device(x: np.ndarray, dtype: str):
     """A device array of ``dtype`` holding the (already rounded) float64 values ``x``.
 
-    fp16: a CuPy float16 array. bf16: the raw bits (:func:`bf16_bits`) wrapped in
-    :class:`sagecupy.adapters.bf16.BF16Array`, the bfloat16 type the kernels take; where
-    that module is absent, a CuPy array of ``ml_dtypes.bfloat16``.
+    fp16: a CuPy float16 array. bf16: the raw bits (:func:`bf16_bits`) as a CuPy
+    ``ml_dtypes.bfloat16`` array where CuPy has that dtype, else wrapped in
+    :class:`sagecupy.adapters.bf16.BF16Array` (:func:`sagecupy.adapters.bf16.from_bits`).
     """
     import cupy as cp
 
+    from sagecupy.adapters.bf16 import from_bits
+
     if dtype == "fp16":
         return cp.asarray(x.astype(np.float16))
-    bits = cp.asarray(bf16_bits(x))
-    try:
-        from sagecupy.adapters.bf16 import BF16Array
-    except ImportError:
-        pass
-    else:
-        return BF16Array(bits)
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise ValueError("dtype bf16 on the GPU backend needs sagecupy.adapters.bf16 or ml_dtypes") from None
-    return bits.view(ml_dtypes.bfloat16)
+    return from_bits(cp.asarray(bf16_bits(x)))
 
 
 def _to_host(x) -> np.ndarray:

@@ -32,7 +32,7 @@ def _xp(x):
     try:
         import cupy
 
-        return cupy.get_array_module(x)
+        return cupy.get_array_module(getattr(x, "bits", x))  # (a BF16Array's memory is its uint16 bits)
     except ImportError:
         import numpy
 
@@ -289,17 +289,21 @@ def merge_heads(x):
 
 
 def cast(x, dtype):
-    """``x`` as ``dtype`` (e.g. float16 into the INT8 kernels); the gradient is cast back."""
+    """``x`` as ``dtype`` (e.g. float16 into the INT8 kernels); the gradient is cast back. ``"bfloat16"`` (device
+    arrays): a CuPy bfloat16 array where CuPy has that dtype, else a BF16Array, rounded to nearest even; a bf16
+    value (either form) is widened exactly before any other cast."""
+    from .adapters import bf16
+
     def fwd(a):
+        src = a if bf16.is_bf16(a) else None  # (a bf16 source's gradient goes back in its form)
         if dtype == "bfloat16":
-            from .adapters.bf16 import BF16Array
+            return bf16.from_float(a), (a.dtype, src)
+        return (bf16.to_float32(a) if src is not None else a).astype(dtype), (a.dtype, src)
 
-            return BF16Array.from_float(a), a.dtype
-        return a.astype(dtype), a.dtype
-
-    def bwd(src_dtype, g):
-        g = g.to_float32() if hasattr(g, "to_float32") else g
-        return (g.astype(src_dtype),)
+    def bwd(saved, g):
+        src_dtype, src = saved
+        g = bf16.to_float32(g) if bf16.is_bf16(g) else g
+        return (bf16.from_float(g, like=src) if src is not None else g.astype(src_dtype),)
 
     return apply(fwd, bwd, x)
 

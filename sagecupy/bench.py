@@ -214,7 +214,7 @@ def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) 
     from cupy.cuda import memory_hook
 
     from . import int8
-    from .adapters.bf16 import BF16Array
+    from .adapters.bf16 import from_float
 
     B, H = _shape(D, N)
     pool = cupy.get_default_memory_pool()
@@ -233,7 +233,7 @@ def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) 
 
     def mk():
         x = rng.standard_normal((B, H, N, D), dtype=cupy.float32)
-        return x.astype(cupy.float16) if dtype == "float16" else BF16Array.from_float(x)
+        return x.astype(cupy.float16) if dtype == "float16" else from_float(x)
 
     q, k, v, do = mk(), mk(), mk(), mk()
     cupy.cuda.get_current_stream().synchronize()

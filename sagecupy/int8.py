@@ -287,12 +287,13 @@ def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inferenc
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
     pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
+    pre["like"] = q  # the input whose bf16 form (CuPy bfloat16 or BF16Array) the output takes
     return plan, pre
 
 
 def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inference=False):
-    """Validate a forward call (CuPy arrays or BF16Arrays) and record its pre-pass program: a :class:`Plan`
-    (``inference``: see :func:`_preprocess_forward`)."""
+    """Validate a forward call (CuPy arrays, bfloat16 ones included, or BF16Arrays) and record its pre-pass
+    program: a :class:`Plan` (``inference``: see :func:`_preprocess_forward`)."""
     import cupy
 
     p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
@@ -453,14 +454,15 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
     fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
-    float32 ``(B, Hq, Nq)``. ``engine``: see :func:`forward_engine`.
+    float32 ``(B, Hq, Nq)``. ``engine``: see :func:`forward_engine`. bf16: CuPy arrays of ``ml_dtypes.bfloat16``
+    or :class:`~sagecupy.adapters.bf16.BF16Array` (no copy either way); ``o`` takes q's form.
     """
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine)
     p, cfg = plan.p, plan.cfg
     o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"])
-    o = _checks.wrap(o, p.dtype)
+    o = _checks.wrap(o, p.dtype, pre["like"])
     return (o, lse, res) if return_lse else (o, res)
 
 
@@ -473,7 +475,7 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
                          inference=True)
     p, cfg = plan.p, plan.cfg
     o, lse, _ = _launch_forward(p, cfg, pre, engine)
-    o = _checks.wrap(o, p.dtype)
+    o = _checks.wrap(o, p.dtype, pre["like"])
     return (o, lse) if return_lse else o
 
 
@@ -564,7 +566,7 @@ def _preprocess_backward(residuals, do, engine=None):
     ns.update((n, getattr(r, n)) for n in _RES_NAMES)
     plan.prog.run(ns)
     pre = {n: ns[n] for n in _BPRE_NAMES if n in ns}
-    pre["engine"], pre["plan"] = plan.engine, plan
+    pre["engine"], pre["plan"], pre["like"] = plan.engine, plan, do  # (the gradients take do's bf16 form)
     return pre
 
 
@@ -627,8 +629,8 @@ def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     ns = {n: getattr(r, n) for n in _RES_NAMES}
     ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)
     prog.run(ns)
-    dt = r.problem.dtype
-    return _checks.wrap(ns["dq"], dt), _checks.wrap(ns["dk"], dt), _checks.wrap(ns["dv"], dt)
+    dt, like = r.problem.dtype, pre.get("like")
+    return tuple(_checks.wrap(ns[n], dt, like) for n in ("dq", "dk", "dv"))
 
 
 def _backward_launch_program(r, pre, engine, kernels):
@@ -702,7 +704,8 @@ def _backward_launch_program(r, pre, engine, kernels):
 
 
 def backward(residuals: Residuals, do, *, engine=None):
-    """SageBwd backward: ``(dq, dk, dv)`` in the forward's layout and dtype (fp32 accumulation inside).
+    """SageBwd backward: ``(dq, dk, dv)`` in the forward's layout and dtype (fp32 accumulation inside); for bf16,
+    in ``do``'s form (a CuPy bfloat16 array or a :class:`~sagecupy.adapters.bf16.BF16Array`).
     ``engine``: see :func:`backward_engine`. ``residuals`` are checked against the problem they claim
     (:func:`check_residuals`) before any launch."""
     backward_engine(engine)  # validate before any work

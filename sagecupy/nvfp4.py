@@ -279,7 +279,7 @@ def prepare_input(x, name, layout):
     x = _checks.as_cupy(x, name)
     dt = _checks.dtype_name(x.dtype)
     if dt not in _T:
-        raise TypeError(f"{name}.dtype={dt} is not supported; supported: {tuple(_T)}")
+        raise TypeError(f"{name}.dtype={dt} is not supported; supported: {tuple(_T)}{_checks.BF16_FORMS}")
     if len(x.shape) != 4:
         raise ValueError(f"{name} must be 4-D, got shape {tuple(x.shape)}")
     if layout not in ("HND", "NHD"):
@@ -592,7 +592,8 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
     """NVFP4 attention forward (SageAttention3-style; docs/algorithms.md §5): ``o`` or ``(o, lse)``.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v alike with Hkv, Nk;
-    fp16 or bf16 (:class:`~sagecupy.adapters.bf16.BF16Array`); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
+    fp16 or bf16 (a CuPy array of ``ml_dtypes.bfloat16`` or a :class:`~sagecupy.adapters.bf16.BF16Array`; ``o``
+    takes q's form); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
     bottom-right aligned. ``config``: :class:`~sagecupy.config.NVFP4Config` (default: two-level P, K-smoothing).
     ``lse`` float32 ``(B, Hq, Nq)``, natural log, of the unsmoothed logits ``sm_scale * q k^T`` as the
     kernel computes them (from the quantized operands). ``engine``: see :func:`fp4_engine`. Inputs are never
@@ -606,7 +607,7 @@ def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=
                  layout, config, engine, env_key()),
         lambda: _attention_plan(q, k, v, causal, sm_scale, layout, config, engine))
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
-    o = _checks.wrap(ns["o"], plan.p.dtype)
+    o = _checks.wrap(ns["o"], plan.p.dtype, q)
     return (o, ns["lse"]) if return_lse else o
 
 
@@ -690,9 +691,10 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     ``"v_packed"`` ``(B, Hkv, D, N16/2)``, ``"v_scales"`` ``(B, Hkv, D, N16/16)`` (V transposed, tokens
     zero-padded to ``N16`` = Nk rounded up to 16) -- what :func:`quantize_inputs` returns (other keys are
     ignored). Always HND-based; ``layout`` is the layout of the returned ``o``; ``out_dtype`` "float16" or
-    "bfloat16". ``sm_scale=None`` means ``1/sqrt(D)``. ``lse`` is the LSE of the logits of the packed
-    operands; ``lse_offset`` (float32 ``(B, Hq, Nq)``, e.g. ``sm_scale * q . mu_K`` when K was smoothed) is
-    added to it. ``engine``: see :func:`fp4_engine`. Returns ``o`` or ``(o, lse)``.
+    "bfloat16" (a CuPy bfloat16 array where CuPy has that dtype, else a
+    :class:`~sagecupy.adapters.bf16.BF16Array`). ``sm_scale=None`` means ``1/sqrt(D)``. ``lse`` is the LSE of the
+    logits of the packed operands; ``lse_offset`` (float32 ``(B, Hq, Nq)``, e.g. ``sm_scale * q . mu_K`` when K was
+    smoothed) is added to it. ``engine``: see :func:`fp4_engine`. Returns ``o`` or ``(o, lse)``.
     """
     import cupy
 

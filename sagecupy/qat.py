@@ -141,7 +141,8 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     """QAT forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     Arguments as :func:`sagecupy.int8.forward`: fp16 or bf16, D 64 or 128, GQA, both layouts, causal
-    bottom-right aligned, any N. ``o = fq_P(P) V~`` in q's dtype and layout; ``lse`` float32 (B, Hq, Nq)
+    bottom-right aligned, any N (bf16: CuPy arrays of ``ml_dtypes.bfloat16`` or BF16Arrays; ``o`` takes q's form, the
+    backward's gradients ``do``'s). ``o = fq_P(P) V~`` in q's dtype and layout; ``lse`` float32 (B, Hq, Nq)
     natural log. Inputs are never modified. ``engine``: as :func:`sagecupy.nvfp4.fp4_engine` (``None`` or
     ``"auto"``: wgmma on sm_90, mma.sync elsewhere).
     """
@@ -178,7 +179,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * LOG2E), i32(int(p.causal))),
        shared_mem=smem)
     res = Residuals(p, cfg, q_b, k_b, vt_b, o_prime, lse2) if bf else Residuals(p, cfg, q_t, k_t, vt_t, o_prime, lse2)
-    o = _checks.wrap(o, p.dtype)
+    o = _checks.wrap(o, p.dtype, q)
     return (o, lse, res) if return_lse else (o, res)
 
 
@@ -289,8 +290,9 @@ def _backward(res, do, engine=None):
         raise ValueError(f"do.shape={tuple(do.shape)} must equal the output's shape {shape}")
     if _checks.dtype_name(do.dtype) != p.dtype:
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
+    like = do  # (the gradients take do's bf16 form)
     do = _layout.prepare(do, "do", p.layout, True)
-    return _bwd_launch(res, _bwd_operands(res, do, eng), eng)
+    return _bwd_launch(res, _bwd_operands(res, do, eng), eng, like)
 
 
 def _bwd_kernels_only(res, do, engine=None):
@@ -328,8 +330,9 @@ def _bwd_operands(res, do, eng):
     return do, delta, q_t, k_t, v_n
 
 
-def _bwd_launch(res, ops, eng):
-    """The dK/dV and dQ kernels on prepared operands (_bwd_operands)."""
+def _bwd_launch(res, ops, eng, like=None):
+    """The dK/dV and dQ kernels on prepared operands (_bwd_operands); bf16 gradients in ``like``'s form
+    (:func:`sagecupy._checks.wrap`)."""
     import cupy
 
 
@@ -367,4 +370,4 @@ def _bwd_launch(res, ops, eng):
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
         i32(int(p.causal))),
        shared_mem=smem_q)
-    return tuple(_checks.wrap(x, p.dtype) for x in (dq, dk, dv))
+    return tuple(_checks.wrap(x, p.dtype, like) for x in (dq, dk, dv))

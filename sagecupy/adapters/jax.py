@@ -27,8 +27,9 @@ produced q, k, v and before whatever reads the outputs, with no synchronization.
 * **Memory.** CuPy allocates its temporaries from its own pool, beside XLA's allocator. JAX takes 75% of
   the GPU at start-up unless ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or a smaller
   ``XLA_PYTHON_CLIENT_MEM_FRACTION``) is in the environment before JAX initializes its GPU backend.
-* **bfloat16.** CuPy has no bfloat16 dtype: bf16 arrays cross into the callback as their uint16 bits
-  (``jax.lax.bitcast_convert_type``, free) and become :class:`~sagecupy.adapters.bf16.BF16Array` there.
+* **bfloat16.** bf16 arrays cross into the callback as their uint16 bits (``jax.lax.bitcast_convert_type``, free)
+  and become a CuPy ``ml_dtypes.bfloat16`` view of them there where CuPy has that dtype, else a
+  :class:`~sagecupy.adapters.bf16.BF16Array`.
 * **Residuals.** INT8: the forward callback also writes every array of :class:`sagecupy.int8.Residuals`
   (Q and K codes and scales, base-2 LSE, K mean) into XLA outputs, which become the ``custom_vjp``
   residuals with ``v`` and ``o``; the backward callback rebuilds the same ``Residuals`` from them. The
@@ -139,11 +140,12 @@ def _view(buf, dev):
 
 
 def _kernel_input(arr, dtype: str):
-    """What the sagecupy API takes for ``dtype``: the CuPy array, or its uint16 bits as a BF16Array."""
+    """What the sagecupy API takes for ``dtype``: the CuPy array, or for bfloat16 its uint16 bits as a CuPy
+    bfloat16 view where CuPy has that dtype, else as a BF16Array (no copy either way)."""
     if dtype == "bfloat16":
-        from .bf16 import BF16Array
+        from .bf16 import from_bits
 
-        return BF16Array(arr)
+        return from_bits(arr)
     return arr
 
 
@@ -162,7 +164,8 @@ def _write(buf, src, name, dev):
 
 
 def _bits(x):
-    """bfloat16 as its uint16 bits (CuPy has no bfloat16); other dtypes unchanged."""
+    """bfloat16 as its uint16 bits (the callback's buffers are read as uint16 whatever CuPy has); other dtypes
+    unchanged."""
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
 
 

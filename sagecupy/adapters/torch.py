@@ -20,9 +20,10 @@ Arguments and conventions are those of :func:`sagecupy.int8.forward` (layouts ``
 bottom-right causal, ``sm_scale=None`` meaning ``1/sqrt(D)``, fp16 or bf16, D 64 or 128).
 
 **Tensors.** Inputs travel to CuPy zero-copy through DLPack, strides included (the kernels take any
-strides with a contiguous last dimension and copy other inputs themselves). CuPy 14 has no bfloat16
-dtype: bf16 tensors travel as their int16 bits and become a :class:`~sagecupy.adapters.bf16.BF16Array`; outputs
-come back the same way (:func:`to_cupy`, :func:`from_cupy`).
+strides with a contiguous last dimension and copy other inputs themselves). bf16 tensors travel as their int16
+bits (DLPack's bfloat16 code is not read by every CuPy) and become a CuPy ``ml_dtypes.bfloat16`` view of them where
+CuPy has that dtype, else a :class:`~sagecupy.adapters.bf16.BF16Array`; outputs come back the same way
+(:func:`to_cupy`, :func:`from_cupy`).
 
 **Streams.** Every kernel runs on PyTorch's *current stream* of the inputs' device (:func:`on_torch_stream`
 makes it CuPy's current stream for the duration of the call). The kernels are therefore ordered after
@@ -111,30 +112,31 @@ def _require_cuda_tensor(t, name):
 
 
 def to_cupy(tensor, name="tensor"):
-    """A zero-copy CuPy view of a CUDA tensor, strides kept: a ``cupy.ndarray``, or a
-    :class:`~sagecupy.adapters.bf16.BF16Array` for ``torch.bfloat16`` (its bits travel as int16: CuPy 14 has no
-    bfloat16 dtype). The view keeps the tensor alive. Call it on the stream that will use the view
+    """A zero-copy CuPy view of a CUDA tensor, strides kept: a ``cupy.ndarray``; for ``torch.bfloat16``, a CuPy
+    ``ml_dtypes.bfloat16`` array where CuPy has that dtype, else a :class:`~sagecupy.adapters.bf16.BF16Array` (the
+    bits travel as int16 either way). The view keeps the tensor alive. Call it on the stream that will use the view
     (:func:`on_torch_stream`): DLPack orders that stream after the tensor's current stream."""
     import cupy
 
-    from .bf16 import BF16Array
+    from .bf16 import from_bits
 
     _require_cuda_tensor(tensor, name)
     t = tensor.detach()  # DLPack refuses tensors that require grad; the memory is the same
     if t.dtype == torch.bfloat16:
-        return BF16Array(cupy.from_dlpack(t.view(torch.int16)).view(cupy.uint16))
+        return from_bits(cupy.from_dlpack(t.view(torch.int16)).view(cupy.uint16))
     return cupy.from_dlpack(t)
 
 
 def from_cupy(x):
-    """A zero-copy PyTorch tensor of a CuPy array (``torch.bfloat16`` for a :class:`~sagecupy.adapters.bf16.BF16Array`).
-    The tensor keeps the CuPy allocation alive."""
+    """A zero-copy PyTorch tensor of a CuPy array (``torch.bfloat16`` for a CuPy bfloat16 array or a
+    :class:`~sagecupy.adapters.bf16.BF16Array`, through its int16 bits). The tensor keeps the CuPy allocation
+    alive."""
     import cupy
 
-    from .bf16 import BF16Array
+    from .bf16 import bits_of, is_bf16
 
-    if isinstance(x, BF16Array):
-        return torch.from_dlpack(x.bits.view(cupy.int16)).view(torch.bfloat16)
+    if is_bf16(x):
+        return torch.from_dlpack(bits_of(x).view(cupy.int16)).view(torch.bfloat16)
     return torch.from_dlpack(x)
 
 
