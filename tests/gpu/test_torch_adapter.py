@@ -592,10 +592,11 @@ def test_nvfp4_op_is_the_direct_call():
         o_ref, lse_ref = nv.attention(cq, ck, cv, causal=causal, layout=layout, return_lse=True)
         _assert_same_bits([o], [o_ref], ("nvfp4", layout), names=("O",))
         assert np.array_equal(_host_f32(lse), _host_f32(lse_ref), equal_nan=True)
+    # (q, k, v are the last loop's NHD tensors: the layout goes with them)
     with pytest.raises(ValueError, match="inference-only"):
-        st.nvfp4_attention(q.detach().requires_grad_(), k, v)
+        st.nvfp4_attention(q.detach().requires_grad_(), k, v, layout=layout)
     with torch.no_grad():
-        st.nvfp4_attention(q.detach().requires_grad_(), k, v)  # no gradient needed: runs
+        st.nvfp4_attention(q.detach().requires_grad_(), k, v, layout=layout)  # no gradient needed: runs
     with pytest.raises(TypeError, match="NVFP4Config"):
         st.nvfp4_attention(q, k, v, config=DEFAULT)
 
