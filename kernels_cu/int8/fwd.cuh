@@ -427,23 +427,17 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   int acc_pv[PV_HALVES ? D / 4 : D / 2];  // P.V of this tile (of half its columns with PV_HALVES)
   int(&accs)[4 * NT] = reinterpret_cast<int(&)[4 * NT]>(acc_s);
   const unsigned long long dq = gmma_desc<D>(sQ + (warp / 4) * 64 * D);
-  // Q.K^T of the tile in `stage` into acc; the first k-step writes acc without reading it (wgmma.cuh, _first).
-  auto issue_qk_into = [&](int (&acc)[NT][4], int stage) {
-    int(&a)[4 * NT] = reinterpret_cast<int(&)[4 * NT]>(acc);
+  auto issue_qk = [&](int stage) {
     const unsigned long long dk = gmma_desc<D>(sK + stage * BKV * D);
 #pragma unroll
     for (int kstep = 0; kstep < D / 32; ++kstep) {
-      if constexpr (BKV == 128) {
-        if (kstep == 0) wgmma_m64n128k32_ss_s8_first(a, dq, dk);
-        else wgmma_m64n128k32_ss_s8(a, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
-      } else {
-        if (kstep == 0) wgmma_m64n64k32_ss_s8_first(a, dq, dk);
-        else wgmma_m64n64k32_ss_s8(a, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
-      }
+      if constexpr (BKV == 128)
+        wgmma_m64n128k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+      else
+        wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
     }
     wgmma_commit();
   };
-  auto issue_qk = [&](int stage) { issue_qk_into(acc_s, stage); };
 
   if (tl.n > 0) {
     cp_async_wait<0>();  // Q
@@ -456,84 +450,6 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     fence_regs(accs);
   }
 
-#ifndef SAGE_FWD_OVERLAP_QK
-#define SAGE_FWD_OVERLAP_QK 0
-#endif
-#if SAGE_FWD_OVERLAP_QK
-  if constexpr (!PV_HALVES) {
-    // Two S buffers in turn: Q.K^T(t+1) goes into the other buffer before softmax(t) and runs on the tensor
-    // cores during it; P.V(t) then reuses this tile's buffer (its S is dead once the softmax has converted it),
-    // so the registers live at once are those of the one-buffer loop below. Nothing is in flight between steps.
-    static_assert(D / 2 <= 4 * NT, "P.V's accumulator fits an S buffer");
-    int acc_s2[NT][4];
-    auto step = [&](int (&cur)[NT][4], int (&nxt)[NT][4], int tile) {
-      if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) % NST], ((tile + 1) / NST) & 1);
-      __syncthreads();  // every warp past P.V(t-1), whose stage the prefetch below overwrites
-      if (tid == 0 && tile + NST - 1 < tl.n) load_stage(tile + NST - 1);
-      wgmma_fence();
-      issue_qk_into(nxt, (tile + 1) % NST);  // on the last tile a stale stage: the result is dropped
-      unsigned pa[NT / 4][4];
-      const FwdTileScale ts = fwd_softmax_tile<NT>(cur, rs, pa, sKs + (tile % NST) * BKV,
-                                                   V_BLOCK ? vs + (bhk * (nk_pad / BKV) + tile) * D : nullptr, tile,
-                                                   tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max,
-                                                   inv_p_max);
-      int(&pv)[D / 2] = reinterpret_cast<int(&)[D / 2]>(cur);
-      wgmma_fence();
-      if constexpr (SAGE_FWD_OVERLAP_QK == 2 && D == 128) {
-        // P.V(t) as two 64-column products (two commit groups): the first half's fold runs while the second
-        // half is on the tensor cores. Half h of image i's V^^T is its channel rows 64 h .. 64 h + 63.
-        int(&pv_h)[2][32] = reinterpret_cast<int(&)[2][32]>(pv);
-        const char* cV = sV + (tile % NST) * D * BKV;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int kstep = 0; kstep < BKV / 32; ++kstep) {
-            const unsigned long long dv =
-                gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D + h * 64 * 64), 32 * (kstep % 2));
-            if (kstep == 0) wgmma_m64n64k32_rs_u8s8_first(pv_h[h], pa[0], dv);
-            else wgmma_m64n64k32_rs_u8s8(pv_h[h], pa[kstep], dv, kstep);
-          }
-          wgmma_commit();
-        }
-        wgmma_wait<1>();  // Q.K^T(t+1) and the first half
-        fence_regs(pv_h[0]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[j], pv_h[0] + 4 * j, ts);
-        wgmma_wait<0>();
-        fence_regs(pv_h[1]);
-        fence_regs(reinterpret_cast<int(&)[4 * NT]>(nxt));
-        hold_regs(pa);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[8 + j], pv_h[1] + 4 * j, ts);
-        return;
-      }
-      {  // P.V(t): k-steps 2 i, 2 i + 1 read image i's V^^T
-        const char* cV = sV + (tile % NST) * D * BKV;
-#pragma unroll
-        for (int kstep = 0; kstep < BKV / 32; ++kstep) {
-          const unsigned long long dv = gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D), 32 * (kstep % 2));
-          if constexpr (D == 128) {
-            if (kstep == 0) wgmma_m64n128k32_rs_u8s8_first(pv, pa[0], dv);
-            else wgmma_m64n128k32_rs_u8s8(pv, pa[kstep], dv, kstep);
-          } else {
-            if (kstep == 0) wgmma_m64n64k32_rs_u8s8_first(pv, pa[0], dv);
-            else wgmma_m64n64k32_rs_u8s8(pv, pa[kstep], dv, kstep);
-          }
-        }
-        wgmma_commit();
-      }
-      wgmma_wait<0>();  // Q.K^T(t+1) (long done) and P.V(t)
-      fence_regs(pv);
-      fence_regs(reinterpret_cast<int(&)[4 * NT]>(nxt));
-      hold_regs(pa);
-      fwd_pv_update_all<D>(acc_o, pv, ts);
-    };
-    for (int tile = 0; tile < tl.n; tile += 2) {
-      step(acc_s, acc_s2, tile);
-      if (tile + 1 < tl.n) step(acc_s2, acc_s, tile + 1);
-    }
-  } else
-#endif
   for (int tile = 0; tile < tl.n; ++tile) {
     // Tile t+1 resident and visible to the tensor cores; every warp past P.V(t-1), whose stage the
     // prefetch below overwrites.
