@@ -21,6 +21,12 @@ def pytest_addoption(parser):
         default=False,
         help="fail (instead of skip) the gpu-marked tests when no CUDA device is usable",
     )
+    parser.addoption(
+        "--fuzz-cases",
+        type=int,
+        default=None,
+        help="cases per family in tests/gpu/test_fuzz.py (default its FULL_CASES; past QUICK_CASES they need -m slow)",
+    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,7 @@ up to FULL_CASES, carry the `slow` marker and run only when the -m expression na
 
     pytest tests/gpu/test_fuzz.py                     # the quick subset
     pytest tests/gpu/test_fuzz.py -m "gpu or slow"    # all FULL_CASES of each family
+    bash bench/fuzz.sh 3400                           # long runs: 3400 cases per family, all cores
 
 A failing case prints its parameters and the command that reruns it alone.
 """
@@ -146,9 +147,18 @@ def draw_cases(family: str, n: int = FULL_CASES) -> list:
     return cases[:n]
 
 
-def _params(family):
+def _params(family, n=FULL_CASES):
     return [pytest.param(c, id=c.id, marks=() if c.index < QUICK_CASES else pytest.mark.slow)
-            for c in draw_cases(family)]
+            for c in draw_cases(family, n)]
+
+
+def pytest_generate_tests(metafunc):
+    """The cases of each family: FULL_CASES, or --fuzz-cases N (the long runs of bench/fuzz.sh: the first FULL_CASES
+    are the same cases, since each family draws from its own seeded stream)."""
+    family = {"test_int8_fuzz": "int8", "test_nvfp4_fuzz": "nvfp4", "test_qat_fuzz": "qat"}.get(metafunc.function.__name__)
+    if family is not None:
+        n = metafunc.config.getoption("--fuzz-cases") or FULL_CASES
+        metafunc.parametrize("fuzz_case", _params(family, n), indirect=True)
 
 
 def _full_run(config) -> bool:
@@ -348,16 +358,13 @@ def _run(case):
         raise
 
 
-@pytest.mark.parametrize("fuzz_case", _params("int8"), indirect=True)
 def test_int8_fuzz(fuzz_case):
     _run(fuzz_case)
 
 
-@pytest.mark.parametrize("fuzz_case", _params("nvfp4"), indirect=True)
 def test_nvfp4_fuzz(fuzz_case):
     _run(fuzz_case)
 
 
-@pytest.mark.parametrize("fuzz_case", _params("qat"), indirect=True)
 def test_qat_fuzz(fuzz_case):
     _run(fuzz_case)
