@@ -263,10 +263,14 @@ def _forward_head(S, pv_rhs, cfg: SageBwdConfig):
     return o, lse, tile_max, m, l, p_codes, p_weight
 
 
-def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, cfg: SageBwdConfig):
-    """docs/algorithms.md §4 for one head; returns ``(dq, dk, dv, intermediates)`` (module docstring, Backward)."""
+def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, cfg: SageBwdConfig, delta=None):
+    """docs/algorithms.md §4 for one head; returns ``(dq, dk, dv, intermediates)`` (module docstring, Backward).
+
+    ``delta``: the rows' ``δ`` when it comes from elsewhere (a key block of a longer sequence takes the δ of the
+    whole row, docs/algorithms.md §9); None computes it from ``o``."""
     bq, bkv = cfg.bwd_block_q, cfg.bwd_block_kv
-    delta = np.sum(do * o, axis=-1)
+    if delta is None:
+        delta = np.sum(do * o, axis=-1)
     do_codes, do_scale = _quant(cfg, do, bq, None if cfg.do_granularity == "block" else 1, fp32=cfg.quantize)
     row_ok = lse != -np.inf
     lse_safe = np.where(row_ok, lse, 0.0)
@@ -303,15 +307,23 @@ def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, 
 
 
 def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT, cu_seqlens_q=None, cu_seqlens_k=None,
-                    max_seqlen_q=None, max_seqlen_k=None):
+                    max_seqlen_q=None, max_seqlen_k=None, mu_k=None, v_amax=None):
     """Smoothing and quantization of the forward's operands (steps 1-2); a dict of HND arrays.
 
     Keys and shapes are in the module docstring's table: ``q_codes, q_scale,
     k_codes, k_scale, v_codes, v_scale, mu_k, mu_q, bias, sm_scale``. Packed
     (``layout="THD"``): a list with one such dict (batch 1) per sequence, None
     for a sequence without queries or keys; every statistic is the sequence's own.
+
+    ``mu_k`` (``(B, Hkv, D)``, with ``k_smoothing``) and ``v_amax`` (``(B, Hkv, D)``, the per-channel
+    ``max|V|``, with ``v_granularity="channel"``) replace the statistics this call would take over its own
+    keys: ``k, v`` are then one block of a longer sequence whose statistics were reduced over all its blocks
+    (docs/algorithms.md §9, ``reference/context_parallel.py``). Given the values this call computes itself,
+    the result is bit for bit the same.
     """
     packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if packed is not None and (mu_k is not None or v_amax is not None):
+        raise ValueError("mu_k and v_amax are statistics of one sequence; a packed call takes each sequence's own")
     if packed is not None:
         return [quantize_inputs(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sm_scale=sm_scale, layout="NHD",
                                 config=config) if q1 > q0 and k1 > k0 else None for q0, q1, k0, k1 in packed[1]]
@@ -326,7 +338,10 @@ def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT, cu_
     # (the K mean rounded to float32, K - mu_K and sm_scale * Q rounded to float32, psi in float32), so
     # the codes of Q, K, V (and dO) are bit-identical to the kernels'. Off, everything is float64.
     f32 = cfg.quantize and not cfg.q_smoothing
-    mu_k = kh.mean(axis=-2) if cfg.k_smoothing else np.zeros((B, Hkv, D))
+    if mu_k is None:
+        mu_k = kh.mean(axis=-2) if cfg.k_smoothing else np.zeros((B, Hkv, D))
+    else:
+        mu_k = _given_stat(mu_k, "mu_k", (B, Hkv, D), cfg.k_smoothing, "k_smoothing is off")
     if f32:
         mu_k = mu_k.astype(np.float32).astype(np.float64)
         ks = (kh.astype(np.float32) - mu_k[..., None, :].astype(np.float32)).astype(np.float64)
@@ -351,7 +366,19 @@ def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT, cu_
     q_in = (qs.astype(np.float32) * np.float32(scale)).astype(np.float64) if f32 else scale * qs
     q_codes, q_scale = _quant(cfg, q_in, q_rows, None, fp32=f32)
     k_codes, k_scale = _quant(cfg, ks, k_rows, None, fp32=f32)
-    if cfg.v_granularity == "channel":
+    if v_amax is not None:
+        v_amax = _given_stat(v_amax, "v_amax", (B, Hkv, D), cfg.v_granularity == "channel",
+                             "v_granularity is 'block' (v_amax is a per-channel statistic)")
+        with np.errstate(invalid="ignore"):
+            if (np.abs(vh).max(axis=-2) > v_amax).any():
+                raise ValueError("v_amax is below this block's own max|v| in some channel: it must be the max "
+                                 "over every block, this one included")
+    if cfg.v_granularity == "channel" and v_amax is not None:
+        # psi takes a block's scale from its own max|x|: one extra row holding the global max makes that max
+        # the block's, so the real rows get the codes and scales of the whole sequence.
+        v_codes, v_scale = _quant(cfg, np.concatenate([vh, v_amax[..., None, :]], axis=-2), None, 1, fp32=f32)
+        v_codes = np.ascontiguousarray(v_codes[..., :-1, :])
+    elif cfg.v_granularity == "channel":
         v_codes, v_scale = _quant(cfg, vh, None, 1, fp32=f32)                 # (B, Hkv, 1, D)
     else:
         v_codes, v_scale = _quant(cfg, vh, cfg.block_kv, None, fp32=f32)      # per row (B, Hkv, Nk, 1)
@@ -363,6 +390,16 @@ def quantize_inputs(q, k, v, *, sm_scale=None, layout="HND", config=DEFAULT, cu_
         "v_codes": v_codes, "v_scale": v_scale,
         "mu_k": mu_k, "mu_q": mu_q, "bias": bias, "sm_scale": scale,
     }
+
+
+def _given_stat(x, name: str, shape, used: bool, why_unused: str) -> np.ndarray:
+    """A statistic passed to :func:`quantize_inputs`, as float64 of ``shape``."""
+    if not used:
+        raise ValueError(f"{name} was given, but config.{why_unused}")
+    arr = as_float64(x, name)
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {arr.shape}")
+    return arr
 
 
 def _v_rows(v_scale: np.ndarray, cfg: SageBwdConfig, Nk: int) -> np.ndarray:
