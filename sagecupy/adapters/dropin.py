@@ -16,7 +16,7 @@ import threading
 import warnings
 
 __all__ = ["FAMILIES", "FALLBACKS", "HEAD_DIMS", "SageFallbackWarning", "FallbackLog", "check_options",
-           "unsupported_reason"]
+           "hf_causal_needs_no_mask", "unsupported_reason"]
 
 #: Kernel families the drop-in runs: INT8 SageBwd (training), FP4 QAT (training), NVFP4 (inference only).
 FAMILIES = ("int8", "qat", "nvfp4")
@@ -93,6 +93,28 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     if family == "nvfp4" and grad_needed:
         return "family nvfp4 is inference-only and a gradient is required"
     return None
+
+
+def hf_causal_needs_no_mask(q_length, kv_length, q_offset, kv_offset) -> bool:
+    """Whether transformers' plain causal mask (``masking_utils.causal_mask_function``, no padding) over these sizes
+    is exactly what the sagecupy transformers attention computes when it is given no mask.
+
+    The arguments are those transformers hands a mask function: query row ``i`` sits at position ``q_offset + i``,
+    key ``j`` at ``kv_offset + j``, and the mask lets a row see the keys at or before its position. Given no mask, the
+    attention computes, as transformers' SDPA attention does: one query row sees every key; several rows are causal
+    with row ``i`` seeing keys ``0..i``. So the mask may be left out when one row's position is at or past every key's,
+    or when there are as many keys as rows and both start at the same position. ``q_offset`` / ``kv_offset`` are None
+    where they are not known without reading a tensor (a static cache keeps its length in a tensor): then False.
+
+    Sizes and offsets only, never tensor values: under ``torch.compile`` the answer is decided while tracing (a
+    guard on the sizes, not a graph break), where transformers' own SDPA mask function, which must also inspect the
+    padding mask's values, always builds a mask.
+    """
+    if q_offset is None or kv_offset is None:
+        return False
+    if q_length == 1:
+        return kv_offset + kv_length <= q_offset + 1
+    return kv_length == q_length and q_offset == kv_offset
 
 
 class FallbackLog:

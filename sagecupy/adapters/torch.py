@@ -776,13 +776,13 @@ def _hf_attention(module, query, key, value, attention_mask, dropout, scaling, i
 
     Causality follows transformers' ``sdpa_attention_forward`` exactly: with no mask, ``is_causal`` (the argument,
     else ``module.is_causal``) holds when more than one query row is computed (a single decoding row sees every
-    cached key), and keys past Nq are dropped then (a prefill into an empty static cache). The mask itself comes
-    from the same mask function as for ``"sdpa"`` (:func:`register_hf`), which is None exactly when no padding,
-    packing or window applies; any mask runs transformers' SDPA attention."""
+    cached key), and keys past Nq are dropped then (a prefill into an empty static cache). The mask comes from
+    :func:`_hf_mask`, None only where that causal rule is transformers' mask; any mask runs transformers' SDPA
+    attention."""
     reason = None
     if attention_mask is not None:
-        reason = ("transformers passed an attention mask (padding, packed sequences, a sliding window or a cache "
-                  "longer than the queries)")
+        reason = ("transformers passed an attention mask (padding, packed sequences, a sliding window, a cache "
+                  "longer than the queries, or under torch.compile any 2-D attention_mask)")
     else:
         for name in _HF_UNSUPPORTED_KWARGS:
             if kwargs.get(name) is not None:
@@ -807,6 +807,30 @@ def _hf_attention(module, query, key, value, attention_mask, dropout, scaling, i
                         is_causal=is_causal, **kwargs)
 
 
+def _hf_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+             *, sdpa_mask, causal_mask_function, **kwargs):
+    """transformers' mask-function contract (``masking_utils.AttentionMaskInterface``) for the sagecupy attention.
+
+    None when transformers asks for its plain causal mask (``causal_mask_function``, no 2-D padding mask, no
+    window, and ``allow_is_causal_skip``, which transformers clears for packed sequences, mask overlays and compiled
+    static-cache decoding) over sizes where :func:`_hf_attention`'s causal rule is that mask
+    (:func:`sagecupy.adapters.dropin.hf_causal_needs_no_mask`). That decision reads sizes and Python ints only, so
+    it is the same eagerly and while torch.compile traces (transformers' ``sdpa_mask`` always builds a mask while
+    tracing: it would have to read the padding mask's values). Everything else gets ``"sdpa"``'s mask function:
+    eagerly it returns None wherever it would for ``"sdpa"`` (an all-ones padding mask included); a mask it builds
+    makes the attention fall back, visibly. Under ``torch.jit.trace`` the Python decision would be frozen into the
+    trace, so there ``"sdpa"``'s mask function decides alone."""
+    if mask_function is None:
+        mask_function = causal_mask_function
+    if (attention_mask is None and mask_function is causal_mask_function and kwargs.get("allow_is_causal_skip", True)
+            and kwargs.get("local_size") is None and not torch.jit.is_tracing()):
+        offsets = [None if isinstance(x, torch.Tensor) else x for x in (q_offset, kv_offset)]
+        if dropin.hf_causal_needs_no_mask(q_length, kv_length, *offsets):
+            return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
 def register_hf(name="sagecupy", family="int8", fallback="sdpa"):
     """Register sagecupy attention with Hugging Face transformers as ``attn_implementation=name``.
 
@@ -816,15 +840,15 @@ def register_hf(name="sagecupy", family="int8", fallback="sdpa"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sagecupy")
 
     Registers the attention function with ``transformers.AttentionInterface`` and, where transformers has one
-    (``masking_utils.AttentionMaskInterface``), the mask function transformers uses for ``"sdpa"`` under the same
-    name: the model then builds exactly the masks it builds for ``"sdpa"``, None when attention is purely causal
-    (or full) with no padding. Those calls run ``family``'s kernels (causal through the kernels' causal path,
-    GQA without repeating K and V); the others (a padding, packing or window mask, dropout in training, an
-    unsupported head dim or dtype, ``family="nvfp4"`` with gradients) run transformers' own SDPA attention with
-    :func:`fallback_counts` counting them, or raise ValueError with ``fallback="error"``. Works under
-    ``torch.compile(fullgraph=True)``; there, a forward without a KV cache (``use_cache=False``) gets a mask
-    (transformers cannot rule out packed sequences without reading ``position_ids``) and falls back. Returns the
-    registered function.
+    (``masking_utils.AttentionMaskInterface``), a mask function under the same name (:func:`_hf_mask`): None when
+    attention is purely causal (or one decoding row) with no padding, eagerly and under torch.compile alike, else the
+    mask transformers builds for ``"sdpa"``. Maskless calls run ``family``'s kernels (causal through the kernels'
+    causal path, GQA without repeating K and V); the others (a padding, packing or window mask, dropout in
+    training, an unsupported head dim or dtype, ``family="nvfp4"`` with gradients) run transformers' own SDPA
+    attention with :func:`fallback_counts` counting them, or raise ValueError with ``fallback="error"``. Works
+    under ``torch.compile(fullgraph=True)``; there, any 2-D ``attention_mask`` (even all ones: its values cannot be
+    read while tracing) and a forward without a KV cache (``use_cache=False``: transformers cannot rule out packed
+    sequences without reading ``position_ids``) get a mask and fall back. Returns the registered function.
     """
     dropin.check_options(family, fallback)
     try:
@@ -840,9 +864,16 @@ def register_hf(name="sagecupy", family="int8", fallback="sdpa"):
     attention.__name__ = attention.__qualname__ = f"sagecupy_{family}_attention"
     AttentionInterface.register(name, attention)
     try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface,
+                                                causal_mask_function)
     except ImportError:  # older transformers: models build their masks themselves
         pass
     else:
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        sdpa_mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+        def mask(*args, **kwargs):
+            return _hf_mask(*args, sdpa_mask=sdpa_mask, causal_mask_function=causal_mask_function, **kwargs)
+
+        mask.__name__ = mask.__qualname__ = "sagecupy_mask"
+        AttentionMaskInterface.register(name, mask)
     return attention

@@ -97,6 +97,53 @@ def test_dtypes_are_the_callers():
     assert reason(q, k, v, dtypes=("float32",)) is None
 
 
+# --------------------------------------------------------------------------------------------------
+# transformers' causal mask left out (hf_causal_needs_no_mask)
+# --------------------------------------------------------------------------------------------------
+
+
+def _transformers_causal(q_length, kv_length, q_offset, kv_offset):
+    """masking_utils.causal_mask_function over these sizes: row i (position q_offset + i) sees key j (position
+    kv_offset + j) when kv_offset + j <= q_offset + i."""
+    return [[kv_offset + j <= q_offset + i for j in range(kv_length)] for i in range(q_length)]
+
+
+def _maskless_attention(q_length, kv_length):
+    """What the sagecupy transformers attention (and transformers' SDPA attention) computes given no mask: one row
+    sees every key; several rows are causal, PyTorch's top-left alignment (keys past the rows dropped when there are
+    more keys than rows, top-left causal through PyTorch when fewer)."""
+    if q_length == 1:
+        return [[True] * kv_length]
+    return [[j <= i for j in range(kv_length)] for i in range(q_length)]
+
+
+def test_hf_causal_needs_no_mask_only_where_it_is_the_mask():
+    """Every size up to 5 and offset up to 3: leaving the mask out is claimed only where the maskless attention is
+    transformers' causal mask."""
+    for q_length in range(1, 6):
+        for kv_length in range(1, 6):
+            for q_offset in range(4):
+                for kv_offset in range(4):
+                    args = (q_length, kv_length, q_offset, kv_offset)
+                    if dropin.hf_causal_needs_no_mask(*args):
+                        assert _maskless_attention(q_length, kv_length) == _transformers_causal(*args), args
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((256, 256, 0, 0), True),     # a forward without a cache, a prefill into an empty dynamic cache
+    ((1, 41, 40, 0), True),       # a decoding row over a dynamic cache: sees every key
+    ((64, 64, 3, 3), True),       # queries and keys shifted alike (a multi-token-prediction cache)
+    ((1, 64, 40, 0), False),      # a decoding row over a static cache of 64: unwritten slots must be masked
+    ((8, 48, 40, 0), False),      # several rows after a cached prefix: bottom-right causal, not the top-left rule
+    ((8, 64, 0, 0), False),       # a prefill into a static cache: the keys past the rows are left to "sdpa"'s mask
+    ((64, 64, 3, 0), False),      # queries ahead of the keys
+    ((1, 41, None, 0), False),    # an offset kept in a tensor (a static cache) is not read
+    ((256, 256, 0, None), False),
+])
+def test_hf_causal_needs_no_mask_cases(args, expected):
+    assert dropin.hf_causal_needs_no_mask(*args) is expected
+
+
 def test_options_are_checked():
     dropin.check_options("int8", "sdpa")
     with pytest.raises(ValueError, match="family='fp8'"):

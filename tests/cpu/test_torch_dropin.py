@@ -258,9 +258,89 @@ def test_hf_registration():
     assert transformers.AttentionInterface()["sagecupy-reg"] is fn
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    assert ALL_MASK_ATTENTION_FUNCTIONS["sagecupy-reg"] is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    assert ALL_MASK_ATTENTION_FUNCTIONS["sagecupy-reg"].__name__ == "sagecupy_mask"
     with pytest.raises(ValueError, match="family"):
         st.register_hf("x", family="fp8")
+
+
+def _causal_masks(attn, embeds, attention_mask=None, cache=None, position_ids=None, compiled=False):
+    """transformers' create_causal_mask for a Llama config with attn_implementation ``attn`` (optionally traced by
+    torch.compile(fullgraph=True))."""
+    from transformers.masking_utils import create_causal_mask
+
+    cfg = _llama(attn).config
+
+    def build(embeds, attention_mask, position_ids):
+        return create_causal_mask(cfg, embeds, attention_mask, cache, position_ids=position_ids)
+
+    if compiled:
+        torch._dynamo.reset()
+        build = torch.compile(build, fullgraph=True, backend="eager")
+    return build(embeds, attention_mask, position_ids)
+
+
+def _cache(past, attn="sdpa"):
+    """A DynamicCache holding ``past`` positions in every layer."""
+    from transformers import DynamicCache
+
+    cfg = _llama(attn).config
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        kv = torch.zeros(2, 2, past, 64)
+        cache.update(kv, kv, layer)
+    return cache
+
+
+def _padded(n, left=3):
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[0, :left] = 0
+    return mask
+
+
+def _mask_cases():
+    embeds = lambda n: torch.zeros(2, n, 256)  # noqa: E731
+    return {
+        "prefill": dict(embeds=embeds(12)),
+        "prefill, all-ones mask": dict(embeds=embeds(12), attention_mask=torch.ones(2, 12, dtype=torch.long)),
+        "padded prefill": dict(embeds=embeds(12), attention_mask=_padded(12)),
+        "decoding row": dict(embeds=embeds(1), cache=lambda: _cache(7), attention_mask=torch.ones(2, 8)),
+        "rows after a prefix": dict(embeds=embeds(3), cache=lambda: _cache(7)),
+        "packed sequences": dict(embeds=embeds(6), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mask_cases()))
+def test_hf_mask_is_sdpas_when_eager(case):
+    """Eagerly the sagecupy mask function returns what "sdpa"'s does: None for plain causal attention (an all-ones
+    padding mask included) and for a decoding row over a dynamic cache, the same mask otherwise."""
+    pytest.importorskip("transformers")
+    st.register_hf("sagecupy-mask")
+    kw = dict(_mask_cases()[case])
+    make_cache = kw.pop("cache", None)
+    sdpa = _causal_masks("sdpa", cache=make_cache and make_cache(), **kw)
+    sage = _causal_masks("sagecupy-mask", cache=make_cache and make_cache(), **kw)
+    if case in ("prefill", "prefill, all-ones mask", "decoding row"):
+        assert sdpa is None and sage is None
+    else:
+        assert sage is not None and torch.equal(sage, sdpa)
+
+
+def test_hf_mask_under_torch_compile():
+    """While tracing, transformers' sdpa_mask cannot read the padding mask and always builds a mask; the sagecupy
+    one decides from sizes alone: None for a prefill and a decoding row, so the kernels run compiled. A 2-D padding
+    mask and packed sequences (position_ids) still get "sdpa"'s mask, and fall back."""
+    pytest.importorskip("transformers")
+    st.register_hf("sagecupy-mask")
+    cases = _mask_cases()
+    assert _causal_masks("sdpa", compiled=True, **cases["prefill"]) is not None  # what the sagecupy one fixes
+    assert _causal_masks("sagecupy-mask", compiled=True, **cases["prefill"]) is None
+    assert _causal_masks("sagecupy-mask", compiled=True, embeds=torch.zeros(2, 1, 256), cache=_cache(7)) is None
+    for case in ("prefill, all-ones mask", "padded prefill", "rows after a prefix", "packed sequences"):
+        kw = dict(cases[case])
+        make_cache = kw.pop("cache", None)
+        got = _causal_masks("sagecupy-mask", compiled=True, cache=make_cache and make_cache(), **kw)
+        want = _causal_masks("sdpa", compiled=True, cache=make_cache and make_cache(), **kw)
+        assert got is not None and torch.equal(got, want), case
 
 
 def test_hf_causal_lm_runs_the_kernels(hf):
@@ -311,3 +391,23 @@ def test_hf_training_step_compiles_fullgraph(hf):
     assert torch.allclose(loss, ref, atol=1e-5) and calls and st.fallback_counts() == {}
     for (name, p), q in zip(sage.named_parameters(), sdpa.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_hf_compiled_padding_mask_falls_back(hf):
+    """Under torch.compile a 2-D attention_mask, even all ones, cannot be read while tracing: transformers' SDPA
+    attention runs, counted; fallback="error" raises instead."""
+    sdpa, sage, calls = hf
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    ones = torch.ones_like(ids)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", st.SageFallbackWarning)
+        got = torch.compile(sage, fullgraph=True, backend="aot_eager")(ids, attention_mask=ones).logits
+    assert torch.allclose(got, sdpa(ids, attention_mask=ones).logits, atol=1e-5) and calls == []
+    (reason, count), = st.fallback_counts().items()
+    assert "attention mask" in reason and count == 2
+    st.register_hf("sagecupy-test", fallback="error")
+    mask = ones.clone()
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="attention mask"):
+        sage(ids, attention_mask=mask)
