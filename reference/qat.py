@@ -184,7 +184,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=QATCon
     vh = as_float64(to_hnd(v, layout), "v")
     q_t, k_t, v_t = fake_quantize_inputs(qh, kh, vh, config)
     s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, bool(causal), window))
-    p, _, _, lse = masked_softmax(s)
+    p, _, l, lse = masked_softmax(s)
+    # A row with a NaN logit (a NaN block of Q~ or K~) has a NaN row sum, which masked_softmax counts as seeing no
+    # key (LSE -inf); its LSE is NaN, as the kernels store it, so that the backward's P of that row is NaN as well.
+    lse = np.where(np.isnan(l), np.nan, lse)
     p_q = fake_quantize_p(p, config)
     v_x = expand_kv_heads(v_t, Hq)
     o = np.matmul(p_q, v_x)
@@ -247,8 +250,12 @@ def backward(residuals: dict, do, *, delta_from: str = "o_prime"):
 
     s = _scores(q_t, k_t, Hq, scale, visible_mask(Nq, Nk, r["causal"], r.get("window")))
     lse = r["lse"]
-    row_ok = np.isfinite(lse)
-    p = np.where(row_ok[..., None], np.exp(s - np.where(row_ok, lse, 0.0)[..., None]), 0.0)
+    # P = 0 where a row sees no key (LSE -inf) and where S is masked; a NaN LSE (the row has a NaN logit) makes the
+    # row's visible P NaN, hence fq_P(P) NaN in every tile where the row sees a key and dV of those keys NaN, as the
+    # kernels give (their tile maxima propagate NaN; qat/bwd.cuh). (np.isfinite(lse) would take a NaN row for
+    # one that sees nothing: P = 0 and a silent finite dV.)
+    row_ok = lse != -np.inf
+    p = np.where(row_ok[..., None] & (s != -np.inf), np.exp(s - np.where(row_ok, lse, 0.0)[..., None]), 0.0)
     p_q = fake_quantize_p(p, config)
     v_x = expand_kv_heads(v_t, Hq)
     dv = sum_kv_groups(np.matmul(np.swapaxes(p_q, -1, -2), doh), Hkv)

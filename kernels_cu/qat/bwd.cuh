@@ -14,7 +14,13 @@ constexpr float QAT_LOG2_X_MAX = 11.392317422778761f, QAT_X_MAX = 2688.f;
 
 // dK/dV kernels (transposed tiles: rows = this warp's 16 keys key_lo, key_lo + 8, columns = 64 queries from q0).
 // Masks S^T (raw products) in place and returns, per query column of this thread, the maximum over the warp's
-// 16 keys: the 16-key block of fq(P).
+// 16 keys: the 16-key block of fq(P). The maximum propagates NaN (nan_max). With fmaxf (fmaxf(NaN, -inf) = -inf),
+// a query whose visible logits are NaN (a NaN row of Q~) beside masked ones would get the block and tile max -inf,
+// which qat_block_scales takes for "sees no key of the tile" (beta = 0, a zero block scale): P_q = 6 (E2M1 of NaN)
+// * 0, a silent finite 0 in dV of the keys the query sees. Kept, the NaN makes that query's (k, s beta) and its P_q
+// in the tile NaN. For finite and masked logits the maxima are fmaxf's: max.NaN differs from max only for a NaN
+// operand, and the logits are never subnormal (sums of products of fake-quantized values, multiples of 2^-20), so
+// the ftz build's flush of max's operands has nothing to flush.
 __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[8][2], bool need_mask, int key_lo,
                                                 int q0, int t4, int nq, int nk, bool causal, int shift) {
 #pragma unroll
@@ -30,11 +36,10 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      // fmaxf: a NaN logit reaches the gradients through P itself
-      float c = fmaxf(s[nt][j], s[nt][2 + j]);
-      c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 4));
-      c = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 8));
-      cmax[nt][j] = fmaxf(c, __shfl_xor_sync(0xffffffffu, c, 16));
+      float c = nan_max(s[nt][j], s[nt][2 + j]);
+      c = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 4));
+      c = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 8));
+      cmax[nt][j] = nan_max(c, __shfl_xor_sync(0xffffffffu, c, 16));
     }
   }
 }
@@ -55,13 +60,15 @@ __device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[
 // beta < 2^-127) has its blocks dropped (k = s beta = 0). k = c / s itself can still overflow for a block far below
 // r (s < 1); then P k is +inf (or NaN where P = 0), E2M1 saturates it to 6 and s beta is below 2^-126, which the
 // kernels' flush-to-zero build (CuPy always compiles with -ftz=true) makes 0, as the old per-column form gave.
-// NaN stays NaN.
+// NaN stays NaN: r is the NaN-propagating max of the block maxima (qat_mask_colmax), so a query with a NaN logit in
+// the tile has r = NaN, "seen", and NaN beta, c and scales: (k, s beta) NaN for every block, P_q NaN (E2M1 turns a
+// NaN into 6; the NaN factor s beta carries it). Only a query that sees no key of the tile (r = -inf) gets 0.
 template <int BQ, int THREADS>
 __device__ __forceinline__ void qat_block_scales(float2* sKS, const float* sCmax, const float* sL, int tid,
                                                  float scale_log2) {
   static_assert(THREADS == 2 * BQ, "two blocks per thread");
   const int q = tid % BQ, w0 = 2 * (tid / BQ);
-  const float r = fmaxf(fmaxf(sCmax[q], sCmax[BQ + q]), fmaxf(sCmax[2 * BQ + q], sCmax[3 * BQ + q])) * scale_log2;
+  const float r = nan_max(nan_max(sCmax[q], sCmax[BQ + q]), nan_max(sCmax[2 * BQ + q], sCmax[3 * BQ + q])) * scale_log2;
   const float l2 = sL[q];
   const bool seen = r != -INFINITY;
   const float base = seen ? QAT_LOG2_X_MAX - r : 0.f;

@@ -146,6 +146,27 @@ def test_residuals_and_masked_rows():
         assert not np.isnan(x).any()
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_nonfinite_q_row(value):
+    """A non-finite q (a NaN block of Q~) makes its row's logits NaN: LSE NaN (as the kernels store it, not -inf),
+    and P, fq_P(P) NaN in every 64-key tile where the row sees a key, so dV of those keys is NaN, as the kernels'
+    NaN-propagating tile maxima give (tests/gpu/test_nonfinite.py); a tile the row does not see, other rows' outputs
+    and dV of the other kv head stay finite."""
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 2, 40, 160, 16  # causal, bottom-right: row i sees keys 0 .. i + 120
+    q, k, v, do = _inputs(9, B, Hq, Hkv, Nq, Nk, D)
+    q[0, 1, 3, 5] = value  # row 3 of head 1 sees keys 0 .. 123: tiles 0 (keys 0-63) and 1 (64-127), not 2 (128-159)
+    o, res = Q.forward(q, k, v, causal=True, config=QATConfig())
+    dq, dk, dv = Q.backward(res, do)
+    assert np.isnan(o[0, 1, 3]).all() and np.isnan(res["lse"][0, 1, 3])
+    assert np.isnan(dv[0, 1, :128]).all(), "dV of the keys in the tiles the row sees"
+    assert np.isfinite(dv[0, 1, 128:]).all(), "dV of a tile the row does not see"
+    assert np.isnan(dq[0, 1, 3]).all() and np.isnan(dk[0, 1, :124]).all()
+    rest = np.ones((Hq, Nq), bool)
+    rest[1, 3] = False
+    assert np.isfinite(o[0][rest]).all() and np.isfinite(res["lse"][0][rest]).all() and np.isfinite(dq[0][rest]).all()
+    assert np.isfinite(dv[0, 0]).all() and np.isfinite(dk[0, 0]).all()
+
+
 def test_errors():
     q, k, v, do = _inputs(6, 1, 2, 1, 4, 4, 16)
     _, res = Q.forward(q, k, v)
