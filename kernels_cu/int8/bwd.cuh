@@ -37,7 +37,8 @@ __device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const flo
 
 // Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over
 // the whole 64 x 64 tile (the CTA), times 1 / (the code range). Returns the scales and the inverses the codes
-// are rounded with (0 for a max of 0, NaN or Inf: see below).
+// are rounded with (0 for a max of 0, NaN or Inf: see below). A NaN max gives s = NaN, an Inf max (an infinite dO
+// makes dS ±Inf) s = +Inf: the codes are then integers, and code * s is NaN or ±Inf, never finite.
 // s = max * (1 / range) and inv = range * rcp.approx(max), both within two ulps of max / range and range / max, with
 // no IEEE division on the loop's critical path (each division compiled to a checked fast path with a branch: 14% of
 // the dK/dV kernel's stall samples in a profile; docs/experiments.md). The largest element still maps to `range`:

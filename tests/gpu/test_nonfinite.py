@@ -26,8 +26,18 @@ scale, docs/algorithms.md §2.1 and §5.3, so the forward's outputs are NaN ther
   INT8 scales are per channel of each 64-row tile; QAT multiplies dO as it is), every other channel of dV finite.
 
 Everywhere else (the other batch element, the other kv head's query heads) every output stays finite and rows that
-see no key keep O = 0 and LSE = -inf. The gradients are NaN too, except QAT's with an infinite dO: QAT multiplies the
-raw dO (and dS rounded to 16 bits) on tensor cores, so there an Inf may come out as ±Inf; asserted non-finite.
+see no key keep O = 0 and LSE = -inf. The gradients are NaN too, except with an infinite dO, where ±Inf may come out
+and the gradients are asserted non-finite instead:
+
+* QAT: it multiplies the raw dO (and dS rounded to 16 bits) on tensor cores, so an Inf may come out as ±Inf.
+* INT8, dK of the keys the row sees: dP = dO V^T takes the raw 16-bit dO and delta = rowsum(dO o O) is fp32, both
+  ±Inf in that row (NaN where the channel's V or O is 0), so its dS = P o (dP - delta) is NaN (Inf - Inf; P = 0 at a
+  masked key) or ±Inf, never finite. dK quantizes Y = diag(s_Q) dS per key over a 64-query tile (int8/bwd.cuh,
+  bwd_group_scale, a NaN-propagating max): a key whose one non-finite Y is ±Inf gets the scale +Inf / 127 = +Inf
+  and the inverse 0, so its codes are integers (the Inf's is the low byte of fma(±Inf, 0, 1.5 * 2^23) = NaN) and
+  that tile adds integer * Inf to dK: ±Inf, or NaN for a zero integer. dQ of the row and dV in the channel stay
+  NaN: the row's last key tile holds keys it does not see (P = 0: 0 * Inf = NaN, so that tile's X scale is NaN), and
+  dO's INT8 block of the channel has the NaN scale.
 
 One documented behaviour the INT8 forward does not have: with a non-finite value in V, rows that see no key get NaN,
 not 0, in that channel (test_int8_nonfinite_v_rows_that_see_no_key; a strict expected failure). Then dS: the INT8
@@ -138,6 +148,9 @@ def _check(family, where, value, out):
     bad = _nan
     if family == "qat" and where == "do" and value != "nan":
         bad = _nonfinite  # (the raw dO in QAT's fp16/bf16 products: ±Inf possible)
+    bad_dk = bad
+    if family == "int8" and where == "do" and value != "nan":
+        bad_dk = _nonfinite  # (an Inf in the raw dO makes dS ±Inf, and a key's dK scale +Inf: module docstring)
     o, lse = out["O"], out["LSE"]
     grads = "dQ" in out
     # Nothing reaches the other (batch, head) pairs.
@@ -199,7 +212,7 @@ def _check(family, where, value, out):
         dq_rest = out["dQ"][B0].copy()
         dq_rest[H0, I0] = 0.0
         _finite(dq_rest, "dQ of every other row")
-        bad(out["dK"][B0, G0, :I0_KEYS], "dK of the keys the poisoned row sees")
+        bad_dk(out["dK"][B0, G0, :I0_KEYS], "dK of the keys the poisoned row sees")
         bad(out["dV"][B0, G0, :I0_KEYS, C0], "dV of the keys the poisoned row sees, in the poisoned channel")
         _finite(np.delete(out["dV"], C0, axis=-1), "dV in the other channels")
 
