@@ -29,3 +29,14 @@ ptxas info    : Compiling entry function '_Z1cPf' for 'sm_90a'
 ptxas info    : Used 40 registers
 """
     assert _ck().parse_ptxas(log) == [("_Z1aPf", 253, 0, 0, 64), ("_Z1bPf", 168, 508, 660, 184), ("_Z1cPf", 40, 0, 0, 0)]
+
+
+def test_test_module_basenames_are_unique():
+    # The test folders have no __init__.py, so pytest imports each module by its basename: two files of one name
+    # (tests/cpu/x.py and tests/gpu/x.py) stop the whole run at collection.
+    from collections import Counter
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in root.rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
