@@ -39,8 +39,9 @@ pools (``torch.cuda.memory_allocated`` does not count sagecupy's buffers; ``cupy
 does); (2) CuPy reuses a freed block only for later allocations on the *same* stream, so the ordering is
 safe as long as the output is used on that stream. An output used on another stream must be kept alive
 (or that stream synchronized back) until the other stream is done with it: ``Tensor.record_stream`` only
-protects memory that PyTorch's allocator owns. CUDA-graph capture (``torch.compile(mode="reduce-overhead")``)
-is not supported: CuPy allocates during the call.
+protects memory that PyTorch's allocator owns. The ops cannot be captured in a CUDA graph (CuPy allocates during
+the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mode="reduce-overhead")`` with
+``torch._inductor.config.graph_partition = True`` captures the rest of a model and runs them between its graphs.
 
 **Two ways in, per family.**
 
@@ -77,6 +78,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import typing
 
 import torch
@@ -370,13 +372,24 @@ def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, *, causal, s
                         k_scale=k_scale, v=_layout.prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2, mu_k=None)
 
 
+def _custom_op(name):
+    """``torch.library.custom_op`` with no mutated arguments, tagged ``cudagraph_unsafe`` where this PyTorch has the
+    tag: CuPy allocates outputs and workspaces during the call, which a CUDA graph cannot capture, so inductor's
+    graph partitioning (``mode="reduce-overhead"`` with ``torch._inductor.config.graph_partition``) runs the ops
+    between the graphs it captures instead of refusing the whole model."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is not None and "tags" in inspect.signature(torch.library.custom_op).parameters:
+        return torch.library.custom_op(name, mutates_args=(), tags=(tag,))
+    return torch.library.custom_op(name, mutates_args=())
+
+
 def _lse_shape(q_shape, layout):
     """(B, Hq, Nq): the LSE every forward writes, whatever the layout."""
     B, Hq, Nq, _ = _hnd(q_shape, layout)
     return (B, Hq, Nq)
 
 
-@torch.library.custom_op("sagecupy::sage_attention_fwd", mutates_args=())
+@_custom_op("sagecupy::sage_attention_fwd")
 def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
                  config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """INT8 SageBwd forward: (o, lse, q_codes, q_scale, k_codes, k_scale, lse2); the last five are the residuals."""
@@ -395,7 +408,7 @@ def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing
         return tuple(from_cupy(x) for x in (o, lse, *saved))
 
 
-@torch.library.custom_op("sagecupy::sage_attention_infer", mutates_args=())
+@_custom_op("sagecupy::sage_attention_infer")
 def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
                    config: str) -> tuple[Tensor, Tensor]:
     """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
@@ -421,7 +434,7 @@ def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config):
             *(q.new_empty(s, dtype=dt) for s, dt in zip(shapes, _INT8_RESIDUAL_DTYPES)))
 
 
-@torch.library.custom_op("sagecupy::sage_attention_bwd", mutates_args=())
+@_custom_op("sagecupy::sage_attention_bwd")
 def _sage_bwd_op(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Tensor, k_codes: Tensor,
                  k_scale: Tensor, lse2: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
                  config: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -460,7 +473,7 @@ def _sage_backward(ctx, do, *_other_grads):
 _sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context)
 
 
-@torch.library.custom_op("sagecupy::qat_attention_fwd", mutates_args=())
+@_custom_op("sagecupy::qat_attention_fwd")
 def _qat_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
                 config: str) -> tuple[Tensor, Tensor]:
     """FP4 QAT forward: (o, lse) (the residuals are recomputed by the backward op)."""
@@ -478,7 +491,7 @@ def _qat_fwd_fake(q, k, v, causal, sm_scale, layout, config):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
 
 
-@torch.library.custom_op("sagecupy::qat_attention_bwd", mutates_args=())
+@_custom_op("sagecupy::qat_attention_bwd")
 def _qat_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float],
                 layout: str, config: str) -> tuple[Tensor, Tensor, Tensor]:
     """FP4 QAT backward: reruns the (deterministic) forward for its residuals, then the backward."""
@@ -512,7 +525,7 @@ def _qat_backward(ctx, do, _lse_grad):
 _qat_fwd_op.register_autograd(_qat_backward, setup_context=_qat_setup_context)
 
 
-@torch.library.custom_op("sagecupy::nvfp4_attention", mutates_args=())
+@_custom_op("sagecupy::nvfp4_attention")
 def _nvfp4_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
               config: str) -> tuple[Tensor, Tensor]:
     """NVFP4 attention forward (:func:`sagecupy.nvfp4.attention`, inference only): (o, lse)."""
