@@ -190,12 +190,17 @@ def test_padding_falls_back_to_sdpa():
 
 def test_compiled_training_step(kernel_calls):
     """torch.compile(fullgraph=True) fails on any graph break. Inductor fuses RMSNorm and rounds it differently in
-    the last bit, which can move a bf16 input by one ulp and so an INT8 code: compiled against eager within 1e-2
-    (test_torch_adapter.test_compile_module_with_inductor's reasoning). use_cache stays on (the default): with it
-    off, transformers cannot rule out packed sequences while tracing (it would read position_ids) and builds a mask,
-    which falls back."""
-    _, sage = _models(128)
+    the last bit, which can move a bf16 input by one ulp and so an INT8 code: the compiled step is another draw of
+    the INT8 quantization noise, not the eager step's bits. One attention module stays within 1e-2 of eager
+    (test_torch_adapter.test_compile_module_with_inductor), but through a whole model the noise adds up: the
+    embedding gradient measured 3.3e-2 from eager's on an H100 at D = 128. So the compiled gradients are held to
+    what the eager ones are held to, sdpa's within 6e-2 (test_training_step_matches_sdpa), which a wiring error
+    (a gradient routed to the wrong input, a lost scale) would miss by far; the loss stays within 1e-2 of eager's.
+    use_cache stays on (the default): with it off, transformers cannot rule out packed sequences while tracing (it
+    would read position_ids) and builds a mask, which falls back."""
+    sdpa, sage = _models(128)
     ids = _ids(seed=5)
+    _, grads_ref = _train_step(sdpa, ids)
     loss_eager, grads_eager = _train_step(sage, ids)
     torch._dynamo.reset()
     compiled = torch.compile(sage, fullgraph=True)
@@ -206,6 +211,7 @@ def test_compiled_training_step(kernel_calls):
     assert kernel_calls.count("forward") >= 4 and kernel_calls.count("backward") >= 4  # eager 2 + compiled 2
     assert abs(loss.item() - loss_eager.item()) <= 1e-2 * abs(loss_eager.item())
     for name, p in sage.named_parameters():
-        if grads_eager[name].float().norm() > 0:
-            err = _err(p.grad, grads_eager[name])
-            assert err <= 1e-2, f"compiled gradient of {name}: rel_l2 {err:.3e}"
+        if grads_ref[name].float().norm() > 0:
+            err = _err(p.grad, grads_ref[name])
+            assert err <= 6e-2, (f"compiled gradient of {name}: rel_l2 {err:.3e} from sdpa's (eager: "
+                                 f"{_err(grads_eager[name], grads_ref[name]):.3e})")

@@ -88,8 +88,13 @@ def _check(name, got, sim, exact, dtype_name, case):
     assert err_sim <= tol, f"{name}: rel_l2 vs simulator {err_sim:.3e} > {tol:.3e} {case}; worst {where}"
     e_kernel = metrics.rel_l2(got, exact)
     e_sim = metrics.rel_l2(sim, exact)
-    assert e_kernel <= 1.1 * e_sim + 1e-4, (
-        f"{name}: vs exact {e_kernel:.4e} > 1.1 x simulator's {e_sim:.4e} + 1e-4 {case}")
+    # The kernel returns the output format; the float64 simulator does not. Where the simulator equals exact
+    # attention (one visible key: P = 1 and dO's codes are exact, so its dV error is ~1e-8), the output's own
+    # rounding (~2.8e-4 in fp16) is all the kernel can be, hence that rounding in the bound, as in `tol` above.
+    out_round = metrics.rel_l2(_round_to(exact, dtype_name), exact)
+    assert e_kernel <= 1.1 * e_sim + out_round + 1e-4, (
+        f"{name}: vs exact {e_kernel:.4e} > 1.1 x simulator's {e_sim:.4e} + output rounding {out_round:.1e} + 1e-4 "
+        f"{case}")
 
 
 def _run_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype_name, config, backward=True, seed=0, sigma=1.0):
