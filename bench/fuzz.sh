@@ -7,8 +7,9 @@
 #   bash bench/fuzz.sh [N] [--workers W] [--budget S] [--out DIR]   # N per family, default 3400 (10,200 in all)
 #
 # --budget S interrupts the run after S seconds the way Ctrl-C does, so pytest still reports the cases that ran and
-# the failures among them (a run killed outright prints neither). Cases run in order, INT8's first: about 1.5 cases
-# per second on 16 cores of the GPU machine (an H100's), so 10,200 cases take about two hours.
+# the failures among them (a run killed outright prints neither). Cases run in order, INT8's first. A fresh machine
+# ran 1.4-1.7 cases per second on 16 cores, each worker compiling every kernel variant it meets (the float64
+# references take ~0.05 s per case and core).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 n=3400; workers=auto; budget=0; OUT=${OUT:-/tmp/sagecupy_out}
