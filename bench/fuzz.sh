@@ -1,35 +1,39 @@
 #!/usr/bin/env bash
 # Long fuzz runs on the GPU machine: N seeded cases per family (INT8, NVFP4, QAT; tests/gpu/test_fuzz.py, FUZZ_SEED
-# there) over all CPU cores (pytest-xdist; the float64 references dominate), each case against its simulator and
-# against exact attention. Prints the case count, the seed, the failures (each with the command that reruns it alone)
-# and pytest's summary line; the full log is $OUT/fuzz.log (or --out DIR; default /tmp/sagecupy_out).
+# there) over all CPU cores (pytest-xdist), each case against its simulator and against exact attention. Prints the
+# case count, the seed, the failures (each with the command that reruns it alone) and pytest's summary line; the full
+# log is $OUT/fuzz.log (or --out DIR; default /tmp/sagecupy_out).
 #
 #   bash bench/fuzz.sh [N] [--workers W] [--budget S] [--out DIR]   # N per family, default 3400 (10,200 in all)
 #
-# --budget S interrupts the run after S seconds the way Ctrl-C does, so pytest still reports the cases that ran and
-# the failures among them (a run killed outright prints neither). Cases run in order, INT8's first. A fresh machine
-# ran 1.4-1.7 cases per second on 16 cores, each worker compiling every kernel variant it meets (the float64
-# references take ~0.05 s per case and core).
+# --budget S (seconds) interrupts the run the way Ctrl-C does, so pytest still reports the cases that ran and the
+# failures among them (a run killed outright prints neither). Cases run in order, INT8's first. A fresh machine ran
+# 1.4-1.7 cases per second on 16 cores, each worker compiling every kernel variant it meets (the float64 references
+# take ~0.05 s per case and core).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 n=3400; workers=auto; budget=0; OUT=${OUT:-/tmp/sagecupy_out}
+need() { [ $# -ge 2 ] || { echo "fuzz.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case $1 in
-    --workers) workers=$2; shift 2 ;;
-    --budget) budget=$2; shift 2 ;;
-    --out) OUT=$2; shift 2 ;;
+    --workers) need "$@"; workers=$2; shift 2 ;;
+    --budget) need "$@"; budget=$2; shift 2 ;;
+    --out) need "$@"; OUT=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
-    [0-9]*) n=$1; shift ;;
-    *) echo "fuzz.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    *) if [[ $1 =~ ^[0-9]+$ ]] && [ "$1" -ge 1 ]; then n=$1; shift
+       else echo "fuzz.sh: unknown argument $1 (N must be a positive integer; see --help)" >&2; exit 2; fi ;;
   esac
 done
+[[ $budget =~ ^[0-9]+$ ]] || { echo "fuzz.sh: --budget takes whole seconds, got $budget" >&2; exit 2; }
+python3 -c "import xdist" 2>/dev/null || { echo "fuzz.sh: needs pytest-xdist (pip install pytest-xdist)" >&2; exit 2; }
 mkdir -p "$OUT"
 seed=$(sed -n 's/^FUZZ_SEED = \([0-9]*\).*/\1/p' tests/gpu/test_fuzz.py)
 echo "== fuzz: $n cases per family ($((3 * n)) in all), FUZZ_SEED=$seed, workers $workers"
 t0=$SECONDS
-cut=(); [ "$budget" -gt 0 ] && cut=(timeout -s INT "$budget")
-"${cut[@]}" python3 -m pytest tests/gpu/test_fuzz.py -q -p no:cacheprovider -m "gpu or slow" --fuzz-cases "$n" --require-gpu \
-  -n "$workers" -rf --tb=short >"$OUT/fuzz.log" 2>&1
+cmd=(python3 -m pytest tests/gpu/test_fuzz.py -q -p no:cacheprovider -m "gpu or slow" --fuzz-cases "$n" --require-gpu
+     -n "$workers" -rf --tb=short)
+if [ "$budget" -gt 0 ]; then timeout -s INT "$budget" "${cmd[@]}" >"$OUT/fuzz.log" 2>&1
+else "${cmd[@]}" >"$OUT/fuzz.log" 2>&1; fi
 rc=$?
 grep -E "^FAILED|rerun:" "$OUT/fuzz.log" | head -40
 tail -1 "$OUT/fuzz.log"

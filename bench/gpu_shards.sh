@@ -49,22 +49,23 @@ for i in $(seq 0 $((shards - 1))); do
 done
 wait "${pids[@]}"
 status=$collect_status; cut=""
-passed=0; failed=0; skipped=0; errors=0
+passed=0; failed=0; skipped=0; errors=0; xfailed=0; xpassed=0
 for i in $(seq 0 $((shards - 1))); do
   [ -f "$ids/$i.rc" ] || continue
   rc=$(cat "$ids/$i.rc"); last=$(tail -1 "$OUT/shard_$i.log")
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then cut="$cut $i"; last="cut at ${timeout_s} s, its tests not counted"; fi
   [ "$rc" = 0 ] || status=1
   echo "shard $i (rc $rc): $last"
-  for kind in passed failed skipped error; do
-    n=$(echo "$last" | grep -oE "[0-9]+ $kind" | grep -oE "[0-9]+" || true)
+  for kind in passed failed skipped error xfailed xpassed; do
+    n=$(echo "$last" | grep -oE "(^|[^a-z])[0-9]+ $kind" | grep -oE "[0-9]+" || true)
     case $kind in passed) passed=$((passed + ${n:-0})) ;; failed) failed=$((failed + ${n:-0})) ;;
-      skipped) skipped=$((skipped + ${n:-0})) ;; error) errors=$((errors + ${n:-0})) ;; esac
+      skipped) skipped=$((skipped + ${n:-0})) ;; error) errors=$((errors + ${n:-0})) ;;
+      xfailed) xfailed=$((xfailed + ${n:-0})) ;; xpassed) xpassed=$((xpassed + ${n:-0})) ;; esac
   done
 done
-left=$((total - passed - skipped - failed - errors))
-echo "# total: $passed passed, $skipped skipped, $failed failed, $errors errors of $total collected" \
-  "($left not finished; shards cut:${cut:- none})"
+left=$((total - passed - skipped - failed - errors - xfailed - xpassed))
+echo "# total: $passed passed, $skipped skipped, $failed failed, $errors errors, $xfailed xfailed, $xpassed xpassed" \
+  "of $total collected ($left not finished; shards cut:${cut:- none})"
 [ "$left" = 0 ] || status=1
 grep -hE "^(FAILED|ERROR)" "$OUT"/shard_*.log | head -30
 rm -rf "$ids"

@@ -17,7 +17,7 @@ def _inputs(D, N):
     import cupy
 
     from sagecupy.bench import _shape
-    from sagecupy.bf16 import BF16Array
+    from sagecupy.adapters.bf16 import BF16Array
 
     B, H = _shape(D, N)
     rng = cupy.random.default_rng(0)

@@ -111,6 +111,11 @@ def bits_of(x):
 def from_bits(bits, like=None):
     """uint16 CuPy bits as a bfloat16 array of the form :func:`output_kind` gives for ``like``: a view (``like``'s
     dtype, or :func:`native_dtype`) or a :class:`BF16Array` around ``bits``; no copy."""
+    import numpy
+
+    if getattr(bits, "dtype", None) != numpy.uint16:  # a view would reinterpret any other type silently
+        raise TypeError(f"from_bits: bits must be a uint16 array of bfloat16 bit patterns, got "
+                        f"{getattr(bits, 'dtype', type(bits).__name__)}")
     if output_kind(like) == WRAPPED:
         return BF16Array(bits)
     return bits.view(like.dtype if is_native(like) else native_dtype())

@@ -888,5 +888,8 @@ def register_hf(name="sagecupy", family="int8", fallback="sdpa"):
             return _hf_mask(*args, sdpa_mask=sdpa_mask, causal_mask_function=causal_mask_function, **kwargs)
 
         mask.__name__ = mask.__qualname__ = "sagecupy_mask"
-        AttentionMaskInterface.register(name, mask)
+        # _hf_mask speaks the interface that passes q_length / q_offset; earlier ones (cache_position instead) get
+        # sdpa's own mask function, which compiled models then turn into a visible fallback.
+        q_length = "q_length" in inspect.signature(sdpa_mask).parameters
+        AttentionMaskInterface.register(name, mask if q_length else sdpa_mask)
     return attention

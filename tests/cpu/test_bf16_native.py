@@ -137,6 +137,13 @@ def test_from_bits_and_to_float32_on_the_host(host_cupy):
         bf16.bits_of(bits)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.int16, np.uint8, np.float32])
+def test_from_bits_refuses_anything_but_uint16(dtype):
+    # a view would silently reinterpret these as bfloat16 (or change the shape)
+    with pytest.raises(TypeError, match="from_bits: bits must be a uint16 array"):
+        bf16.from_bits(np.zeros(4, dtype))
+
+
 def test_dtype_errors_name_the_argument_and_both_bf16_forms():
     md = _ml_dtypes()
     ok = np.zeros((1, 2, 8, 64), md.bfloat16)

@@ -7,6 +7,8 @@ Per case, two comparisons (as for the INT8 kernels):
   an E2M1 rounding boundary now and then) and the output rounding;
 * against exact float64 attention: no worse than 1.1 x the simulator's own error + 1e-4.
 """
+import math
+
 import numpy as np
 import pytest
 
@@ -103,11 +105,11 @@ def _check(name, got, sim, exact, dtype, case, tol=TOL, ambiguous=None, layout="
     assert err <= bound, f"{name}: rel_l2 vs simulator {err:.3e} > {bound:.3e} {case}; worst {metrics.worst_element(g, sm)}"
     if exact is not None and np.any(exact):
         e_k, e_s = metrics.rel_l2(got, exact), metrics.rel_l2(sim, exact)
-        # the output format's own rounding of the exact result is room the kernel needs where the simulator is
-        # (near) exact (test_int8._check says when)
+        # the output format's own rounding of the exact result, in quadrature: room the kernel needs where the
+        # simulator is (near) exact (test_int8._check says when)
         r = metrics.rel_l2(_round_to(exact, dtype), exact)
-        assert e_k <= 1.1 * e_s + r + 1e-4, (
-            f"{name}: vs exact {e_k:.4e} > 1.1 x simulator's {e_s:.4e} + output rounding {r:.1e} + 1e-4 {case}")
+        assert e_k <= 1.1 * math.hypot(e_s, r) + 1e-4, (
+            f"{name}: vs exact {e_k:.4e} > 1.1 x hypot(simulator's {e_s:.4e}, output rounding {r:.1e}) + 1e-4 {case}")
     return err
 
 

@@ -157,7 +157,10 @@ def pytest_generate_tests(metafunc):
     are the same cases, since each family draws from its own seeded stream)."""
     family = {"test_int8_fuzz": "int8", "test_nvfp4_fuzz": "nvfp4", "test_qat_fuzz": "qat"}.get(metafunc.function.__name__)
     if family is not None:
-        n = metafunc.config.getoption("--fuzz-cases") or FULL_CASES
+        n = metafunc.config.getoption("--fuzz-cases")
+        if n is not None and n < 1:
+            raise pytest.UsageError(f"--fuzz-cases must be at least 1, got {n}")
+        n = n or FULL_CASES
         metafunc.parametrize("fuzz_case", _params(family, n), indirect=True)
 
 

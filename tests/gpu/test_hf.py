@@ -195,7 +195,8 @@ def test_compiled_training_step(kernel_calls):
     (test_torch_adapter.test_compile_module_with_inductor), but through a whole model the noise adds up: the
     embedding gradient measured 3.3e-2 from eager's on an H100 at D = 128. So the compiled gradients are held to
     what the eager ones are held to, sdpa's within 6e-2 (test_training_step_matches_sdpa), which a wiring error
-    (a gradient routed to the wrong input, a lost scale) would miss by far; the loss stays within 1e-2 of eager's.
+    (a gradient routed to the wrong input, a lost scale) would miss by far, and to eager's within 5e-2, 1.5x the
+    measured draw-to-draw difference; the loss stays within 1e-2 of eager's.
     use_cache stays on (the default): with it off, transformers cannot rule out packed sequences while tracing (it
     would read position_ids) and builds a mask, which falls back."""
     sdpa, sage = _models(128)
@@ -215,3 +216,5 @@ def test_compiled_training_step(kernel_calls):
             err = _err(p.grad, grads_ref[name])
             assert err <= 6e-2, (f"compiled gradient of {name}: rel_l2 {err:.3e} from sdpa's (eager: "
                                  f"{_err(grads_eager[name], grads_ref[name]):.3e})")
+            err = _err(p.grad, grads_eager[name])
+            assert err <= 5e-2, f"compiled gradient of {name}: rel_l2 {err:.3e} from eager's"
