@@ -12,6 +12,7 @@ import importlib.util
 import os
 import platform
 import subprocess
+import sys
 
 __all__ = ["environment", "git_commit", "gpu_info", "nvrtc_info", "kernel_hashes", "package_version"]
 
@@ -137,7 +138,23 @@ def environment() -> dict:
     }
     env.update(gpu_info())
     env.update(nvrtc_info())
+    env.update(baseline_versions())
     return env
+
+
+def baseline_versions() -> dict:
+    """Versions of what the baselines run on: PyTorch, Triton, the cuDNN frontend (package metadata, no import) and
+    the cuDNN library PyTorch loaded (only when PyTorch is already imported, as in a benchmark with baselines: the
+    header must not import it)."""
+    out = {"torch": package_version("torch"), "triton": package_version("triton"),
+           "cudnn_frontend": package_version("nvidia-cudnn-frontend"), "cudnn": None}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            out["cudnn"] = torch.backends.cudnn.version()
+        except Exception:  # a CPU-only build, or no cuDNN: the header stays None
+            pass
+    return out
 
 
 def kernel_env() -> dict:

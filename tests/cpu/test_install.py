@@ -130,3 +130,17 @@ def test_info_without_cupy_names_the_extra(monkeypatch):
     monkeypatch.setattr(_env.importlib.util, "find_spec", lambda name, *a: None if name == "cupy" else object())
     info = _env.nvrtc_info()
     assert info["nvrtc"] is None and "sagecupy[cuda13]" in info["nvrtc_reason"]
+
+
+def test_environment_names_the_baselines_versions(monkeypatch):
+    import types
+
+    from sagecupy import _env
+
+    env = _env.environment()
+    for key in ("torch", "triton", "cudnn_frontend", "cudnn"):
+        assert key in env
+    # the cuDNN version comes from an already imported PyTorch only (the header never imports it)
+    fake = types.SimpleNamespace(backends=types.SimpleNamespace(cudnn=types.SimpleNamespace(version=lambda: 91002)))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert _env.baseline_versions()["cudnn"] == 91002
