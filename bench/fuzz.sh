@@ -6,10 +6,12 @@
 #
 #   bash bench/fuzz.sh [N] [--workers W] [--budget S] [--out DIR]   # N per family, default 3400 (10,200 in all)
 #
-# --budget S (seconds) interrupts the run the way Ctrl-C does, so pytest still reports the cases that ran and the
-# failures among them (a run killed outright prints neither). Cases run in order, INT8's first. A fresh machine ran
-# 1.4-1.7 cases per second on 16 cores, each worker compiling every kernel variant it meets (the float64 references
-# take ~0.05 s per case and core).
+# First `sagecupy warmup` compiles every kernel variant once, over all cores, into CuPy's disk cache, which the
+# workers then load from instead of each compiling every variant it meets (with each worker compiling, a fresh machine
+# ran 1.4-1.7 cases per second on 16 cores; the float64 references take ~0.05 s per case and core). Its log is
+# $OUT/warmup.log.
+# --budget S (seconds, the warm-up included) interrupts the run the way Ctrl-C does, so pytest still reports the
+# cases that ran and the failures among them (a run killed outright prints neither). Cases run in order, INT8's first.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 n=3400; workers=auto; budget=0; OUT=${OUT:-/tmp/sagecupy_out}
@@ -30,6 +32,12 @@ mkdir -p "$OUT"
 seed=$(sed -n 's/^FUZZ_SEED = \([0-9]*\).*/\1/p' tests/gpu/test_fuzz.py)
 echo "== fuzz: $n cases per family ($((3 * n)) in all), FUZZ_SEED=$seed, workers $workers"
 t0=$SECONDS
+jobs=$workers; [[ $jobs =~ ^[0-9]+$ ]] || jobs=$(nproc)
+wcmd=(python3 -m sagecupy warmup --jobs "$jobs")
+if [ "$budget" -gt 0 ]; then timeout "$budget" "${wcmd[@]}" >"$OUT/warmup.log" 2>&1
+else "${wcmd[@]}" >"$OUT/warmup.log" 2>&1; fi
+head -n -1 "$OUT/warmup.log" | grep -E "FAILED|^(Error|note|skipped)" | head -10; tail -1 "$OUT/warmup.log"
+if [ "$budget" -gt 0 ]; then budget=$((budget - (SECONDS - t0))); [ "$budget" -ge 1 ] || budget=1; fi
 cmd=(python3 -m pytest tests/gpu/test_fuzz.py -q -p no:cacheprovider -m "gpu or slow" --fuzz-cases "$n" --require-gpu
      -n "$workers" -rf --tb=short)
 if [ "$budget" -gt 0 ]; then timeout -s INT "$budget" "${cmd[@]}" >"$OUT/fuzz.log" 2>&1

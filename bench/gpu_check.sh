@@ -10,7 +10,9 @@
 #   all        (the default) tests, then bench. Kernel compiles dominate a fresh machine's first run; if shards
 #              are cut for time, run `tests` and `bench` as two calls on the same machine (CuPy's disk cache keeps
 #              the compiled kernels between calls).
-#   tests      the GPU suite: tests/gpu, or --files; --k EXPR selects tests as pytest -k does.
+#   tests      the GPU suite: tests/gpu, or --files; --k EXPR selects tests as pytest -k does. `sagecupy warmup`
+#              first compiles every kernel once, over all cores, into CuPy's disk cache (log $OUT/warmup.log), which
+#              the shards then load from instead of each compiling what it meets.
 #   bench      the benchmark over D 64/128, N 4K/16K, causal and not, peak memory at 32K (--full: N 1K...32K,
 #              which may need more than one call's time: narrow --families);
 #              the table is bench/tools/sweep_table.py's (× SDPA flash; `--vs sdpa` on $OUT/bench.jsonl gives
@@ -57,11 +59,14 @@ sagecupy info 2>&1 | grep -E "cupy|torch|gpu|cuda" | head -8
 status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
   reserve=15; [ "$what" = all ] && reserve=$bench_time
+  echo "== warmup: sagecupy warmup --jobs $(nproc)"
+  timeout "$(left $reserve)" sagecupy warmup --jobs "$(nproc)" >"$OUT/warmup.log" 2>&1 || status=1
+  head -n -1 "$OUT/warmup.log" | grep -E "FAILED|^(Error|note|skipped)" | head -10; tail -1 "$OUT/warmup.log"
   echo "== GPU tests: $files${kexpr:+ -k \"$kexpr\"}, $shards shards, each cut at $(left $reserve) s"
   read -r -a file_args <<< "$files"
   bash bench/gpu_shards.sh --shards "$shards" --timeout "$(left $reserve)" --out "$OUT" ${kexpr:+--k "$kexpr"} \
     "${file_args[@]}" | tee "$OUT/tests_summary.txt"
-  status=${PIPESTATUS[0]}
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -3,7 +3,7 @@
 The float64 reference lives in :mod:`sagecupy.reference`; the GPU families in
 :mod:`sagecupy.int8` (SageBwd), :mod:`sagecupy.nvfp4` and :mod:`sagecupy.qat`;
 the configuration objects in :mod:`sagecupy.config`; the command line
-(``sagecupy`` or ``python -m sagecupy``) in :mod:`sagecupy.cli`.
+(``sagecupy`` or ``python -m sagecupy``) in :mod:`sagecupy.cli`; :func:`warmup` compiles the kernels ahead of use.
 """
 # The one version string: setup.cfg reads it (``version = attr: sagecupy.__version__``) without importing
 # the package, so it stays a plain literal assignment.
@@ -21,5 +21,6 @@ if not _os.path.isdir(_os.path.join(__path__[0], "reference")) and _os.path.isfi
     __path__.append(_root)
 
 from .config import DEFAULT, PAPER, NVFP4Config, QATConfig, SageBwdConfig, get_config  # noqa: E402
+from ._warmup import warmup  # noqa: E402
 
-__all__ = ["DEFAULT", "PAPER", "NVFP4Config", "QATConfig", "SageBwdConfig", "get_config", "__version__"]
+__all__ = ["DEFAULT", "PAPER", "NVFP4Config", "QATConfig", "SageBwdConfig", "get_config", "warmup", "__version__"]

@@ -7,6 +7,7 @@
   the same string and options (observed to persist across processes with CuPy 14.2).
 * Template variants are instantiated through ``name_expressions``.
 * Modules are cached in memory, per process, per (device, source hash, options, name expressions).
+  ``sagecupy.warmup`` (sagecupy/_warmup.py) compiles every module the families use ahead of their calls.
 * ``SAGECUPY_DEFINES="A=1,B=2"`` adds ``-DA=1 -DB=2`` to every compile (tuning experiments; the
   defines are part of the cache key).
 * ``SAGECUPY_KERNELS_DIR=/path/kernels_cu`` compiles the sources of another folder instead (A/B timing of two
@@ -25,7 +26,8 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["gpu_status", "nvrtc_status", "cuda_error_reason", "kernel_dir", "kernel_source", "get_function", "cuda_include_dir"]
+__all__ = ["gpu_status", "nvrtc_status", "cuda_error_reason", "kernel_dir", "kernel_source", "get_function",
+           "module_names", "cuda_include_dir"]
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"[ \t]*(?://[^\n]*)?$', re.MULTILINE)  # a trailing // comment too
 
@@ -279,9 +281,20 @@ def get_function(filename: str, name: str, *, all_names: tuple | None = None, ar
            os.environ.get("SAGECUPY_KERNELS_DIR", ""))
     fn = _functions.get(key)
     if fn is None:
-        names = all_names if all_names and name in all_names and not defines else (name,)
-        fn = _functions[key] = _module(filename, names, arch).get_function(name)
+        fn = _functions[key] = _module(filename, module_names(name, all_names), arch).get_function(name)
     return fn
+
+
+def module_names(name: str, all_names=None) -> tuple:
+    """The name expressions of the module that ``get_function(filename, name, all_names=all_names)`` compiles:
+    ``all_names`` where ``name`` is among them and ``SAGECUPY_DEFINES`` is unset, else ``name`` alone. With the
+    file, this tuple and ``arch`` it is the module's cache key in this process and (with the source and the compile
+    options) in CuPy's disk cache, so :mod:`sagecupy.warmup` compiles through it too."""
+    if all_names is not None and not isinstance(all_names, tuple):
+        all_names = tuple(all_names)
+    if all_names and name in all_names and not os.environ.get("SAGECUPY_DEFINES", ""):
+        return all_names
+    return (name,)
 
 
 def device_capability() -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """The ``sagecupy`` command line: a thin click layer over :mod:`sagecupy.analysis`.
 
 Commands: ``info``, ``accuracy`` (the σ-sweep of docs/algorithms.md §7.1), ``intermediates`` and
-``smoothing`` (the ablation). Every analysis command shares the options of
-:func:`analysis_options`, resolves the backend with :func:`_prepare`, runs an
-:mod:`sagecupy.analysis` function under a stderr progress bar and writes the
+``smoothing`` (the ablation); ``bench``, ``plot`` and ``warmup`` (kernel compiles ahead of use).
+Every analysis command shares the options of :func:`analysis_options`, resolves the backend with
+:func:`_prepare`, runs an :mod:`sagecupy.analysis` function under a stderr progress bar and writes the
 records with :func:`emit` (``table``, ``json`` lines or ``csv``, to stdout or
 ``--out``). A new command (``bench``, ``plot``) follows the same pattern.
 
@@ -658,6 +658,75 @@ def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype,
         click.echo(bench.format_rows(rows))
     else:
         click.echo(render(rows, env, fmt), nl=False)
+
+
+#: --dtype's short names (the bench's) beside the dtypes' own.
+_DTYPE_ALIASES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def _warmup_list(option: str, text: str, supported: tuple, aliases: dict | None = None, cast=str) -> tuple:
+    """A comma-separated option value checked against ``supported``: a UsageError naming the option otherwise."""
+    from ._warmup import _choices
+
+    items = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            items.append(cast(item))
+        except ValueError:
+            items.append(item)
+    try:
+        return _choices(option, items, supported, aliases)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@main.command("warmup")
+@click.option("--families", default="int8,nvfp4,qat", show_default=True, help="comma-separated kernel families")
+@click.option("--dtype", "dtypes", default="fp16,bf16", show_default=True,
+              help="comma-separated input dtypes: fp16, bf16 (or float16, bfloat16)")
+@click.option("--d", "head_dims", default="64,128", show_default=True, help="comma-separated head dims")
+@click.option("--engines", default=None, help="comma-separated: mma, wgmma [default: what the device runs; both on "
+                                              "sm_90]")
+@click.option("--jobs", type=_POSITIVE, default=1, show_default=True,
+              help="modules compiled at once (above 1: in worker processes; NVRTC uses one core per compile)")
+def warmup_cmd(families, dtypes, head_dims, engines, jobs):
+    """Compile every kernel the families launch on this GPU into CuPy's disk cache, so later processes load them.
+
+    One line per source file (modules, seconds compiling), then the total; a module that fails to compile is listed
+    with its error and makes the exit status 1.
+    """
+    from . import _warmup
+
+    fams = _warmup_list("--families", families, _warmup.FAMILIES)
+    dts = _warmup_list("--dtype", dtypes, _warmup.DTYPES, _DTYPE_ALIASES)
+    dims = _warmup_list("--d", head_dims, _warmup.HEAD_DIMS, cast=int)
+    engs = None if engines is None else _warmup_list("--engines", engines, _warmup.ENGINES)
+    ok, why = gpu_status()
+    if not ok:
+        raise click.ClickException(f"warmup needs a CUDA device: {why}")
+
+    def on_file(filename, results):
+        failed = [r for r in results if r.error is not None]
+        click.echo(f"{filename:<32} {len(results):3d} module{'s' if len(results) != 1 else ' '} "
+                   f"{sum(r.seconds for r in results):8.1f} s" + (f"  {len(failed)} FAILED" if failed else ""))
+        for r in failed:
+            lines = r.error.splitlines() or [""]
+            click.echo(f"  FAILED {r.module.filename} [{r.module.arch or 'default arch'}] {r.module.names[0]}"
+                       f"{f' (+{len(r.module.names) - 1} more)' if len(r.module.names) > 1 else ''}:")
+            for line in lines[:30]:
+                click.echo(f"    {line}")
+            if len(lines) > 30:
+                click.echo(f"    ... ({len(lines) - 30} more lines)")
+
+    with _library_errors():
+        summary = _warmup.warmup(fams, dts, dims, engs, jobs=jobs, on_file=on_file)
+    for family, d, engine, reason in summary.skipped:
+        click.echo(f"skipped {family} D={d} {engine}: {reason}")
+    if summary.cache_note:
+        click.echo(f"note: {summary.cache_note}")
+    click.echo(f"warmup: {summary}; cache {_warmup.cache_dir()}")
+    if summary.failures:
+        sys.exit(1)
 
 
 @main.command("plot")

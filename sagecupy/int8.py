@@ -99,19 +99,53 @@ def _quant_names(T, D):
     ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>") if D == 128 else ())
 
 
+_QUANT_SRC = "int8/int8_quant.cu"
+#: The backward's source and compile target per engine.
+_BWD_SOURCES = {"mma": ("int8/int8_attn_bwd.cu", None), "wgmma": ("int8/int8_attn_bwd_sm90.cu", "sm_90a")}
+
+
+def _fwd_kernel(T, D, bkv, engine):
+    """(source, instance, arch) of the forward's attention kernel on ``engine`` (a resolved one); each instance
+    compiles in a module of its own."""
+    if engine == "wgmma":
+        return "int8/int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {_FWD_WARPS}, {bkv}>", "sm_90a"
+    return "int8/int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {_FWD_WARPS}, {bkv}>", None
+
+
 def kernel_names() -> dict:
     """Every template instantiation this module launches, per source file (CI compiles them all)."""
-    out = {f: [] for f in ("int8/int8_quant.cu", "int8/int8_attn_fwd.cu", "int8/int8_attn_fwd_sm90.cu",
-                           "int8/int8_attn_bwd.cu", "int8/int8_attn_bwd_sm90.cu")}
+    out = {f: [] for f in (_QUANT_SRC, "int8/int8_attn_fwd.cu", "int8/int8_attn_fwd_sm90.cu",
+                           *(src for src, _ in _BWD_SOURCES.values()))}
     for T in _T.values():
         for D in _checks.SUPPORTED_HEAD_DIMS:
-            out["int8/int8_quant.cu"] += [n for n in _quant_names(T, D) if n not in out["int8/int8_quant.cu"]]
-            for bkv in _BLOCK_KV:
-                out["int8/int8_attn_fwd.cu"].append(f"int8_attn_fwd<{T}, {D}, {_FWD_WARPS}, {bkv}>")
-                out["int8/int8_attn_fwd_sm90.cu"].append(f"int8_attn_fwd_sm90<{T}, {D}, {_FWD_WARPS}, {bkv}>")
-            out["int8/int8_attn_bwd.cu"] += list(_bwd_names(T, D))
-            out["int8/int8_attn_bwd_sm90.cu"] += list(_bwd_names(T, D, "wgmma"))
+            out[_QUANT_SRC] += [n for n in _quant_names(T, D) if n not in out[_QUANT_SRC]]
+            for engine in _BWD_SOURCES:  # ("mma", "wgmma")
+                for bkv in _BLOCK_KV:
+                    src, name, _ = _fwd_kernel(T, D, bkv, engine)
+                    out[src].append(name)
+                out[_BWD_SOURCES[engine][0]] += list(_bwd_names(T, D, engine))
     return out
+
+
+def quant_requests(T, D) -> list:
+    """The pre-pass kernels' :func:`kernel_requests` for element type ``T`` (C++) and head dim ``D``: one module."""
+    names = _quant_names(T, D)
+    return [(_QUANT_SRC, n, names, None) for n in names]
+
+
+def kernel_requests(dtype: str, D: int, engine: str) -> list:
+    """What this family's calls on ``dtype`` inputs of head dim ``D`` pass to
+    :func:`~sagecupy._loader.get_function` on ``engine`` (``"mma"`` or ``"wgmma"``), under every config the kernels
+    implement: ``(source, instance, all_names, arch)`` tuples, built by the functions the launches use
+    (:func:`sagecupy.warmup` compiles their modules)."""
+    T = _T[dtype]
+    out = quant_requests(T, D)
+    for bkv in _BLOCK_KV:
+        src, name, arch = _fwd_kernel(T, D, bkv, engine)
+        out.append((src, name, None, arch))
+    src, arch = _BWD_SOURCES[engine]
+    names = _bwd_names(T, D, engine)
+    return out + [(src, n, names, arch) for n in names]
 
 
 def forward_engine(engine: str | None = None) -> str:
@@ -179,7 +213,7 @@ def kernel_constants() -> dict:
 
 
 def _qfn(name, T, D):
-    return get_function("int8/int8_quant.cu", name, all_names=_quant_names(T, D))
+    return get_function(_QUANT_SRC, name, all_names=_quant_names(T, D))
 
 
 @dataclass
@@ -418,12 +452,9 @@ def _forward_launch_program(p, cfg, pre, engine):
     if engine == "wgmma" and pre["kv_img"] is None:
         raise ValueError("the pre-pass has no K/V stage images (kv_img), which the wgmma kernel reads; call "
                          "_preprocess_forward(..., engine='wgmma')")
-    if engine == "wgmma":
-        fn = get_function("int8/int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {w}, {bkv}>", arch="sm_90a")
-        stages = _fwd90_stages(D, bkv)
-    else:
-        fn = get_function("int8/int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {w}, {bkv}>")
-        stages = 2
+    src, name, arch = _fwd_kernel(T, D, bkv, engine)
+    fn = get_function(src, name, arch=arch)
+    stages = _fwd90_stages(D, bkv) if engine == "wgmma" else 2
     smem = _fwd_smem(D, bkv, stages)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
@@ -656,11 +687,10 @@ def _backward_launch_program(r, pre, engine, kernels):
     qsb, qsh, qsn = _layout.c_strides(q_shape, layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     names = _bwd_names(T, D, engine)
+    src, arch = _BWD_SOURCES[engine]
     if engine == "wgmma":
-        src, arch = "int8/int8_attn_bwd_sm90.cu", "sm_90a"
         smem, smem_q = _bwd90_smem(D)
     else:
-        src, arch = "int8/int8_attn_bwd.cu", None
         smem, smem_q = _bwd_smem(D), 704 * D + 2 * 64 * 4  # dQ: Q^, dO, two stages of K^, K^^T, V, key scales
     fn = get_function(src, names[0], all_names=names, arch=arch)
     if smem > 48 * 1024:

@@ -146,7 +146,7 @@ def _split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level):
     part_ws, counters)`` for :func:`_record_launch`, else None."""
     import cupy
 
-    if causal or not two_level or not fp4_ws(engine, D):
+    if not _splits(engine, D, causal, two_level):
         return None
     nc = fp4_ws(engine, D)  # (consumer warpgroups of 64 query rows)
     nblk = (nq + 64 * nc - 1) // (64 * nc)
@@ -238,9 +238,62 @@ def compile_list(filename: str) -> tuple:
     return tuple(kernel_names()[filename])
 
 
+_QUANT_SRC, _FWD_SRC, _FWD90_SRC = "nvfp4/nvfp4_quant.cu", "nvfp4/fp4_attn_fwd.cu", "nvfp4/fp4_attn_fwd_sm90.cu"
+#: How the instances of each FP4 forward source (this family's and the QAT forward's) are compiled: (in their file's
+#: :func:`compile_list` module, arch). fp4_attn_fwd.cu's compile one per module.
+_FETCH = {_QUANT_SRC: (True, None), _FWD_SRC: (False, None), _FWD90_SRC: (True, "sm_90a"),
+          "qat/qat_attn_fwd_sm90.cu": (True, "sm_90a")}
+
+
+def kernel_request(filename: str, name: str) -> tuple:
+    """``(filename, name, all_names, arch)``: what the launches pass to get_function for instance ``name`` of an FP4
+    forward source (a name outside its file's list then compiles alone, as get_function does)."""
+    listed, arch = _FETCH[filename]
+    return filename, name, compile_list(filename) if listed else None, arch
+
+
+def _kernel(filename: str, name: str):
+    filename, name, all_names, arch = kernel_request(filename, name)
+    return get_function(filename, name, all_names=all_names, arch=arch)
+
+
 def quant_function(kind, T):
     """The ``nvfp4_quant.cu`` kernel ``kind<T>`` (the QAT family's fake quantizers too)."""
-    return get_function("nvfp4/nvfp4_quant.cu", f"{kind}<{T}>", all_names=compile_list("nvfp4/nvfp4_quant.cu"))
+    return _kernel(_QUANT_SRC, f"{kind}<{T}>")
+
+
+def _attn_kernel(T: str, D: int, engine: str, two_level: bool, causal: bool, split: bool = False) -> tuple:
+    """(source, instance) of the NVFP4 attention kernel for a call on ``engine`` (resolved): mma.sync
+    (:data:`MMA_WARPS`), wgmma at D=64 (:data:`WGMMA_D64_WARPS`, the causal dispatch group), or the warp-specialized
+    kernel where :func:`fp4_ws` says (``split``: its tail-splitting grid)."""
+    tl = "true" if two_level else "false"
+    if engine != "wgmma":
+        return _FWD_SRC, f"nvfp4_attn_fwd<{T}, {D}, {fp4_warps(engine, D)}, {tl}>"
+    if fp4_ws(engine, D):
+        return _FWD90_SRC, _ws_img_name(T, D, tl, 1 if split else fp4_causal_group(causal), split)
+    return _FWD90_SRC, (f"nvfp4_attn_fwd_sm90<{T}, {D}, {fp4_warps(engine, D)}, {tl}"
+                        f"{causal_group_suffix(fp4_causal_group(causal))}>")
+
+
+def _splits(engine: str, D: int, causal: bool, two_level: bool) -> bool:
+    """Whether the tail split may apply: non-causal calls with two-level P where the warp-specialized kernel runs
+    (with single-level P the parts would quantize P against another running max)."""
+    return not causal and two_level and fp4_ws(engine, D) > 0
+
+
+def kernel_requests(dtype: str, D: int, engine: str) -> list:
+    """What this family's calls on ``dtype`` inputs of head dim ``D`` pass to get_function on ``engine`` (``"mma"``
+    or ``"wgmma"``), under every config and mask: ``(source, instance, all_names, arch)`` tuples, K's mean (the INT8
+    pre-pass's column kernels) included (:func:`sagecupy.warmup` compiles their modules)."""
+    from .int8 import quant_requests
+
+    T = _T[dtype]
+    kernels = {_attn_kernel(T, D, engine, tl, causal, split) for tl in (True, False) for causal in (False, True)
+               for split in (False, True) if not split or _splits(engine, D, causal, tl)}
+    if fp4_ws(engine, D):  # the K/V stage images, from the raw (attention) or the packed K and V (attention_packed)
+        kernels |= {(_FWD90_SRC, f"nvfp4_kv_images<{D}>"), (_FWD90_SRC, f"nvfp4_kv_images_raw<{T}, {D}>")}
+    return (quant_requests(T, D) + [kernel_request(_QUANT_SRC, n) for n in compile_list(_QUANT_SRC)]
+            + [kernel_request(f, n) for f, n in sorted(kernels)])
 
 
 #: Head dims nvfp4_quant_rows is compiled for with D a constant (0: any D, read at run time).
@@ -253,10 +306,6 @@ def _rows_launch(T, n, D):
     dt = D if D in _ROWS_DT else 0
     bpt = 2 if dt else 1
     return quant_function("nvfp4_quant_rows", f"{T}, {dt}"), (n * D // 16 // bpt + 255) // 256
-
-
-def _attn_fn(name):
-    return get_function("nvfp4/fp4_attn_fwd.cu", name)
 
 
 def fwd_smem_bytes(D: int, warps: int, engine: str = "mma") -> int:
@@ -537,17 +586,11 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     osb, osh, osn = _layout.c_strides(o_shape, layout)
     lse = prog.empty("lse", (B, Hq, nq), cupy.float32)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    tl = "true" if two_level else "false"
     vc, vs = ops.get("v_packed"), ops.get("v_scales")
     img = kv_img
+    assert split is None or _splits(engine, D, causal, two_level)
+    fn = _kernel(*_attn_kernel(_T[dtype], D, engine, two_level, causal, split is not None))
     if engine == "wgmma":
-        if ws:
-            assert split is None or (two_level and not causal)  # (_split_setup's conditions)
-            cg = 1 if split is not None else fp4_causal_group(causal)
-            name = _ws_img_name(_T[dtype], D, tl, cg, split is not None)
-        else:
-            name = f"nvfp4_attn_fwd_sm90<{_T[dtype]}, {D}, {w}, {tl}{causal_group_suffix(fp4_causal_group(causal))}>"
-        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", name, all_names=compile_list("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
         n64 = (n16 + 63) // 64 * 64
         if n64 != n16 and kv_img is None:  # rows padded to whole 64-token tiles (a copy per call)
             vc, vs = prog.call(("v_packed_64", "v_scales_64"), _pad_tokens64, (vc, vs, n16))
@@ -555,12 +598,10 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         if ws and kv_img is None:  # each 64-key tile dequantized once, in the shared-memory layout
             ntile = (nk + _BKV - 1) // _BKV
             img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), cupy.uint8, arena=_layout.TMP)
-            prog.launch(get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images<{D}>",
-                                     all_names=compile_list("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a"),
+            prog.launch(_kernel(_FWD90_SRC, f"nvfp4_kv_images<{D}>"),
                         (ntile, Hkv, B), (128,), (ops["k_packed"], ops["k_scales"], *v_args, i32(nk), i32(n16), img),
                         pdl=True)  # (it calls grid_dep_wait() first)
     else:
-        fn = _attn_fn(f"nvfp4_attn_fwd<{_T[dtype]}, {D}, {w}, {tl}>")
         v_args = (vc, vs)
     smem = ws_smem_bytes(D, ws) if ws else fwd_smem_bytes(D, w, engine)
     grid = ((nq + bq - 1) // bq, Hq, B)
@@ -659,8 +700,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     if kvimg:  # K's and V's quantization and dequantization into the stage images, one pass over the raw K and V
         ntile = (nk + _BKV - 1) // _BKV
         kv_img = prog.empty("fp4_kv_img", (B * Hkv * ntile * ws_img_bytes(D),), u8, arena=_layout.TMP)
-        fn = get_function("nvfp4/fp4_attn_fwd_sm90.cu", f"nvfp4_kv_images_raw<{T}, {D}>",
-                          all_names=compile_list("nvfp4/fp4_attn_fwd_sm90.cu"), arch="sm_90a")
+        fn = _kernel(_FWD90_SRC, f"nvfp4_kv_images_raw<{T}, {D}>")
         smem = ws_img_raw_smem_bytes(D)
         fn.max_dynamic_shared_size_bytes = smem
         prog.launch(fn, (ntile, Hkv, B), (128,),

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from . import _checks, _layout
 from ._loader import get_function
 from .config import QATConfig
-from .nvfp4 import causal_group_suffix, quant_function, check_support, compile_list, prepare_input, validated_problem, fp4_causal_group
+from .nvfp4 import (MMA_WARPS, causal_group_suffix, check_support, compile_list, fp4_causal_group, kernel_request,
+                    prepare_input, quant_function, validated_problem)
 
 __all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize", "check_residuals"]
 
@@ -128,13 +129,19 @@ class Residuals:
     lse2: object      # (B, Hq, nq_pad) fp32 base-2 LSE of the logits (+inf where no key is seen)
 
 
-def _fwd_fn(T, D, w):
-    return get_function("nvfp4/fp4_attn_fwd.cu", f"qat_attn_fwd<{T}, {D}, {w}>")
+def _fwd_request(T, D, engine, causal):
+    """get_function's arguments ``(source, instance, all_names, arch)`` for the forward kernel on ``engine``
+    (resolved): mma.sync with :data:`~sagecupy.nvfp4.MMA_WARPS` warps (in the NVFP4 forward's source), or the wgmma
+    kernel with the causal dispatch group."""
+    if engine == "wgmma":
+        return kernel_request("qat/qat_attn_fwd_sm90.cu",
+                              f"qat_attn_fwd_sm90<{T}, {D}{causal_group_suffix(fp4_causal_group(causal))}>")
+    return kernel_request("nvfp4/fp4_attn_fwd.cu", f"qat_attn_fwd<{T}, {D}, {MMA_WARPS}>")
 
 
-def _fwd_fn_sm90(T, D, causal):
-    return get_function("qat/qat_attn_fwd_sm90.cu", f"qat_attn_fwd_sm90<{T}, {D}{causal_group_suffix(fp4_causal_group(causal))}>",
-                        all_names=compile_list("qat/qat_attn_fwd_sm90.cu"), arch="sm_90a")
+def _fwd_fn(T, D, engine, causal):
+    filename, name, all_names, arch = _fwd_request(T, D, engine, causal)
+    return get_function(filename, name, all_names=all_names, arch=arch)
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
@@ -148,7 +155,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     """
     import cupy
 
-    from .nvfp4 import MMA_WARPS, fp4_engine, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
+    from .nvfp4 import fp4_engine, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
 
     q, k, v, p, cfg = validated_problem(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
                                  qat=True)
@@ -166,11 +173,12 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
     o_prime = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.float32)
+    fn = _fwd_fn(_T[p.dtype], D, eng, p.causal)
     if eng == "wgmma":  # (two warpgroups: 128 query rows)
-        fn, smem, w = _fwd_fn_sm90(_T[p.dtype], D, p.causal), qat_fwd_sm90_smem_bytes(D), 8
+        smem, w = qat_fwd_sm90_smem_bytes(D), 8
     else:
         w = MMA_WARPS
-        fn, smem = _fwd_fn(_T[p.dtype], D, w), fwd_smem_bytes(D, w)
+        smem = fwd_smem_bytes(D, w)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
@@ -214,6 +222,20 @@ def kernel_names() -> dict:
     for engine, (src, _, _) in _BWD_SOURCES.items():
         out[src] = [n for T in _T.values() for D in (64, 128) for n in _bwd_names(T, D, engine)]
     return out
+
+
+def kernel_requests(dtype: str, D: int, engine: str) -> list:
+    """What this family's calls on ``dtype`` inputs of head dim ``D`` pass to get_function on ``engine`` (``"mma"``
+    or ``"wgmma"``), causal or not, forward and backward: ``(source, instance, all_names, arch)`` tuples
+    (:func:`sagecupy.warmup` compiles their modules). The fake quantizers and delta are in the NVFP4 quantizers'
+    module."""
+    T = _T[dtype]
+    quant = compile_list("nvfp4/nvfp4_quant.cu")
+    fwd = {_fwd_request(T, D, engine, causal) for causal in (False, True)}
+    src, _, arch = _BWD_SOURCES[engine]
+    names = _bwd_names(T, D, engine)
+    return ([kernel_request("nvfp4/nvfp4_quant.cu", n) for n in quant] + sorted(fwd, key=str)
+            + [(src, n, names, arch) for n in names])
 
 
 def backward_engine(engine: str | None = None) -> str:
