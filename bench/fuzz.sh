@@ -32,11 +32,14 @@ mkdir -p "$OUT"
 seed=$(sed -n 's/^FUZZ_SEED = \([0-9]*\).*/\1/p' tests/gpu/test_fuzz.py)
 echo "== fuzz: $n cases per family ($((3 * n)) in all), FUZZ_SEED=$seed, workers $workers"
 t0=$SECONDS
-jobs=$workers; [[ $jobs =~ ^[0-9]+$ ]] || jobs=$(nproc)
-wcmd=(python3 -m sagecupy warmup --jobs "$jobs")
-if [ "$budget" -gt 0 ]; then timeout "$budget" "${wcmd[@]}" >"$OUT/warmup.log" 2>&1
+export PYTHONUNBUFFERED=1  # (a warm-up cut by timeout keeps its log)
+wcmd=(python3 -m sagecupy warmup --jobs "$(nproc)")
+# the warm-up gets at most half of a budget, so that the cases keep the rest
+if [ "$budget" -gt 0 ]; then timeout "$(( budget / 2 > 1 ? budget / 2 : 1 ))" "${wcmd[@]}" >"$OUT/warmup.log" 2>&1
 else "${wcmd[@]}" >"$OUT/warmup.log" 2>&1; fi
+wrc=$?
 head -n -1 "$OUT/warmup.log" | grep -E "FAILED|^(Error|note|skipped)" | head -10; tail -1 "$OUT/warmup.log"
+[ "$wrc" = 0 ] || echo "warmup exit $wrc$([ "$wrc" = 124 ] && echo ' (out of time: the workers compile the rest)')"
 if [ "$budget" -gt 0 ]; then budget=$((budget - (SECONDS - t0))); [ "$budget" -ge 1 ] || budget=1; fi
 cmd=(python3 -m pytest tests/gpu/test_fuzz.py -q -p no:cacheprovider -m "gpu or slow" --fuzz-cases "$n" --require-gpu
      -n "$workers" -rf --tb=short)

@@ -14,7 +14,8 @@ import platform
 import subprocess
 import sys
 
-__all__ = ["environment", "git_commit", "gpu_info", "nvrtc_info", "kernel_hashes", "package_version"]
+__all__ = ["environment", "baseline_versions", "git_commit", "gpu_info", "nvrtc_info", "kernel_hashes",
+           "package_version"]
 
 # The CuPy distributions sagecupy's extras install (cuda12 / cuda13), then the source build.
 _CUPY_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy")

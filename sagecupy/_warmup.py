@@ -9,7 +9,7 @@ load them from CuPy's disk cache instead of compiling each its own copy. The lis
 the launch sites call), and :func:`sagecupy._loader.module_names` turns them into modules as ``get_function`` does.
 
 CuPy reads a module built with name expressions (every sagecupy module) back from its disk cache from CuPy 14.2 on
-(14.1: with a CUDA 12.4+ driver); an older CuPy recompiles it in every process, and :func:`cache_note` says so.
+; an older CuPy recompiles it in every process, and :func:`cache_note` says so.
 """
 from __future__ import annotations
 
@@ -187,13 +187,13 @@ def cache_note() -> str | None:
         import cupy
 
         version = tuple(int(x) for x in cupy.__version__.split(".")[:2])
-        driver = int(cupy.cuda.runtime.driverGetVersion())
     except Exception:
         return None
-    old = (f"CuPy {cupy.__version__} does not read modules built with name expressions (all of sagecupy's) from "
-           f"its disk cache: every process compiles its own; CuPy >= 14.2 reuses them")
-    if version < (14, 1) or (version == (14, 1) and driver < 12040):
-        return old + (" (14.1 with a CUDA 12.4+ driver)" if version == (14, 1) else "")
+    # 14.1 matched cached modules by demangled symbol names, which spell out defaulted template arguments that
+    # sagecupy's name expressions leave out, so its hits are not to be relied on either
+    if version < (14, 2):
+        return (f"CuPy {cupy.__version__} does not read modules built with name expressions (all of sagecupy's) "
+                f"from its disk cache: every process compiles its own; CuPy >= 14.2 reuses them")
     return None
 
 
