@@ -610,6 +610,15 @@ def _exact(inputs: dict, causal: bool, keys: Iterable[str]) -> dict:
     return {key: full[key] for key in keys}
 
 
+def _problem_sizes(spec: RunSpec, inputs: dict | None) -> tuple:
+    """(B, Hq, Nq, Nk, D) of a measurement: from loaded ``inputs`` (HND) if given, else ``spec.shape`` (Nk = Nq)."""
+    if inputs is not None:
+        B, Hq, Nq, D = inputs["q"].shape
+        return B, Hq, Nq, inputs["k"].shape[2], D
+    B, Hq, Nq, D = spec.shape.hnd
+    return B, Hq, Nq, Nq, D
+
+
 def reference_peak_bytes(spec: RunSpec, *, intermediates: bool = False, inputs: dict | None = None) -> int:
     """Bytes the float64 side of a measurement holds at its peak: the family's simulator (run on the reference
     backend, and for the intermediates on either backend) and, for the intermediates, the dense exact ones (the
@@ -617,12 +626,7 @@ def reference_peak_bytes(spec: RunSpec, *, intermediates: bool = False, inputs: 
     ``spec.shape``."""
     from sagecupy.reference import attention as A
 
-    if inputs is not None:
-        B, Hq, Nq, D = inputs["q"].shape
-        Nk = inputs["k"].shape[2]
-    else:
-        B, Hq, Nq, D = spec.shape.hnd
-        Nk = Nq
+    B, Hq, Nq, Nk, D = _problem_sizes(spec, inputs)
     total = 0
     if spec.backend == "reference" or intermediates:
         module = importlib.import_module(family(spec.family).reference_module)
@@ -641,12 +645,7 @@ def check_reference_memory(spec: RunSpec, *, intermediates: bool = False, inputs
     it as one ``Error:`` line."""
     from sagecupy.reference import attention as A
 
-    if inputs is not None:
-        B, Hq, Nq, D = inputs["q"].shape
-        Nk = inputs["k"].shape[2]
-    else:
-        B, Hq, Nq, D = spec.shape.hnd
-        Nk = Nq
+    B, Hq, Nq, Nk, D = _problem_sizes(spec, inputs)
     parts = []
     if spec.backend == "reference" or intermediates:
         parts.append(f"the float64 {spec.family} simulator (dense (N, N) matrices)")

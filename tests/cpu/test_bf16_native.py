@@ -14,7 +14,7 @@ import pytest
 from sagecupy._checks import BF16_FORMS, check_attention_args, raw, wrap
 from sagecupy.adapters import bf16
 
-from test_host_paths import FakeArray, _arena_base, gpu  # noqa: F401  (gpu: the stand-in cupy fixture)
+from test_host_paths import FakeArray, _arena_base, gpu, stub_views  # noqa: F401  (gpu: the stand-in cupy fixture)
 
 
 def _ml_dtypes():
@@ -164,14 +164,8 @@ def test_dtype_errors_name_the_argument_and_both_bf16_forms():
 
 @pytest.fixture
 def views(monkeypatch):
-    """FakeArray.view: the same memory as another dtype of the same item size (what the host code asks of CuPy)."""
-    def view(self, dtype):
-        assert np.dtype(dtype).itemsize == self.itemsize
-        return FakeArray(self.shape, dtype, self.strides, self.data.ptr)
-
-    monkeypatch.setattr(FakeArray, "view", view, raising=False)
-    monkeypatch.setattr(FakeArray, "transpose", lambda self, *ax: FakeArray(  # (the QAT mma.sync backward's view)
-        [self.shape[i] for i in ax], self.dtype, [self.strides[i] for i in ax], self.data.ptr), raising=False)
+    """FakeArray.view and .transpose (test_host_paths.stub_views)."""
+    stub_views(monkeypatch)
 
 
 def _bf16_inputs(nq=128, nk=128, d=128):

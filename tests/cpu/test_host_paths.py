@@ -40,6 +40,18 @@ class FakeArray:
         return FakeArray(self.shape, self.dtype)
 
 
+def stub_views(monkeypatch):
+    """FakeArray.view (the same memory as another dtype of the same item size) and .transpose (the QAT mma.sync
+    backward's view): what the bf16 paths ask of CuPy arrays."""
+    def view(self, dtype):
+        assert np.dtype(dtype).itemsize == self.itemsize
+        return FakeArray(self.shape, dtype, self.strides, self.data.ptr)
+
+    monkeypatch.setattr(FakeArray, "view", view, raising=False)
+    monkeypatch.setattr(FakeArray, "transpose", lambda self, *ax: FakeArray(
+        [self.shape[i] for i in ax], self.dtype, [self.strides[i] for i in ax], self.data.ptr), raising=False)
+
+
 def _ascontiguousarray(x, dtype=None):
     """CuPy's: the array itself when it already is C-contiguous in that dtype, else a copy."""
     same = dtype is None or np.dtype(dtype) == x.dtype

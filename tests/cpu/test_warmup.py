@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from test_host_paths import FakeArray, Kernel, gpu  # noqa: F401  (gpu: the stand-in cupy fixture)
+from test_host_paths import FakeArray, Kernel, gpu, stub_views  # noqa: F401  (gpu: the stand-in cupy fixture)
 
 COMBOS = [(family, dtype, d, engine) for family in ("int8", "nvfp4", "qat") for dtype in ("float16", "bfloat16")
           for d in (64, 128) for engine in ("mma", "wgmma")]
@@ -53,13 +53,7 @@ def built(gpu, monkeypatch, tmp_path):
     for mod, name in ((int8, "_FWD_PLANS"), (int8, "_BWD_PLANS"), (nvfp4, "_ATTN_PLANS")):
         monkeypatch.setattr(mod, name, _program.Plans())  # (a plan recorded elsewhere would skip get_function)
 
-    def view(self, dtype):
-        assert np.dtype(dtype).itemsize == self.itemsize
-        return FakeArray(self.shape, dtype, self.strides, self.data.ptr)
-
-    monkeypatch.setattr(FakeArray, "view", view, raising=False)
-    monkeypatch.setattr(FakeArray, "transpose", lambda self, *ax: FakeArray(  # (the QAT mma.sync backward's view)
-        [self.shape[i] for i in ax], self.dtype, [self.strides[i] for i in ax], self.data.ptr), raising=False)
+    stub_views(monkeypatch)
     return log
 
 
