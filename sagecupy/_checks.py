@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as _np
 
 __all__ = ["Problem", "as_cupy", "raw", "wrap", "check_attention_args", "check_problem", "check_limits",
-           "check_sm_scale", "check_dims", "check_buffer", "check_rows", "max_seq_len", "SUPPORTED_HEAD_DIMS",
-           "dtype_name", "INT32_MAX", "PAD_MAX", "GRID_YZ_MAX", "BF16_FORMS"]
+           "check_sm_scale", "check_window", "check_dims", "check_buffer", "check_rows", "max_seq_len",
+           "SUPPORTED_HEAD_DIMS", "dtype_name", "INT32_MAX", "PAD_MAX", "GRID_YZ_MAX", "BF16_FORMS"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LAYOUTS = ("HND", "NHD")
@@ -150,7 +150,8 @@ def wrap(x, dtype: str, like=None):
 
 @dataclass(frozen=True)
 class Problem:
-    """Shapes of one attention call, in HND terms."""
+    """Shapes of one attention call, in HND terms. ``window``: None (``causal`` alone decides which keys a row sees)
+    or the ``(left, right)`` sliding window (docs/algorithms.md §1.8), a pair of ints >= -1 (-1: unbounded)."""
 
     batch: int
     heads_q: int
@@ -162,10 +163,30 @@ class Problem:
     layout: str
     causal: bool
     sm_scale: float
+    window: tuple | None = None
 
     @property
     def group(self) -> int:
         return self.heads_q // self.heads_kv
+
+    @property
+    def bounds(self) -> tuple:
+        """``(left, right)`` of the keys a row sees (-1: unbounded): the window, else causal's ``(-1, 0)``, else
+        ``(-1, -1)``."""
+        if self.window is not None:
+            return self.window
+        return (-1, 0) if self.causal else (-1, -1)
+
+
+def check_window(window, causal: bool):
+    """``window`` as a :class:`Problem` holds it: None, or the tuple ``(left, right)`` of Python ints >= -1 (-1:
+    unbounded) that the reference's :func:`~sagecupy.reference.attention.resolve_window` accepts with ``causal``
+    (which must already be a bool). ValueError naming ``window`` (and ``causal`` where they contradict) otherwise."""
+    if window is None:
+        return None
+    from .reference.attention import resolve_window
+
+    return resolve_window(bool(causal), window)
 
 
 def _hnd_shape(x, layout):
@@ -174,13 +195,14 @@ def _hnd_shape(x, layout):
 
 
 def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16", "bfloat16"),
-                         head_dims=SUPPORTED_HEAD_DIMS) -> Problem:
+                         head_dims=SUPPORTED_HEAD_DIMS, window=None) -> Problem:
     """Validate q, k, v (array-likes with .shape/.dtype) and the keyword arguments, the kernels' index limits
-    (:func:`check_limits`) included."""
+    (:func:`check_limits`) included. ``window``: see :func:`check_window`."""
     if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS}")
     if not isinstance(causal, (bool,)) and type(causal).__name__ != "bool_":
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    window = check_window(window, causal)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D ({'(B, H, N, D)' if layout == 'HND' else '(B, N, H, D)'} for "
@@ -207,7 +229,7 @@ def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16"
         raise ValueError(f"heads: q has {Hq}, k/v have {Hk}; q heads must be a multiple of kv heads (GQA/MQA)")
     check_limits(B, Hq, Hk, Nq, Nk, D)
     sm_scale = check_sm_scale(sm_scale, D)
-    return Problem(B, Hq, Hk, Nq, Nk, D, dtype_name(q.dtype), layout, bool(causal), sm_scale)
+    return Problem(B, Hq, Hk, Nq, Nk, D, dtype_name(q.dtype), layout, bool(causal), sm_scale, window)
 
 
 def _is_int(x) -> bool:
@@ -236,6 +258,12 @@ def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPOR
         raise ValueError(f"{name}.layout={p.layout!r} is not supported; supported: {_LAYOUTS}")
     if not isinstance(p.causal, bool):
         raise TypeError(f"{name}.causal must be a bool, got {p.causal!r}")
+    w = p.window
+    if w is not None:
+        if not (isinstance(w, tuple) and len(w) == 2 and all(_is_int(x) and x >= -1 for x in w)):
+            raise ValueError(f"{name}.window={w!r} must be None or a pair (left, right) of ints >= -1 (-1: unbounded)")
+        if p.causal and w[1] != 0:
+            raise ValueError(f"{name}: causal=True contradicts window={w!r} (causal means right = 0)")
     if not isinstance(p.sm_scale, float) or not math.isfinite(p.sm_scale) or p.sm_scale <= 0:
         raise ValueError(f"{name}.sm_scale={p.sm_scale!r} must be a finite float > 0")
     check_limits(p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim, what=f"{name}: ")

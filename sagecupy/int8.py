@@ -14,6 +14,9 @@ Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
                 row 2          x x x x x
 
   A row that sees no key gives ``O = 0``, ``LSE = -inf`` and zero gradients.
+* ``window=(left, right)`` (docs/algorithms.md §1.8; -1: unbounded): row ``i`` sees key ``j`` iff
+  ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``; ``causal=True`` is ``window=(-1, 0)``. The kernels visit only
+  the tiles inside the window; K's smoothing mean and V's scales stay those of all the keys.
 * ``sm_scale=None`` means ``1/sqrt(D)``; the LSE is float32, natural log, of the *unsmoothed* logits.
 * Granularities come from a :class:`~sagecupy.config.SageBwdConfig` (``"default"``, ``"paper"`` or ``"bkv64"``).
   The kernels implement ``block_q=128, bwd_block_q=64, bwd_block_kv=64`` and ``block_kv`` 64 or 128 (the
@@ -61,12 +64,12 @@ def _unsupported_config(cfg: SageBwdConfig) -> str | None:
     return None
 
 
-def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None) -> tuple[bool, str]:
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None) -> tuple[bool, str]:
     """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, the reason).
     Never raises."""
     try:
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
         cfg = get_config(config)
         _check_device()
     except Exception as exc:  # the contract is (False, reason), whatever is wrong
@@ -102,6 +105,14 @@ def _quant_names(T, D):
 _QUANT_SRC = "int8/int8_quant.cu"
 #: The backward's source and compile target per engine.
 _BWD_SOURCES = {"mma": ("int8/int8_attn_bwd.cu", None), "wgmma": ("int8/int8_attn_bwd_sm90.cu", "sm_90a")}
+
+
+def kernel_window(p) -> tuple:
+    """``(left, right)`` as the kernels take them (kernels_cu/common/rows.cuh ``Window``; -1: unbounded) for problem
+    ``p``: its window, or causal's ``(-1, 0)``. A side that reaches past the sequence (``left >= Nk``, ``right >=
+    Nq``) bounds no row and is passed as -1, so the kernels' index sums stay within 32 bits."""
+    left, right = p.bounds
+    return (-1 if left >= p.nk else left, -1 if right >= p.nq else right)
 
 
 def _fwd_kernel(T, D, bkv, engine):
@@ -296,28 +307,33 @@ _FWD_PLANS = Plans()
 _PRE_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale", "qmk", "mu_k", "v", "kv_img")
 
 
-def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False):
+def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state).
     The first call with a signature validates and records its program (sagecupy/_program.py); later ones replay
     it. ``inference=True`` (:func:`sage_attention`): no residuals are kept, so on the wgmma engine K's plain codes
     and scales are not written (the kernel reads K from the stage images); ``pre["k_codes"]`` is then None."""
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         inference=inference)
+                         inference=inference, window=window)
     for n in _PRE_NAMES:  # scratch buffers as arrays (views of the arena), for the tests and tools that read them
         if type(pre[n]) is int:
             pre[n] = plan.prog.member_array(pre, n)
     return plan.p, plan.cfg, pre
 
 
-def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False):
+def _window_key(window):
+    """``window`` in a plan's key, with the type of each side (``(5.0, 0)`` hashes as ``(5, 0)`` but is refused)."""
+    return window if window is None else (type(window), tuple((type(x), x) for x in window))
+
+
+def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None):
     """:func:`_preprocess_forward` for the public calls: (plan, pre), scratch buffers as addresses (ints; the arena
     array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale),
-                 layout, config, engine, bool(inference), env_key()),
+                 layout, config, engine, bool(inference), _window_key(window), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                              engine=engine, inference=bool(inference)))
+                              engine=engine, inference=bool(inference), window=window))
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     pre = {n: ns.get(n) for n in _PRE_NAMES}
     pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
@@ -325,12 +341,13 @@ def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inferenc
     return plan, pre
 
 
-def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inference=False):
+def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inference=False, window=None):
     """Validate a forward call (CuPy arrays, bfloat16 ones included, or BF16Arrays) and record its pre-pass
-    program: a :class:`Plan` (``inference``: see :func:`_preprocess_forward`)."""
+    program: a :class:`Plan` (``inference``: see :func:`_preprocess_forward`). The pre-pass does not depend on the
+    window: K's mean and V's scales are taken over all the keys, as the reference's simulator takes them."""
     import cupy
 
-    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
     cfg = get_config(config)
     why = _unsupported_config(cfg)
     if why:
@@ -474,21 +491,24 @@ def _forward_launch_program(p, cfg, pre, engine):
                 (arg("q_codes"), arg("q_scale"), arg("k_codes"), arg("k_scale"), arg("v_t"), arg("v_scale"),
                  arg("qmk"), o, i64(osb), i64(osh), i64(osn), lse, lse2,
                  i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-                 i32(int(p.causal)), i32(int(cfg.v_granularity == "block")))
+                 *(i32(w) for w in kernel_window(p)), i32(int(cfg.v_granularity == "block")))
                 + ((arg("kv_img"),) if engine == "wgmma" else ()),
                 shared_mem=smem, pdl=engine == "wgmma")
     return prog
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
+            window=None):
     """SageBwd forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
     fp16 or bf16; D in (64, 128); ``Hq % Hkv == 0``. ``o`` has q's shape and dtype; ``lse`` is
     float32 ``(B, Hq, Nq)``. ``engine``: see :func:`forward_engine`. bf16: CuPy arrays of ``ml_dtypes.bfloat16``
-    or :class:`~sagecupy.adapters.bf16.BF16Array` (no copy either way); ``o`` takes q's form.
+    or :class:`~sagecupy.adapters.bf16.BF16Array` (no copy either way); ``o`` takes q's form. ``window``: None or
+    ``(left, right)`` (module docstring); the residuals carry it to :func:`backward`.
     """
-    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine)
+    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
+                         window=window)
     p, cfg = plan.p, plan.cfg
     o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
@@ -498,12 +518,12 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
 
 
 def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None,
-                   engine=None):
+                   engine=None, window=None):
     """Inference entry point: INT8 attention forward; ``o`` or ``(o, lse)``, bitwise :func:`forward`'s. It keeps no
     residuals, so its pre-pass writes less (on the wgmma engine no plain K codes or scales: they are the backward's).
-    ``engine``: see :func:`forward_engine`."""
+    ``engine``: see :func:`forward_engine`; ``window``: see :func:`forward`."""
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         inference=True)
+                         inference=True, window=window)
     p, cfg = plan.p, plan.cfg
     o, lse, _ = _launch_forward(p, cfg, pre, engine)
     o = _checks.wrap(o, p.dtype, pre["like"])
@@ -686,6 +706,7 @@ def _backward_launch_program(r, pre, engine, kernels):
     vvb, vvh, vvn = ksb_, ksh_, ksn_
     qsb, qsh, qsn = _layout.c_strides(q_shape, layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
+    win = tuple(i32(w) for w in kernel_window(p))
     names = _bwd_names(T, D, engine)
     src, arch = _BWD_SOURCES[engine]
     if engine == "wgmma":
@@ -701,7 +722,7 @@ def _backward_launch_program(r, pre, engine, kernels):
                     (R("q_img"), R("k_img"), R("k_scale"),
                      dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
                      i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-                     i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
+                     *win, i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
                     shared_mem=smem)
     elif "dkdv" in kernels:
         prog.launch(fn, (nk_pad // 64, Hkv, B), (128,),
@@ -710,7 +731,7 @@ def _backward_launch_program(r, pre, engine, kernels):
                      R("do_t"), R("do_scale"), R("lse2"), R("delta"),
                      dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
                      i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-                     i32(int(p.causal)), i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
+                     *win, i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
                     shared_mem=smem)
     fq = get_function(src, names[1], all_names=names, arch=arch)
     if smem_q > 48 * 1024:
@@ -720,7 +741,7 @@ def _backward_launch_program(r, pre, engine, kernels):
                     (R("q_img"), R("k_img"), R("q_scale"), R("lse2"), R("delta"),
                      dq, i64(qsb), i64(qsh), i64(qsn),
                      i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale),
-                     i32(int(p.causal)), ds_rowcol),
+                     *win, ds_rowcol),
                     shared_mem=smem_q)
     elif "dq" in kernels:
         prog.launch(fq, (nq_pad // 64, Hq, B), (128,),
@@ -728,7 +749,7 @@ def _backward_launch_program(r, pre, engine, kernels):
                      R("v"), i64(vsb), i64(vsh), i64(vsn), R("do"), i64(dsb), i64(dsh), i64(dsn), R("lse2"),
                      R("delta"), dq, i64(qsb), i64(qsh), i64(qsn),
                      i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale),
-                     i32(int(p.causal)), ds_rowcol),
+                     *win, ds_rowcol),
                     shared_mem=smem_q)
     return prog
 

@@ -64,6 +64,59 @@ __device__ __forceinline__ KeyTiles key_tiles(int q0, int bq, int nq, int nk, bo
   return t;
 }
 
+// A sliding window (docs/algorithms.md §1.8): row i sees key j iff i + shift - left <= j <= i + shift + right, with
+// shift = nk - nq (bottom-right aligned) and -1 leaving a side unbounded. Causal is (-1, 0), full attention (-1, -1).
+// The host passes a side at least as wide as the sequence as -1, so the sums below stay far from int overflow.
+struct Window {
+  int left, right;
+  // Blocks of later rows see more keys (an unbounded left edge, a bounded right one): the causal work shape, which
+  // query_block dispatches heaviest first.
+  __device__ __forceinline__ bool causal_shape() const { return left < 0 && right >= 0; }
+  // The keys lo .. hi row `row` sees, keys >= nk excluded (none when hi < lo): two registers per row for a mask
+  // that tests both edges and the sequence's end.
+  __device__ __forceinline__ int2 keys(int row, int shift, int nk) const {
+    return make_int2(left >= 0 ? row + shift - left : 0, right >= 0 ? min(nk - 1, row + shift + right) : nk - 1);
+  }
+  // Whether row `row` must not see key `key` (keys >= nk and rows >= nq are the caller's tests).
+  __device__ __forceinline__ bool hides(int row, int key, int shift) const {
+    return (right >= 0 && key > row + shift + right) || (left >= 0 && key < row + shift - left);
+  }
+  // Whether some pair of rows q0 .. q0 + bq - 1 and keys k0 .. k0 + bk - 1 is hidden (the tile needs the mask).
+  __device__ __forceinline__ bool crosses(int q0, int bq, int k0, int bk, int shift) const {
+    return (right >= 0 && k0 + bk - 1 > q0 + shift + right) || (left >= 0 && k0 < q0 + bq - 1 + shift - left);
+  }
+};
+
+// key_tiles for a window: the rows' tiles are first .. n - 1 (a bounded left edge skips the tiles before the first
+// key the block's first row sees), and tiles below masked_below cross the lower edge for some row, as tiles from
+// first_masked on cross the upper one (or hold the partial tail). With Window{-1, 0} it is key_tiles(.., true),
+// with Window{-1, -1} key_tiles(.., false), field for field (first = masked_below = 0).
+struct KeyRange {
+  int first, n, first_masked, masked_below;
+  __device__ __forceinline__ bool need_mask(int tile) const { return tile >= first_masked || tile < masked_below; }
+};
+template <int TILE = KEY_TILE>
+__device__ __forceinline__ KeyRange key_range(int q0, int bq, int nq, int nk, Window w) {
+  const int shift = nk - nq;
+  KeyRange t{0, 0, nk / TILE, 0};  // first_masked: the partial tail
+  if (q0 >= nq) return t;          // padding rows only: no tile
+  const int last_row = min(q0 + bq - 1, nq - 1);
+  const int lo = w.left >= 0 ? max(0, q0 + shift - w.left) : 0;                  // first key any real row sees
+  const int hi = w.right >= 0 ? min(nk - 1, last_row + shift + w.right) : nk - 1;  // and the last
+  if (hi < lo) return t;  // no real row sees a key
+  t.first = lo / TILE;
+  t.n = hi / TILE + 1;
+  if (w.right >= 0) {
+    const int min_row_key = q0 + shift + w.right;  // keys beyond this need the mask for some row
+    t.first_masked = min(t.first_masked, min_row_key < 0 ? 0 : (min_row_key + 1) / TILE);
+  }
+  if (w.left >= 0) {
+    const int max_row_key = last_row + shift - w.left;  // keys below this need the mask for some row
+    t.masked_below = max_row_key <= 0 ? 0 : (max_row_key + TILE - 1) / TILE;
+  }
+  return t;
+}
+
 // The mirror for a block of keys k0 .. (the dK/dV kernels): the bq-row query tiles first .. n - 1 see them (causal:
 // from the first row that sees key k0), for each of the kv head's `group` query heads: per_head tiles, iters pairs.
 struct QueryTiles {
@@ -75,6 +128,21 @@ __device__ __forceinline__ QueryTiles query_tiles(int k0, int bq, int nq, int nk
   t.first = first_row / bq;
   t.n = (nq + bq - 1) / bq;
   t.per_head = max(0, t.n - t.first);
+  t.iters = group * t.per_head;
+  return t;
+}
+
+// query_tiles for a window and a block of bk keys k0 .. (k0 < nk): the query tiles from the one of the first row
+// that sees key k0 (a bounded right edge) to the one of the last row that sees the block's last key (a bounded left
+// edge). With Window{-1, 0} it is query_tiles(.., true, ..), with Window{-1, -1} query_tiles(.., false, ..).
+__device__ __forceinline__ QueryTiles query_tiles(int k0, int bk, int bq, int nq, int nk, Window w, int group) {
+  const int shift = nk - nq, k1 = min(k0 + bk - 1, nk - 1);
+  const int first_row = w.right >= 0 ? max(0, k0 - shift - w.right) : 0;
+  const int last_row = w.left >= 0 ? min(nq - 1, k1 - shift + w.left) : nq - 1;
+  QueryTiles t;
+  t.first = first_row / bq;
+  t.n = last_row / bq + 1;
+  t.per_head = first_row > last_row ? 0 : t.n - t.first;
   t.iters = group * t.per_head;
   return t;
 }

@@ -6,6 +6,7 @@
 #pragma once
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
+#include "common/rows.cuh"
 
 namespace sage {
 
@@ -69,11 +70,12 @@ __device__ __forceinline__ void bwd_group_scale(float (&s)[2], float (&inv)[2], 
   }
 }
 
-// dK/dV kernel: P^T = exp2(S^T * s_K[key] * s_Q[query] - lse2[query]) masked to 0, and its row (key) maxima.
+// dK/dV kernel: P^T = exp2(S^T * s_K[key] * s_Q[query] - lse2[query]) masked to 0 (outside the window w too), and
+// its row (key) maxima.
 // sQs, sL: the query tile's q scales and lse2 (shared); key_lo: this thread's first key; q0: the tile's first query.
 __device__ __forceinline__ void bwd_pt_tile(float (&p)[8][4], float (&pmax)[2], const int* acc_s, const float (&sk)[2],
                                             const float* sQs, const float* sL, int key_lo, int q0, int t4,
-                                            bool need_mask, bool causal, int nq, int nk, int shift) {
+                                            bool need_mask, Window w, int nq, int nk, int shift) {
   pmax[0] = pmax[1] = 0.f;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
@@ -86,7 +88,7 @@ __device__ __forceinline__ void bwd_pt_tile(float (&p)[8][4], float (&pmax)[2], 
                             ((e & 1) ? l2.y : l2.x));
       if (need_mask) {
         const int qrow = q0 + qi;
-        if (key >= nk || qrow >= nq || (causal && key > qrow + shift)) val = 0.f;
+        if (key >= nk || qrow >= nq || w.hides(qrow, key, shift)) val = 0.f;
       }
       p[nt][e] = val;
       pmax[e >> 1] = nan_max(pmax[e >> 1], val);
@@ -131,7 +133,7 @@ __device__ __forceinline__ void bwd_dq_rows(float (&sq)[2], float (&lse_r)[2], f
 // dQ kernel: P = exp2(S * s_K[key] * s_Q[row] - lse2[row]) masked to 0; skk: the keys' scales (kept for X).
 __device__ __forceinline__ void bwd_dq_p_tile(float (&p)[8][4], float (&skk)[8][2], const int* acc_s, const float* cKs,
                                               const float (&sq)[2], const float (&lse_r)[2], int k0, int r_lo, int t4,
-                                              bool need_mask, bool causal, int nq, int nk, int shift) {
+                                              bool need_mask, Window w, int nq, int nk, int shift) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int key = k0 + nt * 8 + 2 * t4;
@@ -143,7 +145,7 @@ __device__ __forceinline__ void bwd_dq_p_tile(float (&p)[8][4], float (&skk)[8][
       float val = fast_exp2(i2f_small(acc_s[4 * nt + e]) * skk[nt][e & 1] * sq[e >> 1] - lse_r[e >> 1]);
       if (need_mask) {
         const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
-        if (kk >= nk || row >= nq || (causal && kk > row + shift)) val = 0.f;
+        if (kk >= nk || row >= nq || w.hides(row, kk, shift)) val = 0.f;
       }
       p[nt][e] = val;
     }

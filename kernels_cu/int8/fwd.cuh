@@ -48,13 +48,13 @@ struct FwdTileScale {
 // P^ = rint(P~ * factor) packed as the A operand of P.V (pa[kstep]: keys 32 kstep .. 32 kstep + 31). P is
 // quantized per row over the whole tile (SageBwdConfig.block_kv). ks_tile: the tile's BKV key scales
 // (shared memory); vs_blk: V's scale of this 64-key block (per-block V, BKV = 64 only) or null;
+// need_mask: mask keys outside rk[r] (Window::keys of this thread's rows r_lo + 8 r);
 // inv_p_max = 1 / p_max. Maxima and sums are trees (short dependency chains).
 template <int NT>
 __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][4], FwdRows& rs,
                                                          unsigned (&pa)[NT / 4][4], const float* ks_tile,
                                                          const float* __restrict__ vs_blk, int tile, bool need_mask,
-                                                         bool causal, int r_lo, int t4, int nk, int shift, float p_max,
-                                                         float inv_p_max) {
+                                                         const int2 (&rk)[2], int t4, float p_max, float inv_p_max) {
   static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
   float s[NT][4];
   // This thread's key scales: columns 8 nt + 2 t4, 8 nt + 2 t4 + 1 of the tile, one 8-byte shared load each at an
@@ -71,8 +71,8 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
     for (int e = 0; e < 4; ++e) {
       float v = i2f_small(acc_s[nt][e]) * ((e & 1) ? sk.y : sk.x);
       if (need_mask) {
-        const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
-        if (kk >= nk || (causal && kk > row + shift)) v = -INFINITY;
+        const int kk = key + (e & 1);
+        if (kk < rk[e >> 1].x || kk > rk[e >> 1].y) v = -INFINITY;
       }
       s[nt][e] = v;
     }
@@ -239,12 +239,14 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
               const float* __restrict__ qmk,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
-              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
+              int v_block) {
   static_assert(WARPS == 4, "4 warps");
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22: 127 * 127 * D and 255 * 127 * BKV must stay below");
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NT = BKV / 8;
-  const bool CAUSAL = causal != 0, V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
+  const bool V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
   // reads of it compile to LDS rather than generic loads.
@@ -254,36 +256,38 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   char* sV = sK + 2 * BKV * D;                   // 2 stages x D x BKV
   float* sKs = reinterpret_cast<float*>(sV + 2 * D * BKV);  // 2 stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(FWD_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block(FWD_BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles<BKV>(q0, FWD_BQ, nq, nk, CAUSAL);
+  const KeyRange tl = key_range<BKV>(q0, FWD_BQ, nq, nk, win);  // tiles tl.first .. tl.n - 1
 
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
   load_tile_async<FWD_BQ, D, FWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   const float* gKs = ks + bhk * nk_pad;
-  if (tl.n > 0) {
-    load_tile_async<BKV, D, FWD_THREADS>(sK, gK, D, tid);
-    load_tile_async<D, BKV, FWD_THREADS>(sV, gV, FwdVt<D, BKV>::stride(nk_pad), tid);
-    load_vec_async<FWD_THREADS>(sKs, gKs, BKV / 4, tid);
+  if (tl.n > tl.first) {
+    load_tile_async<BKV, D, FWD_THREADS>(sK, gK + tl.first * BKV * D, D, tid);
+    load_tile_async<D, BKV, FWD_THREADS>(sV, gV + FwdVt<D, BKV>::offset(tl.first), FwdVt<D, BKV>::stride(nk_pad),
+                                         tid);
+    load_vec_async<FWD_THREADS>(sKs, gKs + tl.first * BKV, BKV / 4, tid);
   }
   cp_async_commit();
   const float inv_p_max = 1.f / p_max;
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's two rows: r_lo, r_lo + 8
+  const int2 rk[2] = {win.keys(r_lo, shift, nk), win.keys(r_lo + 8, shift, nk)};  // the keys they see
   FwdRows rs = fwd_rows_init(qs + bh * nq_pad, r_lo);
   float acc_o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
   unsigned qf[D / 32][4];
 
-  for (int tile = 0; tile < tl.n; ++tile) {
-    const int st = tile & 1;
+  for (int tile = tl.first; tile < tl.n; ++tile) {
+    const int st = (tile - tl.first) & 1;  // stages by position in the range: the first tile is in stage 0
     cp_async_wait<0>();
     __syncthreads();
-    if (tile == 0) {
+    if (tile == tl.first) {
 #pragma unroll
       for (int kstep = 0; kstep < D / 32; ++kstep) ldsm_x4<D, true>(qf[kstep], sQ, warp * 16, 2 * kstep, lane);
     }
@@ -304,7 +308,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     unsigned pa[NT / 4][4];
     const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + st * BKV,
                                                  V_BLOCK ? vs + (bhk * (nk_pad / BKV) + tile) * D : nullptr, tile,
-                                                 tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
+                                                 tl.need_mask(tile), rk, t4, p_max, inv_p_max);
     // O = alpha * O + (P^ V^) * s_P (* s_V per block), 16 output columns at a time.
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
@@ -358,8 +362,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               const float* __restrict__ qmk,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
-              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block,
-              const char* __restrict__ kv_img) {
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
+              int v_block, const char* __restrict__ kv_img) {
   static_assert(WARPS == 4, "one warpgroup");
   static_assert(D == 64 || D == 128, "wgmma N = D");
   // Each stage is its tile's K/V images (int8/bwd_img.cuh FwdImg: K^, V^^T, key scales of 64 keys; NI = BKV / 64
@@ -370,7 +374,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
   constexpr int NI = BKV / 64;
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV>::NST, NT = BKV / 8;
-  const bool CAUSAL = causal != 0, V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
+  const bool V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require.
   // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
@@ -381,16 +386,19 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV
   float* sKs = reinterpret_cast<float*>(sV + NST * D * BKV);  // NST stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<FWD_CAUSAL_GROUP>(FWD_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<FWD_CAUSAL_GROUP>(FWD_BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles<BKV>(q0, FWD_BQ, nq, nk, CAUSAL);
+  const KeyRange tl = key_range<BKV>(q0, FWD_BQ, nq, nk, win);
+  // The ring is indexed by a tile's position j in the CTA's range (tile tl.first + j), so the pipeline below is the
+  // one of a range that starts at tile 0.
+  const int n_tiles = max(0, tl.n - tl.first);
 
   __shared__ __align__(8) unsigned long long full[NST];  // stage s resident
   const char* gImg = kv_img + bhk * (nk_pad / 64) * static_cast<long long>(KvImg::STAGE);
-  auto load_stage = [&](int t) {  // thread 0: tile t (images NI t .. NI t + NI - 1) into stage t % NST
-    const int st = t % NST;
+  auto load_stage = [&](int j) {  // thread 0: tile tl.first + j (its NI images) into stage j % NST
+    const int st = j % NST, t = tl.first + j;
     mbar_arrive_expect_tx(&full[st], NI * KvImg::STAGE);
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
@@ -407,17 +415,18 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   }
   __syncthreads();
   grid_dep_wait();  // the pre-pass's outputs (a launch with SAGECUPY_PDL may start before the pre-pass ends)
-  // Prologue: Q (one cp.async group), tiles 0 .. NST-2 (bulk copies).
+  // Prologue: Q (one cp.async group), the range's tiles 0 .. NST-2 (bulk copies).
   load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   cp_async_commit();
   if (tid == 0) {
 #pragma unroll
-    for (int t = 0; t < NST - 1; ++t)
-      if (t < tl.n) load_stage(t);
+    for (int j = 0; j < NST - 1; ++j)
+      if (j < n_tiles) load_stage(j);
   }
   const float inv_p_max = 1.f / p_max;
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's two rows: r_lo, r_lo + 8
+  const int2 rk[2] = {win.keys(r_lo, shift, nk), win.keys(r_lo + 8, shift, nk)};  // the keys they see
   FwdRows rs = fwd_rows_init(qs + bh * nq_pad, r_lo);
   float acc_o[D / 8][4];
 #pragma unroll
@@ -439,10 +448,10 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     wgmma_commit();
   };
 
-  if (tl.n > 0) {
+  if (n_tiles > 0) {
     cp_async_wait<0>();  // Q
     fence_proxy_async();  // this thread's cp.async writes -> the tensor cores' reads
-    mbar_wait(&full[0], 0);  // tile 0
+    mbar_wait(&full[0], 0);  // the first tile
     __syncthreads();
     wgmma_fence();
     issue_qk(0);
@@ -450,22 +459,23 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     fence_regs(accs);
   }
 
-  for (int tile = 0; tile < tl.n; ++tile) {
-    // Tile t+1 resident and visible to the tensor cores; every warp past P.V(t-1), whose stage the
+  for (int j = 0; j < n_tiles; ++j) {
+    const int tile = tl.first + j;
+    // Tile j+1 resident and visible to the tensor cores; every warp past P.V(j-1), whose stage the
     // prefetch below overwrites.
-    if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) % NST], ((tile + 1) / NST) & 1);
+    if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
     __syncthreads();
-    if (tid == 0 && tile + NST - 1 < tl.n) load_stage(tile + NST - 1);
+    if (tid == 0 && j + NST - 1 < n_tiles) load_stage(j + NST - 1);
 
     unsigned pa[NT / 4][4];
-    const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (tile % NST) * BKV,
+    const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (j % NST) * BKV,
                                                  V_BLOCK ? vs + (bhk * (nk_pad / BKV) + tile) * D : nullptr, tile,
-                                                 tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, p_max, inv_p_max);
+                                                 tl.need_mask(tile), rk, t4, p_max, inv_p_max);
     // The waits and issues below are unconditional: ptxas proves the accumulators are not read while
     // in flight only on straight-line pipelines (else it serializes every wgmma, warning C7514).
     if constexpr (PV_HALVES) {
       // P.V(t) columns 0..63 and Q.K^T(t+1); fold the first half, then P.V(t) columns 64..127.
-      const char* cV = sV + (tile % NST) * D * BKV;
+      const char* cV = sV + (j % NST) * D * BKV;
       auto issue_pv_half = [&](int h) {
         const unsigned long long dv = gmma_desc<BKV>(cV + h * 64 * BKV);
         wgmma_m64n64k32_rs_u8s8(acc_pv, pa[0], dv, 0);
@@ -474,7 +484,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       };
       wgmma_fence();
       issue_pv_half(0);
-      issue_qk((tile + 1) % NST);
+      issue_qk((j + 1) % NST);
       wgmma_wait<1>();  // P.V(t) columns 0..63 done
       fence_regs(acc_pv);
 #pragma unroll
@@ -490,7 +500,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     } else {
     wgmma_fence();
     {  // P.V(t): k-steps 2 i, 2 i + 1 read image i's V^^T
-      const char* cV = sV + (tile % NST) * D * BKV;
+      const char* cV = sV + (j % NST) * D * BKV;
 #pragma unroll
       for (int kstep = 0; kstep < BKV / 32; ++kstep) {
         const unsigned long long dv = gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D), 32 * (kstep % 2));
@@ -503,7 +513,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     }
     // Q.K^T(t+1). On the last tile it multiplies a stale stage (no bulk copy is in flight then: the last tile's
     // was waited for before this iteration) and the result is dropped.
-    issue_qk((tile + 1) % NST);
+    issue_qk((j + 1) % NST);
     wgmma_wait<1>();  // P.V(t) done (Q.K^T(t+1) may still run)
     fence_regs(acc_pv);
     hold_regs(pa);  // P.V(t)'s A operand stays untouched until here
@@ -512,7 +522,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     fence_regs(accs);
     }
   }
-  cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or causal rows that see no key) still has Q in flight
+  cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or rows that see no key) still has Q in flight
   fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }

@@ -38,8 +38,9 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
               T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-              int causal, int p_col, int ds_rowcol) {
-  const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
+              int left, int right, int p_col, int ds_rowcol) {
+  const bool P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
+  const Window win{left, right};
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
   extern __shared__ __align__(128) char smem[];
   char* sK = smem;                          // 64 keys x D        int8
@@ -77,7 +78,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const QueryTiles qtl = query_tiles(k0, BWD_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  const QueryTiles qtl = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group);  // (head in group, query tile) pairs
   const int first_qt = qtl.first;
 
   // Flattened (head in group, query tile) iterations. Q^ and dO of iteration it+1 are prefetched during
@@ -127,7 +128,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
       const float* sDel = sL + BWD_BQ;
       const float* sDos = sDel + BWD_BQ;
       if (it + 1 < n_it) load_t(it + 1);  // the other buffer: its readers finished in the last iteration
-      const bool need_mask = (CAUSAL && k0 + BWD_BKV - 1 > q0 + shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
+      const bool need_mask = win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
 
       // S^T (16 keys x 64 queries per warp).
       int acc_s[8][4];
@@ -148,7 +149,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
       }
       // P^T = exp2(S^T - lse2[query]), masked to 0; P^ per key (row of P^T) or per tile.
       float p[8][4], pmax[2], s_p[2], inv_p[2];
-      bwd_pt_tile(p, pmax, &acc_s[0][0], sk, sQs, sL, key_lo, q0, t4, need_mask, CAUSAL, nq, nk, shift);
+      bwd_pt_tile(p, pmax, &acc_s[0][0], sk, sQs, sL, key_lo, q0, t4, need_mask, win, nq, nk, shift);
       bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
       {  // packed as the A operand of dV (k = queries, mma-permuted)
         unsigned pa[2][4];
@@ -228,8 +229,10 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
                  const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
                  const float* __restrict__ lse2, const float* __restrict__ delta,
                  T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
-                 int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int causal, int ds_rowcol) {
-  const bool CAUSAL = causal != 0, DS_ROWCOL = ds_rowcol != 0;
+                 int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left, int right,
+                 int ds_rowcol) {
+  const bool DS_ROWCOL = ds_rowcol != 0;
+  const Window win{left, right};
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
   extern __shared__ __align__(128) char smem[];
   constexpr int STAGE = BWD_BKV * D + D * BWD_BKV + BWD_BKV * D * 2 + BWD_BKV * 4;
@@ -240,14 +243,14 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   __shared__ float sRed[4];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(BWD_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
+  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win);  // tiles tl.first .. tl.n - 1
 
-  auto load_kv = [&](int tile) {
-    char* st = sStage + (tile & 1) * STAGE;
+  auto load_kv = [&](int tile) {  // into the stage of its position in the range
+    char* st = sStage + ((tile - tl.first) & 1) * STAGE;
     const int k0 = tile * BWD_BKV;
     load_tile_async<BWD_BKV, D, BWD_THREADS>(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);
     load_tile_async<D, BWD_BKV, BWD_THREADS>(st + BWD_BKV * D,  // K^^T: tile-major
@@ -260,7 +263,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
                                              dsn * 2, nq - q0, tid);
-  if (tl.n > 0) load_kv(0);
+  if (tl.n > tl.first) load_kv(tl.first);
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
@@ -272,10 +275,10 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   unsigned qf[D / 32][4];   // Q^ rows of this warp: A of S (m16n8k32)
   unsigned of[D / 16][4];   // dO rows of this warp: A of dP (m16n8k16)
 
-  for (int tile = 0; tile < tl.n; ++tile) {
+  for (int tile = tl.first; tile < tl.n; ++tile) {
     cp_async_wait<0>();
     __syncthreads();  // tile resident; every warp is done with the stage the prefetch below overwrites
-    if (tile == 0) {
+    if (tile == tl.first) {
 #pragma unroll
       for (int kstep = 0; kstep < D / 32; ++kstep) ldsm_x4<D, true>(qf[kstep], sQ, warp * 16, 2 * kstep, lane);
 #pragma unroll
@@ -283,7 +286,7 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     }
     if (tile + 1 < tl.n) load_kv(tile + 1);
     cp_async_commit();
-    const char* cK = sStage + (tile & 1) * STAGE;
+    const char* cK = sStage + ((tile - tl.first) & 1) * STAGE;
     const char* cKt = cK + BWD_BKV * D;
     const char* cV = cKt + D * BWD_BKV;
     const float* cKs = reinterpret_cast<const float*>(cV + BWD_BKV * D * 2);
@@ -293,9 +296,9 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     int acc_s[8][4];
     qk_s8<D>(acc_s, qf, cK, lane);
     // P = exp2(S - lse2[row]), masked to 0 (the operations of the dK/dV kernel, in the same order).
-    const bool need_mask = tile >= tl.first_masked || q0 + BWD_BQ > nq;
+    const bool need_mask = tl.need_mask(tile) || q0 + BWD_BQ > nq;
     float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
-    bwd_dq_p_tile(p, skk, &acc_s[0][0], cKs, sq, lse_r, k0, r_lo, t4, need_mask, CAUSAL, nq, nk, shift);
+    bwd_dq_p_tile(p, skk, &acc_s[0][0], cKs, sq, lse_r, k0, r_lo, t4, need_mask, win, nq, nk, shift);
     // dP = dO V^T (fp16/bf16, fp32 accumulation); dS = P o (dP - delta) in place.
 #pragma unroll
     for (int np = 0; np < 4; ++np) {

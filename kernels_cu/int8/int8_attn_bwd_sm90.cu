@@ -80,10 +80,11 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-                   int causal, int p_col, int ds_rowcol) {
+                   int left, int right, int p_col, int ds_rowcol) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   using Img = BwdImg<D>;
-  const bool CAUSAL = causal != 0, P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
+  const bool P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
+  const Window win{left, right};
   constexpr bool LOAD_AFTER_S = D == 64;  // (see above)
   constexpr int STAGE = BwdSm90<D>::STAGE;
   static_assert(Img::Q_STAGE <= STAGE && Img::Q_QS == 320 * D, "a stage image is the stage's layout");
@@ -112,7 +113,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const QueryTiles qtl = query_tiles(k0, BWD_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  const QueryTiles qtl = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group);  // (head in group, query tile) pairs
   const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
   // Stage it is the image of its (query head, query tile) (int8/bwd_img.cuh: Q^, dO, Q^^T, dO^^T, the per-query
   // vectors over the whole padded tile, the tile's dO scales), copied by thread 0 with one bulk copy; its
@@ -175,7 +176,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
     const float* sL = sQs + BWD_BQ;
     const float* sDel = sL + BWD_BQ;
     const float* sDos = sDel + BWD_BQ;
-    const bool need_mask = (CAUSAL && k0 + BWD_BKV - 1 > q0 + shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
+    const bool need_mask = win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
 
     int acc_s[32];
     float acc_dp[32];
@@ -185,7 +186,7 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
     wgmma_wait<1>();
     fence_regs(acc_s);
     float p[8][4], pmax[2], s_p[2], inv_p[2];
-    bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, key_lo, q0, t4, need_mask, CAUSAL, nq, nk, shift);
+    bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, key_lo, q0, t4, need_mask, win, nq, nk, shift);
     bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
     unsigned pa[2][4];
     quantize_acc_as_a(pa, p, inv_p);
@@ -277,11 +278,12 @@ __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
-                      int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int causal,
-                      int ds_rowcol) {
+                      int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left,
+                      int right, int ds_rowcol) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   using Img = BwdImg<D>;
-  const bool CAUSAL = causal != 0, DS_ROWCOL = ds_rowcol != 0;
+  const bool DS_ROWCOL = ds_rowcol != 0;
+  const Window win{left, right};
   constexpr int STAGE = BwdDqSm90<D>::STAGE;
   static_assert(Img::K_STAGE <= STAGE && Img::K_KS == 256 * D && Img::Q_DO == 64 * D, "images are the stages' layout");
   extern __shared__ __align__(128) char smem_raw[];
@@ -293,30 +295,31 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
   __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(BWD_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles(q0, BWD_BQ, nq, nk, CAUSAL);
+  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win);
+  const int n_tiles = max(0, tl.n - tl.first);  // key tiles tl.first + j, j = 0 .. n_tiles - 1
 
-  // Key tile t's stage is its key-side image (int8/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0 with
-  // one bulk copy; its completion is phase t / 2 of full[t % 2]. Q^ and dO (the first 192 D bytes of this query
-  // tile's image, laid out as sQ, sdO) come with tile 0.
+  // The j-th key tile's stage is its key-side image (int8/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0
+  // with one bulk copy; its completion is phase j / 2 of full[j % 2]. Q^ and dO (the first 192 D bytes of this query
+  // tile's image, laid out as sQ, sdO) come with the first.
   if (tid == 0) {
     mbar_init(&full[0], 1);
     mbar_init(&full[1], 1);
     fence_mbar_init();
   }
   __syncthreads();
-  auto load_kv = [&](int tile) {  // thread 0, after its mbar_arrive_expect_tx
-    bulk_copy_g2s(sStage + (tile & 1) * STAGE, k_img + (bhk * (nk_pad / BWD_BKV) + tile) * Img::K_STAGE, Img::K_STAGE,
-                  &full[tile & 1]);
+  auto load_kv = [&](int j) {  // thread 0, after its mbar_arrive_expect_tx
+    bulk_copy_g2s(sStage + (j & 1) * STAGE, k_img + (bhk * (nk_pad / BWD_BKV) + tl.first + j) * Img::K_STAGE,
+                  Img::K_STAGE, &full[j & 1]);
   };
   if (tid == 0) {
-    mbar_arrive_expect_tx(&full[0], 192 * D + (tl.n > 0 ? Img::K_STAGE : 0));
+    mbar_arrive_expect_tx(&full[0], 192 * D + (n_tiles > 0 ? Img::K_STAGE : 0));
     bulk_copy_g2s(sQ, q_img + (bh * (nq_pad / BWD_BQ) + q0 / BWD_BQ) * Img::Q_STAGE, 192 * D, &full[0]);
-    if (tl.n > 0) load_kv(0);
-    if (tl.n > 1) {
+    if (n_tiles > 0) load_kv(0);
+    if (n_tiles > 1) {
       mbar_arrive_expect_tx(&full[1], Img::K_STAGE);
       load_kv(1);
     }
@@ -329,24 +332,25 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
 
-  // Software pipeline: S and dP of tile t + 1 run on the tensor cores while dQ(t) is converted. S, dP of
-  // tile 0 are issued here (on whatever the stage holds when the CTA has no tile: waited for, dropped).
+  // Software pipeline: S and dP of tile j + 1 run on the tensor cores while dQ(j) is converted. S, dP of
+  // the first tile are issued here (on whatever the stage holds when the CTA has no tile: waited for, dropped).
   int acc_s[32];
   float acc_dp[32];
-  mbar_wait(&full[0], 0);  // Q^, dO, tile 0 resident
+  mbar_wait(&full[0], 0);  // Q^, dO, the first tile resident
   issue_s_dp<T, D>(acc_s, acc_dp, sQ, sStage, sdO, sStage + 128 * D);  // S = Q^ K^^T, dP = dO V^T
   wgmma_wait<1>();
   fence_regs(acc_s);
   // Across the loop's back edge only dP is in flight (one commit group): with more, ptxas can no longer
   // prove which registers are free and serializes every wgmma (C7514).
-  for (int tile = 0; tile < tl.n; ++tile) {
-    const char* cK = sStage + (tile & 1) * STAGE;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int tile = tl.first + j;
+    const char* cK = sStage + (j & 1) * STAGE;
     const char* cKt = cK + 64 * D;
     const float* cKs = reinterpret_cast<const float*>(cK + 256 * D);
     const int k0 = tile * BWD_BKV;
-    const bool need_mask = tile >= tl.first_masked || q0 + BWD_BQ > nq;
+    const bool need_mask = tl.need_mask(tile) || q0 + BWD_BQ > nq;
     float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
-    bwd_dq_p_tile(p, skk, acc_s, cKs, sq, lse_r, k0, r_lo, t4, need_mask, CAUSAL, nq, nk, shift);
+    bwd_dq_p_tile(p, skk, acc_s, cKs, sq, lse_r, k0, r_lo, t4, need_mask, win, nq, nk, shift);
     wgmma_wait<0>();
     fence_regs(acc_dp);
 #pragma unroll
@@ -373,27 +377,27 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
       }
       wgmma_commit();
     }
-    // Tile t + 1 resident (its copy was issued an iteration ago): S and dP of it in flight during the
+    // Tile j + 1 resident (its copy was issued an iteration ago): S and dP of it in flight during the
     // conversion below. On the last tile they multiply a stale stage (no copy in flight to it); the result is
     // dropped.
-    if (tile + 1 < tl.n) mbar_wait(&full[(tile + 1) & 1], ((tile + 1) >> 1) & 1);
+    if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) & 1], ((j + 1) >> 1) & 1);
     {
-      const char* nK = sStage + ((tile + 1) & 1) * STAGE;
+      const char* nK = sStage + ((j + 1) & 1) * STAGE;
       issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + 128 * D);
     }
-    wgmma_wait<2>();  // dQ(t) done
+    wgmma_wait<2>();  // dQ(j) done
     fence_regs(acc_t);
     hold_regs(xa);
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dq[nt][e] += i2f_small(acc_t[4 * nt + e]) * fx[e >> 1];
-    wgmma_wait<1>();  // S(t + 1) done (dP(t + 1) may still run)
+    wgmma_wait<1>();  // S(j + 1) done (dP(j + 1) may still run)
     fence_regs(acc_s);
-    __syncthreads();  // every warp past dQ(t): its stage is free for tile t + 2
-    if (tid == 0 && tile + 2 < tl.n) {
-      mbar_arrive_expect_tx(&full[tile & 1], Img::K_STAGE);
-      load_kv(tile + 2);
+    __syncthreads();  // every warp past dQ(j): its stage is free for tile j + 2
+    if (tid == 0 && j + 2 < n_tiles) {
+      mbar_arrive_expect_tx(&full[j & 1], Img::K_STAGE);
+      load_kv(j + 2);
     }
   }
   wgmma_wait<0>();  // the last (dropped) S and dP

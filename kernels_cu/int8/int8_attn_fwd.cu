@@ -13,6 +13,8 @@
 // Outputs: O in T with caller strides; lse (BHq, nq) natural log of the unsmoothed logits
 // (adds qmk = sm_scale * q . mu_K); lse2 (BHq, nq_pad) base-2 LSE of the logits the kernel computed
 // (+inf for rows that see no key, so the backward's exp2(S - lse2) is 0 there).
+// left, right: the attention window (common/rows.cuh Window; causal is (-1, 0), full attention (-1, -1)). A CTA
+// visits only the key tiles its rows see, and masks those that cross an edge of the window for some row.
 #include "int8/fwd.cuh"
 
 using namespace sage;
@@ -30,7 +32,8 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const float* __restrict__ qmk,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
-              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block) {
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
+              int v_block) {
   int8_attn_fwd_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                  nk_pad, p_max, causal, v_block);
+                                  nk_pad, p_max, left, right, v_block);
 }

@@ -17,8 +17,8 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    const float* __restrict__ qmk,
                    T* __restrict__ o, long long osb, long long osh, long long osn,
                    float* __restrict__ lse, float* __restrict__ lse2,
-                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int causal, int v_block,
-                   const char* __restrict__ kv_img) {
+                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
+                   int v_block, const char* __restrict__ kv_img) {
   int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                 nk_pad, p_max, causal, v_block, kv_img);
+                                 nk_pad, p_max, left, right, v_block, kv_img);
 }
