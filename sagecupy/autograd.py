@@ -176,10 +176,16 @@ def cross_entropy_backward(res, dl):
     return g / flat.shape[0] * dl, None
 
 
-def fpa_forward(q, k, v, *, causal=False, sm_scale=None):
+def fpa_forward(q, k, v, *, causal=False, sm_scale=None, window=None):
     """Full-precision attention on any array library (cuBLAS through CuPy, BLAS through NumPy), HND,
     GQA, bottom-right causal, in the inputs' float dtype: the FPA baseline. Materializes the N x N
-    scores (a baseline, not a kernel)."""
+    scores (a baseline, not a kernel). ``window=(left, right)``: the sliding window of docs/algorithms.md §1.8."""
+    if window is None:
+        left, right = (-1, 0) if causal else (-1, -1)
+    else:
+        from .reference.attention import resolve_window
+
+        left, right = resolve_window(causal, window)
     xp = _xp(q)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -188,10 +194,15 @@ def fpa_forward(q, k, v, *, causal=False, sm_scale=None):
     kk = xp.repeat(k, g, axis=1) if g > 1 else k
     vv = xp.repeat(v, g, axis=1) if g > 1 else v
     s = (q @ xp.swapaxes(kk, -1, -2)) * scale
-    if causal:
+    if (left, right) != (-1, -1):
         i = xp.arange(Nq)[:, None]
         j = xp.arange(Nk)[None, :]
-        s = xp.where(j <= i + (Nk - Nq), s, -xp.inf)
+        seen = xp.ones((Nq, Nk), dtype=bool)
+        if right != -1:
+            seen &= j <= i + (Nk - Nq) + right
+        if left != -1:
+            seen &= j >= i + (Nk - Nq) - left
+        s = xp.where(seen, s, -xp.inf)
     m = s.max(axis=-1, keepdims=True)
     m = xp.where(xp.isfinite(m), m, 0.0)
     p = xp.exp(s - m)
@@ -217,20 +228,21 @@ def fpa_backward(res, do):
     return dq, dk, dv
 
 
-def _attention_forward(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None):
+def _attention_forward(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None, window=None):
     if impl == "fpa":
-        out, res = fpa_forward(q, k, v, causal=causal, sm_scale=sm_scale)
+        out, res = fpa_forward(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
         return out, ("fpa", res)
     if impl == "sagebwd":
         xp = _xp(q)
         if xp.__name__ == "numpy":  # the float64 simulator: the same function the GPU kernels compute
             from .reference import sagebwd as ref
 
-            o, res = ref.forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config or "default")
+            o, res = ref.forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config or "default",
+                                 window=window)
             return o, ("sagebwd-ref", res)
         from . import int8
 
-        o, res = int8.forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config)
+        o, res = int8.forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config, window=window)
         return o, ("sagebwd-gpu", res)
     raise ValueError(f"impl={impl!r} is not supported; supported: 'fpa', 'sagebwd'")
 
@@ -256,11 +268,12 @@ def rms_norm(x, weight, eps=1e-6):
     return apply(rms_norm_forward, rms_norm_backward, x, weight, eps=eps)
 
 
-def attention(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None):
+def attention(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None, window=None):
     """Attention on the tape, HND layout. ``impl``: ``"fpa"`` (full precision, any array library) or
-    ``"sagebwd"`` (INT8 SageBwd: the GPU kernels for CuPy arrays, the float64 simulator for NumPy)."""
+    ``"sagebwd"`` (INT8 SageBwd: the GPU kernels for CuPy arrays, the float64 simulator for NumPy).
+    ``window=(left, right)``: a sliding window (docs/algorithms.md §1.8; ``causal=True`` is ``(-1, 0)``)."""
     return apply(_attention_forward, _attention_backward, q, k, v, impl=impl, causal=causal, sm_scale=sm_scale,
-                 config=config)
+                 config=config, window=window)
 
 
 def split_heads(x, heads):
