@@ -5,7 +5,8 @@
 
 namespace sage {
 
-// The CTA's query block: grid (n_blocks, Hq, B); causal grids run the heavy (late) blocks first.
+// The CTA's query block: grid (n_blocks, Hq, B); causal grids run the heavy (late) blocks first (the INT8 kernels
+// also for windows of the causal work shape, Window::causal_shape).
 // G > 1 (causal grids only): the grid is dispatched in groups of G (batch, head) pairs, each group's blocks heaviest
 // first across its G heads (block n-1 of the G heads, then block n-2, ...), so the grid ends on light blocks of many
 // heads instead of on all the blocks of one head, heavy ones included, and the CTAs that run together read the K/V of
