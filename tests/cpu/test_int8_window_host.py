@@ -99,9 +99,9 @@ def test_every_attention_launch_passes_the_window(gpu, engine, causal, window, w
         int8.sage_attention(q, k, v, causal=causal, window=window, engine=engine)
         launches = gpu[start:]
         attn = [x for x in launches if x[0].startswith("int8_attn")]
-        assert [x[0].split("<")[0] for x in attn] == [
-            f"int8_attn_fwd{'_sm90' if engine == 'wgmma' else ''}", f"int8_attn_bwd{'_sm90' if engine == 'wgmma' else ''}",
-            f"int8_attn_bwd_dq{'_sm90' if engine == 'wgmma' else ''}", f"int8_attn_fwd{'_sm90' if engine == 'wgmma' else ''}"]
+        sfx = "_sm90" if engine == "wgmma" else ""
+        assert [x[0].split("<")[0] for x in attn] == [f"int8_attn_fwd{sfx}", f"int8_attn_bwd{sfx}",
+                                                      f"int8_attn_bwd_dq{sfx}", f"int8_attn_fwd{sfx}"]
         fwd, dkdv, dq, infer = attn
         for launch in (fwd, dkdv, infer):
             assert _window_args(launch, p_max) == want
