@@ -11,8 +11,8 @@
     dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 ``sage_attention`` is INT8 SageBwd (:mod:`sagecupy.int8`), ``qat_attention`` FP4 QAT (:mod:`sagecupy.qat`).
-Both take the keyword arguments of the CuPy API (``causal``, ``sm_scale``, ``layout``, ``config``) and
-work eagerly and under ``jax.jit``, ``jax.grad`` and ``jax.vjp``.
+Both take the keyword arguments of the CuPy API (``causal``, ``sm_scale``, ``layout``, ``config``; INT8 also
+the sliding ``window=(left, right)``) and work eagerly and under ``jax.jit``, ``jax.grad`` and ``jax.vjp``.
 
 How the kernels run
 -------------------
@@ -178,9 +178,9 @@ def _exchange_dtype(p: _checks.Problem):
     return np.dtype(np.uint16) if p.dtype == "bfloat16" else np.dtype(np.float16)
 
 
-def _problem(q, k, v, causal, sm_scale, layout) -> _checks.Problem:
-    """Validate at trace time (shapes, dtypes, layout, GQA): errors name the argument, as in the CuPy API."""
-    return _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+def _problem(q, k, v, causal, sm_scale, layout, window=None) -> _checks.Problem:
+    """Validate at trace time (shapes, dtypes, layout, GQA, window): errors name the argument, as in the CuPy API."""
+    return _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
 
 
 def _hashable(name, value, supported):
@@ -207,6 +207,9 @@ def _scale(sm_scale):
 #: int8.Residuals fields the forward callback hands to JAX as arrays, and those rebuilt from the call.
 _INT8_SAVED = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2", "mu_k")
 _INT8_FROM_CALL = ("problem", "config", "v", "o")
+#: Fields that must be None for the dense layouts this adapter takes (packed sequences' table), left at their default
+#: when the backward rebuilds the Residuals.
+_INT8_UNUSED = ("packed",)
 
 
 def _int8_residual_specs(p: _checks.Problem, cfg: SageBwdConfig) -> dict:
@@ -229,10 +232,13 @@ def _int8_residual_specs(p: _checks.Problem, cfg: SageBwdConfig) -> dict:
 def _int8_saved(res, p, cfg) -> dict:
     """The arrays of ``res`` to save, after checking that they are what :func:`_int8_residual_specs` told
     XLA (a changed ``int8.Residuals`` fails here, loudly, instead of giving wrong gradients)."""
-    fields = {f.name for f in dataclasses.fields(res)}
+    fields = {f.name for f in dataclasses.fields(res)} - set(_INT8_UNUSED)
     if fields != set(_INT8_SAVED + _INT8_FROM_CALL):
         raise RuntimeError(f"sagecupy.int8.Residuals has the fields {sorted(fields)}, the JAX adapter carries "
                            f"{sorted(_INT8_SAVED + _INT8_FROM_CALL)}: update sagecupy/adapters/jax.py with int8.py")
+    for name in _INT8_UNUSED:
+        if getattr(res, name, None) is not None:
+            raise RuntimeError(f"sagecupy.jax: int8.Residuals.{name} is set but the adapter did not expect it")
     specs = _int8_residual_specs(p, cfg)
     saved = {}
     for name in _INT8_SAVED:
@@ -258,7 +264,7 @@ def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool):
     def callback(ctx, out, q, k, v):
         with _on_xla_stream(ctx, q) as dev:
             qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
-            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg)
+            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg, window=p.window)
             if keep:
                 o, res = int8.forward(qc, kc, vc, **kw)
                 for name, arr in _int8_saved(res, p, cfg).items():
@@ -289,15 +295,17 @@ def _int8_backward_callback(p: _checks.Problem, cfg: SageBwdConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_op(causal, sm_scale, layout, config):
-    """The custom_vjp function for one set of keyword arguments (cached: one object per set)."""
+def _int8_op(causal, sm_scale, layout, config, window=None):
+    """The custom_vjp function for one set of keyword arguments (cached: one object per set). They are static: the
+    closure holds them (``window``: None or the tuple of Python ints :func:`_window` made), the differentiated
+    arguments are q, k, v alone, and the backward rebuilds the forward's Problem, window included, from them."""
     cfg = get_config(config)
     why = int8._unsupported_config(cfg)
     if why:
         raise ValueError(f"config: {why}")
 
     def forward_call(q, k, v, keep):
-        p = _problem(q, k, v, causal, sm_scale, layout)
+        p = _problem(q, k, v, causal, sm_scale, layout, window)
         ex = _exchange_dtype(p)
         specs = {"o": jax.ShapeDtypeStruct(q.shape, ex)}
         if keep:
@@ -317,7 +325,7 @@ def _int8_op(causal, sm_scale, layout, config):
     def op_bwd(residuals, do):
         saved, v, o = residuals
         # o has q's shape and dtype and v has k's: the forward's Problem, rebuilt without q and k.
-        p = _problem(o, v, v, causal, sm_scale, layout)
+        p = _problem(o, v, v, causal, sm_scale, layout, window)
         ex = _exchange_dtype(p)
         specs = (jax.ShapeDtypeStruct(o.shape, ex), jax.ShapeDtypeStruct(v.shape, ex),
                  jax.ShapeDtypeStruct(v.shape, ex))
@@ -329,19 +337,32 @@ def _int8_op(causal, sm_scale, layout, config):
     return op
 
 
-def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
+def _window(window, causal):
+    """``window`` as :func:`_int8_op` caches it: None, or the tuple of Python ints that the CuPy API makes of it
+    (validated here, before the cache: ``(5.0, 0)`` equals ``(5, 0)`` as a key and would find the op built for it).
+    ValueError naming ``window`` (and ``causal`` where they contradict), as :func:`sagecupy.int8.forward` raises."""
+    if window is None:
+        return None
+    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return _checks.check_window(window, bool(causal))
+
+
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None):
     """INT8 SageBwd attention (:mod:`sagecupy.int8`) as a differentiable JAX function.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: the same with Hkv, Nk.
     float16 or bfloat16, D 64 or 128, ``Hq % Hkv == 0``; ``causal`` is bottom-right aligned; ``sm_scale``
     (a Python float) defaults to ``1/sqrt(D)``; ``config``: ``None``/``"default"``, ``"paper"`` or a
-    :class:`~sagecupy.config.SageBwdConfig`. Returns o with q's shape and dtype. ``jax.grad`` gives the
-    gradients of :func:`sagecupy.int8.backward`, bit for bit (see the module docstring).
+    :class:`~sagecupy.config.SageBwdConfig`. ``window=(left, right)`` (Python ints, static like ``causal``): the
+    sliding window of :func:`sagecupy.int8.forward`, row ``i`` seeing key ``j`` iff ``i + Nk - Nq - left <= j <=
+    i + Nk - Nq + right`` (-1: unbounded; ``causal=True`` is ``(-1, 0)``). Returns o with q's shape and dtype.
+    ``jax.grad`` gives the gradients of :func:`sagecupy.int8.backward`, bit for bit (see the module docstring).
     """
     _buffer_callback()
     causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
     config = _hashable("config", config, "None, 'default', 'paper' or a SageBwdConfig")
-    return _int8_op(causal, _scale(sm_scale), layout, config)(q, k, v)
+    return _int8_op(causal, _scale(sm_scale), layout, config, _window(window, causal))(q, k, v)
 
 
 # --------------------------------------------------------------------------------------------------

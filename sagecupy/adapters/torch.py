@@ -11,13 +11,15 @@
     v = torch.randn(2, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     o = sage_attention(q, k, v, causal=True)          # INT8 SageBwd forward, a torch tensor
     o.sum().backward()                                 # INT8 SageBwd backward: q.grad, k.grad, v.grad
+    o = sage_attention(q, k, v, window=(1024, 0))      # sliding window: row i sees keys i - 1024 .. i
     torch.compile(model, fullgraph=True)               # no graph break at the op
 
     from sagecupy.torch import scaled_dot_product_attention          # torch.nn.functional's, as a drop-in
     o = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # the INT8 kernels run here
 
 Arguments and conventions are those of :func:`sagecupy.int8.forward` (layouts ``"HND"``/``"NHD"``, GQA,
-bottom-right causal, ``sm_scale=None`` meaning ``1/sqrt(D)``, fp16 or bf16, D 64 or 128).
+bottom-right causal, ``sm_scale=None`` meaning ``1/sqrt(D)``, fp16 or bf16, D 64 or 128; for INT8 the sliding
+``window=(left, right)``).
 
 **Tensors.** Inputs travel to CuPy zero-copy through DLPack, strides included (the kernels take any
 strides with a contiguous last dimension and copy other inputs themselves). bf16 tensors travel as their int16
@@ -46,7 +48,8 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
 **Two ways in, per family.**
 
 * INT8 SageBwd: :func:`sage_attention` always goes through the ``torch.library`` custom ops
-  ``sagecupy::sage_attention_fwd`` / ``sagecupy::sage_attention_bwd``. The forward op returns the output
+  ``sagecupy::sage_attention_fwd`` / ``sagecupy::sage_attention_bwd`` (:mod:`sagecupy.adapters.torch_ops`, with
+  the window as two trailing ints, ``(-1, -1)`` for none). The forward op returns the output
   and the residual *tensors* of :class:`sagecupy.int8.Residuals` (the INT8 codes of Q and K, their scales,
   the base-2 LSE); the backward op rebuilds the ``Residuals`` from them and runs the same backward
   kernels on the same buffers, so the gradients are those of ``int8.forward``/``int8.backward`` called
@@ -74,108 +77,22 @@ signature and semantics; it runs a family's kernels on the calls they compute ex
 PyTorch's SDPA on the others, counting each such fallback by reason (:func:`fallback_counts`) and warning once per
 reason. :func:`register_hf` makes it an ``attn_implementation`` of Hugging Face transformers.
 """
-import contextlib
-import dataclasses
-import functools
-import importlib
 import inspect
-import typing
 
 import torch
 
-from .. import _checks, _layout
-from ..config import NVFP4Config, QATConfig, SageBwdConfig, get_config
+from .. import _checks
+from ..config import NVFP4Config, QATConfig, get_config
 from . import dropin
 from .dropin import SageFallbackWarning
+# importing torch_ops registers the custom ops
+from .torch_ops import _DTYPES, _check_inputs, _encode_config, _family, from_cupy, on_torch_stream, to_cupy
 
 __all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
            "fallback_counts", "reset_fallback_counts", "SageFallbackWarning", "SageAttentionFunction",
            "QATAttentionFunction", "to_cupy", "from_cupy", "on_torch_stream"]
 
-if not hasattr(torch.library, "custom_op"):
-    raise ImportError(f"sagecupy.torch needs PyTorch >= 2.4 (torch.library.custom_op); this is {torch.__version__}")
-
-_DTYPES = (torch.float16, torch.bfloat16)
 _LAYOUTS = ("HND", "NHD")
-Tensor = torch.Tensor
-
-
-# --------------------------------------------------------------------------------------------------
-# tensors and streams
-# --------------------------------------------------------------------------------------------------
-
-
-def _require_cuda_tensor(t, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
-        raise TypeError(f"{name} is a {t.device.type} tensor; sagecupy runs on CUDA tensors (move it with "
-                        f"{name}.cuda())")
-
-
-def to_cupy(tensor, name="tensor"):
-    """A zero-copy CuPy view of a CUDA tensor, strides kept: a ``cupy.ndarray``; for ``torch.bfloat16``, a CuPy
-    ``ml_dtypes.bfloat16`` array where CuPy has that dtype, else a :class:`~sagecupy.adapters.bf16.BF16Array` (the
-    bits travel as int16 either way). The view keeps the tensor alive. Call it on the stream that will use the view
-    (:func:`on_torch_stream`): DLPack orders that stream after the tensor's current stream."""
-    import cupy
-
-    from .bf16 import from_bits
-
-    _require_cuda_tensor(tensor, name)
-    t = tensor.detach()  # DLPack refuses tensors that require grad; the memory is the same
-    if t.dtype == torch.bfloat16:
-        return from_bits(cupy.from_dlpack(t.view(torch.int16)).view(cupy.uint16))
-    return cupy.from_dlpack(t)
-
-
-def from_cupy(x):
-    """A zero-copy PyTorch tensor of a CuPy array (``torch.bfloat16`` for a CuPy bfloat16 array or a
-    :class:`~sagecupy.adapters.bf16.BF16Array`, through its int16 bits). The tensor keeps the CuPy allocation
-    alive."""
-    import cupy
-
-    from .bf16 import bits_of, is_bf16
-
-    if is_bf16(x):
-        return torch.from_dlpack(bits_of(x).view(cupy.int16)).view(torch.bfloat16)
-    return torch.from_dlpack(x)
-
-
-@contextlib.contextmanager
-def on_torch_stream(device):
-    """Make ``device`` CuPy's current device and PyTorch's current stream on it CuPy's current stream.
-
-    Everything CuPy launches or allocates inside the block is then ordered on PyTorch's stream: after
-    the kernels that produced the inputs, before those that will consume the outputs; nothing waits
-    on the host."""
-    import cupy
-
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
-    with cupy.cuda.Device(index), _checks.external_stream(stream.cuda_stream, index):
-        yield
-
-
-def _check_inputs(*named):
-    """TypeError/ValueError naming the argument for anything the kernels cannot take as a torch tensor:
-    not a tensor, not on a GPU, not fp16/bf16, dtypes or devices that differ. Shapes are checked by the
-    family itself. Returns the common device. Only tensor metadata is read (traceable by torch.compile)."""
-    first_name, first = None, None
-    for name, t in named:
-        _require_cuda_tensor(t, name)
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name}.dtype={t.dtype} is not supported; supported: torch.float16, torch.bfloat16")
-        if first is None:
-            first_name, first = name, t
-            continue
-        if t.dtype != first.dtype:
-            raise TypeError(f"{first_name} and {name} must share one dtype, got {first.dtype} and {t.dtype}")
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} and {first_name} on {first.device}; all inputs must be on "
-                             f"one GPU")
-    return first.device
 
 
 def _check_options(causal, layout):
@@ -185,102 +102,20 @@ def _check_options(causal, layout):
         raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS}")
 
 
-def _hnd(shape, layout):
-    """(B, H, N, D) of a 4-D shape in ``layout``."""
-    if len(shape) != 4:
-        raise ValueError(f"attention inputs must be 4-D, got shape {tuple(shape)}")
-    b, a1, a2, d = shape
-    return (b, a1, a2, d) if layout == "HND" else (b, a2, a1, d)
-
-
-def _family(name):
-    """The family module: ``sagecupy.int8`` or ``sagecupy.qat`` (imported on first use)."""
-    if name == "int8":
-        from .. import int8
-
-        return int8
-    try:
-        mod = importlib.import_module("sagecupy.qat")
-    except ImportError as exc:
-        raise ImportError(f"the FP4 QAT op needs sagecupy.qat (the QAT GPU kernels), which cannot be imported here: "
-                          f"{exc}") from exc
-    if not (callable(getattr(mod, "forward", None)) and callable(getattr(mod, "backward", None))):
-        raise ImportError("the FP4 QAT op needs sagecupy.qat.forward and sagecupy.qat.backward, which this "
-                          "installation's sagecupy.qat does not have yet")
-    return mod
-
-
-# --------------------------------------------------------------------------------------------------
-# configs across the custom-op boundary (custom ops take str, not dataclasses)
-# --------------------------------------------------------------------------------------------------
-
-
-def _field_names(cls):
-    """Field names of a config dataclass, ``name`` last (it is free text, so it is parsed last)."""
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
-    return tuple(names) + ("name",)
-
-
-_CONFIG_CLASSES = {"SageBwdConfig": (SageBwdConfig, _field_names(SageBwdConfig)),
-                   "QATConfig": (QATConfig, _field_names(QATConfig)),
-                   "NVFP4Config": (NVFP4Config, _field_names(NVFP4Config))}
-
-
-def _encode_config(cfg):
-    """A config as the custom ops' ``str`` argument: ``""`` for None, a preset name as is, a config
-    dataclass as ``"Class:field=value;...;name=..."``. Written with attribute reads and string
-    formatting only, so that torch.compile traces it without a graph break."""
-    if cfg is None:
-        return ""
-    if isinstance(cfg, str):
-        return cfg
-    if isinstance(cfg, SageBwdConfig):
-        tag = "SageBwdConfig"
-    elif isinstance(cfg, QATConfig):
-        tag = "QATConfig"
-    elif isinstance(cfg, NVFP4Config):
-        tag = "NVFP4Config"
-    else:
-        raise TypeError(f"config must be None, a preset name, a SageBwdConfig, a QATConfig or an NVFP4Config, got "
-                        f"{type(cfg).__name__}")
-    parts = []
-    for field in _CONFIG_CLASSES[tag][1]:
-        parts.append(f"{field}={getattr(cfg, field)}")
-    return tag + ":" + ";".join(parts)
-
-
-@functools.lru_cache(maxsize=64)
-def _decode_config(text):
-    """Inverse of :func:`_encode_config`."""
-    if text == "":
-        return None
-    tag, sep, body = text.partition(":")
-    if not sep or tag not in _CONFIG_CLASSES:
-        return text  # a preset name: the family resolves it
-    cls, names = _CONFIG_CLASSES[tag]
-    defaults = cls()
-    values = {}
-    for field, item in zip(names, body.split(";", len(names) - 1)):
-        key, _, value = item.partition("=")
-        if key != field:
-            raise ValueError(f"malformed config string {text!r} (expected field {field!r}, got {key!r})")
-        kind = type(getattr(defaults, field))
-        values[field] = (value == "True") if kind is bool else kind(value)
-    return cls(**values)
-
-
 # --------------------------------------------------------------------------------------------------
 # plain autograd.Functions (eager): the residuals object stays on ctx
 # --------------------------------------------------------------------------------------------------
 
 
-def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config, return_lse=False):
+def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config, return_lse=False, window=None):
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     mod = _family(family)
+    # only the INT8 family takes a window (QATAttentionFunction never passes one)
+    extra = {} if window is None else {"window": window}
     with on_torch_stream(device):
         # The kernels write the LSE either way: asking for it costs nothing.
         o, lse, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
-                                  sm_scale=sm_scale, layout=layout, config=config, return_lse=True)
+                                  sm_scale=sm_scale, layout=layout, config=config, return_lse=True, **extra)
         o, lse = from_cupy(o), from_cupy(lse)
     ctx.family, ctx.device, ctx.res = family, device, res
     # Not needed by the backward (the residuals hold what it needs): saved so that autograd's version
@@ -299,22 +134,23 @@ def _function_backward(ctx, do, *_lse_grad):
     with on_torch_stream(ctx.device):
         grads = mod.backward(ctx.res, to_cupy(do.contiguous(), "do"))
         dq, dk, dv = (from_cupy(g) for g in grads)
-    # one None per non-tensor input; autograd accepts the trailing None when return_lse was not passed
-    return dq, dk, dv, None, None, None, None, None
+    # one None per non-tensor input; autograd accepts the trailing Nones of inputs that were not passed
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 class SageAttentionFunction(torch.autograd.Function):
     """INT8 SageBwd attention as a ``torch.autograd.Function``:
     ``SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)`` (positional; an eighth argument
-    ``return_lse=True`` returns ``(o, lse)``, the LSE without gradient).
+    ``return_lse=True`` returns ``(o, lse)``, the LSE without gradient; a ninth is the ``window`` of
+    :func:`sage_attention`).
 
     Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, which goes through the
     custom ops and gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
     on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
-        return _function_forward(ctx, "int8", q, k, v, causal, sm_scale, layout, config, return_lse)
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, window=None):
+        return _function_forward(ctx, "int8", q, k, v, causal, sm_scale, layout, config, return_lse, window)
 
     @staticmethod
     def backward(ctx, do, *lse_grad):
@@ -334,227 +170,6 @@ class QATAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, *lse_grad):
         return _function_backward(ctx, do, *lse_grad)
-
-
-# --------------------------------------------------------------------------------------------------
-# torch.library custom ops: tensors only across the boundary
-# --------------------------------------------------------------------------------------------------
-
-
-def _int8_residual_shapes(q_shape, k_shape, layout):
-    """Shapes of the residual tensors of :class:`sagecupy.int8.Residuals`, in the order the forward op
-    returns them: q_codes, q_scale, k_codes, k_scale, lse2. Query rows are padded to the forward's
-    128-row blocks, keys to a multiple of 128 (the largest forward key tile)."""
-    from ..int8 import _FWD_BKV, _FWD_BQ
-
-    B, Hq, Nq, D = _hnd(q_shape, layout)
-    _, Hkv, Nk, _ = _hnd(k_shape, layout)
-    nq_pad = (Nq + _FWD_BQ - 1) // _FWD_BQ * _FWD_BQ
-    nk_pad = (Nk + _FWD_BKV - 1) // _FWD_BKV * _FWD_BKV
-    return (B, Hq, nq_pad, D), (B, Hq, nq_pad), (B, Hkv, nk_pad, D), (B, Hkv, nk_pad), (B, Hq, nq_pad)
-
-
-_INT8_RESIDUAL_DTYPES = (torch.int8, torch.float32, torch.int8, torch.float32, torch.float32)
-_INT8_RESIDUAL_FIELDS = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2")
-
-
-def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, *, causal, sm_scale, layout, config):
-    """The :class:`sagecupy.int8.Residuals` the forward built, from the tensors it returned (CuPy views).
-
-    ``o`` has q's shape and dtype and ``v`` k's, so :func:`sagecupy._checks.check_attention_args` gives
-    the forward's ``Problem`` field for field; ``v`` is prepared exactly as the forward prepared it (a
-    view, or the same copy when its rows were not 16-byte aligned). ``mu_k`` is not used by the backward.
-    """
-    from .. import int8 as s8
-
-    p = _checks.check_attention_args(o, v, v, causal=causal, sm_scale=sm_scale, layout=layout)
-    return s8.Residuals(problem=p, config=get_config(config), q_codes=q_codes, q_scale=q_scale, k_codes=k_codes,
-                        k_scale=k_scale, v=_layout.prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2, mu_k=None)
-
-
-def _custom_op(name):
-    """``torch.library.custom_op`` with no mutated arguments, tagged ``cudagraph_unsafe`` where this PyTorch has the
-    tag: CuPy allocates outputs and workspaces during the call, which a CUDA graph cannot capture, so inductor's
-    graph partitioning (``mode="reduce-overhead"`` with ``torch._inductor.config.graph_partition``) runs the ops
-    between the graphs it captures instead of refusing the whole model."""
-    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
-    if tag is not None and "tags" in inspect.signature(torch.library.custom_op).parameters:
-        return torch.library.custom_op(name, mutates_args=(), tags=(tag,))
-    return torch.library.custom_op(name, mutates_args=())
-
-
-def _lse_shape(q_shape, layout):
-    """(B, Hq, Nq): the LSE every forward writes, whatever the layout."""
-    B, Hq, Nq, _ = _hnd(q_shape, layout)
-    return (B, Hq, Nq)
-
-
-@_custom_op("sagecupy::sage_attention_fwd")
-def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                 config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """INT8 SageBwd forward: (o, lse, q_codes, q_scale, k_codes, k_scale, lse2); the last five are the residuals."""
-    from .. import int8 as s8
-
-    device = _check_inputs(("q", q), ("k", k), ("v", v))
-    with on_torch_stream(device):
-        o, lse, res = s8.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
-                                 sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True)
-        saved = [getattr(res, f) for f in _INT8_RESIDUAL_FIELDS]
-        want = _int8_residual_shapes(q.shape, k.shape, layout)
-        for field, x, shape in zip(_INT8_RESIDUAL_FIELDS, saved, want):
-            if tuple(x.shape) != shape:  # the fake implementation below would be wrong
-                raise RuntimeError(f"sagecupy.int8.Residuals.{field} has shape {tuple(x.shape)}, the adapter "
-                                   f"expected {shape}: sagecupy.torch is out of date with sagecupy.int8")
-        return tuple(from_cupy(x) for x in (o, lse, *saved))
-
-
-@_custom_op("sagecupy::sage_attention_infer")
-def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                   config: str) -> tuple[Tensor, Tensor]:
-    """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
-    op's), for calls that need no gradient: (o, lse)."""
-    from .. import int8 as s8
-
-    device = _check_inputs(("q", q), ("k", k), ("v", v))
-    with on_torch_stream(device):
-        o, lse = s8.sage_attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
-                                   sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True)
-        return from_cupy(o), from_cupy(lse)
-
-
-@_sage_infer_op.register_fake
-def _sage_infer_fake(q, k, v, causal, sm_scale, layout, config):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
-
-
-@_sage_fwd_op.register_fake
-def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config):
-    shapes = _int8_residual_shapes(q.shape, k.shape, layout)
-    return (q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32),
-            *(q.new_empty(s, dtype=dt) for s, dt in zip(shapes, _INT8_RESIDUAL_DTYPES)))
-
-
-@_custom_op("sagecupy::sage_attention_bwd")
-def _sage_bwd_op(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Tensor, k_codes: Tensor,
-                 k_scale: Tensor, lse2: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                 config: str) -> tuple[Tensor, Tensor, Tensor]:
-    """INT8 SageBwd backward from the forward op's output and residual tensors: (dq, dk, dv)."""
-    from .. import int8 as s8
-
-    device = _check_inputs(("do", do), ("o", o), ("v", v))
-    with on_torch_stream(device):
-        res = _int8_residuals(to_cupy(o, "o"), to_cupy(v, "v"),
-                              *(to_cupy(x, f) for x, f in zip((q_codes, q_scale, k_codes, k_scale, lse2),
-                                                               _INT8_RESIDUAL_FIELDS)),
-                              causal=causal, sm_scale=sm_scale, layout=layout, config=_decode_config(config))
-        return tuple(from_cupy(g) for g in s8.backward(res, to_cupy(do, "do")))
-
-
-@_sage_bwd_op.register_fake
-def _sage_bwd_fake(do, o, v, q_codes, q_scale, k_codes, k_scale, lse2, causal, sm_scale, layout, config):
-    return o.new_empty(o.shape), v.new_empty(v.shape), v.new_empty(v.shape)
-
-
-def _sage_setup_context(ctx, inputs, output):
-    q, k, v, causal, sm_scale, layout, config = inputs
-    o, lse, *residuals = output
-    # The LSE is an output for the caller, not a differentiable one: the backward kernels take dO only.
-    ctx.mark_non_differentiable(lse, *residuals)
-    ctx.save_for_backward(o, v, *residuals)
-    ctx.options = (causal, sm_scale, layout, config)
-
-
-def _sage_backward(ctx, do, *_other_grads):
-    o, v, *residuals = ctx.saved_tensors
-    dq, dk, dv = torch.ops.sagecupy.sage_attention_bwd(do.contiguous(), o, v, *residuals, *ctx.options)
-    return dq, dk, dv, None, None, None, None
-
-
-_sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context)
-
-
-@_custom_op("sagecupy::qat_attention_fwd")
-def _qat_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                config: str) -> tuple[Tensor, Tensor]:
-    """FP4 QAT forward: (o, lse) (the residuals are recomputed by the backward op)."""
-    mod = _family("qat")
-    device = _check_inputs(("q", q), ("k", k), ("v", v))
-    with on_torch_stream(device):
-        o, lse, _ = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                                layout=layout, config=_decode_config(config), return_lse=True)
-        # the fake below promises contiguous outputs (a no-op if they already are)
-        return from_cupy(o).contiguous(), from_cupy(lse).contiguous()
-
-
-@_qat_fwd_op.register_fake
-def _qat_fwd_fake(q, k, v, causal, sm_scale, layout, config):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
-
-
-@_custom_op("sagecupy::qat_attention_bwd")
-def _qat_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float],
-                layout: str, config: str) -> tuple[Tensor, Tensor, Tensor]:
-    """FP4 QAT backward: reruns the (deterministic) forward for its residuals, then the backward."""
-    mod = _family("qat")
-    device = _check_inputs(("do", do), ("q", q), ("k", k), ("v", v))
-    with on_torch_stream(device):
-        _, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                             layout=layout, config=_decode_config(config))
-        grads = mod.backward(res, to_cupy(do, "do"))
-        return tuple(from_cupy(g).contiguous() for g in grads)
-
-
-@_qat_bwd_op.register_fake
-def _qat_bwd_fake(do, q, k, v, causal, sm_scale, layout, config):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _qat_setup_context(ctx, inputs, output):
-    q, k, v, causal, sm_scale, layout, config = inputs
-    ctx.mark_non_differentiable(output[1])  # the LSE: the backward takes dO only
-    ctx.save_for_backward(q, k, v)
-    ctx.options = (causal, sm_scale, layout, config)
-
-
-def _qat_backward(ctx, do, _lse_grad):
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = torch.ops.sagecupy.qat_attention_bwd(do.contiguous(), q, k, v, *ctx.options)
-    return dq, dk, dv, None, None, None, None
-
-
-_qat_fwd_op.register_autograd(_qat_backward, setup_context=_qat_setup_context)
-
-
-@_custom_op("sagecupy::nvfp4_attention")
-def _nvfp4_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-              config: str) -> tuple[Tensor, Tensor]:
-    """NVFP4 attention forward (:func:`sagecupy.nvfp4.attention`, inference only): (o, lse)."""
-    from .. import nvfp4
-
-    device = _check_inputs(("q", q), ("k", k), ("v", v))
-    with on_torch_stream(device):
-        o, lse = nvfp4.attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                                 layout=layout, config=_decode_config(config), return_lse=True)
-        # the fake below promises contiguous outputs (a no-op if they already are)
-        return from_cupy(o).contiguous(), from_cupy(lse).contiguous()
-
-
-@_nvfp4_op.register_fake
-def _nvfp4_fake(q, k, v, causal, sm_scale, layout, config):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
-
-
-def _nvfp4_backward(ctx, *grads):
-    # nvfp4_attention refuses calls that need a gradient; this is what a direct torch.ops call gets.
-    raise RuntimeError("sagecupy::nvfp4_attention is inference-only (NVFP4 has no backward): run it under "
-                       "torch.no_grad(), or train with sagecupy.torch.sage_attention or qat_attention")
-
-
-def _nvfp4_setup_context(ctx, inputs, output):
-    pass
-
-
-_nvfp4_op.register_autograd(_nvfp4_backward, setup_context=_nvfp4_setup_context)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -580,10 +195,22 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False):
-    """The custom-op path (what :func:`sage_attention` runs), after argument checks. A call that needs no gradient
-    (grad mode off, or no input requires grad) runs the inference op, which keeps no residuals."""
-    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)))
+def _window_ints(window, causal):
+    """``window`` as the INT8 ops' last two arguments: ``(-1, -1)`` for None (no window: ``causal`` alone decides),
+    else the ``(left, right)`` that :func:`sagecupy.int8.forward` takes, validated as it validates it (ValueError
+    naming ``window``, and ``causal`` where they contradict). The ops read ``(-1, -1)`` as no window, so
+    ``window=(-1, -1)`` with ``causal=True``, which the CuPy API refuses, has to be refused here, before them.
+    Metadata and Python ints only: torch.compile traces it (an int that dynamo made symbolic stays symbolic)."""
+    if window is None:
+        return -1, -1
+    return _checks.check_window(window, causal)
+
+
+def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False, window=(-1, -1)):
+    """The custom-op path (what :func:`sage_attention` runs), after argument checks (``window``: the two ints of
+    :func:`_window_ints`). A call that needs no gradient (grad mode off, or no input requires grad) runs the
+    inference op, which keeps no residuals."""
+    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)), *window)
     if not _needs_grad(q, k, v):
         o, lse = torch.ops.sagecupy.sage_attention_infer(*args)
     else:
@@ -591,7 +218,8 @@ def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=Fal
     return (o, lse) if return_lse else o
 
 
-def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False,
+                   window=None):
     """INT8 SageBwd attention on PyTorch tensors, differentiable and ``torch.compile``-able.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: the same with Hkv,
@@ -603,6 +231,10 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
                   row 1          x x x x .
                   row 2          x x x x x
 
+    ``window=(left, right)``: a sliding window (docs/algorithms.md §1.8), as :func:`sagecupy.int8.forward` takes it:
+    row ``i`` sees key ``j`` iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``, ``-1`` leaving a side unbounded;
+    ``causal=True`` is ``(-1, 0)`` and allows only windows with ``right == 0``. None: ``causal`` alone decides.
+
     ``config``: ``"default"`` (None), ``"paper"`` or a :class:`~sagecupy.config.SageBwdConfig`. Returns
     ``o`` with q's shape and dtype (contiguous); ``o.backward`` gives the INT8 SageBwd gradients, equal
     bit for bit to :func:`sagecupy.int8.backward` after :func:`sagecupy.int8.forward` on the same inputs
@@ -611,7 +243,7 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     """
     _check_inputs(("q", q), ("k", k), ("v", v))
     _check_options(causal, layout)
-    return _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse)
+    return _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse, _window_ints(window, causal))
 
 
 def _qat_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False):

@@ -223,8 +223,10 @@ def test_fake_implementations_give_the_lse():
 def test_nvfp4_config_crosses_the_op_boundary():
     from sagecupy.config import NVFP4Config
 
+    from sagecupy.adapters import torch_ops
+
     cfg = NVFP4Config(two_level_p=False, k_smoothing=False)
-    assert st._decode_config(st._encode_config(cfg)) == cfg
+    assert torch_ops._decode_config(torch_ops._encode_config(cfg)) == cfg
 
 
 # --------------------------------------------------------------------------------------------------

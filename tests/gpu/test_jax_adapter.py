@@ -1,8 +1,8 @@
 """The JAX adapter (sagecupy.jax) against direct calls of the CuPy API, eagerly and under jax.jit.
 
 The adapter adds no numerics: it must give what ``sagecupy.int8.forward`` / ``backward`` give on the same
-inputs, bit for bit: neither the INT8 nor the QAT backward uses atomics, so all three gradients are
-deterministic and compared bitwise.
+inputs, bit for bit, with or without a sliding window: neither the INT8 nor the QAT backward uses atomics, so all
+three gradients are deterministic and compared bitwise.
 
 Needs JAX with its CUDA plugin (skipped, with the reason, without it; ``--require-gpu`` makes a JAX that is
 installed but cannot run the adapter a failure). JAX takes 75% of the GPU at start-up unless told not to,
@@ -249,6 +249,51 @@ def test_missing_buffer_callback_is_one_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"buffer_callback.*JAX 0\.7 or newer"):
         sj.sage_attention(q, k, v)
     assert not sj.is_available()[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# the sliding window
+# --------------------------------------------------------------------------------------------------
+
+WINDOW_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, window
+    (B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, window)
+    for B, Hq, Hkv, Nq, Nk, D, causal, layout in ((1, 4, 2, 200, 333, 64, False, "HND"),
+                                                  (2, 2, 1, 300, 130, 128, False, "NHD"),
+                                                  (1, 2, 2, 150, 260, 64, True, "HND"))
+    for window in ((64, 0), (17, 5)) if not (causal and window[1])
+    for dtype in ("float16", "bfloat16")
+]
+WINDOW_IDS = [f"{c[3]}x{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-{c[7]}-{c[8]}-w{c[9][0]}_{c[9][1]}"
+              for c in WINDOW_CASES]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,window", WINDOW_CASES, ids=WINDOW_IDS)
+def test_window_equals_direct_calls(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, window, mode):
+    """O and the three gradients through jax.vjp with a window, bitwise sagecupy.int8.forward / backward with the
+    same window; the plain call (the inference forward) bitwise int8.sage_attention's."""
+    case = dict(shape=(B, Hq, Hkv, Nq, Nk, D), causal=causal, layout=layout, dtype=dtype, window=window, mode=mode)
+    q, k, v, do = _inputs(8, B, Hq, Hkv, Nq, Nk, D, layout, dtype)
+    f = functools.partial(sj.sage_attention, causal=causal, layout=layout, window=window)
+    run = _vjp(f) if mode == "eager" else jax.jit(_vjp(f))
+    o, grads = run(q, k, v, do)
+    o_d, grads_d = _direct(q, k, v, do, causal=causal, layout=layout, window=window)
+    _assert_bitwise("O", o, o_d, case)
+    _assert_grads(grads, grads_d, case)
+    plain = f(q, k, v) if mode == "eager" else jax.jit(f)(q, k, v)
+    infer = s8.sage_attention(*(_to_cupy(x) for x in (q, k, v)), causal=causal, layout=layout, window=window)
+    _assert_bitwise("O (plain call)", plain, infer, case)
+    # the window is in effect: without it the output differs
+    assert not np.array_equal(_bits(o), _bits(sj.sage_attention(q, k, v, causal=causal, layout=layout)))
+
+
+def test_window_errors_at_trace_time():
+    q, k, v, _ = _inputs(9, 1, 2, 2, 16, 16, 64, "HND", "float16")
+    with pytest.raises(ValueError, match="window"):
+        sj.sage_attention(q, k, v, window=(-2, 0))
+    with pytest.raises(ValueError, match=r"causal=True contradicts window=\(3, 1\)"):
+        jax.jit(functools.partial(sj.sage_attention, causal=True, window=(3, 1)))(q, k, v)
 
 
 # --------------------------------------------------------------------------------------------------

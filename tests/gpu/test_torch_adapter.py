@@ -10,6 +10,8 @@
 * Error paths, and the FP4 QAT op when ``sagecupy.qat`` has its kernels.
 * ``return_lse``, the NVFP4 inference op, and the drop-in ``scaled_dot_product_attention``: bitwise the family
   entry points where the kernels apply, bitwise PyTorch's SDPA where they do not, no graph break under compile.
+* The sliding window (``window=(left, right)``): output, LSE and gradients bitwise the CuPy calls with the same
+  window, training and inference ops, eagerly and under ``torch.compile(fullgraph=True)``.
 
 Neither the INT8 nor the QAT backward uses atomics (dQ has its own kernel), so every gradient is compared
 bit for bit, also with many key blocks (Nk = 517).
@@ -79,8 +81,10 @@ def _through(fn, q, k, v, do, **kw):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def _function(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None):
-    return st.SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)
+def _function(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None):
+    if window is None:
+        return st.SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)
+    return st.SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config, False, window)
 
 
 PATHS = {"op": st.sage_attention, "function": _function}
@@ -731,3 +735,117 @@ def test_sdpa_dropin_compiles_fullgraph(counts):
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     _assert_same_bits(_through(compiled, q, k, v, do), _through(f, q, k, v, do), "drop-in compiled")
     assert counts() == {}
+
+
+# --------------------------------------------------------------------------------------------------
+# (i) the sliding window
+# --------------------------------------------------------------------------------------------------
+
+WINDOW_SHAPES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal, layout
+    (1, 4, 2, 200, 333, 64, False, "HND"),   # Nq < Nk: the window's diagonal is shifted by Nk - Nq
+    (2, 2, 1, 300, 130, 128, False, "NHD"),  # Nq > Nk: rows that see no key
+]
+WINDOWS = [(64, 0), (17, 5)]
+
+
+def _window_id(shape, window, dtype):
+    B, Hq, Hkv, Nq, Nk, D, _, layout = shape
+    return f"{Nq}x{Nk}-d{D}-{layout}-gqa{Hq // Hkv}-w{window[0]}_{window[1]}-{DTYPE_NAME[dtype]}"
+
+
+WINDOW_CASES = [(s, w, d) for s in WINDOW_SHAPES for w in WINDOWS for d in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("shape,window,dtype", WINDOW_CASES, ids=[_window_id(*c) for c in WINDOW_CASES])
+def test_window_gradients_equal_direct_calls_bitwise(path, shape, window, dtype):
+    import sagecupy.int8 as s8
+
+    B, Hq, Hkv, Nq, Nk, D, causal, layout = shape
+    q, k, v, do = _inputs(71, B, Hq, Hkv, Nq, Nk, D, layout, dtype)
+    kw = dict(causal=causal, layout=layout, window=window)
+    got = _through(PATHS[path], q, k, v, do, **kw)
+    _assert_same_bits(got, _direct(s8, q, k, v, do, **kw), (path, _window_id(shape, window, dtype)))
+    # the window is in effect: without it the output differs
+    plain = st.sage_attention(q, k, v, causal=causal, layout=layout)
+    assert not torch.equal(plain, got[0])
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("shape,window,dtype", WINDOW_CASES, ids=[_window_id(*c) for c in WINDOW_CASES])
+def test_window_return_lse_is_the_forwards(shape, window, dtype, grad):
+    """O and LSE of the inference op (int8.sage_attention) and of the training op (int8.forward) with a window,
+    bitwise the direct calls'; the training op's backward gets the window through the residuals."""
+    import sagecupy.int8 as s8
+
+    B, Hq, Hkv, Nq, Nk, D, causal, layout = shape
+    q, k, v, do = _inputs(73, B, Hq, Hkv, Nq, Nk, D, layout, dtype)
+    q = q.detach().requires_grad_(grad)
+    o, lse = st.sage_attention(q, k, v, causal=causal, layout=layout, window=window, return_lse=True)
+    cq, ck, cv = (T._to_dev(_host(x), DTYPE_NAME[dtype]) for x in (q, k, v))
+    kw = dict(causal=causal, layout=layout, window=window, return_lse=True)
+    if grad:
+        o_ref, lse_ref, res = s8.forward(cq, ck, cv, **kw)
+        assert res.problem.window == window
+    else:
+        o_ref, lse_ref = s8.sage_attention(cq, ck, cv, **kw)
+    case = (grad, _window_id(shape, window, dtype))
+    _assert_same_bits([o], [o_ref], case, names=("O",))
+    assert lse.shape == (B, Hq, Nq) and lse.dtype == torch.float32 and not lse.requires_grad
+    assert np.array_equal(_host_f32(lse), _host_f32(lse_ref), equal_nan=True), case
+    if grad:
+        o.backward(do)
+        want = s8.backward(res, T._to_dev(_host(do), DTYPE_NAME[dtype]))
+        _assert_same_bits([q.grad], [want[0]], case, names=("dQ",))
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_NAME, key=str), ids=lambda d: DTYPE_NAME[d])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_window_compiles_fullgraph_bitwise(backend, dtype):
+    """fullgraph=True (any graph break fails): O and gradients of the compiled call with a window equal eager's and
+    the direct calls', bit for bit; a window side passed as an argument (symbolic once it changes) too."""
+    import sagecupy.int8 as s8
+
+    q, k, v, do = _inputs(79, 1, 4, 2, 150, 260, 64, "HND", dtype)
+
+    def f(q, k, v):
+        return st.sage_attention(q, k, v, causal=True, window=(64, 0))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    got = _through(compiled, q, k, v, do)
+    _assert_same_bits(got, _through(f, q, k, v, do), (backend, "eager"))
+    _assert_same_bits(got, _direct(s8, q, k, v, do, causal=True, window=(64, 0)), (backend, "direct"))
+
+    def g(q, k, v, left):
+        return st.sage_attention(q, k, v, window=(left, 5))
+
+    compiled = torch.compile(g, fullgraph=True, backend=backend)
+    for left in (17, 40, 3):
+        got = _through(functools.partial(compiled, left=left), q, k, v, do)
+        _assert_same_bits(got, _direct(s8, q, k, v, do, window=(left, 5)), (backend, left))
+
+
+def test_window_opcheck():
+    """torch.library's checks of the INT8 ops with the window arguments (the fake implementations against the real
+    outputs, autograd registration, AOT dispatch)."""
+    q, k, v, do = _inputs(83, 1, 4, 2, 100, 170, 64, "HND", torch.float16)
+    args = (q, k, v, False, None, "HND", "", 17, 5)
+    fwd, bwd = torch.ops.sagecupy.sage_attention_fwd.default, torch.ops.sagecupy.sage_attention_bwd.default
+    torch.library.opcheck(fwd, args)
+    torch.library.opcheck(fwd, (*(x.detach().clone().requires_grad_() for x in (q, k, v)), *args[3:]))
+    o, _lse, *residuals = fwd(*args)
+    torch.library.opcheck(bwd, (do, o, v, *residuals, False, None, "HND", "", 17, 5))
+    torch.library.opcheck(torch.ops.sagecupy.sage_attention_infer.default, args)
+
+
+def test_window_errors():
+    q = torch.zeros(1, 2, 16, 64, device="cuda", dtype=torch.float16)
+    for fn in (st.sage_attention, _function):
+        with pytest.raises(ValueError, match="window"):
+            fn(q, q, q, window=(-2, 0))
+        with pytest.raises(ValueError, match=r"causal=True contradicts window=\(3, 1\)"):
+            fn(q, q, q, causal=True, window=(3, 1))
+        with pytest.raises(ValueError, match=r"causal=True contradicts window=\(-1, -1\)"):
+            fn(q, q, q, causal=True, window=(-1, -1))
