@@ -13,7 +13,8 @@ import numpy as _np
 
 __all__ = ["Problem", "as_cupy", "raw", "wrap", "check_attention_args", "check_problem", "check_limits",
            "check_sm_scale", "check_window", "check_dims", "check_buffer", "check_rows", "max_seq_len",
-           "SUPPORTED_HEAD_DIMS", "dtype_name", "INT32_MAX", "PAD_MAX", "GRID_YZ_MAX", "BF16_FORMS"]
+           "SUPPORTED_HEAD_DIMS", "dtype_name", "INT32_MAX", "PAD_MAX", "GRID_YZ_MAX", "BF16_FORMS",
+           "check_packed_limits", "packed_bounds"]
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LAYOUTS = ("HND", "NHD")
@@ -66,6 +67,33 @@ def check_limits(batch, heads_q, heads_kv, nq, nk, head_dim, *, what="", names=(
     if ctas > INT32_MAX:
         raise ValueError(f"{what}batch * Hq * ceil(Nq / {PAD_MAX}) * {PAD_MAX // _MIN_CTA_ROWS} = {ctas} query blocks "
                          f"exceeds the kernels' limit of {INT32_MAX} (a CTA's 32-bit linear index)")
+
+
+def packed_bounds(S: int, total_q: int, total_k: int) -> tuple:
+    """Sizes a packed call's buffers and grids take without reading its offsets (the kernels' table,
+    kernels_cu/int8/packed.cuh): padded q and k rows (every sequence padded to :data:`PAD_MAX`: at most
+    total + (PAD_MAX - 1) S), their 64-row blocks, and the K/V column statistics' 256-token chunks
+    (at most ceil(total_k / 256) + S). ``(tq_pad, tk_pad, nbq, nbk, nchk)``."""
+    tq_pad = _roundup(total_q + (PAD_MAX - 1) * S, PAD_MAX)
+    tk_pad = _roundup(total_k + (PAD_MAX - 1) * S, PAD_MAX)
+    return tq_pad, tk_pad, tq_pad // 64, tk_pad // 64, -(-total_k // 256) + S
+
+
+def check_packed_limits(S, heads_q, heads_kv, total_q, total_k, head_dim, *, what="") -> None:
+    """:func:`check_limits` for packed sequences (``S`` of them, ``total_q``/``total_k`` rows): a sequence is at most
+    its total long, the padded offsets and the table are int32 (:func:`packed_bounds`), and the grids run along x over
+    the padded rows and along y over the heads."""
+    check_limits(1, heads_q, heads_kv, total_q, total_k, head_dim, what=what, names=("total_q", "total_k"))
+    tq_pad, tk_pad, nbq, nbk, nchk = packed_bounds(S, total_q, total_k)
+    for name, n in (("total_q", tq_pad), ("total_k", tk_pad)):
+        if n > INT32_MAX:
+            raise ValueError(f"{what}{name} + {PAD_MAX - 1} * S = {n} padded rows with S = {S} sequences exceeds the "
+                             f"kernels' limit of {INT32_MAX} (32-bit offsets)")
+    for label, n in (("the table of sequence offsets", 5 * (S + 1) + nbq + nbk + nchk),
+                     ("64-row blocks x Hq", nbq * heads_q), ("sequences x 2 Hkv", 2 * S * heads_kv)):
+        if n > INT32_MAX:
+            raise ValueError(f"{what}{label} = {n} exceeds the kernels' limit of {INT32_MAX} (S = {S} sequences, "
+                             f"total_q = {total_q}, total_k = {total_k})")
 
 
 def check_dims(shape, name: str, labels) -> None:
@@ -151,7 +179,8 @@ def wrap(x, dtype: str, like=None):
 @dataclass(frozen=True)
 class Problem:
     """Shapes of one attention call, in HND terms. ``window``: None (``causal`` alone decides which keys a row sees)
-    or the ``(left, right)`` sliding window (docs/algorithms.md §1.8), a pair of ints >= -1 (-1: unbounded)."""
+    or the ``(left, right)`` sliding window (docs/algorithms.md §1.8), a pair of ints >= -1 (-1: unbounded).
+    Packed sequences (``layout="THD"``): ``batch`` is the number of sequences S, ``nq`` and ``nk`` the totals."""
 
     batch: int
     heads_q: int
@@ -242,20 +271,21 @@ def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPOR
     prefixes every message (e.g. ``"residuals.problem"``)."""
     if not isinstance(p, Problem):
         raise TypeError(f"{name} must be a sagecupy._checks.Problem, got {type(p).__name__}")
+    packed = p.layout == "THD"  # batch: the sequences; nq, nk: the totals, which may be 0
     for field in ("batch", "heads_q", "heads_kv", "nq", "nk", "head_dim"):
         value = getattr(p, field)
         if not _is_int(value):
             raise TypeError(f"{name}.{field} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{name}.{field}={value} must be at least 1")
+        if value < (0 if packed and field in ("nq", "nk") else 1):
+            raise ValueError(f"{name}.{field}={value} must be at least {0 if packed and field in ('nq', 'nk') else 1}")
     if p.head_dim not in head_dims:
         raise ValueError(f"{name}.head_dim={p.head_dim} is not supported; supported: {head_dims}")
     if p.heads_q % p.heads_kv:
         raise ValueError(f"{name}: heads_q={p.heads_q} must be a multiple of heads_kv={p.heads_kv}")
     if p.dtype not in dtypes:
         raise ValueError(f"{name}.dtype={p.dtype!r} is not supported; supported: {dtypes}")
-    if not isinstance(p.layout, str) or p.layout not in _LAYOUTS:
-        raise ValueError(f"{name}.layout={p.layout!r} is not supported; supported: {_LAYOUTS}")
+    if not isinstance(p.layout, str) or p.layout not in _LAYOUTS + ("THD",):
+        raise ValueError(f"{name}.layout={p.layout!r} is not supported; supported: {_LAYOUTS + ('THD',)}")
     if not isinstance(p.causal, bool):
         raise TypeError(f"{name}.causal must be a bool, got {p.causal!r}")
     w = p.window
@@ -266,7 +296,10 @@ def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPOR
             raise ValueError(f"{name}: causal=True contradicts window={w!r} (causal means right = 0)")
     if not isinstance(p.sm_scale, float) or not math.isfinite(p.sm_scale) or p.sm_scale <= 0:
         raise ValueError(f"{name}.sm_scale={p.sm_scale!r} must be a finite float > 0")
-    check_limits(p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim, what=f"{name}: ")
+    if packed:
+        check_packed_limits(p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim, what=f"{name}: ")
+    else:
+        check_limits(p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim, what=f"{name}: ")
 
 
 def _device_of(x, name: str) -> None:

@@ -16,9 +16,16 @@ ENGINES = ("auto", "mma", "wgmma")
 TMP = "tmp"
 
 
+#: The packed variable-length layout: (total, H, D) arrays with cu_seqlens (docs/algorithms.md §1.8).
+PACKED = "THD"
+
+
 def strides(x, layout):
-    """Element strides (batch, head, token) of a 4-D array in `layout`."""
+    """Element strides (batch, head, token) of a 4-D array in `layout`; of a packed (total, H, D) array (``"THD"``),
+    (0, head, token): the kernels move to a sequence's first token themselves."""
     s = [st // x.itemsize for st in x.strides]
+    if layout == PACKED:
+        return (0, s[1], s[0])
     return (s[0], s[1], s[2]) if layout == "HND" else (s[0], s[2], s[1])
 
 
@@ -76,6 +83,9 @@ def pick_engine(engine):
 
 def c_strides(shape, layout):
     """:func:`strides` of a C-contiguous array of ``shape`` (the layout's own order)."""
+    if layout == PACKED:
+        _, h, d = shape
+        return (0, d, h * d)
     _, a1, a2, d = shape
     s = (a1 * a2 * d, a2 * d, d)
     return s if layout == "HND" else (s[0], s[2], s[1])
@@ -88,10 +98,10 @@ def run_strides(x, copied, layout):
 
 
 def needs_copy(x, need_aligned):
-    """Whether :func:`prepare` copies the raw CuPy array ``x``."""
-    ok = x.strides[3] == x.itemsize
+    """Whether :func:`prepare` copies the raw CuPy array ``x`` (4-D, or 3-D packed)."""
+    ok = x.strides[-1] == x.itemsize
     if ok and need_aligned:
-        ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:3])
+        ok = x.data.ptr % 16 == 0 and all((st % 16 == 0) for st in x.strides[:-1])
     return not ok
 
 

@@ -64,12 +64,19 @@ def _unsupported_config(cfg: SageBwdConfig) -> str | None:
     return None
 
 
-def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None) -> tuple[bool, str]:
+def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> tuple[bool, str]:
     """(True, "") if :func:`forward` accepts these arguments on the current device, else (False, the reason).
-    Never raises."""
+    Never raises. Packed sequences (``layout="THD"``): device offsets are checked by their metadata only (see
+    :func:`forward`)."""
     try:
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
+        if _varlen.is_packed(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+            _varlen.check_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window,
+                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k)
+        else:
+            _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
         cfg = get_config(config)
         _check_device()
     except Exception as exc:  # the contract is (False, reason), whatever is wrong
@@ -135,6 +142,8 @@ def kernel_names() -> dict:
                     src, name, _ = _fwd_kernel(T, D, bkv, engine)
                     out[src].append(name)
                 out[_BWD_SOURCES[engine][0]] += list(_bwd_names(T, D, engine))
+            for f, names in _varlen.kernel_names(T, D).items():
+                out.setdefault(f, []).extend(n for n in names if n not in out[f])
     return out
 
 
@@ -156,7 +165,7 @@ def kernel_requests(dtype: str, D: int, engine: str) -> list:
         out.append((src, name, None, arch))
     src, arch = _BWD_SOURCES[engine]
     names = _bwd_names(T, D, engine)
-    return out + [(src, n, names, arch) for n in names]
+    return out + [(src, n, names, arch) for n in names] + _varlen.kernel_requests(T, D, engine)
 
 
 def forward_engine(engine: str | None = None) -> str:
@@ -245,6 +254,9 @@ class Residuals:
     o: object        # forward output (caller layout, raw)
     lse2: object     # (B, Hq, nq_pad) float32, base-2 LSE of the kernel's logits; +inf where no key is seen
     mu_k: object     # (B, Hkv, D) float32 or None
+    # Packed sequences (layout "THD", sagecupy/_varlen.py): the per-call table of sequence offsets (int32), and the
+    # buffers above in the packed padded layout (sequence s's (H, n_pad_s) block at row H * pad(s)); None otherwise.
+    packed: object = None
 
     @property
     def nq_pad(self):
@@ -304,16 +316,17 @@ def record_column_stat(prog, name, x, strides, T, shape, absmax, arena=None):
 
 
 _FWD_PLANS = Plans()
-_PRE_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale", "qmk", "mu_k", "v", "kv_img")
+_PRE_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v_t", "v_scale", "qmk", "mu_k", "v", "kv_img", "packed")
 
 
-def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None):
+def _preprocess_forward(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None,
+                        **packed):
     """Validation and the INT8 pre-passes (smoothing mean, Q/K/V quantization): (problem, config, state).
     The first call with a signature validates and records its program (sagecupy/_program.py); later ones replay
     it. ``inference=True`` (:func:`sage_attention`): no residuals are kept, so on the wgmma engine K's plain codes
     and scales are not written (the kernel reads K from the stage images); ``pre["k_codes"]`` is then None."""
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         inference=inference, window=window)
+                         inference=inference, window=window, **packed)
     for n in _PRE_NAMES:  # scratch buffers as arrays (views of the arena), for the tests and tools that read them
         if type(pre[n]) is int:
             pre[n] = plan.prog.member_array(pre, n)
@@ -325,9 +338,14 @@ def _window_key(window):
     return window if window is None else (type(window), tuple((type(x), x) for x in window))
 
 
-def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None):
+def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """:func:`_preprocess_forward` for the public calls: (plan, pre), scratch buffers as addresses (ints; the arena
     array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
+    if _varlen.is_packed(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        return _varlen.prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
+                               inference=inference, window=window, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale),
@@ -469,6 +487,8 @@ def _forward_launch_program(p, cfg, pre, engine):
     if engine == "wgmma" and pre["kv_img"] is None:
         raise ValueError("the pre-pass has no K/V stage images (kv_img), which the wgmma kernel reads; call "
                          "_preprocess_forward(..., engine='wgmma')")
+    if p.layout == _layout.PACKED:
+        return _varlen.forward_launch_program(p, cfg, pre, engine)
     src, name, arch = _fwd_kernel(T, D, bkv, engine)
     fn = get_function(src, name, arch=arch)
     stages = _fwd90_stages(D, bkv) if engine == "wgmma" else 2
@@ -498,7 +518,7 @@ def _forward_launch_program(p, cfg, pre, engine):
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
-            window=None):
+            window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """SageBwd forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
@@ -506,24 +526,34 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     float32 ``(B, Hq, Nq)``. ``engine``: see :func:`forward_engine`. bf16: CuPy arrays of ``ml_dtypes.bfloat16``
     or :class:`~sagecupy.adapters.bf16.BF16Array` (no copy either way); ``o`` takes q's form. ``window``: None or
     ``(left, right)`` (module docstring); the residuals carry it to :func:`backward`.
+
+    Packed variable-length sequences, ``layout="THD"`` (docs/algorithms.md §1.8, FlashAttention's varlen API):
+    q ``(total_q, Hq, D)``, k, v ``(total_k, Hkv, D)``, ``cu_seqlens_q``/``cu_seqlens_k`` the ``S + 1`` int32 prefix
+    sums (CuPy arrays: nothing is read back; NumPy arrays or lists: checked, then copied per call), ``max_seqlen_q/k``
+    optional ints. ``o`` ``(total_q, Hq, D)``, ``lse`` ``(Hq, total_q)``. Causal masks and windows are per sequence,
+    and so is every quantization statistic: the result is the separate calls' (sagecupy/_varlen.py).
     """
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         window=window)
+                         window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     p, cfg = plan.p, plan.cfg
     o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
-                    pre["mu_k"])
+                    pre["mu_k"], pre["packed"])
     o = _checks.wrap(o, p.dtype, pre["like"])
     return (o, lse, res) if return_lse else (o, res)
 
 
 def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None,
-                   engine=None, window=None):
+                   engine=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                   max_seqlen_k=None):
     """Inference entry point: INT8 attention forward; ``o`` or ``(o, lse)``, bitwise :func:`forward`'s. It keeps no
     residuals, so its pre-pass writes less (on the wgmma engine no plain K codes or scales: they are the backward's).
-    ``engine``: see :func:`forward_engine`; ``window``: see :func:`forward`."""
+    ``engine``: see :func:`forward_engine`; ``window`` and packed sequences (``layout="THD"``, ``cu_seqlens_q/k``,
+    ``max_seqlen_q/k``): see :func:`forward`."""
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         inference=True, window=window)
+                         inference=True, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     p, cfg = plan.p, plan.cfg
     o, lse, _ = _launch_forward(p, cfg, pre, engine)
     o = _checks.wrap(o, p.dtype, pre["like"])
@@ -549,7 +579,7 @@ def bwd_images(D):
 
 
 _BWD_PLANS = Plans()
-_RES_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v", "o", "lse2")
+_RES_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "v", "o", "lse2", "packed")
 _BPRE_NAMES = ("do", "delta", "q_img", "k_img", "do_t", "do_scale", "q_t", "k_t")
 
 
@@ -571,6 +601,11 @@ def check_residuals(r) -> None:
     import cupy
 
     p = r.problem
+    if p.layout == _layout.PACKED:
+        return _varlen.check_residuals(r)
+    if getattr(r, "packed", None) is not None:
+        raise ValueError(f"residuals.packed is the table of packed sequences (layout='THD'); it must be None for "
+                         f"layout={p.layout!r}")
     B, Hq, Hkv, D = p.batch, p.heads_q, p.heads_kv, p.head_dim
     nq_pad, nk_pad = _layout.roundup(p.nq, _FWD_BQ), _layout.roundup(p.nk, _FWD_BKV)  # as _forward_plan pads
     f32 = cupy.float32
@@ -631,6 +666,8 @@ def _backward_plan(r, do, engine):
     if _checks.dtype_name(do.dtype) != p.dtype:
         raise TypeError(f"do.dtype={_checks.dtype_name(do.dtype)} must equal the input dtype {p.dtype}")
     copy = (_layout.needs_copy(_checks.raw(do), True),)
+    if p.layout == _layout.PACKED:
+        return _varlen.backward_plan(r, do, engine, copy)
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq = p.batch, p.heads_q, p.heads_kv, p.nq
     nq_pad, nk_pad = r.nq_pad, r.nk_pad
@@ -690,14 +727,16 @@ def _backward_launch_program(r, pre, engine, kernels):
     p, cfg = r.problem, r.config
     T, D = _T[p.dtype], p.head_dim
     B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
-    nq_pad, nk_pad = r.nq_pad, r.nk_pad
-    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    dsb, dsh, dsn = _layout.strides(pre["do"], layout)
-    vsb, vsh, vsn = _layout.strides(r.v, layout)
     engine_arg, engine = engine, pre["engine"]  # the engine the pre-pass prepared for (wgmma: its stage images)
     if engine_arg and backward_engine(engine_arg) != engine:
         raise ValueError(f"engine={engine_arg!r}: the pre-pass was prepared for engine={engine!r}; "
                          f"call _preprocess_backward(..., engine={engine_arg!r})")
+    if layout == _layout.PACKED:
+        return _varlen.backward_launch_program(r, pre, engine, kernels)
+    nq_pad, nk_pad = r.nq_pad, r.nk_pad
+    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
+    dsb, dsh, dsn = _layout.strides(pre["do"], layout)
+    vsb, vsh, vsn = _layout.strides(r.v, layout)
     prog = Program()
     bits = _layout.bits_dtype(p.dtype)
     kv_shape, q_shape = _layout.layout_shape((B, Hkv, nk, D), layout), _layout.layout_shape((B, Hq, nq, D), layout)
@@ -761,3 +800,7 @@ def backward(residuals: Residuals, do, *, engine=None):
     (:func:`check_residuals`) before any launch."""
     backward_engine(engine)  # validate before any work
     return _launch_backward(residuals, _preprocess_backward(residuals, do, engine), engine)
+
+
+# (at the end: _varlen imports this module's names)
+from . import _varlen  # noqa: E402

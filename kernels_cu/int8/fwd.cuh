@@ -4,6 +4,7 @@
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
 #include "int8/bwd_img.cuh"
+#include "int8/packed.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"
@@ -232,7 +233,7 @@ __device__ __forceinline__ void qk_s8(int (&acc_s)[NT][4], const unsigned (&qf)[
 // ---- mma.sync forward (sm_80+) ----
 // WARPS = 4 warps of 16 query rows each (64 rows; int8.py _FWD_WARPS); tiles of BKV keys (64 or 128); K/V tiles
 // double-buffered with cp.async.
-template <typename T, int D, int WARPS, int BKV>
+template <typename T, int D, int WARPS, int BKV, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -240,13 +241,13 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
-              int v_block) {
+              int v_block, const int* __restrict__ meta = nullptr, int S = 0, int total_q = 0) {
   static_assert(WARPS == 4, "4 warps");
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22: 127 * 127 * D and 255 * 127 * BKV must stay below");
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NT = BKV / 8;
   const bool V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
-  const Window win{left, right};
+  Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
   // reads of it compile to LDS rather than generic loads.
@@ -256,7 +257,21 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   char* sV = sK + 2 * BKV * D;                   // 2 stages x D x BKV
   float* sKs = reinterpret_cast<float*>(sV + 2 * D * BKV);  // 2 stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(FWD_BQ, win.causal_shape(), Hq, Hkv);
+  QueryBlock qb = query_block(FWD_BQ, win.causal_shape(), Hq, Hkv);
+  int lse_n = nq;  // the LSE's row length: (B, Hq, nq), packed (Hq, total_q)
+  if constexpr (PACKED) {  // grid x: the 64-row blocks of the padded q axis (int8/packed.cuh)
+    const int s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
+    if (s < 0) return;  // past the last sequence
+    const PackedSeq p = packed_seq(meta, S, s);
+    packed_rebase(qb, p.qp, Hq, Hkv);
+    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad, lse_n = total_q;
+    packed_window(win.left, win.right, nq, nk);
+    const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
+    qc += qr * D, qs += qr, kc += kr * D, ks += kr, vt += kr * D, o += p.q0 * osn, lse += p.q0;
+    vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence
+    if (qmk) qmk += qr;
+    if (lse2) lse2 += qr;
+  }
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
@@ -319,7 +334,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     }
   }
   cp_async_wait<0>();  // a CTA that visits no tile still has Q in flight
-  fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
+  fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * lse_n,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }
 
@@ -355,7 +370,7 @@ struct FwdSm90 {
   // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
   static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64) ? 4 : 1);
 };
-template <typename T, int D, int WARPS, int BKV>
+template <typename T, int D, int WARPS, int BKV, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -363,7 +378,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
-              int v_block, const char* __restrict__ kv_img) {
+              int v_block, const char* __restrict__ kv_img, const int* __restrict__ meta = nullptr, int S = 0,
+              int total_q = 0) {
   static_assert(WARPS == 4, "one warpgroup");
   static_assert(D == 64 || D == 128, "wgmma N = D");
   // Each stage is its tile's K/V images (int8/bwd_img.cuh FwdImg: K^, V^^T, key scales of 64 keys; NI = BKV / 64
@@ -375,7 +391,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   constexpr int NI = BKV / 64;
   constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV>::NST, NT = BKV / 8;
   const bool V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
-  const Window win{left, right};
+  Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require.
   // Pointer arithmetic (not an integer cast) keeps the compiler aware that this is shared memory, so plain
@@ -386,7 +402,22 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV
   float* sKs = reinterpret_cast<float*>(sV + NST * D * BKV);  // NST stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<FWD_CAUSAL_GROUP>(FWD_BQ, win.causal_shape(), Hq, Hkv);
+  QueryBlock qb = query_block<FWD_CAUSAL_GROUP>(FWD_BQ, win.causal_shape(), Hq, Hkv);
+  int lse_n = nq;  // the LSE's row length: (B, Hq, nq), packed (Hq, total_q)
+  if constexpr (PACKED) {
+    grid_dep_wait();  // the table (a launch with SAGECUPY_PDL may start before the pre-pass ends)
+    const int s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
+    if (s < 0) return;  // past the last sequence
+    const PackedSeq p = packed_seq(meta, S, s);
+    packed_rebase(qb, p.qp, Hq, Hkv);
+    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad, lse_n = total_q;
+    packed_window(win.left, win.right, nq, nk);
+    const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
+    qc += qr * D, qs += qr, o += p.q0 * osn, lse += p.q0, kv_img += kr / 64 * KvImg::STAGE;
+    vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence
+    if (qmk) qmk += qr;
+    if (lse2) lse2 += qr;
+  }
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
@@ -523,7 +554,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     }
   }
   cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or rows that see no key) still has Q in flight
-  fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * nq,
+  fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * lse_n,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }
 

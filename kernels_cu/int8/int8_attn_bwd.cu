@@ -23,13 +23,13 @@
 // shares the forward's Q.K^T (int8/fwd.cuh) and its choice of KV tiles (common/rows.cuh).
 #include "int8/bwd.cuh"
 #include "int8/fwd.cuh"
+#include "int8/packed.cuh"
 #include "common/tile.cuh"
 
 using namespace sage;
 
-template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS)
-int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
+template <typename T, int D, bool PACKED = false>
+__device__ __forceinline__ void int8_attn_bwd_impl(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
               const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
@@ -38,9 +38,10 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
               T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-              int left, int right, int p_col, int ds_rowcol) {
+              int left, int right, int p_col, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0,
+              int nbq = 0) {
   const bool P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
-  const Window win{left, right};
+  Window win{left, right};
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
   extern __shared__ __align__(128) char smem[];
   char* sK = smem;                          // 64 keys x D        int8
@@ -55,7 +56,20 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   float* sRed = reinterpret_cast<float*>(sBuf + 2 * BUF);  // 4 floats of scratch
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  int kb = blockIdx.x, b = blockIdx.z;
+  int bq = b, bk = b;  // the caller's q- and k-side arrays: batch b, or (packed) a sequence's first row
+  const int hk = blockIdx.y;
+  if constexpr (PACKED) {  // grid x: the 64-key blocks of the padded k axis (int8/packed.cuh)
+    const int s = packed_seq_of(meta, S, nbq, gridDim.x, true, static_cast<long long>(kb) * BWD_BKV);
+    if (s < 0) return;  // past the last sequence
+    const PackedSeq p = packed_seq(meta, S, s);
+    kb -= p.kp / BWD_BKV, b = 0, bq = p.q0, bk = p.k0;
+    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
+    packed_window(win.left, win.right, nq, nk);
+    const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
+    qc += qr * D, qs += qr, qt += qr * D, dot += qr * D, dos += qr / BWD_BQ * D, lse2 += qr, delta += qr;
+    kc += kr * D, ks += kr;
+  }
   const int group = Hq / Hkv;
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
@@ -65,7 +79,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
 
   // Per-CTA operands: K^ (A of S^T), V (A of dP^T).
   load_tile_async<BWD_BKV, D, BWD_THREADS>(sK, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);
-  load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(sV, reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn),
+  load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(sV, reinterpret_cast<const char*>(v + bk * vsb + hk * vsh + k0 * vsn),
                                               vsn * 2, nk - k0, tid);
   cp_async_commit();
 
@@ -90,7 +104,7 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
     const long long bhh = static_cast<long long>(b) * Hq + hh;
     load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D, tid);
     load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(
-        sdO, reinterpret_cast<const char*>(dout + b * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
+        sdO, reinterpret_cast<const char*>(dout + bq * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
   };
   // The per-query arrays are copied over the whole padded tile (every padded row of q scales, lse2 and
   // delta is written by the forward and the pre-passes); P of rows >= nq is zeroed by need_mask below.
@@ -215,24 +229,59 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
   }
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
-  store_acc_rows<T, D>(dv + b * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
-  store_acc_rows<T, D>(dk + b * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
+  store_acc_rows<T, D>(dv + bk * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
+  store_acc_rows<T, D>(dk + bk * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
+}
+
+// dK/dV: grid (nk_pad / 64, Hkv, B), block 128; dynamic shared memory: int8.py _bwd_smem.
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS)
+int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
+              const signed char* __restrict__ kc, const float* __restrict__ ks,
+              const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
+              const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+              const signed char* __restrict__ dot, const float* __restrict__ dos,
+              const float* __restrict__ lse2, const float* __restrict__ delta,
+              T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
+              T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
+              int left, int right, int p_col, int ds_rowcol) {
+  int8_attn_bwd_impl<T, D>(qc, qs, qt, kc, ks, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, dot, dos, lse2, delta, dk, ksb,
+                           ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad, nk_pad, p_max, left, right, p_col,
+                           ds_rowcol);
+}
+
+// Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); v, dout, dk, dv (total, H, D)
+// at the given strides; the residuals and the pre-pass buffers in the packed padded layout.
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS)
+int8_attn_bwd_packed(const signed char* __restrict__ qc, const float* __restrict__ qs,
+                     const signed char* __restrict__ qt, const signed char* __restrict__ kc,
+                     const float* __restrict__ ks, const T* __restrict__ v, long long vsh, long long vsn,
+                     const T* __restrict__ dout, long long dsh, long long dsn, const signed char* __restrict__ dot,
+                     const float* __restrict__ dos, const float* __restrict__ lse2, const float* __restrict__ delta,
+                     T* __restrict__ dk, long long ksh, long long ksn, T* __restrict__ dv, long long vvh,
+                     long long vvn, int Hq, int Hkv, float p_max, int left, int right, int p_col, int ds_rowcol,
+                     const int* __restrict__ meta, int S, int nbq) {
+  // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
+  int8_attn_bwd_impl<T, D, true>(qc, qs, qt, kc, ks, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, dot, dos, lse2, delta, dk,
+                                 ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, p_col, ds_rowcol,
+                                 meta, S, nbq);
 }
 
 // dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D + 512
 // bytes (Q^ and dO of the CTA's rows, then two stages of K^, K^^T, V and the key scales).
-template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS)
-int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ qs,
+template <typename T, int D, bool PACKED = false>
+__device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
                  const signed char* __restrict__ kc, const float* __restrict__ ks, const signed char* __restrict__ ktp,
                  const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
                  const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
                  const float* __restrict__ lse2, const float* __restrict__ delta,
                  T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                  int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left, int right,
-                 int ds_rowcol) {
+                 int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0) {
   const bool DS_ROWCOL = ds_rowcol != 0;
-  const Window win{left, right};
+  Window win{left, right};
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
   extern __shared__ __align__(128) char smem[];
   constexpr int STAGE = BWD_BKV * D + D * BWD_BKV + BWD_BKV * D * 2 + BWD_BKV * 4;
@@ -243,7 +292,19 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   __shared__ float sRed[4];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
+  QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
+  int bq = qb.b, bk = qb.b;  // the caller's q- and k-side arrays: batch b, or (packed) a sequence's first row
+  if constexpr (PACKED) {  // grid x: the 64-row blocks of the padded q axis (int8/packed.cuh)
+    const int s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
+    if (s < 0) return;  // past the last sequence
+    const PackedSeq p = packed_seq(meta, S, s);
+    packed_rebase(qb, p.qp, Hq, Hkv);
+    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
+    packed_window(win.left, win.right, nq, nk);
+    const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
+    qc += qr * D, qs += qr, lse2 += qr, delta += qr, kc += kr * D, ks += kr, ktp += kr * D;
+    bq = p.q0, bk = p.k0;
+  }
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
@@ -256,12 +317,12 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
     load_tile_async<D, BWD_BKV, BWD_THREADS>(st + BWD_BKV * D,  // K^^T: tile-major
                                              reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + k0 * D), BWD_BKV, tid);
     load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(st + 2 * BWD_BKV * D,
-                                                reinterpret_cast<const char*>(v + b * vsb + hk * vsh + k0 * vsn),
+                                                reinterpret_cast<const char*>(v + bk * vsb + hk * vsh + k0 * vsn),
                                                 vsn * 2, nk - k0, tid);
     load_vec_async<BWD_THREADS>(st + 4 * BWD_BKV * D, ks + bhk * nk_pad + k0, BWD_BKV / 4, tid);
   };
   load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
-  load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
+  load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(sdO, reinterpret_cast<const char*>(dout + bq * dsb + h * dsh + q0 * dsn),
                                              dsn * 2, nq - q0, tid);
   if (tl.n > tl.first) load_kv(tl.first);
   cp_async_commit();
@@ -336,5 +397,34 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
   }
 
   // Epilogue: dQ in the caller's layout and dtype (rows that see no key get 0).
-  store_acc_rows<T, D>(dq + b * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
+  store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS)
+int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ qs,
+                 const signed char* __restrict__ kc, const float* __restrict__ ks, const signed char* __restrict__ ktp,
+                 const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
+                 const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
+                 const float* __restrict__ lse2, const float* __restrict__ delta,
+                 T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
+                 int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left, int right,
+                 int ds_rowcol) {
+  int8_attn_bwd_dq_impl<T, D>(qc, qs, kc, ks, ktp, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, lse2, delta, dq, qsb, qsh,
+                              qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad, sm_scale, left, right, ds_rowcol);
+}
+
+// Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1).
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS)
+int8_attn_bwd_dq_packed(const signed char* __restrict__ qc, const float* __restrict__ qs,
+                        const signed char* __restrict__ kc, const float* __restrict__ ks,
+                        const signed char* __restrict__ ktp, const T* __restrict__ v, long long vsh, long long vsn,
+                        const T* __restrict__ dout, long long dsh, long long dsn, const float* __restrict__ lse2,
+                        const float* __restrict__ delta, T* __restrict__ dq, long long qsh, long long qsn, int Hq,
+                        int Hkv, float sm_scale, int left, int right, int ds_rowcol, const int* __restrict__ meta,
+                        int S) {
+  // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
+  int8_attn_bwd_dq_impl<T, D, true>(qc, qs, kc, ks, ktp, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, lse2, delta, dq, qsn,
+                                    qsh, qsn, Hq, Hkv, 0, 0, 0, 0, sm_scale, left, right, ds_rowcol, meta, S);
 }

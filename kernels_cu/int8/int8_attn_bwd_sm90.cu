@@ -18,6 +18,7 @@
 // mbarrier; the next iteration's arrives during this one.
 #include "int8/bwd_img.cuh"
 #include "int8/bwd.cuh"
+#include "int8/packed.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
 #include "common/wgmma.cuh"
@@ -74,17 +75,18 @@ constexpr int BWD90_D64_MIN_CTAS = 3;
 // D = 64 dK/dV: S and dP are issued first after the barrier, the next stage's copy after them: 1.04x on the kernel,
 // 0.98-1.01x at D = 128, which keeps the copy first (docs/experiments.md; bitwise the same).
 
-template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
-int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
+template <typename T, int D, bool PACKED = false>
+__device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__ q_img, const char* __restrict__ k_img,
+                   const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-                   int left, int right, int p_col, int ds_rowcol) {
+                   int left, int right, int p_col, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0,
+                   int nbq = 0) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   using Img = BwdImg<D>;
   const bool P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
-  const Window win{left, right};
+  Window win{left, right};
   constexpr bool LOAD_AFTER_S = D == 64;  // (see above)
   constexpr int STAGE = BwdSm90<D>::STAGE;
   static_assert(Img::Q_STAGE <= STAGE && Img::Q_QS == 320 * D, "a stage image is the stage's layout");
@@ -97,7 +99,19 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
   __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int kb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  int kb = blockIdx.x, b = blockIdx.z;
+  int bk = b;  // the caller's dk, dv: batch b, or (packed) the sequence's first key
+  const int hk = blockIdx.y;
+  if constexpr (PACKED) {  // grid x: the 64-key blocks of the padded k axis (int8/packed.cuh)
+    const int s = packed_seq_of(meta, S, nbq, gridDim.x, true, static_cast<long long>(kb) * BWD_BKV);
+    if (s < 0) return;  // past the last sequence
+    const PackedSeq p = packed_seq(meta, S, s);
+    kb -= p.kp / BWD_BKV, b = 0, bk = p.k0;
+    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
+    packed_window(win.left, win.right, nq, nk);
+    const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
+    q_img += qr / BWD_BQ * Img::Q_STAGE, k_img += kr / BWD_BKV * Img::K_STAGE, ks += kr;
+  }
   const int group = Hq / Hkv;
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
@@ -260,8 +274,32 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
   if constexpr (D == 128) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
-  store_acc_rows<T, D>(dv + b * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
-  store_acc_rows<T, D>(dk + b * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
+  store_acc_rows<T, D>(dv + bk * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
+  store_acc_rows<T, D>(dk + bk * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
+int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
+                   T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
+                   T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
+                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
+                   int left, int right, int p_col, int ds_rowcol) {
+  int8_attn_bwd_sm90_impl<T, D>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad,
+                                nk_pad, p_max, left, right, p_col, ds_rowcol);
+}
+
+// Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); dk, dv (total_k, Hkv, D) at
+// the given strides; the images and key scales in the packed padded layout.
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
+int8_attn_bwd_sm90_packed(const char* __restrict__ q_img, const char* __restrict__ k_img,
+                          const float* __restrict__ ks, T* __restrict__ dk, long long ksh, long long ksn,
+                          T* __restrict__ dv, long long vvh, long long vvn, int Hq, int Hkv, float p_max, int left,
+                          int right, int p_col, int ds_rowcol, const int* __restrict__ meta, int S, int nbq) {
+  // (the token strides as the batch strides: the impl's batch index is then the sequence's first key)
+  int8_attn_bwd_sm90_impl<T, D, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max,
+                                      left, right, p_col, ds_rowcol, meta, S, nbq);
 }
 
 // dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem(D)[1]).
@@ -273,17 +311,17 @@ struct BwdDqSm90 {
   static constexpr int SMEM = 1024 + 192 * D + 2 * STAGE;
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
-int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
+template <typename T, int D, bool PACKED = false>
+__device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restrict__ q_img,
+                      const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                       int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left,
-                      int right, int ds_rowcol) {
+                      int right, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   using Img = BwdImg<D>;
   const bool DS_ROWCOL = ds_rowcol != 0;
-  const Window win{left, right};
+  Window win{left, right};
   constexpr int STAGE = BwdDqSm90<D>::STAGE;
   static_assert(Img::K_STAGE <= STAGE && Img::K_KS == 256 * D && Img::Q_DO == 64 * D, "images are the stages' layout");
   extern __shared__ __align__(128) char smem_raw[];
@@ -295,7 +333,19 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
   __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
+  QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
+  int bq = qb.b;  // the caller's dq: batch b, or (packed) the sequence's first row
+  if constexpr (PACKED) {  // grid x: the 64-row blocks of the padded q axis (int8/packed.cuh)
+    const int s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
+    if (s < 0) return;  // past the last sequence
+    const PackedSeq p = packed_seq(meta, S, s);
+    packed_rebase(qb, p.qp, Hq, Hkv);
+    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
+    packed_window(win.left, win.right, nq, nk);
+    const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
+    q_img += qr / BWD_BQ * Img::Q_STAGE, k_img += kr / BWD_BKV * Img::K_STAGE, qs += qr, lse2 += qr, delta += qr;
+    bq = p.q0;
+  }
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
@@ -404,5 +454,29 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
   fence_regs(acc_s);
   fence_regs(acc_dp);
 
-  store_acc_rows<T, D>(dq + b * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
+  store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
+int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
+                      const float* __restrict__ lse2, const float* __restrict__ delta,
+                      T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
+                      int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left,
+                      int right, int ds_rowcol) {
+  int8_attn_bwd_dq_sm90_impl<T, D>(q_img, k_img, qs, lse2, delta, dq, qsb, qsh, qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad,
+                                   sm_scale, left, right, ds_rowcol);
+}
+
+// Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1).
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
+int8_attn_bwd_dq_sm90_packed(const char* __restrict__ q_img, const char* __restrict__ k_img,
+                             const float* __restrict__ qs, const float* __restrict__ lse2,
+                             const float* __restrict__ delta, T* __restrict__ dq, long long qsh, long long qsn, int Hq,
+                             int Hkv, float sm_scale, int left, int right, int ds_rowcol,
+                             const int* __restrict__ meta, int S) {
+  // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
+  int8_attn_bwd_dq_sm90_impl<T, D, true>(q_img, k_img, qs, lse2, delta, dq, qsn, qsh, qsn, Hq, Hkv, 0, 0, 0, 0, sm_scale,
+                                         left, right, ds_rowcol, meta, S);
 }

@@ -22,3 +22,18 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
   int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
                                  nk_pad, p_max, left, right, v_block, kv_img);
 }
+
+// Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1); o (total_q, Hq, D) at the given
+// strides, lse (Hq, total_q); the pre-pass buffers in the packed padded layout.
+template <typename T, int D, int WARPS, int BKV>
+__global__ void __launch_bounds__(32 * WARPS, FwdSm90<D, BKV>::MIN_CTAS)
+int8_attn_fwd_sm90_packed(const signed char* __restrict__ qc, const float* __restrict__ qs,
+                          const float* __restrict__ vs, const float* __restrict__ qmk,
+                          T* __restrict__ o, long long osh, long long osn,
+                          float* __restrict__ lse, float* __restrict__ lse2,
+                          int Hq, int Hkv, float p_max, int left, int right, int v_block,
+                          const char* __restrict__ kv_img, const int* __restrict__ meta, int S, int total_q) {
+  int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV, true>(qc, qs, nullptr, nullptr, nullptr, vs, qmk, o, 0, osh, osn, lse,
+                                                   lse2, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, v_block, kv_img,
+                                                   meta, S, total_q);
+}

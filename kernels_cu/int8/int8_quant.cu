@@ -731,15 +731,15 @@ __device__ __forceinline__ void transpose_i8_body(const signed char* __restrict_
 // with zero rows beyond nk, key scales). Codes as in transpose_i8_body; the untransposed tile is stored swizzled
 // from the same loads. grid (max(nq_pad, nk_pad) / 64, Hq + Hkv, B), block 256; V's rows 16-byte aligned.
 template <typename T, int D>
-__global__ void __launch_bounds__(256)
-bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, const float* __restrict__ lse2,
-              int nq_pad, char* __restrict__ q_img, const signed char* __restrict__ kc, const float* __restrict__ ks,
-              int nk_pad, const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk,
-              char* __restrict__ k_img, int Hq, int Hkv) {
+__device__ __forceinline__ void bwd_qk_images_body(const signed char* __restrict__ qc, const float* __restrict__ qs,
+                                                   const float* __restrict__ lse2, int nq_pad, char* __restrict__ q_img,
+                                                   const signed char* __restrict__ kc, const float* __restrict__ ks,
+                                                   int nk_pad, const T* __restrict__ v, long long vsb, long long vsh,
+                                                   long long vsn, int nk, char* __restrict__ k_img, int Hq, int Hkv,
+                                                   int blk, int y, int b) {
   using Img = BwdImg<D>;
   static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
   __shared__ CodeWords<D> tile;
-  const int y = blockIdx.y, blk = blockIdx.x, b = blockIdx.z;
   const bool qside = y < Hq;
   const int n_pad = qside ? nq_pad : nk_pad, hk = y - Hq;
   if (blk * 64 >= n_pad) return;
@@ -771,6 +771,16 @@ bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, 
     for (int e = 0; e < 4; ++e)  // row 4 cq + e of the transposed tile; positions 4 tg .. 4 tg + 3 = 16-byte chunk hf
       *reinterpret_cast<unsigned*>(dst_t + swz<64>(4 * cq + e, hf)) = o[e];
   });
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, const float* __restrict__ lse2,
+              int nq_pad, char* __restrict__ q_img, const signed char* __restrict__ kc, const float* __restrict__ ks,
+              int nk_pad, const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk,
+              char* __restrict__ k_img, int Hq, int Hkv) {
+  bwd_qk_images_body<T, D>(qc, qs, lse2, nq_pad, q_img, kc, ks, nk_pad, v, vsb, vsh, vsn, nk, k_img, Hq, Hkv,
+                           blockIdx.x, blockIdx.y, blockIdx.z);
 }
 
 // The backward's two transposes (Q codes: heads y < Hq, K codes: the others) in one launch.

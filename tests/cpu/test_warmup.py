@@ -65,20 +65,26 @@ def _array(shape, dtype):
 
 def _run_calls(family, dtype, d, engine, monkeypatch):
     """Every entry point of ``family`` on inputs of ``dtype`` and head dim ``d`` on ``engine``: each config the
-    kernels implement, causal or not, forward and backward (NVFP4: with and without the tail split, and on packed
-    operands)."""
+    kernels implement, causal or not, forward and backward (INT8: dense and packed sequences; NVFP4: with and without
+    the tail split, and on packed operands)."""
     from sagecupy import int8, nvfp4, qat
     from sagecupy.config import NVFP4Config
 
     nq, nk = (400, 1024) if family == "nvfp4" else (128, 128)  # (no padding: the stand-in arrays cannot zero one)
     q, k, v = _array((2, 4, nq, d), dtype), _array((2, 2, nk, d), dtype), _array((2, 2, nk, d), dtype)
     do = _array((2, 4, nq, d), dtype)
+    # packed sequences (layout "THD"): 3 sequences whose offsets stay on the (stand-in) device
+    packed = dict(layout="THD", cu_seqlens_q=FakeArray((4,), np.int32), cu_seqlens_k=FakeArray((4,), np.int32))
+    qp, kp, vp, dop = (_array(shape, dtype) for shape in ((300, 4, d), (200, 2, d), (200, 2, d), (300, 4, d)))
     for causal in (False, True):
         if family == "int8":
             for config in ("default", "paper", "bkv64"):
                 o, res = int8.forward(q, k, v, causal=causal, config=config, engine=engine)
                 int8.backward(res, do, engine=engine)
                 int8.sage_attention(q, k, v, causal=causal, config=config, engine=engine)
+                o, res = int8.forward(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
+                int8.backward(res, dop, engine=engine)
+                int8.sage_attention(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
         elif family == "qat":
             o, res = qat.forward(q, k, v, causal=causal, engine=engine)
             qat.backward(res, do, engine=engine)
@@ -145,7 +151,7 @@ def test_warmup_runs_each_module_once_and_reports_per_file(built):
     assert sorted(files) == sorted((f, sum(m.filename == f for m in modules)) for f in {m.filename for m in modules})
     # every file a family launches from, both engines on sm_90, and the INT8 pre-pass K's mean of NVFP4 takes
     assert {f for f, _ in files} == {
-        "int8/int8_quant.cu", "int8/int8_attn_fwd.cu", "int8/int8_attn_fwd_sm90.cu", "int8/int8_attn_bwd.cu",
+        "int8/int8_quant.cu", "int8/int8_quant_packed.cu", "int8/int8_attn_fwd.cu", "int8/int8_attn_fwd_sm90.cu", "int8/int8_attn_bwd.cu",
         "int8/int8_attn_bwd_sm90.cu", "nvfp4/nvfp4_quant.cu", "nvfp4/fp4_attn_fwd.cu", "nvfp4/fp4_attn_fwd_sm90.cu",
         "qat/qat_attn_fwd_sm90.cu", "qat/qat_attn_bwd.cu", "qat/qat_attn_bwd_sm90.cu"}
 
@@ -155,11 +161,12 @@ def test_a_failing_module_is_reported_not_raised(built):
 
     built.fail.add("int8/int8_attn_bwd.cu")
     summary = warmup(families="int8", dtypes="float16", head_dims=64, engines="mma")
-    assert [r.module.filename for r in summary.failures] == ["int8/int8_attn_bwd.cu"]
+    # the dense and the packed backward modules
+    assert [r.module.filename for r in summary.failures] == ["int8/int8_attn_bwd.cu"] * 2
     error = summary.failures[0].error
     assert "compiling int8/int8_attn_bwd.cu failed" in error and "line 2" in error
-    assert len(summary.compiled) == 3  # the pre-pass module and the two forward instances
-    with pytest.raises(RuntimeError, match="1 of 4 modules failed"):
+    assert len(summary.compiled) == 6  # the pre-pass modules and the forward instances, dense and packed
+    with pytest.raises(RuntimeError, match="2 of 8 modules failed"):
         warmup(families="int8", dtypes="float16", head_dims=64, engines="mma", strict=True)
 
 
@@ -236,15 +243,15 @@ def test_cli_prints_a_line_per_file_and_the_total(built, monkeypatch):
     lines = result.stdout.splitlines()
     files = sorted(line.split()[0] for line in lines[:-1])
     assert files == ["int8/int8_attn_bwd.cu", "int8/int8_attn_bwd_sm90.cu", "int8/int8_attn_fwd.cu",
-                     "int8/int8_attn_fwd_sm90.cu", "int8/int8_quant.cu"]
-    assert lines[-1].startswith("warmup: 7 modules ready, 7 new in CuPy's cache, 0 failed, ")
+                     "int8/int8_attn_fwd_sm90.cu", "int8/int8_quant.cu", "int8/int8_quant_packed.cu"]
+    assert lines[-1].startswith("warmup: 14 modules ready, 14 new in CuPy's cache, 0 failed, ")
     assert lines[-1].endswith(f"cache {os.environ['CUPY_CACHE_DIR']}")
     assert all("__nv_bfloat16, 128" in names[0] or names[0].startswith("transpose") for _, names, _ in built)
     built.fail.add("int8/int8_attn_fwd_sm90.cu")
     result = CliRunner().invoke(cli.main, ["warmup", "--families", "int8", "--d", "64", "--engines", "wgmma"])
     assert result.exit_code == 1
-    assert "int8/int8_attn_fwd_sm90.cu" in result.stdout and "4 FAILED" in result.stdout
-    assert "    line 2" in result.stdout and ", 4 failed, " in result.stdout.splitlines()[-1]
+    assert "int8/int8_attn_fwd_sm90.cu" in result.stdout and "8 FAILED" in result.stdout  # dense and packed
+    assert "    line 2" in result.stdout and ", 8 failed, " in result.stdout.splitlines()[-1]
 
 
 def test_jobs_compile_in_spawned_processes_and_report_their_failures(built, monkeypatch, tmp_path):
@@ -261,5 +268,6 @@ def test_jobs_compile_in_spawned_processes_and_report_their_failures(built, monk
     assert summary.jobs == 2 and built == []  # (nothing compiled in this process)
     assert sorted((r.module for r in summary.results), key=str) == sorted(modules, key=str)
     assert all(r.error.startswith(("ModuleNotFoundError", "FileNotFoundError")) for r in summary.failures)
-    assert len(summary.failures) == len(modules) == 4
-    assert sorted(files) == [("int8/int8_attn_bwd.cu", 1), ("int8/int8_attn_fwd.cu", 2), ("int8/int8_quant.cu", 1)]
+    assert len(summary.failures) == len(modules) == 8  # dense and packed
+    assert sorted(files) == [("int8/int8_attn_bwd.cu", 2), ("int8/int8_attn_fwd.cu", 4), ("int8/int8_quant.cu", 1),
+                             ("int8/int8_quant_packed.cu", 1)]
