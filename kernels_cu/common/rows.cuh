@@ -78,6 +78,19 @@ struct Window {
   __device__ __forceinline__ int2 keys(int row, int shift, int nk) const {
     return make_int2(left >= 0 ? row + shift - left : 0, right >= 0 ? min(nk - 1, row + shift + right) : nk - 1);
   }
+  // keys() of a row that may lie past nq (none then): the dQ kernels' mask, bounds computed once per row so that a
+  // masked element costs two compares and no branch (a per-element test of both edges made the backward kernels
+  // 8-11 % slower, unmasked tiles included; docs/experiments.md E-I8B-WINMASK).
+  __device__ __forceinline__ int2 row_keys(int row, int shift, int nq, int nk) const {
+    return row < nq ? keys(row, shift, nk) : make_int2(0, -1);
+  }
+  // The query rows lo .. hi that see key `key`, rows >= nq excluded, none when key >= nk (hi < lo): the dK/dV
+  // kernels' mask, as row_keys for the dQ kernels.
+  __device__ __forceinline__ int2 rows(int key, int shift, int nq, int nk) const {
+    return key < nk ? make_int2(right >= 0 ? key - shift - right : 0,
+                                left >= 0 ? min(nq - 1, key - shift + left) : nq - 1)
+                    : make_int2(0, -1);
+  }
   // Whether row `row` must not see key `key` (keys >= nk and rows >= nq are the caller's tests).
   __device__ __forceinline__ bool hides(int row, int key, int shift) const {
     return (right >= 0 && key > row + shift + right) || (left >= 0 && key < row + shift - left);

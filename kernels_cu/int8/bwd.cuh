@@ -70,12 +70,12 @@ __device__ __forceinline__ void bwd_group_scale(float (&s)[2], float (&inv)[2], 
   }
 }
 
-// dK/dV kernel: P^T = exp2(S^T * s_K[key] * s_Q[query] - lse2[query]) masked to 0 (outside the window w too), and
-// its row (key) maxima.
-// sQs, sL: the query tile's q scales and lse2 (shared); key_lo: this thread's first key; q0: the tile's first query.
+// dK/dV kernel: P^T = exp2(S^T * s_K[key] * s_Q[query] - lse2[query]) masked to 0, and its row (key) maxima.
+// sQs, sL: the query tile's q scales and lse2 (shared); q0: the tile's first query; qv[r]: the query rows that see
+// this thread's key key_lo + 8 r (Window::rows).
 __device__ __forceinline__ void bwd_pt_tile(float (&p)[8][4], float (&pmax)[2], const int* acc_s, const float (&sk)[2],
-                                            const float* sQs, const float* sL, int key_lo, int q0, int t4,
-                                            bool need_mask, Window w, int nq, int nk, int shift) {
+                                            const float* sQs, const float* sL, int q0, int t4, bool need_mask,
+                                            const int2 (&qv)[2]) {
   pmax[0] = pmax[1] = 0.f;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
@@ -83,12 +83,12 @@ __device__ __forceinline__ void bwd_pt_tile(float (&p)[8][4], float (&pmax)[2], 
     const float2 qs2 = *reinterpret_cast<const float2*>(sQs + qc0), l2 = *reinterpret_cast<const float2*>(sL + qc0);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int qi = qc0 + (e & 1), key = key_lo + 8 * (e >> 1);
+      const int qi = qc0 + (e & 1);
       float val = fast_exp2(i2f_small(acc_s[4 * nt + e]) * sk[e >> 1] * ((e & 1) ? qs2.y : qs2.x) -
                             ((e & 1) ? l2.y : l2.x));
       if (need_mask) {
         const int qrow = q0 + qi;
-        if (key >= nk || qrow >= nq || w.hides(qrow, key, shift)) val = 0.f;
+        if ((qrow < qv[e >> 1].x) | (qrow > qv[e >> 1].y)) val = 0.f;
       }
       p[nt][e] = val;
       pmax[e >> 1] = nan_max(pmax[e >> 1], val);
@@ -130,10 +130,11 @@ __device__ __forceinline__ void bwd_dq_rows(float (&sq)[2], float (&lse_r)[2], f
   }
 }
 
-// dQ kernel: P = exp2(S * s_K[key] * s_Q[row] - lse2[row]) masked to 0; skk: the keys' scales (kept for X).
+// dQ kernel: P = exp2(S * s_K[key] * s_Q[row] - lse2[row]) masked to 0; skk: the keys' scales (kept for X); rk[r]:
+// the keys row r_lo + 8 r sees (Window::row_keys).
 __device__ __forceinline__ void bwd_dq_p_tile(float (&p)[8][4], float (&skk)[8][2], const int* acc_s, const float* cKs,
-                                              const float (&sq)[2], const float (&lse_r)[2], int k0, int r_lo, int t4,
-                                              bool need_mask, Window w, int nq, int nk, int shift) {
+                                              const float (&sq)[2], const float (&lse_r)[2], int k0, int t4,
+                                              bool need_mask, const int2 (&rk)[2]) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int key = k0 + nt * 8 + 2 * t4;
@@ -144,8 +145,8 @@ __device__ __forceinline__ void bwd_dq_p_tile(float (&p)[8][4], float (&skk)[8][
     for (int e = 0; e < 4; ++e) {
       float val = fast_exp2(i2f_small(acc_s[4 * nt + e]) * skk[nt][e & 1] * sq[e >> 1] - lse_r[e >> 1]);
       if (need_mask) {
-        const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
-        if (kk >= nk || row >= nq || w.hides(row, kk, shift)) val = 0.f;
+        const int kk = key + (e & 1);
+        if ((kk < rk[e >> 1].x) | (kk > rk[e >> 1].y)) val = 0.f;
       }
       p[nt][e] = val;
     }

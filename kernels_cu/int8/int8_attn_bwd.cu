@@ -84,6 +84,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(const signed char* __restrict
   cp_async_commit();
 
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
+  const int2 qv[2] = {win.rows(key_lo, shift, nq, nk), win.rows(key_lo + 8, shift, nq, nk)};  // rows that see them
   const float sk[2] = {ks[bhk * nk_pad + key_lo], ks[bhk * nk_pad + key_lo + 8]};
 
   float acc_dv[D / 8][4], acc_dk[D / 8][4];
@@ -163,7 +164,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(const signed char* __restrict
       }
       // P^T = exp2(S^T - lse2[query]), masked to 0; P^ per key (row of P^T) or per tile.
       float p[8][4], pmax[2], s_p[2], inv_p[2];
-      bwd_pt_tile(p, pmax, &acc_s[0][0], sk, sQs, sL, key_lo, q0, t4, need_mask, win, nq, nk, shift);
+      bwd_pt_tile(p, pmax, &acc_s[0][0], sk, sQs, sL, q0, t4, need_mask, qv);
       bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
       {  // packed as the A operand of dV (k = queries, mma-permuted)
         unsigned pa[2][4];
@@ -328,6 +329,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
+  const int2 rk[2] = {win.row_keys(r_lo, shift, nq, nk), win.row_keys(r_lo + 8, shift, nq, nk)};  // the keys they see
   float sq[2], lse_r[2], del[2];
   bwd_dq_rows(sq, lse_r, del, qs + bh * nq_pad, lse2 + bh * nq_pad, delta + bh * nq_pad, r_lo, nq);
   float acc_dq[D / 8][4];
@@ -359,7 +361,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
     // P = exp2(S - lse2[row]), masked to 0 (the operations of the dK/dV kernel, in the same order).
     const bool need_mask = tl.need_mask(tile) || q0 + BWD_BQ > nq;
     float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
-    bwd_dq_p_tile(p, skk, &acc_s[0][0], cKs, sq, lse_r, k0, r_lo, t4, need_mask, win, nq, nk, shift);
+    bwd_dq_p_tile(p, skk, &acc_s[0][0], cKs, sq, lse_r, k0, t4, need_mask, rk);
     // dP = dO V^T (fp16/bf16, fp32 accumulation); dS = P o (dP - delta) in place.
 #pragma unroll
     for (int np = 0; np < 4; ++np) {

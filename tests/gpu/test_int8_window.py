@@ -15,6 +15,9 @@ from sagecupy.config import DEFAULT, PAPER
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import sagebwd as ref_sage
 from test_int8 import BKV64, _check, _inputs, _raw, _to_host
+# A window of one key per row makes the exact gradients identically 0 while the kernels' carry the format's
+# quantization noise (dP - delta = dO . (V - V^)); the fuzz harness's routing of that case to the simulator applies.
+from test_fuzz import _check_degenerate
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +62,7 @@ def _run_window_case(B, Hq, Hkv, Nq, Nk, D, causal, window, layout, dtype_name, 
     dq_e, dk_e, dv_e = ref_attn.attention_backward(qh, kh, vh, o_ex, lse_ex, doh, causal=causal, window=window,
                                                    layout=layout)
     for name, got, sim, ex in (("dQ", dq, dq_s, dq_e), ("dK", dk, dk_s, dk_e), ("dV", dv, dv_s, dv_e)):
-        _check(name, _to_host(got), sim, ex, dtype_name, case)
+        _check_degenerate(_check, name, _to_host(got), sim, ex, dtype_name, case)
     assert np.all(ref_attn.to_hnd(_to_host(dq), layout)[none] == 0), f"dQ of a row that sees no key must be 0 {case}"
     for x, x0 in zip((q, k, v, do), before):
         assert bool((_raw(x) == x0).all()), f"an input was modified {case}"
