@@ -176,10 +176,15 @@ def cross_entropy_backward(res, dl):
     return g / flat.shape[0] * dl, None
 
 
-def fpa_forward(q, k, v, *, causal=False, sm_scale=None, window=None):
+def fpa_forward(q, k, v, *, causal=False, sm_scale=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Full-precision attention on any array library (cuBLAS through CuPy, BLAS through NumPy), HND,
     GQA, bottom-right causal, in the inputs' float dtype: the FPA baseline. Materializes the N x N
-    scores (a baseline, not a kernel). ``window=(left, right)``: the sliding window of docs/algorithms.md §1.8."""
+    scores (a baseline, not a kernel). ``window=(left, right)``: the sliding window of docs/algorithms.md §1.8.
+    ``cu_seqlens_q/k``: packed sequences, q ``(total_q, Hq, D)``, k and v ``(total_k, Hkv, D)``, one call per
+    sequence."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _fpa_packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, sm_scale=sm_scale,
+                                   window=window)
     if window is None:
         left, right = (-1, 0) if causal else (-1, -1)
     else:
@@ -212,7 +217,45 @@ def fpa_forward(q, k, v, *, causal=False, sm_scale=None, window=None):
     return o, (q, kk, vv, p, o, scale, g)
 
 
+def _host_offsets(cu):
+    """Packed offsets as host ints (a device array is read back: the FPA baseline loops over the sequences)."""
+    import numpy
+
+    return numpy.asarray(cu.get() if hasattr(cu, "get") else cu).astype(numpy.int64)
+
+
+def _fpa_packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+    """:func:`fpa_forward` over packed sequences ((total, H, D) arrays, docs/algorithms.md §1.8): each sequence as a
+    batch-1 HND call; a sequence without queries or keys gives O = 0."""
+    xp = _xp(q)
+    cq, ck = _host_offsets(cu_seqlens_q), _host_offsets(cu_seqlens_k)
+    if cq.ndim != 1 or cq.shape != ck.shape or cq.size < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be 1-D with the same S + 1 >= 2 offsets, got shapes "
+                         f"{cq.shape} and {ck.shape}")
+    o = xp.zeros(q.shape, dtype=q.dtype)
+    seqs = []
+    for s in range(cq.size - 1):
+        (q0, q1), (k0, k1) = (int(cq[s]), int(cq[s + 1])), (int(ck[s]), int(ck[s + 1]))
+        r = None
+        if q1 > q0 and k1 > k0:
+            hnd = [xp.swapaxes(x[a:b], 0, 1)[None] for x, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+            o_s, r = fpa_forward(*hnd, **kw)
+            o[q0:q1] = xp.swapaxes(o_s[0], 0, 1)
+        seqs.append((q0, q1, k0, k1, r))
+    return o, ("packed", seqs, q.shape, k.shape)
+
+
 def fpa_backward(res, do):
+    if isinstance(res[0], str) and res[0] == "packed":  # _fpa_packed_forward's
+        _, seqs, q_shape, k_shape = res
+        xp = _xp(do)
+        dq, dk, dv = (xp.zeros(shape, dtype=do.dtype) for shape in (q_shape, k_shape, k_shape))
+        for q0, q1, k0, k1, r in seqs:
+            if r is not None:
+                g = fpa_backward(r, xp.swapaxes(do[q0:q1], 0, 1)[None])
+                for out, grad, a, b in zip((dq, dk, dv), g, (q0, k0, k0), (q1, k1, k1)):
+                    out[a:b] = xp.swapaxes(grad[0], 0, 1)
+        return dq, dk, dv
     q, kk, vv, p, o, scale, g = res
     xp = _xp(do)
     dv = xp.swapaxes(p, -1, -2) @ do
@@ -228,9 +271,16 @@ def fpa_backward(res, do):
     return dq, dk, dv
 
 
-def _attention_forward(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None, window=None):
+def _attention_forward(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None, window=None, layout="HND",
+                       **packed):
     if impl == "fpa":
-        out, res = fpa_forward(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
+        if layout == "THD":
+            out, res = fpa_forward(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
+                                   cu_seqlens_q=packed.get("cu_seqlens_q"), cu_seqlens_k=packed.get("cu_seqlens_k"))
+        elif layout != "HND" or any(x is not None for x in packed.values()):
+            raise ValueError(f"impl='fpa' takes layout='HND' or 'THD' (with cu_seqlens_q/k), got layout={layout!r}")
+        else:
+            out, res = fpa_forward(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
         return out, ("fpa", res)
     if impl == "sagebwd":
         xp = _xp(q)
@@ -238,11 +288,12 @@ def _attention_forward(q, k, v, *, impl="fpa", causal=False, sm_scale=None, conf
             from .reference import sagebwd as ref
 
             o, res = ref.forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config or "default",
-                                 window=window)
+                                 window=window, layout=layout, **packed)
             return o, ("sagebwd-ref", res)
         from . import int8
 
-        o, res = int8.forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config, window=window)
+        o, res = int8.forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config, window=window, layout=layout,
+                              **packed)
         return o, ("sagebwd-gpu", res)
     raise ValueError(f"impl={impl!r} is not supported; supported: 'fpa', 'sagebwd'")
 
@@ -268,12 +319,18 @@ def rms_norm(x, weight, eps=1e-6):
     return apply(rms_norm_forward, rms_norm_backward, x, weight, eps=eps)
 
 
-def attention(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None, window=None):
+def attention(q, k, v, *, impl="fpa", causal=False, sm_scale=None, config=None, window=None, layout="HND",
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Attention on the tape, HND layout. ``impl``: ``"fpa"`` (full precision, any array library) or
     ``"sagebwd"`` (INT8 SageBwd: the GPU kernels for CuPy arrays, the float64 simulator for NumPy).
-    ``window=(left, right)``: a sliding window (docs/algorithms.md §1.8; ``causal=True`` is ``(-1, 0)``)."""
+    ``window=(left, right)``: a sliding window (docs/algorithms.md §1.8; ``causal=True`` is ``(-1, 0)``).
+    ``layout="THD"`` with ``cu_seqlens_q/k`` (and optionally ``max_seqlen_q/k``): packed variable-length sequences,
+    q ``(total_q, Hq, D)``, k and v ``(total_k, Hkv, D)``, as :func:`sagecupy.int8.forward` takes them."""
+    packed = {name: value for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                                              ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))
+              if value is not None}
     return apply(_attention_forward, _attention_backward, q, k, v, impl=impl, causal=causal, sm_scale=sm_scale,
-                 config=config, window=window)
+                 config=config, window=window, layout=layout, **packed)
 
 
 def split_heads(x, heads):

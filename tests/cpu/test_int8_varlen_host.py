@@ -344,3 +344,56 @@ def test_table_covers_every_sequence_within_the_bounds(seed):
         assert np.all(blk_q[pq[s] // 64:pq[s + 1] // 64] == s) and np.all(blk_k[pk[s] // 64:pk[s + 1] // 64] == s)
         assert np.all(chk[pc[s]:pc[s + 1]] == s)
     assert np.all(blk_q[pq[-1] // 64:] == -1) and np.all(blk_k[pk[-1] // 64:] == -1) and np.all(chk[pc[-1]:] == -1)
+
+
+# ---- the autograd shim on NumPy ----
+
+SHIM_LENS = [(5, 7), (0, 3), (9, 0), (1, 1), (12, 12)]
+
+
+def _shim_inputs(seed, Hq=4, Hkv=2, D=8):
+    r = np.random.default_rng(seed)
+    cq = np.concatenate([[0], np.cumsum([a for a, _ in SHIM_LENS])])
+    ck = np.concatenate([[0], np.cumsum([b for _, b in SHIM_LENS])])
+    q, k, v = (r.standard_normal(s) for s in ((cq[-1], Hq, D), (ck[-1], Hkv, D), (ck[-1], Hkv, D)))
+    return q, k, v, r.standard_normal(q.shape), cq, ck
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (2, 1))])
+def test_fpa_packed_matches_reference(causal, window):
+    from sagecupy import autograd as ag
+    from sagecupy.reference import attention as A
+
+    q, k, v, do, cq, ck = _shim_inputs(3)
+    packed = dict(cu_seqlens_q=cq, cu_seqlens_k=ck)
+    o, res = ag.fpa_forward(q, k, v, causal=causal, window=window, **packed)
+    o_ref, lse = A.attention_forward(q, k, v, causal=causal, window=window, layout="THD", **packed)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+    want = A.attention_backward(q, k, v, o_ref, lse, do, causal=causal, window=window, layout="THD", **packed)
+    for got, w in zip(ag.fpa_backward(res, do), want):
+        np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["fpa", "sagebwd"])
+def test_attention_op_takes_packed_sequences(impl):
+    """ag.attention(layout="THD", cu_seqlens_q/k): the FPA baseline per sequence, or the SageBwd simulator (NumPy) on
+    the packed call itself, bitwise the reference's."""
+    from sagecupy import autograd as ag
+    from sagecupy.reference import sagebwd as S
+
+    q, k, v, do, cq, ck = _shim_inputs(4, D=64)
+    qv, kv, vv = (ag.Variable(t) for t in (q, k, v))
+    o = ag.attention(qv, kv, vv, impl=impl, causal=True, layout="THD", cu_seqlens_q=cq, cu_seqlens_k=ck,
+                     max_seqlen_q=12, max_seqlen_k=12)
+    o.backward(do)
+    if impl == "sagebwd":
+        o_ref, res = S.forward(q, k, v, causal=True, layout="THD", cu_seqlens_q=cq, cu_seqlens_k=ck)
+        np.testing.assert_array_equal(o.value, o_ref)
+        for got, want in zip((qv.grad, kv.grad, vv.grad), S.backward(res, do)):
+            np.testing.assert_array_equal(got, want)
+    else:
+        assert qv.grad.shape == q.shape and kv.grad.shape == k.shape
+        assert np.all(o.value[5:14] == 0) and np.all(qv.grad[5:14] == 0)  # the (9, 0) sequence's rows: no key
+        assert np.all(vv.grad[7:10] == 0) and np.all(kv.grad[7:10] == 0)  # the (0, 3) sequence's keys: no query
+    with pytest.raises(ValueError, match="impl='fpa' takes layout='HND' or 'THD'"):
+        ag.attention(q, k, v, impl="fpa", layout="NHD")
