@@ -12,8 +12,8 @@ which sequence each 64-row block belongs to), and the buffers and grids are size
 shapes alone (``_checks.packed_bounds``: every sequence padded to 128 rows, at most ``total + 127 S``). Their contents
 are then not checked (that would need a synchronization, as in FlashAttention's varlen API): offsets outside
 ``[0, total]`` are clamped and a decrease reads as an empty sequence, so that no kernel reads or writes outside the
-arrays. Offsets given as host arrays (NumPy, lists) are checked in full, as the reference checks them
-(``check_cu_seqlens``), and copied to the device per call. ``max_seqlen_q/k`` are accepted as FlashAttention takes
+arrays. Offsets given as host arrays (NumPy, lists; both offsets of one kind) are checked in full, as the reference
+checks them (``check_cu_seqlens``), and copied to the device per call. ``max_seqlen_q/k`` are accepted as FlashAttention takes
 them (an int, checked against the offsets where those are on the host); the kernels do not need them.
 """
 from __future__ import annotations
@@ -182,12 +182,15 @@ def check_args(q, k, v, *, causal, sm_scale, layout, window, cu_seqlens_q, cu_se
     if Hq % Hkv:
         raise ValueError(f"heads: q has {Hq}, k/v have {Hkv}; q heads must be a multiple of kv heads (GQA/MQA)")
     (kq, cq), (kk, ck) = _cu_meta(cu_seqlens_q, "cu_seqlens_q"), _cu_meta(cu_seqlens_k, "cu_seqlens_k")
+    if kq != kk:  # (host offsets are checked against each other, device ones not read)
+        raise TypeError(f"cu_seqlens_q and cu_seqlens_k must both be device arrays or both host arrays, got a {kq} "
+                        f"and a {kk} array")
     if cq.shape[0] != ck.shape[0]:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (S + 1), got {cq.shape[0]} and "
                          f"{ck.shape[0]}")
     _check_max(max_seqlen_q, "max_seqlen_q")
     _check_max(max_seqlen_k, "max_seqlen_k")
-    if kq == kk == "host":  # the values too, as the reference checks them (no device data is read)
+    if kq == "host":  # the values too, as the reference checks them (no device data is read)
         from .reference.attention import check_cu_seqlens
 
         check_cu_seqlens(cq, ck, Tq, Tk, max_seqlen_q, max_seqlen_k)
@@ -268,10 +271,14 @@ def prepass(q, k, v, *, causal, sm_scale, layout, config, engine, inference, win
             max_seqlen_q, max_seqlen_k):
     """int8._prepass for a packed call: (plan, pre)."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    # (max_seqlen is checked per call, not in the plan's key: it does not change the program, and a training loop's
+    # maxima vary from batch to batch)
+    _check_max(max_seqlen_q, "max_seqlen_q")
+    _check_max(max_seqlen_k, "max_seqlen_k")
     plan = _i8._FWD_PLANS.get_or_build(
         lambda: ("THD", signature(q), signature(k), signature(v), _cu_key(cu_seqlens_q), _cu_key(cu_seqlens_k),
-                 _i8._window_key((max_seqlen_q, max_seqlen_k)), causal, type(causal), scale_key(sm_scale),
-                 type(sm_scale), layout, config, engine, bool(inference), _i8._window_key(window), env_key()),
+                 causal, type(causal), scale_key(sm_scale), type(sm_scale), layout, config, engine, bool(inference),
+                 _i8._window_key(window), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
                               inference=bool(inference), window=window, cu_seqlens_q=cu_seqlens_q,
                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))

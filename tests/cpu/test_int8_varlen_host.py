@@ -85,6 +85,7 @@ def _bad_cases():
          "cu_seqlens_q must be a 1-D integer array"),
         (q, k, v, dict(kw, cu_seqlens_q=[0, 100, 100], cu_seqlens_k=ck), ValueError,
          "cu_seqlens_q and cu_seqlens_k must have the same length"),
+        (q, k, v, dict(kw, cu_seqlens_q=cq), TypeError, "must both be device arrays or both host arrays, got a host"),
     ]
 
 
@@ -214,6 +215,24 @@ def test_host_offsets_are_checked_and_copied_per_call(gpu, monkeypatch):
     np.testing.assert_array_equal(copies[2], cq)
     with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
         int8.forward(q, k, v, **dict(kw, cu_seqlens_k=np.array([0, 70, 60, 75, 76])))  # the same plan's signature
+
+
+def test_max_seqlen_is_checked_per_call_and_shares_the_plan(gpu, monkeypatch):
+    from sagecupy import int8
+
+    monkeypatch.setattr(sys.modules["cupy"], "asarray", lambda x: FakeArray(np.shape(x), np.int32), raising=False)
+    q, k, v, kw = _packed()
+    int8.forward(q, k, v, **dict(kw, max_seqlen_q=129, max_seqlen_k=70))
+    n_plans = len(int8._FWD_PLANS)
+    int8.forward(q, k, v, **dict(kw, max_seqlen_q=200, max_seqlen_k=None))
+    assert len(int8._FWD_PLANS) == n_plans  # the same program
+    with pytest.raises(ValueError, match="max_seqlen_q=-3"):
+        int8.forward(q, k, v, **dict(kw, max_seqlen_q=-3))
+    cq, ck = _host_offsets()
+    host = dict(kw, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    int8.forward(q, k, v, **dict(host, max_seqlen_q=129))
+    with pytest.raises(ValueError, match=r"max_seqlen_k=69 is less than the longest sequence \(70\)"):
+        int8.forward(q, k, v, **dict(host, max_seqlen_k=69))  # host offsets: compared on every call
 
 
 def test_strided_device_offsets_pass_their_stride(gpu):
