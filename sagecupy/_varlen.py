@@ -13,8 +13,9 @@ shapes alone (``_checks.packed_bounds``: every sequence padded to 128 rows, at m
 are then not checked (that would need a synchronization, as in FlashAttention's varlen API): offsets outside
 ``[0, total]`` are clamped and a decrease reads as an empty sequence, so that no kernel reads or writes outside the
 arrays. Offsets given as host arrays (NumPy, lists; both offsets of one kind) are checked in full, as the reference
-checks them (``check_cu_seqlens``), and copied to the device per call. ``max_seqlen_q/k`` are accepted as FlashAttention takes
-them (an int, checked against the offsets where those are on the host); the kernels do not need them.
+checks them (``check_cu_seqlens``), and copied to the device per call. ``max_seqlen_q/k`` are accepted as
+FlashAttention takes them (an int, checked against the offsets where those are on the host); the kernels do not
+need them.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@
 using namespace sage;
 
 template <typename T, int D, bool PACKED = false>
-__device__ __forceinline__ void int8_attn_bwd_impl(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
+__device__ __forceinline__ void int8_attn_bwd_impl(
+              const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
               const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
@@ -266,8 +267,8 @@ int8_attn_bwd_packed(const signed char* __restrict__ qc, const float* __restrict
                      const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
   int8_attn_bwd_impl<T, D, true>(qc, qs, qt, kc, ks, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, dot, dos, lse2, delta, dk,
-                                 ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, p_col, ds_rowcol,
-                                 meta, S, nbq);
+                                 ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, p_col,
+                                 ds_rowcol, meta, S, nbq);
 }
 
 // dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D + 512

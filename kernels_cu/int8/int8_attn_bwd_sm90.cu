@@ -299,8 +299,8 @@ int8_attn_bwd_sm90_packed(const char* __restrict__ q_img, const char* __restrict
                           T* __restrict__ dv, long long vvh, long long vvn, int Hq, int Hkv, float p_max, int left,
                           int right, int p_col, int ds_rowcol, const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first key)
-  int8_attn_bwd_sm90_impl<T, D, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max,
-                                      left, right, p_col, ds_rowcol, meta, S, nbq);
+  int8_attn_bwd_sm90_impl<T, D, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0,
+                                      p_max, left, right, p_col, ds_rowcol, meta, S, nbq);
 }
 
 // dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem(D)[1]).
@@ -479,6 +479,6 @@ int8_attn_bwd_dq_sm90_packed(const char* __restrict__ q_img, const char* __restr
                              int Hkv, float sm_scale, int left, int right, int ds_rowcol,
                              const int* __restrict__ meta, int S) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
-  int8_attn_bwd_dq_sm90_impl<T, D, true>(q_img, k_img, qs, lse2, delta, dq, qsn, qsh, qsn, Hq, Hkv, 0, 0, 0, 0, sm_scale,
-                                         left, right, ds_rowcol, meta, S);
+  int8_attn_bwd_dq_sm90_impl<T, D, true>(q_img, k_img, qs, lse2, delta, dq, qsn, qsh, qsn, Hq, Hkv, 0, 0, 0, 0,
+                                         sm_scale, left, right, ds_rowcol, meta, S);
 }

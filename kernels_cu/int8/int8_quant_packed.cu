@@ -230,8 +230,9 @@ column_partial_kv_packed(const T* __restrict__ k, long long ksh, long long ksn, 
 // One statistic: K's mean (ABSMAX false) or V's psi scale. grid (chunk bound, H, 1), block 256.
 template <typename T, int D, bool ABSMAX>
 __global__ void __launch_bounds__(256, 1)
-column_partial_packed(const T* __restrict__ x, long long sh, long long sn, typename StatAcc<ABSMAX>::type* __restrict__ part,
-                      const int* __restrict__ meta, int S, int nbq, int nbk) {
+column_partial_packed(const T* __restrict__ x, long long sh, long long sn,
+                      typename StatAcc<ABSMAX>::type* __restrict__ part, const int* __restrict__ meta, int S, int nbq,
+                      int nbk) {
   const int s = __ldg(meta + packed_tq(S) + nbq + nbk + blockIdx.x);
   if (s < 0) return;
   const PackedChunks c = packed_chunks(meta, S, s);
