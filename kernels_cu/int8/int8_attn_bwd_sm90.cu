@@ -139,10 +139,30 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     fence_mbar_init();
   }
   __syncthreads();
+  // Packed: what the loop reads of the sequence, which the dense build reads from its parameters, kept out of the
+  // registers the loop holds (at D = 128 the kernel is at 255): thread 0's image base and tile count in shared memory
+  // (re-read at each copy), and the mask test as two bounds on the query tile's first row (the dense test below:
+  // Window::crosses and the tails).
+  __shared__ const char* s_qimg;
+  __shared__ int s_qtiles;
+  int mask_lo = 0, mask_hi = 0;
+  if constexpr (PACKED) {
+    if (tid == 0) s_qimg = q_img, s_qtiles = nq_pad / BWD_BQ;
+    constexpr int NONE_BELOW = -0x7fffffff - 1, NONE_ABOVE = 0x7fffffff;
+    mask_lo = k0 + BWD_BKV > nk ? NONE_ABOVE
+                                : (win.right >= 0 ? k0 + BWD_BKV - 1 - shift - win.right : NONE_BELOW);
+    mask_hi = min(win.left >= 0 ? k0 - (BWD_BQ - 1) - shift + win.left : NONE_ABOVE, nq - BWD_BQ);
+  }
   int ld_h = hk * group, ld_t = first_qt;  // (query head, query tile) of the next stage to load
   auto load_stage = [&](int it) {          // thread 0
-    const long long tile = (static_cast<long long>(b) * Hq + ld_h) * (nq_pad / BWD_BQ) + ld_t;
-    bulk_copy_g2s(sStage + (it & 1) * STAGE, q_img + tile * Img::Q_STAGE, Img::Q_STAGE, &full[it & 1]);
+    const char* qi = q_img;
+    int qtiles = nq_pad / BWD_BQ;
+    if constexpr (PACKED) {
+      qi = *reinterpret_cast<const char* const volatile*>(&s_qimg);
+      qtiles = *reinterpret_cast<const volatile int*>(&s_qtiles);
+    }
+    const long long tile = (static_cast<long long>(b) * Hq + ld_h) * qtiles + ld_t;
+    bulk_copy_g2s(sStage + (it & 1) * STAGE, qi + tile * Img::Q_STAGE, Img::Q_STAGE, &full[it & 1]);
     if (++ld_t == n_qt) {
       ld_t = first_qt;
       ++ld_h;
@@ -191,7 +211,8 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     const float* sL = sQs + BWD_BQ;
     const float* sDel = sL + BWD_BQ;
     const float* sDos = sDel + BWD_BQ;
-    const bool need_mask = win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
+    const bool need_mask = PACKED ? q0 < mask_lo || q0 > mask_hi
+                                  : win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
 
     int acc_s[32];
     float acc_dp[32];
