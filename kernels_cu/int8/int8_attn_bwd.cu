@@ -59,6 +59,9 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   int kb = blockIdx.x, b = blockIdx.z;
   int bq = b, bk = b;  // the caller's q- and k-side arrays: batch b, or (packed) a sequence's first row
+  // Packed: the first row of the sequence's block in the query-side buffers, added where the loop reads them (moved
+  // pointers would be seven more 64-bit registers held across it; the dense build reads its parameters)
+  long long qrow = 0;
   const int hk = blockIdx.y;
   if constexpr (PACKED) {  // grid x: the 64-key blocks of the padded k axis (int8/packed.cuh)
     const int s = packed_seq_of(meta, S, nbq, gridDim.x, true, static_cast<long long>(kb) * BWD_BKV);
@@ -67,9 +70,8 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
     kb -= p.kp / BWD_BKV, b = 0, bq = p.q0, bk = p.k0;
     nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
     packed_window(win.left, win.right, nq, nk);
-    const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
-    qc += qr * D, qs += qr, qt += qr * D, dot += qr * D, dos += qr / BWD_BQ * D, lse2 += qr, delta += qr;
-    kc += kr * D, ks += kr;
+    const long long kr = static_cast<long long>(Hkv) * p.kp;
+    qrow = static_cast<long long>(Hq) * p.qp, kc += kr * D, ks += kr;
   }
   const int group = Hq / Hkv;
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
@@ -104,7 +106,8 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
   auto load_q_do = [&](int it) {
     const int hh = hk * group + it / n_it_q, qq0 = (first_qt + it % n_it_q) * BWD_BQ;
     const long long bhh = static_cast<long long>(b) * Hq + hh;
-    load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bhh * nq_pad + qq0) * D), D, tid);
+    load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + qrow * D + (bhh * nq_pad + qq0) * D), D,
+                                            tid);
     load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(
         sdO, reinterpret_cast<const char*>(dout + bq * dsb + hh * dsh + qq0 * dsn), dsn * 2, nq - qq0, tid);
   };
@@ -116,20 +119,32 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
     char* buf = sBuf + (it & 1) * BUF;
     float* fb = reinterpret_cast<float*>(buf + 2 * D * BWD_BQ);
     // Q^^T and dO^^T are tile-major (each 64-query block's D x 64 bytes contiguous: int8_quant.cu)
-    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf, reinterpret_cast<const char*>(qt + bhh * D * nq_pad + qq0 * D), BWD_BQ,
+    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf, reinterpret_cast<const char*>(qt + qrow * D + bhh * D * nq_pad + qq0 * D),
+                                            BWD_BQ,
                                             tid);
     load_tile_async<D, BWD_BQ, BWD_THREADS>(buf + D * BWD_BQ,
-                                            reinterpret_cast<const char*>(dot + bhh * D * nq_pad + qq0 * D), BWD_BQ, tid);
-    load_vec_async<BWD_THREADS>(fb, qs + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + (bhh * (nq_pad / BWD_BQ) + qtile) * D, D / 4, tid);
+                                            reinterpret_cast<const char*>(dot + qrow * D + bhh * D * nq_pad + qq0 * D), BWD_BQ,
+                                            tid);
+    load_vec_async<BWD_THREADS>(fb, qs + qrow + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + qrow + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + qrow + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
+    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + qrow / BWD_BQ * D + (bhh * (nq_pad / BWD_BQ) + qtile) * D,
+                                D / 4, tid);
   };
   if (n_it > 0) {
     load_q_do(0);
     load_t(0);
   }
   cp_async_commit();
+  // Packed: the mask test as two bounds on the query tile's first row (Window::crosses and the tails below; the
+  // dense build reads nq, nk and the window from its parameters)
+  int mask_lo = 0, mask_hi = 0;
+  if constexpr (PACKED) {
+    constexpr int NONE_BELOW = -0x7fffffff - 1, NONE_ABOVE = 0x7fffffff;
+    mask_lo = k0 + BWD_BKV > nk ? NONE_ABOVE
+                                : (win.right >= 0 ? k0 + BWD_BKV - 1 - shift - win.right : NONE_BELOW);
+    mask_hi = min(win.left >= 0 ? k0 - (BWD_BQ - 1) - shift + win.left : NONE_ABOVE, nq - BWD_BQ);
+  }
 
   for (int it = 0; it < n_it; ++it) {
     const int qtile = first_qt + it % n_it_q;
@@ -144,7 +159,9 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
       const float* sDel = sL + BWD_BQ;
       const float* sDos = sDel + BWD_BQ;
       if (it + 1 < n_it) load_t(it + 1);  // the other buffer: its readers finished in the last iteration
-      const bool need_mask = win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
+      const bool need_mask = PACKED ? q0 < mask_lo || q0 > mask_hi
+                                    : win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) ||
+                                          (q0 + BWD_BQ > nq);
 
       // S^T (16 keys x 64 queries per warp).
       int acc_s[8][4];
