@@ -7,9 +7,10 @@
 #   bash bench/fuzz.sh [N] [--workers W] [--budget S] [--out DIR]   # N per family, default 3400 (10,200 in all)
 #
 # First `sagecupy warmup` compiles every kernel variant once, over all cores, into CuPy's disk cache, which the
-# workers then load from instead of each compiling every variant it meets (with each worker compiling, a fresh machine
-# ran 1.4-1.7 cases per second on 16 cores; the float64 references take ~0.05 s per case and core). Its log is
-# $OUT/warmup.log.
+# workers then load from instead of each compiling every variant it meets. Its log is $OUT/warmup.log. The workers run
+# with one BLAS thread each: with OpenBLAS's default, 16 workers on an H100 machine's 16 cores ran 1.5 cases per second
+# with every kernel already compiled, where the float64 references take ~0.08 s per case on one core
+# (docs/experiments.md E-METH-BLAS).
 # --budget S (seconds, the warm-up included) interrupts the run the way Ctrl-C does, so pytest still reports the
 # cases that ran and the failures among them (a run killed outright prints neither). Cases run in order, INT8's first.
 set -u -o pipefail
@@ -33,6 +34,8 @@ seed=$(sed -n 's/^FUZZ_SEED = \([0-9]*\).*/\1/p' tests/gpu/test_fuzz.py)
 echo "== fuzz: $n cases per family ($((3 * n)) in all), FUZZ_SEED=$seed, workers $workers"
 t0=$SECONDS
 export PYTHONUNBUFFERED=1  # (a warm-up cut by timeout keeps its log)
+# one BLAS thread per worker (the workers fill the cores; see gpu_shards.sh and docs/experiments.md E-METH-BLAS)
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 wcmd=(python3 -m sagecupy warmup --jobs "$(nproc)")
 # the warm-up gets at most half of a budget, so that the cases keep the rest
 if [ "$budget" -gt 0 ]; then timeout "$(( budget / 2 > 1 ? budget / 2 : 1 ))" "${wcmd[@]}" >"$OUT/warmup.log" 2>&1

@@ -24,6 +24,9 @@ mkdir -p "$OUT"
 # The checkout's package first (not an installed copy of another tree); JAX must not take the GPU's memory up front
 # while other shards run beside it.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# one BLAS thread per process: the shards already fill the cores, and OpenBLAS's default (a spinning thread per core in
+# every process) made the float64 references ~6x slower with 2 processes on 2 cores (docs/experiments.md E-METH-BLAS)
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 kargs=(); [ -n "$kexpr" ] && kargs=(-k "$kexpr")
 ids=$(mktemp -d)
 python3 -m pytest --require-gpu -q -p no:cacheprovider --collect-only "${kargs[@]}" "${files[@]}" >"$ids/collect.txt" 2>&1
