@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Long fuzz runs on the GPU machine: N seeded cases per family (INT8, NVFP4, QAT; tests/gpu/test_fuzz.py, FUZZ_SEED
+# Long fuzz runs on the GPU machine: N seeded cases per family (INT8, NVFP4, QAT, INT8 with windows, INT8 packed; tests/gpu/test_fuzz.py, FUZZ_SEED
 # there) over all CPU cores (pytest-xdist), each case against its simulator and against exact attention. Prints the
 # case count, the seed, the failures (each with the command that reruns it alone) and pytest's summary line; the full
 # log is $OUT/fuzz.log (or --out DIR; default /tmp/sagecupy_out).
 #
-#   bash bench/fuzz.sh [N] [--workers W] [--budget S] [--out DIR]   # N per family, default 3400 (10,200 in all)
+#   bash bench/fuzz.sh [N] [--workers W] [--budget S] [--out DIR]   # N per family, default 3400 (17,000 in all)
 #
 # First `sagecupy warmup` compiles every kernel variant once, over all cores, into CuPy's disk cache, which the
 # workers then load from instead of each compiling every variant it meets. Its log is $OUT/warmup.log. The workers run
@@ -31,7 +31,7 @@ done
 python3 -c "import xdist" 2>/dev/null || { echo "fuzz.sh: needs pytest-xdist (pip install pytest-xdist)" >&2; exit 2; }
 mkdir -p "$OUT"
 seed=$(sed -n 's/^FUZZ_SEED = \([0-9]*\).*/\1/p' tests/gpu/test_fuzz.py)
-echo "== fuzz: $n cases per family ($((3 * n)) in all), FUZZ_SEED=$seed, workers $workers"
+echo "== fuzz: $n cases per family ($((5 * n)) in all), FUZZ_SEED=$seed, workers $workers"
 t0=$SECONDS
 export PYTHONUNBUFFERED=1  # (a warm-up cut by timeout keeps its log)
 # one BLAS thread per worker (the workers fill the cores; see gpu_shards.sh and docs/experiments.md E-METH-BLAS)

@@ -18,6 +18,11 @@ dP - delta is not 0); and a simulator that equals exact attention (QAT's dV with
 the exact comparison's 1.1 x 0 + 1e-4 has no room for the rounding of the output to bf16 (~2e-3) that the
 simulator bound includes.
 
+Two more INT8 families draw what the first one does not: ``int8w`` the same cases with a sliding window (sides on and
+off the tile edges, narrower than a tile, unbounded, or drawn; causal ones with right = 0), checked as
+test_int8_window checks; ``int8p`` packed sequences (layout "THD": 1-4 sequences of drawn lengths, a sixth of them
+empty in q, k or both, causal or not, sometimes a window), checked as test_int8_varlen checks.
+
 FUZZ_SEED fixes the draws; each family draws from its own stream (numpy's default_rng([FUZZ_SEED, family])), so a
 larger count appends cases and keeps the earlier ones. The first QUICK_CASES of each family run by default; the rest,
 up to FULL_CASES, carry the `slow` marker and run only when the -m expression names it::
@@ -49,7 +54,9 @@ FUZZ_SEED = 20250611
 QUICK_CASES = 8   # per family, by default
 FULL_CASES = 64   # per family with -m slow (the quick ones included)
 
-FAMILIES = ("int8", "nvfp4", "qat")
+# int8w: the INT8 kernels with sliding windows; int8p: packed sequences (layout "THD"). Each family has its own stream,
+# so the later ones leave the earlier families' cases as they were.
+FAMILIES = ("int8", "nvfp4", "qat", "int8w", "int8p")
 INT8_CONFIGS = {"default": DEFAULT, "paper": PAPER, "bkv64": BKV64}
 NV_CONFIGS = {"two-level": NVFP4Config(), "single-level": NVFP4Config(two_level_p=False),
               "no-smoothing": NVFP4Config(k_smoothing=False)}
@@ -63,7 +70,7 @@ MAX_LEN = 520
 MAX_WORK = 1_500_000
 SIGMAS = {"int8": (1.0, 1.0, 2.0, 4.0), "nvfp4": (1.0, 1.0, 2.0, 4.0),
           # QAT: the sigmas of test_qat_backward_vs_reference and a step above (5 and 10 are tested forward only)
-          "qat": (1.0, 1.0, 2.0)}
+          "qat": (1.0, 1.0, 2.0), "int8w": (1.0, 1.0, 2.0, 4.0), "int8p": (1.0, 1.0, 2.0, 4.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +91,8 @@ class Case:
     sigma: float
     config: str
     seed: int
+    window: tuple = None  # (left, right) (int8w, int8p)
+    docs: tuple = None    # int8p: (Nq, Nk) of each packed sequence
 
     @property
     def id(self):
@@ -104,9 +113,50 @@ def _length(rng):
     return int(rng.choice(LENGTHS)) if rng.random() < 0.55 else int(rng.integers(1, MAX_LEN + 1))
 
 
+# Window sides: a tile edge and one off it (64/128-key tiles), narrower than a tile, unbounded (-1), or drawn.
+WINDOW_SIDES = (-1, 0, 1, 5, 17, 63, 64, 127, 128, 129, 300)
+
+
+def _window(rng, causal):
+    side = lambda: int(rng.choice(WINDOW_SIDES)) if rng.random() < 0.7 else int(rng.integers(0, MAX_LEN))  # noqa: E731
+    left, right = side(), (0 if causal else side())
+    return (left, right)
+
+
+def _draw_packed(rng, n):
+    """int8p: 1-4 sequences of drawn lengths (a sixth of them empty in q, k or both), within MAX_WORK."""
+    cases = []
+    while len(cases) < n:
+        docs = []
+        for _ in range(int(rng.integers(1, 5))):
+            nq, nk = (0 if rng.random() < 1 / 6 else _length(rng) for _ in range(2))
+            docs.append((nq, nk))
+        Hkv, ratio = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        while Hkv * ratio * sum(a * b for a, b in docs) > MAX_WORK:
+            if Hkv > 1:
+                Hkv -= 1
+            elif ratio > 1:
+                ratio -= 1
+            else:
+                docs = [(a // 2, b // 2) for a, b in docs]
+        if not sum(a for a, _ in docs) or not sum(b for _, b in docs):  # (a call has at least one query and one key)
+            docs[0] = (max(docs[0][0], 1), max(docs[0][1], 1))
+        causal = bool(rng.random() < 0.5)
+        window = _window(rng, causal) if rng.random() < 0.4 else None
+        config = str(rng.choice(list(INT8_CONFIGS)))
+        D, dtype = int(rng.choice((64, 128))), str(rng.choice(("float16", "bfloat16")))
+        engine, sigma = str(rng.choice(("mma", "wgmma"))), float(rng.choice(SIGMAS["int8"]))
+        seed = int(rng.integers(2 ** 31))
+        cases.append(Case("int8p", len(cases), 1, Hkv * ratio, Hkv, sum(a for a, _ in docs), sum(b for _, b in docs),
+                          D, dtype, "THD", causal, engine, "contiguous", sigma, config, seed, window, tuple(docs)))
+    return cases
+
+
 def draw_cases(family: str, n: int = FULL_CASES) -> list:
     """The first ``n`` cases of ``family``: a pure function of FUZZ_SEED (no device needed)."""
     rng = np.random.default_rng([FUZZ_SEED, FAMILIES.index(family)])
+    if family == "int8p":
+        return _draw_packed(rng, n)
     cases = []
     while len(cases) < n:
         cols = {"dtype": _block(rng, ("float16", "bfloat16")), "layout": _block(rng, ("HND", "NHD")),
@@ -133,7 +183,7 @@ def draw_cases(family: str, n: int = FULL_CASES) -> list:
                     ratio -= 1
                 else:
                     nq, nk = max(1, nq // 2), max(1, nk // 2)
-            if family == "int8":
+            if family in ("int8", "int8w"):
                 config = str(rng.choice(list(INT8_CONFIGS)))
             elif family == "nvfp4":
                 config = str(rng.choice(list(NV_CONFIGS)))
@@ -141,9 +191,11 @@ def draw_cases(family: str, n: int = FULL_CASES) -> list:
                 config = "default"
             sigma = float(rng.choice(SIGMAS[family]))
             seed = int(rng.integers(2 ** 31))
+            causal = bool(cols["causal"][j])
+            window = _window(rng, causal) if family == "int8w" else None
             cases.append(Case(family, len(cases), B, Hkv * ratio, Hkv, nq, nk, int(cols["D"][j]), str(cols["dtype"][j]),
-                              str(cols["layout"][j]), bool(cols["causal"][j]), str(cols["engine"][j]),
-                              str(cols["memory"][j]), sigma, config, seed))
+                              str(cols["layout"][j]), causal, str(cols["engine"][j]),
+                              str(cols["memory"][j]), sigma, config, seed, window))
     return cases[:n]
 
 
@@ -155,7 +207,8 @@ def _params(family, n=FULL_CASES):
 def pytest_generate_tests(metafunc):
     """The cases of each family: FULL_CASES, or --fuzz-cases N (the long runs of bench/fuzz.sh: the first FULL_CASES
     are the same cases, since each family draws from its own seeded stream)."""
-    family = {"test_int8_fuzz": "int8", "test_nvfp4_fuzz": "nvfp4", "test_qat_fuzz": "qat"}.get(metafunc.function.__name__)
+    family = {"test_int8_fuzz": "int8", "test_nvfp4_fuzz": "nvfp4", "test_qat_fuzz": "qat", "test_int8w_fuzz": "int8w",
+              "test_int8p_fuzz": "int8p"}.get(metafunc.function.__name__)
     if family is not None:
         n = metafunc.config.getoption("--fuzz-cases")
         if n is not None and n < 1:
@@ -351,7 +404,25 @@ def run_qat(c):
     _assert_untouched(snap, c)
 
 
-RUNNERS = {"int8": run_int8, "nvfp4": run_nvfp4, "qat": run_qat}
+def run_int8w(c):
+    """test_int8_window's comparisons (simulator and exact attention with the window, the zero-gradient routing of
+    _check_degenerate, rows that see no key, inputs untouched)."""
+    import test_int8_window as tw
+
+    tw._run_window_case(c.B, c.Hq, c.Hkv, c.Nq, c.Nk, c.D, c.causal, c.window, c.layout, c.dtype,
+                        INT8_CONFIGS[c.config], c.engine, seed=c.seed)
+
+
+def run_int8p(c):
+    """test_int8_varlen's comparisons (per-sequence statistics in the simulator, rows and keys no one sees, inputs
+    untouched), the gradients through _check_degenerate."""
+    import test_int8_varlen as tv
+
+    tv._run(list(c.docs), c.Hq, c.Hkv, c.D, c.dtype, c.causal, c.window, INT8_CONFIGS[c.config], c.engine, seed=c.seed,
+            check_grad=lambda *a: _check_degenerate(t8._check, *a))
+
+
+RUNNERS = {"int8": run_int8, "nvfp4": run_nvfp4, "qat": run_qat, "int8w": run_int8w, "int8p": run_int8p}
 
 
 def _run(case):
@@ -371,4 +442,12 @@ def test_nvfp4_fuzz(fuzz_case):
 
 
 def test_qat_fuzz(fuzz_case):
+    _run(fuzz_case)
+
+
+def test_int8w_fuzz(fuzz_case):
+    _run(fuzz_case)
+
+
+def test_int8p_fuzz(fuzz_case):
     _run(fuzz_case)
