@@ -122,6 +122,18 @@ def kernel_window(p) -> tuple:
     return (-1 if left >= p.nk else left, -1 if right >= p.nq else right)
 
 
+def kernel_mask(p, mask=None) -> tuple:
+    """``(left, right, shift)`` the dense kernels take: row ``i`` sees key ``j`` iff ``i + shift - left <= j <= i +
+    shift + right``. ``mask`` None: :func:`kernel_window` and the bottom-right ``shift = nk - nq``; else a block's
+    own triple (sagecupy/context_parallel.py ``block_mask``), checked to be three ints."""
+    if mask is None:
+        return (*kernel_window(p), p.nk - p.nq)
+    if (not isinstance(mask, tuple) or len(mask) != 3
+            or any(type(x) is not int or abs(x) >= 2 ** 30 for x in mask) or min(mask[:2]) < -1):
+        raise ValueError(f"mask={mask!r} must be (left, right, shift): ints, left and right >= -1, |shift| < 2^30")
+    return mask
+
+
 def _fwd_kernel(T, D, bkv, engine):
     """(source, instance, arch) of the forward's attention kernel on ``engine`` (a resolved one); each instance
     compiles in a module of its own."""
@@ -257,6 +269,9 @@ class Residuals:
     # Packed sequences (layout "THD", sagecupy/_varlen.py): the per-call table of sequence offsets (int32), and the
     # buffers above in the packed padded layout (sequence s's (H, n_pad_s) block at row H * pad(s)); None otherwise.
     packed: object = None
+    # A block of a longer sequence (sagecupy/context_parallel.py): (left, right, shift) as the kernels take them
+    # (kernel_mask); None: the problem's own mask.
+    mask: tuple | None = None
 
     @property
     def nq_pad(self):
@@ -339,27 +354,65 @@ def _window_key(window):
 
 
 def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None,
-             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, statistics=None):
     """:func:`_preprocess_forward` for the public calls: (plan, pre), scratch buffers as addresses (ints; the arena
     array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
     if _varlen.is_packed(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        if statistics is not None:
+            raise ValueError("statistics= is for dense layouts; packed sequences take each sequence's own")
         return _varlen.prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
                                inference=inference, window=window, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _FWD_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale),
-                 layout, config, engine, bool(inference), _window_key(window), env_key()),
+                 layout, config, engine, bool(inference), _window_key(window), _stats_key(statistics), env_key()),
         lambda: _forward_plan(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                              engine=engine, inference=bool(inference), window=window))
-    ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
+                              engine=engine, inference=bool(inference), window=window, statistics=statistics))
+    ns = _layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v)
+    if statistics is not None:
+        ns.update(statistics)
+    ns = plan.prog.run(ns)
     pre = {n: ns.get(n) for n in _PRE_NAMES}
     pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
     pre["like"] = q  # the input whose bf16 form (CuPy bfloat16 or BF16Array) the output takes
     return plan, pre
 
 
-def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inference=False, window=None):
+def _stats_key(statistics):
+    """``statistics`` in a plan's key: None, or the signature of each array (their values are per-call inputs)."""
+    if statistics is None:
+        return None
+    try:  # (not a dict of arrays: the uncached path's validation names what is wrong)
+        return tuple(sorted((n, signature(x)) for n, x in statistics.items()))
+    except AttributeError:
+        raise TypeError("statistics") from None
+
+
+#: The statistics over the whole sequence that :func:`forward` takes from its caller (``statistics=``).
+STATISTICS = ("mu_k", "v_scale")
+
+
+def check_statistics(statistics, p, cfg) -> None:
+    """TypeError/ValueError unless ``statistics`` is a dict of exactly :data:`STATISTICS`: float32 CuPy arrays
+    ``(B, Hkv, D)`` (C-contiguous, 16-byte aligned, on the current device), for a config whose only statistics over
+    the whole sequence are these two (K-smoothing's mean, V's per-channel scales)."""
+    if not isinstance(statistics, dict) or set(statistics) != set(STATISTICS):
+        got = sorted(statistics) if isinstance(statistics, dict) else type(statistics).__name__
+        raise TypeError(f"statistics must be a dict with exactly the keys {STATISTICS} "
+                        f"(sagecupy.context_parallel.reduce_statistics), got {got!r}")
+    if not cfg.k_smoothing or cfg.v_granularity != "channel":
+        raise ValueError(f"statistics= needs a config with k_smoothing=True and v_granularity='channel' (the two "
+                         f"statistics it carries), got k_smoothing={cfg.k_smoothing}, "
+                         f"v_granularity={cfg.v_granularity!r}")
+    import cupy
+
+    for n in STATISTICS:
+        _checks.check_buffer(statistics[n], f"statistics[{n!r}]", (p.batch, p.heads_kv, p.head_dim), cupy.float32)
+
+
+def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inference=False, window=None,
+                  statistics=None):
     """Validate a forward call (CuPy arrays, bfloat16 ones included, or BF16Arrays) and record its pre-pass
     program: a :class:`Plan` (``inference``: see :func:`_preprocess_forward`). The pre-pass does not depend on the
     window: K's mean and V's scales are taken over all the keys, as the reference's simulator takes them."""
@@ -389,7 +442,10 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     # call instead of up to eight, ~2 us of host time each, one of them before the first launch (a synchronized
     # call waits for that time; docs/experiments.md).
     res = _layout.TMP if inference else None
-    if cfg.k_smoothing and v_channel:
+    if statistics is not None:  # the caller's (a block of a longer sequence: the sequence's)
+        check_statistics(statistics, p, cfg)
+        mu_k, v_scale = Ref("mu_k"), Ref("v_scale")
+    elif cfg.k_smoothing and v_channel:
         mu_k, v_scale = _column_stats_kv(prog, T, (B, Hkv, nk, D), (ksb, ksh, ksn), (vsb, vsh, vsn), mu_arena=res)
     else:
         mu_k = (record_column_stat(prog, "mu_k", rk, (ksb, ksh, ksn), T, (B, Hkv, nk, D), False, arena=res)
@@ -463,16 +519,17 @@ def v_t_channels(v_t):
     return v_t.transpose(0, 1, 3, 2, 4).reshape(B, H, D, nblk * w)
 
 
-def _launch_forward(p, cfg, pre, engine=None):
+def _launch_forward(p, cfg, pre, engine=None, mask=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
-    recorded once per (pre-pass plan, engine, :func:`~sagecupy._program.env_key`)."""
-    prog = pre["plan"].launch_program(p, cfg, lambda: (engine, env_key()),
-                                      lambda: _forward_launch_program(p, cfg, pre, engine))
+    recorded once per (pre-pass plan, engine, mask, :func:`~sagecupy._program.env_key`); ``mask``: see
+    :func:`kernel_mask` (dense layouts only)."""
+    prog = pre["plan"].launch_program(p, cfg, lambda: (engine, mask, env_key()),
+                                      lambda: _forward_launch_program(p, cfg, pre, engine, mask))
     ns = prog.run({n: pre[n] for n in _PRE_NAMES})
     return ns["o"], ns["lse"], ns["lse2"]
 
 
-def _forward_launch_program(p, cfg, pre, engine):
+def _forward_launch_program(p, cfg, pre, engine, mask=None):
     import cupy
 
     T, D = _T[p.dtype], p.head_dim
@@ -488,6 +545,8 @@ def _forward_launch_program(p, cfg, pre, engine):
         raise ValueError("the pre-pass has no K/V stage images (kv_img), which the wgmma kernel reads; call "
                          "_preprocess_forward(..., engine='wgmma')")
     if p.layout == _layout.PACKED:
+        if mask is not None:
+            raise ValueError("a block mask is for dense layouts; packed sequences keep their own")
         return _varlen.forward_launch_program(p, cfg, pre, engine)
     src, name, arch = _fwd_kernel(T, D, bkv, engine)
     fn = get_function(src, name, arch=arch)
@@ -511,14 +570,15 @@ def _forward_launch_program(p, cfg, pre, engine):
                 (arg("q_codes"), arg("q_scale"), arg("k_codes"), arg("k_scale"), arg("v_t"), arg("v_scale"),
                  arg("qmk"), o, i64(osb), i64(osh), i64(osn), lse, lse2,
                  i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
-                 *(i32(w) for w in kernel_window(p)), i32(int(cfg.v_granularity == "block")))
+                 *(i32(w) for w in kernel_mask(p, mask)), i32(int(cfg.v_granularity == "block")))
                 + ((arg("kv_img"),) if engine == "wgmma" else ()),
                 shared_mem=smem, pdl=engine == "wgmma")
     return prog
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
-            window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+            window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+            statistics=None):
     """SageBwd forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: same with Hkv, Nk.
@@ -532,10 +592,14 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     sums (CuPy arrays: nothing is read back; NumPy arrays or lists: checked, then copied per call), ``max_seqlen_q/k``
     optional ints. ``o`` ``(total_q, Hq, D)``, ``lse`` ``(Hq, total_q)``. Causal masks and windows are per sequence,
     and so is every quantization statistic: the result is the separate calls' (sagecupy/_varlen.py).
+
+    ``statistics``: None (K's mean and V's scales over these keys), or ``{"mu_k", "v_scale"}`` given by the caller
+    (:func:`check_statistics`; dense layouts, configs with K-smoothing and per-channel V): the keys are then
+    quantized with them, as a block of a longer sequence must be (sagecupy/context_parallel.py).
     """
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
                          window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, statistics=statistics)
     p, cfg = plan.p, plan.cfg
     o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
@@ -546,14 +610,14 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
 
 def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None,
                    engine=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                   max_seqlen_k=None):
+                   max_seqlen_k=None, statistics=None):
     """Inference entry point: INT8 attention forward; ``o`` or ``(o, lse)``, bitwise :func:`forward`'s. It keeps no
     residuals, so its pre-pass writes less (on the wgmma engine no plain K codes or scales: they are the backward's).
     ``engine``: see :func:`forward_engine`; ``window`` and packed sequences (``layout="THD"``, ``cu_seqlens_q/k``,
-    ``max_seqlen_q/k``): see :func:`forward`."""
+    ``max_seqlen_q/k``), ``statistics``: see :func:`forward`."""
     plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
                          inference=True, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, statistics=statistics)
     p, cfg = plan.p, plan.cfg
     o, lse, _ = _launch_forward(p, cfg, pre, engine)
     o = _checks.wrap(o, p.dtype, pre["like"])
@@ -601,8 +665,12 @@ def check_residuals(r) -> None:
     import cupy
 
     p = r.problem
+    mask = getattr(r, "mask", None)
     if p.layout == _layout.PACKED:
+        if mask is not None:
+            raise ValueError("residuals.mask is for dense layouts; packed sequences keep their own")
         return _varlen.check_residuals(r)
+    kernel_mask(p, mask)
     if getattr(r, "packed", None) is not None:
         raise ValueError(f"residuals.packed is the table of packed sequences (layout='THD'); it must be None for "
                          f"layout={p.layout!r}")
@@ -634,7 +702,7 @@ def _bwd_key(r, do, engine):
         arrays = tuple(_res_sig(getattr(r, n)) for n in _RES_NAMES) + (_res_sig(r.mu_k),)
     except AttributeError:
         raise TypeError("a residual is not an array") from None
-    return r.problem, r.config, arrays, signature(do), engine, env_key()
+    return r.problem, r.config, arrays, r.mask, signature(do), engine, env_key()
 
 
 def _preprocess_backward(residuals, do, engine=None):
@@ -712,7 +780,7 @@ def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
     a kernel not launched are left uninitialized. Recorded once per (pre-pass plan, engine, kernels)."""
     prog = pre["plan"].launch_program(  # V's and dO's strides are in the mma.sync kernels' launches: in the key
         r.problem, r.config,
-        lambda: (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), env_key()),
+        lambda: (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), r.mask, env_key()),
         lambda: _backward_launch_program(r, pre, engine, kernels))
     ns = {n: getattr(r, n) for n in _RES_NAMES}
     ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)
@@ -745,7 +813,7 @@ def _backward_launch_program(r, pre, engine, kernels):
     vvb, vvh, vvn = ksb_, ksh_, ksn_
     qsb, qsh, qsn = _layout.c_strides(q_shape, layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
-    win = tuple(i32(w) for w in kernel_window(p))
+    win = tuple(i32(w) for w in kernel_mask(p, r.mask))
     names = _bwd_names(T, D, engine)
     src, arch = _BWD_SOURCES[engine]
     if engine == "wgmma":

@@ -241,7 +241,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
-              int v_block, const int* __restrict__ meta = nullptr, int S = 0, int total_q = 0) {
+              int shift, int v_block, const int* __restrict__ meta = nullptr, int S = 0, int total_q = 0) {
   static_assert(WARPS == 4, "4 warps");
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22: 127 * 127 * D and 255 * 127 * BKV must stay below");
@@ -266,6 +266,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
     packed_rebase(qb, p.qp, Hq, Hkv);
     nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad, lse_n = total_q;
     packed_window(win.left, win.right, nq, nk);
+    shift = nk - nq;  // (bottom-right aligned per sequence)
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     qc += qr * D, qs += qr, kc += kr * D, ks += kr, vt += kr * D, o += p.q0 * osn, lse += p.q0;
     vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence
@@ -274,8 +275,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   }
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
-  const int shift = nk - nq;
-  const KeyRange tl = key_range<BKV>(q0, FWD_BQ, nq, nk, win);  // tiles tl.first .. tl.n - 1
+  const KeyRange tl = key_range<BKV>(q0, FWD_BQ, nq, nk, win, shift);  // tiles tl.first .. tl.n - 1
 
   const char* gK = reinterpret_cast<const char*>(kc + bhk * nk_pad * D);
   const char* gV = reinterpret_cast<const char*>(vt + bhk * D * nk_pad);
@@ -378,7 +378,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
-              int v_block, const char* __restrict__ kv_img, const int* __restrict__ meta = nullptr, int S = 0,
+              int shift, int v_block, const char* __restrict__ kv_img, const int* __restrict__ meta = nullptr, int S = 0,
               int total_q = 0) {
   static_assert(WARPS == 4, "one warpgroup");
   static_assert(D == 64 || D == 128, "wgmma N = D");
@@ -412,6 +412,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     packed_rebase(qb, p.qp, Hq, Hkv);
     nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad, lse_n = total_q;
     packed_window(win.left, win.right, nq, nk);
+    shift = nk - nq;  // (bottom-right aligned per sequence)
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     qc += qr * D, qs += qr, o += p.q0 * osn, lse += p.q0, kv_img += kr / 64 * KvImg::STAGE;
     vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence
@@ -420,8 +421,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   }
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
-  const int shift = nk - nq;
-  const KeyRange tl = key_range<BKV>(q0, FWD_BQ, nq, nk, win);
+  const KeyRange tl = key_range<BKV>(q0, FWD_BQ, nq, nk, win, shift);
   // The ring is indexed by a tile's position j in the CTA's range (tile tl.first + j), so the pipeline below is the
   // one of a range that starts at tile 0.
   const int n_tiles = max(0, tl.n - tl.first);

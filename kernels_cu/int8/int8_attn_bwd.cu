@@ -39,7 +39,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
               T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
               T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-              int left, int right, int p_col, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0,
+              int left, int right, int shift, int p_col, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0,
               int nbq = 0) {
   const bool P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
   Window win{left, right};
@@ -70,13 +70,13 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
     kb -= p.kp / BWD_BKV, b = 0, bq = p.q0, bk = p.k0;
     nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
     packed_window(win.left, win.right, nq, nk);
+    shift = nk - nq;  // (bottom-right aligned per sequence)
     const long long kr = static_cast<long long>(Hkv) * p.kp;
     qrow = static_cast<long long>(Hq) * p.qp, kc += kr * D, ks += kr;
   }
   const int group = Hq / Hkv;
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
-  const int shift = nk - nq;
   const float inv_p_max = 1.f / p_max;
   if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
 
@@ -96,7 +96,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const QueryTiles qtl = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group);  // (head in group, query tile) pairs
+  const QueryTiles qtl = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group, shift);  // (head in group, query tile) pairs
   const int first_qt = qtl.first;
 
   // Flattened (head in group, query tile) iterations. Q^ and dO of iteration it+1 are prefetched during
@@ -264,10 +264,10 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
               T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-              int left, int right, int p_col, int ds_rowcol) {
+              int left, int right, int shift, int p_col, int ds_rowcol) {
   int8_attn_bwd_impl<T, D>(qc, qs, qt, kc, ks, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, dot, dos, lse2, delta, dk, ksb,
-                           ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad, nk_pad, p_max, left, right, p_col,
-                           ds_rowcol);
+                           ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad, nk_pad, p_max, left, right, shift,
+                           p_col, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); v, dout, dk, dv (total, H, D)
@@ -284,8 +284,8 @@ int8_attn_bwd_packed(const signed char* __restrict__ qc, const float* __restrict
                      const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
   int8_attn_bwd_impl<T, D, true>(qc, qs, qt, kc, ks, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, dot, dos, lse2, delta, dk,
-                                 ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, p_col,
-                                 ds_rowcol, meta, S, nbq);
+                                 ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, 0,
+                                 p_col, ds_rowcol, meta, S, nbq);
 }
 
 // dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D + 512
@@ -298,7 +298,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
                  const float* __restrict__ lse2, const float* __restrict__ delta,
                  T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                  int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left, int right,
-                 int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0) {
+                 int shift, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0) {
   const bool DS_ROWCOL = ds_rowcol != 0;
   Window win{left, right};
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
@@ -320,14 +320,14 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
     packed_rebase(qb, p.qp, Hq, Hkv);
     nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
     packed_window(win.left, win.right, nq, nk);
+    shift = nk - nq;  // (bottom-right aligned per sequence)
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     qc += qr * D, qs += qr, lse2 += qr, delta += qr, kc += kr * D, ks += kr, ktp += kr * D;
     bq = p.q0, bk = p.k0;
   }
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
-  const int shift = nk - nq;
-  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win);  // tiles tl.first .. tl.n - 1
+  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win, shift);  // tiles tl.first .. tl.n - 1
 
   auto load_kv = [&](int tile) {  // into the stage of its position in the range
     char* st = sStage + ((tile - tl.first) & 1) * STAGE;
@@ -429,9 +429,9 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
                  const float* __restrict__ lse2, const float* __restrict__ delta,
                  T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                  int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left, int right,
-                 int ds_rowcol) {
+                 int shift, int ds_rowcol) {
   int8_attn_bwd_dq_impl<T, D>(qc, qs, kc, ks, ktp, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, lse2, delta, dq, qsb, qsh,
-                              qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad, sm_scale, left, right, ds_rowcol);
+                              qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad, sm_scale, left, right, shift, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1).
@@ -446,5 +446,5 @@ int8_attn_bwd_dq_packed(const signed char* __restrict__ qc, const float* __restr
                         int S) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
   int8_attn_bwd_dq_impl<T, D, true>(qc, qs, kc, ks, ktp, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, lse2, delta, dq, qsn,
-                                    qsh, qsn, Hq, Hkv, 0, 0, 0, 0, sm_scale, left, right, ds_rowcol, meta, S);
+                                    qsh, qsn, Hq, Hkv, 0, 0, 0, 0, sm_scale, left, right, 0, ds_rowcol, meta, S);
 }

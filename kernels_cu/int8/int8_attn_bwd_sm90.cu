@@ -81,7 +81,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-                   int left, int right, int p_col, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0,
+                   int left, int right, int shift, int p_col, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0,
                    int nbq = 0) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   using Img = BwdImg<D>;
@@ -109,13 +109,13 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     kb -= p.kp / BWD_BKV, b = 0, bk = p.k0;
     nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
     packed_window(win.left, win.right, nq, nk);
+    shift = nk - nq;  // (bottom-right aligned per sequence)
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     q_img += qr / BWD_BQ * Img::Q_STAGE, k_img += kr / BWD_BKV * Img::K_STAGE, ks += kr;
   }
   const int group = Hq / Hkv;
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
-  const int shift = nk - nq;
   const float inv_p_max = 1.f / p_max;
   if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
 
@@ -128,7 +128,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const QueryTiles qtl = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group);  // (head in group, query tile) pairs
+  const QueryTiles qtl = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group, shift);  // (head in group, query tile) pairs
   const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
   // Stage it is the image of its (query head, query tile) (int8/bwd_img.cuh: Q^, dO, Q^^T, dO^^T, the per-query
   // vectors over the whole padded tile, the tile's dO scales), copied by thread 0 with one bulk copy; its
@@ -306,9 +306,9 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
-                   int left, int right, int p_col, int ds_rowcol) {
+                   int left, int right, int shift, int p_col, int ds_rowcol) {
   int8_attn_bwd_sm90_impl<T, D>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad,
-                                nk_pad, p_max, left, right, p_col, ds_rowcol);
+                                nk_pad, p_max, left, right, shift, p_col, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); dk, dv (total_k, Hkv, D) at
@@ -321,7 +321,7 @@ int8_attn_bwd_sm90_packed(const char* __restrict__ q_img, const char* __restrict
                           int right, int p_col, int ds_rowcol, const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first key)
   int8_attn_bwd_sm90_impl<T, D, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0,
-                                      p_max, left, right, p_col, ds_rowcol, meta, S, nbq);
+                                      p_max, left, right, 0, p_col, ds_rowcol, meta, S, nbq);
 }
 
 // dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem(D)[1]).
@@ -339,7 +339,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                       int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left,
-                      int right, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0) {
+                      int right, int shift, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
   using Img = BwdImg<D>;
   const bool DS_ROWCOL = ds_rowcol != 0;
@@ -364,14 +364,14 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
     packed_rebase(qb, p.qp, Hq, Hkv);
     nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
     packed_window(win.left, win.right, nq, nk);
+    shift = nk - nq;  // (bottom-right aligned per sequence)
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     q_img += qr / BWD_BQ * Img::Q_STAGE, k_img += kr / BWD_BKV * Img::K_STAGE, qs += qr, lse2 += qr, delta += qr;
     bq = p.q0;
   }
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
-  const int shift = nk - nq;
-  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win);
+  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win, shift);
   const int n_tiles = max(0, tl.n - tl.first);  // key tiles tl.first + j, j = 0 .. n_tiles - 1
 
   // The j-th key tile's stage is its key-side image (int8/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0
@@ -486,9 +486,9 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                       int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left,
-                      int right, int ds_rowcol) {
+                      int right, int shift, int ds_rowcol) {
   int8_attn_bwd_dq_sm90_impl<T, D>(q_img, k_img, qs, lse2, delta, dq, qsb, qsh, qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad,
-                                   sm_scale, left, right, ds_rowcol);
+                                   sm_scale, left, right, shift, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1).
@@ -501,5 +501,5 @@ int8_attn_bwd_dq_sm90_packed(const char* __restrict__ q_img, const char* __restr
                              const int* __restrict__ meta, int S) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
   int8_attn_bwd_dq_sm90_impl<T, D, true>(q_img, k_img, qs, lse2, delta, dq, qsn, qsh, qsn, Hq, Hkv, 0, 0, 0, 0,
-                                         sm_scale, left, right, ds_rowcol, meta, S);
+                                         sm_scale, left, right, 0, ds_rowcol, meta, S);
 }

@@ -33,9 +33,9 @@ int8_attn_fwd(const signed char* __restrict__ qc, const float* __restrict__ qs,
               T* __restrict__ o, long long osb, long long osh, long long osn,
               float* __restrict__ lse, float* __restrict__ lse2,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
-              int v_block) {
+              int shift, int v_block) {
   int8_attn_fwd_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                  nk_pad, p_max, left, right, v_block);
+                                  nk_pad, p_max, left, right, shift, v_block);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1); o (total_q, Hq, D) at the given
@@ -51,5 +51,5 @@ int8_attn_fwd_packed(const signed char* __restrict__ qc, const float* __restrict
                      int Hq, int Hkv, float p_max, int left, int right, int v_block,
                      const int* __restrict__ meta, int S, int total_q) {
   int8_attn_fwd_impl<T, D, WARPS, BKV, true>(qc, qs, kc, ks, vt, vs, qmk, o, 0, osh, osn, lse, lse2, Hq, Hkv, 0, 0, 0,
-                                             0, p_max, left, right, v_block, meta, S, total_q);
+                                             0, p_max, left, right, 0, v_block, meta, S, total_q);
 }

@@ -18,9 +18,9 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    T* __restrict__ o, long long osb, long long osh, long long osn,
                    float* __restrict__ lse, float* __restrict__ lse2,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
-                   int v_block, const char* __restrict__ kv_img) {
+                   int shift, int v_block, const char* __restrict__ kv_img) {
   int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                 nk_pad, p_max, left, right, v_block, kv_img);
+                                 nk_pad, p_max, left, right, shift, v_block, kv_img);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1); o (total_q, Hq, D) at the given
@@ -34,6 +34,6 @@ int8_attn_fwd_sm90_packed(const signed char* __restrict__ qc, const float* __res
                           int Hq, int Hkv, float p_max, int left, int right, int v_block,
                           const char* __restrict__ kv_img, const int* __restrict__ meta, int S, int total_q) {
   int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV, true>(qc, qs, nullptr, nullptr, nullptr, vs, qmk, o, 0, osh, osn, lse,
-                                                   lse2, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, v_block, kv_img,
+                                                   lse2, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, 0, v_block, kv_img,
                                                    meta, S, total_q);
 }
