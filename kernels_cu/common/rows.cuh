@@ -109,62 +109,9 @@ struct KeyRange {
   int first, n, first_masked, masked_below;
   __device__ __forceinline__ bool need_mask(int tile) const { return tile >= first_masked || tile < masked_below; }
 };
-template <int TILE = KEY_TILE>
-__device__ __forceinline__ KeyRange key_range(int q0, int bq, int nq, int nk, Window w) {
-  const int shift = nk - nq;
-  KeyRange t{0, 0, nk / TILE, 0};  // first_masked: the partial tail
-  if (q0 >= nq) return t;          // padding rows only: no tile
-  const int last_row = min(q0 + bq - 1, nq - 1);
-  const int lo = w.left >= 0 ? max(0, q0 + shift - w.left) : 0;                  // first key any real row sees
-  const int hi = w.right >= 0 ? min(nk - 1, last_row + shift + w.right) : nk - 1;  // and the last
-  if (hi < lo) return t;  // no real row sees a key
-  t.first = lo / TILE;
-  t.n = hi / TILE + 1;
-  if (w.right >= 0) {
-    const int min_row_key = q0 + shift + w.right;  // keys beyond this need the mask for some row
-    t.first_masked = min(t.first_masked, min_row_key < 0 ? 0 : (min_row_key + 1) / TILE);
-  }
-  if (w.left >= 0) {
-    const int max_row_key = last_row + shift - w.left;  // keys below this need the mask for some row
-    t.masked_below = max_row_key <= 0 ? 0 : (max_row_key + TILE - 1) / TILE;
-  }
-  return t;
-}
-
-// The mirror for a block of keys k0 .. (the dK/dV kernels): the bq-row query tiles first .. n - 1 see them (causal:
-// from the first row that sees key k0), for each of the kv head's `group` query heads: per_head tiles, iters pairs.
-struct QueryTiles {
-  int first, n, per_head, iters;
-};
-__device__ __forceinline__ QueryTiles query_tiles(int k0, int bq, int nq, int nk, bool causal, int group) {
-  const int first_row = causal ? max(0, k0 - (nk - nq)) : 0;
-  QueryTiles t;
-  t.first = first_row / bq;
-  t.n = (nq + bq - 1) / bq;
-  t.per_head = max(0, t.n - t.first);
-  t.iters = group * t.per_head;
-  return t;
-}
-
-// query_tiles for a window and a block of bk keys k0 .. (k0 < nk): the query tiles from the one of the first row
-// that sees key k0 (a bounded right edge) to the one of the last row that sees the block's last key (a bounded left
-// edge). With Window{-1, 0} it is query_tiles(.., true, ..), with Window{-1, -1} query_tiles(.., false, ..).
-__device__ __forceinline__ QueryTiles query_tiles(int k0, int bk, int bq, int nq, int nk, Window w, int group) {
-  const int shift = nk - nq, k1 = min(k0 + bk - 1, nk - 1);
-  const int first_row = w.right >= 0 ? max(0, k0 - shift - w.right) : 0;
-  const int last_row = w.left >= 0 ? min(nq - 1, k1 - shift + w.left) : nq - 1;
-  QueryTiles t;
-  t.first = first_row / bq;
-  t.n = last_row / bq + 1;
-  t.per_head = first_row > last_row ? 0 : t.n - t.first;
-  t.iters = group * t.per_head;
-  return t;
-}
-
-// key_range and query_tiles with the diagonal offset given: row i sees key j iff i + shift - left <= j <= i + shift +
-// right. A block of a longer sequence (a query run starting at global position qs against a key run at ks, global
-// lengths Nq, Nk; sagecupy/context_parallel.py) has shift = qs - ks + Nk - Nq; a whole sequence has nk - nq, with
-// which these are the overloads above, field for field.
+// key_range with the diagonal offset given: row i sees key j iff i + shift - left <= j <= i + shift + right. A block
+// of a longer sequence (a query run starting at global position qs against a key run at ks, global lengths Nq, Nk;
+// sagecupy/context_parallel.py) has shift = qs - ks + Nk - Nq; a whole sequence has nk - nq (the overload below).
 template <int TILE = KEY_TILE>
 __device__ __forceinline__ KeyRange key_range(int q0, int bq, int nq, int nk, Window w, int shift) {
   KeyRange t{0, 0, nk / TILE, 0};  // first_masked: the partial tail
@@ -185,6 +132,30 @@ __device__ __forceinline__ KeyRange key_range(int q0, int bq, int nq, int nk, Wi
   }
   return t;
 }
+template <int TILE = KEY_TILE>
+__device__ __forceinline__ KeyRange key_range(int q0, int bq, int nq, int nk, Window w) {
+  return key_range<TILE>(q0, bq, nq, nk, w, nk - nq);
+}
+
+// The mirror for a block of keys k0 .. (the dK/dV kernels): the bq-row query tiles first .. n - 1 see them (causal:
+// from the first row that sees key k0), for each of the kv head's `group` query heads: per_head tiles, iters pairs.
+struct QueryTiles {
+  int first, n, per_head, iters;
+};
+__device__ __forceinline__ QueryTiles query_tiles(int k0, int bq, int nq, int nk, bool causal, int group) {
+  const int first_row = causal ? max(0, k0 - (nk - nq)) : 0;
+  QueryTiles t;
+  t.first = first_row / bq;
+  t.n = (nq + bq - 1) / bq;
+  t.per_head = max(0, t.n - t.first);
+  t.iters = group * t.per_head;
+  return t;
+}
+
+// query_tiles for a window and a block of bk keys k0 .. (k0 < nk): the query tiles from the one of the first row
+// that sees key k0 (a bounded right edge) to the one of the last row that sees the block's last key (a bounded left
+// edge). With Window{-1, 0} it is query_tiles(.., true, ..), with Window{-1, -1} query_tiles(.., false, ..). shift: as
+// key_range's (nk - nq for a whole sequence).
 __device__ __forceinline__ QueryTiles query_tiles(int k0, int bk, int bq, int nq, int nk, Window w, int group,
                                                   int shift) {
   const int k1 = min(k0 + bk - 1, nk - 1);
@@ -196,6 +167,9 @@ __device__ __forceinline__ QueryTiles query_tiles(int k0, int bk, int bq, int nq
   t.per_head = first_row > last_row ? 0 : t.n - t.first;
   t.iters = group * t.per_head;
   return t;
+}
+__device__ __forceinline__ QueryTiles query_tiles(int k0, int bk, int bq, int nq, int nk, Window w, int group) {
+  return query_tiles(k0, bk, bq, nq, nk, w, group, nk - nq);
 }
 
 // dst[row, col] = acc * mult in T for this thread's rows r_lo, r_lo + 8 (those < n) of a 16 x D
