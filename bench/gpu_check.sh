@@ -5,14 +5,17 @@
 # (default 570), for machines that cut a command at 10 minutes. Logs and JSON lines go to $OUT (or --out DIR;
 # default /tmp/sagecupy_out).
 #
-#   bash bench/gpu_check.sh [all|tests|bench|accuracy|examples] [options]
+#   bash bench/gpu_check.sh [all|tests|fuzz|bench|accuracy|examples] [options]
 #
 #   all        (the default) tests, then bench. Kernel compiles dominate a fresh machine's first run; if shards
 #              are cut for time, run `tests` and `bench` as two calls on the same machine (CuPy's disk cache keeps
 #              the compiled kernels between calls).
 #   tests      the GPU suite: tests/gpu, or --files; --k EXPR selects tests as pytest -k does. `sagecupy warmup`
 #              first compiles every kernel once, over all cores, into CuPy's disk cache (log $OUT/warmup.log), which
-#              the shards then load from instead of each compiling what it meets.
+#              the shards then load from instead of each compiling what it meets. Then compute-sanitizer over
+#              every family's kernels (bench/sanitize.sh: memcheck, racecheck, synccheck, initcheck; one line each),
+#              when at least 60 s are left.
+#   fuzz       the seeded fuzz run (bench/fuzz.sh --fuzz N per family, default 3400) in the time left.
 #   bench      the benchmark over D 64/128, N 4K/16K, causal and not, peak memory at 32K (--full: N 1K...32K,
 #              which may need more than one call's time: narrow --families);
 #              the table is bench/tools/sweep_table.py's (× SDPA flash; `--vs sdpa` on $OUT/bench.jsonl gives
@@ -27,13 +30,14 @@
 #   --shards N                  parallel test processes (default 12)
 #   --budget S                  seconds for the whole call (default 570)
 #   --bench-time S              seconds kept for the benchmark in `all` (default 240)
+#   --fuzz N                    fuzz cases per family for `fuzz` (default 3400)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 what=all
-case ${1:-} in all|tests|bench|accuracy|examples) what=$1; shift ;; esac
+case ${1:-} in all|tests|fuzz|bench|accuracy|examples) what=$1; shift ;; esac
 OUT=${OUT:-/tmp/sagecupy_out}
-kexpr=""; files="tests/gpu"; families="int8,nvfp4,qat"; configs="default"; shards=12; budget=570; bench_time=240; full=0
+kexpr=""; files="tests/gpu"; families="int8,nvfp4,qat"; configs="default"; shards=12; budget=570; bench_time=240; full=0; fuzz_n=3400
 while [ $# -gt 0 ]; do
   case $1 in
     --k) kexpr=$2; shift 2 ;;
@@ -44,6 +48,7 @@ while [ $# -gt 0 ]; do
     --budget) budget=$2; shift 2 ;;
     --bench-time) bench_time=$2; shift 2 ;;
     --full) full=1; shift ;;
+    --fuzz) fuzz_n=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -76,6 +81,20 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   bash bench/gpu_shards.sh --shards "$shards" --timeout "$(left $reserve)" --out "$OUT" ${kexpr:+--k "$kexpr"} \
     "${file_args[@]}" | tee "$OUT/tests_summary.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if [ "$(left $reserve)" -ge 60 ]; then
+    echo "== compute-sanitizer: bash bench/sanitize.sh"
+    bash bench/sanitize.sh --timeout $(( $(left $reserve) / 5 )) --out "$OUT" | tee "$OUT/sanitize_summary.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  else
+    echo "compute-sanitizer: skipped ($(left $reserve) s left; bash bench/sanitize.sh runs it alone)"
+  fi
+fi
+
+if [ "$what" = fuzz ]; then
+  bash bench/fuzz.sh "$fuzz_n" --budget "$(left 10)" --out "$OUT"; rc=$?
+  # (124: the budget ran out, the cases that ran are reported above)
+  [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1
+  ! grep -q "^FAILED" "$OUT/fuzz.log" || status=1
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then
