@@ -2,10 +2,15 @@
 
     python bench/run_bench.py [--quick] [--memory] [--out FILE.jsonl] [--configs default,paper] [--families int8,nvfp4,qat]
         [--ds 128] [--ns 8192,32768] [--baselines sdpa,cudnn-fp8,flash] [--adapters [torch,jax]]
-        [--dtype bfloat16|float16]
+        [--dtype bfloat16|float16] [--packed [8,32]] [--windows [1024,4096]] [--varlen-baselines cudnn,sdpa-docs,...]
+        [--no-dense]
 
 (--adapters adds the INT8 rows through sagecupy.torch and sagecupy.jax, each with its ratio to the CuPy call in
 the table's last column, `x cupy`.)
+
+(--packed adds 16K tokens as S causal documents of seeded random lengths in one packed call; --windows the sweep's
+shapes causal with window (W, 0); both with their own baselines and table, TFLOPS over the visible pairs; --no-dense
+leaves the dense sweep out. bench/tools/varlen_table.py prints their ratios from --out's file.)
 
 (`sagecupy bench` is the same with CLI conventions; this script also logs every row to stderr.)
 """
@@ -15,6 +20,20 @@ import sys
 
 from sagecupy import bench
 from sagecupy._env import environment
+
+
+def select_cases(a, docs, windows):
+    """The dense sweep's (D, N, causal) cases narrowed by --quick, --ds and --ns, and the packed (--packed: 16K tokens
+    whatever --ns says) and window cases (--windows: on the sweep's N) for the same head dims."""
+    cases = bench.default_cases(quick=a.quick)
+    if a.ds:
+        cases = [c for c in cases if c[0] in {int(x) for x in a.ds.split(",")}]
+    if a.ns:
+        cases = [c for c in cases if c[1] in {int(x) for x in a.ns.split(",")}]
+    ds = sorted({int(x) for x in a.ds.split(",")} if a.ds else {c[0] for c in bench.default_cases()})
+    ns = sorted({c[1] for c in cases})
+    varlen = (bench.packed_cases(ds, docs) if docs else []) + (bench.window_cases(ds, ns, windows) if windows else [])
+    return cases, varlen
 
 
 def main(argv=None):
@@ -41,23 +60,42 @@ def main(argv=None):
                          "[default: bfloat16]")
     ap.add_argument("--ds", default=None, help="head dims to keep (e.g. 128; default: all of the sweep's)")
     ap.add_argument("--ns", default=None, help="sequence lengths to keep (e.g. 8192,32768; default: all)")
+    ap.add_argument("--packed", nargs="?", const=",".join(map(str, bench.DEFAULT_PACKED)), default="",
+                    help="also time packed batches: 16K tokens as S causal documents of random lengths (seeded, each "
+                         ">= 64 tokens) in one call, for each S given, comma-separated; the flag alone means 8,32 "
+                         "[default: none]")
+    ap.add_argument("--windows", nargs="?", const=",".join(map(str, bench.DEFAULT_WINDOWS)), default="",
+                    help="also time sliding windows: the sweep's shapes causal with window (W, 0), for each W given, "
+                         "comma-separated; the flag alone means 1024,4096 [default: none]")
+    ap.add_argument("--varlen-baselines", default=",".join(bench.DEFAULT_VARLEN_BASELINES),
+                    help="baselines of the packed and window cases, comma-separated: cudnn (cuDNN's bf16 SDPA through "
+                         "the cuDNN frontend, ragged THD / diagonal band), sdpa-docs (PyTorch SDPA once per "
+                         "document), torch-varlen (torch.nn.attention.varlen), flex (FlexAttention, compiled); '' for "
+                         "none. One that cannot run here is skipped with a line saying why")
+    ap.add_argument("--no-dense", action="store_true", help="leave the dense sweep out (with --packed/--windows)")
     a = ap.parse_args(argv)
     try:
         baselines = bench.parse_baselines(a.baselines)
         adapters = bench.parse_adapters(a.adapters)
+        varlen_baselines = bench.parse_varlen_baselines(a.varlen_baselines)
+        docs = bench.parse_int_list(a.packed, "--packed")
+        windows = bench.parse_int_list(a.windows, "--windows")
     except ValueError as exc:
         ap.error(str(exc))
     out = open(a.out, "w") if a.out else None
     if out:
         out.write(json.dumps(dict(type="env", **environment())) + "\n")
-    cases = bench.default_cases(quick=a.quick)
-    if a.ds:
-        cases = [c for c in cases if c[0] in {int(x) for x in a.ds.split(",")}]
-    if a.ns:
-        cases = [c for c in cases if c[1] in {int(x) for x in a.ns.split(",")}]
-    rows = bench.run_suite(cases, configs=tuple(a.configs.split(",")), out=out,
-                           baselines=baselines, adapters=adapters,
-                           rep=a.rep, dtype=a.dtype, families=tuple(a.families.split(",")), log=lambda r: print(json.dumps(r), file=sys.stderr))
+    cases, varlen_cases = select_cases(a, docs, windows)
+    log = lambda r: print(json.dumps(r), file=sys.stderr)  # noqa: E731
+    rows = []
+    if not a.no_dense:
+        rows += bench.run_suite(cases, configs=tuple(a.configs.split(",")), out=out,
+                                baselines=baselines, adapters=adapters,
+                                rep=a.rep, dtype=a.dtype, families=tuple(a.families.split(",")), log=log)
+    if varlen_cases:
+        rows += bench.run_varlen_suite(varlen_cases, configs=tuple(a.configs.split(",")), out=out,
+                                       baselines=varlen_baselines, rep=a.rep, dtype=a.dtype,
+                                       families=tuple(a.families.split(",")), log=log)
     if a.memory:
         mem = bench.peak_memory(dtype=a.dtype)
         rows += mem

@@ -153,3 +153,151 @@ def _inputs(D, N, dtype):
 def _config_name(config):
     """The ``config`` field of an INT8 row: the preset's name, or the config object's ``name``."""
     return (config or "default") if isinstance(config, (str, type(None))) else config.name
+
+
+# -- packed variable-length batches and sliding windows -----------------------------------------------------------
+#: Baselines the packed and window cases are timed against (``run_varlen_suite``'s ``baselines``), and the ``impl`` of
+#: their rows: cuDNN's bf16 SDPA through the cuDNN frontend's graph API (ragged THD tensors for the packed cases, its
+#: diagonal band for the windows; :mod:`sagecupy._cudnn_varlen`), PyTorch's SDPA called once per document, PyTorch's
+#: variable-length attention (``torch.nn.attention.varlen.varlen_attn``), and FlexAttention with a document or
+#: sliding-window block mask, compiled.
+VARLEN_BASELINES = {"cudnn": "cudnn-bf16", "sdpa-docs": "sdpa-per-doc", "torch-varlen": "torch-varlen",
+                    "flex": "flex-attention"}
+DEFAULT_VARLEN_BASELINES = tuple(VARLEN_BASELINES)
+#: Document counts of ``--packed`` given alone, and the sliding windows ``W`` (window ``(W, 0)``) of ``--windows``.
+DEFAULT_PACKED = (8, 32)
+DEFAULT_WINDOWS = (1024, 4096)
+#: The packed cases' token budget: the dense sweep's batch * N.
+PACKED_TOKENS = 16384
+#: The shortest document of a packed case, and the seed its lengths are drawn with.
+MIN_DOC_LEN = 64
+PACKED_SEED = 0
+
+
+def _parse_names(spec, known, option):
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for name in (n.strip() for n in names):
+        if not name:
+            continue
+        if name not in known:
+            raise ValueError(f"{option}: {name!r} is not one of {', '.join(known)}")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def parse_varlen_baselines(spec) -> tuple:
+    """Names of ``VARLEN_BASELINES`` from ``"cudnn,flex"`` (or an iterable), in order, without repeats; ``""`` is
+    none. ``ValueError`` names an unknown one."""
+    return _parse_names(spec, VARLEN_BASELINES, "--varlen-baselines")
+
+
+def parse_int_list(spec, option, *, minimum=1) -> tuple:
+    """``"8,32"`` (or an iterable of ints) as a sorted tuple of distinct ints ``>= minimum``; ``""`` or None is
+    none. ``ValueError`` names the option and the bad entry."""
+    if spec is None:
+        return ()
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = set()
+    for item in items:
+        if isinstance(item, str):
+            item = item.strip()
+            if not item:
+                continue
+        try:
+            value = int(item)
+        except (TypeError, ValueError):
+            raise ValueError(f"{option}: {item!r} is not an integer") from None
+        if isinstance(item, float) and item != value:
+            raise ValueError(f"{option}: {item!r} is not an integer")
+        if value < minimum:
+            raise ValueError(f"{option}: {value} is below {minimum}")
+        out.add(value)
+    return tuple(sorted(out))
+
+
+def doc_lengths(n_tokens, n_docs, seed=PACKED_SEED, min_len=MIN_DOC_LEN) -> list:
+    """``n_docs`` document lengths, each ``>= min_len``, summing to ``n_tokens``: ``min_len`` each plus the rest cut at
+    ``n_docs - 1`` points drawn uniformly (with repeats) by NumPy's ``default_rng(seed)``, so lengths vary widely (a
+    document may get ``min_len`` alone) and a seed gives the same lengths on every machine."""
+    import numpy as np
+
+    n_tokens, n_docs, min_len = int(n_tokens), int(n_docs), int(min_len)
+    if n_docs < 1 or min_len < 1:
+        raise ValueError(f"need at least one document of at least one token; got n_docs={n_docs}, min_len={min_len}")
+    rest = n_tokens - n_docs * min_len
+    if rest < 0:
+        raise ValueError(f"{n_docs} documents of at least {min_len} tokens need {n_docs * min_len} tokens; "
+                         f"got {n_tokens}")
+    cuts = np.sort(np.random.default_rng(seed).integers(0, rest + 1, n_docs - 1))
+    extra = np.diff(np.concatenate([[0], cuts, [rest]]))
+    return [int(min_len + e) for e in extra]
+
+
+def visible_pairs(nq, nk, causal=True, window=None) -> int:
+    """Query-key pairs one sequence attends: the ``True`` entries of ``reference.attention.visible_mask(nq, nk,
+    causal, window)`` (bottom-right causal; ``window=(left, right)``, -1 unbounded), counted row by row."""
+    import numpy as np
+
+    left, right = (-1, 0 if causal else -1) if window is None else (int(window[0]), int(window[1]))
+    if causal and right != 0:
+        raise ValueError(f"causal=True contradicts window={window!r}")
+    i = np.arange(int(nq), dtype=np.int64) + (int(nk) - int(nq))  # each row's diagonal key
+    lo = np.zeros_like(i) if left == -1 else np.maximum(i - left, 0)
+    hi = np.full_like(i, int(nk) - 1) if right == -1 else np.minimum(i + right, int(nk) - 1)
+    return int(np.clip(hi - lo + 1, 0, None).sum())
+
+
+def pair_flops(pairs, H, D, mode="fwd") -> float:
+    """FLOPs over ``pairs`` visible query-key pairs per head (all sequences of the batch): ``4 pairs H D`` for the
+    forward (two matmuls), 2.5x backward, 3.5x forward+backward, as :func:`flops` counts a dense problem."""
+    return 4.0 * pairs * H * D * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
+
+
+def packed_cases(ds=(64, 128), docs=DEFAULT_PACKED, *, n_tokens=PACKED_TOKENS, seed=PACKED_SEED) -> list:
+    """The packed cases: ``n_tokens`` tokens (one sequence of the sweep's token budget) as ``S`` causal documents of
+    :func:`doc_lengths`, for each head dim and document count; H * D = 2048 as in the dense sweep."""
+    return [dict(kind="packed", D=int(d), N=int(n_tokens), S=int(s), seed=int(seed)) for d in ds for s in docs]
+
+
+def window_cases(ds=(64, 128), ns=(16384,), windows=DEFAULT_WINDOWS) -> list:
+    """The window cases: causal with window ``(W, 0)`` on the sweep's shapes (batch * N = 16K, H * D = 2048); a window
+    as wide as the sequence (``W >= N - 1``) is plain causal and left out."""
+    return [dict(kind="window", D=int(d), N=int(n), W=int(w)) for d in ds for n in ns for w in windows
+            if int(w) < int(n) - 1]
+
+
+def case_shape(case) -> dict:
+    """What a packed or window case's rows record besides the timing: ``B``, ``H``, the documents' ``lengths`` (a
+    window case: ``B`` sequences of ``N``), ``window`` (None: causal) and ``pairs``, the visible query-key pairs
+    summed over documents (or sequences), whose FLOPs (:func:`pair_flops`) give the rows' ``tops``."""
+    D, N = case["D"], case["N"]
+    if case["kind"] == "packed":
+        lengths = doc_lengths(N, case["S"], case.get("seed", PACKED_SEED))
+        B, H, window = 1, 2048 // D, None
+        extra = dict(S=case["S"], seed=case.get("seed", PACKED_SEED))
+    elif case["kind"] == "window":
+        B, H = _shape(D, N)
+        lengths, window = [N] * B, (case["W"], 0)
+        extra = dict(W=case["W"])
+    else:
+        raise ValueError(f"case kind {case['kind']!r} is not 'packed' or 'window'")
+    pairs = sum(visible_pairs(L, L, True, window) for L in lengths)
+    return dict(B=B, H=H, lengths=lengths, window=window, pairs=pairs, **extra)
+
+
+def case_fields(case, shape) -> dict:
+    """The fields that say which packed or window case a row belongs to (``shape``: :func:`case_shape`)."""
+    f = dict(case=case["kind"], D=case["D"], N=case["N"], B=shape["B"], H=shape["H"], causal=True)
+    if case["kind"] == "packed":
+        f.update(S=shape["S"], seed=shape["seed"], lengths=shape["lengths"])
+    else:
+        f.update(W=shape["W"], window=list(shape["window"]))
+    return f
+
+
+def case_name(case) -> str:
+    """``packed D=128 N=16384 S=8`` / ``window D=128 N=16384 W=1024``: a case in progress lines and tables."""
+    tail = f"S={case['S']}" if case["kind"] == "packed" else f"W={case['W']}"
+    return f"{case['kind']} D={case['D']} N={case['N']} {tail}"

@@ -22,6 +22,15 @@ inference call (``int8.sage_attention``), as SDPA's forward is timed under ``tor
 ``train-b2b`` time the training forward (``int8.forward``, which also keeps the backward's residuals), compared with
 the same no-grad SDPA forward.
 
+Packed batches and sliding windows (:func:`run_varlen_suite`; off unless a run asks for them): ``packed`` cases, 16K
+tokens as S causal documents of seeded random lengths (``_bench_common.doc_lengths``) in one ``layout="THD"`` call,
+and ``window`` cases, the sweep's shapes causal with window ``(W, 0)``. Rows carry ``case`` (``packed`` /
+``window``), ``S``, ``seed`` and ``lengths`` or ``W``, and ``pairs``, the visible query-key pairs summed over the
+documents: their FLOPs (``4 pairs H D``, x2.5 backward, x3.5 forward+backward) give ``tops``, comparable with the
+dense rows. INT8 rows are ``sagecupy-int8-packed`` / ``sagecupy-int8-window`` (forward: the inference call;
+forward+backward; ``e2e`` and ``e2e-b2b``), their baselines ``VARLEN_BASELINES`` (cuDNN's bf16 SDPA with ragged
+offsets or its diagonal band, SDPA per document, PyTorch's varlen attention, FlexAttention), with the same scopes.
+
 Adapters (``ADAPTERS``; off unless ``run_suite`` is given ``adapters``; each one that cannot run here is skipped with
 one row saying why): the same INT8 calls through ``sagecupy.torch.sage_attention`` on PyTorch tensors (rows
 ``sagecupy-int8-torch``) and through ``sagecupy.jax.sage_attention`` inside ``jax.jit`` (rows
@@ -39,11 +48,15 @@ import json
 
 __all__ = ["flops", "time_ms", "time_ms_b2b", "bench_int8", "bench_fp4", "default_cases", "run_suite",
            "peak_memory", "format_rows", "plot", "BASELINES", "DEFAULT_BASELINES", "parse_baselines", "ADAPTERS",
-           "parse_adapters"]
+           "parse_adapters", "VARLEN_BASELINES", "DEFAULT_VARLEN_BASELINES", "parse_varlen_baselines",
+           "packed_cases", "window_cases", "bench_int8_varlen", "run_varlen_suite", "format_varlen_rows"]
 
 # The shared pieces keep their public names here (sagecupy.bench.flops, .time_ms, .BASELINES, ...).
-from ._bench_common import (ADAPTERS, BASELINES, DEFAULT_BASELINES, _config_name, _inputs, _shape, default_cases,
-                            flops, parse_adapters, parse_baselines, time_ms, time_ms_b2b)
+from ._bench_common import (ADAPTERS, BASELINES, DEFAULT_BASELINES, DEFAULT_VARLEN_BASELINES, VARLEN_BASELINES,
+                            _config_name, _inputs, _shape, case_fields, case_name, case_shape, default_cases, flops,
+                            packed_cases, pair_flops, parse_adapters, parse_baselines, parse_int_list,
+                            parse_varlen_baselines, time_ms, time_ms_b2b, window_cases, DEFAULT_PACKED,
+                            DEFAULT_WINDOWS)
 
 
 def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "bwd", "fwdbwd")):
@@ -204,6 +217,99 @@ def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=N
     return rows
 
 
+def _varlen_inputs(case, shape, dtype):
+    """q, k, v, dO of a packed case (``(T, H, D)``, seed 0) or a window case (the dense sweep's ``(B, H, N, D)``
+    inputs), and the keyword arguments of the INT8 calls."""
+    import cupy
+    import numpy as np
+
+    from .adapters.bf16 import from_float
+
+    if case["kind"] == "window":
+        _, _, xs = _inputs(case["D"], case["N"], dtype)
+        return xs, dict(causal=True, window=shape["window"])
+    rng = cupy.random.default_rng(0)
+
+    def mk():
+        x = rng.standard_normal((case["N"], shape["H"], case["D"]), dtype=cupy.float32)
+        return x.astype(cupy.float16) if dtype == "float16" else from_float(x)
+
+    xs = (mk(), mk(), mk(), mk())
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(shape["lengths"])]).astype(np.int32))
+    L = max(shape["lengths"])
+    return xs, dict(causal=True, layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=L, max_seqlen_k=L)
+
+
+def bench_int8_varlen(case, *, config=None, dtype="bfloat16", warmup=3, rep=10, modes=("fwd", "fwdbwd")):
+    """Rows ``sagecupy-int8-packed`` / ``sagecupy-int8-window`` for one case of :func:`packed_cases` /
+    :func:`window_cases`: the inference forward (``int8.sage_attention``) and forward+backward (``int8.forward`` then
+    ``int8.backward``), each synchronized (``e2e``) and back to back (``e2e-b2b``), as the dense INT8 rows time them;
+    TOPS over the case's visible pairs."""
+    from . import int8
+
+    shape = case_shape(case)
+    (q, k, v, do), kw = _varlen_inputs(case, shape, dtype)
+    fields = case_fields(case, shape)
+    rows = []
+
+    def row(mode, scope, ms):
+        rows.append(dict(impl=f"sagecupy-int8-{case['kind']}", config=_config_name(config), mode=mode, scope=scope,
+                         **fields, dtype=dtype, ms=ms, tops=pair_flops(shape["pairs"], shape["H"], case["D"], mode)
+                         / ms / 1e9, pairs=shape["pairs"]))
+
+    if "fwd" in modes:
+        row("fwd", "e2e", time_ms(lambda: int8.sage_attention(q, k, v, config=config, **kw), warmup, rep))
+        row("fwd", "e2e-b2b", time_ms_b2b(lambda: int8.sage_attention(q, k, v, config=config, **kw), warmup))
+    if "fwdbwd" in modes:
+        def fb():
+            _, r = int8.forward(q, k, v, config=config, **kw)
+            int8.backward(r, do)
+        row("fwdbwd", "e2e", time_ms(fb, warmup, rep))
+        row("fwdbwd", "e2e-b2b", time_ms_b2b(fb, warmup))
+    return rows
+
+
+def run_varlen_suite(cases, *, configs=("default",), baselines=DEFAULT_VARLEN_BASELINES, out=None, warmup=3,
+                     rep=10, log=None, families=("int8",), dtype="bfloat16", progress=None):
+    """Every packed or window case (:func:`packed_cases`, :func:`window_cases`) for INT8 with each config (where
+    ``families`` has int8) and each baseline of ``VARLEN_BASELINES`` (``baselines``: names, a comma-separated string
+    or an iterable); JSON lines to ``out`` as they come, ``progress(case)`` after each case. As in
+    :func:`run_suite`, a baseline that cannot run here gives one ``skip`` row saying why and is not timed, one that
+    fails on a case an ``error`` row; neither stops the sweep."""
+    from . import bench_frameworks as fw  # PyTorch and cuDNN are imported only when a run uses them
+
+    rows = []
+
+    def emit(batch):
+        for r in batch:
+            if out is not None:
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+            if log is not None:
+                log(r)
+        rows.extend(batch)
+
+    active, skipped = [], []
+    for be in parse_varlen_baselines(baselines):
+        why = fw._varlen_reason(be)
+        if why is None:
+            active.append(be)
+        else:
+            skipped.append(dict(impl=VARLEN_BASELINES[be], mode="skip", baseline=be, reason=why))
+    emit(skipped)
+    for case in cases:
+        batch = []
+        if "int8" in families:
+            for cfg in configs:
+                batch += bench_int8_varlen(case, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
+        for be in active:
+            batch += fw.bench_varlen_baseline(be, case, warmup=warmup, rep=rep, dtype=dtype)
+        emit(batch)
+        if progress is not None:
+            progress(case)
+    return rows
+
+
 def peak_memory(D=128, N=32768, causal=False, *, dtype="bfloat16", config=None) -> list:
     """Peak device memory (bytes) of one forward+backward, inputs included, for sagecupy and SDPA.
 
@@ -293,7 +399,16 @@ def format_rows(rows) -> str:
 
     Where the rows include adapter rows (``ADAPTERS``), the impl column widens to their names and a last column
     ``x cupy`` gives each adapter row's CuPy ms / its ms for the ``sagecupy-int8`` row of the same config, mode,
-    scope, case and dtype: 1.00 is no cost over the CuPy call, 0.97 a 3% slower call through the framework."""
+    scope, case and dtype: 1.00 is no cost over the CuPy call, 0.97 a 3% slower call through the framework.
+
+    Rows of the packed and window cases (a ``case`` field, or a baseline of theirs) follow in a table of their own,
+    :func:`format_varlen_rows`."""
+    vimpls = set(VARLEN_BASELINES.values())
+    varlen = [r for r in rows if r.get("case") or r.get("impl") in vimpls]
+    if varlen:
+        rows = [r for r in rows if not (r.get("case") or r.get("impl") in vimpls)]
+        tail = format_varlen_rows(varlen)
+        return tail if not rows else format_rows(rows) + "\n\n" + tail
     base = {(r["impl"], r.get("scope", "e2e"), r["mode"], r["D"], r["N"], r["causal"]): r["ms"] for r in rows
             if "ms" in r and (r["impl"].startswith("sdpa-") or r["impl"] == "cudnn-fp8")}
     adapter_impls = set(ADAPTERS.values())
@@ -335,6 +450,54 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
+#: The ratio columns of :func:`format_varlen_rows`: header, baseline impl.
+VARLEN_COLUMNS = (("x cudnn", "cudnn-bf16"), ("x docs", "sdpa-per-doc"), ("x varlen", "torch-varlen"),
+                  ("x flex", "flex-attention"))
+
+
+def _varlen_key(r):
+    """What a packed/window row and the baseline rows it is compared with share."""
+    return (r["case"], r["D"], r["N"], r.get("S"), r.get("W"), r["mode"], r.get("scope", "e2e"))
+
+
+def format_varlen_rows(rows) -> str:
+    """An aligned table of packed and window rows (:func:`run_varlen_suite`): ms, TFLOPS (TOPS for INT8) over the
+    visible pairs, and each sagecupy row's speedup over every baseline of the same case, mode and scope (baseline ms /
+    row ms): ``x cudnn`` cuDNN's bf16 SDPA (ragged THD, or its diagonal band), ``x docs`` SDPA once per document,
+    ``x varlen`` PyTorch's varlen attention, ``x flex`` FlexAttention; ``-`` where the run has no such row. A cuDNN
+    row timed causal because its window was declined is marked ``(causal)``; skipped baselines, notes and errors get
+    a line each."""
+    base = {(r["impl"],) + _varlen_key(r): r["ms"] for r in rows
+            if "ms" in r and not str(r["impl"]).startswith("sagecupy-")}
+    w = max([22] + [len(str(r.get("impl", ""))) + 1 for r in rows])
+    lines = [f"{'case':<8}{'D':>4}{'N':>7}{'S/W':>6}  {'impl':<{w}}{'cfg':<9}{'mode':<8}{'scope':<9}{'ms':>9}"
+             f"{'TFLOPS':>8}" + "".join(f"{h:>10}" for h, _ in VARLEN_COLUMNS)]
+    for r in rows:
+        mode = r.get("mode")
+        where = (f"{r.get('case', '?')} D={r.get('D')} N={r.get('N')}"
+                 + (f" S={r['S']}" if "S" in r else f" W={r['W']}" if "W" in r else ""))
+        if mode == "skip":
+            at = f" ({where})" if "D" in r else ""
+            lines.append(f"{r.get('impl', '?')} skipped{at}: {r.get('reason', '')}")
+            continue
+        if mode == "note":
+            lines.append(f"{r.get('impl', '?')} note ({where}): {r.get('reason', '')}")
+            continue
+        if "ms" not in r:
+            lines.append(f"{r.get('impl', '?')} error ({where}): {r.get('error')}")
+            continue
+        sw = r.get("S") if r["case"] == "packed" else r.get("W")
+        impl = r["impl"] + (" (causal)" if r.get("window_applied") is False else "")
+        tops = r.get("tops")
+        line = (f"{r['case']:<8}{r['D']:>4}{r['N']:>7}{str(sw):>6}  {impl:<{w}}{r.get('config', ''):<9}{mode:<8}"
+                f"{r.get('scope', 'e2e'):<9}{r['ms']:>9.3f}" + (f"{tops:>8.1f}" if tops is not None else f"{'-':>8}"))
+        for _, bimpl in VARLEN_COLUMNS:
+            ms = base.get((bimpl,) + _varlen_key(r)) if str(r["impl"]).startswith("sagecupy-") else None
+            line += f"{ms / r['ms']:>10.2f}" if ms and r["ms"] else f"{'-':>10}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def plot(results_path, outdir) -> list:
     """PNG figures (matplotlib, Agg): TOPS vs N, one line per implementation/config/scope, one figure per
     (head dim, mask, mode). Returns the written paths."""
@@ -352,8 +515,8 @@ def plot(results_path, outdir) -> list:
             if not line:
                 continue
             r = json.loads(line)
-            if r.get("type") == "env" or "tops" not in r:
-                continue
+            if r.get("type") == "env" or "tops" not in r or r.get("case"):
+                continue  # the packed and window rows have no N axis to plot along
             rows.append(r)
     if not rows:
         raise ValueError(f"{results_path}: no benchmark rows (expected the JSON lines of `sagecupy bench --out`)")

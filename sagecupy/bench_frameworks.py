@@ -7,11 +7,12 @@ from __future__ import annotations
 import statistics
 import time
 
-from ._bench_common import (ADAPTERS, BASELINES, _config_name, _inputs, _shape, _warm_up, flops, time_ms,
-                    time_ms_b2b)
+from ._bench_common import (ADAPTERS, BASELINES, VARLEN_BASELINES, _config_name, _inputs, _shape, _warm_up,
+                            case_fields, case_shape, flops, pair_flops, time_ms, time_ms_b2b)
 
 __all__ = ["bench_sdpa", "bench_cudnn_fp8", "bench_int8_torch", "bench_int8_jax", "baseline_unavailable",
-           "adapter_unavailable", "time_ms_torch", "time_ms_b2b_torch"]
+           "adapter_unavailable", "time_ms_torch", "time_ms_b2b_torch", "varlen_baseline_unavailable",
+           "bench_varlen_baseline"]
 
 
 def _jax_environment():
@@ -427,4 +428,279 @@ def _bench_baseline(name, D, N, causal, *, warmup, rep, dtype="bfloat16"):
         return bench_sdpa(D, N, causal, "default" if name == "sdpa" else name, dtype=dtype, warmup=warmup, rep=rep)
     except Exception as exc:
         return [dict(impl=BASELINES[name], mode="error", D=D, N=N, causal=causal,
+                     error=f"{type(exc).__name__}: {exc}"[:400])]
+
+
+# -- the packed and window cases' baselines ------------------------------------------------------------------------
+def _torch_cuda_reason():
+    try:
+        import torch
+    except Exception as exc:
+        return f"PyTorch is not importable ({type(exc).__name__}: {exc})"
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device visible to PyTorch"
+    except Exception as exc:
+        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _torch_varlen_attn():
+    """``torch.nn.attention.varlen.varlen_attn`` and whether it takes ``window_size`` (PyTorch 2.10 has
+    ``is_causal`` only; later releases take ``window_size=(left, right)``, ``(-1, 0)`` causal)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, "window_size" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_baseline_unavailable(name):
+    """Why baseline ``name`` of :data:`VARLEN_BASELINES` cannot run in this process, or None."""
+    if name not in VARLEN_BASELINES:
+        raise ValueError(f"baseline {name!r} is not one of {', '.join(VARLEN_BASELINES)}")
+    if name == "cudnn":
+        from . import _cudnn_varlen
+
+        return _cudnn_varlen.unavailable_reason()
+    why = _torch_cuda_reason()
+    if why is not None:
+        return why
+    import torch
+
+    if name == "torch-varlen":
+        try:
+            _torch_varlen_attn()
+        except Exception as exc:
+            return (f"PyTorch {torch.__version__} has no variable-length attention "
+                    f"(torch.nn.attention.varlen.varlen_attn: {type(exc).__name__}: {exc})")
+    if name == "flex":
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+        except Exception as exc:
+            return f"PyTorch {torch.__version__} has no FlexAttention ({type(exc).__name__}: {exc})"
+        if not hasattr(torch, "compile"):
+            return f"PyTorch {torch.__version__} has no torch.compile (FlexAttention runs compiled)"
+    return None
+
+
+def _varlen_reason(name):
+    """:func:`varlen_baseline_unavailable`, never raising (a probe that breaks is a reason too)."""
+    try:
+        return varlen_baseline_unavailable(name)
+    except Exception as exc:
+        return f"availability check failed ({type(exc).__name__}: {exc})"
+
+
+class _VarlenRows:
+    """Rows of one baseline on one packed or window case: ``fwd`` and ``fwdbwd``, ``e2e`` and ``e2e-b2b``, TFLOPS
+    over ``pairs`` visible query-key pairs; ``error`` rows for a stage that fails."""
+
+    def __init__(self, name, case, shape, dtype, pairs=None, **extra):
+        self.impl, self.case, self.shape, self.dtype = VARLEN_BASELINES[name], case, shape, dtype
+        self.pairs = shape["pairs"] if pairs is None else pairs
+        self.extra, self.rows = extra, []
+
+    def row(self, mode, scope, ms):
+        s = self.shape
+        self.rows.append(dict(impl=self.impl, config="", mode=mode, scope=scope, **case_fields(self.case, s),
+                              dtype=self.dtype, ms=ms, tops=pair_flops(self.pairs, s["H"], self.case["D"], mode)
+                              / ms / 1e9, pairs=self.pairs, **self.extra))
+
+    def error(self, stage, exc):
+        self.rows.append(dict(impl=self.impl, mode="error", **case_fields(self.case, self.shape),
+                              error=f"{stage}: {type(exc).__name__}: {exc}"[:400]))
+
+    def note(self, reason):
+        self.rows.append(dict(impl=self.impl, mode="note", **case_fields(self.case, self.shape), reason=reason))
+
+    def timed(self, fwd, fwdbwd, warmup, rep, no_grad=True):
+        """Time ``fwd`` (under ``torch.no_grad()`` unless told otherwise) and ``fwdbwd``, each stage apart."""
+        import contextlib
+
+        import torch
+
+        try:
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                self.row("fwd", "e2e", time_ms_torch(fwd, warmup, rep))
+                self.row("fwd", "e2e-b2b", time_ms_b2b_torch(fwd, warmup))
+        except Exception as exc:
+            self.error("forward", exc)
+            return
+        try:
+            self.row("fwdbwd", "e2e", time_ms_torch(fwdbwd, warmup, rep))
+            self.row("fwdbwd", "e2e-b2b", time_ms_b2b_torch(fwdbwd, warmup))
+        except Exception as exc:
+            self.error("forward+backward", exc)
+
+
+def _thd_inputs(T, H, D, dtype):
+    """Standard-normal ``(T, H, D)`` q, k, v, dO (seed 0) in ``dtype`` on PyTorch's device, and q, k, v requiring
+    grad (the same values)."""
+    import torch
+
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn((T, H, D), device="cuda", dtype=dt, generator=g) for _ in range(4))
+    return (q, k, v, do), tuple(x.detach().requires_grad_() for x in (q, k, v))
+
+
+def _bench_cudnn_varlen(case, shape, dtype, warmup, rep):
+    """cuDNN's graphs: packed cases as ragged THD with the padding mask, window cases as a dense batch with the
+    diagonal band's left bound. Where the installed cuDNN declines the window, its causal call is timed instead, its
+    rows say ``window_applied=False`` (TFLOPS over the causal pairs it computes) and a ``note`` row says why."""
+    from . import _cudnn_varlen
+
+    packed = case["kind"] == "packed"
+    wl = None if packed else shape["window"][0]
+    note = None
+    try:
+        att = _cudnn_varlen.get(shape["lengths"], shape["H"], case["D"], window_left=wl, packed=packed, dtype=dtype)
+    except _cudnn_varlen.Unavailable as exc:
+        if wl is None:
+            raise
+        note = f"the sliding window is not available in cuDNN here; its causal call is timed beside ({exc})"[:600]
+        att = _cudnn_varlen.get(shape["lengths"], shape["H"], case["D"], window_left=None, packed=False, dtype=dtype)
+    extra = dict(plan=att.fwd_plan)
+    pairs = None
+    if not packed:
+        extra["window_applied"] = note is None
+        if note:
+            pairs = sum(L * (L + 1) // 2 for L in shape["lengths"])  # what the causal call computes
+    out = _VarlenRows("cudnn", case, shape, dtype, pairs=pairs, **extra)
+    if note:
+        out.note(note)
+
+    def fb():
+        att.forward()
+        att.backward()
+    try:
+        out.timed(att.forward, fb, warmup, rep, no_grad=False)
+        for r in out.rows:
+            if r.get("mode") == "fwdbwd":
+                r["plan"] = f"{att.fwd_plan}+{att.bwd_plan}"
+    finally:
+        att = None
+        _cudnn_varlen.clear()  # the graphs' buffers go before the next case's CuPy kernels
+        import torch
+
+        torch.cuda.empty_cache()
+    return out.rows
+
+
+def _bench_sdpa_docs(case, shape, dtype, warmup, rep):
+    """PyTorch's SDPA (no backend forced) called once per document, causal, on ``(1, H, L, D)`` views of the packed
+    ``(T, H, D)`` tensors; forward+backward takes the gradients of all documents' outputs in one autograd call."""
+    import torch
+
+    F = torch.nn.functional.scaled_dot_product_attention
+    (q, k, v, do), (qg, kg, vg) = _thd_inputs(sum(shape["lengths"]), shape["H"], case["D"], dtype)
+    spans, a = [], 0
+    for n in shape["lengths"]:
+        spans.append((a, a + n))
+        a += n
+
+    def view(x, a, b):
+        return x[a:b].transpose(0, 1).unsqueeze(0)
+
+    def fwd():
+        return [F(view(q, a, b), view(k, a, b), view(v, a, b), is_causal=True) for a, b in spans]
+
+    def fb():
+        outs = [F(view(qg, a, b), view(kg, a, b), view(vg, a, b), is_causal=True) for a, b in spans]
+        torch.autograd.grad(outs, (qg, kg, vg), [view(do, a, b) for a, b in spans])
+    out = _VarlenRows("sdpa-docs", case, shape, dtype)
+    out.timed(fwd, fb, warmup, rep)
+    return out.rows
+
+
+def _bench_torch_varlen(case, shape, dtype, warmup, rep):
+    """``torch.nn.attention.varlen.varlen_attn`` on the packed ``(T, H, D)`` tensors and ``cu_seqlens`` (a window
+    case: B sequences of N, window ``(W, 0)`` where the installed PyTorch takes ``window_size``)."""
+    import itertools
+
+    import torch
+
+    varlen_attn, has_window = _torch_varlen_attn()
+    out = _VarlenRows("torch-varlen", case, shape, dtype)
+    if case["kind"] == "window" and not has_window:
+        out.rows.append(dict(impl=out.impl, mode="skip", **case_fields(case, shape),
+                             reason=f"PyTorch {torch.__version__}'s varlen_attn has no window_size"))
+        return out.rows
+    lengths = shape["lengths"]
+    (q, k, v, do), (qg, kg, vg) = _thd_inputs(sum(lengths), shape["H"], case["D"], dtype)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), device="cuda", dtype=torch.int32)
+    L = max(lengths)
+    mask = dict(window_size=(-1, 0) if shape["window"] is None else tuple(shape["window"])) if has_window \
+        else dict(is_causal=True)
+
+    def fwd():
+        return varlen_attn(q, k, v, cu, cu, L, L, **mask)
+
+    def fb():
+        torch.autograd.grad(varlen_attn(qg, kg, vg, cu, cu, L, L, **mask), (qg, kg, vg), do)
+    out.timed(fwd, fb, warmup, rep)
+    return out.rows
+
+
+_FLEX = {}
+
+
+def _bench_flex(case, shape, dtype, warmup, rep):
+    """FlexAttention compiled (``torch.compile(flex_attention)``) with a block mask: causal within each document of
+    the packed sequence (document ids), or causal with window ``(W, 0)``; ``(B, H, N, D)`` contiguous inputs."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    flex = _FLEX["fn"]
+    lengths, H, D = shape["lengths"], shape["H"], case["D"]
+    if case["kind"] == "packed":
+        B, N = 1, sum(lengths)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
+                                      torch.tensor(lengths, device="cuda"))
+
+        def mask_mod(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (qi >= ki)
+    else:
+        B, N, W = shape["B"], case["N"], shape["window"][0]
+
+        def mask_mod(b, h, qi, ki):
+            return (qi >= ki) & (qi - ki <= W)
+    block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=N, KV_LEN=N, device="cuda")
+    dt = torch.bfloat16 if dtype == "bfloat16" else torch.float16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn((B, H, N, D), device="cuda", dtype=dt, generator=g) for _ in range(4))
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def fwd():
+        return flex(q, k, v, block_mask=block_mask)
+
+    def fb():
+        torch.autograd.grad(flex(qg, kg, vg, block_mask=block_mask), (qg, kg, vg), do)
+    out = _VarlenRows("flex", case, shape, dtype)
+    out.timed(fwd, fb, warmup, rep)
+    return out.rows
+
+
+#: The function timing each packed/window baseline (looked up at call time, so that tests can stand in for them).
+_VARLEN_BENCH = {"cudnn": "_bench_cudnn_varlen", "sdpa-docs": "_bench_sdpa_docs", "torch-varlen": "_bench_torch_varlen",
+                 "flex": "_bench_flex"}
+#: The case kinds each baseline can time; another kind gets one ``skip`` row per case saying why.
+VARLEN_KINDS = {"cudnn": ("packed", "window"), "sdpa-docs": ("packed",), "torch-varlen": ("packed", "window"),
+                "flex": ("packed", "window")}
+
+
+def bench_varlen_baseline(name, case, *, warmup=3, rep=10, dtype="bfloat16"):
+    """One packed/window baseline's rows for one case (``VARLEN_BASELINES``); whatever it raises becomes an ``error``
+    row (the sweep goes on)."""
+    shape = case_shape(case)
+    if case["kind"] not in VARLEN_KINDS[name]:
+        return [dict(impl=VARLEN_BASELINES[name], mode="skip", **case_fields(case, shape),
+                     reason=f"no {case['kind']} form (SDPA has no sliding window)")]
+    try:
+        return globals()[_VARLEN_BENCH[name]](case, shape, dtype, warmup, rep)
+    except Exception as exc:
+        return [dict(impl=VARLEN_BASELINES[name], mode="error", **case_fields(case, shape),
                      error=f"{type(exc).__name__}: {exc}"[:400])]

@@ -583,6 +583,22 @@ def bench_cases(*, quick: bool, d: int | None, n: int | None, causal: bool | Non
     return [(cd, cn, cc) for cd, cn, cc in cases if (d is None or cd == d) and (causal is None or cc == causal)]
 
 
+#: ``--packed`` and ``--windows`` given alone (sagecupy._bench_common.DEFAULT_PACKED / DEFAULT_WINDOWS, which the
+#: CLI does not import at start-up).
+_DEFAULT_PACKED = (8, 32)
+_DEFAULT_WINDOWS = (1024, 4096)
+
+
+def bench_varlen_cases(cases, *, d, docs, windows) -> list:
+    """The packed cases (16K tokens, each S of ``docs``) and window cases (each W of ``windows`` on the N of the
+    dense ``cases``) for ``--d``'s head dim or both (:func:`sagecupy.bench.packed_cases`, ``window_cases``)."""
+    from . import bench
+
+    ds = (d,) if d is not None else tuple(sorted({cd for cd, _, _ in bench.default_cases()}))
+    ns = tuple(sorted({cn for _, cn, _ in cases}))
+    return ((bench.packed_cases(ds, docs) if docs else []) + (bench.window_cases(ds, ns, windows) if windows else []))
+
+
 def _case_name(case) -> str:
     d, n, causal = case
     return f"D={d} N={n} {'causal' if causal else 'full'}"
@@ -612,7 +628,23 @@ def _case_name(case) -> str:
               help="only this head dim [default: both]")
 @click.option("--n", type=_POSITIVE, default=None, help="only this sequence length (batch * N stays 16K tokens)")
 @click.option("--causal/--no-causal", default=None, help="only causal / only non-causal cases [default: both]")
-def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype, d, n, causal):
+@click.option("--packed", default=None, is_flag=False, flag_value=",".join(map(str, _DEFAULT_PACKED)),
+              metavar="S[,S...]",
+              help="also packed batches: 16K tokens as S causal documents of random lengths (seeded, each >= 64 "
+                   "tokens) in one call, for each S; the flag alone means 8,32 [default: none]")
+@click.option("--windows", default=None, is_flag=False, flag_value=",".join(map(str, _DEFAULT_WINDOWS)),
+              metavar="W[,W...]",
+              help="also sliding windows: the sweep's shapes (--n, --d) causal with window (W, 0), for each W; the "
+                   "flag alone means 1024,4096 [default: none]")
+@click.option("--varlen-baselines", default=None,
+              help="comma-separated baselines of --packed/--windows ('' for none; one that cannot run is skipped with "
+                   "a line saying why): cudnn (cuDNN's bf16 SDPA, ragged THD / diagonal band), sdpa-docs (PyTorch "
+                   "SDPA once per document), torch-varlen (torch.nn.attention.varlen), flex (FlexAttention) "
+                   "[default: all]")
+@click.option("--dense/--no-dense", default=True, show_default=True,
+              help="the dense sweep (--no-dense: only --packed/--windows)")
+def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype, d, n, causal, packed, windows,
+              varlen_baselines, dense):
     """Speed of the kernels (fwd, bwd, fwd+bwd; kernel-only and end-to-end) beside SDPA, with ratios.
 
     Shapes: batch * N = 16K tokens, heads * D = 2048, D in {64, 128}, causal and not (docs/algorithms.md §8.1 FLOPs);
@@ -631,9 +663,18 @@ def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype,
             raise click.UsageError(f"--families: {f!r} is not one of {', '.join(analysis.FAMILIES)}")
     try:
         bases = bench.DEFAULT_BASELINES if baselines is None else bench.parse_baselines(baselines)
+        vbases = (bench.DEFAULT_VARLEN_BASELINES if varlen_baselines is None
+                  else bench.parse_varlen_baselines(varlen_baselines))
+        docs = bench.parse_int_list(packed, "--packed")
+        wins = bench.parse_int_list(windows, "--windows")
     except ValueError as exc:
         raise click.UsageError(_one_line(str(exc))) from None
     cases = bench_cases(quick=quick, d=None if d is None else int(d), n=n, causal=causal)
+    varlen_cases = bench_varlen_cases(cases, d=None if d is None else int(d), docs=docs, windows=wins)
+    if not dense:
+        if not varlen_cases:
+            raise click.UsageError("--no-dense leaves nothing to time without --packed or --windows")
+        cases = []
     ok, why = gpu_status()
     if not ok:
         raise click.ClickException(f"bench needs a CUDA device: {why}")
@@ -642,9 +683,16 @@ def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype,
     try:
         if fh:
             fh.write(json.dumps(_json_safe(env)) + "\n")
-        with _library_errors(), _progress([_case_name(c) for c in cases], "bench") as step:
-            rows = bench.run_suite(cases, configs=cfgs, baselines=bases, out=fh, rep=rep, families=fams,
-                                   dtype=_BENCH_DTYPES[dtype], progress=lambda case: step(1))
+        names = [_case_name(c) for c in cases] + [bench.case_name(c) for c in varlen_cases]
+        with _library_errors(), _progress(names, "bench") as step:
+            rows = []
+            if cases:
+                rows += bench.run_suite(cases, configs=cfgs, baselines=bases, out=fh, rep=rep, families=fams,
+                                        dtype=_BENCH_DTYPES[dtype], progress=lambda case: step(1))
+            if varlen_cases:
+                rows += bench.run_varlen_suite(varlen_cases, configs=cfgs, baselines=vbases, out=fh, rep=rep,
+                                               families=fams, dtype=_BENCH_DTYPES[dtype],
+                                               progress=lambda case: step(1))
             if memory:
                 mem = bench.peak_memory(dtype=_BENCH_DTYPES[dtype])
                 rows += mem
