@@ -12,7 +12,17 @@
 
 ``sage_attention`` is INT8 SageBwd (:mod:`sagecupy.int8`), ``qat_attention`` FP4 QAT (:mod:`sagecupy.qat`).
 Both take the keyword arguments of the CuPy API (``causal``, ``sm_scale``, ``layout``, ``config``; INT8 also
-the sliding ``window=(left, right)``) and work eagerly and under ``jax.jit``, ``jax.grad`` and ``jax.vjp``.
+the sliding ``window=(left, right)``, ``return_lse`` and packed variable-length sequences) and work eagerly and
+under ``jax.jit``, ``jax.grad`` and ``jax.vjp``.
+
+Packed sequences (INT8, FlashAttention's varlen convention)::
+
+    # q (total_q, Hq, D), k/v (total_k, Hkv, D); cu (S + 1,) int32 prefix sums of the document lengths
+    o = sage_attention(q, k, v, layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=512,
+                       max_seqlen_k=512, causal=True)
+
+The offsets are (non-differentiable) array arguments, traced like q, k, v and never read on the host; the layout and
+``max_seqlen_q/k`` (Python ints or None, as FlashAttention takes them) are static like ``causal``.
 
 How the kernels run
 -------------------
@@ -31,8 +41,9 @@ produced q, k, v and before whatever reads the outputs, with no synchronization.
   and become a CuPy ``ml_dtypes.bfloat16`` view of them there where CuPy has that dtype, else a
   :class:`~sagecupy.adapters.bf16.BF16Array`.
 * **Residuals.** INT8: the forward callback also writes every array of :class:`sagecupy.int8.Residuals`
-  (Q and K codes and scales, base-2 LSE, K mean) into XLA outputs, which become the ``custom_vjp``
-  residuals with ``v`` and ``o``; the backward callback rebuilds the same ``Residuals`` from them. The
+  (Q and K codes and scales, base-2 LSE, K mean; packed sequences' table of offsets) into XLA outputs, which become
+  the ``custom_vjp`` residuals with ``v``, ``o`` and the offsets; the backward callback rebuilds the same
+  ``Residuals`` from them. The
   backward kernels read the very bytes a direct ``sagecupy.int8.backward(sagecupy.int8.forward(...))``
   reads, so the gradients are bitwise those of the direct calls (the backward kernels use no atomics).
   Outside differentiation (a plain call, also under ``jax.jit``) the callback runs
@@ -59,7 +70,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
                       f"({_exc})") from _exc
 import numpy as np
 
-from .. import _checks, _layout, int8
+from .. import _checks, _layout, _varlen, int8
 from ..config import SageBwdConfig, get_config
 
 __all__ = ["sage_attention", "qat_attention", "is_available"]
@@ -204,19 +215,28 @@ def _scale(sm_scale):
 # INT8 SageBwd
 # --------------------------------------------------------------------------------------------------
 
-#: int8.Residuals fields the forward callback hands to JAX as arrays, and those rebuilt from the call.
-_INT8_SAVED = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2", "mu_k")
+#: int8.Residuals fields the forward callback hands to JAX as arrays (those a call does not have stay out of its
+#: specs and must be None: mu_k without K-smoothing, packed for the dense layouts), and those rebuilt from the call.
+_INT8_SAVED = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2", "mu_k", "packed")
 _INT8_FROM_CALL = ("problem", "config", "v", "o")
-#: Fields that must be None for the dense layouts this adapter takes (packed sequences' table), left at their default
-#: when the backward rebuilds the Residuals.
-_INT8_UNUSED = ("packed",)
 
 
 def _int8_residual_specs(p: _checks.Problem, cfg: SageBwdConfig) -> dict:
     """name -> (shape, dtype) of the arrays :func:`sagecupy.int8.forward` keeps in its Residuals (known at
-    trace time: XLA allocates them). Checked against the real arrays at run time (:func:`_int8_saved`)."""
-    nq_pad, nk_pad = _layout.roundup(p.nq, int8._FWD_BQ), _layout.roundup(p.nk, int8._FWD_BKV)
+    trace time: XLA allocates them). Checked against the real arrays at run time (:func:`_int8_saved`). Packed
+    sequences: the buffers in the packed padded layout and the table of offsets, sized from the shapes alone
+    (sagecupy/_varlen.py)."""
     B, Hq, Hkv, D = p.batch, p.heads_q, p.heads_kv, p.head_dim
+    if p.layout == _layout.PACKED:
+        tq_pad, tk_pad, _, _, _ = _checks.packed_bounds(p.batch, p.nq, p.nk)
+        i8, f32 = np.dtype(np.int8), np.dtype(np.float32)
+        specs = {"q_codes": ((Hq * tq_pad, D), i8), "q_scale": ((Hq * tq_pad,), f32),
+                 "k_codes": ((Hkv * tk_pad, D), i8), "k_scale": ((Hkv * tk_pad,), f32), "lse2": ((Hq * tq_pad,), f32),
+                 "packed": ((_varlen.meta_size(p),), np.dtype(np.int32))}
+        if cfg.k_smoothing:
+            specs["mu_k"] = ((B, Hkv, D), f32)  # (S, Hkv, D): per sequence
+        return specs
+    nq_pad, nk_pad = _layout.roundup(p.nq, int8._FWD_BQ), _layout.roundup(p.nk, int8._FWD_BKV)
     specs = {
         "q_codes": ((B, Hq, nq_pad, D), np.dtype(np.int8)),
         "q_scale": ((B, Hq, nq_pad), np.dtype(np.float32)),
@@ -232,13 +252,17 @@ def _int8_residual_specs(p: _checks.Problem, cfg: SageBwdConfig) -> dict:
 def _int8_saved(res, p, cfg) -> dict:
     """The arrays of ``res`` to save, after checking that they are what :func:`_int8_residual_specs` told
     XLA (a changed ``int8.Residuals`` fails here, loudly, instead of giving wrong gradients)."""
-    fields = {f.name for f in dataclasses.fields(res)} - set(_INT8_UNUSED)
-    if fields != set(_INT8_SAVED + _INT8_FROM_CALL):
+    fields = {f.name for f in dataclasses.fields(res)}
+    carried = set(_INT8_SAVED + _INT8_FROM_CALL)
+    if not carried <= fields:
         raise RuntimeError(f"sagecupy.int8.Residuals has the fields {sorted(fields)}, the JAX adapter carries "
-                           f"{sorted(_INT8_SAVED + _INT8_FROM_CALL)}: update sagecupy/adapters/jax.py with int8.py")
-    for name in _INT8_UNUSED:
-        if getattr(res, name, None) is not None:
-            raise RuntimeError(f"sagecupy.jax: int8.Residuals.{name} is set but the adapter did not expect it")
+                           f"{sorted(carried)}: update sagecupy/adapters/jax.py with int8.py")
+    # A field the adapter does not carry is left at its default (None) when the backward rebuilds the Residuals:
+    # only a call that leaves it None may pass.
+    for name in sorted(fields - carried):
+        if getattr(res, name) is not None:
+            raise RuntimeError(f"sagecupy.jax: int8.Residuals.{name} is set but the adapter does not carry it: "
+                               f"update sagecupy/adapters/jax.py with int8.py")
     specs = _int8_residual_specs(p, cfg)
     saved = {}
     for name in _INT8_SAVED:
@@ -257,21 +281,30 @@ def _int8_saved(res, p, cfg) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool):
-    """The buffer_callback body of the forward: ``out`` holds ``o`` and, with ``keep``, the residual arrays.
-    Cached per problem so that eager calls reuse one compiled XLA program."""
+def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool, lse: bool = False,
+                           max_seqlen=None):
+    """The buffer_callback body of the forward: ``out`` holds ``o``, with ``lse`` the LSE, and with ``keep`` the
+    residual arrays. Packed sequences (``p.layout == "THD"``): the offsets follow q, k, v (device arrays, read by the
+    kernels only), ``max_seqlen`` is ``(max_seqlen_q, max_seqlen_k)``. Cached per problem so that eager calls reuse
+    one compiled XLA program."""
 
-    def callback(ctx, out, q, k, v):
+    def callback(ctx, out, q, k, v, *offsets):
         with _on_xla_stream(ctx, q) as dev:
             qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
-            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg, window=p.window)
+            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg, window=p.window,
+                      return_lse=True)
+            if offsets:
+                kw.update(cu_seqlens_q=_view(offsets[0], dev), cu_seqlens_k=_view(offsets[1], dev),
+                          max_seqlen_q=max_seqlen[0], max_seqlen_k=max_seqlen[1])
             if keep:
-                o, res = int8.forward(qc, kc, vc, **kw)
+                o, lse_arr, res = int8.forward(qc, kc, vc, **kw)
                 for name, arr in _int8_saved(res, p, cfg).items():
                     _write(out[name], arr, name, dev)
             else:  # outside a vjp: the inference forward (no residuals; o bitwise int8.forward's)
-                o = int8.sage_attention(qc, kc, vc, **kw)
+                o, lse_arr = int8.sage_attention(qc, kc, vc, **kw)
             _write(out["o"], _checks.raw(o), "o", dev)
+            if lse:
+                _write(out["lse"], lse_arr, "lse", dev)
 
     return callback
 
@@ -284,6 +317,7 @@ def _int8_backward_callback(p: _checks.Problem, cfg: SageBwdConfig):
         with _on_xla_stream(ctx, do) as dev:
             arrays = {name: _view(buf, dev) for name, buf in saved.items()}
             arrays.setdefault("mu_k", None)
+            arrays.setdefault("packed", None)  # (the dense layouts; int8.backward checks a packed call's table)
             # int8.forward keeps `_layout.prepare(v)` (a view of the caller's V, or an aligned copy) and its raw O.
             res = int8.Residuals(problem=p, config=cfg, v=_layout.prepare(_view(v, dev), "v", p.layout, True),
                                  o=_view(o, dev), **arrays)
@@ -294,44 +328,64 @@ def _int8_backward_callback(p: _checks.Problem, cfg: SageBwdConfig):
     return callback
 
 
+def _lse_shape(p: _checks.Problem):
+    """The forward's LSE: ``(B, Hq, Nq)``; packed sequences ``(Hq, total_q)``."""
+    return (p.heads_q, p.nq) if p.layout == _layout.PACKED else (p.batch, p.heads_q, p.nq)
+
+
 @functools.lru_cache(maxsize=None)
-def _int8_op(causal, sm_scale, layout, config, window=None):
+def _int8_op(causal, sm_scale, layout, config, window=None, return_lse=False, max_seqlen=None):
     """The custom_vjp function for one set of keyword arguments (cached: one object per set). They are static: the
-    closure holds them (``window``: None or the tuple of Python ints :func:`_window` made), the differentiated
-    arguments are q, k, v alone, and the backward rebuilds the forward's Problem, window included, from them."""
+    closure holds them (``window``: None or the tuple of Python ints :func:`_window` made; ``max_seqlen``: packed
+    sequences' ``(max_seqlen_q, max_seqlen_k)``), the differentiated arguments are q, k, v alone, and the backward
+    rebuilds the forward's Problem, window included, from them. ``offsets``: ``()``, or packed sequences' device
+    offsets ``(cu_seqlens_q, cu_seqlens_k)``, inputs of both callbacks' problems and of the forward callback, saved
+    with the residuals and given no cotangent. ``return_lse``: the op returns ``(o, lse)``; the LSE's cotangent is
+    ignored (:func:`sage_attention` stops its gradient)."""
     cfg = get_config(config)
     why = int8._unsupported_config(cfg)
     if why:
         raise ValueError(f"config: {why}")
 
-    def forward_call(q, k, v, keep):
-        p = _problem(q, k, v, causal, sm_scale, layout, window)
+    def problem(q, k, v, offsets):
+        if offsets:
+            return _packed_problem(q, k, v, *offsets, causal, sm_scale, window)
+        return _problem(q, k, v, causal, sm_scale, layout, window)
+
+    def forward_call(q, k, v, offsets, keep):
+        p = problem(q, k, v, offsets)
         ex = _exchange_dtype(p)
         specs = {"o": jax.ShapeDtypeStruct(q.shape, ex)}
+        if return_lse:
+            specs["lse"] = jax.ShapeDtypeStruct(_lse_shape(p), np.dtype(np.float32))
         if keep:
             specs.update({n: jax.ShapeDtypeStruct(s, d) for n, (s, d) in _int8_residual_specs(p, cfg).items()})
-        out = _buffer_callback()(_int8_forward_callback(p, cfg, keep), specs)(_bits(q), _bits(k), _bits(v))
+        callback = _int8_forward_callback(p, cfg, keep, return_lse, max_seqlen)
+        out = _buffer_callback()(callback, specs)(_bits(q), _bits(k), _bits(v), *offsets)
         o = _unbits(out.pop("o"), q.dtype)
-        return o, out
+        result = (o, out.pop("lse")) if return_lse else o
+        return result, o, out
 
     @jax.custom_vjp
-    def op(q, k, v):
-        return forward_call(q, k, v, False)[0]
+    def op(q, k, v, offsets):
+        return forward_call(q, k, v, offsets, False)[0]
 
-    def op_fwd(q, k, v):
-        o, saved = forward_call(q, k, v, True)
-        return o, (saved, v, o)
+    def op_fwd(q, k, v, offsets):
+        result, o, saved = forward_call(q, k, v, offsets, True)
+        return result, (saved, v, o, offsets)
 
-    def op_bwd(residuals, do):
-        saved, v, o = residuals
+    def op_bwd(residuals, ct):
+        saved, v, o, offsets = residuals
+        do = ct[0] if return_lse else ct
         # o has q's shape and dtype and v has k's: the forward's Problem, rebuilt without q and k.
-        p = _problem(o, v, v, causal, sm_scale, layout, window)
+        p = problem(o, v, v, offsets)
         ex = _exchange_dtype(p)
         specs = (jax.ShapeDtypeStruct(o.shape, ex), jax.ShapeDtypeStruct(v.shape, ex),
                  jax.ShapeDtypeStruct(v.shape, ex))
         dq, dk, dv = _buffer_callback()(_int8_backward_callback(p, cfg), specs)(
             saved, _bits(v), _bits(o), _bits(do.astype(o.dtype)))
-        return tuple(_unbits(g, o.dtype) for g in (dq, dk, dv))
+        # the offsets are integers: no cotangent (None is JAX's zero)
+        return (*(_unbits(g, o.dtype) for g in (dq, dk, dv)), tuple(None for _ in offsets))
 
     op.defvjp(op_fwd, op_bwd)
     return op
@@ -348,7 +402,83 @@ def _window(window, causal):
     return _checks.check_window(window, bool(causal))
 
 
-def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None):
+_PACKED_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+def _offsets(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Packed sequences' arguments as :func:`_int8_op` takes them: ``((cu_seqlens_q, cu_seqlens_k), (max_seqlen_q,
+    max_seqlen_k))`` for ``layout="THD"``, ``((), None)`` for a dense layout (which is refused any of them, naming
+    it). The offsets: 1-D int32 JAX arrays (traced or not; their values are not read) of ``S + 1 >= 2`` entries, one
+    length for both, or NumPy integer arrays, whose values are checked in full at trace time as the CuPy API checks
+    host offsets (then passed as int32 constants). The maxima: None or non-negative Python ints (static; a cache key,
+    so ``5.0`` is refused rather than taken for ``5``). TypeError/ValueError naming the argument."""
+    values = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not (isinstance(layout, str) and layout == _layout.PACKED):
+        for name, value in zip(_PACKED_ARGS, values):
+            if value is not None:
+                raise ValueError(f"{name} is only for layout='THD' (packed sequences), got layout={layout!r}")
+        return (), None
+    offsets = []
+    for name, cu in zip(_PACKED_ARGS[:2], values[:2]):
+        if cu is None:
+            raise ValueError(f"{name} is required with layout='THD' (int32 prefix sums of the sequence lengths, "
+                             f"S + 1 offsets)")
+        if isinstance(cu, np.ndarray):
+            if cu.dtype.kind not in "iu" or cu.ndim != 1:
+                raise ValueError(f"{name} must be a 1-D integer array (int32 prefix sums), got dtype {cu.dtype} and "
+                                 f"shape {cu.shape}")
+        elif not isinstance(cu, jax.Array):
+            raise TypeError(f"{name} must be a JAX int32 array (or a NumPy integer array), got {type(cu).__name__}")
+        elif cu.dtype != jnp.int32:
+            raise TypeError(f"{name}.dtype={cu.dtype} must be int32 (a device array is read as it is)")
+        elif cu.ndim != 1:
+            raise ValueError(f"{name} must be 1-D (S + 1 offsets), got shape {tuple(cu.shape)}")
+        if cu.shape[0] < 2:
+            raise ValueError(f"{name} must hold S + 1 >= 2 offsets, got {cu.shape[0]}")
+        offsets.append(cu)
+    if offsets[0].shape[0] != offsets[1].shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (S + 1), got "
+                         f"{offsets[0].shape[0]} and {offsets[1].shape[0]}")
+    maxima = []
+    for name, m in zip(_PACKED_ARGS[2:], values[2:]):
+        if m is not None and (isinstance(m, (bool, np.bool_)) or not isinstance(m, (int, np.integer)) or m < 0):
+            raise ValueError(f"{name}={m!r} must be a non-negative Python int (static, as FlashAttention takes it) "
+                             f"or None")
+        maxima.append(None if m is None else int(m))
+    return tuple(offsets), tuple(maxima)
+
+
+def _host_offsets(offsets, q, k, max_seqlen):
+    """NumPy offsets checked against q's and k's totals (and the maxima) as the CuPy API checks host offsets, then as
+    int32 JAX arrays; device offsets as they are."""
+    if not any(isinstance(cu, np.ndarray) for cu in offsets):
+        return offsets
+    if not all(isinstance(cu, np.ndarray) for cu in offsets):
+        raise TypeError("cu_seqlens_q and cu_seqlens_k must both be JAX arrays or both NumPy arrays")
+    from ..reference.attention import check_cu_seqlens
+
+    if len(q.shape) == 3 and len(k.shape) == 3:  # (other shapes: _packed_problem names the argument)
+        check_cu_seqlens(*offsets, q.shape[0], k.shape[0], *max_seqlen)
+    return tuple(jnp.asarray(cu.astype(np.int32)) for cu in offsets)
+
+
+def _packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, sm_scale, window) -> _checks.Problem:
+    """Validate a packed call at trace time: the Problem :func:`sagecupy._varlen.check_args` makes (S sequences,
+    the totals). The offsets' values are on the device (and traced): what their metadata shows was checked by
+    :func:`_offsets`; here a host stand-in of the same length and totals lets ``check_args`` check all the rest (shapes,
+    dtypes, GQA, head dim, the kernels' limits, ``sm_scale``, ``window``) as the CuPy API does."""
+    n = int(cu_seqlens_q.shape[0])
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 3:
+            raise ValueError(f"{name} must be 3-D (total, H, D) for layout='THD', got shape {tuple(x.shape)}")
+    stand_in_q = np.array([0] * (n - 1) + [q.shape[0]], np.int64)
+    stand_in_k = np.array([0] * (n - 1) + [k.shape[0]], np.int64)
+    return _varlen.check_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=_layout.PACKED, window=window,
+                              cu_seqlens_q=stand_in_q, cu_seqlens_k=stand_in_k, max_seqlen_q=None, max_seqlen_k=None)
+
+
+def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None,
+                   return_lse=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """INT8 SageBwd attention (:mod:`sagecupy.int8`) as a differentiable JAX function.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: the same with Hkv, Nk.
@@ -356,13 +486,30 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     (a Python float) defaults to ``1/sqrt(D)``; ``config``: ``None``/``"default"``, ``"paper"`` or a
     :class:`~sagecupy.config.SageBwdConfig`. ``window=(left, right)`` (Python ints, static like ``causal``): the
     sliding window of :func:`sagecupy.int8.forward`, row ``i`` seeing key ``j`` iff ``i + Nk - Nq - left <= j <=
-    i + Nk - Nq + right`` (-1: unbounded; ``causal=True`` is ``(-1, 0)``). Returns o with q's shape and dtype.
+    i + Nk - Nq + right`` (-1: unbounded; ``causal=True`` is ``(-1, 0)``). Returns o with q's shape and dtype;
+    ``return_lse=True``: ``(o, lse)``, lse float32 ``(B, Hq, Nq)``, natural log, without gradient.
     ``jax.grad`` gives the gradients of :func:`sagecupy.int8.backward`, bit for bit (see the module docstring).
+
+    Packed variable-length sequences (FlashAttention's varlen convention): ``layout="THD"``, q ``(total_q, Hq, D)``,
+    k, v ``(total_k, Hkv, D)``, ``cu_seqlens_q/k`` the ``S + 1`` int32 prefix sums of the lengths (JAX arrays, never
+    read on the host, and without gradient; NumPy arrays are checked in full), ``max_seqlen_q/k`` Python ints or
+    None. ``causal`` and ``window`` apply within each sequence, each sequence's quantization statistics are its own;
+    the LSE is ``(Hq, total_q)``. The dense layouts take none of these four arguments (ValueError naming it).
     """
     _buffer_callback()
-    causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+    causal = _hashable("causal", causal, "True, False")
+    layout = _hashable("layout", layout, "'HND', 'NHD', 'THD'")
     config = _hashable("config", config, "None, 'default', 'paper' or a SageBwdConfig")
-    return _int8_op(causal, _scale(sm_scale), layout, config, _window(window, causal))(q, k, v)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    offsets, max_seqlen = _offsets(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    offsets = _host_offsets(offsets, q, k, max_seqlen)
+    out = _int8_op(causal, _scale(sm_scale), layout, config, _window(window, causal), bool(return_lse),
+                   max_seqlen)(q, k, v, offsets)
+    if return_lse:
+        o, lse = out
+        return o, jax.lax.stop_gradient(lse)  # the backward kernels take dO only
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,6 +591,9 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
     :func:`sage_attention`; ``config``: ``None`` or a :class:`~sagecupy.config.QATConfig`."""
     _buffer_callback()
     _qat()
+    if isinstance(layout, str) and layout == _layout.PACKED:
+        raise ValueError("layout='THD' (packed variable-length sequences) is not supported by qat_attention: only "
+                         "sage_attention (INT8) takes packed sequences; qat_attention takes 'HND' or 'NHD'")
     causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
     config = _hashable("config", config, "None or a QATConfig")
     return _qat_op(causal, _scale(sm_scale), layout, config)(q, k, v)

@@ -12,6 +12,8 @@
     o = sage_attention(q, k, v, causal=True)          # INT8 SageBwd forward, a torch tensor
     o.sum().backward()                                 # INT8 SageBwd backward: q.grad, k.grad, v.grad
     o = sage_attention(q, k, v, window=(1024, 0))      # sliding window: row i sees keys i - 1024 .. i
+    o = sage_attention(q_packed, k_packed, v_packed, layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu,
+                       max_seqlen_q=4096, max_seqlen_k=4096, causal=True)   # packed documents, causal per document
     torch.compile(model, fullgraph=True)               # no graph break at the op
 
     from sagecupy.torch import scaled_dot_product_attention          # torch.nn.functional's, as a drop-in
@@ -19,7 +21,8 @@
 
 Arguments and conventions are those of :func:`sagecupy.int8.forward` (layouts ``"HND"``/``"NHD"``, GQA,
 bottom-right causal, ``sm_scale=None`` meaning ``1/sqrt(D)``, fp16 or bf16, D 64 or 128; for INT8 the sliding
-``window=(left, right)``).
+``window=(left, right)`` and packed variable-length sequences, ``layout="THD"`` with ``cu_seqlens_q/k``, as
+FlashAttention's varlen API takes them).
 
 **Tensors.** Inputs travel to CuPy zero-copy through DLPack, strides included (the kernels take any
 strides with a contiguous last dimension and copy other inputs themselves). bf16 tensors travel as their int16
@@ -49,9 +52,10 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
 
 * INT8 SageBwd: :func:`sage_attention` always goes through the ``torch.library`` custom ops
   ``sagecupy::sage_attention_fwd`` / ``sagecupy::sage_attention_bwd`` (:mod:`sagecupy.adapters.torch_ops`, with
-  the window as two trailing ints, ``(-1, -1)`` for none). The forward op returns the output
-  and the residual *tensors* of :class:`sagecupy.int8.Residuals` (the INT8 codes of Q and K, their scales,
-  the base-2 LSE); the backward op rebuilds the ``Residuals`` from them and runs the same backward
+  the window as two trailing ints, ``(-1, -1)`` for none, then packed sequences' offsets and maxima). The forward
+  op returns the output and the residual *tensors* of :class:`sagecupy.int8.Residuals` (the INT8 codes of Q and K,
+  their scales, the base-2 LSE, the table of sequence offsets of a packed call); the backward op rebuilds the
+  ``Residuals`` from them (and a packed call's offsets) and runs the same backward
   kernels on the same buffers, so the gradients are those of ``int8.forward``/``int8.backward`` called
   directly, bit for bit. The residuals are saved with ``save_for_backward``: freed after the backward,
   and an in-place change of ``v`` or ``o`` before it is an error, as for any PyTorch op. A call that needs
@@ -69,8 +73,16 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
 * NVFP4 (:mod:`sagecupy.nvfp4`, inference only): :func:`nvfp4_attention` runs the custom op
   ``sagecupy::nvfp4_attention``; a call that needs a gradient is refused.
 
-``return_lse=True`` makes each entry point also return the natural-log LSE, float32 ``(B, Hq, Nq)``; it carries no
-gradient (PyTorch treats it as a non-differentiable output).
+``return_lse=True`` makes each entry point also return the natural-log LSE, float32 ``(B, Hq, Nq)`` (packed
+sequences: ``(Hq, total_q)``); it carries no gradient (PyTorch treats it as a non-differentiable output).
+
+**Packed sequences** (INT8): ``sage_attention(q, k, v, layout="THD", cu_seqlens_q=..., cu_seqlens_k=...,
+max_seqlen_q=None, max_seqlen_k=None)`` with q ``(total_q, Hq, D)``, k, v ``(total_k, Hkv, D)`` and the offsets as
+int32 CUDA tensors of ``S + 1`` prefix sums (no gradient), on the inputs' GPU; ``max_seqlen_q/k`` host ints or None,
+as FlashAttention takes them (the kernels do not need them). Causal masks, windows and every quantization statistic
+are per sequence. The offsets' values are not read on the host (that would synchronize): :func:`sagecupy.int8.forward`
+documents what the kernels make of offsets outside the contract. ``qat_attention`` and ``nvfp4_attention`` take
+the dense layouts only.
 
 **Drop-in.** :func:`scaled_dot_product_attention` has ``torch.nn.functional.scaled_dot_product_attention``'s
 signature and semantics; it runs a family's kernels on the calls they compute exactly as PyTorch defines them and
@@ -78,6 +90,7 @@ PyTorch's SDPA on the others, counting each such fallback by reason (:func:`fall
 reason. :func:`register_hf` makes it an ``attn_implementation`` of Hugging Face transformers.
 """
 import inspect
+import numbers
 
 import torch
 
@@ -86,20 +99,76 @@ from ..config import NVFP4Config, QATConfig, get_config
 from . import dropin
 from .dropin import SageFallbackWarning
 # importing torch_ops registers the custom ops
-from .torch_ops import _DTYPES, _check_inputs, _encode_config, _family, from_cupy, on_torch_stream, to_cupy
+from .torch_ops import (_DTYPES, _check_inputs, _encode_config, _family, _require_cuda_tensor, from_cupy,
+                        on_torch_stream, to_cupy)
 
 __all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
            "fallback_counts", "reset_fallback_counts", "SageFallbackWarning", "SageAttentionFunction",
            "QATAttentionFunction", "to_cupy", "from_cupy", "on_torch_stream"]
 
 _LAYOUTS = ("HND", "NHD")
+_PACKED = "THD"
+_PACKED_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 
-def _check_options(causal, layout):
+def _check_options(causal, layout, who=None):
+    """``who``: the entry point's name where it takes the dense layouts only (packed sequences are INT8's)."""
     if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS}")
+    if who is not None and isinstance(layout, str) and layout == _PACKED:
+        raise ValueError(f"layout='THD' (packed variable-length sequences) is not supported by {who}: only "
+                         f"sage_attention (INT8) takes packed sequences; {who} takes {_LAYOUTS}")
+    if layout not in _LAYOUTS + (() if who else (_PACKED,)):
+        raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS + (() if who else (_PACKED,))}")
+
+
+def _max_seqlen(value, name):
+    """A FlashAttention-style ``max_seqlen``: None (-1 for the ops) or a non-negative host int (one that dynamo made
+    symbolic stays symbolic: the sign is a guard, and only the error message reads the value)."""
+    if value is None:
+        return -1
+    if not isinstance(value, torch.SymInt) and (isinstance(value, bool) or type(value).__name__ == "bool_"
+                                                or not isinstance(value, numbers.Integral)):
+        raise ValueError(f"{name}={value!r} must be a non-negative integer (a host int, as FlashAttention takes it) "
+                         f"or None")
+    if value < 0:
+        raise ValueError(f"{name}={int(value)} must be a non-negative integer or None")
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
+def _packed_args(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The INT8 ops' trailing packed-sequence arguments ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``,
+    or ``()`` for a dense layout (which is refused any of them, naming it). The offsets must be 1-D int32 CUDA tensors
+    of ``S + 1 >= 2`` entries, one length for both, on q's GPU, and q, k, v 3-D; TypeError/ValueError naming the
+    argument. Metadata only (the values are on the GPU): torch.compile traces it without a graph break."""
+    values = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not (isinstance(layout, str) and layout == _PACKED):
+        for name, value in zip(_PACKED_ARGS, values):
+            if value is not None:
+                raise ValueError(f"{name} is only for layout='THD' (packed sequences), got layout={layout!r}")
+        return ()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total, H, D) for layout='THD', got shape {tuple(t.shape)}")
+    for name, t in zip(_PACKED_ARGS[:2], values[:2]):
+        if t is None:
+            raise ValueError(f"{name} is required with layout='THD' (int32 prefix sums of the sequence lengths, "
+                             f"S + 1 offsets, a CUDA tensor)")
+        _require_cuda_tensor(t, name)
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name}.dtype={t.dtype} must be torch.int32 (the offsets are read on the GPU as they "
+                            f"are)")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D (S + 1 offsets), got shape {tuple(t.shape)}")
+        if t.shape[0] < 2:
+            raise ValueError(f"{name} must hold S + 1 >= 2 offsets, got {t.shape[0]}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} and q on {q.device}; the offsets must be on the inputs' GPU")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (S + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    return (cu_seqlens_q, cu_seqlens_k, _max_seqlen(max_seqlen_q, "max_seqlen_q"),
+            _max_seqlen(max_seqlen_k, "max_seqlen_k"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,12 +176,15 @@ def _check_options(causal, layout):
 # --------------------------------------------------------------------------------------------------
 
 
-def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config, return_lse=False, window=None):
+def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config, return_lse=False, window=None,
+                      packed=None):
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     mod = _family(family)
-    # only the INT8 family takes a window (QATAttentionFunction never passes one)
+    # only the INT8 family takes a window and packed sequences (QATAttentionFunction never passes them)
     extra = {} if window is None else {"window": window}
     with on_torch_stream(device):
+        for name, value in (packed or {}).items():  # the offsets as CuPy views; int8.forward validates them all
+            extra[name] = to_cupy(value, name) if name.startswith("cu_") and value is not None else value
         # The kernels write the LSE either way: asking for it costs nothing.
         o, lse, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
                                   sm_scale=sm_scale, layout=layout, config=config, return_lse=True, **extra)
@@ -134,23 +206,27 @@ def _function_backward(ctx, do, *_lse_grad):
     with on_torch_stream(ctx.device):
         grads = mod.backward(ctx.res, to_cupy(do.contiguous(), "do"))
         dq, dk, dv = (from_cupy(g) for g in grads)
-    # one None per non-tensor input; autograd accepts the trailing Nones of inputs that were not passed
-    return dq, dk, dv, None, None, None, None, None, None
+    # one None per input but q, k, v; autograd accepts the trailing Nones of inputs that were not passed
+    return (dq, dk, dv) + (None,) * 10
 
 
 class SageAttentionFunction(torch.autograd.Function):
     """INT8 SageBwd attention as a ``torch.autograd.Function``:
     ``SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config)`` (positional; an eighth argument
     ``return_lse=True`` returns ``(o, lse)``, the LSE without gradient; a ninth is the ``window`` of
-    :func:`sage_attention`).
+    :func:`sage_attention`; the tenth to thirteenth are ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``
+    for ``layout="THD"``, validated by :func:`sagecupy.int8.forward`).
 
     Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, which goes through the
     custom ops and gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
     on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, window=None):
-        return _function_forward(ctx, "int8", q, k, v, causal, sm_scale, layout, config, return_lse, window)
+    def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, window=None,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+        values = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        packed = {n: x for n, x in zip(_PACKED_ARGS, values)} if any(x is not None for x in values) else None
+        return _function_forward(ctx, "int8", q, k, v, causal, sm_scale, layout, config, return_lse, window, packed)
 
     @staticmethod
     def backward(ctx, do, *lse_grad):
@@ -206,11 +282,12 @@ def _window_ints(window, causal):
     return _checks.check_window(window, causal)
 
 
-def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False, window=(-1, -1)):
+def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False, window=(-1, -1), packed=()):
     """The custom-op path (what :func:`sage_attention` runs), after argument checks (``window``: the two ints of
-    :func:`_window_ints`). A call that needs no gradient (grad mode off, or no input requires grad) runs the
-    inference op, which keeps no residuals."""
-    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)), *window)
+    :func:`_window_ints`; ``packed``: :func:`_packed_args`'s, ``()`` for the dense layouts, which then call the ops
+    with the arguments they always took). A call that needs no gradient (grad mode off, or no input requires grad)
+    runs the inference op, which keeps no residuals."""
+    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)), *window, *packed)
     if not _needs_grad(q, k, v):
         o, lse = torch.ops.sagecupy.sage_attention_infer(*args)
     else:
@@ -219,7 +296,7 @@ def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=Fal
 
 
 def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False,
-                   window=None):
+                   window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """INT8 SageBwd attention on PyTorch tensors, differentiable and ``torch.compile``-able.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v: the same with Hkv,
@@ -240,10 +317,21 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     bit for bit to :func:`sagecupy.int8.backward` after :func:`sagecupy.int8.forward` on the same inputs
     (the backward kernels use no atomics). ``return_lse=True``: ``(o, lse)``, ``lse`` float32 ``(B, Hq, Nq)``,
     natural log, without gradient. Runs on PyTorch's current stream (module docstring).
+
+    Packed variable-length sequences (FlashAttention's varlen convention): ``layout="THD"``, q ``(total_q, Hq, D)``,
+    k, v ``(total_k, Hkv, D)``; sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k and v. ``cu_seqlens_q/k``: 1-D int32 CUDA tensors of the ``S + 1``
+    prefix sums of the lengths (one length for both; empty sequences allowed), on the inputs' GPU, never read on the
+    host; ``max_seqlen_q/k``: host ints or None (accepted as FlashAttention takes them; the kernels do not need them).
+    ``causal`` and ``window`` apply within each sequence (bottom-right aligned per sequence), and each sequence's
+    quantization statistics are its own: o, the LSE ``(Hq, total_q)`` and the gradients equal the separate calls on
+    the sequences, bit for bit. The other layouts take none of these four arguments (ValueError naming it).
     """
     _check_inputs(("q", q), ("k", k), ("v", v))
     _check_options(causal, layout)
-    return _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse, _window_ints(window, causal))
+    packed = _packed_args(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse, _window_ints(window, causal),
+                              packed)
 
 
 def _qat_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False):
@@ -265,7 +353,7 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
     under ``torch.compile`` the custom ops run, whose backward recomputes the residuals from q, k, v.
     Both give the gradients of ``qat.forward``/``qat.backward`` called directly."""
     _check_inputs(("q", q), ("k", k), ("v", v))
-    _check_options(causal, layout)
+    _check_options(causal, layout, "qat_attention")
     if _compiling():
         return _qat_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse)
     return QATAttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout, config, bool(return_lse))
@@ -286,7 +374,7 @@ def nvfp4_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", confi
     ValueError; run it under ``torch.no_grad()`` / ``torch.inference_mode()``. Returns ``o`` (q's shape and dtype,
     contiguous), or ``(o, lse)`` with ``return_lse``."""
     _check_inputs(("q", q), ("k", k), ("v", v))
-    _check_options(causal, layout)
+    _check_options(causal, layout, "nvfp4_attention")
     if _needs_grad(q, k, v):
         raise ValueError("nvfp4_attention is inference-only (NVFP4 has no backward) and this call needs a gradient: "
                          "run it under torch.no_grad() or torch.inference_mode(), or train with sage_attention or "

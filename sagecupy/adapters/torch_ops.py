@@ -5,12 +5,19 @@ SDPA drop-in and the transformers registration are :mod:`sagecupy.torch`'s, whic
 :func:`from_cupy` and :func:`on_torch_stream`; its docstring describes tensors, streams and memory.
 
 Every op takes tensors, Python scalars and strings only, and has a fake implementation (output shapes from input
-shapes), so ``torch.compile`` traces a call without running it and leaves no graph break."""
+shapes), so ``torch.compile`` traces a call without running it and leaves no graph break.
+
+Packed variable-length sequences (``layout="THD"``, INT8 only) add four trailing arguments to the INT8 ops:
+``cu_seqlens_q``/``cu_seqlens_k`` (optional int32 CUDA tensors, the ``S + 1`` offsets; None for the dense layouts)
+and ``max_seqlen_q``/``max_seqlen_k`` (ints, -1 for none). The forward op returns the device table of sequence
+offsets (:attr:`sagecupy.int8.Residuals.packed`) as its last residual (an empty int32 tensor for the dense layouts),
+which the backward op takes after ``lse2``, with the offsets, to rebuild the residuals."""
 import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
+import types
 import typing
 
 import torch
@@ -111,6 +118,13 @@ def _hnd(shape, layout):
     return (b, a1, a2, d) if layout == "HND" else (b, a2, a1, d)
 
 
+def _thd(shape, name):
+    """(total, H, D) of a packed (3-D) shape; ValueError naming the argument otherwise."""
+    if len(shape) != 3:
+        raise ValueError(f"{name} must be 3-D (total, H, D) for layout='THD', got shape {tuple(shape)}")
+    return tuple(shape)
+
+
 def _family(name):
     """The family module: ``sagecupy.int8`` or ``sagecupy.qat`` (imported on first use)."""
     if name == "int8":
@@ -192,21 +206,35 @@ def _decode_config(text):
 # --------------------------------------------------------------------------------------------------
 
 
-def _int8_residual_shapes(q_shape, k_shape, layout):
+def _int8_residual_shapes(q_shape, k_shape, layout, cu_seqlens_q=None):
     """Shapes of the residual tensors of :class:`sagecupy.int8.Residuals`, in the order the forward op
-    returns them: q_codes, q_scale, k_codes, k_scale, lse2. Query rows are padded to the forward's
-    128-row blocks, keys to a multiple of 128 (the largest forward key tile)."""
+    returns them: q_codes, q_scale, k_codes, k_scale, lse2, packed. Query rows are padded to the forward's
+    128-row blocks, keys to a multiple of 128 (the largest forward key tile); ``packed`` (the table of sequence
+    offsets) is empty for the dense layouts. Packed sequences (``"THD"``, ``S = len(cu_seqlens_q) - 1``): the
+    buffers in the packed padded layout and the table, sized from the shapes alone (sagecupy/_varlen.py)."""
+    if layout == _layout.PACKED:
+        from .. import _varlen
+
+        if cu_seqlens_q is None:
+            raise ValueError("cu_seqlens_q is required with layout='THD' (int32 prefix sums of the sequence lengths, "
+                             "S + 1 offsets)")
+        Tq, Hq, D = _thd(q_shape, "q")
+        Tk, Hkv, _ = _thd(k_shape, "k")
+        S = cu_seqlens_q.shape[0] - 1
+        tq_pad, tk_pad, _, _, _ = _checks.packed_bounds(S, Tq, Tk)
+        meta = _varlen.meta_size(types.SimpleNamespace(batch=S, nq=Tq, nk=Tk))
+        return (Hq * tq_pad, D), (Hq * tq_pad,), (Hkv * tk_pad, D), (Hkv * tk_pad,), (Hq * tq_pad,), (meta,)
     from ..int8 import _FWD_BKV, _FWD_BQ
 
     B, Hq, Nq, D = _hnd(q_shape, layout)
     _, Hkv, Nk, _ = _hnd(k_shape, layout)
     nq_pad = (Nq + _FWD_BQ - 1) // _FWD_BQ * _FWD_BQ
     nk_pad = (Nk + _FWD_BKV - 1) // _FWD_BKV * _FWD_BKV
-    return (B, Hq, nq_pad, D), (B, Hq, nq_pad), (B, Hkv, nk_pad, D), (B, Hkv, nk_pad), (B, Hq, nq_pad)
+    return (B, Hq, nq_pad, D), (B, Hq, nq_pad), (B, Hkv, nk_pad, D), (B, Hkv, nk_pad), (B, Hq, nq_pad), (0,)
 
 
-_INT8_RESIDUAL_DTYPES = (torch.int8, torch.float32, torch.int8, torch.float32, torch.float32)
-_INT8_RESIDUAL_FIELDS = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2")
+_INT8_RESIDUAL_DTYPES = (torch.int8, torch.float32, torch.int8, torch.float32, torch.float32, torch.int32)
+_INT8_RESIDUAL_FIELDS = ("q_codes", "q_scale", "k_codes", "k_scale", "lse2", "packed")
 
 
 def _window(window_left, window_right):
@@ -218,19 +246,59 @@ def _window(window_left, window_right):
     return None if (left, right) == (-1, -1) else (left, right)
 
 
-def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, *, causal, sm_scale, layout, config, window):
+def _int8_residuals(o, v, q_codes, q_scale, k_codes, k_scale, lse2, packed, *, causal, sm_scale, layout, config,
+                    window, cu_seqlens_q=None, cu_seqlens_k=None):
     """The :class:`sagecupy.int8.Residuals` the forward built, from the tensors it returned (CuPy views).
 
-    ``o`` has q's shape and dtype and ``v`` k's, so :func:`sagecupy._checks.check_attention_args` gives
-    the forward's ``Problem`` field for field, ``window`` included (the backward validates it and masks with it);
-    ``v`` is prepared exactly as the forward prepared it (a view, or the same copy when its rows were not 16-byte
-    aligned). ``mu_k`` is not used by the backward.
+    ``o`` has q's shape and dtype and ``v`` k's, so :func:`sagecupy._checks.check_attention_args` (packed sequences:
+    :func:`sagecupy._varlen.check_args` with the same offsets, read by their metadata only) gives the forward's
+    ``Problem`` field for field, ``window`` included (the backward validates it and masks with it); ``v`` is prepared
+    exactly as the forward prepared it (a view, or the same copy when its rows were not 16-byte aligned). ``mu_k`` is
+    not used by the backward. ``packed``: the forward's table of sequence offsets, or None (the forward op's empty
+    table of a dense call); a table on a dense layout is handed on for ``int8.check_residuals`` to refuse. The
+    backward checks every array against the Problem, the table's size included, before any launch.
     """
     from .. import int8 as s8
 
-    p = _checks.check_attention_args(o, v, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
+    if layout == _layout.PACKED:
+        from .. import _varlen
+
+        p = _varlen.check_args(o, v, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window,
+                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=None,
+                               max_seqlen_k=None)
+        if packed is None:
+            raise ValueError("packed (the forward op's last residual, the table of sequence offsets) is empty: the "
+                             "backward of packed sequences needs the table their forward returned")
+    else:
+        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if t is not None:
+                raise ValueError(f"{name} is only for layout='THD' (packed sequences), got layout={layout!r}")
+        p = _checks.check_attention_args(o, v, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
     return s8.Residuals(problem=p, config=get_config(config), q_codes=q_codes, q_scale=q_scale, k_codes=k_codes,
-                        k_scale=k_scale, v=_layout.prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2, mu_k=None)
+                        k_scale=k_scale, v=_layout.prepare(v, "v", layout, True), o=_checks.raw(o), lse2=lse2,
+                        mu_k=None, packed=packed)
+
+
+def _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The packed-sequence keyword arguments of the INT8 entry points, from the ops' arguments: ``{}`` when none is
+    given (a dense call, which then runs with the arguments it always had), else the offsets as CuPy views (CUDA
+    tensors on the inputs' device; their dtype, shape and values are :mod:`sagecupy._varlen`'s to check) and the
+    maxima as None (-1) or ints. A dense layout given any of them is refused by the INT8 entry points, naming it."""
+    if cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q == -1 and max_seqlen_k == -1 \
+            and layout != _layout.PACKED:
+        return {}
+    kw = {}
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t is not None:
+            _require_cuda_tensor(t, name)
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} and the inputs on {device}; the offsets must be on the "
+                                 f"inputs' GPU")
+            t = to_cupy(t, name)
+        kw[name] = t
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        kw[name] = None if int(m) == -1 else int(m)
+    return kw
 
 
 def _custom_op(name):
@@ -245,101 +313,128 @@ def _custom_op(name):
 
 
 def _lse_shape(q_shape, layout):
-    """(B, Hq, Nq): the LSE every forward writes, whatever the layout."""
+    """(B, Hq, Nq): the LSE every forward writes for the dense layouts; (Hq, total_q) for packed sequences."""
+    if layout == _layout.PACKED:
+        Tq, Hq, _ = _thd(q_shape, "q")
+        return (Hq, Tq)
     B, Hq, Nq, _ = _hnd(q_shape, layout)
     return (B, Hq, Nq)
 
 
-# The INT8 ops take the window last, as two ints defaulting to (-1, -1) (no window): a call that passes no window
-# means what causal says. PyTorch's dispatcher drops arguments equal to their defaults in places, so every function
-# registered for these ops has the same defaults, and the setup context takes the window as it comes.
+# The INT8 ops take the window after the config, as two ints defaulting to (-1, -1) (no window): a call that passes
+# no window means what causal says. Packed sequences' offsets (None) and maxima (-1) follow, so a call written without
+# them is a dense call as before. PyTorch's dispatcher drops arguments equal to their defaults in places, so every
+# function registered for these ops has the same defaults, and the setup context takes the trailing arguments as
+# they come.
 
 
 @_custom_op("sagecupy::sage_attention_fwd")
 def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                 config: str, window_left: int = -1,
-                 window_right: int = -1) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """INT8 SageBwd forward: (o, lse, q_codes, q_scale, k_codes, k_scale, lse2); the last five are the residuals."""
+                 config: str, window_left: int = -1, window_right: int = -1,
+                 cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
+                 max_seqlen_q: int = -1, max_seqlen_k: int = -1
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """INT8 SageBwd forward: (o, lse, q_codes, q_scale, k_codes, k_scale, lse2, packed); the last six are the
+    residuals (``packed``, the table of sequence offsets, is empty for the dense layouts)."""
     from .. import int8 as s8
 
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
+        kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         o, lse, res = s8.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
                                  sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True,
-                                 window=_window(window_left, window_right))
+                                 window=_window(window_left, window_right), **kw)
         saved = [getattr(res, f) for f in _INT8_RESIDUAL_FIELDS]
-        want = _int8_residual_shapes(q.shape, k.shape, layout)
+        want = _int8_residual_shapes(q.shape, k.shape, layout, cu_seqlens_q)
         for field, x, shape in zip(_INT8_RESIDUAL_FIELDS, saved, want):
-            if tuple(x.shape) != shape:  # the fake implementation below would be wrong
-                raise RuntimeError(f"sagecupy.int8.Residuals.{field} has shape {tuple(x.shape)}, the adapter "
-                                   f"expected {shape}: sagecupy.torch is out of date with sagecupy.int8")
-        return tuple(from_cupy(x) for x in (o, lse, *saved))
+            got = (0,) if x is None and field == "packed" else tuple(x.shape)
+            if got != shape:  # the fake implementation below would be wrong
+                raise RuntimeError(f"sagecupy.int8.Residuals.{field} has shape {got}, the adapter expected {shape}: "
+                                   f"sagecupy.torch is out of date with sagecupy.int8")
+        table = torch.empty(0, dtype=torch.int32, device=device) if saved[-1] is None else from_cupy(saved[-1])
+        return (*(from_cupy(x) for x in (o, lse, *saved[:-1])), table)
 
 
 @_custom_op("sagecupy::sage_attention_infer")
 def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                   config: str, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor]:
+                   config: str, window_left: int = -1, window_right: int = -1,
+                   cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
+                   max_seqlen_q: int = -1, max_seqlen_k: int = -1) -> tuple[Tensor, Tensor]:
     """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
     op's), for calls that need no gradient: (o, lse)."""
     from .. import int8 as s8
 
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
+        kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         o, lse = s8.sage_attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
                                    sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True,
-                                   window=_window(window_left, window_right))
+                                   window=_window(window_left, window_right), **kw)
         return from_cupy(o), from_cupy(lse)
 
 
 @_sage_infer_op.register_fake
-def _sage_infer_fake(q, k, v, causal, sm_scale, layout, config, window_left=-1, window_right=-1):
+def _sage_infer_fake(q, k, v, causal, sm_scale, layout, config, window_left=-1, window_right=-1, cu_seqlens_q=None,
+                     cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32)
 
 
 @_sage_fwd_op.register_fake
-def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config, window_left=-1, window_right=-1):
-    shapes = _int8_residual_shapes(q.shape, k.shape, layout)
+def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config, window_left=-1, window_right=-1, cu_seqlens_q=None,
+                   cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+    shapes = _int8_residual_shapes(q.shape, k.shape, layout, cu_seqlens_q)
     return (q.new_empty(q.shape), q.new_empty(_lse_shape(q.shape, layout), dtype=torch.float32),
             *(q.new_empty(s, dtype=dt) for s, dt in zip(shapes, _INT8_RESIDUAL_DTYPES)))
 
 
 @_custom_op("sagecupy::sage_attention_bwd")
 def _sage_bwd_op(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Tensor, k_codes: Tensor,
-                 k_scale: Tensor, lse2: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                 config: str, window_left: int = -1, window_right: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    """INT8 SageBwd backward from the forward op's output and residual tensors: (dq, dk, dv)."""
+                 k_scale: Tensor, lse2: Tensor, packed: Tensor, causal: bool, sm_scale: typing.Optional[float],
+                 layout: str, config: str, window_left: int = -1, window_right: int = -1,
+                 cu_seqlens_q: typing.Optional[Tensor] = None,
+                 cu_seqlens_k: typing.Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """INT8 SageBwd backward from the forward op's output and residual tensors (``packed`` included, in the order
+    the forward op returns them) and, for packed sequences, the forward's offsets: (dq, dk, dv)."""
     from .. import int8 as s8
 
     device = _check_inputs(("do", do), ("o", o), ("v", v))
     with on_torch_stream(device):
-        res = _int8_residuals(to_cupy(o, "o"), to_cupy(v, "v"),
-                              *(to_cupy(x, f) for x, f in zip((q_codes, q_scale, k_codes, k_scale, lse2),
-                                                               _INT8_RESIDUAL_FIELDS)),
+        kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, -1, -1)
+        # an empty table (a dense call's) is None, and is not handed to DLPack (no memory behind it)
+        table = None if packed.numel() == 0 else to_cupy(packed, "packed")
+        saved = (to_cupy(x, f) for x, f in zip((q_codes, q_scale, k_codes, k_scale, lse2), _INT8_RESIDUAL_FIELDS))
+        res = _int8_residuals(to_cupy(o, "o"), to_cupy(v, "v"), *saved, table,
                               causal=causal, sm_scale=sm_scale, layout=layout, config=_decode_config(config),
-                              window=_window(window_left, window_right))
+                              window=_window(window_left, window_right), cu_seqlens_q=kw.get("cu_seqlens_q"),
+                              cu_seqlens_k=kw.get("cu_seqlens_k"))
         return tuple(from_cupy(g) for g in s8.backward(res, to_cupy(do, "do")))
 
 
 @_sage_bwd_op.register_fake
-def _sage_bwd_fake(do, o, v, q_codes, q_scale, k_codes, k_scale, lse2, causal, sm_scale, layout, config,
-                   window_left=-1, window_right=-1):
+def _sage_bwd_fake(do, o, v, q_codes, q_scale, k_codes, k_scale, lse2, packed, causal, sm_scale, layout, config,
+                   window_left=-1, window_right=-1, cu_seqlens_q=None, cu_seqlens_k=None):
     return o.new_empty(o.shape), v.new_empty(v.shape), v.new_empty(v.shape)
 
 
 def _sage_setup_context(ctx, inputs, output):
-    q, k, v, causal, sm_scale, layout, config, *window = inputs
+    q, k, v, causal, sm_scale, layout, config, *rest = inputs
+    # rest: the window, then the offsets and the maxima (which the backward does not need)
+    window, offsets = rest[:2], (list(rest[2:4]) + [None, None])[:2]
     o, lse, *residuals = output
     # The LSE is an output for the caller, not a differentiable one: the backward kernels take dO only.
     ctx.mark_non_differentiable(lse, *residuals)
-    ctx.save_for_backward(o, v, *residuals)
+    ctx.save_for_backward(o, v, *residuals, *offsets)  # (None where a dense call has no offsets)
     ctx.options = (causal, sm_scale, layout, config, *window)
 
 
 def _sage_backward(ctx, do, *_other_grads):
-    o, v, *residuals = ctx.saved_tensors
-    dq, dk, dv = torch.ops.sagecupy.sage_attention_bwd(do.contiguous(), o, v, *residuals, *ctx.options)
+    o, v, *residuals, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    options = ctx.options
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        options += (-1, -1)[len(options) - 4:] + (cu_seqlens_q, cu_seqlens_k)  # the window's defaults first
+    dq, dk, dv = torch.ops.sagecupy.sage_attention_bwd(do.contiguous(), o, v, *residuals, *options)
     # one None per other input (autograd drops trailing Nones for inputs that were not passed)
-    return dq, dk, dv, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 10
 
 
 _sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context)

@@ -138,14 +138,17 @@ def _assert_equal(got, want, case):
         assert g.dtype == w.dtype and np.array_equal(g.view(np.uint16), w.view(np.uint16)), (name, case)
 
 
-def test_int8_op_schemas_take_the_window_last_with_no_window_by_default(torch_mods):
+def test_int8_op_schemas_take_the_window_after_the_config_with_no_window_by_default(torch_mods):
+    """(Packed sequences' arguments follow the window: tests/cpu/test_adapter_varlen.py.)"""
     torch, _, _ = torch_mods
     for name in ("sage_attention_fwd", "sage_attention_infer", "sage_attention_bwd"):
         args = getattr(torch.ops.sagecupy, name).default._schema.arguments
-        assert [a.name for a in args[-6:]] == ["causal", "sm_scale", "layout", "config", "window_left",
-                                               "window_right"], name
-        assert [a.default_value for a in args[-2:]] == [-1, -1], name
-        assert all(str(a.type) in ("int", "SymInt") for a in args[-2:]), name
+        names = [a.name for a in args]
+        at = names.index("causal")
+        assert names[at:at + 6] == ["causal", "sm_scale", "layout", "config", "window_left", "window_right"], name
+        window = args[at + 4:at + 6]
+        assert [a.default_value for a in window] == [-1, -1], name
+        assert all(str(a.type) in ("int", "SymInt") for a in window), name
     for name in ("qat_attention_fwd", "qat_attention_bwd", "nvfp4_attention"):
         args = [a.name for a in getattr(torch.ops.sagecupy, name).default._schema.arguments]
         assert args[-4:] == ["causal", "sm_scale", "layout", "config"], name

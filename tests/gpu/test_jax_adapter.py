@@ -1,8 +1,8 @@
 """The JAX adapter (sagecupy.jax) against direct calls of the CuPy API, eagerly and under jax.jit.
 
 The adapter adds no numerics: it must give what ``sagecupy.int8.forward`` / ``backward`` give on the same
-inputs, bit for bit, with or without a sliding window: neither the INT8 nor the QAT backward uses atomics, so all
-three gradients are deterministic and compared bitwise.
+inputs, bit for bit, with or without a sliding window, dense or packed (``layout="THD"``, the offsets traced):
+neither the INT8 nor the QAT backward uses atomics, so all three gradients are deterministic and compared bitwise.
 
 Needs JAX with its CUDA plugin (skipped, with the reason, without it; ``--require-gpu`` makes a JAX that is
 installed but cannot run the adapter a failure). JAX takes 75% of the GPU at start-up unless told not to,
@@ -294,6 +294,117 @@ def test_window_errors_at_trace_time():
         sj.sage_attention(q, k, v, window=(-2, 0))
     with pytest.raises(ValueError, match=r"causal=True contradicts window=\(3, 1\)"):
         jax.jit(functools.partial(sj.sage_attention, causal=True, window=(3, 1)))(q, k, v)
+
+
+# --------------------------------------------------------------------------------------------------
+# packed variable-length sequences (layout="THD")
+# --------------------------------------------------------------------------------------------------
+
+PACKED_LENS = {"17-0-300": [(17, 17), (0, 0), (300, 300)], "128-129": [(128, 128), (129, 129)],
+               "unequal": [(40, 70), (0, 5), (9, 0), (200, 64)]}
+# lens, Hq, Hkv, D, causal, window, dtype
+PACKED_CASES = [(lens, Hq, Hkv, D, causal, window, dtype)
+                for lens, Hq, Hkv, D, causal, window in (("17-0-300", 4, 2, 64, True, None),
+                                                         ("128-129", 4, 2, 128, False, (17, 5)),
+                                                         ("unequal", 4, 1, 64, True, (40, 0)),
+                                                         ("128-129", 2, 2, 64, False, None))
+                for dtype in ("float16", "bfloat16")]
+PACKED_IDS = [f"{c[0]}-d{c[3]}-gqa{c[1] // c[2]}-{'causal' if c[4] else 'full'}"
+              f"{'' if c[5] is None else f'-w{c[5][0]}_{c[5][1]}'}-{c[6]}" for c in PACKED_CASES]
+
+
+def _packed_inputs(seed, lens, Hq, Hkv, D, dtype):
+    """q, k, v, do as packed JAX arrays (each document's K with a mean of its own) and the int32 offsets."""
+    rng = np.random.default_rng(seed)
+    cq = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
+    q, do = rng.standard_normal((cq[-1], Hq, D)), rng.standard_normal((cq[-1], Hq, D))
+    k, v = rng.standard_normal((ck[-1], Hkv, D)), rng.standard_normal((ck[-1], Hkv, D))
+    for s in range(len(lens)):
+        k[ck[s]:ck[s + 1]] += 0.5 * rng.standard_normal((1, 1, D))
+    jt = jnp.float16 if dtype == "float16" else jnp.bfloat16
+    return tuple(jnp.asarray(x.astype(np.float32), dtype=jt) for x in (q, k, v, do)), (jnp.asarray(cq), jnp.asarray(ck))
+
+
+def _packed_direct(q, k, v, do, cu_q, cu_k, **kw):
+    """o, lse and (dq, dk, dv) of sagecupy.int8.forward / backward on the same values and offsets."""
+    import cupy
+
+    offsets = dict(cu_seqlens_q=cupy.asarray(np.asarray(cu_q)), cu_seqlens_k=cupy.asarray(np.asarray(cu_k)))
+    o, lse, res = s8.forward(*(_to_cupy(x) for x in (q, k, v)), layout="THD", return_lse=True, **offsets, **kw)
+    return o, lse, s8.backward(res, _to_cupy(do))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("lens,Hq,Hkv,D,causal,window,dtype", PACKED_CASES, ids=PACKED_IDS)
+def test_packed_equals_direct_calls(lens, Hq, Hkv, D, causal, window, dtype, mode):
+    """O, the LSE (return_lse) and the three gradients through jax.vjp of a packed call (the offsets traced like
+    q, k, v), bitwise sagecupy.int8.forward / backward on the same offsets; the plain call (the inference forward)
+    bitwise int8.sage_attention's."""
+    case = dict(lens=lens, Hq=Hq, Hkv=Hkv, D=D, causal=causal, window=window, dtype=dtype, mode=mode)
+    (q, k, v, do), (cu_q, cu_k) = _packed_inputs(12, PACKED_LENS[lens], Hq, Hkv, D, dtype)
+    longest = max(a for a, _ in PACKED_LENS[lens])
+
+    def f(q, k, v, cu_q, cu_k):
+        return sj.sage_attention(q, k, v, layout="THD", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=longest,
+                                 causal=causal, window=window, return_lse=True)
+
+    def run(q, k, v, do, cu_q, cu_k):
+        (o, lse), pullback = jax.vjp(lambda q, k, v: f(q, k, v, cu_q, cu_k), q, k, v)
+        return o, lse, pullback((do, jnp.zeros_like(lse)))
+
+    run = run if mode == "eager" else jax.jit(run)
+    o, lse, grads = run(q, k, v, do, cu_q, cu_k)
+    o_d, lse_d, grads_d = _packed_direct(q, k, v, do, cu_q, cu_k, causal=causal, window=window)
+    _assert_bitwise("O", o, o_d, case)
+    assert lse.shape == (Hq, q.shape[0]) and lse.dtype == jnp.float32
+    assert np.array_equal(np.asarray(lse), lse_d.get(), equal_nan=True), f"LSE differs {case}"
+    _assert_grads(grads, grads_d, case)
+    plain, plain_lse = f(q, k, v, cu_q, cu_k) if mode == "eager" else jax.jit(f)(q, k, v, cu_q, cu_k)
+    import cupy
+
+    infer, infer_lse = s8.sage_attention(*(_to_cupy(x) for x in (q, k, v)), layout="THD", causal=causal,
+                                         window=window, return_lse=True, cu_seqlens_q=cupy.asarray(np.asarray(cu_q)),
+                                         cu_seqlens_k=cupy.asarray(np.asarray(cu_k)))
+    _assert_bitwise("O (plain call)", plain, infer, case)
+    assert np.array_equal(np.asarray(plain_lse), infer_lse.get(), equal_nan=True), f"LSE (plain call) {case}"
+
+
+def test_packed_jit_grad_other_documents_same_program():
+    """One jitted gradient function over offsets of the same length: other document boundaries are other values of
+    a traced argument (no retrace), and each gives the direct calls' gradients."""
+    lens_sets = ([(100, 100), (157, 157)], [(128, 128), (129, 129)], [(1, 1), (256, 256)])
+    (q, k, v, _), _ = _packed_inputs(13, lens_sets[0], 4, 2, 64, "bfloat16")
+    w = jnp.asarray(np.random.default_rng(14).standard_normal(q.shape), jnp.float32)
+    traces = []
+
+    def loss(q, k, v, cu):
+        traces.append(1)
+        o = sj.sage_attention(q, k, v, layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        return jnp.sum(o.astype(jnp.float32) * w)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for lens in lens_sets:
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32))
+        got = grad(q, k, v, cu)
+        _, _, want = _packed_direct(q, k, v, (w.astype(q.dtype)), cu, cu, causal=True)
+        _assert_grads(got, want, lens)
+    assert len(traces) == 1
+
+
+def test_packed_errors_at_trace_time():
+    (q, k, v, _), (cu_q, cu_k) = _packed_inputs(15, PACKED_LENS["unequal"], 2, 2, 64, "float16")
+    with pytest.raises(TypeError, match=r"cu_seqlens_q\.dtype=float32 must be int32"):
+        sj.sage_attention(q, k, v, layout="THD", cu_seqlens_q=cu_q.astype(jnp.float32), cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="cu_seqlens_q is only for layout='THD'"):
+        sj.sage_attention(q[None], q[None], q[None], layout="NHD", cu_seqlens_q=cu_q)
+    with pytest.raises(ValueError, match="cu_seqlens_k is required"):
+        jax.jit(functools.partial(sj.sage_attention, layout="THD"))(q, k, v, cu_seqlens_q=cu_q)
+    with pytest.raises(ValueError, match="not supported by qat_attention"):
+        try:
+            sj.qat_attention(q, k, v, layout="THD")
+        except ImportError as exc:
+            pytest.skip(str(exc))
 
 
 # --------------------------------------------------------------------------------------------------
