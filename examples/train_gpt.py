@@ -15,6 +15,20 @@ Attention (causal), on the same bf16 q, k, v (QK-normed and rotated; (B, H, N, D
   ``sagecupy.torch.scaled_dot_product_attention(..., is_causal=True, fallback="error")`` (``--entry dropin``; an
   error rather than a silent PyTorch fallback, so the run measures the kernels).
 
+``--pack`` trains with document masking instead: each step's batch is one packed sequence of the same token budget
+(``--batch`` x ``--seq`` next-byte pairs) made of whole documents (the corpus's files; a file longer than ``--seq``
+pairs is cut into pieces of at most ``--seq``, and the last document of a step continues as the first of the next),
+in an order drawn from ``--seed``; positions (the rotary angles) restart at every document, and attention is causal
+within each document only:
+
+* ``sdpa``: ``scaled_dot_product_attention`` with the block-diagonal causal mask of the step's documents (one boolean
+  mask per step, shared by the layers; PyTorch then runs its memory-efficient or math kernel, not flash);
+* ``sagecupy``: ``sagecupy.torch.sage_attention(q, k, v, layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu,
+  max_seqlen_q=m, max_seqlen_k=m, causal=True)`` on (total, H, D) views, ``cu`` the int32 document offsets on the
+  GPU (``--entry op`` only; ``--layout`` does not apply).
+
+Validation then packs the validation split's documents in order into sequences of ``--seq`` pairs.
+
 Throughput is tokens per second over the steps after ``--timing-warmup`` (CUDA events around every step; the first
 steps, compilation and the kernels' first compilation are left out). ``--compare`` trains both from the same
 initialization on the same batches and prints the ratio of their tokens/s and the relative difference of their
@@ -23,6 +37,7 @@ final losses (the speed target: sagecupy at least 1.15x SDPA's tokens/s, final l
     python examples/train_gpt.py --compare --steps 300 --out gpt.json          # the default config, both
     python examples/train_gpt.py --attn sagecupy --preset small --steps 100    # a quick run
     python examples/train_gpt.py --compare --compile --seq 16384               # torch.compile, longer sequences
+    python examples/train_gpt.py --compare --pack --steps 300                  # document masking, both
 
 ``--out FILE.json`` writes the config, the environment (GPU, versions, commit) and per run the loss curve, step
 times, tokens/s, final train loss (mean of the last ``--final-window`` steps) and validation loss.
@@ -71,6 +86,7 @@ class RunConfig:
     compile: bool = False
     entry: str = "op"
     layout: str = "HND"
+    pack: bool = False
     timing_warmup: int = 10
     log_every: int = 10
     val_windows: int = 16
@@ -92,16 +108,40 @@ def default_data_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "sagecupy"
 
 
-def load_bytes(data_dir) -> bytes:
-    """The bytes of every ``.py`` file under ``data_dir``, in sorted path order (reproducible), caches skipped.
-    ValueError when there is none."""
+def load_documents(data_dir) -> list:
+    """The bytes of every ``.py`` file under ``data_dir`` (a document each), in sorted path order (reproducible),
+    caches skipped. ValueError when there is none."""
     root = Path(data_dir)
     if not root.is_dir():
         raise ValueError(f"--data {root}: not a directory")
     files = sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
     if not files:
         raise ValueError(f"--data {root}: no .py files under it")
-    return b"".join(p.read_bytes() for p in files)
+    return [p.read_bytes() for p in files]
+
+
+def load_bytes(data_dir) -> bytes:
+    """The documents of :func:`load_documents`, concatenated."""
+    return b"".join(load_documents(data_dir))
+
+
+def document_starts(documents) -> list:
+    """Where each document begins in their concatenation."""
+    starts, at = [], 0
+    for doc in documents:
+        starts.append(at)
+        at += len(doc)
+    return starts
+
+
+def split_starts(starts, cut):
+    """The document starts of the two parts of :func:`split_bytes` (the bytes before ``cut``, the bytes from it), each
+    relative to its part; a document that the cut splits becomes one document in each part."""
+    train = [s for s in starts if s < cut]
+    val = [s - cut for s in starts if s >= cut]
+    if not val or val[0] != 0:
+        val.insert(0, 0)
+    return train, val
 
 
 def split_bytes(data: bytes, val_fraction: float, seq: int):
@@ -114,6 +154,75 @@ def split_bytes(data: bytes, val_fraction: float, seq: int):
             raise ValueError(f"the {name} split has {len(part)} bytes, fewer than --seq {seq} + 1: give --data a "
                              f"larger source tree, a smaller --seq, or another --val-fraction")
     return train, val
+
+
+def load_data(data_dir, val_fraction, seq):
+    """(train bytes, validation bytes, (train document starts, validation document starts)) of the corpus under
+    ``data_dir`` (:func:`load_documents`, :func:`split_bytes`, :func:`split_starts`)."""
+    documents = load_documents(data_dir)
+    data = b"".join(documents)
+    train, val = split_bytes(data, val_fraction, seq)
+    return train, val, split_starts(document_starts(documents), len(train))
+
+
+def document_pieces(starts, n_bytes, seq):
+    """(start, end) byte spans of the documents of a part of ``n_bytes`` bytes whose documents begin at ``starts``:
+    a document of n bytes holds n - 1 next-byte pairs (input byte, target byte); one of more than ``seq`` pairs is cut
+    into pieces of at most ``seq`` pairs that share their boundary byte, so that no pair is lost and none exceeds the
+    rotary tables; documents of one byte (no pair) are left out."""
+    bounds = list(starts) + [n_bytes]
+    pieces = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        while b - a >= 2:
+            end = min(b, a + seq + 1)
+            pieces.append((a, end))
+            a = end - 1
+    return pieces
+
+
+def pack_plan(pieces, budget, steps, seed=None):
+    """Packed sequences of ``budget`` next-byte pairs each, for ``steps`` steps, from the document ``pieces`` of
+    :func:`document_pieces`: their pairs in a stream, the pieces in an order drawn from ``seed`` (a new order each time
+    the stream has used them all; None: in order), cut every ``budget`` pairs. The document a cut splits continues as
+    the first document of the next sequence. NumPy arrays (host):
+
+    * ``inputs``: ``(steps * budget,)`` byte offsets of the inputs (the targets are the next bytes);
+    * ``positions``: each input's position in its document (restarting at every document and every sequence);
+    * ``cu_seqlens``: the int32 document offsets of every sequence, one after the other; sequence ``i``'s are
+      ``cu_seqlens[cu_index[i]:cu_index[i + 1]]`` (from 0 to ``budget``);
+    * ``max_seqlen``: each sequence's longest document, as a list of ints."""
+    import numpy as np
+
+    lengths = [b - a - 1 for a, b in pieces]
+    if not pieces or min(lengths) < 1:
+        raise ValueError("pack_plan needs document pieces of at least one next-byte pair each")
+    rng = np.random.default_rng(seed) if seed is not None else None
+    need = steps * budget
+    chunks, starts, n = [], [], 0
+    while n < need:
+        order = rng.permutation(len(pieces)) if rng is not None else range(len(pieces))
+        for j in order:
+            a, b = pieces[j]
+            chunks.append(np.arange(a, b - 1, dtype=np.int64))
+            starts.append(n)
+            n += b - a - 1
+            if n >= need:
+                break
+    inputs = np.concatenate(chunks)[:need]
+    starts = np.asarray(starts, dtype=np.int64)
+    index = np.arange(need, dtype=np.int64)
+    doc_start = starts[np.searchsorted(starts, index, side="right") - 1]
+    positions = (index - np.maximum(doc_start, index // budget * budget)).astype(np.int32)
+    cu, cu_index, max_seqlen = [], [0], []
+    for i in range(steps):
+        s0 = i * budget
+        inner = starts[(starts > s0) & (starts < s0 + budget)] - s0
+        offsets = np.concatenate([[0], inner, [budget]]).astype(np.int32)
+        cu.append(offsets)
+        cu_index.append(cu_index[-1] + offsets.size)
+        max_seqlen.append(int(np.diff(offsets).max()))
+    return dict(inputs=inputs, positions=positions, cu_seqlens=np.concatenate(cu), cu_index=cu_index,
+                max_seqlen=max_seqlen)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,34 +256,61 @@ def _rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def attention_fn(attn, entry="op", layout="HND"):
-    """``f(q, k, v) -> o`` on (B, N, H, D) bf16 tensors (views of the projections), causal, o (B, N, H, D).
+def block_causal_mask(cu_seqlens, n):
+    """The block-diagonal causal mask of a packed sequence of ``n`` tokens whose documents have the offsets
+    ``cu_seqlens``: ``(n, n)`` bool, True where query ``i`` may see key ``j`` (same document, ``j <= i``)."""
+    import torch
+
+    index = torch.arange(n, device=cu_seqlens.device)
+    doc = torch.searchsorted(cu_seqlens[1:].long(), index, right=True)  # each token's document
+    return (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])
+
+
+def attention_fn(attn, entry="op", layout="HND", pack=False):
+    """``f(q, k, v, docs=None) -> o`` on (B, N, H, D) bf16 tensors (views of the projections), causal, o (B, N, H, D).
 
     SDPA and sagecupy's HND entry take (B, H, N, D) views of the same memory (no copy: both read strided
-    inputs); their output is then viewed back."""
+    inputs); their output is then viewed back. ``pack``: B = 1 and ``docs`` is ``(cu_seqlens, positions, max_seqlen,
+    mask)`` of the packed sequence (:func:`build_model`): causal within each document, SDPA through ``mask`` (the
+    block-diagonal causal mask), sagecupy through ``layout="THD"`` with the offsets."""
     import torch.nn.functional as F
 
+    if attn not in ATTNS:
+        raise ValueError(f"attn={attn!r} is not one of {', '.join(ATTNS)}")
+    if pack and attn == "sdpa":
+        def f(q, k, v, docs):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  attn_mask=docs[3]).transpose(1, 2)
+        return f
     if attn == "sdpa":
-        def f(q, k, v):
+        def f(q, k, v, docs=None):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                   is_causal=True).transpose(1, 2)
         return f
-    if attn != "sagecupy":
-        raise ValueError(f"attn={attn!r} is not one of {', '.join(ATTNS)}")
     import sagecupy.torch as st
 
+    if pack:
+        if entry != "op":
+            raise ValueError("--pack runs sagecupy through sage_attention (--entry op): the drop-in SDPA takes no "
+                             "document offsets")
+
+        def f(q, k, v, docs):
+            cu, _, longest, _ = docs
+            return st.sage_attention(q[0], k[0], v[0], layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                     max_seqlen_q=longest, max_seqlen_k=longest, causal=True)[None]
+        return f
     if entry == "dropin":
-        def f(q, k, v):
+        def f(q, k, v, docs=None):
             # fallback="error": a call the kernels would not compute raises instead of timing PyTorch's SDPA
             return st.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, fallback="error").transpose(1, 2)
         return f
     if layout == "NHD":
-        def f(q, k, v):
+        def f(q, k, v, docs=None):
             return st.sage_attention(q, k, v, causal=True, layout="NHD")
         return f
 
-    def f(q, k, v):
+    def f(q, k, v, docs=None):
         return st.sage_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                                  layout="HND").transpose(1, 2)
     return f
@@ -186,7 +322,7 @@ def build_model(cfg: RunConfig, attn, device="cpu"):
     import torch
     from torch import nn
 
-    att = attention_fn(attn, cfg.entry, cfg.layout)
+    att = attention_fn(attn, cfg.entry, cfg.layout, cfg.pack)
     width = cfg.heads * cfg.d_head
     resid_std = 0.02 / math.sqrt(2 * cfg.layers)  # residual branches scaled so the stream's variance stays put
 
@@ -202,14 +338,14 @@ def build_model(cfg: RunConfig, attn, device="cpu"):
             self.up = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False)
             self.down = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False)
 
-        def forward(self, x, cos, sin):
+        def forward(self, x, cos, sin, docs=None):
             B, N, _ = x.shape
             h = self.qkv(_rms(x, self.norm1))  # autocast runs the projection in bf16
             q, k, v = h.view(B, N, 3, cfg.heads, cfg.d_head).unbind(2)  # (B, N, H, D) views
             # QK-norm, then the rotation, in float32; the attention takes bf16 (v's dtype)
             q = _rope(_rms(q, self.q_norm), cos, sin).to(v.dtype)
             k = _rope(_rms(k, self.k_norm), cos, sin).to(v.dtype)
-            o = att(q, k, v)
+            o = att(q, k, v, docs)
             x = x + self.proj(o.reshape(B, N, width))
             h = self.up(_rms(x, self.norm2))
             return x + self.down(nn.functional.gelu(h, approximate="tanh"))
@@ -225,12 +361,18 @@ def build_model(cfg: RunConfig, attn, device="cpu"):
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
-        def forward(self, idx, targets):
+        def forward(self, idx, targets, docs=None):
+            """``docs``: None, or a packed sequence's ``(cu_seqlens, positions, max_seqlen)`` (``idx`` (1, N))."""
             N = idx.shape[1]
             x = self.emb(idx)
-            cos, sin = self.cos[:N], self.sin[:N]
+            if docs is None:
+                cos, sin = self.cos[:N], self.sin[:N]
+            else:  # positions restart at every document; the mask only where the attention takes one
+                cu, positions, longest = docs
+                cos, sin = self.cos[positions], self.sin[positions]
+                docs = (cu, positions, longest, block_causal_mask(cu, N) if attn == "sdpa" else None)
             for blk in self.blocks:
-                x = blk(x, cos, sin)
+                x = blk(x, cos, sin, docs)
             logits = self.head(_rms(x, self.norm))
             return nn.functional.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
 
@@ -280,53 +422,87 @@ def lr_factor(step, steps, warmup, min_ratio):
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _batches(train_bytes, cfg, device):
-    """The training data on ``device`` and a function giving step ``i``'s (inputs, targets): the window offsets are
-    drawn once from ``cfg.seed`` (the same batches, in the same order, for every attention)."""
+def _batches(train_bytes, cfg, device, starts=None):
+    """The training data on ``device`` and a function giving step ``i``'s (inputs, targets, docs): the window offsets
+    (or, with ``cfg.pack``, the packed sequences of :func:`pack_plan` over the documents beginning at ``starts``) are
+    drawn once from ``cfg.seed`` (the same batches, in the same order, for every attention) and put on the device
+    once, so that a step reads no host data. ``docs``: None, or the packed sequence's ``(cu_seqlens, positions,
+    max_seqlen)`` (``max_seqlen`` a host int, as FlashAttention takes it)."""
     import torch
 
     data = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).to(device)
+    if cfg.pack:
+        budget = cfg.batch * cfg.seq
+        plan = pack_plan(document_pieces(starts or [0], len(train_bytes), cfg.seq), budget, cfg.steps, cfg.seed + 1)
+        inputs, positions, cu = (torch.from_numpy(plan[n]).to(device) for n in ("inputs", "positions", "cu_seqlens"))
+        cu_index, longest = plan["cu_index"], plan["max_seqlen"]
+
+        def batch(i):
+            at = inputs[i * budget:(i + 1) * budget]
+            docs = (cu[cu_index[i]:cu_index[i + 1]], positions[i * budget:(i + 1) * budget].long(), longest[i])
+            return data[at][None].long(), data[at + 1][None].long(), docs
+
+        batch.documents_per_step = (len(plan["cu_seqlens"]) - cfg.steps) / cfg.steps
+        return batch
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     offsets = torch.randint(0, len(train_bytes) - cfg.seq, (cfg.steps, cfg.batch), generator=gen).to(device)
     span = torch.arange(cfg.seq + 1, device=device)
 
     def batch(i):
         tok = data[offsets[i][:, None] + span[None, :]].long()
-        return tok[:, :-1], tok[:, 1:]
+        return tok[:, :-1], tok[:, 1:], None
 
     return batch
 
 
-def evaluate(model, val_bytes, cfg, device, autocast):
-    """Mean next-byte loss over the first ``cfg.val_windows`` non-overlapping windows of the validation split."""
+def evaluate(model, val_bytes, cfg, device, autocast, starts=None):
+    """Mean next-byte loss over the first ``cfg.val_windows`` non-overlapping windows of the validation split; with
+    ``cfg.pack``, over as many packed sequences of ``cfg.seq`` pairs of its documents (beginning at ``starts``), taken
+    in order."""
     import torch
 
     data = torch.frombuffer(bytearray(val_bytes), dtype=torch.uint8).to(device)
-    starts = list(range(0, len(val_bytes) - cfg.seq, cfg.seq))[:cfg.val_windows]
-    span = torch.arange(cfg.seq + 1, device=device)
     total = torch.zeros((), dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad():
-        for i in range(0, len(starts), cfg.batch):
-            chunk = torch.tensor(starts[i:i + cfg.batch], device=device)
-            tok = data[chunk[:, None] + span[None, :]].long()
-            with autocast():
-                total += model(tok[:, :-1], tok[:, 1:]).double() * len(chunk)
+        if cfg.pack:
+            pieces = document_pieces(starts or [0], len(val_bytes), cfg.seq)
+            count = max(1, min(cfg.val_windows, sum(b - a - 1 for a, b in pieces) // cfg.seq))
+            plan = pack_plan(pieces, cfg.seq, count)
+            for i in range(count):
+                at = torch.from_numpy(plan["inputs"][i * cfg.seq:(i + 1) * cfg.seq]).to(device)
+                cu = torch.from_numpy(plan["cu_seqlens"][plan["cu_index"][i]:plan["cu_index"][i + 1]]).to(device)
+                pos = torch.from_numpy(plan["positions"][i * cfg.seq:(i + 1) * cfg.seq]).to(device).long()
+                with autocast():
+                    total += model(data[at][None].long(), data[at + 1][None].long(),
+                                   (cu, pos, plan["max_seqlen"][i])).double()
+        else:
+            windows = list(range(0, len(val_bytes) - cfg.seq, cfg.seq))[:cfg.val_windows]
+            count = len(windows)
+            span = torch.arange(cfg.seq + 1, device=device)
+            for i in range(0, len(windows), cfg.batch):
+                chunk = torch.tensor(windows[i:i + cfg.batch], device=device)
+                tok = data[chunk[:, None] + span[None, :]].long()
+                with autocast():
+                    total += model(tok[:, :-1], tok[:, 1:]).double() * len(chunk)
     model.train()
-    return (total / len(starts)).item()
+    return (total / count).item()
 
 
 def train(cfg: RunConfig, attn, *, device="cuda", data=None, log=print) -> dict:
     """Train one model; returns its record (JSON-ready): the curve, step times, tokens/s, final losses.
 
-    ``data``: (train bytes, validation bytes), else read from ``cfg.data``. ``device``: a PyTorch device (``"cpu"``
-    runs SDPA only, in bf16 autocast as on the GPU; for tests and trying options)."""
+    ``data``: (train bytes, validation bytes[, (train document starts, validation document starts)]), else read from
+    ``cfg.data`` (:func:`load_data`); without the starts, ``cfg.pack`` takes each part as one document (cut into
+    pieces of ``cfg.seq`` pairs). ``device``: a PyTorch device (``"cpu"`` runs SDPA only, in bf16 autocast as on the
+    GPU; for tests and trying options)."""
     import torch
 
     device = torch.device(device)
     if data is None:
-        data = split_bytes(load_bytes(cfg.data or default_data_dir()), cfg.val_fraction, cfg.seq)
-    train_bytes, val_bytes = data
+        data = load_data(cfg.data or default_data_dir(), cfg.val_fraction, cfg.seq)
+    train_bytes, val_bytes, *doc_starts = data
+    train_starts, val_starts = doc_starts[0] if doc_starts else ([0], [0])
     if cfg.compile:
         torch._dynamo.reset()  # each run compiles its own model from scratch
     model = build_model(cfg, attn, device)
@@ -343,15 +519,15 @@ def train(cfg: RunConfig, attn, *, device="cuda", data=None, log=print) -> dict:
     def autocast():
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
-    batch = _batches(train_bytes, cfg, device)
+    batch = _batches(train_bytes, cfg, device, train_starts)
     clock = _Clock(device)
     tokens_per_step = cfg.batch * cfg.seq
     losses, lrs, marks = [], [], [clock.mark()]
     last_log = 0
     for step in range(cfg.steps):
-        x, y = batch(step)
+        x, y, docs = batch(step)
         with autocast():
-            loss = step_model(x, y)
+            loss = step_model(x, y, docs)
         loss.backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -371,10 +547,11 @@ def train(cfg: RunConfig, attn, *, device="cuda", data=None, log=print) -> dict:
     timed_from = min(cfg.timing_warmup, cfg.steps - 1)
     timed_ms = sum(step_ms[timed_from:])
     curve = torch.stack(losses).float().cpu().tolist()
-    val_loss = evaluate(model, val_bytes, cfg, device, autocast)
+    val_loss = evaluate(model, val_bytes, cfg, device, autocast, val_starts)
     window = curve[-min(cfg.final_window, len(curve)):]
     record = dict(attn=attn, entry=cfg.entry if attn == "sagecupy" else None,
-                  layout=cfg.layout if attn == "sagecupy" and cfg.entry == "op" else None,
+                  layout=("THD" if cfg.pack else cfg.layout) if attn == "sagecupy" and cfg.entry == "op" else None,
+                  pack=cfg.pack, documents_per_step=getattr(batch, "documents_per_step", None),
                   compiled=cfg.compile, steps=cfg.steps, tokens_per_step=tokens_per_step,
                   timed_steps=cfg.steps - timed_from,
                   tokens_per_s=tokens_per_step * (cfg.steps - timed_from) / (timed_ms / 1e3) if timed_ms > 0 else None,
@@ -496,6 +673,11 @@ def build_parser():
     ap.add_argument("--layout", choices=LAYOUTS, default=d.layout,
                     help="layout sage_attention is called with (--entry op): HND takes (B, H, N, D) views, NHD "
                          "the (B, N, H, D) projections as they are")
+    ap.add_argument("--pack", action="store_true",
+                    help="document masking: each step is one packed sequence of --batch x --seq tokens made of whole "
+                         "documents (the corpus's files, cut into pieces of at most --seq), positions restarting "
+                         "and attention causal within each document; sdpa with a block-diagonal causal mask, "
+                         "sagecupy with layout='THD' and cu_seqlens (--entry op)")
     ap.add_argument("--preset", choices=tuple(PRESETS), default="default",
                     help="model shape: default " + " ".join(f"--{k.replace('_', '-')} {v}"
                                                             for k, v in PRESETS["default"].items())
@@ -544,7 +726,7 @@ def config_from_args(a) -> RunConfig:
     shape.update({k: getattr(a, k) for k in shape if getattr(a, k) is not None})
     return RunConfig(**shape, mlp_ratio=a.mlp_ratio, steps=a.steps, lr=a.lr, min_lr_ratio=a.min_lr_ratio,
                      warmup_steps=a.warmup_steps, weight_decay=a.weight_decay, grad_clip=a.grad_clip, seed=a.seed,
-                     compile=a.compile, entry=a.entry, layout=a.layout, timing_warmup=a.timing_warmup,
+                     compile=a.compile, entry=a.entry, layout=a.layout, pack=a.pack, timing_warmup=a.timing_warmup,
                      log_every=a.log_every, val_windows=a.val_windows, val_fraction=a.val_fraction,
                      final_window=a.final_window, data=a.data or "")
 
@@ -593,16 +775,20 @@ def main(argv=None):
         ap.error(f"--d-head {cfg.d_head}: sagecupy's kernels take head dimensions 64 and 128")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         ap.error(f"--min-lr-ratio {cfg.min_lr_ratio} is not between 0 and 1")
+    if cfg.pack and "sagecupy" in attns and cfg.entry != "op":
+        ap.error("--pack runs sagecupy through sage_attention (--entry op): the drop-in SDPA takes no document "
+                 "offsets")
     _importable_sagecupy()
     _check_machine(ap, attns)
     cfg.data = str(cfg.data or default_data_dir())  # the record names the corpus it was trained on
     try:
-        data = split_bytes(load_bytes(cfg.data), cfg.val_fraction, cfg.seq)
+        data = load_data(cfg.data, cfg.val_fraction, cfg.seq)
     except (OSError, ValueError) as exc:
         _fail(ap, str(exc))
     print(f"data: {len(data[0]):,} train bytes, {len(data[1]):,} validation bytes from {cfg.data}; "
           f"model: {cfg.layers} x (d_model {cfg.d_model}, {cfg.heads} heads x {cfg.d_head}), seq {cfg.seq}, "
-          f"batch {cfg.batch}", flush=True)
+          f"batch {cfg.batch}" + (f", packed documents ({cfg.batch * cfg.seq} tokens per step)" if cfg.pack else ""),
+          flush=True)
     runs = []
     for attn in attns:
         runs.append(train(cfg, attn, device="cuda", data=data))

@@ -1,6 +1,8 @@
 """examples/train_gpt.py without a GPU: its command line (every option described, presets, refusals), the one-line
-errors of a machine that cannot run it, the data split, the --compare summary, and (where PyTorch is importable) a
-two-step training run of the model on the CPU with SDPA."""
+errors of a machine that cannot run it, the data split, the --compare summary, --pack's documents and packed
+sequences (boundaries, positions, no next-byte pair lost), and (where PyTorch is importable) two-step training runs of
+the model on the CPU with SDPA, dense and packed (the block-diagonal causal mask against per-document calls; the
+sagecupy path's sage_attention call, with a stand-in)."""
 import importlib.util
 import json
 import math
@@ -258,3 +260,148 @@ def test_unusable_data_is_one_line(tg, capsys, monkeypatch, tmp_path):
     (tmp_path / "a.py").write_bytes(b"x = 1\n" * 100)
     line = _one_error_line(tg, capsys, ["--attn", "sdpa", "--data", str(tmp_path)])
     assert "fewer than --seq 8192 + 1" in line
+
+
+# -- --pack: document masking ---------------------------------------------------------------------------------------
+def _corpus(tmp_path):
+    """Four documents: a long one, a one-byte one (no next-byte pair), two short ones."""
+    docs = {"a.py": bytes(range(40, 40 + 70)), "b.py": b"Z", "c.py": b"x = 1\n" * 3, "d.py": b"def f():\n    pass\n"}
+    for name, text in docs.items():
+        (tmp_path / name).write_bytes(text)
+    return [docs[n] for n in sorted(docs)]
+
+
+def test_documents_and_their_split(tg, tmp_path):
+    docs = _corpus(tmp_path)
+    assert tg.load_documents(tmp_path) == docs and tg.load_bytes(tmp_path) == b"".join(docs)
+    starts = tg.document_starts(docs)
+    assert starts == [0, 70, 71, 89]
+    assert tg.split_starts(starts, 80) == ([0, 70, 71], [0, 9])  # c.py is cut: its tail starts the validation part
+    assert tg.split_starts(starts, 89) == ([0, 70, 71], [0])
+    train, val, (ts, vs) = tg.load_data(tmp_path, 0.2, 8)
+    assert train + val == b"".join(docs) and len(train) == 85 and (ts, vs) == ([0, 70, 71], [0, 4])
+
+
+def test_document_pieces_lose_no_pair(tg):
+    """A document of n bytes is n - 1 next-byte pairs; a long one is cut into pieces of at most seq pairs sharing
+    their boundary byte; a one-byte document has none."""
+    pieces = tg.document_pieces([0, 70, 71, 89], 107, 16)
+    assert pieces[:5] == [(0, 17), (16, 33), (32, 49), (48, 65), (64, 70)] and (70, 71) not in pieces
+    assert pieces[5:] == [(71, 88), (87, 89), (89, 106), (105, 107)]
+    pairs = [p for a, b in pieces for p in range(a, b - 1)]
+    assert sorted(pairs) == [p for p in range(106) if p not in (69, 70, 88)]  # no pair crosses a document boundary
+    assert max(b - a - 1 for a, b in pieces) == 16
+
+
+@pytest.mark.parametrize("budget,steps", [(32, 3), (101, 1), (7, 40)])
+def test_pack_plan_boundaries_positions_and_no_pair_lost(tg, budget, steps):
+    import numpy as np
+
+    pieces = tg.document_pieces([0, 70, 71, 89], 107, 16)
+    plan = tg.pack_plan(pieces, budget, steps, seed=3)
+    inputs, positions, cu, index = plan["inputs"], plan["positions"], plan["cu_seqlens"], plan["cu_index"]
+    assert inputs.shape == positions.shape == (budget * steps,) and len(index) == steps + 1
+    # the stream: the pieces' pairs in a drawn order, every pair of an epoch once
+    total = sum(b - a - 1 for a, b in pieces)
+    epoch = inputs[:min(total, budget * steps)]
+    assert len(set(epoch.tolist())) == epoch.size
+    if budget * steps >= total:
+        assert sorted(epoch.tolist()) == sorted(p for a, b in pieces for p in range(a, b - 1))
+    starts = {a for a, _ in pieces}
+    for i in range(steps):
+        c = cu[index[i]:index[i + 1]]
+        assert c.dtype == np.int32 and c[0] == 0 and c[-1] == budget and np.all(np.diff(c) > 0)
+        assert plan["max_seqlen"][i] == int(np.diff(c).max()) <= 16
+        x, pos = inputs[i * budget:(i + 1) * budget], positions[i * budget:(i + 1) * budget]
+        for s in range(len(c) - 1):
+            a, b = c[s], c[s + 1]
+            assert np.array_equal(pos[a:b], np.arange(b - a)), (i, s)  # positions restart at every document
+            assert np.all(np.diff(x[a:b]) == 1), (i, s)  # a document is consecutive bytes
+            if s > 0:
+                assert x[a] in starts, (i, s)  # inside a sequence, a document begins where a piece does
+    # a document a cut splits continues in the next sequence, as a new document
+    for i in range(1, steps):
+        prev, first = inputs[i * budget - 1], inputs[i * budget]
+        if first not in starts:
+            assert first == prev + 1 and positions[i * budget] == 0
+    again = tg.pack_plan(pieces, budget, steps, seed=3)
+    assert np.array_equal(again["inputs"], inputs) and np.array_equal(again["cu_seqlens"], cu)
+    if steps * budget > 32:
+        assert not np.array_equal(tg.pack_plan(pieces, budget, steps, seed=4)["inputs"], inputs)
+    ordered = tg.pack_plan(pieces, 15, 2)  # no seed: the pieces in order (validation)
+    assert ordered["inputs"].tolist() == list(range(30))  # pieces of a document share their boundary byte
+    assert ordered["positions"][[14, 15, 16]].tolist() == [14, 0, 0]  # a cut, then the next piece
+    assert ordered["cu_seqlens"].tolist() == [0, 15, 0, 1, 15]
+
+
+def test_pack_refuses_the_dropin_and_is_parsed(tg, capsys):
+    cfg = tg.config_from_args(tg.build_parser().parse_args(["--pack", "--preset", "small"]))
+    assert cfg.pack and not tg.RunConfig().pack
+    with pytest.raises(SystemExit) as exc:
+        tg.main(["--pack", "--entry", "dropin"])
+    assert exc.value.code == 2 and "--pack runs sagecupy through sage_attention" in capsys.readouterr().err
+
+
+def test_block_causal_mask_is_per_document_sdpa(tg):
+    torch = pytest.importorskip("torch")
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    mask = tg.block_causal_mask(cu, 9)
+    doc = [0, 0, 0, 1, 2, 2, 2, 2, 2]
+    assert mask.tolist() == [[doc[i] == doc[j] and j <= i for j in range(9)] for i in range(9)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 2, 16, generator=g) for _ in range(3))
+    docs = (cu, None, 5, mask)
+    got = tg.attention_fn("sdpa", pack=True)(q, k, v, docs)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want = tg.attention_fn("sdpa")(q[:, a:b], k[:, a:b], v[:, a:b])
+        assert torch.allclose(got[:, a:b], want, atol=1e-6), (a, b)
+
+
+def _pack_run(tg, attn, **kw):
+    cfg = _tiny(tg, pack=True, **kw)
+    data = tg.load_data(tg.default_data_dir(), cfg.val_fraction, cfg.seq)
+    return cfg, tg.train(cfg, attn, device="cpu", data=data, log=None)
+
+
+def test_two_cpu_steps_packed_with_sdpa(tg):
+    pytest.importorskip("torch")
+    cfg, rec = _pack_run(tg, "sdpa")
+    json.dumps(rec)
+    assert rec["pack"] and rec["tokens_per_step"] == cfg.batch * cfg.seq == 64 and rec["tokens_per_s"] > 0
+    assert rec["documents_per_step"] >= 2  # 64 tokens of documents of at most 32 pairs
+    assert all(math.isfinite(p["loss"]) for p in rec["curve"]) and math.isfinite(rec["val_loss"])
+    assert abs(rec["curve"][0]["loss"] - math.log(256)) < 0.5
+    _, again = _pack_run(tg, "sdpa")
+    assert [p["loss"] for p in again["curve"]] == [p["loss"] for p in rec["curve"]]
+
+
+def test_packed_sagecupy_calls_sage_attention_with_the_offsets(tg, monkeypatch):
+    """--attn sagecupy --pack hands sage_attention (T, H, D) views, layout='THD', the step's int32 offsets and its
+    longest document as a host int, causal; with a stand-in computing each document's causal SDPA, the run's losses
+    are the masked-SDPA run's."""
+    torch = pytest.importorskip("torch")
+    try:
+        import sagecupy.torch as st
+    except Exception as exc:
+        pytest.skip(f"sagecupy.torch not importable here: {exc}")
+    calls = []
+
+    def stand_in(q, k, v, *, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        calls.append((layout, tuple(q.shape), cu_seqlens_q.dtype, max_seqlen_q, causal))
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+        assert isinstance(max_seqlen_q, int) and max_seqlen_q == int(cu_seqlens_q.diff().max())
+        out = torch.empty_like(q)
+        for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True).transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(st, "sage_attention", stand_in)
+    cfg, rec = _pack_run(tg, "sagecupy", d_head=64, heads=1, d_model=64)
+    assert rec["layout"] == "THD" and rec["pack"]
+    assert {c[0] for c in calls} == {"THD"} and {c[1] for c in calls} == {(64, 1, 64), (32, 1, 64)}  # train, val
+    assert {c[2] for c in calls} == {torch.int32} and all(c[4] is True for c in calls)
+    _, sdpa = _pack_run(tg, "sdpa", d_head=64, heads=1, d_model=64)
+    for a, b in zip(rec["curve"], sdpa["curve"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2)
+    assert rec["val_loss"] == pytest.approx(sdpa["val_loss"], rel=1e-2)
