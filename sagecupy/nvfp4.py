@@ -20,10 +20,17 @@ subnormal scales, zero blocks (scale 0, codes +0) and blocks holding NaN/Inf (sc
 The forward's kernels, per engine (:func:`fp4_engine`) and head dim: mma.sync ``nvfp4_attn_fwd`` (8 warps); wgmma
 at D=64 ``nvfp4_attn_fwd_sm90`` (4 warps); wgmma at D=128 the warp-specialized ``nvfp4_attn_fwd_ws_img`` (one
 producer warpgroup, :data:`WS_CONSUMERS` consumer warpgroups) on K/V stage images (:func:`ws_img_bytes`), with
-the tail split (:func:`_tail_split`) on non-causal calls with two-level P. The variants measured no better
+the tail split (:func:`_tail_split`) on calls in the plain dispatch order with two-level P. The variants measured no
+better
 (other CTA sizes, two consumers, a persistent kernel, Q quantized in the kernel, a producer that dequantizes every
 tile, fused or pipelined pre-passes) are gone from the tree (git history keeps them; docs/experiments.md records
 their numbers).
+
+``window=(left, right)`` (docs/algorithms.md §1.8; -1: unbounded): row ``i`` sees key ``j`` iff
+``i + Nk - Nq - left <= j <= i + Nk - Nq + right``; ``causal=True`` is ``window=(-1, 0)``. The kernels visit only the
+64-key tiles inside the window (:func:`kernel_window`: the two ints they take); K's smoothing mean and V's 16-token
+blocks stay those of all the keys, as in the simulator (``sagecupy.reference.nvfp4.forward``). A row that sees no
+key gives ``O = 0`` and ``LSE = -inf``.
 """
 from __future__ import annotations
 
@@ -60,8 +67,32 @@ FP4_CAUSAL_GROUP = 16
 
 def fp4_causal_group(causal: bool) -> int:
     """The dispatch group (CG template argument) of a wgmma FP4 forward launch: :data:`FP4_CAUSAL_GROUP` with the
-    causal mask, else 1 (the plain order)."""
+    causal work shape (:func:`causal_shape`), else 1 (the plain order)."""
     return FP4_CAUSAL_GROUP if causal else 1
+
+
+def kernel_window(p) -> tuple:
+    """``(left, right)`` as the FP4 kernels take them (kernels_cu/common/rows.cuh ``Window``; -1: unbounded) for
+    problem ``p`` (a :class:`sagecupy._checks.Problem`): its window or causal's ``(-1, 0)``, as
+    :func:`sagecupy.int8.kernel_window`, with every side that bounds no row passed as -1: ``left >= Nk - 1`` (row
+    ``Nq - 1`` sees key 0) and ``right >= Nq - 1`` (row 0 sees key ``Nk - 1``; a right edge of 0, causal's, is kept:
+    with Nq = 1 it hides nothing either, and causal calls keep their launch). The launch's dispatch order and tail
+    split follow the window's shape (:func:`causal_shape`), so a window that hides nothing must launch as full or
+    causal attention to give their results bit for bit; the index sums stay within 32 bits."""
+    left, right = p.bounds
+    return (-1 if left >= p.nk - 1 else left, -1 if right >= max(p.nq - 1, 1) else right)
+
+
+def causal_shape(window: tuple) -> bool:
+    """Whether kernel window ``(left, right)`` has the causal work shape (rows further down see more keys: an unbounded
+    left edge and a bounded right one; kernels_cu/common/rows.cuh ``Window::causal_shape``): such grids run their
+    heavy blocks first (:func:`fp4_causal_group`) and keep whole items (no tail split)."""
+    return window[0] < 0 and window[1] >= 0
+
+
+def _window_key(window):
+    """``window`` in a plan's key, with the type of each side (``(5.0, 0)`` hashes as ``(5, 0)`` but is refused)."""
+    return window if window is None else (type(window), tuple((type(x), x) for x in window))
 
 
 def causal_group_suffix(cg: int) -> str:
@@ -139,18 +170,23 @@ def _zero_ints(counters):
     return ()
 
 
-def _split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level):
+def _split_setup(prog, engine, D, B, Hq, nq, nk, window, two_level):
     """Record the tail split's scratch (the parts' partials, and their counters, zeroed first in the call) where it
-    applies (non-causal calls with two-level P where the warp-specialized kernel runs; with single-level P the parts
-    would quantize P against another running max) and :func:`_tail_split` splits; returns ``(whole, nsplit, nblk,
-    part_ws, counters)`` for :func:`_record_launch`, else None."""
+    applies (kernel windows ``window`` without the causal work shape, :func:`causal_shape`, with two-level P where the
+    warp-specialized kernel runs; with single-level P the parts would quantize P against another running max) and
+    :func:`_tail_split` splits; returns ``(whole, nsplit, nblk, part_ws, counters)`` for :func:`_record_launch`, else
+    None. A part takes its share of the key tiles its item's rows see; :func:`_tail_split` is given the most an item
+    sees (a window bounded on both sides: its rows' span of keys)."""
     import cupy
 
-    if not _splits(engine, D, causal, two_level):
+    if not _splits(engine, D, causal_shape(window), two_level):
         return None
     nc = fp4_ws(engine, D)  # (consumer warpgroups of 64 query rows)
     nblk = (nq + 64 * nc - 1) // (64 * nc)
-    plan = _tail_split(nblk * Hq * B, _sm_count(cupy.cuda.Device().id), (nk + _BKV - 1) // _BKV)
+    ntiles = (nk + _BKV - 1) // _BKV
+    if window[0] >= 0 and window[1] >= 0:  # keys q0 + shift - left .. q0 + 64 nc - 1 + shift + right: at most
+        ntiles = min(ntiles, (64 * nc + window[0] + window[1] + _BKV - 1) // _BKV + 1)
+    plan = _tail_split(nblk * Hq * B, _sm_count(cupy.cuda.Device().id), ntiles)
     if plan is None:
         return None
     whole, nsplit = plan
@@ -265,7 +301,8 @@ def quant_function(kind, T):
 def _attn_kernel(T: str, D: int, engine: str, two_level: bool, causal: bool, split: bool = False) -> tuple:
     """(source, instance) of the NVFP4 attention kernel for a call on ``engine`` (resolved): mma.sync
     (:data:`MMA_WARPS`), wgmma at D=64 (:data:`WGMMA_D64_WARPS`, the causal dispatch group), or the warp-specialized
-    kernel where :func:`fp4_ws` says (``split``: its tail-splitting grid)."""
+    kernel where :func:`fp4_ws` says (``split``: its tail-splitting grid). ``causal``: the kernel window's causal work
+    shape (:func:`causal_shape`)."""
     tl = "true" if two_level else "false"
     if engine != "wgmma":
         return _FWD_SRC, f"nvfp4_attn_fwd<{T}, {D}, {fp4_warps(engine, D)}, {tl}>"
@@ -276,14 +313,15 @@ def _attn_kernel(T: str, D: int, engine: str, two_level: bool, causal: bool, spl
 
 
 def _splits(engine: str, D: int, causal: bool, two_level: bool) -> bool:
-    """Whether the tail split may apply: non-causal calls with two-level P where the warp-specialized kernel runs
-    (with single-level P the parts would quantize P against another running max)."""
+    """Whether the tail split may apply: calls without the causal work shape (``causal``: :func:`causal_shape` of
+    the kernel window) with two-level P where the warp-specialized kernel runs (with single-level P the parts would
+    quantize P against another running max)."""
     return not causal and two_level and fp4_ws(engine, D) > 0
 
 
 def kernel_requests(dtype: str, D: int, engine: str) -> list:
     """What this family's calls on ``dtype`` inputs of head dim ``D`` pass to get_function on ``engine`` (``"mma"``
-    or ``"wgmma"``), under every config and mask: ``(source, instance, all_names, arch)`` tuples, K's mean (the INT8
+    or ``"wgmma"``), under every config, mask and window: ``(source, instance, all_names, arch)`` tuples, K's mean (the INT8
     pre-pass's column kernels) included (:func:`sagecupy.warmup` compiles their modules)."""
     from .int8 import quant_requests
 
@@ -493,12 +531,14 @@ def check_fwd_smem(D: int, engine: str = "mma", qat: bool = False) -> None:
                          f"shared memory per block; this device allows {have}")
 
 
-def validated_problem(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine=None, qat=False):
+def validated_problem(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config, engine=None, qat=False,
+                      window=None):
     """The checks of both FP4 families' entry points (:func:`attention`, :func:`sagecupy.qat.forward` with
     ``qat=True``), raising the first failure: ``(q, k, v, problem, config)`` with q, k, v as CuPy arrays.
-    ``engine``: the caller's ``engine`` argument (validated and resolved by :func:`fp4_engine`)."""
+    ``engine``: the caller's ``engine`` argument (validated and resolved by :func:`fp4_engine`); ``window``: None or
+    ``(left, right)``, validated with the reference's ``resolve_window`` (ValueError naming it), kept in the problem."""
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+    p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
     cfg = get_config(config)
     why = unsupported_config(cfg)
     if why:
@@ -509,11 +549,11 @@ def validated_problem(q, k, v, causal, sm_scale, layout, config, get_config, uns
 
 
 def check_support(q, k, v, causal, sm_scale, layout, config, get_config, unsupported_config,
-                  engine=None, qat=False) -> tuple[bool, str]:
+                  engine=None, qat=False, window=None) -> tuple[bool, str]:
     """The ``is_supported`` of both FP4 families (this module's and :mod:`sagecupy.qat`'s): never raises."""
     try:
         q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout)
+        p = _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
         cfg = get_config(config)
         _check_device()
         check_fwd_smem(p.head_dim, fp4_engine(engine), qat)
@@ -524,10 +564,11 @@ def check_support(q, k, v, causal, sm_scale, layout, config, get_config, unsuppo
 
 
 def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None,
-                 engine=None) -> tuple[bool, str]:
-    """(True, "") if :func:`attention` accepts these arguments on the current device, else (False, why).
-    Never raises."""
-    return check_support(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
+                 engine=None, window=None) -> tuple[bool, str]:
+    """(True, "") if :func:`attention` accepts these arguments (``window`` included) on the current device, else
+    (False, why). Never raises."""
+    return check_support(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
+                         window=window)
 
 
 def _as_float32_hnd(x, layout):
@@ -567,10 +608,11 @@ def _pad_tokens64(codes, scales, n16):
     return c, sc
 
 
-def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, sm_scale, two_level, qmk, engine,
+def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, window, sm_scale, two_level, qmk, engine,
                    split=None, kv_img=None):
     """Record the attention kernel's launch on operands ``ops`` (Refs of the exchange-format arrays, V^T codes and
-    scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``: outputs
+    scales as (B, Hkv, D, N16/2) and (B, Hkv, D, N16/16)) and ``qmk`` (a Ref or None) into ``prog``, with kernel
+    window ``window`` (:func:`kernel_window`): outputs
     ``"o"`` (raw, in ``layout``) and ``"lse"``. Where the warp-specialized kernel runs (:func:`fp4_ws`) it reads K/V
     stage images: ``kv_img``, their Ref where the pre-pass wrote them from the raw K and V (``nvfp4_kv_images_raw``;
     ``ops`` then has no K and V), else ``nvfp4_kv_images`` writes them from the packed K and V first. ``split``:
@@ -588,6 +630,7 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     vc, vs = ops.get("v_packed"), ops.get("v_scales")
     img = kv_img
+    causal = causal_shape(window)
     assert split is None or _splits(engine, D, causal, two_level)
     fn = _kernel(*_attn_kernel(_T[dtype], D, engine, two_level, causal, split is not None))
     if engine == "wgmma":
@@ -619,7 +662,7 @@ def _record_launch(prog, ops, *, B, Hq, Hkv, nq, nk, D, dtype, layout, causal, s
         head = (ops["q_packed"], ops["q_scales"], ops["k_packed"], ops["k_scales"], *v_args, qmk)
     prog.launch(fn, grid, (128 * (ws + 1) if ws else 32 * w,),
                 (*head, o, i64(osb), i64(osh), i64(osn), lse, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(n16),
-                 f32(sm_scale * LOG2E), i32(int(causal)), *extra),
+                 f32(sm_scale * LOG2E), i32(window[0]), i32(window[1]), *extra),
                 shared_mem=smem, pdl=True)  # (every NVFP4 forward kernel calls grid_dep_wait() first)
 
 
@@ -629,41 +672,44 @@ _OPS = ("q_packed", "q_scales", "k_packed", "k_scales", "v_packed", "v_scales")
 _ATTN_PLANS = Plans()
 
 
-def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None):
+def attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None,
+              window=None):
     """NVFP4 attention forward (SageAttention3-style; docs/algorithms.md §5): ``o`` or ``(o, lse)``.
 
     q: ``(B, Hq, Nq, D)`` (``layout="HND"``) or ``(B, Nq, Hq, D)`` (``"NHD"``); k, v alike with Hkv, Nk;
     fp16 or bf16 (a CuPy array of ``ml_dtypes.bfloat16`` or a :class:`~sagecupy.adapters.bf16.BF16Array`; ``o``
-    takes q's form); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal``
-    bottom-right aligned. ``config``: :class:`~sagecupy.config.NVFP4Config` (default: two-level P, K-smoothing).
-    ``lse`` float32 ``(B, Hq, Nq)``, natural log, of the unsmoothed logits ``sm_scale * q k^T`` as the
-    kernel computes them (from the quantized operands). ``engine``: see :func:`fp4_engine`. Inputs are never
-    modified. The first call with a signature validates and records its launches (sagecupy/_program.py); later
-    ones replay them.
+    takes q's form); D 64 or 128; ``Hq % Hkv == 0``; any Nq, Nk; ``causal`` bottom-right aligned; ``window``: None
+    or ``(left, right)`` (module docstring; with ``causal=True`` right must be 0). ``config``:
+    :class:`~sagecupy.config.NVFP4Config` (default: two-level P, K-smoothing). ``lse`` float32 ``(B, Hq, Nq)``,
+    natural log, of the unsmoothed logits ``sm_scale * q k^T`` as the kernel computes them (from the quantized
+    operands). ``engine``: see :func:`fp4_engine`. Inputs are never modified. The first call with a signature
+    validates and records its launches (sagecupy/_program.py); later ones replay them.
     """
 
     q, k, v = (_checks.as_cupy(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     plan = _ATTN_PLANS.get_or_build(
         lambda: (signature(q), signature(k), signature(v), causal, type(causal), scale_key(sm_scale), type(sm_scale),
-                 layout, config, engine, env_key()),
-        lambda: _attention_plan(q, k, v, causal, sm_scale, layout, config, engine))
+                 layout, config, engine, _window_key(window), env_key()),
+        lambda: _attention_plan(q, k, v, causal, sm_scale, layout, config, engine, window))
     ns = plan.prog.run(_layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v))
     o = _checks.wrap(ns["o"], plan.p.dtype, q)
     return (o, ns["lse"]) if return_lse else o
 
 
-def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
+def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine, window=None):
     """Validate an :func:`attention` call and record its program: the pre-passes of :func:`quantize_inputs` (on
-    16-byte aligned rows: a misaligned input is copied per call), qmk = sm_scale * q . mu_K for the LSE, and the
-    kernel. Where the warp-specialized kernel runs (:func:`fp4_ws`), ``nvfp4_kv_images_raw`` writes the K/V stage
-    images from the raw K and V in place of K's and V's quantizers (the same bytes as ``nvfp4_kv_images`` on their
-    outputs)."""
+    16-byte aligned rows: a misaligned input is copied per call; all the keys, whatever the window), qmk = sm_scale *
+    q . mu_K for the LSE, and the kernel. Where the warp-specialized kernel runs (:func:`fp4_ws`),
+    ``nvfp4_kv_images_raw`` writes the K/V stage images from the raw K and V in place of K's and V's quantizers (the
+    same bytes as ``nvfp4_kv_images`` on their outputs)."""
     import cupy
 
     from .int8 import record_column_stat
 
-    q, k, v, p, cfg = validated_problem(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine)
+    q, k, v, p, cfg = validated_problem(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
+                                        window=window)
     engine = fp4_engine(engine)  # (validated inside, after the argument and device checks)
+    win = kernel_window(p)
     kvimg = fp4_ws(engine, p.head_dim) > 0
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T = _T[p.dtype]
@@ -671,7 +717,7 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     (qsb, qsh, qsn), (ksb, ksh, ksn), (vsb, vsh, vsn) = (_layout.run_strides(x, c, layout) for x, c in zip((q, k, v), copy))
     i32, i64, f32, u8 = cupy.int32, cupy.int64, cupy.float32, cupy.uint8
     prog = Program()
-    split = _split_setup(prog, engine, D, B, Hq, nq, nk, p.causal, cfg.two_level_p)
+    split = _split_setup(prog, engine, D, B, Hq, nq, nk, win, cfg.two_level_p)
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
     mu = None
     if cfg.k_smoothing:
@@ -717,13 +763,13 @@ def _attention_plan(q, k, v, causal, sm_scale, layout, config, engine):
     if qmk is not None and not fused:
         prog.launch(quant_function("row_mu_dot", T), ((nq + 7) // 8, Hq, B), (256,),
                     (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(D), mu, i32(Hq // Hkv), f32(p.sm_scale), qmk))
-    _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, causal=p.causal,
+    _record_launch(prog, ops, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=p.dtype, layout=layout, window=win,
                    sm_scale=p.sm_scale, two_level=cfg.two_level_p, qmk=qmk, engine=engine, split=split, kv_img=kv_img)
     return Plan(p, cfg, engine, copy, prog)
 
 
 def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND", out_dtype="float16",
-                     return_lse=False, two_level_p=True, lse_offset=None, engine=None):
+                     return_lse=False, two_level_p=True, lse_offset=None, engine=None, window=None):
     """The NVFP4 attention kernel on operands already in the exchange format (e.g. a quantized KV cache).
 
     ``packed``: a dict with ``"q_packed"`` uint8 ``(B, Hq, Nq, D/2)``, ``"q_scales"`` uint8 E4M3
@@ -734,7 +780,8 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     "bfloat16" (a CuPy bfloat16 array where CuPy has that dtype, else a
     :class:`~sagecupy.adapters.bf16.BF16Array`). ``sm_scale=None`` means ``1/sqrt(D)``. ``lse`` is the LSE of the
     logits of the packed operands; ``lse_offset`` (float32 ``(B, Hq, Nq)``, e.g. ``sm_scale * q . mu_K`` when K was
-    smoothed) is added to it. ``engine``: see :func:`fp4_engine`. Returns ``o`` or ``(o, lse)``.
+    smoothed) is added to it. ``engine``: see :func:`fp4_engine`; ``window``: as :func:`attention`'s. Returns ``o``
+    or ``(o, lse)``.
     """
     import cupy
 
@@ -751,6 +798,7 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     if type(causal).__name__ not in ("bool", "bool_") or type(two_level_p).__name__ not in ("bool", "bool_"):
         raise TypeError(f"causal and two_level_p must be bools, got {causal!r}, {two_level_p!r}")
     causal, two_level_p = bool(causal), bool(two_level_p)
+    window = _checks.check_window(window, causal)
     qp = _checks.as_cupy(packed["q_packed"], "packed['q_packed']")
     kp = _checks.as_cupy(packed["k_packed"], "packed['k_packed']")
     if len(qp.shape) != 4 or len(kp.shape) != 4:
@@ -783,19 +831,21 @@ def attention_packed(packed: dict, *, causal=False, sm_scale=None, layout="HND",
     _check_device()
     engine = fp4_engine(engine)
     check_fwd_smem(D, engine)
+    win = kernel_window(_checks.Problem(B, Hq, Hkv, nq, nk, D, out_dtype, layout, causal, sm_scale, window))
     prog = Program()
     _record_launch(prog, {n: Ref(n) for n in _OPS}, B=B, Hq=Hq, Hkv=Hkv, nq=nq, nk=nk, D=D, dtype=out_dtype,
-                   layout=layout, causal=causal, sm_scale=sm_scale, two_level=two_level_p,
+                   layout=layout, window=win, sm_scale=sm_scale, two_level=two_level_p,
                    qmk=None if lse_offset is None else Ref("qmk"), engine=engine,
-                   split=_split_setup(prog, engine, D, B, Hq, nq, nk, causal, two_level_p))
+                   split=_split_setup(prog, engine, D, B, Hq, nq, nk, win, two_level_p))
     ns = prog.run({**ops, "qmk": lse_offset})
     o = _checks.wrap(ns["o"], out_dtype)
     return (o, ns["lse"]) if return_lse else o
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
+            window=None):
     """:func:`attention` in the ``forward -> (o, residuals)`` shape the other families share (the NVFP4
     forward is inference-only: residuals is None). ``(o, lse, None)`` with ``return_lse``."""
     o, lse = attention(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, return_lse=True, config=config,
-                       engine=engine)
+                       engine=engine, window=window)
     return (o, lse, None) if return_lse else (o, None)

@@ -17,6 +17,12 @@ forward's quantization. All matmuls run on fp16 tensor cores with fp32 accumulat
 
 GPU support: ``QATConfig(two_level_p=True, block_kv=64)`` (the default). Single-level P quantizes the
 *normalized* P (reference), which a one-pass forward cannot know; it is reference-only.
+
+``window=(left, right)`` (docs/algorithms.md §1.8; -1: unbounded; ``causal=True`` is ``(-1, 0)``) masks ``S``: row
+``i`` sees key ``j`` iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``. The fake quantization (V's 16-token
+blocks along all the keys) and fq_P's 64-key tiles are unchanged, as in ``sagecupy.reference.qat``; the kernels visit
+only the tiles inside the window, and the residuals carry it to the backward. A row that sees no key gives ``O = 0``,
+``LSE = -inf`` and zero gradients.
 """
 from __future__ import annotations
 
@@ -25,8 +31,8 @@ from dataclasses import dataclass
 from . import _checks, _layout
 from ._loader import get_function
 from .config import QATConfig
-from .nvfp4 import (MMA_WARPS, causal_group_suffix, check_support, compile_list, fp4_causal_group, kernel_request,
-                    prepare_input, quant_function, validated_problem)
+from .nvfp4 import (MMA_WARPS, causal_group_suffix, causal_shape, check_support, compile_list, fp4_causal_group,
+                    kernel_request, kernel_window, prepare_input, quant_function, validated_problem)
 
 __all__ = ["forward", "backward", "qat_attention", "is_supported", "Residuals", "fake_quantize", "check_residuals"]
 
@@ -61,11 +67,11 @@ def _unsupported_config(cfg: QATConfig) -> str | None:
 
 
 def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None,
-                 engine=None) -> tuple[bool, str]:
-    """(True, "") if :func:`forward` accepts these arguments (``engine`` included) on the current device, else
-    (False, why). Never raises."""
+                 engine=None, window=None) -> tuple[bool, str]:
+    """(True, "") if :func:`forward` accepts these arguments (``engine`` and ``window`` included) on the current
+    device, else (False, why). Never raises."""
     return check_support(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
-                         qat=True)
+                         qat=True, window=window)
 
 
 def fake_quantize(x, *, layout="HND", along="channels", n_pad=None):
@@ -132,7 +138,8 @@ class Residuals:
 def _fwd_request(T, D, engine, causal):
     """get_function's arguments ``(source, instance, all_names, arch)`` for the forward kernel on ``engine``
     (resolved): mma.sync with :data:`~sagecupy.nvfp4.MMA_WARPS` warps (in the NVFP4 forward's source), or the wgmma
-    kernel with the causal dispatch group."""
+    kernel with the causal dispatch group (``causal``: the kernel window's causal work shape,
+    :func:`sagecupy.nvfp4.causal_shape`)."""
     if engine == "wgmma":
         return kernel_request("qat/qat_attn_fwd_sm90.cu",
                               f"qat_attn_fwd_sm90<{T}, {D}{causal_group_suffix(fp4_causal_group(causal))}>")
@@ -144,22 +151,25 @@ def _fwd_fn(T, D, engine, causal):
     return get_function(filename, name, all_names=all_names, arch=arch)
 
 
-def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None):
+def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, engine=None,
+            window=None):
     """QAT forward. Returns ``(o, residuals)`` (``(o, lse, residuals)`` with ``return_lse``).
 
     Arguments as :func:`sagecupy.int8.forward`: fp16 or bf16, D 64 or 128, GQA, both layouts, causal
-    bottom-right aligned, any N (bf16: CuPy arrays of ``ml_dtypes.bfloat16`` or BF16Arrays; ``o`` takes q's form, the
-    backward's gradients ``do``'s). ``o = fq_P(P) V~`` in q's dtype and layout; ``lse`` float32 (B, Hq, Nq)
-    natural log. Inputs are never modified. ``engine``: as :func:`sagecupy.nvfp4.fp4_engine` (``None`` or
-    ``"auto"``: wgmma on sm_90, mma.sync elsewhere).
+    bottom-right aligned, ``window`` None or ``(left, right)`` (module docstring; kept in the residuals), any N
+    (bf16: CuPy arrays of ``ml_dtypes.bfloat16`` or BF16Arrays; ``o`` takes q's form, the backward's gradients
+    ``do``'s). ``o = fq_P(P) V~`` in q's dtype and layout; ``lse`` float32 (B, Hq, Nq) natural log. Inputs are never
+    modified. ``engine``: as :func:`sagecupy.nvfp4.fp4_engine` (``None`` or ``"auto"``: wgmma on sm_90, mma.sync
+    elsewhere).
     """
     import cupy
 
     from .nvfp4 import fp4_engine, fwd_smem_bytes, qat_fwd_sm90_smem_bytes
 
     q, k, v, p, cfg = validated_problem(q, k, v, causal, sm_scale, layout, config, _get_config, _unsupported_config, engine,
-                                 qat=True)
+                                        qat=True, window=window)
     eng = fp4_engine(engine)
+    win = kernel_window(p)
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     nq_pad, nk_pad = _layout.roundup(nq, _BQ_PAD), _layout.roundup(nk, _BKV)
     # fp16 operands for the forward kernel; for bf16 inputs the same values as bf16 in the same passes, kept for
@@ -173,7 +183,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     lse = cupy.empty((B, Hq, nq), dtype=cupy.float32)
     lse2 = cupy.empty((B, Hq, nq_pad), dtype=cupy.float32)
     o_prime = cupy.empty((B, Hq, nq_pad, D), dtype=cupy.float32)
-    fn = _fwd_fn(_T[p.dtype], D, eng, p.causal)
+    fn = _fwd_fn(_T[p.dtype], D, eng, causal_shape(win))
     if eng == "wgmma":  # (two warpgroups: 128 query rows)
         smem, w = qat_fwd_sm90_smem_bytes(D), 8
     else:
@@ -184,23 +194,26 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
     fn((nq_pad // (16 * w), Hq, B), (32 * w,),
        (q_t, k_t, vt_t, o, i64(osb), i64(osh), i64(osn), lse, lse2, o_prime,
-        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * LOG2E), i32(int(p.causal))),
+        i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * LOG2E), i32(win[0]),
+        i32(win[1])),
        shared_mem=smem)
     res = Residuals(p, cfg, q_b, k_b, vt_b, o_prime, lse2) if bf else Residuals(p, cfg, q_t, k_t, vt_t, o_prime, lse2)
     o = _checks.wrap(o, p.dtype, q)
     return (o, lse, res) if return_lse else (o, res)
 
 
-def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None):
+def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return_lse=False, config=None, engine=None,
+                  window=None):
     """The QAT forward alone (``o`` or ``(o, lse)``), e.g. to evaluate a QAT-trained model."""
     out = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, return_lse=True,
-                  engine=engine)
+                  engine=engine, window=window)
     return (out[0], out[1]) if return_lse else out[0]
 
 
 def backward(residuals: Residuals, do, *, engine=None):
-    """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype. ``residuals`` are checked against the
-    problem they claim (:func:`check_residuals`) before any launch.
+    """QAT backward: ``(dq, dk, dv)`` in the forward's layout and dtype, over the forward's window (the residuals'
+    ``problem.window``). ``residuals`` are checked against the problem they claim (:func:`check_residuals`) before any
+    launch.
 
     ``engine``: ``None`` or ``"auto"`` (the default: wgmma on sm_90, mma.sync elsewhere), ``"mma"`` or
     ``"wgmma"`` (see :func:`backward_engine`)."""
@@ -226,7 +239,7 @@ def kernel_names() -> dict:
 
 def kernel_requests(dtype: str, D: int, engine: str) -> list:
     """What this family's calls on ``dtype`` inputs of head dim ``D`` pass to get_function on ``engine`` (``"mma"``
-    or ``"wgmma"``), causal or not, forward and backward: ``(source, instance, all_names, arch)`` tuples
+    or ``"wgmma"``), causal or not (any window), forward and backward: ``(source, instance, all_names, arch)`` tuples
     (:func:`sagecupy.warmup` compiles their modules). The fake quantizers and delta are in the NVFP4 quantizers'
     module."""
     T = _T[dtype]
@@ -363,6 +376,7 @@ def _bwd_launch(res, ops, eng, like=None):
     B, Hq, Hkv, nq, nk, D = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim
     nq_pad, nk_pad = res.q_t.shape[2], res.k_t.shape[2]
     T = _T[p.dtype]
+    win = tuple(cupy.int32(w) for w in kernel_window(p))
     dsb, dsh, dsn = _layout.strides(do, p.layout)
     dk = _layout.empty((B, Hkv, nk, D), p.layout, p.dtype)
     dv = _layout.empty((B, Hkv, nk, D), p.layout, p.dtype)
@@ -380,7 +394,7 @@ def _bwd_launch(res, ops, eng, like=None):
        (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta,
         dk, i64(ksb), i64(ksh), i64(ksn), dv, i64(vvb), i64(vvh), i64(vvn),
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
-        i32(int(p.causal))),
+        *win),
        shared_mem=smem_kv)
     dq = _layout.empty((B, Hq, nq, D), p.layout, p.dtype)
     qsb, qsh, qsn = _layout.strides(dq, p.layout)
@@ -390,6 +404,6 @@ def _bwd_launch(res, ops, eng, like=None):
     fq((nq_pad // 64, Hq, B), (128,),
        (q_t, k_t, v_n, do, i64(dsb), i64(dsh), i64(dsn), res.lse2, delta, dq, i64(qsb), i64(qsh), i64(qsn),
         i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale * log2e), f32(p.sm_scale),
-        i32(int(p.causal))),
+        *win),
        shared_mem=smem_q)
     return tuple(_checks.wrap(x, p.dtype, like) for x in (dq, dk, dv))

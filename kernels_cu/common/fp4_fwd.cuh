@@ -6,6 +6,7 @@
 #pragma once
 #include "common/fp4.cuh"
 #include "common/numeric.cuh"
+#include "common/rows.cuh"
 
 namespace sage {
 
@@ -59,7 +60,10 @@ __device__ __forceinline__ unsigned fp4_p_pair(float q0, float q1, __half2 s2, _
 __host__ __device__ constexpr int FP4_TBLK_KEY(int c) { return 16 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1); }
 
 // One 16 x 64 tile of raw logits s (fp32 products of the dequantized operands, accumulator layout: s[nt][e]
-// is row r_lo + 8 (e >> 1), key tile * 64 + 8 nt + 2 t4 + (e & 1)): mask (in place), online max (the raw
+// is row r_lo + 8 (e >> 1), key tile * 64 + 8 nt + 2 t4 + (e & 1)): mask (in place; need_mask: the keys outside
+// window w of each row, shift = nk - nq, keys >= nk; their bounds, common/rows.cuh Window::keys, are computed once per
+// row and tile, from registers the kernel holds anyway, so that a masked element costs two compares and a select, not
+// a test of each window edge, and no register is held across the loop for them), online max (the raw
 // products' max: scale_log2 > 0 commutes with it; the scale is applied inside the exponent, one FFMA per
 // element), x, the row sums, and the NVFP4 P^ as fp16 A operands pa[kk] (keys 16 kk .. 16 kk + 15: one
 // 16-block per k16 step), dequantized exactly. QAT: also the fp16 A operands pp of P~ = beta * x.
@@ -71,18 +75,27 @@ __host__ __device__ constexpr int FP4_TBLK_KEY(int c) { return 16 * ((c & 7) >> 
 template <bool TWO_LEVEL, bool QAT, bool FRAME = false, bool TBLK = false>
 __device__ __forceinline__ Fp4TileScale fp4_softmax_tile(float (&s)[8][4], Fp4Rows& rs, unsigned (&pa)[4][4],
                                                          unsigned (&pp)[QAT ? 4 : 1][4], int tile, bool need_mask,
-                                                         bool causal, int r_lo, int t4, int nk, int shift,
+                                                         Window w, int r_lo, int t4, int nk, int shift,
                                                          float scale_log2) {
   constexpr float LOG2_X_MAX = 11.392317422778761f;  // log2(2688), 2688 = 448 * 6
   static_assert(!TBLK || !QAT, "thread-owned blocks: NVFP4 only");
   if (need_mask) {
+    // Element (nt, e) is key k0 + c with c = 8 nt + (e & 1) (TBLK: 2 nt + (e & 1)), a constant after unrolling: the
+    // rows' bounds are taken relative to k0, and each element compares c with them.
+    const int k0 = tile * 64 + (TBLK ? 16 * t4 : 2 * t4);
+    int lo[2], hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int2 kr = w.keys(r_lo + 8 * r, shift, nk);
+      lo[r] = kr.x - k0;
+      hi[r] = kr.y - k0;
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int key = tile * 64 + (TBLK ? 16 * t4 + 2 * nt : nt * 8 + 2 * t4);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int kk = key + (e & 1), row = r_lo + 8 * (e >> 1);
-        if (kk >= nk || (causal && kk > row + shift)) s[nt][e] = -INFINITY;
+        const int c = (TBLK ? 2 * nt : 8 * nt) + (e & 1);
+        if ((c < lo[e >> 1]) | (c > hi[e >> 1])) s[nt][e] = -INFINITY;
       }
     }
   }

@@ -27,11 +27,14 @@
 //
 // Outputs: O in T with caller strides; lse (BHq, nq) natural-log LSE of the unsmoothed logits (adds
 // qmk = sm_scale * q . mu_K when given); lse2 (BHq, nq_pad) base-2 LSE of the logits computed (+inf for
-// rows that see no key); QAT: oprime (BHq, nq_pad, D) fp32. Causal masks are bottom-right aligned.
+// rows that see no key); QAT: oprime (BHq, nq_pad, D) fp32. The mask is a window (left, right) (common/rows.cuh
+// Window; causal is (-1, 0), full attention (-1, -1)), bottom-right aligned: a CTA visits only the key tiles its rows
+// see (key_range) and masks those that cross an edge of the window or hold the partial tail.
 #include "common/fp4.cuh"
 #include "common/fp4_fwd.cuh"
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
+#include "common/rows.cuh"
 #include "common/tile.cuh"
 
 using namespace sage;
@@ -81,14 +84,15 @@ __device__ __forceinline__ UnitScales<NU> stage_k_packed(char* stg, const unsign
   return sc;
 }
 
-// V^T tile `tile` (units: channel x 16-token block), zero beyond n16.
+// V^T tile `tile` (units: channel x 16-token block; rows of n16 tokens), zero beyond token `toks` (n16 counted from
+// the first token of vc's rows).
 template <int D, int THREADS, int NU>
 __device__ __forceinline__ UnitScales<NU> stage_v_packed(char* stg, const unsigned char* vc, const unsigned char* vs,
-                                                         int tile, int n16, int tid) {
+                                                         int tile, int n16, int toks, int tid) {
   UnitScales<NU> sc;
   const unsigned char* vct = vc + tile * (BKV / 2);
   const unsigned char* vst = vs + tile * (BKV / 16);
-  const int toks_left = n16 - tile * BKV;
+  const int toks_left = toks - tile * BKV;
 #pragma unroll
   for (int j = 0; j < NU; ++j) {
     const int u = tid + j * THREADS, ch = u / 4, tb = u % 4;
@@ -122,11 +126,12 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
     const __half* __restrict__ q16, const __half* __restrict__ k16, const __half* __restrict__ vt16,
     const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
     float* __restrict__ lse, float* __restrict__ lse2, float* __restrict__ oprime,
-    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, int n16, float scale_log2, int causal) {
+    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, int n16, float scale_log2, int left, int right) {
   using S = Fp4FwdShape<D, WARPS>;
   constexpr int BQ = S::BQ, THREADS = S::THREADS, ROWB = S::ROWB;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
-  const bool CAUSAL = causal != 0;
+  static_assert(BKV == KEY_TILE, "key tiles of 64");
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);  // stays a shared-memory pointer (LDS/STS)
   char* sQ = smem;
@@ -134,19 +139,17 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
   char* sV = sK + 2 * S::K_BYTES;      // 2 stages
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int nblk = gridDim.x;
-  const int qblk = CAUSAL ? (nblk - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
+  const int qblk = win.causal_shape() ? (nblk - 1 - blockIdx.x) : blockIdx.x;  // heavy (causal-shaped) blocks first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (Hq / Hkv);
   const long long bh = static_cast<long long>(b) * Hq + h, bhk = static_cast<long long>(b) * Hkv + hk;
   const int q0 = qblk * BQ, shift = nk - nq;
-
-  int n_tiles = (nk + BKV - 1) / BKV;
-  int first_masked = nk / BKV;
-  if (CAUSAL) {
-    const int last_key = min(q0 + BQ - 1, nq - 1) + shift;
-    n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / BKV + 1);
-    const int min_row_key = q0 + shift;
-    first_masked = min(first_masked, min_row_key < 0 ? 0 : (min_row_key + 1) / BKV);
-  }
+  // The key tiles the rows see, tl.first .. tl.n - 1 (the grid's blocks start below nq), as tiles 0 .. n_tiles - 1 of
+  // the keys from kb on: the operands' pointers and key counts are relative to key kb, so that the loop and its
+  // stages run as for a range that starts at key 0 (the masks take the absolute key: nk and shift stay kernel
+  // arguments, which ptxas reads from the constant bank, where values relative to kb took registers).
+  const KeyRange tl = key_range<BKV>(q0, BQ, nq, nk, win);
+  const int n_tiles = tl.n - tl.first, kb = tl.first * BKV, nkr = nk - kb;
+  const int fm = tl.first_masked - tl.first, mb = tl.masked_below - tl.first;  // tiles t >= fm or < mb: masked
 
   // ---- operand pipelines ----
   constexpr int NU_Q = BQ * (D / 16) / THREADS, NU_K = BKV * (D / 16) / THREADS, NU_V = D * 4 / THREADS;
@@ -158,10 +161,10 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
   const unsigned char *gkc = nullptr, *gks = nullptr, *gvc = nullptr, *gvs = nullptr;
   const char *gK16 = nullptr, *gV16 = nullptr;
   if constexpr (PACKED) {
-    gkc = kc + bhk * nk * (D / 2);
-    gks = ks + bhk * nk * (D / 16);
-    gvc = vc + bhk * D * (n16 / 2);
-    gvs = vs + bhk * D * (n16 / 16);
+    gkc = kc + (bhk * nk + kb) * (D / 2);
+    gks = ks + (bhk * nk + kb) * (D / 16);
+    gvc = vc + bhk * D * (n16 / 2) + kb / 2;
+    gvs = vs + bhk * D * (n16 / 16) + kb / 16;
     {  // Q: packed rows -> fp16 tile (rows >= nq zero), through the K (and V) staging slots
       constexpr int BPR = D / 16;
       UnitScales<NU_Q> qsc;
@@ -179,8 +182,8 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       store_dequant<ROWB, D / 16, THREADS, NU_Q>(sQ, sKstg, qsc, tid);
     }
     if (n_tiles > 0) {
-      ksc = stage_k_packed<D, THREADS, NU_K>(sKstg, gkc, gks, 0, nk, tid);
-      vsc = stage_v_packed<D, THREADS, NU_V>(sVstg, gvc, gvs, 0, n16, tid);
+      ksc = stage_k_packed<D, THREADS, NU_K>(sKstg, gkc, gks, 0, nkr, tid);
+      vsc = stage_v_packed<D, THREADS, NU_V>(sVstg, gvc, gvs, 0, n16, n16 - kb, tid);
       cp_async_commit();
       cp_async_wait<0>();
       asm volatile("" ::: "memory");
@@ -188,13 +191,13 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       store_dequant<BKV * 2, 4, THREADS, NU_V>(sV, sVstg, vsc, tid);
     }
     if (n_tiles > 1) {
-      ksc = stage_k_packed<D, THREADS, NU_K>(sKstg, gkc, gks, 1, nk, tid);
-      vsc = stage_v_packed<D, THREADS, NU_V>(sVstg, gvc, gvs, 1, n16, tid);
+      ksc = stage_k_packed<D, THREADS, NU_K>(sKstg, gkc, gks, 1, nkr, tid);
+      vsc = stage_v_packed<D, THREADS, NU_V>(sVstg, gvc, gvs, 1, n16, n16 - kb, tid);
       cp_async_commit();
     }
   } else {
-    gK16 = reinterpret_cast<const char*>(k16 + bhk * nk_pad * D);
-    gV16 = reinterpret_cast<const char*>(vt16 + bhk * D * nk_pad);
+    gK16 = reinterpret_cast<const char*>(k16 + (bhk * nk_pad + kb) * D);
+    gV16 = reinterpret_cast<const char*>(vt16 + bhk * D * nk_pad + kb);
     load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(q16 + (bh * nq_pad + q0) * D), ROWB, tid);
     if (n_tiles > 0) {
       load_tile_async<BKV, ROWB, THREADS>(sK, gK16, ROWB, tid);
@@ -224,8 +227,8 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
         store_dequant<ROWB, D / 16, THREADS, NU_K>(sK + (st ^ 1) * S::K_BYTES, sKstg, ksc, tid);
         store_dequant<BKV * 2, 4, THREADS, NU_V>(sV + (st ^ 1) * S::V_BYTES, sVstg, vsc, tid);
         if (tile + 2 < n_tiles) {
-          ksc = stage_k_packed<D, THREADS, NU_K>(sKstg, gkc, gks, tile + 2, nk, tid);
-          vsc = stage_v_packed<D, THREADS, NU_V>(sVstg, gvc, gvs, tile + 2, n16, tid);
+          ksc = stage_k_packed<D, THREADS, NU_K>(sKstg, gkc, gks, tile + 2, nkr, tid);
+          vsc = stage_v_packed<D, THREADS, NU_V>(sVstg, gvc, gvs, tile + 2, n16, n16 - kb, tid);
           cp_async_commit();
         }
       } else {
@@ -258,8 +261,8 @@ __device__ __forceinline__ void fp4_attn_fwd_impl(
       }
     }
     unsigned pa[4][4], pp[QAT ? 4 : 1][4];
-    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, QAT>(s, rs, pa, pp, tile, tile >= first_masked, CAUSAL, r_lo,
-                                                             t4, nk, shift, scale_log2);
+    const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, QAT>(s, rs, pa, pp, tl.first + tile, tile >= fm || tile < mb,
+                                                             win, r_lo, t4, nk, shift, scale_log2);
 
     // O = alpha * O + beta * (P^ V^) per 8-channel output tile; QAT: O' = alpha * O' + P~ V~.
 #pragma unroll
@@ -300,11 +303,12 @@ nvfp4_attn_fwd(const unsigned char* __restrict__ qc, const unsigned char* __rest
                const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
                const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs,
                const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
-               float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
+               float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int left,
+               int right) {
   grid_dep_wait();  // (launched as a programmatic dependent of the pre-pass)
   fp4_attn_fwd_impl<T, D, WARPS, true, false, TWO_LEVEL>(qc, qs, kc, ks, vc, vs, nullptr, nullptr, nullptr, qmk, o, osb,
                                                           osh, osn, lse, nullptr, nullptr, Hq, Hkv, nq, nk, 0, 0, n16,
-                                                          scale_log2, causal);
+                                                          scale_log2, left, right);
 }
 
 template <typename T, int D, int WARPS>
@@ -312,8 +316,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 qat_attn_fwd(const __half* __restrict__ q16, const __half* __restrict__ k16, const __half* __restrict__ vt16,
              T* __restrict__ o, long long osb, long long osh, long long osn,
              float* __restrict__ lse, float* __restrict__ lse2, float* __restrict__ oprime,
-             int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, int causal) {
+             int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, int left, int right) {
   fp4_attn_fwd_impl<T, D, WARPS, false, true, true>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, q16, k16, vt16,
                                                     nullptr, o, osb, osh, osn, lse, lse2, oprime, Hq, Hkv, nq, nk,
-                                                    nq_pad, nk_pad, 0, scale_log2, causal);
+                                                    nq_pad, nk_pad, 0, scale_log2, left, right);
 }

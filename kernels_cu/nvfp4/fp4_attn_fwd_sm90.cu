@@ -8,12 +8,15 @@
 //   of each K/V tile (below);
 // * nvfp4_attn_fwd_ws_img (D = 128): warp-specialized, one producer warpgroup copying K/V stage images
 //   (nvfp4/ws_images.cuh) into a ring, three consumer warpgroups multiplying (below), the grid's last items split
-//   along the keys on non-causal calls (nvfp4/ws_split.cuh).
+//   along their keys on calls in the plain dispatch order (nvfp4/ws_split.cuh).
 // Operands stay packed in device memory and are staged and dequantized in 64-element tasks (nvfp4/sm90_common.cuh).
 //
 // Inputs: qc/qs (BHq, nq, D/2 | D/16), kc/ks (BHkv, nk, D/2 | D/16) of K - mu_K, vc/vs (BHkv, D, *) V^T with
 // rows of vcs code bytes / vcs / 8 scale bytes (vcs a multiple of 32: tokens padded to 64 by the host; tokens
-// >= n16 are zero-filled here). Outputs as nvfp4_attn_fwd.
+// >= n16 are zero-filled here). Outputs and the window (left, right) as nvfp4_attn_fwd's: a CTA visits the key tiles
+// its rows see (common/rows.cuh key_range), taken as tiles 0, 1, .. of the keys from the range's first one on
+// (operand pointers and key counts relative to that key; the masks take absolute keys), so that the rings' stages and
+// mbarrier phases run as for a range that starts at key 0.
 #include "common/rows.cuh"
 #include "nvfp4/sm90_common.cuh"
 #include "nvfp4/ws_images.cuh"
@@ -106,19 +109,21 @@ __device__ __forceinline__ void dequant_tile(char* sKst, char* sVst, const char*
 }  // namespace
 
 // Grid (ceil(nq / (16 WARPS)), Hq, B), block 32 WARPS, dynamic shared memory Nv90<D, WARPS>::SMEM.
-// CG: causal grids dispatched heaviest block first across groups of CG (batch, head) pairs (common/rows.cuh
-// query_block); the host instantiates CG = FP4_CAUSAL_GROUP for causal calls and CG = 1 (the plain order) otherwise.
+// CG: grids of the causal work shape (Window::causal_shape) dispatched heaviest block first across groups of CG
+// (batch, head) pairs (common/rows.cuh query_block); the host instantiates CG = FP4_CAUSAL_GROUP for those calls and
+// CG = 1 (the plain order) otherwise.
 template <typename T, int D, int WARPS, bool TWO_LEVEL, int CG = 1>
 __global__ void __launch_bounds__(32 * WARPS, (D == 64 && WARPS == 4) ? SAGE_FP4_MIN_CTAS : 1)
 nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
                     const unsigned char* __restrict__ kc, const unsigned char* __restrict__ ks,
                     const unsigned char* __restrict__ vc, const unsigned char* __restrict__ vs, int vcs,
                     const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
-                    float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int causal) {
+                    float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2, int left,
+                    int right) {
   using S = Nv90<D, WARPS>;
   static_assert(D == 64 && WARPS == 4, "one warpgroup at D = 64 (D = 128: nvfp4_attn_fwd_ws_img)");
   constexpr int BQ = S::BQ;
-  const bool CAUSAL = causal != 0;
+  const Window win{left, right};
   grid_dep_wait();  // (launched as a programmatic dependent of the pre-pass: nothing global is touched before this)
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require; pointer arithmetic
@@ -133,20 +138,23 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   unsigned long long* k_empty = bars + S::NST;   // every thread's Q.K^T on K stage s retired
   unsigned long long* v_empty = bars + 2 * S::NST;  // every thread's P.V on V stage s retired
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<CG>(BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<CG>(BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles<BKV>(q0, BQ, nq, nk, CAUSAL);
+  const KeyRange tl = key_range<BKV>(q0, BQ, nq, nk, win);
+  // tile t (0 .. ntl - 1) below is key tile tl.first + t: keys from kb on, nkr and n16r of them (K's rows, V's tokens)
+  const int ntl = tl.n - tl.first, kb = tl.first * BKV, nkr = nk - kb, n16r = n16 - kb;
+  const int fm = tl.first_masked - tl.first, mb = tl.masked_below - tl.first;  // tiles t >= fm or < mb: masked
 
-  const unsigned char* gkc = kc + bhk * nk * (D / 2);
-  const unsigned char* gks = ks + bhk * nk * (D / 16);
-  const unsigned char* gvc = vc + bhk * D * vcs;
-  const unsigned char* gvs = vs + bhk * D * (vcs / 8);
+  const unsigned char* gkc = kc + (bhk * nk + kb) * (D / 2);
+  const unsigned char* gks = ks + (bhk * nk + kb) * (D / 16);
+  const unsigned char* gvc = vc + bhk * D * vcs + kb / 2;
+  const unsigned char* gvs = vs + bhk * D * (vcs / 8) + kb / 16;
   if (tid < 3 * S::NST) mbar_init(bars + tid, S::THREADS);
 
-  // Prologue: Q (rows >= nq zero) dequantized by its owners; tiles 0 and 1 dequantized (full[0], full[1]);
-  // tile 2 staged.
+  // Prologue: Q (rows >= nq zero) dequantized by its owners; the range's tiles 0 and 1 dequantized (full[0],
+  // full[1]); its tile 2 staged.
 #pragma unroll
   for (int j = 0; j < (S::QTASKS + S::THREADS - 1) / S::THREADS; ++j) {
     const int i = tid + j * S::THREADS;
@@ -170,8 +178,8 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   __syncthreads();      // Q complete; the mbarriers initialized
 #pragma unroll
   for (int t = 0; t < 3; ++t) {
-    if (t < tl.n) {
-      stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, t, nk, n16, tid);
+    if (t < ntl) {
+      stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, t, nkr, n16r, tid);
       cp_async_commit();
       if (t < 2) {
         cp_async_wait<0>();
@@ -196,7 +204,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   auto issue_qk = [&](int kst) { wgmma_qk16<D, BQ>(accs, sQw, sK, kst * S::K_BYTES); };
   const unsigned long long dv0 = gmma_desc<128>(sV);
 
-  if (tl.n > 0) {
+  if (ntl > 0) {
     mbar_wait(full, 0);
     wgmma_fence();
     issue_qk(0);
@@ -210,10 +218,10 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
   static_assert(S::NST == 3, "the stage bookkeeping below");
   int st0 = 0, st1 = 1, st2 = 2;
   unsigned ph1 = 0, ph2 = 0;
-  for (int tile = 0; tile < tl.n; ++tile) {
+  for (int tile = 0; tile < ntl; ++tile) {
     unsigned pa[4][4], pp_unused[1][4];
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false>(
-        acc_s, rs, pa, pp_unused, tile, tile >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, scale_log2);
+        acc_s, rs, pa, pp_unused, tl.first + tile, tile >= fm || tile < mb, win, r_lo, t4, nk, shift, scale_log2);
     wgmma_fence();
     {  // P.V(t)
       const unsigned long long dv = gmma_desc_advance(dv0, st0 * S::V_BYTES);
@@ -224,7 +232,7 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
     // While P.V(t) runs: tile t+2 from this thread's staging slots into stage (t+2) % NST, once every thread is
     // done with the tile it held (t-1); then stage tile t+3's packed bytes.
     const int nxt = tile + 2;
-    if (nxt < tl.n) {
+    if (nxt < ntl) {
       const int st = st2;
       if (nxt >= S::NST) {
         mbar_wait(k_empty + st, ph2 ^ 1);
@@ -235,11 +243,11 @@ nvfp4_attn_fwd_sm90(const unsigned char* __restrict__ qc, const unsigned char* _
       dequant_tile<D, WARPS>(sK + st * S::K_BYTES, sV + st * S::V_BYTES, stg, tid);
       fence_proxy_async();
       mbar_arrive(full + st);
-      if (nxt + 1 < tl.n) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, nxt + 1, nk, n16, tid);
+      if (nxt + 1 < ntl) stage_tile<D, WARPS>(stg, gkc, gks, gvc, gvs, vcs, nxt + 1, nkr, n16r, tid);
       cp_async_commit();
     }
     // Q.K^T(t+1) once every thread has dequantized tile t+1 (after the last tile: a stale stage, dropped).
-    const bool more = tile + 1 < tl.n;
+    const bool more = tile + 1 < ntl;
     if (more) mbar_wait(full + st1, ph1);
     wgmma_fence();
     issue_qk(st1);
@@ -326,11 +334,12 @@ __device__ __forceinline__ void ws_dequant_q(char* sQ, const char* stq, int ptid
 }  // namespace
 
 // Grid (ceil(nq / (64 NC)), Hq, B), or with SPLIT a 1-D grid (nvfp4/ws_split.cuh: whole, nsplit, nblk, part_ws,
-// counters; CG = 1), block 128 (NC + 1), dynamic shared memory NvWs<D, NC>::SMEM. qc, qs, qmk, o, lse and the sizes as
-// nvfp4_attn_fwd_sm90's; kvimg: the K/V stage images, (B, Hkv, ceil(nk / 64)) of WS_IMG_STAGE<D> bytes, in place of
-// the packed K and V (nk still gives the masks). The signature keeps the arguments of a form that quantized Q in the
-// kernel (q, qsb, qsh, qsn, mu, qmk_scale: unused, the host passes nulls and zeros; QIN must be false), so that the
-// instances' symbols stay what they were measured and tested as.
+// counters; CG = 1), block 128 (NC + 1), dynamic shared memory NvWs<D, NC>::SMEM. qc, qs, qmk, o, lse, the sizes and
+// the window (left, right) as nvfp4_attn_fwd_sm90's (a SPLIT part takes its share of its item's tiles); kvimg: the
+// K/V stage images, (B, Hkv, ceil(nk / 64)) of WS_IMG_STAGE<D> bytes, in place of the packed K and V (nk still gives
+// the masks). The signature keeps the arguments of a form that quantized Q in the kernel (q, qsb, qsh, qsn, mu,
+// qmk_scale: unused, the host passes nulls and zeros; QIN must be false), so that the instances' symbols stay what
+// they were measured and tested as.
 template <typename T, int D, bool TWO_LEVEL, int CG, int NC, bool QIN, bool SPLIT>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char* __restrict__ qs,
@@ -338,14 +347,14 @@ nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char*
                       const float* __restrict__ mu, float qmk_scale, const unsigned char* __restrict__ kvimg,
                       const float* __restrict__ qmk, T* __restrict__ o, long long osb, long long osh, long long osn,
                       float* __restrict__ lse, int Hq, int Hkv, int nq, int nk, int n16, float scale_log2,
-                      int causal, int whole, int nsplit, int nblk, float* __restrict__ part_ws,
+                      int left, int right, int whole, int nsplit, int nblk, float* __restrict__ part_ws,
                       int* __restrict__ counters) {
   static_assert(!QIN, "Q from the pre-pass's packed bytes (qc, qs)");
-  static_assert(!SPLIT || (TWO_LEVEL && CG == 1), "the split grid: two-level P, non-causal");
+  static_assert(!SPLIT || (TWO_LEVEL && CG == 1), "the split grid: two-level P, the plain dispatch order");
   using S = NvWs<D, NC>;
   static_assert(D == 128 && NC == 3, "three consumer warpgroups at D = 128 (D = 64: nvfp4_attn_fwd_sm90)");
   constexpr int BQ = S::BQ, NST = S::NST;
-  const bool CAUSAL = causal != 0;
+  const Window win{left, right};
   grid_dep_wait();  // (launched as a programmatic dependent of the pre-pass: nothing global is touched before this)
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -363,20 +372,22 @@ nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char*
   if constexpr (SPLIT)
     qb = ws_split_item(BQ, Hq, Hkv, whole, nsplit, nblk, sp);
   else
-    qb = query_block<CG>(BQ, CAUSAL, Hq, Hkv);
+    qb = query_block<CG>(BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  KeyTiles tl = key_tiles<BKV>(q0, BQ, nq, nk, CAUSAL);
-  int t0 = 0;  // the first key tile: tile t of the loops below is key tile t0 + t (SPLIT parts; 0 otherwise)
+  const KeyRange kr = key_range<BKV>(q0, BQ, nq, nk, win);
+  // Tile t (0 .. ntl - 1) of the loops below is key tile t0 + t: the rows' range, or a SPLIT part's share of it; the
+  // ring's stages and phases go by t (tiles t >= fm or < mb need the mask).
+  int t0 = kr.first, ntl = kr.n - kr.first;
   if constexpr (SPLIT) {
-    if (sp.nparts > 1) {  // (non-causal: first_masked is n - 1 or n, never below a part's first tile)
-      t0 = sp.part * tl.n / sp.nparts;
-      const int t1 = (sp.part + 1) * tl.n / sp.nparts;
-      tl.n = t1 - t0;
-      tl.first_masked -= t0;
+    if (sp.nparts > 1) {
+      const int a = sp.part * ntl / sp.nparts, e = (sp.part + 1) * ntl / sp.nparts;
+      t0 += a;
+      ntl = e - a;
     }
   }
+  const int fm = kr.first_masked - t0, mb = kr.masked_below - t0;
   if (tid < NST) {
     mbar_init(full + tid, 1);  // (thread 0's arrival and the bulk copies' bytes)
     mbar_init(empty + tid, S::CTHREADS);
@@ -400,7 +411,7 @@ nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char*
       bulk_copy_g2s(sV + st * S::V_BYTES, src + S::K_BYTES, S::V_BYTES, full + st);
     };
     if (ptid == 0)
-      for (int t = 0; t < NST && t < tl.n; ++t) copy_tile(t);
+      for (int t = 0; t < NST && t < ntl; ++t) copy_tile(t);
     // Q (rows >= nq zero): staging buffer 0, every producer thread
     ws_stage_q_all<D, NC>(stg0, q0, bh, qc, qs, nq, ptid);
     cp_async_commit();
@@ -410,7 +421,7 @@ nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char*
     fence_proxy_async();
     mbar_arrive(q_full);
     if (ptid == 0) {
-      for (int t = NST; t < tl.n; ++t) {
+      for (int t = NST; t < ntl; ++t) {
         const int st = t % NST;
         if constexpr (SAGE_FP4_WS_WAIT_NS > 0)
           mbar_wait_hint<SAGE_FP4_WS_WAIT_NS>(empty + st, ((t / NST) - 1) & 1);
@@ -442,17 +453,17 @@ nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char*
   float(&o_flat)[D / 2] = reinterpret_cast<float(&)[D / 2]>(acc_o);
 
   mbar_wait(q_full, 0);
-  if (tl.n > 0) {
+  if (ntl > 0) {
     mbar_wait(full, 0);
     wgmma_fence();
     wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(s0), sQw, sK, 0);
     wgmma_wait<0>();
     fence_regs(reinterpret_cast<float(&)[32]>(s0));
   }
-  for (int t = 0; t < tl.n; ++t) {
+  for (int t = 0; t < ntl; ++t) {
     unsigned pp_unused[1][4];
     const Fp4TileScale ts = fp4_softmax_tile<TWO_LEVEL, false, true, true>(
-        s0, rs, pa0, pp_unused, t0 + t, t >= tl.first_masked, CAUSAL, r_lo, t4, nk, shift, scale_log2);
+        s0, rs, pa0, pp_unused, t0 + t, t >= fm || t < mb, win, r_lo, t4, nk, shift, scale_log2);
     fp4_frame_step<TWO_LEVEL>(acc_o, fr, ts);
     wgmma_fence();
     const unsigned long long dv = gmma_desc_advance(dv0, (t % NST) * S::V_BYTES);
@@ -460,7 +471,7 @@ nvfp4_attn_fwd_ws_img(const unsigned char* __restrict__ qc, const unsigned char*
     for (int kk = 0; kk < 4; ++kk) wgmma_rs<__half, false>(o_flat, pa0[kk], gmma_desc_advance(dv, 32 * kk), 1);
     wgmma_commit();
     const int stn = (t + 1) % NST;
-    if (t + 1 < tl.n) mbar_wait(full + stn, ((t + 1) / NST) & 1);
+    if (t + 1 < ntl) mbar_wait(full + stn, ((t + 1) / NST) & 1);
     wgmma_fence();
     // (after the last tile: a stale stage, dropped; every issue unconditional, as in nvfp4_attn_fwd_sm90)
     wgmma_qk16<D, BQ>(reinterpret_cast<float(&)[32]>(s0), sQw, sK, stn * S::K_BYTES);

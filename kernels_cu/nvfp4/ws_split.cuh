@@ -1,7 +1,8 @@
 // The tail split of the warp-specialized NVFP4 forward (nvfp4_attn_fwd_ws_img<..., SPLIT = true> in
 // fp4_attn_fwd_sm90.cu): a 1-D grid of whole + (items - whole) nsplit CTAs, items in the plain grid's order (query
 // block fastest, then head, then batch; nblk query blocks per head); CTA c < whole runs item c whole, the others part
-// (c - whole) % nsplit of item whole + (c - whole) / nsplit, its share of the key tiles, so that the items past the
+// (c - whole) % nsplit of item whole + (c - whole) / nsplit, its share of the key tiles the item's rows see (all of
+// them, or a window's: common/rows.cuh key_range), so that the items past the
 // grid's last full wave do not leave most SMs idle (host: nvfp4._tail_split; H200, 4K: the call 1.468 -> 1.450 ms,
 // docs/experiments.md). Parts write fp32 partials to part_ws ((items - whole) nsplit x 4 NC warps x 17 x 32 float4)
 // and count on counters ((items - whole) x 4 NC ints, zeroed before the launch); per item and consumer warp, the last

@@ -7,30 +7,35 @@
 #include "common/fp4.cuh"
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
+#include "common/rows.cuh"
 
 namespace sage {
 
 constexpr float QAT_LOG2_X_MAX = 11.392317422778761f, QAT_X_MAX = 2688.f;
 
 // dK/dV kernels (transposed tiles: rows = this warp's 16 keys key_lo, key_lo + 8, columns = 64 queries from q0).
-// Masks S^T (raw products) in place and returns, per query column of this thread, the maximum over the warp's
-// 16 keys: the 16-key block of fq(P). The maximum propagates NaN (nan_max). With fmaxf (fmaxf(NaN, -inf) = -inf),
-// a query whose visible logits are NaN (a NaN row of Q~) beside masked ones would get the block and tile max -inf,
-// which qat_block_scales takes for "sees no key of the tile" (beta = 0, a zero block scale): P_q = 6 (E2M1 of NaN)
-// * 0, a silent finite 0 in dV of the keys the query sees. Kept, the NaN makes that query's (k, s beta) and its P_q
-// in the tile NaN. For finite and masked logits the maxima are fmaxf's: max.NaN differs from max only for a NaN
-// operand, and the logits are never subnormal (sums of products of fake-quantized values, multiples of 2^-20), so
-// the ftz build's flush of max's operands has nothing to flush.
-__device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[8][2], bool need_mask, int key_lo,
-                                                int q0, int t4, int nq, int nk, bool causal, int shift) {
+// Masks S^T (raw products) in place (need_mask: queries outside window w of each key, shift = nk - nq, rows >= nq,
+// keys >= nk; the rows that see key key_lo + 8 r are computed once per key and tile, common/rows.cuh Window::rows, so
+// that a masked element costs two compares and a select, and no register is held across the kernel's loop for them)
+// and returns, per query column of this thread, the maximum over the warp's 16 keys: the 16-key block of fq(P).
+// The maximum propagates NaN (nan_max). With fmaxf (fmaxf(NaN, -inf) = -inf), a query whose visible logits are NaN
+// (a NaN row of Q~) beside masked ones would get the block and tile max -inf, which qat_block_scales takes for "sees
+// no key of the tile" (beta = 0, a zero block scale): P_q = 6 (E2M1 of NaN) * 0, a silent finite 0 in dV of the keys
+// the query sees. Kept, the NaN makes that query's (k, s beta) and its P_q in the tile NaN. For finite and masked
+// logits the maxima are fmaxf's: max.NaN differs from max only for a NaN operand, and the logits are never subnormal
+// (sums of products of fake-quantized values, multiples of 2^-20), so the ftz build's flush of max's operands has
+// nothing to flush.
+__device__ __forceinline__ void qat_mask_colmax(float (&s)[8][4], float (&cmax)[8][2], bool need_mask, Window w,
+                                                int key_lo, int q0, int t4, int nq, int nk, int shift) {
+  const int2 qv[2] = {w.rows(key_lo, shift, nq, nk), w.rows(key_lo + 8, shift, nq, nk)};
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float v = s[nt][e];  // raw products; scale_log2 is applied inside the exponents (as the forward)
       if (need_mask) {
-        const int qrow = q0 + nt * 8 + 2 * t4 + (e & 1), key = key_lo + 8 * (e >> 1);
-        if (key >= nk || qrow >= nq || (causal && key > qrow + shift)) v = -INFINITY;
+        const int qrow = q0 + nt * 8 + 2 * t4 + (e & 1);
+        if ((qrow < qv[e >> 1].x) | (qrow > qv[e >> 1].y)) v = -INFINITY;
       }
       s[nt][e] = v;
     }
@@ -142,12 +147,15 @@ __device__ __forceinline__ void qat_dq_rows(float (&l2)[2], float (&del)[2], con
 }
 
 // dQ kernels (rows = this warp's queries r_lo, r_lo + 8, columns = 64 keys from k0): P = exp2(S scale_log2 -
-// lse2) (masked), dS = P o (dP - delta) rounded to T, packed as the A operand (k = keys) of dQ += dS K~.
+// lse2) (masked: need_mask, the keys outside window w of each row, rows >= nq, keys >= nk; the keys a row sees,
+// Window::row_keys, computed per row and tile as qat_mask_colmax's bounds), dS = P o (dP - delta) rounded to T,
+// packed as the A operand (k = keys) of dQ += dS K~.
 template <typename T>
 __device__ __forceinline__ void qat_ds_tile(unsigned (&da)[4][4], const float (&s)[8][4], const float (&dpv)[8][4],
                                             bool need_mask, int k0, int r_lo, int t4, const float (&l2)[2],
-                                            const float (&del)[2], int nq, int nk, bool causal, int shift,
+                                            const float (&del)[2], Window w, int nq, int nk, int shift,
                                             float scale_log2) {
+  const int2 rk[2] = {w.row_keys(r_lo, shift, nq, nk), w.row_keys(r_lo + 8, shift, nq, nk)};
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     float ds[4];
@@ -155,8 +163,8 @@ __device__ __forceinline__ void qat_ds_tile(unsigned (&da)[4][4], const float (&
     for (int e = 0; e < 4; ++e) {
       float sv = s[nt][e];
       if (need_mask) {
-        const int key = k0 + nt * 8 + 2 * t4 + (e & 1), row = r_lo + 8 * (e >> 1);
-        if (key >= nk || row >= nq || (causal && key > row + shift)) sv = -INFINITY;
+        const int key = k0 + nt * 8 + 2 * t4 + (e & 1);
+        if ((key < rk[e >> 1].x) | (key > rk[e >> 1].y)) sv = -INFINITY;
       }
       const float p = fast_exp2(fmaf(sv, scale_log2, -l2[e >> 1]));
       ds[e] = p * (dpv[nt][e] - del[e >> 1]);

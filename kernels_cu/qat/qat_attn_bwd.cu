@@ -15,7 +15,8 @@
 // its rows, summing dQ = sm_scale * dS K~ in registers in key order), so nothing here needs atomics and the
 // gradients are bitwise repeatable.
 // Operands: q (BHq, nq_pad, D), k, v (BHkv, nk_pad, D) in T (zero rows beyond nq / nk); dout (caller strides,
-// rows >= nq zero-filled); lse2, delta (BHq, nq_pad).
+// rows >= nq zero-filled); lse2, delta (BHq, nq_pad). The window (left, right) as the forward's (common/rows.cuh
+// Window; causal is (-1, 0)): each kernel visits only the tiles of the other side that its rows or keys see.
 #include "qat/bwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
@@ -51,10 +52,11 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
              const float* __restrict__ lse2, const float* __restrict__ delta,
              T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
              T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
-             int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale, int causal) {
+             int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale, int left,
+             int right) {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   constexpr int ROWB = 2 * D;
-  const bool CAUSAL = causal != 0;
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);  // stays a shared-memory pointer (LDS/STS)
   char* sK = smem;                       // 64 keys x D
@@ -83,7 +85,8 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const QueryTiles qtl = query_tiles(k0, BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  // (head in group, query tile) pairs; none where no row sees the block's keys (the epilogue stores zeros)
+  const QueryTiles qtl = query_tiles(k0, BKV, BQ, nq, nk, win, group);
   const int first_qt = qtl.first, n_it_q = qtl.per_head, n_it = qtl.iters;
 
   for (int it = 0; it < n_it; ++it) {
@@ -101,7 +104,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
     }
     cp_async_wait<0>();
     __syncthreads();
-    const bool need_mask = (CAUSAL && k0 + BKV - 1 > q0 + shift) || (k0 + BKV > nk) || (q0 + BQ > nq);
+    const bool need_mask = win.crosses(q0, BQ, k0, BKV, shift) || (k0 + BKV > nk) || (q0 + BQ > nq);
 
     // S^T (16 keys x 64 queries per warp), base-2 logits, masked.
     float s[8][4];
@@ -121,7 +124,7 @@ qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __rest
       }
     }
     float cmax[8][2];  // per query column: max logit over this warp's 16 keys (= the 16-key block)
-    qat_mask_colmax(s, cmax, need_mask, key_lo, q0, t4, nq, nk, CAUSAL, shift);
+    qat_mask_colmax(s, cmax, need_mask, win, key_lo, q0, t4, nq, nk, shift);
     if (g == 0) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
@@ -173,10 +176,11 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
                 const T* __restrict__ dout, long long dsb, long long dsh, long long dsn,
                 const float* __restrict__ lse2, const float* __restrict__ delta,
                 T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
-                int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale, int causal) {
+                int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale, int left,
+                int right) {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   constexpr int ROWB = 2 * D, STAGE = 2 * BKV * ROWB;
-  const bool CAUSAL = causal != 0;
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);  // stays a shared-memory pointer (LDS/STS)
   char* sQ = smem;                       // 64 queries x D
@@ -185,11 +189,13 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   static_assert(BKV == KEY_TILE, "key tiles of 64");
-  const QueryBlock qb = query_block(BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block(BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b, shift = nk - nq;
   const long long bh = qb.bh, bhk = qb.bhk;
-  const int n_tiles = key_tiles(q0, BQ, nq, nk, CAUSAL).n;
+  const KeyRange tl = key_range(q0, BQ, nq, nk, win);  // tiles tl.first .. tl.n - 1
+  const int n_tiles = tl.n;
 
+  // (a tile's stage by its parity: the loads and the loop below agree for any first tile)
   auto load_kv = [&](int tile) {
     char* st = sStage + (tile & 1) * STAGE;
     const long long off = (bhk * nk_pad + tile * BKV) * D;
@@ -199,7 +205,7 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
   load_tile_async<BQ, ROWB, THREADS>(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), ROWB, tid);
   load_rows_async<BQ, ROWB, THREADS>(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn),
                                      dsn * 2, nq - q0, tid);
-  if (n_tiles > 0) load_kv(0);
+  if (n_tiles > tl.first) load_kv(tl.first);
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
@@ -209,7 +215,7 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
 
-  for (int tile = 0; tile < n_tiles; ++tile) {
+  for (int tile = tl.first; tile < n_tiles; ++tile) {
     cp_async_wait<0>();
     __syncthreads();  // tile resident; every warp is done with the stage the prefetch below overwrites
     if (tile + 1 < n_tiles) load_kv(tile + 1);
@@ -217,7 +223,7 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
     const char* cK = sStage + (tile & 1) * STAGE;
     const char* cV = cK + BKV * ROWB;
     const int k0 = tile * BKV;
-    const bool need_mask = (CAUSAL && k0 + BKV - 1 > q0 + shift) || (k0 + BKV > nk) || (q0 + BQ > nq);
+    const bool need_mask = tl.need_mask(tile) || (q0 + BQ > nq);
 
     // S = Q~ K~^T and dP = dO V~^T (16 rows x 64 keys per warp), fp32 accumulation.
     float s[8][4], dpv[8][4];
@@ -245,7 +251,7 @@ qat_attn_bwd_dq(const T* __restrict__ qt, const T* __restrict__ kt, const T* __r
     }
     // dS = P o (dP - delta), rounded to T, packed as the A operand of dQ (k = keys).
     unsigned da[4][4];
-    qat_ds_tile<T>(da, s, dpv, need_mask, k0, r_lo, t4, l2, del, nq, nk, CAUSAL, shift, scale_log2);
+    qat_ds_tile<T>(da, s, dpv, need_mask, k0, r_lo, t4, l2, del, win, nq, nk, shift, scale_log2);
     // dQ += dS K~   (B = K~ stored [key][d]: transposed ldmatrix)
     mma_acc_a64<T, D>(acc_dq, da, cK, lane);
   }

@@ -14,7 +14,8 @@
 // accumulate in the wgmma accumulators themselves. Operand tiles are double-buffered with cp.async.
 // Every wait is unconditional and no accumulator is touched while its product is in flight (C7514).
 // Operands: q (BHq, nq_pad, D), k (BHkv, nk_pad, D), vt = V~^T (BHkv, D, nk_pad) in T (zero beyond nq / nk);
-// dout (caller strides, rows >= nq zero-filled); lse2, delta (BHq, nq_pad: +inf and 0 on padded rows).
+// dout (caller strides, rows >= nq zero-filled); lse2, delta (BHq, nq_pad: +inf and 0 on padded rows). The window
+// (left, right) as qat_attn_bwd.cu's.
 #include "qat/bwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
@@ -79,10 +80,10 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
                   T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                   T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                   int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale,
-                  int causal) {
+                  int left, int right) {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   using S = QatBwdSm90<D>;
-  const bool CAUSAL = causal != 0;
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // wgmma tiles: 1024-byte aligned
   char* sK = smem;
@@ -109,7 +110,8 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const QueryTiles qtl = query_tiles(k0, QB_BQ, nq, nk, CAUSAL, group);  // (head in group, query tile) pairs
+  // (head in group, query tile) pairs; none where no row sees the block's keys (the epilogue stores zeros)
+  const QueryTiles qtl = query_tiles(k0, QB_BKV, QB_BQ, nq, nk, win, group);
   const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
   int ld_h = hk * group, ld_t = first_qt;  // (query head, query tile) of the next stage to load
   auto load_stage = [&](int it) {
@@ -144,14 +146,14 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
     const char* sdO = st + S::TILE;
     const float* sL = reinterpret_cast<const float*>(st + 2 * S::TILE);
     const float* sDel = sL + QB_BQ;
-    const bool need_mask = (CAUSAL && k0 + QB_BKV - 1 > q0 + shift) || (k0 + QB_BKV > nk) || (q0 + QB_BQ > nq);
+    const bool need_mask = win.crosses(q0, QB_BQ, k0, QB_BKV, shift) || (k0 + QB_BKV > nk) || (q0 + QB_BQ > nq);
 
     float acc_s[8][4], acc_dp[8][4];
     qat_issue_s_dp<T, D, true>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K~ Q~^T, dP^T = V~ dO^T
     wgmma_wait<1>();
     fence_regs(reinterpret_cast<float(&)[32]>(acc_s));
     float cmax[8][2];
-    qat_mask_colmax(acc_s, cmax, need_mask, key_lo, q0, t4, nq, nk, CAUSAL, shift);
+    qat_mask_colmax(acc_s, cmax, need_mask, win, key_lo, q0, t4, nq, nk, shift);
     if (g == 0) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
@@ -170,7 +172,7 @@ qat_attn_bwd_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T* _
     hold_regs(pa);
     hold_regs(da);
   }
-  cp_async_wait<0>();  // (n_it >= 1 whenever nq, nk >= 1: every key block has a query that sees it; kept for safety)
+  cp_async_wait<0>();  // (n_it is 0 for a key block that no row of a window sees)
   fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dv));
   fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dk));
 
@@ -195,11 +197,11 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
                      const float* __restrict__ lse2, const float* __restrict__ delta,
                      T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                      int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, float sm_scale,
-                     int causal) {
+                     int left, int right) {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(QB_BKV == KEY_TILE, "key tiles of 64");
   constexpr int TILE = QatBwdDqSm90<D>::TILE;
-  const bool CAUSAL = causal != 0;
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;
@@ -207,14 +209,14 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
   char* sStage = sdO + TILE;  // stage s: K~ at sStage + 2 s TILE, V~^T after it
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block(QB_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block(QB_BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b, shift = nk - nq;
   const long long bh = qb.bh, bhk = qb.bhk;
-  const KeyTiles tl = key_tiles(q0, QB_BQ, nq, nk, CAUSAL);
+  const KeyRange tl = key_range(q0, QB_BQ, nq, nk, win);  // tiles tl.first .. tl.n - 1
 
   const TileCopy<64, 2 * D, QB_THREADS, true> cp(tid);
   const TileCopy<D, 2 * 64, QB_THREADS, true> cpv(tid);  // V~^T: D rows of 64 keys
-  auto load_kv = [&](int tile) {
+  auto load_kv = [&](int tile) {  // (a tile's stage by its parity: the loads and the loop below agree for any first)
     char* st = sStage + (tile & 1) * 2 * TILE;
     cp.copy(st, reinterpret_cast<const char*>(kt + (bhk * nk_pad + tile * QB_BKV) * D), 2 * D);
     cpv.copy(st + TILE, reinterpret_cast<const char*>(vt + bhk * D * nk_pad + tile * QB_BKV),
@@ -222,7 +224,7 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
   };
   cp.copy(sQ, reinterpret_cast<const char*>(qt + (bh * nq_pad + q0) * D), 2 * D);
   cp.copy_rows(sdO, reinterpret_cast<const char*>(dout + b * dsb + h * dsh + q0 * dsn), dsn * 2, nq - q0);
-  if (tl.n > 0) load_kv(0);
+  if (tl.n > tl.first) load_kv(tl.first);
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
@@ -232,7 +234,7 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
 
-  for (int tile = 0; tile < tl.n; ++tile) {
+  for (int tile = tl.first; tile < tl.n; ++tile) {
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // tile resident; every warp is done with the stage the prefetch below overwrites
@@ -249,7 +251,7 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
     fence_regs(reinterpret_cast<float(&)[32]>(acc_s));
     fence_regs(reinterpret_cast<float(&)[32]>(acc_dp));
     unsigned da[4][4];
-    qat_ds_tile<T>(da, acc_s, acc_dp, need_mask, k0, r_lo, t4, l2, del, nq, nk, CAUSAL, shift, scale_log2);
+    qat_ds_tile<T>(da, acc_s, acc_dp, need_mask, k0, r_lo, t4, l2, del, win, nq, nk, shift, scale_log2);
     qat_issue_rs<T, D>(acc_dq, da, cK);  // dQ += dS K~
     wgmma_wait<0>();
     hold_regs(da);

@@ -28,7 +28,10 @@
 // maximum for any N < 2^45. The row sum l and O' keep every tile.
 //
 // Operands as qat_attn_fwd's: q16 (BHq, nq_pad, D), k16 (BHkv, nk_pad, D), vt16 (BHkv, D, nk_pad) fp16, zero
-// beyond nq / nk (nq_pad a multiple of 128, nk_pad of 64). Outputs as qat_attn_fwd's.
+// beyond nq / nk (nq_pad a multiple of 128, nk_pad of 64). Outputs and the window (left, right) as qat_attn_fwd's: a
+// CTA visits the key tiles its rows see (common/rows.cuh key_range), taken as tiles 0, 1, .. of the keys from the
+// range's first one on (operand pointers relative to that key; the masks take absolute keys), so that the ring's
+// stages and mbarrier phases run as for a range that starts at key 0.
 #include "common/fp4_fwd.cuh"
 #include "common/rows.cuh"
 #include "common/tile.cuh"
@@ -64,16 +67,17 @@ struct QatFwdSm90 {
 }  // namespace
 
 // Grid (nq_pad / 128, Hq, B), block 256, dynamic shared memory QatFwdSm90<D>::SMEM. CG: as nvfp4_attn_fwd_sm90's
-// (causal dispatch groups; the host instantiates FP4_CAUSAL_GROUP for causal calls, 1 otherwise).
+// (dispatch groups for windows of the causal work shape; the host instantiates FP4_CAUSAL_GROUP for those calls, 1
+// otherwise).
 template <typename T, int D, int CG = 1>
 __global__ void __launch_bounds__(QF_THREADS, D == 64 ? SAGE_QAT_FWD_MIN_CTAS : 1)
 qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16, const __half* __restrict__ vt16,
                   T* __restrict__ o, long long osb, long long osh, long long osn,
                   float* __restrict__ lse, float* __restrict__ lse2, float* __restrict__ oprime,
-                  int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, int causal) {
+                  int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float scale_log2, int left, int right) {
   using S = QatFwdSm90<D>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128 (wgmma N = D)");
-  const bool CAUSAL = causal != 0;
+  const Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                        // D / 64 pieces x 128 rows x 128 B
@@ -84,35 +88,38 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   unsigned long long* k_empty = bars + QF_NST;
   unsigned long long* v_empty = bars + 2 * QF_NST;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const QueryBlock qb = query_block<CG>(QF_BQ, CAUSAL, Hq, Hkv);
+  const QueryBlock qb = query_block<CG>(QF_BQ, win.causal_shape(), Hq, Hkv);
   const int q0 = qb.q0, h = qb.h, b = qb.b;
   const long long bh = qb.bh, bhk = qb.bhk;
   const int shift = nk - nq;
-  const KeyTiles tl = key_tiles<QF_BKV>(q0, QF_BQ, nq, nk, CAUSAL);
+  const KeyRange tl = key_range<QF_BKV>(q0, QF_BQ, nq, nk, win);
+  // tile t (0 .. ntl - 1) below is key tile tl.first + t: keys from kb on
+  const int ntl = tl.n - tl.first, kb = tl.first * QF_BKV;
+  const int fm = tl.first_masked - tl.first, mb = tl.masked_below - tl.first;  // tiles t >= fm or < mb: masked
   if (tid < 3 * QF_NST) mbar_init(bars + tid, QF_THREADS);
 
   const TileCopy<QF_BQ, 2 * D, QF_THREADS, true> cq(tid);
   const TileCopy<QF_BKV, 2 * D, QF_THREADS, true> ck(tid);
   const TileCopy<D, 2 * QF_BKV, QF_THREADS, true> cv(tid);
-  const char* gK = reinterpret_cast<const char*>(k16 + bhk * nk_pad * D);
-  const char* gV = reinterpret_cast<const char*>(vt16 + bhk * D * nk_pad);
-  auto load_tile = [&](int t, int st) {  // this thread's share of key tile t -> stage st
+  const char* gK = reinterpret_cast<const char*>(k16 + (bhk * nk_pad + kb) * D);
+  const char* gV = reinterpret_cast<const char*>(vt16 + bhk * D * nk_pad + kb);
+  auto load_tile = [&](int t, int st) {  // this thread's share of tile t -> stage st
     ck.copy(sK + st * S::K_BYTES, gK + static_cast<long long>(t) * QF_BKV * 2 * D, 2 * D);
     cv.copy(sV + st * S::V_BYTES, gV + static_cast<long long>(t) * QF_BKV * 2, static_cast<long long>(nk_pad) * 2);
   };
   cq.copy(sQ, reinterpret_cast<const char*>(q16 + (bh * nq_pad + q0) * D), 2 * D);
 #pragma unroll
   for (int t = 0; t < 3; ++t) {  // commit groups: {Q~, tile 0}, {tile 1}, {tile 2} (possibly empty)
-    if (t < tl.n) load_tile(t, t);
+    if (t < ntl) load_tile(t, t);
     cp_async_commit();
   }
   cp_async_wait<2>();   // Q~ and tile 0: this thread's copies landed
   fence_proxy_async();  // -> the tensor cores' reads
   __syncthreads();      // every thread's Q~ copies; the mbarriers initialized
-  if (tl.n > 0) mbar_arrive(full);
+  if (ntl > 0) mbar_arrive(full);
   cp_async_wait<1>();
   fence_proxy_async();
-  if (tl.n > 1) mbar_arrive(full + 1);
+  if (ntl > 1) mbar_arrive(full + 1);
 
   const int r_lo = q0 + warp * 16 + g;  // this thread's rows: r_lo, r_lo + 8
   Fp4Rows rs = {{-INFINITY, -INFINITY}, {0.f, 0.f}};
@@ -128,7 +135,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
   static_assert(QF_BKV == 64, "64-key tiles");
   auto issue_qk = [&](int kst) { wgmma_qk16<D, QF_BQ>(accs, sQw, sK, kst * S::K_BYTES); };
   const unsigned long long dv0 = gmma_desc<128>(sV);
-  if (tl.n > 0) {
+  if (ntl > 0) {
     mbar_wait(full, 0);
     wgmma_fence();
     issue_qk(0);
@@ -139,10 +146,11 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
 
   // Tile j lives in stage j % NST; its barriers' phase parity is (j / NST) & 1.
   static_assert(QF_NST == 4, "stage and parity by shifts");
-  for (int tile = 0; tile < tl.n; ++tile) {
+  for (int tile = 0; tile < ntl; ++tile) {
     unsigned pa[4][4], pp[4][4];
-    const Fp4TileScale ts = fp4_softmax_tile<true, true, true>(acc_s, rs, pa, pp, tile, tile >= tl.first_masked, CAUSAL,
-                                                               r_lo, t4, nk, shift, scale_log2);
+    const Fp4TileScale ts = fp4_softmax_tile<true, true, true>(acc_s, rs, pa, pp, tl.first + tile,
+                                                               tile >= fm || tile < mb, win, r_lo, t4, nk, shift,
+                                                               scale_log2);
     fp4_frame_step<true>(acc_o, fr, ts);  // the frame change of O (see the top)
     if (ts.rescale) {  // O' = alpha O' + P~ V~ (the mma.sync kernel's order)
 #pragma unroll
@@ -164,7 +172,7 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
     }
     // While they run: this thread's copies of tile t+3 into the stage of tile t-1 once every thread is done with
     // it; then this thread's copies of tile t+2 (the older pending group) have landed: arrive on full(t+2).
-    if (tile + 3 < tl.n) {
+    if (tile + 3 < ntl) {
       if (tile >= 1) {
         const unsigned par = ((tile - 1) >> 2) & 1;
         mbar_wait(k_empty + ((tile - 1) & 3), par);
@@ -174,11 +182,11 @@ qat_attn_fwd_sm90(const __half* __restrict__ q16, const __half* __restrict__ k16
     }
     cp_async_commit();
     cp_async_wait<1>();
-    if (tile + 2 < tl.n) {
+    if (tile + 2 < ntl) {
       fence_proxy_async();
       mbar_arrive(full + ((tile + 2) & 3));
     }
-    const bool more = tile + 1 < tl.n;
+    const bool more = tile + 1 < ntl;
     if constexpr (QatFwdSm90<D>::RETIRE_PV_FIRST) {
       // O, O' of tile t retired before S(t+1) is issued: P^ / P~ (32 registers) are free for S(t+1)'s accumulator
       wgmma_wait<0>();

@@ -297,7 +297,7 @@ def test_nvfp4_launches_without_the_warp_specialized_kernel(gpu, engine, d):
         # Q's, K's and V's bytes (and scales), then qmk, from the quantizers above
         assert args[:6] == (gpu[2][3][8], gpu[2][3][9], gpu[3][3][8], gpu[3][3][9], gpu[4][3][7], gpu[4][3][8])
         assert args[7 if engine == "wgmma" else 6] is gpu[2][3][-1]
-        assert args[-1] == np.int32(int(causal))
+        assert args[-2:] == (np.int32(-1), np.int32(0 if causal else -1))  # the kernel window (left, right)
 
 
 def test_nvfp4_tail_split_plan(gpu):
@@ -381,8 +381,9 @@ def _ws_img_kernel_check(run, names, causal=False):
     a = _summary(run[-1], names)[3]
     assert a[2:8] == (None, ("int64", 0), ("int64", 0), ("int64", 0), None, ("float32", 0.125))
     assert a[10][0] == "array" and a[10][1:] == ((2, 4, 400, 128), "<f2") and a[14][1:] == ((2, 4, 400), "<f4")
-    assert a[15:22] == (("int32", 4), ("int32", 2), ("int32", 400), ("int32", 1024), ("int32", 1024),
-                        ("float32", np.float32(0.125 * nvfp4.LOG2E).item()), ("int32", int(causal)))
+    assert a[15:23] == (("int32", 4), ("int32", 2), ("int32", 400), ("int32", 1024), ("int32", 1024),
+                        ("float32", np.float32(0.125 * nvfp4.LOG2E).item()),
+                        ("int32", -1), ("int32", 0 if causal else -1))  # (the kernel window (left, right))
     assert a[-5:] == (("int32", 0), ("int32", 1), ("int32", 1), None, None)
     return a
 
@@ -456,7 +457,7 @@ def test_qat_launches(gpu, engine, monkeypatch):
             assert name == f"qat_attn_fwd_sm90<__half, 128{', 16' if causal else ''}>"
         else:
             assert name == "qat_attn_fwd<__half, 128, 8>"
-        assert grid == (1, 4, 2) and block == (256,) and args[-1] == np.int32(int(causal))
+        assert grid == (1, 4, 2) and block == (256,) and args[-2:] == (np.int32(-1), np.int32(0 if causal else -1))
         do = FakeArray(q.shape, np.float16)
         del gpu[:]
         qat.backward(res, do, engine=engine)
