@@ -10,7 +10,8 @@
 
     dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-``sage_attention`` is INT8 SageBwd (:mod:`sagecupy.int8`), ``qat_attention`` FP4 QAT (:mod:`sagecupy.qat`).
+``sage_attention`` is INT8 SageBwd (:mod:`sagecupy.int8`), ``qat_attention`` FP4 QAT (:mod:`sagecupy.qat`),
+``nvfp4_attention`` NVFP4 attention (:mod:`sagecupy.nvfp4`, inference only: differentiating it raises).
 Both take the keyword arguments of the CuPy API (``causal``, ``sm_scale``, ``layout``, ``config``; INT8 also
 the sliding ``window=(left, right)``, ``return_lse`` and packed variable-length sequences) and work eagerly and
 under ``jax.jit``, ``jax.grad`` and ``jax.vjp``.
@@ -73,7 +74,7 @@ import numpy as np
 from .. import _checks, _layout, _varlen, int8
 from ..config import SageBwdConfig, get_config
 
-__all__ = ["sage_attention", "qat_attention", "is_available"]
+__all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "is_available"]
 
 _KDL_CUDA = 2  # DLPack DLDeviceType of CUDA device memory
 _NO_BUFFER_CALLBACK = (
@@ -597,3 +598,62 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
     causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
     config = _hashable("config", config, "None or a QATConfig")
     return _qat_op(causal, _scale(sm_scale), layout, config)(q, k, v)
+
+
+@functools.lru_cache(maxsize=None)
+def _nvfp4_callback(p: _checks.Problem, config):
+    def callback(ctx, out, q, k, v):
+        from .. import nvfp4
+
+        with _on_xla_stream(ctx, q) as dev:
+            qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
+            o, lse = nvfp4.attention(qc, kc, vc, causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=config,
+                                     return_lse=True)
+            _write(out["o"], _checks.raw(o), "o", dev)
+            _write(out["lse"], lse, "lse", dev)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _nvfp4_op(causal, sm_scale, layout, config):
+    """A custom_vjp whose backward refuses: NVFP4 has no backward, and a zero gradient (what stop_gradient would
+    give) would silently train nothing."""
+
+    def forward_call(q, k, v):
+        p = _problem(q, k, v, causal, sm_scale, layout)
+        specs = {"o": jax.ShapeDtypeStruct(q.shape, _exchange_dtype(p)),
+                 "lse": jax.ShapeDtypeStruct(_lse_shape(p), np.dtype(np.float32))}
+        out = _buffer_callback()(_nvfp4_callback(p, config), specs)(_bits(q), _bits(k), _bits(v))
+        return _unbits(out["o"], q.dtype), out["lse"]
+
+    @jax.custom_vjp
+    def op(q, k, v):
+        return forward_call(q, k, v)
+
+    def op_fwd(q, k, v):
+        return forward_call(q, k, v), None
+
+    def op_bwd(_, ct):
+        raise ValueError("nvfp4_attention is inference-only (NVFP4 has no backward) and was differentiated: train "
+                         "with sage_attention or qat_attention")
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
+
+
+def nvfp4_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
+    """NVFP4 attention (:func:`sagecupy.nvfp4.attention`) as a JAX function, eager or under ``jax.jit``: inference
+    only (differentiating it raises ValueError). Arguments as :func:`sage_attention` for the dense layouts;
+    ``config``: ``None`` or an :class:`~sagecupy.config.NVFP4Config`. Returns ``o`` (q's shape and dtype), or
+    ``(o, lse)`` with ``return_lse`` (``(B, Hq, Nq)`` float32, natural log)."""
+    _buffer_callback()
+    if isinstance(layout, str) and layout == _layout.PACKED:
+        raise ValueError("layout='THD' (packed variable-length sequences) is not supported by nvfp4_attention: only "
+                         "sage_attention (INT8) takes packed sequences; nvfp4_attention takes 'HND' or 'NHD'")
+    causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+    config = _hashable("config", config, "None or an NVFP4Config")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    o, lse = _nvfp4_op(causal, _scale(sm_scale), layout, config)(q, k, v)
+    return (o, lse) if return_lse else o

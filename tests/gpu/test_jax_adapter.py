@@ -427,3 +427,25 @@ def test_qat_adapter_equals_direct_calls(dtype):
         o, grads = run(q, k, v, do)
         _assert_bitwise("O", o, o_d, dict(case, mode=mode))
         _assert_grads(grads, grads_d, dict(case, mode=mode))
+
+
+# --------------------------------------------------------------------------------------------------
+# NVFP4 (inference)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,layout,causal", [("float16", "HND", True), ("bfloat16", "NHD", False)])
+def test_nvfp4_adapter_equals_direct_call(dtype, layout, causal):
+    """O and LSE bitwise sagecupy.nvfp4.attention's, eagerly and under jax.jit; differentiating it raises."""
+    from sagecupy import nvfp4
+
+    q, k, v, _ = _inputs(11, 1, 4, 2, 150, 200, 128, layout, dtype)
+    case = dict(dtype=dtype, layout=layout, causal=causal, family="nvfp4")
+    o_d, lse_d = nvfp4.attention(*(_to_cupy(x) for x in (q, k, v)), causal=causal, layout=layout, return_lse=True)
+    call = functools.partial(sj.nvfp4_attention, causal=causal, layout=layout, return_lse=True)
+    for mode, run in (("eager", call), ("jit", jax.jit(call))):
+        o, lse = run(q, k, v)
+        _assert_bitwise("O", o, o_d, dict(case, mode=mode))
+        assert np.array_equal(np.asarray(lse), lse_d.get()), f"LSE differs {dict(case, mode=mode)}"
+    with pytest.raises(ValueError, match="inference-only"):
+        jax.grad(lambda q: sj.nvfp4_attention(q, k, v, causal=causal, layout=layout).astype(jnp.float32).sum())(q)
