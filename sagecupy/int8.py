@@ -383,10 +383,11 @@ def _stats_key(statistics):
     """``statistics`` in a plan's key: None, or the signature of each array (their values are per-call inputs)."""
     if statistics is None:
         return None
-    try:  # (not a dict of arrays: the uncached path's validation names what is wrong)
+    try:
         return tuple(sorted((n, signature(x)) for n, x in statistics.items()))
     except AttributeError:
-        raise TypeError("statistics") from None
+        raise TypeError(f"statistics must be None or a dict {{'mu_k': ..., 'v_scale': ...}} of float32 CuPy arrays "
+                        f"of shape (B, Hkv, D), got {type(statistics).__name__}") from None
 
 
 #: The statistics over the whole sequence that :func:`forward` takes from its caller (``statistics=``).

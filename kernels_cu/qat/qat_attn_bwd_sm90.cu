@@ -243,7 +243,7 @@ qat_attn_bwd_dq_sm90(const T* __restrict__ qt, const T* __restrict__ kt, const T
     const char* cK = sStage + (tile & 1) * 2 * TILE;
     const char* cV = cK + TILE;
     const int k0 = tile * QB_BKV;
-    const bool need_mask = tile >= tl.first_masked || q0 + QB_BQ > nq;
+    const bool need_mask = tl.need_mask(tile) || q0 + QB_BQ > nq;  // both window edges (and the tails)
 
     float acc_s[8][4], acc_dp[8][4];
     qat_issue_s_dp<T, D, false>(acc_s, acc_dp, sQ, cK, sdO, cV);  // S = Q~ K~^T, dP = dO V~^T
