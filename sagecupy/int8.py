@@ -129,8 +129,10 @@ def kernel_mask(p, mask=None) -> tuple:
     if mask is None:
         return (*kernel_window(p), p.nk - p.nq)
     if (not isinstance(mask, tuple) or len(mask) != 3
-            or any(type(x) is not int or abs(x) >= 2 ** 30 for x in mask) or min(mask[:2]) < -1):
-        raise ValueError(f"mask={mask!r} must be (left, right, shift): ints, left and right >= -1, |shift| < 2^30")
+            or any(type(x) is not int or abs(x) >= 2 ** 29 for x in mask) or min(mask[:2]) < -1):
+        # (below 2^29 each, the kernels' row + shift + right stays within int32 for any supported length)
+        raise ValueError(f"mask={mask!r} must be (left, right, shift): ints below 2^29 in magnitude, left and "
+                         f"right >= -1")
     return mask
 
 
