@@ -505,6 +505,9 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     offsets, max_seqlen = _offsets(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     offsets = _host_offsets(offsets, q, k, max_seqlen)
+    # The maxima are checked (above, and against NumPy offsets); the kernels do not read them, so they stay out of the
+    # op's and the callback's caches: a training loop whose longest document changes every step reuses one program.
+    max_seqlen = (None, None) if offsets else None
     out = _int8_op(causal, _scale(sm_scale), layout, config, _window(window, causal), bool(return_lse),
                    max_seqlen)(q, k, v, offsets)
     if return_lse:

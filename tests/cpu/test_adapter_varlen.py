@@ -436,7 +436,9 @@ def test_jax_packed_call_traces_with_static_layout_and_traced_offsets(jax_traced
     assert [kind for kind, _, _ in seen] == ["forward", "backward"]
     (_, fwd, extra), (_, bwd, _) = seen
     assert (fwd.layout, fwd.batch, fwd.nq, fwd.causal, fwd.window) == ("THD", S, tq, causal, window) and bwd == fwd
-    assert extra == (get_default_config(), True, False, (300, None))
+    # max_seqlen_q=300 is checked but not passed on: the kernels do not read it, and a key of the op's caches would
+    # build a new program for every longest document a training loop meets
+    assert extra == (get_default_config(), True, False, (None, None))
     assert len(jaxpr.out_avals) == 3 and [a.shape for a in jaxpr.out_avals] == [q.shape, k.shape, v.shape]
     del seen[:]
     o, lse = jax.eval_shape(functools.partial(sj.sage_attention, layout="THD", causal=causal, window=window,
@@ -555,3 +557,17 @@ def test_jax_return_lse_on_dense_layouts(jax_traced):
 
     jax.make_jaxpr(jax.grad(loss))(q)
     assert [(kind, p.layout) for kind, p, _ in seen][-2:] == [("forward", "HND"), ("backward", "HND")]
+
+
+def test_jax_max_seqlen_changes_do_not_build_new_ops():
+    """Two calls that differ only in max_seqlen_q/k share one custom_vjp op (and so one XLA program)."""
+    jax = pytest.importorskip("jax")
+
+    import sagecupy.jax as sj
+
+    (q, k, v, _), (cu_q, cu_k) = _jax_packed(LENS[list(LENS)[0]], "float16")
+    before = sj._int8_op.cache_info().currsize
+    for m in (129, 300, 1000):
+        jax.eval_shape(lambda q, k, v: sj.sage_attention(q, k, v, layout="THD", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                         max_seqlen_q=m, max_seqlen_k=m), q, k, v)
+    assert sj._int8_op.cache_info().currsize - before <= 1
