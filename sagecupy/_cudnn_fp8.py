@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 
-__all__ = ["Unavailable", "unavailable_reason", "pow2_scale", "bnhd_strides", "CudnnFp8Attention", "get", "clear",
+__all__ = ["Unavailable", "unavailable_reason", "pow2_scale", "bnhd_strides", "GraphPair", "CudnnFp8Attention", "get", "clear",
            "cudnn_fp8_attention", "E4M3_MAX"]
 
 #: Largest finite E4M3 value.
@@ -157,7 +157,71 @@ def _build_native(graph, cudnn):
                       + (": " + "; ".join(failures) if failures else ""))
 
 
-class CudnnFp8Attention:
+class GraphPair:
+    """A forward graph built at once and a backward graph built on first use, on one cuDNN handle and one workspace
+    (also the base of :class:`sagecupy._cudnn_varlen.CudnnSdpa`). A subclass calls :meth:`_open` first, allocates and
+    binds its buffers, then calls :meth:`_start`; it gives ``_graph(kind, style)`` -> ``(graph, pack)``,
+    ``_styles()`` (the mask spellings to try when none is known yet) and ``_describe()`` (the shape, for errors), and
+    names its precision in ``label``."""
+
+    label = ""
+
+    def _open(self, torch, cudnn):
+        self.torch, self.cudnn = torch, cudnn
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.handle = cudnn.create_handle()
+        if getattr(self.handle, "_ordinal", 0) is None:
+            # The frontend asks cuda-python for the device when it was not told; say it, so that package is not needed.
+            self.handle._ordinal = self.device.index
+
+    def _start(self):
+        self.mask_style = None
+        self.fwd_plan = self.bwd_plan = None
+        self._fwd, self._fwd_pack = self._build("fwd")
+        self._bwd = self._bwd_pack = None
+        self.workspace = None
+        self._grow_workspace(self._fwd)
+
+    def _build(self, kind):
+        """Build ``kind``'s graph with the mask spelling that works (the first that does is kept for the other
+        graph); :class:`Unavailable` with cuDNN's messages when none does."""
+        styles = [self.mask_style] if self.mask_style else self._styles()
+        errors = []
+        for style in styles:
+            try:
+                g, pack = self._graph(kind, style)
+                name = _build_native(g, self.cudnn)
+            except Exception as exc:
+                msg = f"{type(exc).__name__}: {exc}"
+                if msg not in errors:
+                    errors.append(msg)
+                continue
+            self.mask_style = style
+            if kind == "fwd":
+                self.fwd_plan = name
+            else:
+                self.bwd_plan = name
+            return g, pack
+        raise Unavailable(f"cuDNN {self.label} {'forward' if kind == 'fwd' else 'backward'} graph not supported for "
+                          f"{self._describe()}: " + " | ".join(e[:400] for e in errors))
+
+    def _grow_workspace(self, graph):
+        need = int(graph.get_workspace_size())
+        if self.workspace is None or self.workspace.numel() < need:
+            self.workspace = self.torch.empty(max(need, 1), device=self.device, dtype=self.torch.uint8)
+
+    def _ensure_backward(self):
+        if self._bwd is None:
+            self._bwd, self._bwd_pack = self._build("bwd")
+            self._grow_workspace(self._bwd)
+
+    def _execute(self, graph, pack):
+        # The handle launches on its stream: follow PyTorch's current one, where the caller times and synchronizes.
+        self.cudnn.set_stream(self.handle, self.torch.cuda.current_stream(self.device).cuda_stream)
+        graph.execute(pack, self.workspace, handle=self.handle)
+
+
+class CudnnFp8Attention(GraphPair):
     """The FP8 forward and backward graphs of one shape, their FP8 buffers, scales and one workspace.
 
     Buffers are allocated once and bound to the graphs, so repeated calls launch on the same pointers. The backward
@@ -169,14 +233,9 @@ class CudnnFp8Attention:
         if why is not None:
             raise Unavailable(why)
         torch, cudnn = _modules()
-        self.torch, self.cudnn = torch, cudnn
+        self._open(torch, cudnn)
         self.B, self.H, self.N, self.D, self.causal = int(B), int(H), int(N), int(D), bool(causal)
         self.attn_scale = float(attn_scale) if attn_scale is not None else 1.0 / math.sqrt(D)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.handle = cudnn.create_handle()
-        if getattr(self.handle, "_ordinal", 0) is None:
-            # The frontend asks cuda-python for the device when it was not told; say it, so that package is not needed.
-            self.handle._ordinal = self.device.index
         dev, f8 = self.device, torch.float8_e4m3fn
 
         def fp8():
@@ -193,12 +252,7 @@ class CudnnFp8Attention:
                                            "descale_o", "descale_dO", "descale_dP", "scale_dQ", "scale_dK",
                                            "scale_dV", "scale_dP")}
         self.amax = {n: scalar(0.0) for n in ("S", "O", "dQ", "dK", "dV", "dP")}
-        self.mask_style = None
-        self.fwd_plan = self.bwd_plan = None
-        self._fwd, self._fwd_pack = self._build("fwd")
-        self._bwd = self._bwd_pack = None
-        self.workspace = None
-        self._grow_workspace(self._fwd)
+        self._start()
         self._set_scale("s", E4M3_MAX)  # P <= 1: the frontend's documented bound for E4M3 without dropout
         self.calibrated_fwd = self.calibrated_bwd = False
 
@@ -260,44 +314,13 @@ class CudnnFp8Attention:
             pack[scales[n]] = self.s[n]
         return g, pack
 
-    def _build(self, kind):
-        """Build ``kind``'s graph with the mask spelling that works (the first that does is kept for the other
-        graph); :class:`Unavailable` with cuDNN's messages when none does."""
-        styles = [self.mask_style] if self.mask_style else (["band", "flag"] if self.causal else ["band"])
-        errors = []
-        for style in styles:
-            try:
-                g, pack = self._graph(kind, style)
-                name = _build_native(g, self.cudnn)
-            except Exception as exc:
-                msg = f"{type(exc).__name__}: {exc}"
-                if msg not in errors:
-                    errors.append(msg)
-                continue
-            self.mask_style = style
-            if kind == "fwd":
-                self.fwd_plan = name
-            else:
-                self.bwd_plan = name
-            return g, pack
-        shape = f"B={self.B} H={self.H} N={self.N} D={self.D} causal={self.causal}"
-        raise Unavailable(f"cuDNN FP8 {'forward' if kind == 'fwd' else 'backward'} graph not supported for {shape}: "
-                          + " | ".join(e[:400] for e in errors))
+    label = "FP8"
 
-    def _grow_workspace(self, graph):
-        need = int(graph.get_workspace_size())
-        if self.workspace is None or self.workspace.numel() < need:
-            self.workspace = self.torch.empty(max(need, 1), device=self.device, dtype=self.torch.uint8)
+    def _styles(self):
+        return ["band", "flag"] if self.causal else ["band"]
 
-    def _ensure_backward(self):
-        if self._bwd is None:
-            self._bwd, self._bwd_pack = self._build("bwd")
-            self._grow_workspace(self._bwd)
-
-    def _execute(self, graph, pack):
-        # The handle launches on its stream: follow PyTorch's current one, where the caller times and synchronizes.
-        self.cudnn.set_stream(self.handle, self.torch.cuda.current_stream(self.device).cuda_stream)
-        graph.execute(pack, self.workspace, handle=self.handle)
+    def _describe(self):
+        return f"B={self.B} H={self.H} N={self.N} D={self.D} causal={self.causal}"
 
     # -- scales ------------------------------------------------------------------------------------------------
     def _set_scale(self, name, scale):

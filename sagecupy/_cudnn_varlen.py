@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from ._cudnn_fp8 import Unavailable, _build_native, _modules
+from ._cudnn_fp8 import GraphPair, Unavailable, _modules
 
 __all__ = ["Unavailable", "unavailable_reason", "ragged_offsets", "thd_dims_strides", "mask_kwargs",
            "CudnnSdpa", "get", "clear"]
@@ -100,7 +100,7 @@ def mask_kwargs(cudnn, window_left, style) -> dict:
     raise ValueError(f"mask style {style!r} is not 'band' or 'flag'")
 
 
-class CudnnSdpa:
+class CudnnSdpa(GraphPair):
     """cuDNN's bf16 forward and backward graphs of one batch of causal sequences (their lengths, H, D, window), their
     buffers and one workspace.
 
@@ -114,7 +114,7 @@ class CudnnSdpa:
         if why is not None:
             raise Unavailable(why)
         torch, cudnn = _modules()
-        self.torch, self.cudnn = torch, cudnn
+        self._open(torch, cudnn)
         self.lengths = [int(n) for n in lengths]
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"lengths must be positive token counts; got {lengths!r}")
@@ -127,11 +127,6 @@ class CudnnSdpa:
         self.attn_scale = float(attn_scale) if attn_scale is not None else 1.0 / math.sqrt(self.D)
         self.dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         self.io_type = {"bfloat16": cudnn.data_type.BFLOAT16, "float16": cudnn.data_type.HALF}[dtype]
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.handle = cudnn.create_handle()
-        if getattr(self.handle, "_ordinal", 0) is None:
-            # The frontend asks cuda-python for the device when it was not told; say it, so that package is not needed.
-            self.handle._ordinal = self.device.index
         dev = self.device
         g = torch.Generator(device=dev).manual_seed(0)
         shape = (self.T, self.H, self.D)
@@ -142,12 +137,7 @@ class CudnnSdpa:
         self.offsets = torch.tensor(ragged_offsets(self.lengths, self.H, self.D), device=dev,
                                     dtype=torch.int32).view(-1, 1, 1, 1)
         self.seq_len = torch.tensor(self.lengths, device=dev, dtype=torch.int32).view(-1, 1, 1, 1)
-        self.mask_style = None
-        self.fwd_plan = self.bwd_plan = None
-        self._fwd, self._fwd_pack = self._build("fwd")
-        self._bwd = self._bwd_pack = None
-        self.workspace = None
-        self._grow_workspace(self._fwd)
+        self._start()
 
     # -- graphs -------------------------------------------------------------------------------------------------
     def _graph(self, kind, style):
@@ -204,45 +194,14 @@ class CudnnSdpa:
         out(dv, "dV", self.dv)
         return g, pack
 
-    def _build(self, kind):
-        """Build ``kind``'s graph with the mask spelling that works (the first that does is kept for the other
-        graph); :class:`Unavailable` with cuDNN's messages when none does."""
-        styles = [self.mask_style] if self.mask_style else ["band", "flag"]
-        errors = []
-        for style in styles:
-            try:
-                g, pack = self._graph(kind, style)
-                name = _build_native(g, self.cudnn)
-            except Exception as exc:
-                msg = f"{type(exc).__name__}: {exc}"
-                if msg not in errors:
-                    errors.append(msg)
-                continue
-            self.mask_style = style
-            if kind == "fwd":
-                self.fwd_plan = name
-            else:
-                self.bwd_plan = name
-            return g, pack
-        what = (f"{'packed' if self.packed else 'dense'} B={self.B} T={self.T} S_max={self.S_max} H={self.H} "
+    label = "bf16"
+
+    def _styles(self):
+        return ["band", "flag"]
+
+    def _describe(self):
+        return (f"{'packed' if self.packed else 'dense'} B={self.B} T={self.T} S_max={self.S_max} H={self.H} "
                 f"D={self.D} causal" + (f" window=({self.window_left}, 0)" if self.window_left is not None else ""))
-        raise Unavailable(f"cuDNN bf16 {'forward' if kind == 'fwd' else 'backward'} graph not supported for {what}: "
-                          + " | ".join(e[:400] for e in errors))
-
-    def _grow_workspace(self, graph):
-        need = int(graph.get_workspace_size())
-        if self.workspace is None or self.workspace.numel() < need:
-            self.workspace = self.torch.empty(max(need, 1), device=self.device, dtype=self.torch.uint8)
-
-    def _ensure_backward(self):
-        if self._bwd is None:
-            self._bwd, self._bwd_pack = self._build("bwd")
-            self._grow_workspace(self._bwd)
-
-    def _execute(self, graph, pack):
-        # The handle launches on its stream: follow PyTorch's current one, where the caller times and synchronizes.
-        self.cudnn.set_stream(self.handle, self.torch.cuda.current_stream(self.device).cuda_stream)
-        graph.execute(pack, self.workspace, handle=self.handle)
 
     # -- calls -------------------------------------------------------------------------------------------------
     def forward(self):
