@@ -158,6 +158,31 @@ def bench_fp4(D, N, causal, *, family="nvfp4", dtype="bfloat16", warmup=3, rep=1
     return rows
 
 
+def _emitter(rows, out, log):
+    """``emit(batch)``: each row as a JSON line to ``out`` (flushed) and to ``log``, then onto ``rows``."""
+    def emit(batch):
+        for r in batch:
+            if out is not None:
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+            if log is not None:
+                log(r)
+        rows.extend(batch)
+    return emit
+
+
+def _runnable(names, reason, impls, field):
+    """``(names that can run here, one skip row for each of the others)``; ``reason(name)`` says why not, or None."""
+    active, skipped = [], []
+    for name in names:
+        why = reason(name)
+        if why is None:
+            active.append(name)
+        else:
+            skipped.append({"impl": impls[name], "mode": "skip", field: name, "reason": why})
+    return active, skipped
+
+
 def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=None, warmup=3, rep=10, log=None,
               families=("int8",), dtype="bfloat16", progress=None, adapters=()):
     """Every case for every family (int8 with each config, nvfp4, qat) and baseline; JSON lines to ``out`` (a
@@ -174,30 +199,11 @@ def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=N
     from . import bench_frameworks as fw  # PyTorch, JAX and cuDNN are imported only when a run uses them
 
     rows = []
+    emit = _emitter(rows, out, log)
 
-    def emit(batch):
-        for r in batch:
-            if out is not None:
-                out.write(json.dumps(r) + "\n")
-                out.flush()
-            if log is not None:
-                log(r)
-        rows.extend(batch)
-
-    active, skipped = [], []
-    for be in parse_baselines(baselines):
-        why = fw._baseline_reason(be)
-        if why is None:
-            active.append(be)
-        else:
-            skipped.append(dict(impl=BASELINES[be], mode="skip", baseline=be, reason=why))
-    active_adapters = []
-    for ad in parse_adapters(adapters):
-        why = fw._adapter_reason(ad)
-        if why is None:
-            active_adapters.append(ad)
-        else:
-            skipped.append(dict(impl=ADAPTERS[ad], mode="skip", adapter=ad, reason=why))
+    active, skipped = _runnable(parse_baselines(baselines), fw._baseline_reason, BASELINES, "baseline")
+    active_adapters, skipped_adapters = _runnable(parse_adapters(adapters), fw._adapter_reason, ADAPTERS, "adapter")
+    skipped += skipped_adapters
     emit(skipped)
     for D, N, causal in cases:
         batch = []
@@ -279,23 +285,9 @@ def run_varlen_suite(cases, *, configs=("default",), baselines=DEFAULT_VARLEN_BA
     from . import bench_frameworks as fw  # PyTorch and cuDNN are imported only when a run uses them
 
     rows = []
+    emit = _emitter(rows, out, log)
 
-    def emit(batch):
-        for r in batch:
-            if out is not None:
-                out.write(json.dumps(r) + "\n")
-                out.flush()
-            if log is not None:
-                log(r)
-        rows.extend(batch)
-
-    active, skipped = [], []
-    for be in parse_varlen_baselines(baselines):
-        why = fw._varlen_reason(be)
-        if why is None:
-            active.append(be)
-        else:
-            skipped.append(dict(impl=VARLEN_BASELINES[be], mode="skip", baseline=be, reason=why))
+    active, skipped = _runnable(parse_varlen_baselines(baselines), fw._varlen_reason, VARLEN_BASELINES, "baseline")
     emit(skipped)
     for case in cases:
         batch = []

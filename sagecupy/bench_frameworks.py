@@ -23,6 +23,20 @@ def _jax_environment():
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def _torch_cuda_reason():
+    """Why PyTorch cannot reach a CUDA device here, or None."""
+    try:
+        import torch
+    except Exception as exc:
+        return f"PyTorch is not importable ({type(exc).__name__}: {exc})"
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device visible to PyTorch"
+    except Exception as exc:
+        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
+    return None
+
+
 def adapter_unavailable(name):
     """Why adapter ``name`` (``"torch"``, ``"jax"``) cannot run in this process, or None."""
     if name == "jax":
@@ -35,15 +49,9 @@ def adapter_unavailable(name):
         return None if ok else why
     if name != "torch":
         raise ValueError(f"adapter {name!r} is not one of {', '.join(ADAPTERS)}")
-    try:
-        import torch
-    except Exception as exc:
-        return f"PyTorch is not importable ({type(exc).__name__}: {exc})"
-    try:
-        if not torch.cuda.is_available():
-            return "no CUDA device visible to PyTorch"
-    except Exception as exc:
-        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
+    why = _torch_cuda_reason()
+    if why is not None:
+        return why
     try:
         from .adapters import torch as _st  # noqa: F401
     except Exception as exc:
@@ -60,15 +68,11 @@ def baseline_unavailable(name):
         from . import _cudnn_fp8
 
         return _cudnn_fp8.unavailable_reason()
-    try:
-        import torch
-    except Exception as exc:
-        return f"PyTorch is not importable ({type(exc).__name__}: {exc})"
-    try:
-        if not torch.cuda.is_available():
-            return "no CUDA device visible to PyTorch"
-    except Exception as exc:
-        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
+    why = _torch_cuda_reason()
+    if why is not None:
+        return why
+    import torch
+
     if name != "sdpa":
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
@@ -432,19 +436,6 @@ def _bench_baseline(name, D, N, causal, *, warmup, rep, dtype="bfloat16"):
 
 
 # -- the packed and window cases' baselines ------------------------------------------------------------------------
-def _torch_cuda_reason():
-    try:
-        import torch
-    except Exception as exc:
-        return f"PyTorch is not importable ({type(exc).__name__}: {exc})"
-    try:
-        if not torch.cuda.is_available():
-            return "no CUDA device visible to PyTorch"
-    except Exception as exc:
-        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
-    return None
-
-
 def _torch_varlen_attn():
     """``torch.nn.attention.varlen.varlen_attn`` and whether it takes ``window_size`` (PyTorch 2.10 has
     ``is_causal`` only; later releases take ``window_size=(left, right)``, ``(-1, 0)`` causal)."""
