@@ -260,13 +260,10 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
   QueryBlock qb = query_block(FWD_BQ, win.causal_shape(), Hq, Hkv);
   int lse_n = nq;  // the LSE's row length: (B, Hq, nq), packed (Hq, total_q)
   if constexpr (PACKED) {  // grid x: the 64-row blocks of the padded q axis (int8/packed.cuh)
-    const int s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
-    if (s < 0) return;  // past the last sequence
-    const PackedSeq p = packed_seq(meta, S, s);
-    packed_rebase(qb, p.qp, Hq, Hkv);
-    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad, lse_n = total_q;
-    packed_window(win.left, win.right, nq, nk);
-    shift = nk - nq;  // (bottom-right aligned per sequence)
+    PackedSeq p;
+    int s;
+    if (!packed_query_seq(meta, S, qb, Hq, Hkv, nq, nk, nq_pad, nk_pad, win, shift, p, s)) return;  // past the last
+    lse_n = total_q;
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     qc += qr * D, qs += qr, kc += kr * D, ks += kr, vt += kr * D, o += p.q0 * osn, lse += p.q0;
     vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence
@@ -406,13 +403,10 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   int lse_n = nq;  // the LSE's row length: (B, Hq, nq), packed (Hq, total_q)
   if constexpr (PACKED) {
     grid_dep_wait();  // the table (a launch with SAGECUPY_PDL may start before the pre-pass ends)
-    const int s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
-    if (s < 0) return;  // past the last sequence
-    const PackedSeq p = packed_seq(meta, S, s);
-    packed_rebase(qb, p.qp, Hq, Hkv);
-    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad, lse_n = total_q;
-    packed_window(win.left, win.right, nq, nk);
-    shift = nk - nq;  // (bottom-right aligned per sequence)
+    PackedSeq p;
+    int s;
+    if (!packed_query_seq(meta, S, qb, Hq, Hkv, nq, nk, nq_pad, nk_pad, win, shift, p, s)) return;  // past the last
+    lse_n = total_q;
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     qc += qr * D, qs += qr, o += p.q0 * osn, lse += p.q0, kv_img += kr / 64 * KvImg::STAGE;
     vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence

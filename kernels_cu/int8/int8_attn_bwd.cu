@@ -314,13 +314,9 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
   QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
   int bq = qb.b, bk = qb.b;  // the caller's q- and k-side arrays: batch b, or (packed) a sequence's first row
   if constexpr (PACKED) {  // grid x: the 64-row blocks of the padded q axis (int8/packed.cuh)
-    const int s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
-    if (s < 0) return;  // past the last sequence
-    const PackedSeq p = packed_seq(meta, S, s);
-    packed_rebase(qb, p.qp, Hq, Hkv);
-    nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
-    packed_window(win.left, win.right, nq, nk);
-    shift = nk - nq;  // (bottom-right aligned per sequence)
+    PackedSeq p;
+    int s;
+    if (!packed_query_seq(meta, S, qb, Hq, Hkv, nq, nk, nq_pad, nk_pad, win, shift, p, s)) return;  // past the last
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
     qc += qr * D, qs += qr, lse2 += qr, delta += qr, kc += kr * D, ks += kr, ktp += kr * D;
     bq = p.q0, bk = p.k0;

@@ -88,4 +88,19 @@ __device__ __forceinline__ void packed_window(int& left, int& right, int nq, int
   if (right >= nq) right = -1;
 }
 
+// A query-side CTA's sequence (grid x over the padded q axis): false past the last one; else qb rebased into it, the
+// lengths, window and diagonal offset (bottom-right per sequence) set to the sequence's, and its entry p and index s.
+__device__ __forceinline__ bool packed_query_seq(const int* __restrict__ meta, int S, QueryBlock& qb, int Hq, int Hkv,
+                                                 int& nq, int& nk, int& nq_pad, int& nk_pad, Window& win, int& shift,
+                                                 PackedSeq& p, int& s) {
+  s = packed_seq_of(meta, S, gridDim.x, 0, false, qb.q0);
+  if (s < 0) return false;
+  p = packed_seq(meta, S, s);
+  packed_rebase(qb, p.qp, Hq, Hkv);
+  nq = p.nq, nk = p.nk, nq_pad = p.nq_pad, nk_pad = p.nk_pad;
+  packed_window(win.left, win.right, nq, nk);
+  shift = nk - nq;
+  return true;
+}
+
 }  // namespace sage
