@@ -19,6 +19,8 @@ import pytest
 from sagecupy import _checks, _varlen
 from sagecupy.reference import attention as A
 
+from test_adapter_window import jax_traced  # noqa: F401 (a fixture: the callbacks' Problems at trace time)
+
 # (q length, k length) per sequence: an empty sequence, sequences across the 128-row blocks, Nq != Nk
 LENS = {"17-0-300": [(17, 17), (0, 0), (300, 300)], "128-129": [(128, 128), (129, 129)],
         "unequal": [(40, 70), (0, 5), (9, 0)]}
@@ -383,31 +385,6 @@ def test_compile_fullgraph_over_a_packed_call(kernels, torch_mods):
 # --------------------------------------------------------------------------------------------------
 # JAX
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def jax_traced(monkeypatch):
-    """sagecupy.jax with the callbacks' Problems recorded at trace time: ``[(kind, Problem, extra), ...]``."""
-    pytest.importorskip("jax")
-    import sagecupy.jax as sj
-
-    try:
-        sj._buffer_callback()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    seen = []
-
-    def spy(kind, real):
-        def wrapped(p, *args):
-            seen.append((kind, p, args))
-            return real(p, *args)
-
-        return wrapped
-
-    monkeypatch.setattr(sj, "_int8_forward_callback", spy("forward", sj._int8_forward_callback))
-    monkeypatch.setattr(sj, "_int8_backward_callback", spy("backward", sj._int8_backward_callback))
-    sj._int8_op.cache_clear()
-    return sj, seen
 
 
 def _jax_packed(lens, dtype="float16", **kw):

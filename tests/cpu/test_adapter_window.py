@@ -282,7 +282,8 @@ def test_compile_fullgraph_with_a_window(kernels, torch_mods):
 
 @pytest.fixture
 def jax_traced(monkeypatch):
-    """sagecupy.jax with the callbacks' Problems recorded at trace time: ``[(kind, Problem), ...]``."""
+    """sagecupy.jax with the callbacks' Problems recorded at trace time: ``[(kind, Problem, the other arguments of
+    the callback's factory), ...]`` (also test_adapter_varlen's)."""
     pytest.importorskip("jax")
     import sagecupy.jax as sj
 
@@ -294,7 +295,7 @@ def jax_traced(monkeypatch):
 
     def spy(kind, real):
         def wrapped(p, *args):
-            seen.append((kind, p))
+            seen.append((kind, p, args))
             return real(p, *args)
 
         return wrapped
@@ -326,12 +327,12 @@ def test_jax_window_is_static_and_reaches_both_callbacks(jax_traced, causal, win
         return sj.sage_attention(q, k, v, causal=causal, window=window).astype(jnp.float32).sum()
 
     jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    assert [kind for kind, _ in seen] == ["forward", "backward"]
-    fwd, bwd = (p for _, p in seen)
+    assert [kind for kind, _, _ in seen] == ["forward", "backward"]
+    fwd, bwd = (p for _, p, _ in seen)
     assert fwd.window == want and fwd.causal is causal and bwd == fwd
     del seen[:]
     jax.make_jaxpr(functools.partial(sj.sage_attention, causal=causal, window=window))(q, k, v)
-    assert [(kind, p.window) for kind, p in seen] == [("forward", want)]
+    assert [(kind, p.window) for kind, p, _ in seen] == [("forward", want)]
 
 
 @pytest.mark.parametrize("window,causal,words", BAD_WINDOWS, ids=BAD_IDS)

@@ -129,6 +129,14 @@ def test_window_changes_the_launch_not_the_pre_pass(gpu):
     assert [_window_args(r[-1], get_config(None).p_max) for r in runs] == [(3, 0), (40, 2)]
 
 
+# Forged windows in a causal=True forward's residuals (window=(9, 0)) and what the backward's error says (also
+# test_fp4_window_host's)
+BAD_RESIDUAL_WINDOWS = (((3, 1), r"residuals\.problem: causal=True contradicts window=\(3, 1\)"),
+                        ([9, 0], r"residuals\.problem\.window=\[9, 0\] must be None or a pair"),
+                        ((9.0, 0), r"residuals\.problem\.window=\(9\.0, 0\)"),
+                        ((-2, 0), r"residuals\.problem\.window=\(-2, 0\)"), ((1, 2, 3), "window"))
+
+
 def test_residual_window_is_checked(gpu):
     from sagecupy import int8
 
@@ -137,10 +145,7 @@ def test_residual_window_is_checked(gpu):
     do = FakeArray(q.shape, q.dtype)
     p = res.problem
     start = len(gpu)
-    for window, words in (((3, 1), r"residuals\.problem: causal=True contradicts window=\(3, 1\)"),
-                          ([9, 0], r"residuals\.problem\.window=\[9, 0\] must be None or a pair"),
-                          ((9.0, 0), r"residuals\.problem\.window=\(9\.0, 0\)"),
-                          ((-2, 0), r"residuals\.problem\.window=\(-2, 0\)"), ((1, 2, 3), "window")):
+    for window, words in BAD_RESIDUAL_WINDOWS:
         with pytest.raises(ValueError, match=words):
             int8.backward(dataclasses.replace(res, problem=dataclasses.replace(p, window=window)), do)
     assert len(gpu) == start
