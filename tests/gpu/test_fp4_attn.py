@@ -43,6 +43,7 @@ def _need_sm90():
 from test_int8 import _cupy as _cp  # noqa: E402
 from test_int8 import _f32, _inputs, _raw, _round_to, _to_dev  # noqa: E402,F401
 from test_int8 import _to_host as _host  # noqa: E402
+from test_int8 import poison_new_buffers  # noqa: E402
 
 
 _E4M3_MIDS = None
@@ -396,17 +397,7 @@ def test_poisoned_outputs_are_overwritten(monkeypatch, engine):
     cp = _cp()
     from sagecupy import nvfp4, qat
 
-    real_empty = cp.empty
-
-    def nan_empty(shape, dtype=float, order="C"):
-        out = real_empty(shape, dtype=dtype, order=order)
-        if cp.dtype(dtype).kind == "f":
-            out.fill(float("nan"))
-        elif cp.dtype(dtype) == cp.uint16:
-            out.fill(0x7FC0)
-        return out
-
-    monkeypatch.setattr(cp, "empty", nan_empty)
+    poison_new_buffers(monkeypatch)
     for dtype in ("float16", "bfloat16"):
         (q, k, v, do), _ = _inputs(7, 1, 2, 1, 200, 77, 128, "HND", dtype)
         o, lse = nvfp4.attention(q, k, v, causal=True, return_lse=True, engine=engine)

@@ -181,22 +181,29 @@ def test_fully_masked_rows_zero_and_no_nan():
         assert bool(_cupy().isfinite(_f32(x)).all())
 
 
-def test_poisoned_outputs_are_overwritten(monkeypatch):
-    """Fill every fresh output buffer with NaN: an element the kernels forget to write cannot pass."""
+def poison_new_buffers(monkeypatch):
+    """Every buffer cupy.empty returns from now on filled with NaN (bfloat16 bits: a NaN pattern), so that an output
+    element the kernels forget to write cannot pass."""
     cp = _cupy()
-    import sagecupy.int8 as s8
-
     real_empty = cp.empty
 
     def nan_empty(shape, dtype=float, order="C"):
         out = real_empty(shape, dtype=dtype, order=order)
         if cp.dtype(dtype).kind == "f":
             out.fill(float("nan"))
-        elif cp.dtype(dtype) == cp.uint16:  # bfloat16 bits: a NaN pattern
+        elif cp.dtype(dtype) == cp.uint16:
             out.fill(0x7FC0)
         return out
 
     monkeypatch.setattr(cp, "empty", nan_empty)
+
+
+def test_poisoned_outputs_are_overwritten(monkeypatch):
+    """Fill every fresh output buffer with NaN: an element the kernels forget to write cannot pass."""
+    cp = _cupy()
+    import sagecupy.int8 as s8
+
+    poison_new_buffers(monkeypatch)
     for dtype in DTYPES:
         (q, k, v, do), _ = _inputs(7, 1, 2, 1, 200, 77, 128, "HND", dtype)
         o, lse, res = s8.forward(q, k, v, causal=True, return_lse=True)

@@ -22,7 +22,7 @@ import pytest
 from sagecupy.config import DEFAULT, PAPER
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import sagebwd as ref_sage
-from test_int8 import BKV64, _check, _raw, _to_dev, _to_host
+from test_int8 import BKV64, _check, _raw, _to_dev, _to_host, poison_new_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -252,17 +252,7 @@ def test_poisoned_outputs_are_overwritten(monkeypatch):
     import sagecupy.int8 as s8
 
     cp = _cupy()
-    real_empty = cp.empty
-
-    def nan_empty(shape, dtype=float, order="C"):
-        out = real_empty(shape, dtype=dtype, order=order)
-        if cp.dtype(dtype).kind == "f":
-            out.fill(float("nan"))
-        elif cp.dtype(dtype) == cp.uint16:
-            out.fill(0x7FC0)
-        return out
-
-    monkeypatch.setattr(cp, "empty", nan_empty)
+    poison_new_buffers(monkeypatch)
     lens = EMPTY
     cq, ck = _offsets(lens)
     for dtype in ("float16", "bfloat16"):
