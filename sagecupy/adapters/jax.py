@@ -561,6 +561,14 @@ def _qat_backward_callback(p: _checks.Problem, config):
     return callback
 
 
+def _dense_options(who, causal, layout):
+    """``causal`` and ``layout`` of a family without packed sequences, checked (hashable; THD refused by name)."""
+    if isinstance(layout, str) and layout == _layout.PACKED:
+        raise ValueError(f"layout='THD' (packed variable-length sequences) is not supported by {who}: only "
+                         f"sage_attention (INT8) takes packed sequences; {who} takes 'HND' or 'NHD'")
+    return _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+
+
 @functools.lru_cache(maxsize=None)
 def _qat_op(causal, sm_scale, layout, config):
     def forward_call(q, k, v):
@@ -595,10 +603,7 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
     :func:`sage_attention`; ``config``: ``None`` or a :class:`~sagecupy.config.QATConfig`."""
     _buffer_callback()
     _qat()
-    if isinstance(layout, str) and layout == _layout.PACKED:
-        raise ValueError("layout='THD' (packed variable-length sequences) is not supported by qat_attention: only "
-                         "sage_attention (INT8) takes packed sequences; qat_attention takes 'HND' or 'NHD'")
-    causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+    causal, layout = _dense_options("qat_attention", causal, layout)
     config = _hashable("config", config, "None or a QATConfig")
     return _qat_op(causal, _scale(sm_scale), layout, config)(q, k, v)
 
@@ -651,10 +656,7 @@ def nvfp4_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", confi
     ``config``: ``None`` or an :class:`~sagecupy.config.NVFP4Config`. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse`` (``(B, Hq, Nq)`` float32, natural log)."""
     _buffer_callback()
-    if isinstance(layout, str) and layout == _layout.PACKED:
-        raise ValueError("layout='THD' (packed variable-length sequences) is not supported by nvfp4_attention: only "
-                         "sage_attention (INT8) takes packed sequences; nvfp4_attention takes 'HND' or 'NHD'")
-    causal, layout = _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+    causal, layout = _dense_options("nvfp4_attention", causal, layout)
     config = _hashable("config", config, "None or an NVFP4Config")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
