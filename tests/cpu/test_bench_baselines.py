@@ -111,8 +111,8 @@ def test_run_suite_availability_probe_that_raises_is_a_skip(monkeypatch):
     assert len(rows) == 1 and rows[0]["mode"] == "skip" and "driver gone" in rows[0]["reason"]
 
 
-def test_baseline_unavailable_answers_without_a_gpu():
-    """On a machine without CUDA (CI), every baseline says why instead of raising."""
+def skip_with_cuda():
+    """Skip a test of the answers without a GPU where PyTorch sees a CUDA device."""
     try:
         import torch
 
@@ -121,6 +121,11 @@ def test_baseline_unavailable_answers_without_a_gpu():
         has_cuda = False
     if has_cuda:
         pytest.skip("a CUDA device is visible")
+
+
+def test_baseline_unavailable_answers_without_a_gpu():
+    """On a machine without CUDA (CI), every baseline says why instead of raising."""
+    skip_with_cuda()
     for name in bench.BASELINES:
         why = fw.baseline_unavailable(name)
         assert isinstance(why, str) and why

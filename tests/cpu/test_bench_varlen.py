@@ -16,6 +16,7 @@ from sagecupy import _bench_common as common
 from sagecupy import _cudnn_varlen, bench
 from sagecupy import bench_frameworks as fw
 from sagecupy.cli import main
+from test_bench_baselines import skip_with_cuda
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -272,14 +273,7 @@ def test_sdpa_docs_has_no_window_form():
 
 
 def test_varlen_baselines_answer_without_a_gpu():
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:
-        has_cuda = False
-    if has_cuda:
-        pytest.skip("a CUDA device is visible")
+    skip_with_cuda()
     for name in bench.VARLEN_BASELINES:
         why = fw._varlen_reason(name)
         assert isinstance(why, str) and why
