@@ -83,9 +83,11 @@ def _modules():
     return torch, cudnn
 
 
-def unavailable_reason():
-    """Why cuDNN's FP8 attention cannot run in this process, or None when it may (a graph can still be unsupported
-    for one shape: that surfaces when it is built)."""
+def frontend_reason(min_cc, needs, ops, min_backend, too_old, check_torch=None):
+    """Why a cuDNN frontend graph family cannot run in this process, or None: PyTorch with a CUDA device of compute
+    capability ``min_cc`` or newer (``needs``: what to call the requirement), ``check_torch(torch)`` (a reason or
+    None), the frontend's graph API with the ``pygraph`` methods ``ops``, and a cuDNN library of version
+    ``min_backend`` or newer (``too_old``: the sentence's end, e.g. "9.0")."""
     try:
         torch, cudnn = _modules()
     except Unavailable as exc:
@@ -96,23 +98,35 @@ def unavailable_reason():
         cc = torch.cuda.get_device_capability()
     except Exception as exc:
         return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
-    if tuple(cc) < (9, 0):
-        return f"FP8 attention needs Hopper (sm_90) or newer; this GPU is sm_{cc[0]}{cc[1]}"
-    if not hasattr(torch, "float8_e4m3fn"):
-        return f"PyTorch {torch.__version__} has no float8_e4m3fn dtype"
+    if tuple(cc) < min_cc:
+        return f"{needs}; this GPU is sm_{cc[0]}{cc[1]}"
+    why = check_torch(torch) if check_torch else None
+    if why:
+        return why
+    version = getattr(cudnn, "__version__", "?")
     for name in ("pygraph", "data_type", "heur_mode", "create_handle"):
         if not hasattr(cudnn, name):
-            return f"cuDNN frontend {getattr(cudnn, '__version__', '?')} has no cudnn.{name}"
-    for name in ("sdpa_fp8", "sdpa_fp8_backward"):
+            return f"cuDNN frontend {version} has no cudnn.{name}"
+    for name in ops:
         if not hasattr(cudnn.pygraph, name):
-            return f"cuDNN frontend {getattr(cudnn, '__version__', '?')} has no pygraph.{name}"
+            return f"cuDNN frontend {version} has no pygraph.{name}"
     try:
-        version = cudnn.backend_version()
+        backend = cudnn.backend_version()
     except Exception as exc:  # the frontend found no cuDNN library to bind
         return f"the cuDNN frontend has no cuDNN library ({type(exc).__name__}: {exc})"
-    if version < 90100:  # FP8 attention's first release
-        return f"cuDNN {version} is older than 9.1, the first with FP8 attention"
+    if backend < min_backend:
+        return f"cuDNN {backend} is older than {too_old}"
     return None
+
+
+def unavailable_reason():
+    """Why cuDNN's FP8 attention cannot run in this process, or None when it may (a graph can still be unsupported
+    for one shape: that surfaces when it is built)."""
+    return frontend_reason(
+        (9, 0), "FP8 attention needs Hopper (sm_90) or newer", ("sdpa_fp8", "sdpa_fp8_backward"),
+        90100, "9.1, the first with FP8 attention",  # FP8 attention's first release
+        lambda torch: None if hasattr(torch, "float8_e4m3fn") else
+        f"PyTorch {torch.__version__} has no float8_e4m3fn dtype")
 
 
 def _mask_kwargs(cudnn, causal, style):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from ._cudnn_fp8 import GraphPair, Unavailable, _modules
+from ._cudnn_fp8 import GraphPair, Unavailable, _modules, frontend_reason
 
 __all__ = ["Unavailable", "unavailable_reason", "ragged_offsets", "thd_dims_strides", "mask_kwargs",
            "CudnnSdpa", "get", "clear"]
@@ -41,32 +41,9 @@ __all__ = ["Unavailable", "unavailable_reason", "ragged_offsets", "thd_dims_stri
 def unavailable_reason():
     """Why cuDNN's bf16 SDPA graphs cannot run in this process, or None when they may (a graph can still be
     unsupported for one shape or mask: that surfaces when it is built)."""
-    try:
-        torch, cudnn = _modules()
-    except Unavailable as exc:
-        return str(exc)
-    try:
-        if not torch.cuda.is_available():
-            return "no CUDA device visible to PyTorch"
-        cc = torch.cuda.get_device_capability()
-    except Exception as exc:
-        return f"CUDA is not usable from PyTorch ({type(exc).__name__}: {exc})"
-    if tuple(cc) < (8, 0):
-        return f"cuDNN's fused attention needs Ampere (sm_80) or newer; this GPU is sm_{cc[0]}{cc[1]}"
-    version = getattr(cudnn, "__version__", "?")
-    for name in ("pygraph", "data_type", "heur_mode", "create_handle"):
-        if not hasattr(cudnn, name):
-            return f"cuDNN frontend {version} has no cudnn.{name}"
-    for name in ("sdpa", "sdpa_backward"):
-        if not hasattr(cudnn.pygraph, name):
-            return f"cuDNN frontend {version} has no pygraph.{name}"
-    try:
-        backend = cudnn.backend_version()
-    except Exception as exc:  # the frontend found no cuDNN library to bind
-        return f"the cuDNN frontend has no cuDNN library ({type(exc).__name__}: {exc})"
-    if backend < 90000:  # ragged (THD) offsets with the padding mask in the fused bf16 kernels: cuDNN 9
-        return f"cuDNN {backend} is older than 9.0"
-    return None
+    # ragged (THD) offsets with the padding mask in the fused bf16 kernels: cuDNN 9
+    return frontend_reason((8, 0), "cuDNN's fused attention needs Ampere (sm_80) or newer", ("sdpa", "sdpa_backward"),
+                           90000, "9.0")
 
 
 def ragged_offsets(lengths, H, D) -> list:
