@@ -101,10 +101,12 @@ from .dropin import SageFallbackWarning
 # importing torch_ops registers the custom ops
 from .torch_ops import (_DTYPES, _check_inputs, _encode_config, _family, _require_cuda_tensor, from_cupy,
                         on_torch_stream, to_cupy)
+from .torch_cp import BlockBackend, context_parallel_attention, shard_sequence, unshard_sequence
 
 __all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
            "fallback_counts", "reset_fallback_counts", "SageFallbackWarning", "SageAttentionFunction",
-           "QATAttentionFunction", "to_cupy", "from_cupy", "on_torch_stream"]
+           "QATAttentionFunction", "to_cupy", "from_cupy", "on_torch_stream", "context_parallel_attention",
+           "shard_sequence", "unshard_sequence", "BlockBackend"]
 
 _LAYOUTS = ("HND", "NHD")
 _PACKED = "THD"
