@@ -73,8 +73,10 @@ import numpy as np
 
 from .. import _checks, _layout, _varlen, int8
 from ..config import SageBwdConfig, get_config
+from .jax_cp import context_parallel_attention, shard_sequence, unshard_sequence
 
-__all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "is_available"]
+__all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "is_available", "context_parallel_attention",
+           "shard_sequence", "unshard_sequence"]
 
 _KDL_CUDA = 2  # DLPack DLDeviceType of CUDA device memory
 _NO_BUFFER_CALLBACK = (
