@@ -8,7 +8,7 @@ mesh axis, each device holding a shard of the query rows and of the keys (:func:
     R = len(jax.devices()); mesh = Mesh(np.array(jax.devices()), ("cp",))
     spec = P(None, None, "cp", None)                       # HND: the sequence axis over the devices
     attn = jax.shard_map(lambda q, k, v: context_parallel_attention(q, k, v, "cp", causal=True),
-                         mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+                         mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
     qs, ks, vs = (jax.device_put(shard_sequence(x, R, which=w), NamedSharding(mesh, spec))
                   for x, w in ((q, "q"), (k, "k"), (v, "k")))
     o = unshard_sequence(jax.jit(attn)(qs, ks, vs), R)     # o of the whole sequence, in its true order
@@ -41,7 +41,11 @@ Precision. Every head gets the single call's result: with sagecupy's attention, 
 head) pair, so a call on H/R heads computes each as the call on all H does: tests/gpu/test_invariance.py).
 
 Practice. The default attention runs the CUDA kernels through buffer callbacks, so each device of the mesh is one
-GPU (a CPU mesh runs only with another ``attention=``, e.g. an exact jnp attention for tests). The ring mode of
+GPU (a CPU mesh runs only with another ``attention=``, e.g. an exact jnp attention for tests). JAX types a buffer
+callback's outputs as equal on every device (no varying manual axes), which shard_map's type check (``check_vma``,
+on by default) rejects in the backward and would otherwise treat as replicated, summing cotangents over the axis:
+with the default attention, call ``jax.shard_map(..., check_vma=False)`` (``check_rep=False`` in JAX's older
+``jax.experimental.shard_map``); a ValueError says so otherwise. A jnp ``attention=`` works either way. The ring mode of
 :func:`sagecupy.torch.context_parallel_attention` (and :func:`sagecupy.context_parallel.ring_attention`, its one-GPU
 simulation) has no JAX counterpart: all2all needs H/R heads per device, the ring does not.
 """
@@ -223,6 +227,17 @@ def _axis_size(axis_name):
     return int(R)
 
 
+def _varying_axes(x):
+    """The manual mesh axes along which shard_map's type check (``check_vma``) has ``x`` vary; empty with the check
+    off, and on JAX versions before those types."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return frozenset()
+    aval = typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later; aval.vma before
+    return frozenset((getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)) or ())
+
+
 def _check_arrays(q, k, v, layout):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
@@ -255,6 +270,8 @@ def context_parallel_attention(q, k, v, axis_name, *, causal=False, window=None,
     :func:`sagecupy.jax.sage_attention`; any function taking ``(q, k, v, causal=, sm_scale=, layout=, config=,
     window=, return_lse=)`` and returning o or ``(o, lse)`` with lse (B, H, N).
 
+    With the default attention the enclosing ``jax.shard_map`` needs ``check_vma=False`` (module docstring).
+
     Returns this device's rows of ``o`` (its plan shard, as ``q``), with ``return_lse`` also ``lse`` (B, Hq, nq)
     without gradient."""
     if mode != "all2all":
@@ -267,6 +284,13 @@ def context_parallel_attention(q, k, v, axis_name, *, causal=False, window=None,
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     if attention is None:
         from .jax import sage_attention as attention  # lazily: sagecupy.adapters.jax imports this module
+
+        varying = sorted({str(a) for x in (q, k, v) for a in _varying_axes(x)})
+        if varying:
+            raise ValueError(
+                f"attention=None runs sagecupy.jax.sage_attention, whose buffer callbacks give outputs that JAX "
+                f"types as equal on every device, but q, k, v vary over {', '.join(varying)} (shard_map's check_vma): "
+                f"call jax.shard_map(..., check_vma=False) around context_parallel_attention")
     elif not callable(attention):
         raise TypeError(f"attention must be None or a function like sagecupy.jax.sage_attention, got "
                         f"{type(attention).__name__}")

@@ -9,6 +9,7 @@ another test module may have started JAX in this process already: the mesh check
 run as a script, ``python tests/cpu/test_jax_cp.py``), which prints one JSON line per check; the tests read them.
 Argument errors that need no mesh are checked in this process.
 """
+import inspect
 import json
 import os
 import subprocess
@@ -187,6 +188,24 @@ def _main():
     _report("error/plan-ranks", True, message=error_of(under_mesh(8, 4, 128, plan=ref.zigzag_plan(
         512, 512, 2, align_q=64, align_k=128))))
 
+    # The default attention (the INT8 kernels' buffer callbacks) traces, forward and backward, under a shard_map
+    # without the varying-axes check (nothing runs: eval_shape), and is refused, by name, with it.
+    def default_attention(**kw):
+        body = lambda q, k, v: sj.context_parallel_attention(q, k, v, "cp", causal=True)  # noqa: E731
+        f = shard_map(body, mesh=mesh, in_specs=(spec_h,) * 3, out_specs=spec_h, **kw)
+        x = jax.ShapeDtypeStruct((1, 8, 512, 64), jnp.float16)
+        loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))  # noqa: E731
+        return jax.eval_shape(jax.value_and_grad(loss, argnums=(0, 1, 2)), x, x, x)
+
+    if "check_vma" in inspect.signature(shard_map).parameters:
+        _, grads = default_attention(check_vma=False)
+        _report("trace/default-attention", [g.shape for g in grads] == [(1, 8, 512, 64)] * 3,
+                dtypes=[str(g.dtype) for g in grads])
+        _report("error/check-vma", True, message=error_of(default_attention))
+    else:  # JAX before 0.7: check_rep, and no varying-axes types to refuse
+        _report("trace/default-attention", True, skipped="this shard_map has no check_vma")
+        _report("error/check-vma", True, skipped="this shard_map has no check_vma")
+
 
 # --------------------------------------------------------------------------------------------------
 # the tests
@@ -234,6 +253,15 @@ def test_gradients_equal_single_call(results, case):
     _check(results, f"grad/{case}")
 
 
+def test_default_attention_traces_under_shard_map(results):
+    """sagecupy.jax.sage_attention inside the exchanges: shapes and dtypes of the gradients, traced on the CPU (the
+    kernels themselves run in tests/gpu/test_jax_cp.py)."""
+    r = _check(results, "trace/default-attention")
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    assert r["dtypes"] == ["float16"] * 3, r
+
+
 @pytest.mark.parametrize("i", range(len(ROUND_TRIPS)))
 def test_shard_unshard_round_trip(results, i):
     r = _check(results, f"roundtrip/{i}")
@@ -246,8 +274,11 @@ def test_shard_unshard_round_trip(results, i):
     ("error/uneven", ["ValueError", "equal slice"]),
     ("error/axis", ["ValueError", "axis_name='sp'"]),
     ("error/plan-ranks", ["ValueError", "plan is for 2 devices"]),
+    ("error/check-vma", ["ValueError", "check_vma=False", "vary over cp"]),
 ])
 def test_errors_on_a_mesh(results, name, words):
+    if "skipped" in results[name]:
+        pytest.skip(results[name]["skipped"])
     message = results[name]["message"]
     assert all(w in message for w in words), message
 
