@@ -36,9 +36,10 @@ permutation's backward is the inverse permutation. Both exchanges move data only
 ``g*Hq/R ..`` and kv heads ``g*Hkv/R ..``; query head ``h`` reads kv head ``h // (Hq/Hkv)``, which lies in the
 device's kv group exactly when ``Hkv % R == 0``, hence the requirement (and ``Hq % R == 0``).
 
-Precision. Every head gets the single call's result: with sagecupy's attention, bit for bit what
-``sage_attention`` on the whole, unsharded inputs gives (O, LSE and the gradients; the kernels work per (batch,
-head) pair, so a call on H/R heads computes each as the call on all H does: tests/gpu/test_invariance.py).
+Precision. Every head gets the single call's result: the exchanges and permutations move data only, and with
+sagecupy's attention the kernels work per (batch, head) pair, so a call on H/R heads computes each as the call on
+all H does (tests/gpu/test_invariance.py): O, the LSE and the gradients are meant to be bit for bit what
+``sage_attention`` gives on the whole, unsharded inputs (tests/gpu/test_jax_cp.py checks it).
 
 Practice. The default attention runs the CUDA kernels through buffer callbacks, so each device of the mesh is one
 GPU (a CPU mesh runs only with another ``attention=``, e.g. an exact jnp attention for tests). JAX types a buffer

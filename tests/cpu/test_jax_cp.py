@@ -142,6 +142,20 @@ def _main():
             _report(f"{kind}/{name}", all(a.shape == b.shape for a, b in pairs) and max(rel) <= RTOL,
                     max_rel_diff=rel, bitwise=[bool(jnp.array_equal(a, b)) for a, b in pairs])
 
+    # A sequence sharded over two mesh axes at once: axis_name is their tuple, in the PartitionSpec's order.
+    mesh2 = Mesh(np.array(devices[:4]).reshape(2, 2), ("a", "b"))
+    spec2 = P(None, None, ("a", "b"), None)
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, h, 512, 64))) for h in (8, 4, 4))
+    f = jax.jit(shard_map(lambda q, k, v: sj.context_parallel_attention(q, k, v, ("a", "b"), causal=True,
+                                                                       attention=_exact),
+                          mesh=mesh2, in_specs=(spec2,) * 3, out_specs=spec2))
+    xs = [jax.device_put(sj.shard_sequence(x, 4, which=w), NamedSharding(mesh2, spec2))
+          for x, w in zip((q, k, v), "qkk")]
+    o, want = sj.unshard_sequence(f(*xs), 4), _exact(q, k, v, causal=True)
+    rel = float(jnp.max(jnp.abs(o - want)) / jnp.max(jnp.abs(want)))
+    _report("forward/tuple-axes", rel <= RTOL, max_rel_diff=rel)
+
     for i, (shape, layout, which, R, plan) in enumerate(ROUND_TRIPS):
         x = jnp.asarray(np.random.default_rng(i).standard_normal(shape))
         kw = dict(which=which, plan=plan, layout=layout)
@@ -246,6 +260,10 @@ def test_forward_equals_single_call(results, case):
     """O and the LSE, unsharded, are the single call's (RTOL): each head's whole sequence reaches one device in true
     order, and the attention of a head does not depend on the other heads."""
     _check(results, f"forward/{case}")
+
+
+def test_sequence_over_two_mesh_axes(results):
+    _check(results, "forward/tuple-axes")
 
 
 @pytest.mark.parametrize("case", list(CASES))
