@@ -63,22 +63,6 @@ __device__ __forceinline__ float i2f_small(int x) {
 // constant's low byte is 0), so one FFMA quantizes and pack4_low_bytes gathers the codes without masking.
 __device__ __forceinline__ unsigned rn_fma_bits(float a, float b) { return __float_as_uint(fmaf(a, b, 12582912.0f)); }
 
-// x in both halves of an f16x2 word (round to nearest).
-__device__ __forceinline__ unsigned f16x2_splat(float x) {
-  unsigned d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(x));
-  return d;
-}
-
-// rint(fp16(lo) * k), rint(fp16(hi) * k) for codes in [0, 1023], in the low bytes of the two halves (byte 0: lo,
-// byte 2: hi): fp16(x) * k + 1024 is rounded once, half-to-even, at fp16's unit in [1024, 2048), which is 1.
-__device__ __forceinline__ unsigned f16_code_pair(float lo, float hi, unsigned k2) {
-  unsigned h, d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(h), "r"(k2), "r"(0x64006400u));
-  return d;
-}
-
 // Low bytes of x0..x3 -> one word (x0 in byte 0): three byte permutes.
 __device__ __forceinline__ unsigned pack4_low_bytes(unsigned x0, unsigned x1, unsigned x2, unsigned x3) {
   return __byte_perm(__byte_perm(x0, x1, 0x0040), __byte_perm(x2, x3, 0x0040), 0x5410);

@@ -21,10 +21,6 @@ namespace sage {
 // (fwd_softmax_tile); against 0 (the running max follows every tile max) see docs/experiments.md.
 constexpr float FWD_RESCALE_SLACK = 8.f;
 
-#ifndef SAGE_FWD_F16P
-#define SAGE_FWD_F16P 0
-#endif
-
 // Where key tile t of V^^T starts and the distance between its D channel rows (the mma.sync engine; the wgmma engine
 // reads the pre-pass's K/V stage images instead). With 64-key tiles V^^T is stored
 // tile-major (the pre-pass, quant_transpose_perm tile_major = 1: each tile's D x 64 bytes contiguous), so a warp's
@@ -93,9 +89,6 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   }
   FwdTileScale ts;
   float factor[2];
-#if SAGE_FWD_F16P
-  float to_frame[2];  // exp2(tile max - m): P~ in the tile's frame -> the running frame, for the row sums
-#endif
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = quad_max(mx[r]) * rs.sq[r];  // s_Q > 0, so the max commutes with the row scale
@@ -111,42 +104,12 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
     factor[r] = p_max * fast_exp2(gap);
     ts.spv[r] = fast_exp2(-gap) * inv_p_max;
     rs.m[r] = m_new;
-#if SAGE_FWD_F16P
-    to_frame[r] = fast_exp2(-gap);
-    mx[r] = mx[r] == -INFINITY ? -0.f : -mx[r];  // exponents relative to the tile's row max: P~ in [0, 1]
-#else
     mx[r] = -m_use;  // reuse: minus the exponent base
-#endif
   }
   // Rescaling O by alpha only when some row's max moved (warp-uniform; alpha == 1 is exact otherwise).
   ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
   // -0 + p is p for every p (0 + p needs an FADD: the compiler cannot assume p != -0)
   float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
-#if SAGE_FWD_F16P
-  // P^ = rint(p_max * fp16(P~)) with P~ = exp2(S - tile max) in [0, 1]: two P~ of a row rounded to one f16x2 word,
-  // one HFMA2 (P~ * p_max + 1024: fp16's unit in [1024, 2048) is 1, so the sum rounds half-to-even at the integer
-  // and its low byte is the code), one byte permute per four codes.
-  const unsigned pmax2 = f16x2_splat(p_max);
-#pragma unroll
-  for (int np = 0; np < NT / 2; ++np) {
-    float p[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        p[j][e] = fast_exp2(fmaf(s[2 * np + j][e], rs.sq[e >> 1], mx[e >> 1]));
-        lsum[e >> 1][2 * j + (e & 1)] += p[j][e];
-      }
-    const int kst = np >> 1, half = np & 1;
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      pa[kst][2 * half + r] = __byte_perm(f16_code_pair(p[0][2 * r], p[0][2 * r + 1], pmax2),
-                                          f16_code_pair(p[1][2 * r], p[1][2 * r + 1], pmax2), 0x6420);
-  }
-  rs.l[0] = fmaf(rs.l[0], ts.alpha[0], ((lsum[0][0] + lsum[0][1]) + (lsum[0][2] + lsum[0][3])) * to_frame[0]);
-  rs.l[1] = fmaf(rs.l[1], ts.alpha[1], ((lsum[1][0] + lsum[1][1]) + (lsum[1][2] + lsum[1][3])) * to_frame[1]);
-  (void)factor;
-#else
 #pragma unroll
   for (int np = 0; np < NT / 2; ++np) {
     unsigned c[2][4];
@@ -162,7 +125,6 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   }
   rs.l[0] = fmaf(rs.l[0], ts.alpha[0], (lsum[0][0] + lsum[0][1]) + (lsum[0][2] + lsum[0][3]));
   rs.l[1] = fmaf(rs.l[1], ts.alpha[1], (lsum[1][0] + lsum[1][1]) + (lsum[1][2] + lsum[1][3]));
-#endif
   if (vs_blk) {
     const float sv = *vs_blk;  // V per 64-token block: its scale (repeated over D)
     ts.spv[0] *= sv;
