@@ -338,6 +338,9 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     k_scale = prog.empty("k_scale", (Hkv * tk_pad,), f32, arena=res) if plain_k else None
     kv_img = (prog.empty("kv_img", (Hkv * tk_pad // 64, _i8.fwd_image(D)), cupy.uint8, arena=_layout.TMP)
               if engine == "wgmma" else None)
+    if res is None:  # residuals the caller keeps: their rows past the sequences' padded blocks defined (see _clear_tails)
+        tails = [(q_codes, Hq * Tq), (q_scale, Hq * Tq)] + ([(k_codes, Hkv * Tk), (k_scale, Hkv * Tk)] if plain_k else [])
+        prog.call((), _clear_tails(tuple(n for _, n in tails)), tuple(b for b, _ in tails))
     mode = 0 if v_channel else 2
     if not v_channel:
         v_scale = prog.empty("v_scale", (Hkv * tk_pad // 64, D), f32, arena=_layout.TMP)
@@ -368,6 +371,23 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
         prog.launch(_qfn(f"quant_transpose_perm_packed<{T}, {D}, {mode}>", T, D), (nbk, Hkv, 1), (2 * D,),
                     (rv, i64(vsh), i64(vsn), v_scale, v_scale, v_t, i32(int(cfg.block_kv == 64))) + tail)
     return Plan(p, cfg, engine, copy, prog)
+
+
+def _clear_tails(first_rows):
+    """Host glue that zeroes each array's rows from ``first_rows[i]`` on, before the kernels write.
+
+    The padded buffers are sized by a bound known without reading the offsets (``packed_bounds``: total + 127 S rows
+    per head), and the sequences' padded blocks fill only the first ``H · Σ pad(n_s)`` rows of it, at least ``H ·
+    total``. The rest is never read, but residuals handed to a caller (PyTorch's ops return them as tensors) must not
+    carry whatever memory held before: a rerun would give different bytes (``torch.library.opcheck``'s eager vs
+    traced comparison, `3853d3b` on an H100). Rows from ``H · total`` on are cleared first, and the kernels then write
+    the padded blocks that reach into them."""
+    def clear(*arrays):
+        for x, first in zip(arrays, first_rows):
+            x[first:].fill(0)
+        return ()
+
+    return clear
 
 
 def _cu_stride(cu):
@@ -431,6 +451,7 @@ def forward_launch_program(p, cfg, pre, engine):
     _, osh, osn = _layout.c_strides(o_shape, _layout.PACKED)
     lse = prog.empty("lse", (Hq, Tq), f32)
     lse2 = prog.empty("lse2", (Hq * tq_pad,), f32)
+    prog.call((), _clear_tails((Hq * Tq,)), (lse2,))  # (a residual: see _clear_tails)
 
     def arg(name):
         return Ref(name) if pre[name] is not None else None

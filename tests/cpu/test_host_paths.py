@@ -13,6 +13,7 @@ class FakeArray:
     """What the host code reads from a CuPy array; each allocation gets its own 256-byte aligned address."""
 
     _next = [1 << 20]
+    fills = []  # (address, shape, value) of every fill, in order
 
     def __init__(self, shape, dtype, strides=None, ptr=None):
         self.shape, self.dtype = tuple(int(s) for s in shape), np.dtype(dtype)
@@ -33,8 +34,16 @@ class FakeArray:
         return types.SimpleNamespace(c_contiguous=self.strides == FakeArray(self.shape, self.dtype, ptr=0).strides)
 
     def __getitem__(self, i):
+        if isinstance(i, slice):  # rows start:stop of the first axis
+            start, stop, step = i.indices(self.shape[0])
+            assert step == 1
+            return FakeArray((max(0, stop - start),) + self.shape[1:], self.dtype, self.strides,
+                             self.data.ptr + start * self.strides[0])
         assert isinstance(i, int)
         return FakeArray(self.shape[1:], self.dtype, self.strides[1:], self.data.ptr + i * self.strides[0])
+
+    def fill(self, value):
+        FakeArray.fills.append((self.data.ptr, self.shape, value))
 
     def copy(self):
         return FakeArray(self.shape, self.dtype)

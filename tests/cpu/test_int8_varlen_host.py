@@ -136,9 +136,14 @@ def test_forward_launches(gpu, engine, d):
     assert (tq_pad, tk_pad) == (768, 640) and (nbq, nbk, nchk) == (12, 10, 5)
     for rep in range(2):  # recorded, then replayed with other offsets arrays
         kw = dict(kw, cu_seqlens_q=FakeArray((S + 1,), np.int32), cu_seqlens_k=FakeArray((S + 1,), np.int32))
-        start = len(gpu)
+        start, fills = len(gpu), len(FakeArray.fills)
         o, lse, res = int8.forward(q, k, v, engine=engine, return_lse=True, **kw)
         launches = gpu[start:]
+        # the residuals' rows past H * total are cleared (their padded blocks end by an unknown row in between)
+        cleared = {ptr: (shape, value) for ptr, shape, value in FakeArray.fills[fills:]}
+        for x, h, n in ((res.q_codes, 4, TQ), (res.q_scale, 4, TQ), (res.k_codes, 2, TK), (res.k_scale, 2, TK),
+                        (res.lse2, 4, TQ)):
+            assert cleared[x.data.ptr + h * n * x.strides[0]] == ((x.shape[0] - h * n,) + x.shape[1:], 0), x.shape
         assert o.shape == (TQ, 4, d) and lse.shape == (4, TQ) and o.dtype == np.float16
         wgmma_qkv = engine == "wgmma" and d == 128
         assert _names(launches) == (["packed_offsets", "packed_tables", "column_partial_kv_packed",

@@ -3,16 +3,17 @@
 Bitwise (fp16): the statistics of one block are the pre-pass's (the same kernel, float64 sums exact for fp16), so
 ``forward(statistics=reduce_statistics([block_statistics(k, v)]))`` is ``forward`` bit for bit, and a block that is
 the whole call (shift = nk - nq) is the single call bit for bit, forward and backward. The ring against the single
-call is at the simulator tolerances of test_int8.py (``_check``): the partial outputs and gradient shares are
-rounded to the input dtype per block, the merge is fp32; the block forward against the float64 reference block
+call is at the simulator tolerances of test_int8.py (``_check``), with room for the roundings of the partial outputs
+and gradient shares, which are rounded to the input dtype per block and merged in fp32; the block forward against the float64 reference block
 likewise.
 """
 import math
 
 import numpy as np
 import pytest
+from sagecupy.reference.metrics import rel_l2
 
-from test_int8 import _check, _inputs, _to_host
+from test_int8 import _check, _inputs, _round_to, _to_host
 
 pytestmark = pytest.mark.gpu
 
@@ -146,9 +147,14 @@ def test_ring_equals_the_single_call(B, Hq, Hkv, Nq, Nk, D, causal, ranks, plan,
     g = cp.ring_attention_backward(state, do)
     o_ex, lse_ex = A.attention_forward(qh, kh, vh, causal=causal, layout=layout)
     g_ex = A.attention_backward(qh, kh, vh, o_ex, lse_ex, doh, causal=causal, layout=layout)
-    _check("O", _to_host(o), _to_host(o1), o_ex, dtype, case)
-    for name, a, b, ex in zip(("dQ", "dK", "dV"), g, g1, g_ex):
-        _check(name, _to_host(a), _to_host(b), ex, dtype, case)
+    # The single call rounds its fp32 O (gradients) to the output dtype once; the ring rounds every block's partial O
+    # (gradient share), merges (sums) them in fp32 and rounds the result. The partials' rounding errors, weighted by
+    # their shares of the result, come to about one more rounding of the result in rms, so against the single call's
+    # output the ring differs by about sqrt(3) roundings: 2 u on top of the simulator tolerance, u the dtype's
+    # rounding measured on the exact result (bf16 at R = 3: 1.6e-3 against the single call, `3853d3b` on an H100).
+    for name, a, b, ex in zip(("O", "dQ", "dK", "dV"), (o, *g), (o1, *g1), (o_ex, *g_ex)):
+        u = rel_l2(_round_to(ex, dtype), ex)
+        _check(name, _to_host(a), _to_host(b), ex, dtype, case, extra=2 * u)
     lse, lse1 = lse.get(), lse1.get()
     assert np.array_equal(lse == -np.inf, lse1 == -np.inf)
     fin = np.isfinite(lse1)

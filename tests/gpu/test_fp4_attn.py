@@ -96,19 +96,26 @@ def _check(name, got, sim, exact, dtype, case, tol=TOL, ambiguous=None, layout="
     """``ambiguous``: (B, H, Nq) rows excluded from the tight comparison (see _ambiguous_rows)."""
     assert np.isfinite(got).all(), f"{name}: non-finite output {case}"
     g, sm = got, sim
+    err = 0.0
     if ambiguous is not None and ambiguous.any():
         keep = ~ambiguous
-        assert keep.mean() > 0.9, f"{name}: {ambiguous.sum()} of {ambiguous.size} rows ambiguous {case}"
+        # A guard against a detector that flags most rows (the tight check would then test nothing): at most 10 %
+        # of the rows, plus 2 for calls of a few rows, where one ambiguous row of 2-9 is a matter of chance (fuzz
+        # cases with Nq = 1 and a few hundred keys: a row is flagged with a probability of about 1 %).
+        assert ambiguous.sum() <= 0.1 * ambiguous.size + 2, (
+            f"{name}: {ambiguous.sum()} of {ambiguous.size} rows ambiguous {case}")
         gh, sh = ref_attn.to_hnd(got, layout), ref_attn.to_hnd(sim, layout)
         g, sm = gh[keep], sh[keep]
-    bound = tol + metrics.rel_l2(_round_to(sm, dtype), sm)
-    err = metrics.rel_l2(g, sm)
-    assert err <= bound, f"{name}: rel_l2 vs simulator {err:.3e} > {bound:.3e} {case}; worst {metrics.worst_element(g, sm)}"
+    if np.size(sm):  # (every row ambiguous: those are checked against the exact reference only)
+        bound = tol + metrics.rel_l2(_round_to(sm, dtype), sm)
+        err = metrics.rel_l2(g, sm)
+        assert err <= bound, (f"{name}: rel_l2 vs simulator {err:.3e} > {bound:.3e} {case}; worst "
+                              f"{metrics.worst_element(g, sm)}")
     if exact is not None and np.any(exact):
         e_k, e_s = metrics.rel_l2(got, exact), metrics.rel_l2(sim, exact)
-        # the output format's own rounding of the exact result, in quadrature: room the kernel needs where the
-        # simulator is (near) exact (test_int8._check says when)
-        r = metrics.rel_l2(_round_to(exact, dtype), exact)
+        # the output format's own rounding, of the exact result or of the simulator's (which the kernel rounds), in
+        # quadrature: room the kernel needs where the simulator is (near) exact (test_int8._check says when)
+        r = max(metrics.rel_l2(_round_to(exact, dtype), exact), metrics.rel_l2(_round_to(sim, dtype), sim))
         assert e_k <= 1.1 * math.hypot(e_s, r) + 1e-4, (
             f"{name}: vs exact {e_k:.4e} > 1.1 x hypot(simulator's {e_s:.4e}, output rounding {r:.1e}) + 1e-4 {case}")
     return err

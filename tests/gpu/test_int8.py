@@ -76,14 +76,14 @@ def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype_name, sigma=1.0):
     return dev, host
 
 
-def _check(name, got, sim, exact, dtype_name, case):
+def _check(name, got, sim, exact, dtype_name, case, extra=0.0):
     assert np.isfinite(got).all(), f"{name}: non-finite output {case}"
     if not np.any(exact):
         # The exact gradient is identically zero (e.g. a single visible key: softmax over one logit has
         # no gradient). The kernel's dP - delta is then rounding noise of O's output format: require it tiny.
         assert np.abs(got).max() < 1e-3, f"{name}: exact gradient is 0, kernel max |.| {np.abs(got).max():.2e} {case}"
         return
-    tol = TOL[name] + metrics.rel_l2(_round_to(sim, dtype_name), sim)
+    tol = TOL[name] + metrics.rel_l2(_round_to(sim, dtype_name), sim) + extra  # (extra: the caller's own reason)
     err_sim = metrics.rel_l2(got, sim)
     assert np.isfinite(got).all(), f"{name}: non-finite output {case}"
     where = metrics.worst_element(got, sim)
@@ -93,8 +93,10 @@ def _check(name, got, sim, exact, dtype_name, case):
     # The kernel returns the output format; the float64 simulator does not. Where the simulator equals exact
     # attention (one visible key: P = 1 and dO's codes are exact, so its dV error is ~1e-8), the output's own
     # rounding (~2.8e-4 in fp16) is all the kernel can be. That rounding is independent of the quantization
-    # error, so the two add in quadrature.
-    out_round = metrics.rel_l2(_round_to(exact, dtype_name), exact)
+    # error, so the two add in quadrature. The kernel rounds its own result, which is the simulator's, not the exact
+    # one: where the exact result is representable and the simulator's is not (one visible key with dO quantized:
+    # dV = dO exactly, fuzz case int8-376), only the simulator's rounding measures it, so the larger of the two.
+    out_round = max(metrics.rel_l2(_round_to(exact, dtype_name), exact), metrics.rel_l2(_round_to(sim, dtype_name), sim))
     assert e_kernel <= 1.1 * math.hypot(e_sim, out_round) + 1e-4, (
         f"{name}: vs exact {e_kernel:.4e} > 1.1 x hypot(simulator's {e_sim:.4e}, output rounding "
         f"{out_round:.1e}) + 1e-4 {case}")

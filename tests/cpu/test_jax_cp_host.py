@@ -6,7 +6,7 @@ gradients of the sharded call, put back in true order, against the same attentio
 
 A CPU mesh of several devices needs ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before JAX starts, and
 another test module may have started JAX in this process already: the mesh checks run in one subprocess (this file
-run as a script, ``python tests/cpu/test_jax_cp.py``), which prints one JSON line per check; the tests read them.
+run as a script, ``python tests/cpu/test_jax_cp_host.py``), which prints one JSON line per check; the tests read them.
 Argument errors that need no mesh are checked in this process.
 """
 import inspect
