@@ -438,8 +438,8 @@ def quantize_inputs(q, k, v, *, layout="HND", k_smoothing=True):
     """Q, K (K - mean over tokens when ``k_smoothing``) and V in the exchange format; keys as
     :func:`sagecupy.reference.nvfp4.quantize_inputs` (without Q-smoothing and tensor scales).
 
-    The K mean is computed in float64 and rounded to float32, then subtracted in float32 (the reference
-    subtracts in float64, so a code can differ where K - mean lands on a rounding tie)."""
+    The K mean is computed in float64 and rounded to float32, then subtracted in float32, as the reference does
+    with quantization on (so the codes are its codes bit for bit)."""
     import cupy
 
     out = {}
