@@ -175,6 +175,24 @@ def sagebwd_alignment(config=DEFAULT) -> tuple:
     return math.lcm(cfg.bwd_block_q, cfg.block_q if q_blocks else 1), math.lcm(cfg.block_kv, cfg.bwd_block_kv)
 
 
+def make_plan(plan, Nq: int, Nk: int, ranks: int, align=(1, 1), unit: str = "ranks",
+              where: str = "the call") -> ShardPlan:
+    """``plan`` as given to the ring and context-parallel calls: ``"zigzag"`` or ``"contiguous"`` (built for ``ranks``
+    with chunks aligned to ``align = (align_q, align_k)``), or a :class:`ShardPlan`, checked to be for ``ranks`` and
+    to cover the sequence without cutting an aligned tile. ``unit`` and ``where`` word the error of a plan for another
+    count ("plan is for 3 ranks but the process group has 2")."""
+    if isinstance(plan, str):
+        build = {"zigzag": zigzag_plan, "contiguous": contiguous_plan}.get(plan)
+        if build is None:
+            raise ValueError(f"plan={plan!r} must be 'zigzag', 'contiguous' or a ShardPlan")
+        return build(Nq, Nk, ranks, align_q=align[0], align_k=align[1])
+    if not isinstance(plan, ShardPlan):
+        raise TypeError(f"plan must be 'zigzag', 'contiguous' or a ShardPlan, got {type(plan).__name__}")
+    if plan.ranks != ranks:
+        raise ValueError(f"plan is for {plan.ranks} {unit} but {where} has {ranks}")
+    return _check_plan(plan, Nq, Nk, *align)
+
+
 def _check_plan(plan, Nq: int, Nk: int, align_q: int = 1, align_k: int = 1) -> ShardPlan:
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan (contiguous_plan, zigzag_plan), got {type(plan).__name__}")

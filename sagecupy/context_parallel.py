@@ -267,14 +267,9 @@ def make_plan(plan, Nq: int, Nk: int, ranks, config=None) -> ShardPlan:
     """``plan``: ``"zigzag"``, ``"contiguous"`` (built for ``ranks`` with ``sagebwd_alignment(config)``) or a
     :class:`ShardPlan`, checked to cover the sequence and cut no SageBwd tile."""
     align = sagebwd_alignment(_check_config(config))
-    if isinstance(plan, str):
-        build = {"zigzag": zigzag_plan, "contiguous": contiguous_plan}.get(plan)
-        if build is None:
-            raise ValueError(f"plan={plan!r} must be 'zigzag', 'contiguous' or a ShardPlan")
-        plan = build(Nq, Nk, ranks, align_q=align[0], align_k=align[1])
-    elif ranks is not None and getattr(plan, "ranks", None) != ranks:
-        raise ValueError(f"ranks={ranks!r} and the plan's {getattr(plan, 'ranks', None)!r} differ")
-    return _ref._check_plan(plan, Nq, Nk, *align)
+    if ranks is None and not isinstance(plan, str):
+        ranks = getattr(plan, "ranks", None)
+    return _ref.make_plan(plan, Nq, Nk, ranks, align, "ranks", "the argument ranks")
 
 
 def _rows(x, a, b, layout):

@@ -102,17 +102,8 @@ def _side(which):
 def _make_plan(plan, Nq, Nk, R, config):
     """The ShardPlan of (Nq, Nk) over R devices, its chunks on the config's SageBwd tiles (one plan for every
     attention, so that shards made for one serve another)."""
-    align = _ref.sagebwd_alignment(get_config(config))
-    if isinstance(plan, str):
-        build = {"zigzag": _ref.zigzag_plan, "contiguous": _ref.contiguous_plan}.get(plan)
-        if build is None:
-            raise ValueError(f"plan={plan!r} must be 'zigzag', 'contiguous' or a ShardPlan")
-        return build(Nq, Nk, R, align_q=align[0], align_k=align[1])
-    if not isinstance(plan, _ref.ShardPlan):
-        raise TypeError(f"plan must be 'zigzag', 'contiguous' or a ShardPlan, got {type(plan).__name__}")
-    if plan.ranks != R:
-        raise ValueError(f"plan is for {plan.ranks} devices but the sequence is sharded over {R}")
-    return _ref._check_plan(plan, Nq, Nk, *align)
+    return _ref.make_plan(plan, Nq, Nk, R, _ref.sagebwd_alignment(get_config(config)), "devices",
+                          "the mesh axis")
 
 
 def _side_plan(plan, N, which, R, config):

@@ -415,17 +415,7 @@ def _alignment(config):
 
 
 def _make_plan(plan, Nq, Nk, R, config):
-    align = _alignment(config)
-    if isinstance(plan, str):
-        build = {"zigzag": _ref.zigzag_plan, "contiguous": _ref.contiguous_plan}.get(plan)
-        if build is None:
-            raise ValueError(f"plan={plan!r} must be 'zigzag', 'contiguous' or a ShardPlan")
-        return build(Nq, Nk, R, align_q=align[0], align_k=align[1])
-    if not isinstance(plan, _ref.ShardPlan):
-        raise TypeError(f"plan must be 'zigzag', 'contiguous' or a ShardPlan, got {type(plan).__name__}")
-    if plan.ranks != R:
-        raise ValueError(f"plan is for {plan.ranks} ranks but the process group has {R}")
-    return _ref._check_plan(plan, Nq, Nk, *align)
+    return _ref.make_plan(plan, Nq, Nk, R, _alignment(config), "ranks", "the process group")
 
 
 def _shard_len(chunks):

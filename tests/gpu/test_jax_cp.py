@@ -26,18 +26,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sagecupy.jax as sj  # noqa: E402
+from test_jax_adapter import _adapter_usable, _inputs  # noqa: E402,F401  (_adapter_usable: the module's skip)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _adapter_usable(request):
-    ok, why = sj.is_available()
-    if ok:
-        return
-    if request.config.getoption("--require-gpu"):
-        pytest.fail(f"--require-gpu given but JAX is installed and cannot run the adapter: {why}", pytrace=False)
-    pytest.skip(why)
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
@@ -49,20 +40,6 @@ def _shard_map(f, mesh, in_specs, out_specs):
     params = inspect.signature(sm).parameters
     off = {"check_vma": False} if "check_vma" in params else {"check_rep": False}
     return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **off)
-
-
-def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype):
-    """q, k, v, do as JAX arrays on the default device (K with a common offset, so that K-smoothing matters)."""
-    rng = np.random.default_rng(seed)
-
-    def shape(h, n):
-        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
-
-    q = rng.standard_normal(shape(Hq, Nq))
-    k = rng.standard_normal(shape(Hkv, Nk)) + 0.5 * rng.standard_normal((1, 1, 1, D))
-    v = rng.standard_normal(shape(Hkv, Nk))
-    do = rng.standard_normal(shape(Hq, Nq))
-    return tuple(jnp.asarray(x.astype(np.float32), dtype=getattr(jnp, dtype)) for x in (q, k, v, do))
 
 
 def _assert_bitwise(name, got, want, case):
