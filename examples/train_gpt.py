@@ -29,6 +29,14 @@ within each document only:
 
 Validation then packs the validation split's documents in order into sequences of ``--seq`` pairs.
 
+``--context-parallel N`` (launched as ``torchrun --nproc-per-node N examples/train_gpt.py --context-parallel N``)
+spreads every sequence over N GPUs (examples/gpt_cp.py): each rank holds the zigzag shard of the plan of
+``sagecupy.torch.shard_sequence`` and runs embeddings, MLPs and norms on its tokens with their global rotary
+positions; attention is ``sagecupy.torch.context_parallel_attention(..., causal=True)`` (``sagecupy``) or SDPA on
+all-gathered K/V with the global causal mask (``sdpa``). The model is replicated (gradients summed over the ranks
+every step), the loss is the mean over all ranks' tokens, rank 0 prints and writes ``--out``. ``--seq`` must be a
+multiple of 2N chunks of sagecupy's tile alignment; ``--pack`` is refused.
+
 Throughput is tokens per second over the steps after ``--timing-warmup`` (CUDA events around every step; the first
 steps, compilation and the kernels' first compilation are left out). ``--compare`` trains both from the same
 initialization on the same batches and prints the ratio of their tokens/s and the relative difference of their
@@ -316,13 +324,14 @@ def attention_fn(attn, entry="op", layout="HND", pack=False):
     return f
 
 
-def build_model(cfg: RunConfig, attn, device="cpu"):
+def build_model(cfg: RunConfig, attn, device="cpu", att=None):
     """The GPT for ``cfg`` with ``attn``'s attention, initialized from ``cfg.seed`` alone (the same weights for
-    every attention and device), on ``device``."""
+    every attention and device), on ``device``. ``att``: an attention function of :func:`attention_fn`'s signature
+    to use instead (context parallelism's, examples/gpt_cp.py)."""
     import torch
     from torch import nn
 
-    att = attention_fn(attn, cfg.entry, cfg.layout, cfg.pack)
+    att = att or attention_fn(attn, cfg.entry, cfg.layout, cfg.pack)
     width = cfg.heads * cfg.d_head
     resid_std = 0.02 / math.sqrt(2 * cfg.layers)  # residual branches scaled so the stream's variance stays put
 
@@ -678,6 +687,10 @@ def build_parser():
                          "documents (the corpus's files, cut into pieces of at most --seq), positions restarting "
                          "and attention causal within each document; sdpa with a block-diagonal causal mask, "
                          "sagecupy with layout='THD' and cu_seqlens (--entry op)")
+    ap.add_argument("--context-parallel", type=_positive, default=None, metavar="N",
+                    help="spread every sequence over N ranks (launch with torchrun --nproc-per-node N): zigzag "
+                         "shards, context_parallel_attention (sagecupy) or all-gathered K/V (sdpa), gradients "
+                         "summed over the ranks; not with --pack")
     ap.add_argument("--preset", choices=tuple(PRESETS), default="default",
                     help="model shape: default " + " ".join(f"--{k.replace('_', '-')} {v}"
                                                             for k, v in PRESETS["default"].items())
@@ -766,6 +779,14 @@ def _importable_sagecupy():
         sys.path.insert(0, str(root))
 
 
+def _gpt_cp():
+    """examples/gpt_cp.py (beside this file; loaded by path, as examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpt_cp", Path(__file__).with_name("gpt_cp.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv=None):
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -778,6 +799,9 @@ def main(argv=None):
     if cfg.pack and "sagecupy" in attns and cfg.entry != "op":
         ap.error("--pack runs sagecupy through sage_attention (--entry op): the drop-in SDPA takes no document "
                  "offsets")
+    if a.context_parallel is not None:
+        # this module's names as a namespace: it runs as __main__ or is loaded by path, under no importable name
+        return _gpt_cp().main(argparse.Namespace(**globals()), ap, a, cfg)
     _importable_sagecupy()
     _check_machine(ap, attns)
     cfg.data = str(cfg.data or default_data_dir())  # the record names the corpus it was trained on
