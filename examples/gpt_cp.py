@@ -257,24 +257,11 @@ def train_cp(tg, cfg, attn, *, group=None, device="cuda", data, log=print, backe
         dist.all_reduce(total, group=group)
         losses.append(total)
         marks.append(clock.mark())
-        if log and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-            ms = clock.ms(marks[last_log], marks[-1])
-            rate = tokens_per_step * (step + 1 - last_log) / (ms / 1e3) if ms > 0 else float("nan")
-            log(f"{attn:<9} cp {R} step {step:5d}  loss {losses[-1].item():.4f}  lr {lrs[-1]:.2e}  "
-                f"{rate:,.0f} tok/s")
-            last_log = step + 1
-    step_ms = [clock.ms(a, b) for a, b in zip(marks[:-1], marks[1:])]
-    timed_from = min(cfg.timing_warmup, cfg.steps - 1)
-    timed_ms = sum(step_ms[timed_from:])
-    curve = torch.stack(losses).float().cpu().tolist()
-    val_loss = evaluate_cp(tg, model, val_bytes, cfg, device, autocast, pos, group)
-    window = curve[-min(cfg.final_window, len(curve)):]
-    record = dict(attn=attn, context_parallel=R, plan=plan.kind, steps=cfg.steps, tokens_per_step=tokens_per_step,
-                  timed_steps=cfg.steps - timed_from,
-                  tokens_per_s=tokens_per_step * (cfg.steps - timed_from) / (timed_ms / 1e3) if timed_ms > 0 else None,
-                  median_step_ms=sorted(step_ms[timed_from:])[(cfg.steps - timed_from) // 2],
-                  final_train_loss=sum(window) / len(window), last_loss=curve[-1], val_loss=val_loss,
-                  curve=[dict(step=i, loss=v, lr=lr) for i, (v, lr) in enumerate(zip(curve, lrs))], step_ms=step_ms)
+        last_log = tg.log_progress(log if rank == 0 else None, f"{attn:<9} cp {R}", step, cfg, clock, marks, last_log,
+                                   losses, lrs, tokens_per_step)
+    record = dict(attn=attn, context_parallel=R, plan=plan.kind,
+                  **tg.run_summary(cfg, clock, marks, losses, lrs, tokens_per_step,
+                                   lambda: evaluate_cp(tg, model, val_bytes, cfg, device, autocast, pos, group)))
     if device.type == "cuda":
         record["torch_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     return (record, model) if return_model else record

@@ -546,33 +546,47 @@ def train(cfg: RunConfig, attn, *, device="cuda", data=None, log=print) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())  # read at the log steps only: no synchronization in between
         marks.append(clock.mark())
-        if log and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-            ms = clock.ms(marks[last_log], marks[-1])
-            rate = tokens_per_step * (step + 1 - last_log) / (ms / 1e3) if ms > 0 else float("nan")
-            log(f"{attn:<9} step {step:5d}  loss {losses[-1].item():.4f}  lr {lrs[-1]:.2e}  "
-                f"{rate:,.0f} tok/s")
-            last_log = step + 1
-    step_ms = [clock.ms(a, b) for a, b in zip(marks[:-1], marks[1:])]
-    timed_from = min(cfg.timing_warmup, cfg.steps - 1)
-    timed_ms = sum(step_ms[timed_from:])
-    curve = torch.stack(losses).float().cpu().tolist()
-    val_loss = evaluate(model, val_bytes, cfg, device, autocast, val_starts)
-    window = curve[-min(cfg.final_window, len(curve)):]
+        last_log = log_progress(log, f"{attn:<9}", step, cfg, clock, marks, last_log, losses, lrs, tokens_per_step)
     record = dict(attn=attn, entry=cfg.entry if attn == "sagecupy" else None,
                   layout=("THD" if cfg.pack else cfg.layout) if attn == "sagecupy" and cfg.entry == "op" else None,
                   pack=cfg.pack, documents_per_step=getattr(batch, "documents_per_step", None),
-                  compiled=cfg.compile, steps=cfg.steps, tokens_per_step=tokens_per_step,
-                  timed_steps=cfg.steps - timed_from,
-                  tokens_per_s=tokens_per_step * (cfg.steps - timed_from) / (timed_ms / 1e3) if timed_ms > 0 else None,
-                  median_step_ms=sorted(step_ms[timed_from:])[(cfg.steps - timed_from) // 2],
-                  final_train_loss=sum(window) / len(window), last_loss=curve[-1], val_loss=val_loss,
-                  curve=[dict(step=i, loss=v, lr=lr) for i, (v, lr) in enumerate(zip(curve, lrs))], step_ms=step_ms)
+                  compiled=cfg.compile, **run_summary(cfg, clock, marks, losses, lrs, tokens_per_step,
+                                                      lambda: evaluate(model, val_bytes, cfg, device, autocast,
+                                                                       val_starts)))
     if device.type == "cuda":
         record["torch_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         cupy = sys.modules.get("cupy")
         if cupy is not None:  # sagecupy's buffers live in CuPy's pool, which PyTorch does not count
             record["cupy_pool_total_bytes"] = cupy.get_default_memory_pool().total_bytes()
     return record
+
+
+def log_progress(log, label, step, cfg, clock, marks, last_log, losses, lrs, tokens_per_step):
+    """Log a line at every ``--log-every`` step and the last (tokens/s since the previous line); returns the step the
+    next line counts from. ``log`` None: no line (and no synchronization: the loss is read only here)."""
+    if log and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+        ms = clock.ms(marks[last_log], marks[-1])
+        rate = tokens_per_step * (step + 1 - last_log) / (ms / 1e3) if ms > 0 else float("nan")
+        log(f"{label} step {step:5d}  loss {losses[-1].item():.4f}  lr {lrs[-1]:.2e}  {rate:,.0f} tok/s")
+        return step + 1
+    return last_log
+
+
+def run_summary(cfg, clock, marks, losses, lrs, tokens_per_step, val_loss):
+    """A run's measured fields: step times from the marks (the first ``--timing-warmup`` steps not timed), tokens/s,
+    the loss curve and its final window, and ``val_loss()`` (called after the curve is read)."""
+    import torch
+
+    step_ms = [clock.ms(a, b) for a, b in zip(marks[:-1], marks[1:])]
+    timed_from = min(cfg.timing_warmup, cfg.steps - 1)
+    timed_ms = sum(step_ms[timed_from:])
+    curve = torch.stack(losses).float().cpu().tolist()
+    window = curve[-min(cfg.final_window, len(curve)):]
+    return dict(steps=cfg.steps, tokens_per_step=tokens_per_step, timed_steps=cfg.steps - timed_from,
+                tokens_per_s=tokens_per_step * (cfg.steps - timed_from) / (timed_ms / 1e3) if timed_ms > 0 else None,
+                median_step_ms=sorted(step_ms[timed_from:])[(cfg.steps - timed_from) // 2],
+                final_train_loss=sum(window) / len(window), last_loss=curve[-1], val_loss=val_loss(),
+                curve=[dict(step=i, loss=v, lr=lr) for i, (v, lr) in enumerate(zip(curve, lrs))], step_ms=step_ms)
 
 
 def _release(device):
