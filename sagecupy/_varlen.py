@@ -338,8 +338,10 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     k_scale = prog.empty("k_scale", (Hkv * tk_pad,), f32, arena=res) if plain_k else None
     kv_img = (prog.empty("kv_img", (Hkv * tk_pad // 64, _i8.fwd_image(D)), cupy.uint8, arena=_layout.TMP)
               if engine == "wgmma" else None)
-    if res is None:  # residuals the caller keeps: their rows past the sequences' padded blocks defined (see _clear_tails)
-        tails = [(q_codes, Hq * Tq), (q_scale, Hq * Tq)] + ([(k_codes, Hkv * Tk), (k_scale, Hkv * Tk)] if plain_k else [])
+    if res is None:  # residuals the caller keeps: their rows past the padded blocks made defined (_clear_tails)
+        tails = [(q_codes, Hq * Tq), (q_scale, Hq * Tq)]
+        if plain_k:
+            tails += [(k_codes, Hkv * Tk), (k_scale, Hkv * Tk)]
         prog.call((), _clear_tails(tuple(n for _, n in tails)), tuple(b for b, _ in tails))
     mode = 0 if v_channel else 2
     if not v_channel:

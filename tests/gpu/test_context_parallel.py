@@ -4,8 +4,8 @@ Bitwise (fp16): the statistics of one block are the pre-pass's (the same kernel,
 ``forward(statistics=reduce_statistics([block_statistics(k, v)]))`` is ``forward`` bit for bit, and a block that is
 the whole call (shift = nk - nq) is the single call bit for bit, forward and backward. The ring against the single
 call is at the simulator tolerances of test_int8.py (``_check``), with room for the roundings of the partial outputs
-and gradient shares, which are rounded to the input dtype per block and merged in fp32; the block forward against the float64 reference block
-likewise.
+and gradient shares, which are rounded to the input dtype per block and merged in fp32; the block forward against the
+float64 reference block at the simulator tolerances.
 """
 import math
 

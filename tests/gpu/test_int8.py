@@ -96,7 +96,8 @@ def _check(name, got, sim, exact, dtype_name, case, extra=0.0):
     # error, so the two add in quadrature. The kernel rounds its own result, which is the simulator's, not the exact
     # one: where the exact result is representable and the simulator's is not (one visible key with dO quantized:
     # dV = dO exactly, fuzz case int8-376), only the simulator's rounding measures it, so the larger of the two.
-    out_round = max(metrics.rel_l2(_round_to(exact, dtype_name), exact), metrics.rel_l2(_round_to(sim, dtype_name), sim))
+    out_round = max(metrics.rel_l2(_round_to(exact, dtype_name), exact),
+                    metrics.rel_l2(_round_to(sim, dtype_name), sim))
     assert e_kernel <= 1.1 * math.hypot(e_sim, out_round) + 1e-4, (
         f"{name}: vs exact {e_kernel:.4e} > 1.1 x hypot(simulator's {e_sim:.4e}, output rounding "
         f"{out_round:.1e}) + 1e-4 {case}")
