@@ -188,6 +188,15 @@ class GraphPair:
             # The frontend asks cuda-python for the device when it was not told; say it, so that package is not needed.
             self.handle._ordinal = self.device.index
 
+    def close(self):
+        """Destroy the cuDNN handle (once; the graphs and buffers go with the object). Explicit rather than in
+        ``__del__``, which could run at interpreter exit after the library is gone."""
+        handle, self.handle = getattr(self, "handle", None), None
+        self._fwd = self._bwd = self._fwd_pack = self._bwd_pack = None  # (the graphs before the handle they use)
+        destroy = getattr(self.cudnn, "destroy_handle", None)
+        if handle is not None and destroy is not None:
+            destroy(handle)
+
     def _start(self):
         self.mask_style = None
         self.fwd_plan = self.bwd_plan = None
@@ -437,7 +446,9 @@ def get(B, H, N, D, causal, *, attn_scale=None) -> CudnnFp8Attention:
 
 
 def clear():
-    """Drop the cached graphs and their buffers."""
+    """Drop the cached graphs and their buffers, and destroy their cuDNN handles."""
+    for att in _CACHE.values():
+        att.close()
     _CACHE.clear()
 
 

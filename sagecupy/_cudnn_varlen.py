@@ -210,5 +210,7 @@ def get(lengths, H, D, *, window_left=None, packed=True, dtype="bfloat16") -> Cu
 
 
 def clear():
-    """Drop the cached graphs and their buffers."""
+    """Drop the cached graphs and their buffers, and destroy their cuDNN handles."""
+    for att in _CACHE.values():
+        att.close()
     _CACHE.clear()

@@ -495,3 +495,21 @@ def test_run_bench_rejects_unknown_adapter_and_takes_a_dtype(monkeypatch, capsys
     monkeypatch.setattr(mod.bench, "run_suite", lambda cases, **kw: seen.update(kw) or [])
     mod.main(["--dtype", "float16", "--adapters", "torch", "--baselines", ""])
     assert seen["dtype"] == "float16" and seen["adapters"] == ("torch",)
+
+
+def test_clear_destroys_each_cached_handle_once(monkeypatch):
+    """clear() closes every cached graph pair: its graphs dropped, then its cuDNN handle destroyed, once."""
+    import types
+
+    from sagecupy import _cudnn_fp8, _cudnn_varlen
+
+    destroyed = []
+    fake = types.SimpleNamespace(destroy_handle=destroyed.append)
+    for mod in (_cudnn_fp8, _cudnn_varlen):
+        pair = object.__new__(_cudnn_fp8.GraphPair)
+        pair.cudnn, pair.handle, pair._fwd = fake, f"handle of {mod.__name__}", "graph"
+        monkeypatch.setitem(mod._CACHE, "key", pair)
+        mod.clear()
+        assert mod._CACHE == {} and pair.handle is None and pair._fwd is None
+        pair.close()  # a second close destroys nothing
+    assert destroyed == ["handle of sagecupy._cudnn_fp8", "handle of sagecupy._cudnn_varlen"]

@@ -266,6 +266,17 @@ def test_run_varlen_suite_skips_and_errors(monkeypatch):
     assert "skipped: no torch" in text and "error (window D=128 N=16384 W=1024)" in text
 
 
+def test_a_graph_cudnn_declines_is_a_skip_not_an_error(monkeypatch):
+    from sagecupy._cudnn_fp8 import Unavailable
+
+    def declined(case, shape, dtype, warmup, rep):
+        raise Unavailable("cuDNN bf16 forward graph not supported for packed B=8: ragged offsets need sm_90")
+    monkeypatch.setattr(fw, "_bench_cudnn_varlen", declined)
+    rows = fw.bench_varlen_baseline("cudnn", common.packed_cases((128,), (8,))[0])
+    assert len(rows) == 1 and rows[0]["mode"] == "skip" and "ragged offsets need sm_90" in rows[0]["reason"]
+    assert rows[0]["impl"] == "cudnn-bf16" and rows[0]["case"] == "packed"
+
+
 def test_sdpa_docs_has_no_window_form():
     case = common.window_cases((128,), (16384,), (1024,))[0]
     rows = fw.bench_varlen_baseline("sdpa-docs", case)
