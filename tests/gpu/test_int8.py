@@ -20,6 +20,8 @@ from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import metrics
 from sagecupy.reference import sagebwd as ref_sage
 
+from draws import qkv_do
+
 pytestmark = pytest.mark.gpu
 
 # Tight bounds (relative L2 vs the simulator): O and dV 1e-3, dQ and dK 5e-3.
@@ -62,16 +64,7 @@ def _round_to(x, dtype_name):
 
 
 def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype_name, sigma=1.0):
-    rng = np.random.default_rng(seed)
-
-    def shape(h, n):
-        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
-
-    q = rng.standard_normal(shape(Hq, Nq)) * sigma
-    k = rng.standard_normal(shape(Hkv, Nk)) * sigma + 0.5 * sigma * rng.standard_normal((1, 1, 1, D))
-    v = rng.standard_normal(shape(Hkv, Nk))
-    do = rng.standard_normal(shape(Hq, Nq))
-    dev = [_to_dev(x, dtype_name) for x in (q, k, v, do)]
+    dev = [_to_dev(x, dtype_name) for x in qkv_do(seed, B, Hq, Hkv, Nq, Nk, D, layout, sigma)]
     host = [_to_host(x) for x in dev]  # the exact values the kernel sees
     return dev, host
 

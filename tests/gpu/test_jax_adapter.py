@@ -25,6 +25,8 @@ import sagecupy.int8 as s8  # noqa: E402
 import sagecupy.jax as sj  # noqa: E402
 from sagecupy import _checks  # noqa: E402
 
+from draws import qkv_do  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 
@@ -45,18 +47,9 @@ def _adapter_usable(request):
 
 
 def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype):
-    """q, k, v, do as JAX arrays (K with a common offset, so that K-smoothing matters)."""
-    rng = np.random.default_rng(seed)
-
-    def shape(h, n):
-        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
-
-    q = rng.standard_normal(shape(Hq, Nq))
-    k = rng.standard_normal(shape(Hkv, Nk)) + 0.5 * rng.standard_normal((1, 1, 1, D))
-    v = rng.standard_normal(shape(Hkv, Nk))
-    do = rng.standard_normal(shape(Hq, Nq))
+    """q, k, v, do as JAX arrays (draws.qkv_do: K with a common offset, so that K-smoothing matters)."""
     jt = jnp.float16 if dtype == "float16" else jnp.bfloat16
-    return tuple(jnp.asarray(x.astype(np.float32), dtype=jt) for x in (q, k, v, do))
+    return tuple(jnp.asarray(x.astype(np.float32), dtype=jt) for x in qkv_do(seed, B, Hq, Hkv, Nq, Nk, D, layout))
 
 
 def _to_cupy(x):

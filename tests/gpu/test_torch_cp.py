@@ -19,6 +19,8 @@ import os
 import numpy as np
 import pytest
 
+from draws import qkv_do
+
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 dist = torch.distributed
@@ -32,17 +34,9 @@ def _cuda():
 
 
 def _problem(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, device):
-    """q, k, v, do as tensors on ``device``: seeded float64 draws rounded to ``dtype`` (K with a mean)."""
-    rng = np.random.default_rng(seed)
-
-    def shape(h, n):
-        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
-
-    q = rng.standard_normal(shape(Hq, Nq))
-    k = rng.standard_normal(shape(Hkv, Nk)) + 0.5 * rng.standard_normal((1, 1, 1, D))
-    v = rng.standard_normal(shape(Hkv, Nk))
-    do = rng.standard_normal(shape(Hq, Nq))
-    return [torch.from_numpy(x.astype(np.float32)).to(device).to(getattr(torch, dtype)) for x in (q, k, v, do)]
+    """q, k, v, do as tensors on ``device``: seeded float64 draws (draws.qkv_do, K with a mean) rounded to ``dtype``."""
+    return [torch.from_numpy(x.astype(np.float32)).to(device).to(getattr(torch, dtype))
+            for x in qkv_do(seed, B, Hq, Hkv, Nq, Nk, D, layout)]
 
 
 def _simulated_ring(q, k, v, do, ranks, plan, **kw):
