@@ -30,6 +30,7 @@ torch = pytest.importorskip("torch")
 
 import sagecupy.torch as st  # noqa: E402  (needs torch: after the skip)
 import test_int8 as T  # noqa: E402  the INT8 kernel tests' helpers (same folder)
+from draws import qkv_do  # noqa: E402
 from sagecupy.config import DEFAULT, PAPER  # noqa: E402
 from sagecupy.reference import attention as ref_attn  # noqa: E402
 from sagecupy.reference import metrics  # noqa: E402
@@ -40,17 +41,9 @@ DTYPE_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=1.0):
-    """q, k, v, do as CUDA tensors: the float64 draws of test_int8._inputs rounded to ``dtype``."""
-    rng = np.random.default_rng(seed)
-
-    def shape(h, n):
-        return (B, h, n, D) if layout == "HND" else (B, n, h, D)
-
-    q = rng.standard_normal(shape(Hq, Nq)) * sigma
-    k = rng.standard_normal(shape(Hkv, Nk)) * sigma + 0.5 * sigma * rng.standard_normal((1, 1, 1, D))
-    v = rng.standard_normal(shape(Hkv, Nk))
-    do = rng.standard_normal(shape(Hq, Nq))
-    return [torch.from_numpy(x.astype(np.float32)).to("cuda").to(dtype) for x in (q, k, v, do)]
+    """q, k, v, do as CUDA tensors: the float64 draws of test_int8._inputs (draws.qkv_do) rounded to ``dtype``."""
+    return [torch.from_numpy(x.astype(np.float32)).to("cuda").to(dtype)
+            for x in qkv_do(seed, B, Hq, Hkv, Nq, Nk, D, layout, sigma)]
 
 
 def _host(t):
