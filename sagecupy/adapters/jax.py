@@ -525,15 +525,9 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
 
 def _qat():
     """:mod:`sagecupy.qat` with its forward/backward pair, or an ImportError that says what is missing."""
-    try:
-        from .. import qat
-    except ImportError as exc:
-        raise ImportError(f"qat_attention needs sagecupy.qat (the FP4 QAT GPU kernels), which cannot be imported "
-                          f"here ({exc})") from exc
-    if not (callable(getattr(qat, "forward", None)) and callable(getattr(qat, "backward", None))):
-        raise ImportError("qat_attention needs sagecupy.qat.forward and sagecupy.qat.backward, which this "
-                          "sagecupy.qat does not define yet")
-    return qat
+    from . import qat_module
+
+    return qat_module("qat_attention")
 
 
 @functools.lru_cache(maxsize=None)

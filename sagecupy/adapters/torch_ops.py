@@ -15,7 +15,6 @@ which the backward op takes after ``lse2``, with the offsets, to rebuild the res
 import contextlib
 import dataclasses
 import functools
-import importlib
 import inspect
 import types
 import typing
@@ -131,15 +130,9 @@ def _family(name):
         from .. import int8
 
         return int8
-    try:
-        mod = importlib.import_module("sagecupy.qat")
-    except ImportError as exc:
-        raise ImportError(f"the FP4 QAT op needs sagecupy.qat (the QAT GPU kernels), which cannot be imported here: "
-                          f"{exc}") from exc
-    if not (callable(getattr(mod, "forward", None)) and callable(getattr(mod, "backward", None))):
-        raise ImportError("the FP4 QAT op needs sagecupy.qat.forward and sagecupy.qat.backward, which this "
-                          "installation's sagecupy.qat does not have yet")
-    return mod
+    from . import qat_module
+
+    return qat_module("the FP4 QAT op")
 
 
 # --------------------------------------------------------------------------------------------------
