@@ -223,8 +223,8 @@ class SageAttentionFunction(torch.autograd.Function):
     :func:`sage_attention`; the tenth to thirteenth are ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``
     for ``layout="THD"``, validated by :func:`sagecupy.int8.forward`).
 
-    Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, which goes through the
-    custom ops and gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
+    Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, whose custom ops it traces, and
+    which gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
     on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
 
     @staticmethod
@@ -289,10 +289,11 @@ def _window_ints(window, causal):
 
 
 def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False, window=(-1, -1), packed=()):
-    """The custom-op path (what :func:`sage_attention` runs), after argument checks (``window``: the two ints of
+    """The custom ops (what :func:`sage_attention` runs), after argument checks (``window``: the two ints of
     :func:`_window_ints`; ``packed``: :func:`_packed_args`'s, ``()`` for the dense layouts, which then call the ops
-    with the arguments they always took). A call that needs no gradient (grad mode off, or no input requires grad)
-    runs the inference op, which keeps no residuals."""
+    with the arguments they always took): through PyTorch's dispatcher, or their bodies directly where
+    :func:`_dispatcher_free` allows. A call that needs no gradient (grad mode off, or no input requires grad) runs
+    the inference op, which keeps no residuals."""
     args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)), *window, *packed)
     eager = _dispatcher_free(q, k, v, *packed[:2])
     if not _needs_grad(q, k, v):

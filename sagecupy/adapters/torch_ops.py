@@ -105,15 +105,17 @@ def _as_cupy(tensor, name="tensor"):
 
 
 def _as_torch(x):
-    """:func:`from_cupy`'s tensor through DLPack's capsule form, which carries no stream, for use inside
-    :func:`on_torch_stream` only."""
+    """:func:`from_cupy`'s tensor for use inside :func:`on_torch_stream` only: the array's DLPack capsule asked for with
+    ``stream=-1`` (the array API's "no synchronization") and without ``max_version``, so the unversioned capsule every
+    supported PyTorch reads."""
     import cupy
 
     from .bf16 import bits_of, is_bf16
 
     if is_bf16(x):
-        return torch.utils.dlpack.from_dlpack(bits_of(x).view(cupy.int16).toDlpack()).view(torch.bfloat16)
-    return torch.utils.dlpack.from_dlpack(x.toDlpack())
+        capsule = bits_of(x).view(cupy.int16).__dlpack__(stream=-1)
+        return torch.utils.dlpack.from_dlpack(capsule).view(torch.bfloat16)
+    return torch.utils.dlpack.from_dlpack(x.__dlpack__(stream=-1))
 
 
 @contextlib.contextmanager
