@@ -1,0 +1,111 @@
+"""Host time of the PyTorch adapter against the CuPy call (E-ADAPT-HOST in docs/experiments.md). On the GPU machine:
+
+    python3 bench/tools/adapter_host.py pieces    # B = 1, H = 1, N = 128, D = 128: per call, the GPU keeping up
+    python3 bench/tools/adapter_host.py profile   # B = 16, H = 16, N = 1K, causal: synchronized calls and a cProfile
+
+``pieces`` times whole calls (CuPy, ``sagecupy.torch``, the ``torch.ops`` op, its Python body, the plain
+``SageAttentionFunction``) and the adapter's pieces (``to_cupy``, ``from_cupy``, ``on_torch_stream``, argument checks,
+config encoding), each as host microseconds per call over 300 calls, bf16 then fp16.
+"""
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import cupy as cp
+import torch
+
+import sagecupy.int8 as s8
+import sagecupy.torch as st
+from sagecupy.adapters import torch_ops as ops
+from sagecupy.config import get_config
+
+
+def per_call_us(f, n=300):
+    for _ in range(20):
+        f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def pieces():
+    for dt in (torch.bfloat16, torch.float16):
+        print("==", dt)
+        q, k, v, do = (torch.randn(1, 1, 128, 128, device="cuda", dtype=dt) for _ in range(4))
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        qc, kc, vc, dc = (ops.to_cupy(x) for x in (q, k, v, do))
+        cfg = ops._encode_config(get_config(None))
+        raw = getattr(ops._sage_infer_op, "_init_fn", None)
+
+        def cupy_fb():
+            o, res = s8.forward(qc, kc, vc, causal=True)
+            s8.backward(res, dc)
+
+        def torch_fb():
+            st.sage_attention(qg, kg, vg, causal=True).backward(do)
+
+        def function_fb():
+            st.SageAttentionFunction.apply(qg, kg, vg, True).backward(do)
+
+        def stream():
+            with ops.on_torch_stream(q.device):
+                pass
+
+        cases = [("cupy infer", lambda: s8.sage_attention(qc, kc, vc, causal=True)),
+                 ("torch infer (st.sage_attention)", lambda: st.sage_attention(q, k, v, causal=True)),
+                 ("torch.ops infer", lambda: torch.ops.sagecupy.sage_attention_infer(q, k, v, True, None, "HND", cfg))]
+        if raw is not None:
+            cases.append(("raw infer fn", lambda: raw(q, k, v, True, None, "HND", cfg)))
+        cases += [("cupy fwd+bwd", cupy_fb), ("torch fwd+bwd (st)", torch_fb), ("Function fwd+bwd", function_fb),
+                  ("to_cupy", lambda: ops.to_cupy(q)), ("from_cupy", lambda: ops.from_cupy(qc)),
+                  ("on_torch_stream", stream), ("_check_inputs", lambda: ops._check_inputs(("q", q), ("k", k), ("v", v))),
+                  ("encode_config", lambda: ops._encode_config(get_config(None))),
+                  ("decode_config", lambda: ops._decode_config(cfg)),
+                  ("torch.empty", lambda: torch.empty(1, device="cuda")), ("cupy.empty", lambda: cp.empty(1))]
+        for name, f in cases:
+            print(f"{name:34s} {per_call_us(f):8.1f} us/call")
+
+
+def profile():
+    B, H, N, D = 16, 16, 1024, 128
+    for dt in (torch.bfloat16, torch.float16):
+        q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=dt, requires_grad=i < 3) for i in range(4))
+
+        def fwd():
+            st.sage_attention(q, k, v, causal=True)
+            torch.cuda.synchronize()
+
+        def fwdbwd():
+            st.sage_attention(q, k, v, causal=True).backward(do)
+            torch.cuda.synchronize()
+
+        fns = [("torch fwd", fwd), ("torch fwdbwd", fwdbwd)]
+        if dt == torch.float16:
+            qc, kc, vc = (cp.asarray(x.detach()) for x in (q, k, v))
+            fns.append(("cupy fwd", lambda: (s8.sage_attention(qc, kc, vc, causal=True),
+                                             cp.cuda.runtime.deviceSynchronize())))
+        for name, f in fns:
+            ts = []
+            for i in range(35):
+                t = time.perf_counter()
+                f()
+                if i >= 5:
+                    ts.append(time.perf_counter() - t)
+            print(dt, name, "median ms %.3f min %.3f" % (sorted(ts)[15] * 1e3, min(ts) * 1e3))
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            fwdbwd()
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+        print(out.getvalue()[:6000])
+
+
+if __name__ == "__main__":
+    {"pieces": pieces, "profile": profile}[sys.argv[1] if len(sys.argv) > 1 else "pieces"]()
