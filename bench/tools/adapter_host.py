@@ -97,6 +97,12 @@ def profile():
                 if i >= 5:
                     ts.append(time.perf_counter() - t)
             print(dt, name, "median ms %.3f min %.3f" % (sorted(ts)[15] * 1e3, min(ts) * 1e3))
+        torch.cuda.synchronize()
+        t = time.process_time()  # the host's CPU time per call, the GPU left to catch up
+        for _ in range(50):
+            st.sage_attention(q, k, v, causal=True)
+        print(dt, "torch fwd nosync cpu ms/call %.3f" % ((time.process_time() - t) / 50 * 1e3))
+        torch.cuda.synchronize()
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(50):
