@@ -50,7 +50,7 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
 
 **Two ways in, per family.**
 
-* INT8 SageBwd: :func:`sage_attention` always goes through the ``torch.library`` custom ops
+* INT8 SageBwd: :func:`sage_attention` runs the ``torch.library`` custom ops
   ``sagecupy::sage_attention_fwd`` / ``sagecupy::sage_attention_bwd`` (:mod:`sagecupy.adapters.torch_ops`, with
   the window as two trailing ints, ``(-1, -1)`` for none, then packed sequences' offsets and maxima). The forward
   op returns the output and the residual *tensors* of :class:`sagecupy.int8.Residuals` (the INT8 codes of Q and K,
@@ -61,7 +61,10 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
   and an in-place change of ``v`` or ``o`` before it is an error, as for any PyTorch op. A call that needs
   no gradient (under ``torch.no_grad()`` / ``torch.inference_mode()``, or with no input requiring grad) runs
   ``sagecupy::sage_attention_infer`` instead: :func:`sagecupy.int8.sage_attention`, which keeps no residuals
-  and writes less (its output is bitwise the forward op's).
+  and writes less (its output is bitwise the forward op's). Under ``torch.compile``, tracing, a torch-function or
+  dispatch mode, or on tensor subclasses the ops go through PyTorch's dispatcher; an eager call on plain tensors runs
+  their Python bodies directly (``torch_ops.SageEagerFunction``, which saves, checks and frees the same tensors), since
+  the dispatcher's custom-op layer took more host time than the CuPy call itself.
   :class:`SageAttentionFunction` is the plain ``torch.autograd.Function`` alternative (eager only: it
   keeps the opaque residuals object on ``ctx``, alive as long as the autograd graph that holds it).
 * FP4 QAT (:mod:`sagecupy.qat`, imported when first used): :func:`qat_attention` runs
@@ -93,14 +96,15 @@ import inspect
 import numbers
 
 import torch
+import torch.utils._python_dispatch
 
 from .. import _checks
 from ..config import NVFP4Config, QATConfig, get_config
-from . import dropin
+from . import dropin, torch_ops
 from .dropin import SageFallbackWarning
 # importing torch_ops registers the custom ops
-from .torch_ops import (_DTYPES, _check_inputs, _encode_config, _family, _require_cuda_tensor, from_cupy,
-                        on_torch_stream, to_cupy)
+from .torch_ops import (_DTYPES, _as_cupy, _as_torch, _check_inputs, _encode_config, _family, _require_cuda_tensor,
+                        from_cupy, on_torch_stream, to_cupy)
 from .torch_cp import BlockBackend, context_parallel_attention, shard_sequence, unshard_sequence
 
 __all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
@@ -186,11 +190,11 @@ def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config, re
     extra = {} if window is None else {"window": window}
     with on_torch_stream(device):
         for name, value in (packed or {}).items():  # the offsets as CuPy views; int8.forward validates them all
-            extra[name] = to_cupy(value, name) if name.startswith("cu_") and value is not None else value
+            extra[name] = _as_cupy(value, name) if name.startswith("cu_") and value is not None else value
         # The kernels write the LSE either way: asking for it costs nothing.
-        o, lse, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
+        o, lse, res = mod.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
                                   sm_scale=sm_scale, layout=layout, config=config, return_lse=True, **extra)
-        o, lse = from_cupy(o), from_cupy(lse)
+        o, lse = _as_torch(o), _as_torch(lse)
     ctx.family, ctx.device, ctx.res = family, device, res
     # Not needed by the backward (the residuals hold what it needs): saved so that autograd's version
     # counters report an in-place change of v or o before the backward instead of wrong gradients.
@@ -206,8 +210,8 @@ def _function_backward(ctx, do, *_lse_grad):
     _check_inputs(("do", do))
     mod = _family(ctx.family)
     with on_torch_stream(ctx.device):
-        grads = mod.backward(ctx.res, to_cupy(do.contiguous(), "do"))
-        dq, dk, dv = (from_cupy(g) for g in grads)
+        grads = mod.backward(ctx.res, _as_cupy(do.contiguous(), "do"))
+        dq, dk, dv = (_as_torch(g) for g in grads)
     # one None per input but q, k, v; autograd accepts the trailing Nones of inputs that were not passed
     return (dq, dk, dv) + (None,) * 10
 
@@ -219,8 +223,8 @@ class SageAttentionFunction(torch.autograd.Function):
     :func:`sage_attention`; the tenth to thirteenth are ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k``
     for ``layout="THD"``, validated by :func:`sagecupy.int8.forward`).
 
-    Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, which goes through the
-    custom ops and gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
+    Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, whose custom ops it traces, and
+    which gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
     on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
 
     @staticmethod
@@ -285,16 +289,36 @@ def _window_ints(window, causal):
 
 
 def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=False, window=(-1, -1), packed=()):
-    """The custom-op path (what :func:`sage_attention` runs), after argument checks (``window``: the two ints of
+    """The custom ops (what :func:`sage_attention` runs), after argument checks (``window``: the two ints of
     :func:`_window_ints`; ``packed``: :func:`_packed_args`'s, ``()`` for the dense layouts, which then call the ops
-    with the arguments they always took). A call that needs no gradient (grad mode off, or no input requires grad)
-    runs the inference op, which keeps no residuals."""
+    with the arguments they always took): through PyTorch's dispatcher, or their bodies directly where
+    :func:`_dispatcher_free` allows. A call that needs no gradient (grad mode off, or no input requires grad) runs
+    the inference op, which keeps no residuals."""
     args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)), *window, *packed)
+    eager = _dispatcher_free(q, k, v, *packed[:2])
     if not _needs_grad(q, k, v):
-        o, lse = torch.ops.sagecupy.sage_attention_infer(*args)
+        o, lse = torch_ops._sage_infer(*args) if eager else torch.ops.sagecupy.sage_attention_infer(*args)
     else:
-        o, lse, *_residuals = torch.ops.sagecupy.sage_attention_fwd(*args)
+        fwd = torch_ops.SageEagerFunction.apply if eager else torch.ops.sagecupy.sage_attention_fwd
+        o, lse, *_residuals = fwd(*args)
     return (o, lse) if return_lse else o
+
+
+_dispatch_mode = getattr(torch.utils._python_dispatch, "_get_current_dispatch_mode", None)
+_function_mode = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
+def _dispatcher_free(*tensors):
+    """Whether an INT8 call may run the custom ops' Python bodies directly (:class:`torch_ops.SageEagerFunction`):
+    eagerly (not compiling, not tracing), with no torch-function or dispatch mode active (a mode must see the ops),
+    on plain tensors (no subclass such as a FakeTensor, no functorch wrapper). Anything else, or a PyTorch without the
+    private functions this reads, goes through the ops."""
+    if None in (_dispatch_mode, _function_mode, _functorch_wrapped):
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _function_mode() or _dispatch_mode() is not None:
+        return False
+    return all(t is None or (type(t) is torch.Tensor and not _functorch_wrapped(t)) for t in tensors)
 
 
 def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False,

@@ -73,6 +73,51 @@ def from_cupy(x):
     return torch.from_dlpack(x)
 
 
+# The adapter's own exchanges run inside on_torch_stream, where CuPy's current stream is PyTorch's current stream. The
+# stream handshake DLPack does on each exchange (PyTorch's __dlpack__ and from_dlpack look the current stream up in
+# Python and pass it across) orders nothing there, and it cost 20-45 us per tensor on an H200, against 82 us of host
+# time for a whole CuPy inference call at a small shape (docs/experiments.md, E-ADAPT-HOST). Those exchanges use the
+# two functions below, which carry no stream; to_cupy and from_cupy keep the handshake for callers on other streams.
+_RAW_DTYPES = {torch.float16: "float16", torch.bfloat16: "uint16", torch.float32: "float32", torch.int8: "int8",
+               torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
+
+
+def _as_cupy(tensor, name="tensor"):
+    """:func:`to_cupy`'s array without DLPack, for use inside :func:`on_torch_stream` only: a CuPy array over the
+    tensor's memory with its shape and strides (bfloat16 as :func:`to_cupy` gives it), the tensor as the memory's
+    owner, so the array keeps it alive."""
+    import cupy
+
+    _require_cuda_tensor(tensor, name)
+    raw = _RAW_DTYPES.get(tensor.dtype)
+    if raw is None or tensor.numel() == 0:  # (no memory behind an empty tensor: DLPack handles it)
+        return to_cupy(tensor, name)
+    size = tensor.element_size()
+    strides = tensor.stride()
+    extent = (1 + sum((n - 1) * st for n, st in zip(tensor.shape, strides))) * size  # bytes up to the last element
+    mem = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent, tensor, tensor.get_device())
+    arr = cupy.ndarray(tuple(tensor.shape), raw, cupy.cuda.MemoryPointer(mem, 0), tuple(st * size for st in strides))
+    if tensor.dtype == torch.bfloat16:
+        from .bf16 import from_bits
+
+        return from_bits(arr)
+    return arr
+
+
+def _as_torch(x):
+    """:func:`from_cupy`'s tensor for use inside :func:`on_torch_stream` only: the array's DLPack capsule asked for with
+    ``stream=-1`` (the array API's "no synchronization") and without ``max_version``, so the unversioned capsule every
+    supported PyTorch reads."""
+    import cupy
+
+    from .bf16 import bits_of, is_bf16
+
+    if is_bf16(x):
+        capsule = bits_of(x).view(cupy.int16).__dlpack__(stream=-1)
+        return torch.utils.dlpack.from_dlpack(capsule).view(torch.bfloat16)
+    return torch.utils.dlpack.from_dlpack(x.__dlpack__(stream=-1))
+
+
 @contextlib.contextmanager
 def on_torch_stream(device):
     """Make ``device`` CuPy's current device and PyTorch's current stream on it CuPy's current stream.
@@ -287,7 +332,7 @@ def _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} and the inputs on {device}; the offsets must be on the "
                                  f"inputs' GPU")
-            t = to_cupy(t, name)
+            t = _as_cupy(t, name)
         kw[name] = t
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         kw[name] = None if int(m) == -1 else int(m)
@@ -321,8 +366,7 @@ def _lse_shape(q_shape, layout):
 # they come.
 
 
-@_custom_op("sagecupy::sage_attention_fwd")
-def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
                  config: str, window_left: int = -1, window_right: int = -1,
                  cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
                  max_seqlen_q: int = -1, max_seqlen_k: int = -1
@@ -334,7 +378,7 @@ def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
         kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        o, lse, res = s8.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
+        o, lse, res = s8.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
                                  sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True,
                                  window=_window(window_left, window_right), **kw)
         saved = [getattr(res, f) for f in _INT8_RESIDUAL_FIELDS]
@@ -344,12 +388,14 @@ def _sage_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing
             if got != shape:  # the fake implementation below would be wrong
                 raise RuntimeError(f"sagecupy.int8.Residuals.{field} has shape {got}, the adapter expected {shape}: "
                                    f"sagecupy.torch is out of date with sagecupy.int8")
-        table = torch.empty(0, dtype=torch.int32, device=device) if saved[-1] is None else from_cupy(saved[-1])
-        return (*(from_cupy(x) for x in (o, lse, *saved[:-1])), table)
+        table = torch.empty(0, dtype=torch.int32, device=device) if saved[-1] is None else _as_torch(saved[-1])
+        return (*(_as_torch(x) for x in (o, lse, *saved[:-1])), table)
 
 
-@_custom_op("sagecupy::sage_attention_infer")
-def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
+_sage_fwd_op = _custom_op("sagecupy::sage_attention_fwd")(_sage_fwd)
+
+
+def _sage_infer(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
                    config: str, window_left: int = -1, window_right: int = -1,
                    cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
                    max_seqlen_q: int = -1, max_seqlen_k: int = -1) -> tuple[Tensor, Tensor]:
@@ -360,10 +406,13 @@ def _sage_infer_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typi
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
         kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        o, lse = s8.sage_attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal,
+        o, lse = s8.sage_attention(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
                                    sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True,
                                    window=_window(window_left, window_right), **kw)
-        return from_cupy(o), from_cupy(lse)
+        return _as_torch(o), _as_torch(lse)
+
+
+_sage_infer_op = _custom_op("sagecupy::sage_attention_infer")(_sage_infer)
 
 
 @_sage_infer_op.register_fake
@@ -380,8 +429,7 @@ def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config, window_left=-1, wi
             *(q.new_empty(s, dtype=dt) for s, dt in zip(shapes, _INT8_RESIDUAL_DTYPES)))
 
 
-@_custom_op("sagecupy::sage_attention_bwd")
-def _sage_bwd_op(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Tensor, k_codes: Tensor,
+def _sage_bwd(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Tensor, k_codes: Tensor,
                  k_scale: Tensor, lse2: Tensor, packed: Tensor, causal: bool, sm_scale: typing.Optional[float],
                  layout: str, config: str, window_left: int = -1, window_right: int = -1,
                  cu_seqlens_q: typing.Optional[Tensor] = None,
@@ -394,13 +442,16 @@ def _sage_bwd_op(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Ten
     with on_torch_stream(device):
         kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, -1, -1)
         # an empty table (a dense call's) is None, and is not handed to DLPack (no memory behind it)
-        table = None if packed.numel() == 0 else to_cupy(packed, "packed")
-        saved = (to_cupy(x, f) for x, f in zip((q_codes, q_scale, k_codes, k_scale, lse2), _INT8_RESIDUAL_FIELDS))
-        res = _int8_residuals(to_cupy(o, "o"), to_cupy(v, "v"), *saved, table,
+        table = None if packed.numel() == 0 else _as_cupy(packed, "packed")
+        saved = (_as_cupy(x, f) for x, f in zip((q_codes, q_scale, k_codes, k_scale, lse2), _INT8_RESIDUAL_FIELDS))
+        res = _int8_residuals(_as_cupy(o, "o"), _as_cupy(v, "v"), *saved, table,
                               causal=causal, sm_scale=sm_scale, layout=layout, config=_decode_config(config),
                               window=_window(window_left, window_right), cu_seqlens_q=kw.get("cu_seqlens_q"),
                               cu_seqlens_k=kw.get("cu_seqlens_k"))
-        return tuple(from_cupy(g) for g in s8.backward(res, to_cupy(do, "do")))
+        return tuple(_as_torch(g) for g in s8.backward(res, _as_cupy(do, "do")))
+
+
+_sage_bwd_op = _custom_op("sagecupy::sage_attention_bwd")(_sage_bwd)
 
 
 @_sage_bwd_op.register_fake
@@ -420,17 +471,46 @@ def _sage_setup_context(ctx, inputs, output):
     ctx.options = (causal, sm_scale, layout, config, *window)
 
 
-def _sage_backward(ctx, do, *_other_grads):
+def _sage_backward_args(ctx, do):
+    """The backward op's arguments from what :func:`_sage_setup_context` saved."""
     o, v, *residuals, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     options = ctx.options
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         options += (-1, -1)[len(options) - 4:] + (cu_seqlens_q, cu_seqlens_k)  # the window's defaults first
-    dq, dk, dv = torch.ops.sagecupy.sage_attention_bwd(do.contiguous(), o, v, *residuals, *options)
+    return (do.contiguous(), o, v, *residuals, *options)
+
+
+def _sage_backward(ctx, do, *_other_grads):
+    dq, dk, dv = torch.ops.sagecupy.sage_attention_bwd(*_sage_backward_args(ctx, do))
     # one None per other input (autograd drops trailing Nones for inputs that were not passed)
     return (dq, dk, dv) + (None,) * 10
 
 
 _sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context)
+
+
+class SageEagerFunction(torch.autograd.Function):
+    """The INT8 forward and backward ops' Python bodies under a plain ``torch.autograd.Function``, without PyTorch's
+    dispatcher: what :func:`sagecupy.torch.sage_attention` runs in eager mode on plain tensors. It takes the forward
+    op's arguments, and saves, frees and checks what the ops' autograd registration does (the same setup_context and
+    backward arguments), so the results are bitwise the ops'. The dispatcher's custom-op layer cost more host time per
+    forward+backward than the CuPy call itself (docs/experiments.md, E-ADAPT-HOST)."""
+
+    @staticmethod
+    def forward(*args):
+        return _sage_fwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # no zero gradients built for the residual outputs, which take none
+        _sage_setup_context(ctx, inputs, output)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # (the backward kernels have no derivative: an error, not zeros)
+    def backward(ctx, do, *_other_grads):
+        if do is None:
+            return (None,) * 13
+        return _sage_bwd(*_sage_backward_args(ctx, do)) + (None,) * 10
 
 
 @_custom_op("sagecupy::qat_attention_fwd")
@@ -440,10 +520,10 @@ def _qat_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.
     mod = _family("qat")
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        o, lse, _ = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+        o, lse, _ = mod.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
                                 layout=layout, config=_decode_config(config), return_lse=True)
         # the fake below promises contiguous outputs (a no-op if they already are)
-        return from_cupy(o).contiguous(), from_cupy(lse).contiguous()
+        return _as_torch(o).contiguous(), _as_torch(lse).contiguous()
 
 
 @_qat_fwd_op.register_fake
@@ -458,10 +538,10 @@ def _qat_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_sc
     mod = _family("qat")
     device = _check_inputs(("do", do), ("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        _, res = mod.forward(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+        _, res = mod.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
                              layout=layout, config=_decode_config(config))
-        grads = mod.backward(res, to_cupy(do, "do"))
-        return tuple(from_cupy(g).contiguous() for g in grads)
+        grads = mod.backward(res, _as_cupy(do, "do"))
+        return tuple(_as_torch(g).contiguous() for g in grads)
 
 
 @_qat_bwd_op.register_fake
@@ -493,10 +573,10 @@ def _nvfp4_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Op
 
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        o, lse = nvfp4.attention(to_cupy(q, "q"), to_cupy(k, "k"), to_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+        o, lse = nvfp4.attention(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
                                  layout=layout, config=_decode_config(config), return_lse=True)
         # the fake below promises contiguous outputs (a no-op if they already are)
-        return from_cupy(o).contiguous(), from_cupy(lse).contiguous()
+        return _as_torch(o).contiguous(), _as_torch(lse).contiguous()
 
 
 @_nvfp4_op.register_fake

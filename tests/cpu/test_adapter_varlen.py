@@ -82,8 +82,10 @@ def kernels(torch_mods, monkeypatch):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
     for mod in (st, ops):
-        monkeypatch.setattr(mod, "to_cupy", lambda t, name="tensor": t.detach().numpy())
-        monkeypatch.setattr(mod, "from_cupy", lambda x: torch.from_numpy(np.ascontiguousarray(x)))
+        for name in ("to_cupy", "_as_cupy"):  # (the public exchange and the adapter's own)
+            monkeypatch.setattr(mod, name, lambda t, name="tensor": t.detach().numpy())
+        for name in ("from_cupy", "_as_torch"):
+            monkeypatch.setattr(mod, name, lambda x: torch.from_numpy(np.ascontiguousarray(x)))
         monkeypatch.setattr(mod, "on_torch_stream", lambda device: contextlib.nullcontext())
         monkeypatch.setattr(mod, "_require_cuda_tensor", require_tensor)
     monkeypatch.setattr(_layout, "prepare", lambda x, name, layout, aligned: x)

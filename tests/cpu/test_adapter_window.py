@@ -72,8 +72,10 @@ def kernels(torch_mods, monkeypatch):
         return torch.from_numpy(np.ascontiguousarray(x))
 
     for mod in (st, ops):
-        monkeypatch.setattr(mod, "to_cupy", to_host)
-        monkeypatch.setattr(mod, "from_cupy", from_host)
+        for name in ("to_cupy", "_as_cupy"):  # (the public exchange and the adapter's own)
+            monkeypatch.setattr(mod, name, to_host)
+        for name in ("from_cupy", "_as_torch"):
+            monkeypatch.setattr(mod, name, from_host)
         monkeypatch.setattr(mod, "on_torch_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(ops, "_require_cuda_tensor", require_tensor)
     monkeypatch.setattr(_layout, "prepare", lambda x, name, layout, aligned: x)

@@ -80,7 +80,23 @@ def _function(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None
     return st.SageAttentionFunction.apply(q, k, v, causal, sm_scale, layout, config, False, window)
 
 
-PATHS = {"op": st.sage_attention, "function": _function}
+def _dispatcher(q, k, v, **kw):
+    """sage_attention through PyTorch's dispatcher (the custom ops), as under torch.compile, a mode or a tensor
+    subclass: the eager shortcut (SageEagerFunction) refused for this call."""
+    return _via_dispatcher(st.sage_attention, q, k, v, **kw)
+
+
+def _via_dispatcher(fn, *args, **kw):
+    real = st._dispatcher_free
+    st._dispatcher_free = lambda *tensors: False
+    try:
+        return fn(*args, **kw)
+    finally:
+        st._dispatcher_free = real
+
+
+# "op": sage_attention as an eager call runs it; "dispatcher": the same ops through PyTorch's dispatcher
+PATHS = {"op": st.sage_attention, "dispatcher": _dispatcher, "function": _function}
 
 
 def _direct(family, q, k, v, do, **kw):

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import sagecupy.torch as st  # noqa: E402  (needs torch: after the skip)
 import test_int8 as T  # noqa: E402  the INT8 kernel tests' helpers (same folder)
-from test_torch_adapter import DTYPE_NAME, _assert_same_bits, _host, _host_f32  # noqa: E402
+from test_torch_adapter import DTYPE_NAME, _assert_same_bits, _host, _host_f32, _via_dispatcher  # noqa: E402
 
 LENS = {"17-0-300": [(17, 17), (0, 0), (300, 300)], "128-129": [(128, 128), (129, 129)],
         "unequal": [(40, 70), (0, 5), (9, 0), (200, 64)]}
@@ -62,7 +62,8 @@ def _function(q, k, v, *, causal=False, window=None, cu_seqlens_q=None, cu_seqle
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
-PATHS = {"op": functools.partial(st.sage_attention, layout="THD"), "function": _function}
+PATHS = {"op": functools.partial(st.sage_attention, layout="THD"), "function": _function,
+         "dispatcher": functools.partial(_via_dispatcher, st.sage_attention, layout="THD")}
 
 # lens, Hq, Hkv, D, causal, window
 CASES = [("17-0-300", 4, 2, 64, True, None), ("17-0-300", 4, 4, 128, False, (64, 0)),
