@@ -2,6 +2,12 @@
 
     python3 bench/tools/adapter_host.py pieces    # B = 1, H = 1, N = 128, D = 128: per call, the GPU keeping up
     python3 bench/tools/adapter_host.py profile   # B = 16, H = 16, N = 1K, causal: synchronized calls and a cProfile
+    python3 bench/tools/adapter_host.py e2e [TAG] # the adapter against the CuPy call, forward and forward+backward
+
+``e2e`` prints one line per dtype and shape, prefixed by TAG (to compare two checkouts, run it once with each on
+PYTHONPATH): at B = H = 1, N = 128 the host microseconds per call (median of 5 runs of 100 calls); at B = 16, N = 1K
+and B = 4, N = 4K (H = 16, D = 128, causal) the milliseconds per call synchronized after each call (``e2e``) and back
+to back (``b2b``), as the benchmark times them.
 
 ``pieces`` times whole calls (CuPy, ``sagecupy.torch``, the ``torch.ops`` op, its Python body, the plain
 ``SageAttentionFunction``) and the adapter's pieces (``to_cupy``, ``from_cupy``, ``on_torch_stream``, argument checks,
@@ -113,5 +119,33 @@ def profile():
         print(out.getvalue()[:6000])
 
 
+def e2e(tag=""):
+    from sagecupy._bench_common import time_ms, time_ms_b2b
+
+    kw = dict(event=lambda: torch.cuda.Event(enable_timing=True), sync=torch.cuda.synchronize)
+    for dt in (torch.bfloat16, torch.float16):
+        for B, H, N in ((1, 1, 128), (16, 16, 1024), (4, 16, 4096)):
+            q, k, v, do = (torch.randn(B, H, N, 128, device="cuda", dtype=dt) for _ in range(4))
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            qc, kc, vc, dc = (ops.to_cupy(x) for x in (q, k, v, do))
+
+            def cupy_fb():
+                o, res = s8.forward(qc, kc, vc, causal=True)
+                s8.backward(res, dc)
+
+            cases = (("cupy fwd", lambda: s8.sage_attention(qc, kc, vc, causal=True)),
+                     ("torch fwd", lambda: st.sage_attention(q, k, v, causal=True)),
+                     ("cupy fwdbwd", cupy_fb),
+                     ("torch fwdbwd", lambda: st.sage_attention(qg, kg, vg, causal=True).backward(do)))
+            row = []
+            for name, f in cases:
+                if N == 128:
+                    row.append(f"{name} host {sorted(per_call_us(f, 100) for _ in range(5))[2]:.0f}us")
+                else:
+                    row.append(f"{name} e2e {time_ms(f, rep=15, **kw):.3f} b2b {time_ms_b2b(f, **kw):.3f}")
+            print(tag, str(dt)[6:], f"B={B} N={N} causal=1 |", " | ".join(row), flush=True)
+
+
 if __name__ == "__main__":
-    {"pieces": pieces, "profile": profile}[sys.argv[1] if len(sys.argv) > 1 else "pieces"]()
+    mode = sys.argv[1] if len(sys.argv) > 1 else "pieces"
+    {"pieces": pieces, "profile": profile, "e2e": e2e}[mode](*sys.argv[2:])

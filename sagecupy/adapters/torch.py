@@ -63,10 +63,11 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
   ``sagecupy::sage_attention_infer`` instead: :func:`sagecupy.int8.sage_attention`, which keeps no residuals
   and writes less (its output is bitwise the forward op's). Under ``torch.compile``, tracing, a torch-function or
   dispatch mode, or on tensor subclasses the ops go through PyTorch's dispatcher; an eager call on plain tensors runs
-  their Python bodies directly (``torch_ops.SageEagerFunction``, which saves, checks and frees the same tensors), since
-  the dispatcher's custom-op layer took more host time than the CuPy call itself.
-  :class:`SageAttentionFunction` is the plain ``torch.autograd.Function`` alternative (eager only: it
-  keeps the opaque residuals object on ``ctx``, alive as long as the autograd graph that holds it).
+  ``torch_ops.SageEagerFunction``, the same forward and backward with the ``Residuals`` kept on ``ctx`` as CuPy
+  arrays (``v`` and ``o`` saved for the in-place check, the residuals dropped after a backward without
+  ``retain_graph``), since the dispatcher's custom-op layer and the residuals' round trip through PyTorch took more
+  host time than the CuPy call itself. :class:`SageAttentionFunction` is the plain ``torch.autograd.Function``
+  alternative with positional arguments (eager only), which keeps the residuals the same way.
 * FP4 QAT (:mod:`sagecupy.qat`, imported when first used): :func:`qat_attention` runs
   :class:`QATAttentionFunction` in eager mode (opaque residuals on ``ctx``, no extra work) and, under
   ``torch.compile``, the custom ops ``sagecupy::qat_attention_fwd`` / ``sagecupy::qat_attention_bwd``,
@@ -104,7 +105,7 @@ from . import dropin, torch_ops
 from .dropin import SageFallbackWarning
 # importing torch_ops registers the custom ops
 from .torch_ops import (_DTYPES, _as_cupy, _as_torch, _check_inputs, _encode_config, _family, _require_cuda_tensor,
-                        from_cupy, on_torch_stream, to_cupy)
+                        from_cupy, on_torch_stream, release_unless_retained, to_cupy)
 from .torch_cp import BlockBackend, context_parallel_attention, shard_sequence, unshard_sequence
 
 __all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
@@ -178,7 +179,7 @@ def _packed_args(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 # --------------------------------------------------------------------------------------------------
-# plain autograd.Functions (eager): the residuals object stays on ctx
+# plain autograd.Functions (eager): the residuals object stays on ctx until the backward
 # --------------------------------------------------------------------------------------------------
 
 
@@ -212,6 +213,7 @@ def _function_backward(ctx, do, *_lse_grad):
     with on_torch_stream(ctx.device):
         grads = mod.backward(ctx.res, _as_cupy(do.contiguous(), "do"))
         dq, dk, dv = (_as_torch(g) for g in grads)
+    release_unless_retained(ctx, "res")
     # one None per input but q, k, v; autograd accepts the trailing Nones of inputs that were not passed
     return (dq, dk, dv) + (None,) * 10
 
@@ -224,8 +226,8 @@ class SageAttentionFunction(torch.autograd.Function):
     for ``layout="THD"``, validated by :func:`sagecupy.int8.forward`).
 
     Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, whose custom ops it traces, and
-    which gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
-    on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
+    which gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays on ``ctx`` until
+    the backward, and after it if that ran with ``retain_graph=True``, as long as the autograd graph lives."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, window=None,

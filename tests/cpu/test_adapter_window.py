@@ -224,6 +224,28 @@ def test_window_reaches_the_forward_and_the_backward(kernels, torch_mods, path, 
     _assert_equal(got, _want(*host, causal=causal, layout="NHD", window=window), (path, window))
 
 
+@pytest.mark.parametrize("path", ["op", "function"])
+def test_windowed_residuals_live_until_the_last_backward(kernels, torch_mods, path):
+    """The eager paths keep the residuals (the windowed Problem among them) on ``ctx``: through a backward that
+    retains the graph, which then repeats bitwise, and not after the last one, as autograd frees saved tensors."""
+    torch, st, _ = torch_mods
+    q, k, v, do = (torch.from_numpy(x) for x in _host(5))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    if path == "op":
+        o = st.sage_attention(q, k, v, causal=True, window=(9, 0))
+    else:
+        o = st.SageAttentionFunction.apply(q, k, v, True, None, "HND", None, False, (9, 0))
+    ctx = o.grad_fn
+    assert ctx.res.problem.window == (9, 0)
+    first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    assert ctx.res is not None, "dropped by a backward that retains the graph"
+    again = torch.autograd.grad(o, (q, k, v), do)
+    assert ctx.res is None, "kept after the last backward"
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(o, (q, k, v), do)
+
+
 def test_calls_without_gradient_take_the_window_to_the_inference_op(kernels, torch_mods):
     torch, st, _ = torch_mods
     q, k, v, _ = (torch.from_numpy(x) for x in _host(2))

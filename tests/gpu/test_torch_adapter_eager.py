@@ -1,9 +1,9 @@
-"""The PyTorch adapter's eager path: ``sage_attention`` on plain tensors runs the INT8 custom ops' Python bodies under
-``torch_ops.SageEagerFunction`` instead of PyTorch's dispatcher, and the adapter's own tensor exchanges skip DLPack's
-stream handshake (``_as_cupy``, ``_as_torch``). The bitwise comparisons of every path against the CuPy calls are
-``test_torch_adapter.py``'s ("op" is this path, "dispatcher" the ops); here: the exchanges themselves, which calls take
-the shortcut, and the autograd contract the ops give (saved tensors freed after the backward, in-place changes caught,
-no silent second derivative).
+"""The PyTorch adapter's eager path: ``sage_attention`` on plain tensors runs ``torch_ops.SageEagerFunction`` (the INT8
+forward and backward with the residuals on ``ctx`` as CuPy arrays) instead of PyTorch's dispatcher, and the adapter's
+own tensor exchanges skip DLPack's stream handshake (``_as_cupy``, ``_as_torch``). The bitwise comparisons of every
+path against the CuPy calls are ``test_torch_adapter.py``'s ("op" is this path, "dispatcher" the ops); here: the
+exchanges themselves, which calls take the shortcut, and the autograd contract the ops give (residuals freed after
+the backward, in-place changes caught, no silent second derivative).
 """
 import numpy as np
 import pytest
@@ -127,6 +127,22 @@ def test_saved_tensors_follow_the_ops_contract(path):
     dq, = torch.autograd.grad(o, leaves[0], do.detach().requires_grad_(), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dq.float().sum().backward()
+
+
+@pytest.mark.parametrize("function", ["eager", "SageAttentionFunction"])
+def test_residuals_are_dropped_after_the_last_backward(function):
+    """The residuals on ``ctx`` live until a backward without ``retain_graph``, as saved tensors do: not as long as
+    the output that keeps the graph."""
+    q, k, v, do = _inputs(45, 1, 2, 2, 64, 96, 64, "HND", torch.float16)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    call = st.sage_attention if function == "eager" else st.SageAttentionFunction.apply
+    o = call(*leaves, causal=True) if function == "eager" else call(*leaves, True)
+    ctx = o.grad_fn
+    assert ctx.res is not None
+    torch.autograd.grad(o, leaves, do, retain_graph=True)
+    assert ctx.res is not None, "dropped by a backward that retains the graph"
+    torch.autograd.grad(o, leaves, do)
+    assert ctx.res is None, "kept after the last backward"
 
 
 def test_eager_path_equals_the_dispatcher_bitwise():
