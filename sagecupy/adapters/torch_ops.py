@@ -536,6 +536,7 @@ class SageEagerFunction(torch.autograd.Function):
 
         ctx.saved_tensors  # noqa: B018 -- raises if v or o was modified in place, or the graph was freed
         if do is None:
+            release_unless_retained(ctx, "res")
             return (None,) * 13
         _check_inputs(("do", do))
         with on_torch_stream(ctx.device):

@@ -246,6 +246,28 @@ def test_windowed_residuals_live_until_the_last_backward(kernels, torch_mods, pa
         torch.autograd.grad(o, (q, k, v), do)
 
 
+def test_saved_tensor_hooks_take_the_ops(kernels, torch_mods):
+    """Under saved-tensor hooks the residuals must be saved tensors for the hooks to pack: the windowed call takes the
+    custom ops, with the eager path's results. A ``torch.device`` context keeps the eager path."""
+    torch, st, _ = torch_mods
+    host = _host(6)
+    want = _through(torch, st.sage_attention, host, causal=True, window=(9, 0))
+    names = []
+
+    def hooked(q, k, v, **kw):
+        with torch.autograd.graph.save_on_cpu():
+            o = st.sage_attention(q, k, v, **kw)
+        names.append(type(o.grad_fn).__name__)
+        return o
+
+    got = _through(torch, hooked, host, causal=True, window=(9, 0))
+    assert names and not names[0].startswith("SageEagerFunction"), names
+    _assert_equal(got, want, "save_on_cpu")
+    q = torch.from_numpy(host[0])
+    with torch.device("cpu"):
+        assert st._dispatcher_free(q, q, q)
+
+
 def test_calls_without_gradient_take_the_window_to_the_inference_op(kernels, torch_mods):
     torch, st, _ = torch_mods
     q, k, v, _ = (torch.from_numpy(x) for x in _host(2))
