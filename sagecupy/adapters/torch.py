@@ -24,11 +24,13 @@ bottom-right causal, ``sm_scale=None`` meaning ``1/sqrt(D)``, fp16 or bf16, D 64
 ``window=(left, right)`` and packed variable-length sequences, ``layout="THD"`` with ``cu_seqlens_q/k``, as
 FlashAttention's varlen API takes them).
 
-**Tensors.** Inputs travel to CuPy zero-copy through DLPack, strides included (the kernels take any
-strides with a contiguous last dimension and copy other inputs themselves). bf16 tensors travel as their int16
-bits (DLPack's bfloat16 code is not read by every CuPy) and become a CuPy ``ml_dtypes.bfloat16`` view of them where
-CuPy has that dtype, else a :class:`~sagecupy.adapters.bf16.BF16Array`; outputs come back the same way
-(:func:`to_cupy`, :func:`from_cupy`).
+**Tensors.** Inputs travel to CuPy zero-copy, strides included (the kernels take any strides with a contiguous last
+dimension and copy other inputs themselves): a CuPy array over the tensor's memory that holds the tensor. bf16 tensors
+travel as their int16 bits and become a CuPy ``ml_dtypes.bfloat16`` view of them where CuPy has that dtype, else a
+:class:`~sagecupy.adapters.bf16.BF16Array`. Outputs come back as DLPack capsules (bf16 as int16 bits, DLPack's
+bfloat16 code not being read by every CuPy) asked for without a stream, since both sides are on the stream below.
+:func:`to_cupy` and :func:`from_cupy` exchange the same way through DLPack with its stream handshake, for code on
+other streams.
 
 **Streams.** Every kernel runs on PyTorch's *current stream* of the inputs' device (:func:`on_torch_stream`
 makes it CuPy's current stream for the duration of the call). The kernels are therefore ordered after
