@@ -69,7 +69,8 @@ def pieces():
             cases.append(("raw infer fn", lambda: raw(q, k, v, True, None, "HND", cfg)))
         cases += [("cupy fwd+bwd", cupy_fb), ("torch fwd+bwd (st)", torch_fb), ("Function fwd+bwd", function_fb),
                   ("to_cupy", lambda: ops.to_cupy(q)), ("from_cupy", lambda: ops.from_cupy(qc)),
-                  ("on_torch_stream", stream), ("_check_inputs", lambda: ops._check_inputs(("q", q), ("k", k), ("v", v))),
+                  ("on_torch_stream", stream),
+                  ("_check_inputs", lambda: ops._check_inputs(("q", q), ("k", k), ("v", v))),
                   ("encode_config", lambda: ops._encode_config(get_config(None))),
                   ("decode_config", lambda: ops._decode_config(cfg)),
                   ("torch.empty", lambda: torch.empty(1, device="cuda")), ("cupy.empty", lambda: cp.empty(1))]

@@ -367,10 +367,10 @@ def _lse_shape(q_shape, layout):
 
 
 def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                 config: str, window_left: int = -1, window_right: int = -1,
-                 cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
-                 max_seqlen_q: int = -1, max_seqlen_k: int = -1
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              config: str, window_left: int = -1, window_right: int = -1,
+              cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
+              max_seqlen_q: int = -1, max_seqlen_k: int = -1
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """INT8 SageBwd forward: (o, lse, q_codes, q_scale, k_codes, k_scale, lse2, packed); the last six are the
     residuals (``packed``, the table of sequence offsets, is empty for the dense layouts)."""
     from .. import int8 as s8
@@ -396,9 +396,9 @@ _sage_fwd_op = _custom_op("sagecupy::sage_attention_fwd")(_sage_fwd)
 
 
 def _sage_infer(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
-                   config: str, window_left: int = -1, window_right: int = -1,
-                   cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
-                   max_seqlen_q: int = -1, max_seqlen_k: int = -1) -> tuple[Tensor, Tensor]:
+                config: str, window_left: int = -1, window_right: int = -1,
+                cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
+                max_seqlen_q: int = -1, max_seqlen_k: int = -1) -> tuple[Tensor, Tensor]:
     """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
     op's), for calls that need no gradient: (o, lse)."""
     from .. import int8 as s8
@@ -430,10 +430,10 @@ def _sage_fwd_fake(q, k, v, causal, sm_scale, layout, config, window_left=-1, wi
 
 
 def _sage_bwd(do: Tensor, o: Tensor, v: Tensor, q_codes: Tensor, q_scale: Tensor, k_codes: Tensor,
-                 k_scale: Tensor, lse2: Tensor, packed: Tensor, causal: bool, sm_scale: typing.Optional[float],
-                 layout: str, config: str, window_left: int = -1, window_right: int = -1,
-                 cu_seqlens_q: typing.Optional[Tensor] = None,
-                 cu_seqlens_k: typing.Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+              k_scale: Tensor, lse2: Tensor, packed: Tensor, causal: bool, sm_scale: typing.Optional[float],
+              layout: str, config: str, window_left: int = -1, window_right: int = -1,
+              cu_seqlens_q: typing.Optional[Tensor] = None,
+              cu_seqlens_k: typing.Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """INT8 SageBwd backward from the forward op's output and residual tensors (``packed`` included, in the order
     the forward op returns them) and, for packed sequences, the forward's offsets: (dq, dk, dv)."""
     from .. import int8 as s8
