@@ -324,6 +324,245 @@ int8_attn_bwd_sm90_packed(const char* __restrict__ q_img, const char* __restrict
                                       p_max, left, right, 0, p_col, ds_rowcol, meta, S, nbq);
 }
 
+// ---- dK/dV with 128-query quantization groups (SageBwdConfig.bwd_block_q = 128; dense layouts) ----
+// Two warpgroups per CTA over one 64-key block. Per iteration a 128-query tile: warpgroup w takes queries
+// 64 w .. 64 w + 63 of it (S^T, dP^T, P^T, dS^T and Y as the 64-query kernel computes them) and columns
+// [w D / 2, (w + 1) D / 2) of dV and dK. P^ and Y^ are grouped per key over all 128 queries, so each warpgroup posts
+// its per-key maxima in shared memory, quantizes its half with the joint scale, and posts its codes (A fragments
+// stored as a 64B-swizzled K-major tile, what an A descriptor reads) for the other. Each dV / dK product takes its
+// own half's codes from registers and the other half's from shared memory, and so contracts over 128 queries before
+// its int32 -> fp32 fold: per score half the folds of the 64-query kernel, where they were 10 of the 33.5
+// instructions (docs/performance.md; docs/experiments.md E-I8B-Q128). The hand-overs are named barriers, one per
+// (what, writer): a warpgroup arrives when its half is posted and waits only where it needs the other's, so the
+// products of its own half are issued before any wait.
+template <int D>
+struct BwdQ128Sm90 {
+  static constexpr int STAGE = BwdSm90<D>::STAGE;  // one 64-query image
+  static constexpr int XCH = 64 * 64;              // one warpgroup's P^ or Y^ codes: 64 keys x 64 queries
+  // K^, V, two stages of two images, then P^ and Y^ of each warpgroup.
+  static constexpr int SMEM = 1024 + 192 * D + 4 * STAGE + 4 * XCH;
+};
+
+__device__ __forceinline__ void nbar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void nbar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+
+// The warp's A fragments a[ks][j] (k bytes 32 ks ..: register j holds row g + 8 (j & 1), bytes 16 (j >> 1) + 4 t4 ..
+// + 3 of the warp's 16 rows) stored in a 64 x 64-byte K-major tile with the 64B swizzle, where a descriptor over it
+// reads the same A.
+__device__ __forceinline__ void store_a64(char* tile, const unsigned (&a)[2][4], int warp, int g, int t4) {
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = 16 * warp + g + 8 * (j & 1), kb = 32 * ks + 16 * (j >> 1);
+      *reinterpret_cast<unsigned*>(tile + swz<64>(row, kb / 16) + 4 * t4) = a[ks][j];
+    }
+}
+
+// acc (+)= A * B over 64 queries: A from registers (a) or from a stored tile (da), B = columns c0 .. c0 + D / 2 - 1 of a
+// tile stored [D][64 query bytes] (64-byte swizzled rows). ACC: accumulate onto acc (else its first step zeroes it).
+template <int D, bool A_UNSIGNED, bool ACC>
+__device__ __forceinline__ void issue_half_rs(int (&acc)[D / 4], const unsigned (&a)[2][4], const char* tile, int c0) {
+  const unsigned long long d = gmma_desc<64>(tile + c0 * 64);
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const unsigned long long dk = gmma_desc_advance(d, 32 * ks);
+    const int accumulate = ACC || ks > 0;
+    if constexpr (D == 128) {
+      if constexpr (A_UNSIGNED) wgmma_m64n64k32_rs_u8s8(acc, a[ks], dk, accumulate);
+      else wgmma_m64n64k32_rs_s8s8(acc, a[ks], dk, accumulate);
+    } else {
+      if constexpr (A_UNSIGNED) wgmma_m64n32k32_rs_u8s8(acc, a[ks], dk, accumulate);
+      else wgmma_m64n32k32_rs_s8s8(acc, a[ks], dk, accumulate);
+    }
+  }
+}
+template <int D, bool A_UNSIGNED>
+__device__ __forceinline__ void issue_half_ss(int (&acc)[D / 4], const char* a_tile, const char* tile, int c0) {
+  const unsigned long long da = gmma_desc<64>(a_tile), d = gmma_desc<64>(tile + c0 * 64);
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const unsigned long long ak = gmma_desc_advance(da, 32 * ks), dk = gmma_desc_advance(d, 32 * ks);
+    if constexpr (D == 128) {
+      if constexpr (A_UNSIGNED) wgmma_m64n64k32_ss_u8s8(acc, ak, dk, 1);
+      else wgmma_m64n64k32_ss_s8(acc, ak, dk, 1);
+    } else {
+      if constexpr (A_UNSIGNED) wgmma_m64n32k32_ss_u8s8(acc, ak, dk, 1);
+      else wgmma_m64n32k32_ss_s8s8(acc, ak, dk, 1);
+    }
+  }
+}
+
+// grid (nk_pad / 64, Hkv, B), block 256, dynamic shared memory BwdQ128Sm90<D>::SMEM (host: _bwd90_q128_smem(D)).
+// q_img: the 64-query images (nq_pad a multiple of 128), whose dO codes and scales the pre-pass grouped per 128 queries
+// (bwd_do_image MODE 3). P^ per key column and Y^ per key (p_bwd_granularity "column", ds_granularity "rowcol").
+template <typename T, int D>
+__global__ void __launch_bounds__(256, 1)
+int8_attn_bwd_q128_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
+                        T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
+                        T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
+                        int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
+                        int left, int right, int shift) {
+  static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
+  static_assert(2 * BWD_BQ * 255 * 127 < (1 << 22), "int32 sums over 128 queries stay exact in i2f_small");
+  using Img = BwdImg<D>;
+  constexpr int STAGE = BwdQ128Sm90<D>::STAGE, XCH = BwdQ128Sm90<D>::XCH, DH = D / 2, NT = DH / 8;
+  const Window win{left, right};
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // wgmma tiles: 1024-byte aligned
+  char* sK = smem;
+  char* sV = sK + BWD_BKV * D;
+  char* sStage = sV + BWD_BKV * D * 2;
+  char* sX = sStage + 4 * STAGE;  // P^ of warpgroup 0, 1, then Y^ of 0, 1
+  __shared__ float sMax[2][2][64];  // [P, Y][warpgroup][key]: the per-key maxima over each warpgroup's 64 queries
+  __shared__ __align__(8) unsigned long long full[2];
+
+  const int tid = threadIdx.x, wg = tid / 128, ow = 1 - wg, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4,
+            t4 = lane % 4;
+  const int kb = blockIdx.x, b = blockIdx.z, hk = blockIdx.y;
+  const int group = Hq / Hkv;
+  const long long bhk = static_cast<long long>(b) * Hkv + hk;
+  const int k0 = kb * BWD_BKV;
+  const float inv_p_max = 1.f / p_max;
+  if (k0 >= nk) return;
+
+  const int krow = warp * 16 + g, key_lo = k0 + krow;  // this thread's keys: key_lo, key_lo + 8
+  const int2 qv[2] = {win.rows(key_lo, shift, nq, nk), win.rows(key_lo + 8, shift, nq, nk)};
+  const float sk[2] = {ks[bhk * nk_pad + key_lo], ks[bhk * nk_pad + key_lo + 8]};
+  float acc_dv[NT][4], acc_dk[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
+
+  const QueryTiles qtl = query_tiles(k0, BWD_BKV, 2 * BWD_BQ, nq, nk, win, group, shift);
+  const int first_qt = qtl.first, n_qt = qtl.n, n_it = qtl.iters;
+  if (tid == 0) {
+    mbar_init(&full[0], 1);
+    mbar_init(&full[1], 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  int ld_h = hk * group, ld_t = first_qt;  // (query head, 128-query tile) of the next stage to load
+  auto load_stage = [&](int it) {          // thread 0: the tile's two 64-query images
+    const long long tile = (static_cast<long long>(b) * Hq + ld_h) * (nq_pad / BWD_BQ) + 2 * ld_t;
+    char* dst = sStage + (it & 1) * 2 * STAGE;
+    bulk_copy_g2s(dst, q_img + tile * Img::Q_STAGE, Img::Q_STAGE, &full[it & 1]);
+    bulk_copy_g2s(dst + STAGE, q_img + (tile + 1) * Img::Q_STAGE, Img::Q_STAGE, &full[it & 1]);
+    if (++ld_t == n_qt) {
+      ld_t = first_qt;
+      ++ld_h;
+    }
+  };
+  if (tid == 0 && n_it > 0) {
+    const char* kimg = k_img + (bhk * (nk_pad / BWD_BKV) + kb) * Img::K_STAGE;
+    mbar_arrive_expect_tx(&full[0], 2 * Img::Q_STAGE + 192 * D);
+    bulk_copy_g2s(sK, kimg + Img::K_K, 64 * D, &full[0]);
+    bulk_copy_g2s(sV, kimg + Img::K_V, 128 * D, &full[0]);
+    load_stage(0);
+  }
+
+  int cur_t = first_qt;
+  for (int it = 0; it < n_it; ++it) {
+    const int q0 = cur_t * 2 * BWD_BQ + wg * BWD_BQ;  // this warpgroup's first query
+    cur_t = cur_t + 1 == n_qt ? first_qt : cur_t + 1;
+    mbar_wait(&full[it & 1], (it >> 1) & 1);
+    __syncthreads();  // both warpgroups are done with stage it - 1 and with the posted maxima and codes
+    if (tid == 0 && it + 1 < n_it) {
+      mbar_arrive_expect_tx(&full[(it + 1) & 1], 2 * Img::Q_STAGE);
+      load_stage(it + 1);
+    }
+    const char* st = sStage + (it & 1) * 2 * STAGE;
+    const char* own = st + wg * STAGE;
+    const char* oth = st + ow * STAGE;
+    const float* sQs = reinterpret_cast<const float*>(own + 320 * D);
+    const float* sL = sQs + BWD_BQ;
+    const float* sDel = sL + BWD_BQ;
+    const float* sDos = sDel + BWD_BQ;  // (the same 128-query scales in both images)
+    const bool need_mask = win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
+
+    int acc_s[32];
+    float acc_dp[32];
+    issue_s_dp<T, D>(acc_s, acc_dp, sK, own, sV, own + 64 * D);  // S^T = K^ Q^^T, dP^T = V dO^T (own half)
+    wgmma_wait<1>();
+    fence_regs(acc_s);
+    float p[8][4], pmax[2];
+    bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, q0, t4, need_mask, qv);
+    float mp[2] = {quad_max(pmax[0]), quad_max(pmax[1])};
+    if (t4 == 0) sMax[0][wg][krow] = mp[0], sMax[0][wg][krow + 8] = mp[1];
+    nbar_arrive(1 + wg);  // P maxima of warpgroup wg posted
+    wgmma_wait<0>();
+    fence_regs(acc_dp);
+    float y[8][4], ymax[2];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) bwd_ds_ntile_to(y[nt], p[nt], acc_dp + 4 * nt, sDel, nt, t4);
+    bwd_y_tile(y, ymax, sQs, t4);  // Y = diag(s_Q) dS
+    float my[2] = {quad_max(ymax[0]), quad_max(ymax[1])};
+    if (t4 == 0) sMax[1][wg][krow] = my[0], sMax[1][wg][krow + 8] = my[1];
+    nbar_arrive(3 + wg);  // Y maxima posted
+
+    nbar_sync(1 + ow);
+    mp[0] = nan_max(mp[0], sMax[0][ow][krow]);
+    mp[1] = nan_max(mp[1], sMax[0][ow][krow + 8]);
+    float s_p[2], inv_p[2];
+    bwd_scale_of_max(s_p, inv_p, mp, p_max, inv_p_max);
+    unsigned pa[2][4];
+    quantize_acc_as_a(pa, p, inv_p);
+    store_a64(sX + wg * XCH, pa, warp, g, t4);
+    fence_proxy_async();
+    nbar_arrive(5 + wg);  // P^ codes posted
+    int acc_v[D / 4], acc_k[D / 4];
+    wgmma_fence();
+    issue_half_rs<D, true, false>(acc_v, pa, own + 256 * D, wg * DH);  // dV, own queries
+    wgmma_commit();
+
+    nbar_sync(3 + ow);
+    my[0] = nan_max(my[0], sMax[1][ow][krow]);
+    my[1] = nan_max(my[1], sMax[1][ow][krow + 8]);
+    float s_y[2], inv_y[2];
+    bwd_scale_of_max(s_y, inv_y, my, 127.f, 1.f / 127.f);
+    unsigned ya[2][4];
+    quantize_acc_as_a(ya, y, inv_y);
+    store_a64(sX + (2 + wg) * XCH, ya, warp, g, t4);
+    fence_proxy_async();
+    nbar_arrive(7 + wg);  // Y^ codes posted
+    wgmma_fence();
+    issue_half_rs<D, false, false>(acc_k, ya, own + 192 * D, wg * DH);  // dK, own queries
+    wgmma_commit();
+
+    nbar_sync(5 + ow);
+    wgmma_fence();
+    issue_half_ss<D, true>(acc_v, sX + ow * XCH, oth + 256 * D, wg * DH);  // dV, the other's queries
+    wgmma_commit();
+    nbar_sync(7 + ow);
+    wgmma_fence();
+    issue_half_ss<D, false>(acc_k, sX + (2 + ow) * XCH, oth + 192 * D, wg * DH);  // dK, the other's queries
+    wgmma_commit();
+
+    wgmma_wait<1>();  // both dV products
+    fence_regs(acc_v);
+    hold_regs(pa);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {  // dV += (P^^T dO^) * s_P[key] * s_dO[d]
+      const float2 sd = *reinterpret_cast<const float2*>(sDos + wg * DH + j * 8 + 2 * t4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc_dv[j][e] += i2f_small(acc_v[4 * j + e]) * s_p[e >> 1] * ((e & 1) ? sd.y : sd.x);
+    }
+    wgmma_wait<0>();
+    fence_regs(acc_k);
+    hold_regs(ya);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)  // dK += (Y^^T Q^) * s_Y[key]
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[j][e] += i2f_small(acc_k[4 * j + e]) * s_y[e >> 1];
+  }
+
+  // Epilogue: this warpgroup's columns of dV and dK (x ln 2: Q^ carried log2 e) in the caller's layout.
+  store_acc_rows<T, DH>(dv + b * vvb + hk * vvh + wg * DH, vvn, acc_dv, key_lo, t4, nk, 1.f);
+  store_acc_rows<T, DH>(dk + b * ksb + hk * ksh + wg * DH, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
+}
+
 // dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem(D)[1]).
 template <int D>
 struct BwdDqSm90 {

@@ -52,7 +52,8 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
 
 **Two ways in, per family.**
 
-* INT8 SageBwd: :func:`sage_attention` runs the ``torch.library`` custom ops
+* INT8 SageBwd: :func:`sage_attention` runs, eagerly on plain tensors, ``torch_ops.SageEagerFunction`` (end of
+  this item), and otherwise the ``torch.library`` custom ops
   ``sagecupy::sage_attention_fwd`` / ``sagecupy::sage_attention_bwd`` (:mod:`sagecupy.adapters.torch_ops`, with
   the window as two trailing ints, ``(-1, -1)`` for none, then packed sequences' offsets and maxima). The forward
   op returns the output and the residual *tensors* of :class:`sagecupy.int8.Residuals` (the INT8 codes of Q and K,
@@ -64,17 +65,20 @@ the call); they carry PyTorch's ``cudagraph_unsafe`` tag, so ``torch.compile(mod
   no gradient (under ``torch.no_grad()`` / ``torch.inference_mode()``, or with no input requiring grad) runs
   ``sagecupy::sage_attention_infer`` instead: :func:`sagecupy.int8.sage_attention`, which keeps no residuals
   and writes less (its output is bitwise the forward op's). Under ``torch.compile``, tracing, a torch-function or
-  dispatch mode, or on tensor subclasses the ops go through PyTorch's dispatcher; an eager call on plain tensors runs
-  their Python bodies directly (``torch_ops.SageEagerFunction``, which saves, checks and frees the same tensors), since
-  the dispatcher's custom-op layer took more host time than the CuPy call itself.
-  :class:`SageAttentionFunction` is the plain ``torch.autograd.Function`` alternative (eager only: it
-  keeps the opaque residuals object on ``ctx``, alive as long as the autograd graph that holds it).
+  dispatch mode (``torch.device`` contexts aside), on tensor subclasses, or with saved-tensor hooks active
+  (activation checkpointing, ``save_on_cpu``, which see only saved tensors) the ops go through PyTorch's dispatcher;
+  any other eager call runs ``torch_ops.SageEagerFunction``, the same forward and backward with the ``Residuals``
+  kept on ``ctx`` as CuPy arrays (``v`` and ``o`` saved for the in-place check, the residuals dropped after a
+  backward without ``retain_graph``), since the dispatcher's custom-op layer and the residuals' round trip through
+  PyTorch took more host time than the CuPy call itself. :class:`SageAttentionFunction` is the plain
+  ``torch.autograd.Function`` alternative with positional arguments (eager only), which keeps the residuals the
+  same way (out of saved-tensor hooks' reach).
 * FP4 QAT (:mod:`sagecupy.qat`, imported when first used): :func:`qat_attention` runs
   :class:`QATAttentionFunction` in eager mode (opaque residuals on ``ctx``, no extra work) and, under
-  ``torch.compile``, the custom ops ``sagecupy::qat_attention_fwd`` / ``sagecupy::qat_attention_bwd``,
-  whose backward recomputes the residuals from ``q, k, v`` (the forward is a deterministic function of
-  its inputs, so they are the same residuals) because an opaque Python object cannot cross a custom-op
-  boundary.
+  ``torch.compile`` or with saved-tensor hooks active, the custom ops ``sagecupy::qat_attention_fwd`` /
+  ``sagecupy::qat_attention_bwd``, whose backward recomputes the residuals from ``q, k, v`` (the forward is a
+  deterministic function of its inputs, so they are the same residuals) because an opaque Python object cannot
+  cross a custom-op boundary.
 * NVFP4 (:mod:`sagecupy.nvfp4`, inference only): :func:`nvfp4_attention` runs the custom op
   ``sagecupy::nvfp4_attention``; a call that needs a gradient is refused.
 
@@ -106,7 +110,7 @@ from . import dropin, torch_ops
 from .dropin import SageFallbackWarning
 # importing torch_ops registers the custom ops
 from .torch_ops import (_DTYPES, _as_cupy, _as_torch, _check_inputs, _encode_config, _family, _require_cuda_tensor,
-                        from_cupy, on_torch_stream, to_cupy)
+                        from_cupy, on_torch_stream, release_unless_retained, to_cupy)
 from .torch_cp import BlockBackend, context_parallel_attention, shard_sequence, unshard_sequence
 
 __all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
@@ -180,7 +184,7 @@ def _packed_args(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 # --------------------------------------------------------------------------------------------------
-# plain autograd.Functions (eager): the residuals object stays on ctx
+# plain autograd.Functions (eager): the residuals object stays on ctx until the backward
 # --------------------------------------------------------------------------------------------------
 
 
@@ -214,6 +218,7 @@ def _function_backward(ctx, do, *_lse_grad):
     with on_torch_stream(ctx.device):
         grads = mod.backward(ctx.res, _as_cupy(do.contiguous(), "do"))
         dq, dk, dv = (_as_torch(g) for g in grads)
+    release_unless_retained(ctx, "res")
     # one None per input but q, k, v; autograd accepts the trailing Nones of inputs that were not passed
     return (dq, dk, dv) + (None,) * 10
 
@@ -226,8 +231,10 @@ class SageAttentionFunction(torch.autograd.Function):
     for ``layout="THD"``, validated by :func:`sagecupy.int8.forward`).
 
     Eager only (torch.compile cannot trace into CuPy; use :func:`sage_attention`, whose custom ops it traces, and
-    which gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays
-    on ``ctx`` for as long as the autograd graph lives, not only until the backward."""
+    which gives the same results bit for bit). The :class:`sagecupy.int8.Residuals` object stays on ``ctx`` until
+    the backward, and after it if that ran with ``retain_graph=True``, as long as the autograd graph lives. Being no
+    saved tensor, it is out of reach of saved-tensor hooks (activation checkpointing, ``save_on_cpu``), which
+    :func:`sage_attention` leaves to the custom ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False, window=None,
@@ -301,6 +308,8 @@ def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=Fal
     if not _needs_grad(q, k, v):
         o, lse = torch_ops._sage_infer(*args) if eager else torch.ops.sagecupy.sage_attention_infer(*args)
     else:
+        # (saved-tensor hooks see only what save_for_backward saves: the ops' residual tensors, not a ctx attribute)
+        eager = eager and not _saved_tensor_hooks()
         fwd = torch_ops.SageEagerFunction.apply if eager else torch.ops.sagecupy.sage_attention_fwd
         o, lse, *_residuals = fwd(*args)
     return (o, lse) if return_lse else o
@@ -308,17 +317,41 @@ def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=Fal
 
 _dispatch_mode = getattr(torch.utils._python_dispatch, "_get_current_dispatch_mode", None)
 _function_mode = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_function_modes = getattr(torch.overrides, "_get_current_function_mode_stack", None)
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+try:
+    from torch.utils._device import DeviceContext as _device_mode  # (the mode a torch.device context pushes)
+except ImportError:
+    _device_mode = None
+
+
+def _saved_tensor_hooks():
+    """Whether saved-tensor hooks are active (``torch.utils.checkpoint`` without reentrance,
+    ``torch.autograd.graph.save_on_cpu``, user hooks), or this PyTorch cannot say. They pack and unpack what
+    ``save_for_backward`` saves; residuals kept on ``ctx`` would stay on the GPU past them (and a checkpoint's
+    recomputation would be wasted), so such calls take the ops, which save the residuals as tensors."""
+    return _default_hooks is None or _default_hooks(False) is not None
+
+
+def _only_device_modes():
+    """Whether the active torch-function modes are only ``torch.device`` contexts (``with torch.device("cuda")``,
+    ``torch.set_default_device``), which change where factory functions allocate and nothing the ops compute."""
+    if _function_modes is None or _device_mode is None:
+        return False
+    return all(isinstance(m, _device_mode) for m in _function_modes())
 
 
 def _dispatcher_free(*tensors):
     """Whether an INT8 call may run the custom ops' Python bodies directly (:class:`torch_ops.SageEagerFunction`):
-    eagerly (not compiling, not tracing), with no torch-function or dispatch mode active (a mode must see the ops),
-    on plain tensors (no subclass such as a FakeTensor, no functorch wrapper). Anything else, or a PyTorch without the
-    private functions this reads, goes through the ops."""
+    eagerly (not compiling, not tracing), with no torch-function mode but ``torch.device`` contexts and no dispatch
+    mode active (a mode must see the ops), on plain tensors (no subclass such as a FakeTensor, no functorch wrapper).
+    Anything else, or a PyTorch without the private functions this reads, goes through the ops."""
     if None in (_dispatch_mode, _function_mode, _functorch_wrapped):
         return False
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _function_mode() or _dispatch_mode() is not None:
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _dispatch_mode() is not None:
+        return False
+    if _function_mode() and not _only_device_modes():
         return False
     return all(t is None or (type(t) is torch.Tensor and not _functorch_wrapped(t)) for t in tensors)
 
@@ -378,11 +411,12 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
     :mod:`sagecupy.qat` kernels.
 
     Eager calls run :class:`QATAttentionFunction` (the residuals object stays on the autograd ctx);
-    under ``torch.compile`` the custom ops run, whose backward recomputes the residuals from q, k, v.
+    under ``torch.compile``, and where saved-tensor hooks are active (activation checkpointing, ``save_on_cpu``),
+    the custom ops run, whose backward recomputes the residuals from q, k, v, the only tensors they save.
     Both give the gradients of ``qat.forward``/``qat.backward`` called directly."""
     _check_inputs(("q", q), ("k", k), ("v", v))
     _check_options(causal, layout, "qat_attention")
-    if _compiling():
+    if _compiling() or (_needs_grad(q, k, v) and _saved_tensor_hooks()):
         return _qat_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse)
     return QATAttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout, config, bool(return_lse))
 

@@ -489,28 +489,61 @@ def _sage_backward(ctx, do, *_other_grads):
 _sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context)
 
 
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def release_unless_retained(ctx, *names):
+    """Drop ``ctx``'s attributes ``names`` at the end of a backward that will not run again (no ``retain_graph``),
+    as autograd frees saved tensors then: an opaque residuals object on ``ctx`` would otherwise live as long as the
+    graph, which the caller's output keeps. A PyTorch without the private query keeps them."""
+    if _keep_graph is not None and not _keep_graph():
+        for name in names:
+            setattr(ctx, name, None)
+
+
 class SageEagerFunction(torch.autograd.Function):
-    """The INT8 forward and backward ops' Python bodies under a plain ``torch.autograd.Function``, without PyTorch's
-    dispatcher: what :func:`sagecupy.torch.sage_attention` runs in eager mode on plain tensors. It takes the forward
-    op's arguments, and saves, frees and checks what the ops' autograd registration does (the same setup_context and
-    backward arguments), so the results are bitwise the ops'. The dispatcher's custom-op layer cost more host time per
-    forward+backward than the CuPy call itself (docs/experiments.md, E-ADAPT-HOST)."""
+    """What :func:`sagecupy.torch.sage_attention` runs in eager mode on plain tensors: the INT8 forward and backward
+    without PyTorch's dispatcher. It takes the forward op's arguments (already checked by ``sage_attention``) and
+    returns ``(o, lse)``; the :class:`sagecupy.int8.Residuals` stay on ``ctx`` as CuPy arrays, so no residual crosses
+    to PyTorch and back and the backward does not rebuild them. The gradients are the ops' bit for bit (the same
+    kernels on the same buffers); ``v`` and ``o`` are saved so that an in-place change of either before the backward
+    is an error, as for the ops, and the residuals are dropped after a backward without ``retain_graph``. The
+    dispatcher's custom-op layer and the residuals' round trip cost more host time per forward+backward than the CuPy
+    call itself (docs/experiments.md, E-ADAPT-HOST)."""
 
     @staticmethod
-    def forward(*args):
-        return _sage_fwd(*args)
+    def forward(ctx, q, k, v, causal, sm_scale, layout, config, window_left=-1, window_right=-1, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+        from .. import int8 as s8
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.set_materialize_grads(False)  # no zero gradients built for the residual outputs, which take none
-        _sage_setup_context(ctx, inputs, output)
+        device = q.device
+        with on_torch_stream(device):
+            kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            o, lse, res = s8.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
+                                     sm_scale=sm_scale, layout=layout, config=_decode_config(config),
+                                     return_lse=True, window=_window(window_left, window_right), **kw)
+            o, lse = _as_torch(o), _as_torch(lse)
+        ctx.res, ctx.device = res, device
+        ctx.set_materialize_grads(False)  # no zero gradient built for the LSE, which takes none
+        ctx.save_for_backward(v, o)
+        ctx.mark_non_differentiable(lse)  # the backward kernels take dO only
+        return o, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # (the backward kernels have no derivative: an error, not zeros)
-    def backward(ctx, do, *_other_grads):
+    def backward(ctx, do, _lse_grad):
+        from .. import int8 as s8
+
+        ctx.saved_tensors  # noqa: B018 -- raises if v or o was modified in place, or the graph was freed
         if do is None:
+            release_unless_retained(ctx, "res")
             return (None,) * 13
-        return _sage_bwd(*_sage_backward_args(ctx, do)) + (None,) * 10
+        _check_inputs(("do", do))
+        with on_torch_stream(ctx.device):
+            grads = s8.backward(ctx.res, _as_cupy(do.contiguous(), "do"))
+            dq, dk, dv = (_as_torch(g) for g in grads)
+        release_unless_retained(ctx, "res")
+        return (dq, dk, dv) + (None,) * 10
 
 
 @_custom_op("sagecupy::qat_attention_fwd")

@@ -224,6 +224,50 @@ def test_window_reaches_the_forward_and_the_backward(kernels, torch_mods, path, 
     _assert_equal(got, _want(*host, causal=causal, layout="NHD", window=window), (path, window))
 
 
+@pytest.mark.parametrize("path", ["op", "function"])
+def test_windowed_residuals_live_until_the_last_backward(kernels, torch_mods, path):
+    """The eager paths keep the residuals (the windowed Problem among them) on ``ctx``: through a backward that
+    retains the graph, which then repeats bitwise, and not after the last one, as autograd frees saved tensors."""
+    torch, st, _ = torch_mods
+    q, k, v, do = (torch.from_numpy(x) for x in _host(5))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    if path == "op":
+        o = st.sage_attention(q, k, v, causal=True, window=(9, 0))
+    else:
+        o = st.SageAttentionFunction.apply(q, k, v, True, None, "HND", None, False, (9, 0))
+    ctx = o.grad_fn
+    assert ctx.res.problem.window == (9, 0)
+    first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    assert ctx.res is not None, "dropped by a backward that retains the graph"
+    again = torch.autograd.grad(o, (q, k, v), do)
+    assert ctx.res is None, "kept after the last backward"
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(o, (q, k, v), do)
+
+
+def test_saved_tensor_hooks_take_the_ops(kernels, torch_mods):
+    """Under saved-tensor hooks the residuals must be saved tensors for the hooks to pack: the windowed call takes the
+    custom ops, with the eager path's results. A ``torch.device`` context keeps the eager path."""
+    torch, st, _ = torch_mods
+    host = _host(6)
+    want = _through(torch, st.sage_attention, host, causal=True, window=(9, 0))
+    names = []
+
+    def hooked(q, k, v, **kw):
+        with torch.autograd.graph.save_on_cpu():
+            o = st.sage_attention(q, k, v, **kw)
+        names.append(type(o.grad_fn).__name__)
+        return o
+
+    got = _through(torch, hooked, host, causal=True, window=(9, 0))
+    assert names and not names[0].startswith("SageEagerFunction"), names
+    _assert_equal(got, want, "save_on_cpu")
+    q = torch.from_numpy(host[0])
+    with torch.device("cpu"):
+        assert st._dispatcher_free(q, q, q)
+
+
 def test_calls_without_gradient_take_the_window_to_the_inference_op(kernels, torch_mods):
     torch, st, _ = torch_mods
     q, k, v, _ = (torch.from_numpy(x) for x in _host(2))

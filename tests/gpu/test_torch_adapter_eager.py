@@ -1,9 +1,9 @@
-"""The PyTorch adapter's eager path: ``sage_attention`` on plain tensors runs the INT8 custom ops' Python bodies under
-``torch_ops.SageEagerFunction`` instead of PyTorch's dispatcher, and the adapter's own tensor exchanges skip DLPack's
-stream handshake (``_as_cupy``, ``_as_torch``). The bitwise comparisons of every path against the CuPy calls are
-``test_torch_adapter.py``'s ("op" is this path, "dispatcher" the ops); here: the exchanges themselves, which calls take
-the shortcut, and the autograd contract the ops give (saved tensors freed after the backward, in-place changes caught,
-no silent second derivative).
+"""The PyTorch adapter's eager path: ``sage_attention`` on plain tensors runs ``torch_ops.SageEagerFunction`` (the INT8
+forward and backward with the residuals on ``ctx`` as CuPy arrays) instead of PyTorch's dispatcher, and the adapter's
+own tensor exchanges skip DLPack's stream handshake (``_as_cupy``, ``_as_torch``). The bitwise comparisons of every
+path against the CuPy calls are ``test_torch_adapter.py``'s ("op" is this path, "dispatcher" the ops); here: the
+exchanges themselves, which calls take the shortcut, and the autograd contract the ops give (residuals freed after
+the backward, in-place changes caught, no silent second derivative).
 """
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 import sagecupy.torch as st  # noqa: E402  (needs torch: after the skip)
 from sagecupy.adapters import torch_ops  # noqa: E402
-from test_torch_adapter import _assert_same_bits, _inputs, _through, _via_dispatcher  # noqa: E402
+from test_torch_adapter import _assert_same_bits, _inputs, _qat_module, _through, _via_dispatcher  # noqa: E402
 
 
 _DTYPES = ("float16", "bfloat16", "float32", "int8", "int32", "uint8")
@@ -129,6 +129,22 @@ def test_saved_tensors_follow_the_ops_contract(path):
         dq.float().sum().backward()
 
 
+@pytest.mark.parametrize("function", ["eager", "SageAttentionFunction"])
+def test_residuals_are_dropped_after_the_last_backward(function):
+    """The residuals on ``ctx`` live until a backward without ``retain_graph``, as saved tensors do: not as long as
+    the output that keeps the graph."""
+    q, k, v, do = _inputs(45, 1, 2, 2, 64, 96, 64, "HND", torch.float16)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    call = st.sage_attention if function == "eager" else st.SageAttentionFunction.apply
+    o = call(*leaves, causal=True) if function == "eager" else call(*leaves, True)
+    ctx = o.grad_fn
+    assert ctx.res is not None
+    torch.autograd.grad(o, leaves, do, retain_graph=True)
+    assert ctx.res is not None, "dropped by a backward that retains the graph"
+    torch.autograd.grad(o, leaves, do)
+    assert ctx.res is None, "kept after the last backward"
+
+
 def test_eager_path_equals_the_dispatcher_bitwise():
     """The eager path against the dispatcher's on one GQA causal case (the full matrix is test_torch_adapter's)."""
     q, k, v, do = _inputs(47, 2, 4, 2, 130, 200, 64, "NHD", torch.bfloat16)
@@ -136,3 +152,41 @@ def test_eager_path_equals_the_dispatcher_bitwise():
     want = _through(lambda *a, **kw: _via_dispatcher(st.sage_attention, *a, **kw), q, k, v, do, causal=True,
                     layout="NHD")
     _assert_same_bits(got, want, "eager vs dispatcher")
+
+
+@pytest.mark.parametrize("hooks", ["checkpoint", "save_on_cpu"])
+@pytest.mark.parametrize("family", ["int8", "qat"])
+def test_saved_tensor_hooks_see_the_residuals(family, hooks):
+    """Under saved-tensor hooks (non-reentrant activation checkpointing, save_on_cpu) the calls take the custom ops,
+    whose residuals are saved tensors the hooks pack: no residual object on ``ctx``, and the gradients are the eager
+    path's bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    if family == "qat":
+        _qat_module()
+    call = st.sage_attention if family == "int8" else st.qat_attention
+    q, k, v, do = _inputs(49, 1, 4, 2, 100, 130, 64, "HND", torch.bfloat16)
+    want = _through(call, q, k, v, do, causal=True)
+    seen = []
+
+    def hooked(q, k, v, causal):
+        o = call(q, k, v, causal=causal)
+        seen.append(type(o.grad_fn).__name__)
+        return o
+
+    if hooks == "checkpoint":
+        got = _through(lambda q, k, v, causal: checkpoint(hooked, q, k, v, causal, use_reentrant=False), q, k, v, do,
+                       causal=True)
+    else:
+        with torch.autograd.graph.save_on_cpu():
+            got = _through(hooked, q, k, v, do, causal=True)
+    assert seen and not any(n.startswith(("SageEagerFunction", "QATAttentionFunction")) for n in seen), seen
+    _assert_same_bits(list(got), list(want), (family, hooks))
+
+
+def test_device_contexts_keep_the_eager_path():
+    q, k, v, do = _inputs(51, 1, 2, 2, 64, 64, 64, "HND", torch.float16)
+    with torch.device("cuda"):
+        assert st._dispatcher_free(q, k, v)
+        o = st.sage_attention(*(x.detach().requires_grad_() for x in (q, k, v)))
+    assert type(o.grad_fn).__name__.startswith("SageEagerFunction"), o.grad_fn
