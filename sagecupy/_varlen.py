@@ -300,7 +300,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     p = check_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     cfg = get_config(config)
-    why = _i8._unsupported_config(cfg, packed=True)
+    why = _i8._unsupported_config(cfg)
     if why:
         raise ValueError(f"config: {why}")
     _i8._check_device()

@@ -46,18 +46,11 @@ _FWD_WARPS = 4
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
-def _unsupported_config(cfg: SageBwdConfig, packed: bool = False) -> str | None:
-    if ((cfg.block_q, cfg.bwd_block_kv) != (128, 64) or cfg.bwd_block_q not in (64, 128)
-            or cfg.block_kv not in _BLOCK_KV):
+def _unsupported_config(cfg: SageBwdConfig) -> str | None:
+    if (cfg.block_q, cfg.bwd_block_q, cfg.bwd_block_kv) != (128, 64, 64) or cfg.block_kv not in _BLOCK_KV:
         return (f"tile sizes (block_q, block_kv, bwd_block_q, bwd_block_kv)="
                 f"{(cfg.block_q, cfg.block_kv, cfg.bwd_block_q, cfg.bwd_block_kv)} are not supported by the "
-                f"kernels; supported: (128, 64 or 128, 64 or 128, 64)")
-    if cfg.bwd_block_q == 128:
-        if (cfg.p_bwd_granularity, cfg.ds_granularity) != ("column", "rowcol"):
-            return (f"bwd_block_q=128 needs p_bwd_granularity='column' and ds_granularity='rowcol' in the kernels "
-                    f"(got {cfg.p_bwd_granularity!r}, {cfg.ds_granularity!r})")
-        if packed:
-            return "bwd_block_q=128 is implemented for the dense layouts ('HND', 'NHD'), not for layout='THD'"
+                f"kernels; supported: (128, 64 or 128, 64, 64)")
     if cfg.block_kv != 64 and (cfg.k_granularity, cfg.v_granularity) != ("token", "channel"):
         return (f"block_kv={cfg.block_kv} needs k_granularity='token' and v_granularity='channel' in the kernels "
                 f"(got {cfg.k_granularity!r}, {cfg.v_granularity!r}); per-block K and V need block_kv=64, e.g. "
@@ -85,21 +78,18 @@ def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=N
         else:
             _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
         cfg = get_config(config)
-        _check_device(cfg)
+        _check_device()
     except Exception as exc:  # the contract is (False, reason), whatever is wrong
         return False, str(exc)
-    why = _unsupported_config(cfg, _varlen.is_packed(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    why = _unsupported_config(cfg)
     return (False, why) if why else (True, "")
 
 
-def _check_device(cfg=None):
+def _check_device():
     cc = device_capability()
     if cc < (8, 0):
         raise ValueError(f"the INT8 kernels need compute capability 8.0 or newer (mma.sync INT8); this device is "
                          f"{cc[0]}.{cc[1]}")
-    if cfg is not None and cfg.bwd_block_q == 128 and cc != (9, 0):
-        raise ValueError(f"config: bwd_block_q=128 runs on the wgmma backward, which needs compute capability 9.0 "
-                         f"(Hopper); this device is {cc[0]}.{cc[1]}")
 
 
 _QK_RPW = 8  # rows per warp of the fused Q/K quantization (8 * 8 = 64 rows per CTA: more loads in flight than 4)
@@ -114,7 +104,6 @@ def _quant_names(T, D):
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 2>",
         f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
-        f"bwd_do_scales128<{T}, {D}, 1>", f"bwd_do_scales128<{T}, {D}, 2>", f"bwd_do_image_g128<{T}, {D}>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
     ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>") if D == 128 else ())
@@ -167,7 +156,6 @@ def kernel_names() -> dict:
                     src, name, _ = _fwd_kernel(T, D, bkv, engine)
                     out[src].append(name)
                 out[_BWD_SOURCES[engine][0]] += list(_bwd_names(T, D, engine))
-            out[_BWD_SOURCES["wgmma"][0]].append(_bwd_q128_name(T, D))
             for f, names in _varlen.kernel_names(T, D).items():
                 out.setdefault(f, []).extend(n for n in names if n not in out[f])
     return out
@@ -191,10 +179,7 @@ def kernel_requests(dtype: str, D: int, engine: str) -> list:
         out.append((src, name, None, arch))
     src, arch = _BWD_SOURCES[engine]
     names = _bwd_names(T, D, engine)
-    out += [(src, n, names, arch) for n in names]
-    if engine == "wgmma":
-        out.append((src, _bwd_q128_name(T, D), None, arch))
-    return out + _varlen.kernel_requests(T, D, engine)
+    return out + [(src, n, names, arch) for n in names] + _varlen.kernel_requests(T, D, engine)
 
 
 def forward_engine(engine: str | None = None) -> str:
@@ -226,19 +211,6 @@ def _bwd_names(T, D, engine="mma"):
     return (f"int8_attn_bwd{sfx}<{T}, {D}>", f"int8_attn_bwd_dq{sfx}<{T}, {D}>")
 
 
-def _bwd_q128_name(T, D):
-    """The wgmma dK/dV kernel with 128-query quantization groups (``bwd_block_q=128``); compiled in a module of its
-    own (the 64-query kernels' module is unchanged)."""
-    return f"int8_attn_bwd_q128_sm90<{T}, {D}>"
-
-
-def _bwd90_q128_smem(D):
-    """Dynamic shared memory of the 128-query dK/dV kernel (BwdQ128Sm90<D>::SMEM): K^, V, two stages of two 64-query
-    images, both warpgroups' P^ and Y^ codes, and 1024 bytes of alignment slack."""
-    stage = -(-(320 * D + (192 + D) * 4) // 1024) * 1024
-    return 1024 + 192 * D + 4 * stage + 4 * 64 * 64
-
-
 def _bwd90_smem(D):
     """Dynamic shared memory of the wgmma backward kernels (BwdSm90 / BwdDqSm90 in int8/int8_attn_bwd_sm90.cu):
     (dK/dV, dQ) bytes, each with 1024 bytes of slack for the 1024-byte alignment wgmma tiles need."""
@@ -266,8 +238,7 @@ def kernel_constants() -> dict:
     out = []
     for D in _checks.SUPPORTED_HEAD_DIMS:
         kv, dq = _bwd90_smem(D)
-        out += [(f"BwdSm90<{D}>::SMEM", kv), (f"BwdDqSm90<{D}>::SMEM", dq),
-                (f"BwdQ128Sm90<{D}>::SMEM", _bwd90_q128_smem(D))]
+        out += [(f"BwdSm90<{D}>::SMEM", kv), (f"BwdDqSm90<{D}>::SMEM", dq)]
         out += [(f"BwdImg<{D}>::Q_STAGE", bwd_images(D)[0]), (f"BwdImg<{D}>::K_STAGE", bwd_images(D)[1])]
     fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
            for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
@@ -455,7 +426,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     why = _unsupported_config(cfg)
     if why:
         raise ValueError(f"config: {why}")
-    _check_device(cfg)
+    _check_device()
     engine = forward_engine(engine)  # validate before any work
     # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
@@ -775,8 +746,6 @@ def _backward_plan(r, do, engine):
     dsb, dsh, dsn = _layout.run_strides(do, copy[0], p.layout)
     osb, osh, osn = _layout.strides(r.o, p.layout)
     engine = backward_engine(engine)
-    if cfg.bwd_block_q == 128 and engine != "wgmma":
-        raise ValueError(f"engine={engine!r}: bwd_block_q=128 runs on the wgmma backward only (engine='wgmma')")
     prog = Program()
     rdo, ro = Ref("do"), Ref("o")
     delta = prog.empty("delta", (B, Hq, nq_pad), f32)
@@ -789,14 +758,6 @@ def _backward_plan(r, do, engine):
         prog.launch(_qfn(f"bwd_qk_images<{T}, {D}>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
                     (Ref("q_codes"), Ref("q_scale"), Ref("lse2"), i32(nq_pad), q_img, Ref("k_codes"), Ref("k_scale"),
                      i32(nk_pad), Ref("v"), i64(vsb), i64(vsh), i64(vsn), i32(p.nk), k_img, i32(Hq), i32(Hkv)))
-        if cfg.bwd_block_q == 128:  # dO's scales per 128-query group, then each 64-query image with its group's
-            do_scale = prog.empty("do_scale128", (B, Hq, nq_pad // 128, D), f32, arena=_layout.TMP)
-            prog.launch(_qfn(f"bwd_do_scales128<{T}, {D}, {mode}>", T, D), (nq_pad // 128, Hq, B), (D,),
-                        (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale))
-            prog.launch(_qfn(f"bwd_do_image_g128<{T}, {D}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
-                        (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale, q_img, ro, i64(osb),
-                         i64(osh), i64(osn), delta))
-            return Plan(p, cfg, engine, copy, prog)
         prog.launch(_qfn(f"bwd_do_image<{T}, {D}, {mode}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
                     (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), q_img, ro, i64(osb), i64(osh), i64(osn),
                      delta))
@@ -866,15 +827,7 @@ def _backward_launch_program(r, pre, engine, kernels):
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     R = Ref
-    if "dkdv" in kernels and cfg.bwd_block_q == 128:  # (wgmma: _backward_plan checked)
-        f128, smem128 = get_function(src, _bwd_q128_name(T, D), arch=arch), _bwd90_q128_smem(D)
-        f128.max_dynamic_shared_size_bytes = smem128
-        prog.launch(f128, (nk_pad // 64, Hkv, B), (256,),
-                    (R("q_img"), R("k_img"), R("k_scale"),
-                     dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
-                     i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max), *win),
-                    shared_mem=smem128)
-    elif "dkdv" in kernels and engine == "wgmma":
+    if "dkdv" in kernels and engine == "wgmma":
         prog.launch(fn, (nk_pad // 64, Hkv, B), (128,),
                     (R("q_img"), R("k_img"), R("k_scale"),
                      dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),

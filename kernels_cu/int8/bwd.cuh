@@ -36,18 +36,6 @@ __device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const flo
   }
 }
 
-// The scales and code multipliers of bwd_group_scale (below) from the groups' maxima m.
-__device__ __forceinline__ void bwd_scale_of_max(float (&s)[2], float (&inv)[2], const float (&m)[2], float range,
-                                                 float inv_range) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    s[r] = m[r] * inv_range;
-    // (range / 16) * rcp(max / 16): the same product as range * rcp(max) (both factors scaled by exact powers of
-    // two) for max >= 2^-122, and a normal rcp up to fp32's largest max (rcp(max) alone flushes to 0 above 2^126).
-    inv[r] = m[r] > 0.f ? fminf((range * 0x1p-4f) * fast_rcp(m[r] * 0x1p-4f), 0x1p126f) : 0.f;  // NaN, 0 -> 0
-  }
-}
-
 // Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over
 // the whole 64 x 64 tile (the CTA), times 1 / (the code range). Returns the scales and the inverses the codes
 // are rounded with (0 for a max of 0, NaN or Inf: see below). A NaN max gives s = NaN, an Inf max (an infinite dO
@@ -73,7 +61,13 @@ __device__ __forceinline__ void bwd_group_scale(float (&s)[2], float (&inv)[2], 
   } else {
     m[0] = m[1] = cta_max4(nan_max(mx[0], mx[1]), scratch, warp, lane);
   }
-  bwd_scale_of_max(s, inv, m, range, inv_range);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    s[r] = m[r] * inv_range;
+    // (range / 16) * rcp(max / 16): the same product as range * rcp(max) (both factors scaled by exact powers of
+    // two) for max >= 2^-122, and a normal rcp up to fp32's largest max (rcp(max) alone flushes to 0 above 2^126).
+    inv[r] = m[r] > 0.f ? fminf((range * 0x1p-4f) * fast_rcp(m[r] * 0x1p-4f), 0x1p126f) : 0.f;  // NaN, 0 -> 0
+  }
 }
 
 // dK/dV kernel: P^T = exp2(S^T * s_K[key] * s_Q[query] - lse2[query]) masked to 0, and its row (key) maxima.
@@ -107,14 +101,6 @@ __device__ __forceinline__ void bwd_ds_ntile(float (&p)[4], const float* dp, con
   const float2 d2 = *reinterpret_cast<const float2*>(sDel + nt * 8 + 2 * t4);
 #pragma unroll
   for (int e = 0; e < 4; ++e) p[e] *= dp[e] - ((e & 1) ? d2.y : d2.x);
-}
-
-// As bwd_ds_ntile, into ds: P kept (the 128-query dK/dV kernel quantizes P once the other warpgroup's maxima arrive).
-__device__ __forceinline__ void bwd_ds_ntile_to(float (&ds)[4], const float (&p)[4], const float* dp, const float* sDel,
-                                                int nt, int t4) {
-  const float2 d2 = *reinterpret_cast<const float2*>(sDel + nt * 8 + 2 * t4);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) ds[e] = p[e] * (dp[e] - ((e & 1) ? d2.y : d2.x));
 }
 
 // dK/dV kernel: Y = diag(s_Q) dS in place of dS^T, and its row (key) maxima of |Y|.

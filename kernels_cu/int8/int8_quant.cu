@@ -477,8 +477,7 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // accumulator along the token dimension (V in P.V, dO in P^T.dO):
 //   out[b, h, d, blk*64 + mma_perm32-position of token] = psi(x[b, h, token, d]) for 64-token blocks.
 // MODE 0: per-channel scale given in `scale_in` (b, h, d) (computed over the whole sequence);
-// MODE 1: per (64-token block, channel) scale, computed here;  MODE 2: one scale per 64-token block;
-// MODE 3: per (128-token group, channel) scales given in `scale_in` (b, h, group, d) (bwd_do_scales128).
+// MODE 1: per (64-token block, channel) scale, computed here;  MODE 2: one scale per 64-token block.
 // Scales written to scale_out[b, h, blk, d] (MODE 1, 2; MODE 2 repeats the block scale over d).
 // tile_major = 0: out is (B, H, D, n_pad) (a channel's row runs over the whole sequence); 1: (B, H, n_pad / 64, D,
 // 64), each 64-token block's D x 64 bytes contiguous, so that a kernel's copy of one block reads whole 128-byte
@@ -559,9 +558,6 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   if (MODE == 0) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) sc[c] = scale_in[bh * D + c0 + c];
-  } else if (MODE == 3) {  // given per (128-token group, channel): bwd_do_scales128
-#pragma unroll
-    for (int c = 0; c < 8; ++c) sc[c] = scale_in[(bh * (n_pad / 128) + blk / 2) * D + c0 + c];
   } else if (MODE == 1) {  // per channel over the block's 64 tokens: the 16 lanes of this half-warp
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
@@ -662,44 +658,6 @@ bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, 
   quant_transpose_perm_body<T, D, MODE, true, 1>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
                                                     reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta,
                                                     blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
-}
-
-// The dO scales of 128-query groups (SageBwdConfig.bwd_block_q = 128, the two-warpgroup dK/dV kernel): per (b, h,
-// group of 128 tokens) and channel d, psi_scale(max |dO[token, d]|) over the group's tokens (MODE 1, do_granularity
-// "channel"), or the group's one scale over all of D (MODE 2, "block"), into scale (B, H, n_pad / 128, D); tokens >= n
-// count as 0. bwd_do_image_g128 then quantizes each 64-token image with its group's scales. grid (n_pad / 128, H, B),
-// block D: thread d reads channel d of every row (consecutive threads, consecutive channels).
-template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(D)
-bwd_do_scales128(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
-                 float* __restrict__ scale) {
-  static_assert(MODE == 1 || MODE == 2, "per channel or per group");
-  const int d = threadIdx.x, grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const long long bh = static_cast<long long>(b) * gridDim.y + h;
-  const T* row = x + b * sb + h * sh + d;
-  const int t1 = min(n, 128 * grp + 128);
-  float a = 0.f;
-  for (int t = 128 * grp; t < t1; ++t) a = absmax_or_nan(a, to_float(row[t * sn]));
-  if constexpr (MODE == 2) {
-    __shared__ float wmax[D / 32];
-    a = warp_max_xor(a, 1, 16);
-    if (d % 32 == 0) wmax[d / 32] = a;
-    __syncthreads();
-    a = wmax[0];
-    for (int w = 1; w < D / 32; ++w) a = nan_max(a, wmax[w]);
-  }
-  scale[(bh * (n_pad / 128) + grp) * D + d] = psi_scale(a, 127.f);
-}
-
-// bwd_do_image with the dO scales of 128-token groups given (MODE 3: bwd_do_scales128's).
-template <typename T, int D>
-__global__ void __launch_bounds__(2 * D, 1)
-bwd_do_image_g128(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
-                  const float* __restrict__ scale_in, char* __restrict__ q_img, const T* __restrict__ o, long long osb,
-                  long long osh, long long osn, float* __restrict__ delta) {
-  quant_transpose_perm_body<T, D, 3, true, 1>(x, sb, sh, sn, n, n_pad, scale_in, nullptr,
-                                              reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta,
-                                              blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
 template <int D>

@@ -85,10 +85,6 @@ def _run_calls(family, dtype, d, engine, monkeypatch):
                 o, res = int8.forward(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
                 int8.backward(res, dop, engine=engine)
                 int8.sage_attention(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
-            if engine == "wgmma":  # 128-query dK/dV groups: the wgmma engine's, dense layouts only
-                q128 = int8.get_config("default").replace(name="q128", bwd_block_q=128)
-                o, res = int8.forward(q, k, v, causal=causal, config=q128, engine=engine)
-                int8.backward(res, do, engine=engine)
         elif family == "qat":
             o, res = qat.forward(q, k, v, causal=causal, engine=engine)
             qat.backward(res, do, engine=engine)
@@ -248,7 +244,7 @@ def test_cli_prints_a_line_per_file_and_the_total(built, monkeypatch):
     files = sorted(line.split()[0] for line in lines[:-1])
     assert files == ["int8/int8_attn_bwd.cu", "int8/int8_attn_bwd_sm90.cu", "int8/int8_attn_fwd.cu",
                      "int8/int8_attn_fwd_sm90.cu", "int8/int8_quant.cu", "int8/int8_quant_packed.cu"]
-    assert lines[-1].startswith("warmup: 15 modules ready, 15 new in CuPy's cache, 0 failed, ")
+    assert lines[-1].startswith("warmup: 14 modules ready, 14 new in CuPy's cache, 0 failed, ")
     assert lines[-1].endswith(f"cache {os.environ['CUPY_CACHE_DIR']}")
     assert all("__nv_bfloat16, 128" in names[0] or names[0].startswith("transpose") for _, names, _ in built)
     built.fail.add("int8/int8_attn_fwd_sm90.cu")

@@ -16,9 +16,6 @@ from sagecupy.config import DEFAULT, PAPER
 
 # The default granularities with P quantized per token over 64-key forward tiles instead of the default 128.
 BKV64 = DEFAULT.replace(name="default-bkv64", block_kv=64)
-# dK/dV quantization groups of 128 queries (P^, Y^ per key and dO^ per channel over 128 queries)
-Q128 = DEFAULT.replace(name="q128", bwd_block_q=128)
-Q128_DO_BLOCK = Q128.replace(name="q128-doblock", do_granularity="block")
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import metrics
 from sagecupy.reference import sagebwd as ref_sage
@@ -101,10 +98,7 @@ def _check(name, got, sim, exact, dtype_name, case, extra=0.0):
 
 def _run_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype_name, config, backward=True, seed=0, sigma=1.0):
     import sagecupy.int8 as s8
-    from sagecupy._loader import device_capability
 
-    if config.bwd_block_q == 128 and device_capability() != (9, 0):
-        pytest.skip("bwd_block_q=128 runs on the wgmma backward (sm_90)")
     case = dict(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, causal=causal, layout=layout, dtype=dtype_name,
                 config=config.name)
     (q, k, v, do), (qh, kh, vh, doh) = _inputs(seed, B, Hq, Hkv, Nq, Nk, D, layout, dtype_name, sigma)
@@ -154,17 +148,6 @@ CASES = [
     (1, 2, 2, 1, 17, 128, False, "HND", "float16", BKV64),
     (1, 2, 2, 300, 1000, 128, True, "NHD", "float16", BKV64),
     (1, 1, 1, 4224, 4224, 64, True, "HND", "bfloat16", BKV64),
-    # 128-query backward groups (the two-warpgroup dK/dV kernel, Hopper): tails inside a group's second half and
-    # past its first, Nq != Nk both ways, GQA, dO scales per channel and per group
-    (1, 2, 2, 128, 128, 128, False, "HND", "float16", Q128),
-    (2, 4, 2, 113, 239, 64, False, "NHD", "float16", Q128),
-    (1, 4, 1, 239, 113, 128, True, "HND", "bfloat16", Q128),
-    (1, 2, 2, 1, 17, 128, False, "HND", "float16", Q128),
-    (1, 2, 2, 17, 1, 64, True, "NHD", "bfloat16", Q128),
-    (1, 2, 1, 1000, 1000, 128, True, "NHD", "float16", Q128),
-    (1, 2, 2, 300, 1000, 64, True, "HND", "bfloat16", Q128_DO_BLOCK),
-    (1, 3, 3, 1000, 300, 128, False, "HND", "bfloat16", Q128_DO_BLOCK),
-    (1, 1, 1, 4224, 4224, 128, True, "HND", "bfloat16", Q128),
 ]
 
 
@@ -225,16 +208,12 @@ def test_poisoned_outputs_are_overwritten(monkeypatch):
             assert not bool(cp.isnan(_f32(x)).any()), f"{name} ({dtype}) has unwritten (NaN) elements"
 
 
-@pytest.mark.parametrize("config", ["default", "paper", Q128])
+@pytest.mark.parametrize("config", ["default", "paper"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_is_bitwise_repeatable(causal, config):
     """No atomics anywhere (dQ has its own kernel, summed in registers in key order): two runs agree bit for
     bit, with many key blocks per query (Nk = 517) and GQA."""
     import sagecupy.int8 as s8
-    from sagecupy._loader import device_capability
-
-    if config is Q128 and device_capability() != (9, 0):
-        pytest.skip("bwd_block_q=128 runs on the wgmma backward (sm_90)")
 
     (q, k, v, do), _ = _inputs(9, 1, 4, 2, 300, 517, 128, "HND", "bfloat16")
     _, res = s8.forward(q, k, v, causal=causal, config=config)
@@ -483,7 +462,7 @@ def _host_bits(x, layout):
 
 @pytest.mark.parametrize("engine", ["mma", "wgmma"])
 @pytest.mark.parametrize("shape", BWD_PREP_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("config", [DEFAULT, PAPER, Q128, Q128_DO_BLOCK], ids=["default", "paper", "q128", "q128-doblock"])
+@pytest.mark.parametrize("config", [DEFAULT, PAPER], ids=["default", "paper"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
     """The backward's pre-pass: dO's codes and scales bit-identical to the reference's fp32-mode quantizer (per
@@ -498,8 +477,6 @@ def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
 
     if engine == "wgmma" and device_capability() != (9, 0):
         pytest.skip("the wgmma engine needs sm_90")
-    if config.bwd_block_q == 128 and engine != "wgmma":
-        pytest.skip("bwd_block_q=128 runs on the wgmma engine only")
     B, Hq, Hkv, Nq, Nk, D, layout = shape
     (q, k, v, do), (_, _, _, doh) = _inputs(23, B, Hq, Hkv, Nq, Nk, D, layout, dtype, sigma=3.0)
     o, res = s8.forward(q, k, v, layout=layout, config=config)
@@ -522,8 +499,7 @@ def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
         assert np.array_equal(tt, codes.get()), f"{name} is not the transposed codes"
     do64 = ref_attn.to_hnd(doh, layout)
     per_channel = config.do_granularity == "channel"
-    # (per 64-token tile, or per 128-token group with bwd_block_q=128: each 64-token image holds its group's scales)
-    want_codes, want_scale = quantize_tiles(do64, config.bwd_block_q, 1 if per_channel else None, fp32=True)
+    want_codes, want_scale = quantize_tiles(do64, 64, 1 if per_channel else None, fp32=True)
     got_codes = _unpermute_tokens(s8.v_t_channels(got["do_t"]), Nq)
     diff = np.argwhere(got_codes.astype(np.int32) != want_codes.astype(np.int32))
     assert diff.size == 0, f"dO codes differ at {len(diff)} places, first {tuple(diff[0])}"
