@@ -7,7 +7,10 @@
 ``e2e`` prints one line per dtype and shape, prefixed by TAG (to compare two checkouts, run it once with each on
 PYTHONPATH): at B = H = 1, N = 128 the host microseconds per call (median of 5 runs of 100 calls); at B = 16, N = 1K
 and B = 4, N = 4K (H = 16, D = 128, causal) the milliseconds per call synchronized after each call (``e2e``) and back
-to back (``b2b``), as the benchmark times them.
+to back (``b2b``), as the benchmark times them. Gradients are taken with ``torch.autograd.grad``, as the benchmark
+takes them: ``.backward()`` would add each call's gradients into the leaves' ``.grad``, three element-wise kernels
+over Q, K and V that the CuPy call does not run (the figures of `c7664fe` and `4256f91` include them; the last column,
+``.backward()`` into ``.grad``, shows what they cost).
 
 ``pieces`` times whole calls (CuPy, ``sagecupy.torch``, the ``torch.ops`` op, its Python body, the plain
 ``SageAttentionFunction``) and the adapter's pieces (``to_cupy``, ``from_cupy``, ``on_torch_stream``, argument checks,
@@ -53,10 +56,10 @@ def pieces():
             s8.backward(res, dc)
 
         def torch_fb():
-            st.sage_attention(qg, kg, vg, causal=True).backward(do)
+            torch.autograd.grad(st.sage_attention(qg, kg, vg, causal=True), (qg, kg, vg), do)
 
         def function_fb():
-            st.SageAttentionFunction.apply(qg, kg, vg, True).backward(do)
+            torch.autograd.grad(st.SageAttentionFunction.apply(qg, kg, vg, True), (qg, kg, vg), do)
 
         def stream():
             with ops.on_torch_stream(q.device):
@@ -88,7 +91,7 @@ def profile():
             torch.cuda.synchronize()
 
         def fwdbwd():
-            st.sage_attention(q, k, v, causal=True).backward(do)
+            torch.autograd.grad(st.sage_attention(q, k, v, causal=True), (q, k, v), do)
             torch.cuda.synchronize()
 
         fns = [("torch fwd", fwd), ("torch fwdbwd", fwdbwd)]
@@ -137,7 +140,9 @@ def e2e(tag=""):
             cases = (("cupy fwd", lambda: s8.sage_attention(qc, kc, vc, causal=True)),
                      ("torch fwd", lambda: st.sage_attention(q, k, v, causal=True)),
                      ("cupy fwdbwd", cupy_fb),
-                     ("torch fwdbwd", lambda: st.sage_attention(qg, kg, vg, causal=True).backward(do)))
+                     ("torch fwdbwd", lambda: torch.autograd.grad(st.sage_attention(qg, kg, vg, causal=True),
+                                                                  (qg, kg, vg), do)),
+                     ("torch fwdbwd into .grad", lambda: st.sage_attention(qg, kg, vg, causal=True).backward(do)))
             row = []
             for name, f in cases:
                 if N == 128:
