@@ -110,7 +110,7 @@ from . import dropin, torch_ops
 from .dropin import SageFallbackWarning
 # importing torch_ops registers the custom ops
 from .torch_ops import (_DTYPES, _as_cupy, _as_torch, _check_inputs, _encode_config, _family, _require_cuda_tensor,
-                        from_cupy, on_torch_stream, release_unless_retained, to_cupy)
+                        backward_from_ctx, from_cupy, on_torch_stream, to_cupy)
 from .torch_cp import BlockBackend, context_parallel_attention, shard_sequence, unshard_sequence
 
 __all__ = ["sage_attention", "qat_attention", "nvfp4_attention", "scaled_dot_product_attention", "register_hf",
@@ -213,14 +213,8 @@ def _function_forward(ctx, family, q, k, v, causal, sm_scale, layout, config, re
 
 def _function_backward(ctx, do, *_lse_grad):
     ctx.saved_tensors  # noqa: B018 -- raises if v or o was modified in place since the forward
-    _check_inputs(("do", do))
-    mod = _family(ctx.family)
-    with on_torch_stream(ctx.device):
-        grads = mod.backward(ctx.res, _as_cupy(do.contiguous(), "do"))
-        dq, dk, dv = (_as_torch(g) for g in grads)
-    release_unless_retained(ctx, "res")
     # one None per input but q, k, v; autograd accepts the trailing Nones of inputs that were not passed
-    return (dq, dk, dv) + (None,) * 10
+    return backward_from_ctx(ctx, _family(ctx.family), do) + (None,) * 10
 
 
 class SageAttentionFunction(torch.autograd.Function):

@@ -366,6 +366,18 @@ def _lse_shape(q_shape, layout):
 # they come.
 
 
+def _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right, cu_seqlens_q,
+                  cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """:func:`sagecupy.int8.forward` on the forward op's arguments, under the caller's ``on_torch_stream(device)``:
+    CuPy ``(o, lse, residuals)``."""
+    from .. import int8 as s8
+
+    kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return s8.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
+                      layout=layout, config=_decode_config(config), return_lse=True,
+                      window=_window(window_left, window_right), **kw)
+
+
 def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
               config: str, window_left: int = -1, window_right: int = -1,
               cu_seqlens_q: typing.Optional[Tensor] = None, cu_seqlens_k: typing.Optional[Tensor] = None,
@@ -373,14 +385,10 @@ def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Op
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """INT8 SageBwd forward: (o, lse, q_codes, q_scale, k_codes, k_scale, lse2, packed); the last six are the
     residuals (``packed``, the table of sequence offsets, is empty for the dense layouts)."""
-    from .. import int8 as s8
-
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        o, lse, res = s8.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
-                                 sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True,
-                                 window=_window(window_left, window_right), **kw)
+        o, lse, res = _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right,
+                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         saved = [getattr(res, f) for f in _INT8_RESIDUAL_FIELDS]
         want = _int8_residual_shapes(q.shape, k.shape, layout, cu_seqlens_q)
         for field, x, shape in zip(_INT8_RESIDUAL_FIELDS, saved, want):
@@ -492,6 +500,18 @@ _sage_fwd_op.register_autograd(_sage_backward, setup_context=_sage_setup_context
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
+def backward_from_ctx(ctx, module, do):
+    """``(dq, dk, dv)`` of ``module.backward`` on the residuals object ``ctx.res`` (computed on ``ctx.device``), which
+    is then dropped unless the graph is retained: the backward of the eager ``autograd.Function`` s that keep their
+    residuals on ``ctx``."""
+    _check_inputs(("do", do))
+    with on_torch_stream(ctx.device):
+        grads = module.backward(ctx.res, _as_cupy(do.contiguous(), "do"))
+        dq, dk, dv = (_as_torch(g) for g in grads)
+    release_unless_retained(ctx, "res")
+    return dq, dk, dv
+
+
 def release_unless_retained(ctx, *names):
     """Drop ``ctx``'s attributes ``names`` at the end of a backward that will not run again (no ``retain_graph``),
     as autograd frees saved tensors then: an opaque residuals object on ``ctx`` would otherwise live as long as the
@@ -514,14 +534,10 @@ class SageEagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, layout, config, window_left=-1, window_right=-1, cu_seqlens_q=None,
                 cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
-        from .. import int8 as s8
-
         device = q.device
         with on_torch_stream(device):
-            kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-            o, lse, res = s8.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
-                                     sm_scale=sm_scale, layout=layout, config=_decode_config(config),
-                                     return_lse=True, window=_window(window_left, window_right), **kw)
+            o, lse, res = _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right,
+                                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             o, lse = _as_torch(o), _as_torch(lse)
         ctx.res, ctx.device = res, device
         ctx.set_materialize_grads(False)  # no zero gradient built for the LSE, which takes none
@@ -538,12 +554,7 @@ class SageEagerFunction(torch.autograd.Function):
         if do is None:
             release_unless_retained(ctx, "res")
             return (None,) * 13
-        _check_inputs(("do", do))
-        with on_torch_stream(ctx.device):
-            grads = s8.backward(ctx.res, _as_cupy(do.contiguous(), "do"))
-            dq, dk, dv = (_as_torch(g) for g in grads)
-        release_unless_retained(ctx, "res")
-        return (dq, dk, dv) + (None,) * 10
+        return backward_from_ctx(ctx, s8, do) + (None,) * 10
 
 
 @_custom_op("sagecupy::qat_attention_fwd")
