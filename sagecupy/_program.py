@@ -259,7 +259,9 @@ class Program:
         return tuple(Ref(n) for n in names)
 
     def run(self, ns: dict) -> dict:
-        """Replay into ``ns`` (which holds the per-call inputs by name); returns ``ns``."""
+        """Replay into ``ns`` (which holds the per-call inputs by name); returns ``ns``. A recorded allocation whose
+        name ``ns`` already holds takes that array instead (checked to be what the allocation would make): an output
+        written in place into a caller's buffer."""
         import cupy
 
         empty = cupy.empty  # looked up per run: the GPU tests' NaN poisoning replaces it
@@ -297,7 +299,11 @@ class Program:
                     args[i] = np.uint64(a) if type(a) is int else a  # an arena buffer's address: 8 bytes
                 fn(grid, block, tuple(args), shared_mem=smem)
             elif kind == _ALLOC:
-                ns[step[1]] = empty(step[2], dtype=step[3])
+                given = ns.get(step[1])
+                if given is None:
+                    ns[step[1]] = empty(step[2], dtype=step[3])
+                else:  # an output buffer the caller passed in (an adapter's own buffer): written in place
+                    _check_given(given, step[1], step[2], step[3])
             elif kind == _ARENA:
                 a = step[1]
                 base = ns[a.name] = empty((max(1, -(-a.nbytes // 4)),), dtype=np.float32)
@@ -311,6 +317,20 @@ class Program:
                 out = fn(*(ns[a.name] if type(a) is Ref else a for a in args))
                 ns.update(zip(names, out))
         return ns
+
+
+def _check_given(a, name, shape, dtype):
+    """A caller's buffer for the recorded allocation ``name``: it must be what ``cupy.empty(shape, dtype)`` would
+    have made (C-contiguous, that shape and dtype, on the current device), since the launches index it so."""
+    import cupy
+
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"output buffer {name!r} must be a CuPy array, got {type(a).__name__}")
+    if (tuple(a.shape) != shape or a.dtype != np.dtype(dtype) or not a.flags.c_contiguous
+            or a.data.device_id != cupy.cuda.runtime.getDevice()):
+        raise ValueError(f"output buffer {name!r} must be a C-contiguous {np.dtype(dtype)} array of shape {shape} on "
+                         f"the current device, got {a.dtype} {tuple(a.shape)} (C-contiguous: {a.flags.c_contiguous}, "
+                         f"device {a.data.device_id})")
 
 
 def scale_key(sm_scale):

@@ -522,14 +522,39 @@ def v_t_channels(v_t):
     return v_t.transpose(0, 1, 3, 2, 4).reshape(B, H, D, nblk * w)
 
 
-def _launch_forward(p, cfg, pre, engine=None, mask=None):
+def _launch_forward(p, cfg, pre, engine=None, mask=None, o_out=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
     recorded once per (pre-pass plan, engine, mask, :func:`~sagecupy._program.env_key`); ``mask``: see
-    :func:`kernel_mask` (dense layouts only)."""
+    :func:`kernel_mask` (dense layouts only). ``o_out``: a buffer the kernel writes O into (:func:`_forward_into`)."""
     prog = pre["plan"].launch_program(p, cfg, lambda: (engine, mask, env_key()),
                                       lambda: _forward_launch_program(p, cfg, pre, engine, mask))
-    ns = prog.run({n: pre[n] for n in _PRE_NAMES})
+    ns = {n: pre[n] for n in _PRE_NAMES}
+    if o_out is not None:
+        ns["o"] = o_out
+    prog.run(ns)
+    _check_written(ns, {"o": o_out})
     return ns["o"], ns["lse"], ns["lse2"]
+
+
+def _check_written(ns, out):
+    """RuntimeError unless each given output buffer is the array a program left under its name (a program that
+    allocates under another name would leave the buffer unwritten)."""
+    for name, buf in out.items():
+        if buf is not None and ns[name] is not buf:
+            raise RuntimeError(f"the launch program did not write {name!r} into the given buffer")
+
+
+def _forward_into(o_out, q, k, v, *, inference, **kw):
+    """:func:`sage_attention` (``inference``) or :func:`forward` with the kernel writing O into ``o_out`` (raw
+    fp16, or bf16's uint16 bits: a C-contiguous array of q's shape), for adapters whose framework allocated the output
+    (the JAX adapter: XLA's buffer, instead of a copy into it). Returns ``(o, lse, residuals or None)``, ``o`` over
+    ``o_out``'s memory."""
+    plan, pre = _prepass(q, k, v, inference=inference, **kw)
+    p, cfg = plan.p, plan.cfg
+    o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"), o_out=o_out)
+    res = None if inference else Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"],
+                                           pre["v"], o, lse2, pre["mu_k"], pre["packed"])
+    return _checks.wrap(o, p.dtype, pre["like"]), lse, res
 
 
 def _forward_launch_program(p, cfg, pre, engine, mask=None):
@@ -777,17 +802,21 @@ def _backward_plan(r, do, engine):
     return Plan(p, cfg, engine, copy, prog)
 
 
-def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq")):
+def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq"), out=None):
     """The two backward kernels alone (dK/dV, then dQ), after :func:`_preprocess_backward`. No atomics: the
     gradients are bitwise repeatable. ``kernels`` (benchmarks): launch only some of them; the gradients of
-    a kernel not launched are left uninitialized. Recorded once per (pre-pass plan, engine, kernels)."""
+    a kernel not launched are left uninitialized. Recorded once per (pre-pass plan, engine, kernels). ``out``:
+    buffers the kernels write dQ, dK, dV into (:func:`_backward_into`)."""
     prog = pre["plan"].launch_program(  # V's and dO's strides are in the mma.sync kernels' launches: in the key
         r.problem, r.config,
         lambda: (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), r.mask, env_key()),
         lambda: _backward_launch_program(r, pre, engine, kernels))
     ns = {n: getattr(r, n) for n in _RES_NAMES}
     ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)
+    given = dict(zip(("dq", "dk", "dv"), out or (None,) * 3))
+    ns.update((n, b) for n, b in given.items() if b is not None)
     prog.run(ns)
+    _check_written(ns, given)
     dt, like = r.problem.dtype, pre.get("like")
     return tuple(_checks.wrap(ns[n], dt, like) for n in ("dq", "dk", "dv"))
 
@@ -871,6 +900,14 @@ def backward(residuals: Residuals, do, *, engine=None):
     (:func:`check_residuals`) before any launch."""
     backward_engine(engine)  # validate before any work
     return _launch_backward(residuals, _preprocess_backward(residuals, do, engine), engine)
+
+
+def _backward_into(out, residuals, do, *, engine=None):
+    """:func:`backward` with the kernels writing dQ, dK, dV into ``out`` (three buffers in the raw form of
+    :func:`_forward_into`'s ``o_out``, of q's, k's and v's shapes), for adapters whose framework allocated the
+    gradients (the JAX adapter: XLA's buffers, instead of three copies into them)."""
+    backward_engine(engine)
+    return _launch_backward(residuals, _preprocess_backward(residuals, do, engine), engine, out=out)
 
 
 # (at the end: _varlen imports this module's names)

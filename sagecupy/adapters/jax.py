@@ -31,8 +31,9 @@ Through ``jax.experimental.buffer_callback`` (JAX 0.7 or newer; :func:`is_availa
 JAX has it): XLA calls a Python function in the middle of its executable with the CUDA stream it
 computes on (``ExecutionContext.stream``) and its own device buffers (``Buffer``, with
 ``__cuda_array_interface__``). The function wraps the stream as a CuPy stream (``Stream.from_external``), views the
-buffers as CuPy arrays (zero-copy), runs the sagecupy kernels on that stream and copies the results into
-the output buffers XLA allocated, on the same stream. The kernels are therefore ordered after whatever
+buffers as CuPy arrays (zero-copy) and runs the sagecupy kernels on that stream; INT8's attention kernels write
+O and the gradients into the output buffers XLA allocated, and the other results are copied into theirs on the
+same stream. The kernels are therefore ordered after whatever
 produced q, k, v and before whatever reads the outputs, with no synchronization.
 
 * **Memory.** CuPy allocates its temporaries from its own pool, beside XLA's allocator. JAX takes 75% of
@@ -294,18 +295,16 @@ def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool, l
     def callback(ctx, out, q, k, v, *offsets):
         with _on_xla_stream(ctx, q) as dev:
             qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
-            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg, window=p.window,
-                      return_lse=True)
+            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg, window=p.window)
             if offsets:
                 kw.update(cu_seqlens_q=_view(offsets[0], dev), cu_seqlens_k=_view(offsets[1], dev),
                           max_seqlen_q=max_seqlen[0], max_seqlen_k=max_seqlen[1])
+            # The kernel writes O into XLA's buffer. Outside a vjp (keep False) this is the inference forward (no
+            # residuals; o bitwise int8.forward's).
+            o, lse_arr, res = int8._forward_into(_view(out["o"], dev), qc, kc, vc, inference=not keep, **kw)
             if keep:
-                o, lse_arr, res = int8.forward(qc, kc, vc, **kw)
                 for name, arr in _int8_saved(res, p, cfg).items():
                     _write(out[name], arr, name, dev)
-            else:  # outside a vjp: the inference forward (no residuals; o bitwise int8.forward's)
-                o, lse_arr = int8.sage_attention(qc, kc, vc, **kw)
-            _write(out["o"], _checks.raw(o), "o", dev)
             if lse:
                 _write(out["lse"], lse_arr, "lse", dev)
 
@@ -324,9 +323,8 @@ def _int8_backward_callback(p: _checks.Problem, cfg: SageBwdConfig):
             # int8.forward keeps `_layout.prepare(v)` (a view of the caller's V, or an aligned copy) and its raw O.
             res = int8.Residuals(problem=p, config=cfg, v=_layout.prepare(_view(v, dev), "v", p.layout, True),
                                  o=_view(o, dev), **arrays)
-            grads = int8.backward(res, _kernel_input(_view(do, dev), p.dtype))
-            for buf, g, name in zip(out, grads, ("dq", "dk", "dv")):
-                _write(buf, _checks.raw(g), name, dev)
+            # the kernels write dQ, dK, dV into XLA's buffers
+            int8._backward_into(tuple(_view(b, dev) for b in out), res, _kernel_input(_view(do, dev), p.dtype))
 
     return callback
 
