@@ -142,13 +142,17 @@ def test_forward_in_jit_equals_eager_and_direct(dtype):
 
 
 def test_plain_call_runs_the_inference_forward(monkeypatch):
-    """Outside a vjp the forward callback runs int8.sage_attention (no residuals), inside one int8.forward."""
+    """Outside a vjp the forward callback runs the inference forward (no residuals), inside one the training
+    forward: int8._forward_into, which writes O into XLA's buffer, with inference=True and False."""
     q, k, v, do = _inputs(4, 1, 2, 2, 70, 90, 64, "HND", "bfloat16")
     calls = []
-    for name in ("forward", "sage_attention"):
-        real = getattr(s8, name)
-        monkeypatch.setattr(s8, name, functools.partial(lambda real, name, *a, **kw: calls.append(name) or
-                                                        real(*a, **kw), real, name))
+    real = s8._forward_into
+
+    def spy(*a, inference, **kw):
+        calls.append("sage_attention" if inference else "forward")
+        return real(*a, inference=inference, **kw)
+
+    monkeypatch.setattr(s8, "_forward_into", spy)
     f = functools.partial(sj.sage_attention, causal=True)
     o_plain = jax.jit(f)(q, k, v).block_until_ready()
     assert calls == ["sage_attention"]
@@ -177,7 +181,7 @@ def test_kernels_run_on_xla_stream(monkeypatch):
     import cupy
 
     seen = {"xla": [], "fwd": [], "bwd": []}
-    real_ptr, real_fwd, real_bwd = sj._stream_ptr, s8.forward, s8.backward
+    real_ptr, real_fwd, real_bwd = sj._stream_ptr, s8._forward_into, s8._backward_into
 
     def spy_ptr(ctx):
         seen["xla"].append(real_ptr(ctx))
@@ -191,8 +195,8 @@ def test_kernels_run_on_xla_stream(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(sj, "_stream_ptr", spy_ptr)
-    monkeypatch.setattr(s8, "forward", spy("fwd", real_fwd))
-    monkeypatch.setattr(s8, "backward", spy("bwd", real_bwd))
+    monkeypatch.setattr(s8, "_forward_into", spy("fwd", real_fwd))  # the adapter's entry points into int8
+    monkeypatch.setattr(s8, "_backward_into", spy("bwd", real_bwd))
     q, k, v, do = _inputs(4, 1, 2, 2, 130, 70, 64, "HND", "float16")
     o, grads = jax.jit(_vjp(sj.sage_attention))(q, k, v, do)
     jax.block_until_ready((o, grads))
