@@ -175,7 +175,12 @@ __device__ __forceinline__ void fwd_epilogue(float (&acc_o)[D / 8][4], FwdRows& 
                                              float* __restrict__ lse2_bh, const float* __restrict__ qmk_bh, int r_lo,
                                              int t4, int nq, int nq_pad) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) rs.l[r] = quad_sum(rs.l[r]);
+  for (int r = 0; r < 2; ++r) {
+    rs.l[r] = quad_sum(rs.l[r]);
+    // A logit that overflowed fp32 (finite inputs near bf16's range) makes the frame +inf, whose P~ are NaN; l adds
+    // their codes, so it would stay finite: made NaN here, so O and the LSE are NaN as they were when l summed P~.
+    if (rs.m[r] == INFINITY) rs.l[r] = __int_as_float(0x7fffffff);
+  }
   // l == 0: the row sees no key (O = 0, LSE = -inf). A NaN l (NaN or Inf among the inputs) stays NaN.
   const float inv_l[2] = {rs.l[0] == 0.f ? 0.f : 1.f / rs.l[0], rs.l[1] == 0.f ? 0.f : 1.f / rs.l[1]};
 #pragma unroll
