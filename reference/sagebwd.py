@@ -63,9 +63,9 @@ Forward (per batch ``b``, query head ``h``, kv head ``h // (Hq / Hkv)``)
    (a tile with no visible key in a row contributes nothing to it)::
 
        m_t  = max(m_{t−1}, r_t)
+       l_t  = e^{m_{t−1} − m_t} l_{t−1} + Σ_j e^{S_j − m_t}           (unquantized P̃)
        P̂_t  = rint(p_max · e^{S − r_t})                                (per token per tile)
        s_P  = e^{r_t − m_t} / p_max
-       l_t  = e^{m_{t−1} − m_t} l_{t−1} + s_P · Σ_j P̂_tj                (the quantized P̂)
        O_t  = e^{m_{t−1} − m_t} O_{t−1} + (P̂_t V̂_t) · s_P · s_V
        O    = O_last / l_last,   lse_internal = m_last + log l_last
 
@@ -78,16 +78,13 @@ Forward (per batch ``b``, query head ``h``, kv head ``h // (Hq / Hkv)``)
 
        O_last = Σ_t e^{m_t − M} · e^{r_t − m_t} / p_max · (P̂_t V̂_t) s_V
               = Σ_t (e^{r_t − M} / p_max) · (P̂_t V̂_t) s_V
-       l_last = Σ_t (e^{r_t − M} / p_max) · Σ_{j∈t} P̂_tj
+       l_last = Σ_t e^{m_t − M} Σ_{j∈t} e^{S_j − m_t} = Σ_j e^{S_j − M}
 
-   so ``O = [Σ_t w_t P̂_t (V̂_t s_V)] / Σ_t w_t Σ_j P̂_tj`` with the per-(row,
-   tile) weight ``w_t = e^{r_t − M} / p_max`` and ``lse_internal = M + log l``:
-   the online algorithm and this closed form are the same function up to float
-   rounding. The code forms the matrix ``A_ij = P̂_ij · w_{t(j)}``, does one
-   matmul ``A · (V̂ ⊙ s_V)`` and sums ``A``'s rows for ``l``. (A test checks it
-   against a literal tile loop.) Without quantization ``w_t P̂_tj = e^{S_j − M}``
-   and ``l`` is the exact row sum; with it, ``l`` normalizes the very weights
-   that multiply V, so a row of identical values comes out exactly.
+   so ``O = [Σ_t w_t P̂_t (V̂_t s_V)] / Σ_j e^{S_j − M}`` with the per-(row, tile)
+   weight ``w_t = e^{r_t − M} / p_max`` and ``lse_internal = M + log l``: the
+   online algorithm and this closed form are the same function up to float
+   rounding. The code forms the matrix ``A_ij = P̂_ij · w_{t(j)}`` and does one
+   matmul ``A · (V̂ ⊙ s_V)``. (A test checks it against a literal tile loop.)
    Fully masked rows (``M = −inf``): ``O = 0``, ``lse = −inf``, no NaN.
 
 5. The public LSE is that of the *unsmoothed* logits ``sm_scale · q_i · k_j``:
@@ -258,7 +255,7 @@ def _forward_head(S, pv_rhs, cfg: SageBwdConfig):
     p_weight = np.where(tile_seen, np.exp(r_safe - m_safe[:, None]), 0.0) / cfg.p_max   # w_t
     a = (p_codes * p_weight[..., None]).reshape(Nq, T * bkv)[:, :Nk]
     o_num = a @ pv_rhs
-    l = a.sum(axis=-1)                                  # Σ_t w_t Σ_j P̂_tj: the row sum of the P̂ that P·V multiplies
+    l = np.exp(S - m_safe[:, None]).sum(axis=-1)        # unquantized row sum
     l_safe = np.where(row_seen, l, 1.0)
     o = np.where(row_seen[:, None], o_num / l_safe[:, None], 0.0)
     lse = np.where(row_seen, m_safe + np.log(l_safe), -np.inf)
@@ -422,13 +419,11 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
     * ``"S"`` ``(B, Hq, Nq, Nk)``: the smoothed quantized logits (``−inf`` invisible);
     * ``"tile_max"`` ``(B, Hq, Nq, T)``, ``T = ceil(Nk / block_kv)``: ``r_t``
       (``−inf`` where a row sees no key of tile ``t``);
-    * ``"m"``, ``"l"`` ``(B, Hq, Nq)``: the row max ``M`` and ``Σ_t w_t Σ_j P̂_tj``
-      (``Σ_j e^{S_j − M}`` up to P's rounding; exactly that without quantization);
+    * ``"m"``, ``"l"`` ``(B, Hq, Nq)``: the row max ``M`` and ``Σ_j e^{S_j − M}``;
     * ``"P_fwd_codes"`` ``(B, Hq, Nq, Nk)``: ``P̂`` (int16; float64 if not
       quantizing); ``"P_fwd_weight"`` ``(B, Hq, Nq, T)``: ``w_t = e^{r_t − M}/p_max``,
       the online ``s_P`` of tile ``t`` rescaled to the final max;
-    * ``"P"`` ``(B, Hq, Nq, Nk)``: ``exp(S − lse_internal)``, the softmax of ``S``
-      times ``Σ_j e^{S_j − M} / l`` (1 up to P's rounding), as the backward recomputes it.
+    * ``"P"`` ``(B, Hq, Nq, Nk)``: ``exp(S − lse_internal)``, the softmax of ``S``.
 
     ``window``: a sliding window (docs/algorithms.md §1.8); tiles are masked, the
     quantization statistics stay those of all the keys. Packed (``layout="THD"``,

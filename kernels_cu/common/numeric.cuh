@@ -126,9 +126,6 @@ __device__ __forceinline__ void tree_fold(float (&t)[N], Op op) {
 struct FMaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
-struct NanMaxOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return nan_max(a, b); }
-};
 struct FAddOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };

@@ -35,7 +35,7 @@ struct FwdVt {
 struct FwdRows {
   float sq[2];     // Q row scales (times log2 e)
   float m[2];      // running max of the base-2 logits
-  float l[2];      // running sum of the dequantized P^ (this thread's columns; quad-summed at the end)
+  float l[2];      // running sum of the unquantized P~ (this thread's columns; quad-summed at the end)
 };
 
 // What one tile's softmax hands to the P.V update: O = alpha * O + (P^ V^) * spv, rescale = any alpha != 1.
@@ -83,8 +83,8 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   for (int r = 0; r < 2; ++r) {
     float t[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) t[nt] = nan_max(s[nt][2 * r], s[nt][2 * r + 1]);
-    tree_fold(t, NanMaxOp());
+    for (int nt = 0; nt < NT; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+    tree_fold(t, FMaxOp());
     mx[r] = t[0];
   }
   FwdTileScale ts;
@@ -96,10 +96,7 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
     // P~ = exp2(S - m) <= 2^SLACK and O's rescale (an FMUL per O element) is skipped on almost every tile.
     // P^ does not depend on m (its factor carries exp2(m - tile max)), and O / l and LSE = m + log2 l are
     // the same numbers up to fp32 rounding.
-    // A NaN max (a NaN logit the row sees, or a NaN row scale) is taken as the frame: alpha = exp2(m - NaN)
-    // then makes O and l NaN for good (NaN times anything), as the documented propagation requires; the row sums
-    // below count codes, and a NaN P~ has a code like any other, so they alone would not carry the NaN.
-    const float m_new = !(mx[r] <= rs.m[r] + FWD_RESCALE_SLACK) ? mx[r] : rs.m[r];
+    const float m_new = mx[r] > rs.m[r] + FWD_RESCALE_SLACK ? mx[r] : rs.m[r];
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
     ts.alpha[r] = fast_exp2(rs.m[r] - m_use);  // exp2(0) = 1 exactly: the rescale test below stays exact
     // >= -SLACK; clamped above: such a tile contributes < 2^-64
@@ -111,27 +108,23 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   }
   // Rescaling O by alpha only when some row's max moved (warp-uniform; alpha == 1 is exact otherwise).
   ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
+  // -0 + p is p for every p (0 + p needs an FADD: the compiler cannot assume p != -0)
+  float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
 #pragma unroll
   for (int np = 0; np < NT / 2; ++np) {
     unsigned c[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[j][e] = rn_fma_bits(fast_exp2(fmaf(s[2 * np + j][e], rs.sq[e >> 1], mx[e >> 1])),
-                                                        factor[e >> 1]);
+      for (int e = 0; e < 4; ++e) {
+        const float p = fast_exp2(fmaf(s[2 * np + j][e], rs.sq[e >> 1], mx[e >> 1]));
+        lsum[e >> 1][2 * j + (e & 1)] += p;
+        c[j][e] = rn_fma_bits(p, factor[e >> 1]);
+      }
     pack_acc_pair_as_a(pa, np, c[0], c[1]);
   }
-  // Row sums of the codes, four bytes per dp4a (pa[k][0], pa[k][2] hold row r_lo's codes, [1], [3] row r_lo + 8),
-  // in the frame of O: l = alpha l + spv sum. The normalizer is then the sum of the very P^ that P.V multiplies
-  // (docs/algorithms.md), where summing P~ took an FADD per score (docs/experiments.md, E-I8F-LSUMQ). Integer sums are
-  // exact (at most 255 * 128), so both engines get the same l.
-  unsigned csum[2][2] = {{0u, 0u}, {0u, 0u}};
-#pragma unroll
-  for (int k = 0; k < NT / 4; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) csum[i & 1][i >> 1] = __dp4a(pa[k][i], 0x01010101u, csum[i & 1][i >> 1]);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) rs.l[r] = fmaf(rs.l[r], ts.alpha[r], i2f_small(static_cast<int>(csum[r][0] + csum[r][1])) * ts.spv[r]);
+  rs.l[0] = fmaf(rs.l[0], ts.alpha[0], (lsum[0][0] + lsum[0][1]) + (lsum[0][2] + lsum[0][3]));
+  rs.l[1] = fmaf(rs.l[1], ts.alpha[1], (lsum[1][0] + lsum[1][1]) + (lsum[1][2] + lsum[1][3]));
   if (vs_blk) {
     const float sv = *vs_blk;  // V per 64-token block: its scale (repeated over D)
     ts.spv[0] *= sv;
@@ -175,12 +168,7 @@ __device__ __forceinline__ void fwd_epilogue(float (&acc_o)[D / 8][4], FwdRows& 
                                              float* __restrict__ lse2_bh, const float* __restrict__ qmk_bh, int r_lo,
                                              int t4, int nq, int nq_pad) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    rs.l[r] = quad_sum(rs.l[r]);
-    // A logit that overflowed fp32 (finite inputs near bf16's range) makes the frame +inf, whose P~ are NaN; l adds
-    // their codes, so it would stay finite: made NaN here, so O and the LSE are NaN as they were when l summed P~.
-    if (rs.m[r] == INFINITY) rs.l[r] = __int_as_float(0x7fffffff);
-  }
+  for (int r = 0; r < 2; ++r) rs.l[r] = quad_sum(rs.l[r]);
   // l == 0: the row sees no key (O = 0, LSE = -inf). A NaN l (NaN or Inf among the inputs) stays NaN.
   const float inv_l[2] = {rs.l[0] == 0.f ? 0.f : 1.f / rs.l[0], rs.l[1] == 0.f ? 0.f : 1.f / rs.l[1]};
 #pragma unroll

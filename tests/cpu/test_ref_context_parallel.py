@@ -300,7 +300,7 @@ def _forward_tol(run, qi, config, n_blocks, dS):
     """Worst-case |Δ| between the ring's and the single call's O and LSEs (first-order rounding analysis).
 
     Both compute ``O = Σ_j a_ij pv_j / l_i`` (``a = P̂ · e^{r_t − M} / p_max``, ``pv = V̂ s_V``, ``l = Σ_j
-    a_ij``) with identical codes: each is within γ(2·Nk + W + 2|LSE| + 10·n_blocks + 16) of the exact
+    e^{S_ij − M}``) with identical codes: each is within γ(2·Nk + W + 2|LSE| + 10·n_blocks + 16) of the exact
     value relative to ``mag = Σ_j a_ij |pv_j| / l_i`` (the two n-term sums; ``W`` the largest exponent argument,
     an argument's rounding being relative error in its exp; a block's LSE's own rounding, carried into the merge
     weights; a few units per merge), and the LSEs within γ(Nk + W + 10·n_blocks + 16)·(1 + |LSE|). Logits that
