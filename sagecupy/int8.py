@@ -545,10 +545,10 @@ def _check_written(ns, out):
 
 
 def _forward_into(o_out, q, k, v, *, inference, **kw):
-    """:func:`sage_attention` (``inference``) or :func:`forward` with the kernel writing O into ``o_out`` (raw
-    fp16, or bf16's uint16 bits: a C-contiguous array of q's shape), for adapters whose framework allocated the output
-    (the JAX adapter: XLA's buffer, instead of a copy into it). Returns ``(o, lse, residuals or None)``, ``o`` over
-    ``o_out``'s memory."""
+    """The forward behind :func:`sage_attention` (``inference``: no residuals) and :func:`forward`: ``(o, lse,
+    residuals or None)``. ``o_out``: None, or a buffer the kernel writes O into (raw fp16, or bf16's uint16 bits: a
+    C-contiguous array of q's shape), for adapters whose framework allocated the output (the JAX adapter: XLA's
+    buffer, instead of a copy into it); ``o`` is then over ``o_out``'s memory."""
     plan, pre = _prepass(q, k, v, inference=inference, **kw)
     p, cfg = plan.p, plan.cfg
     o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"), o_out=o_out)
@@ -625,14 +625,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, 
     (:func:`check_statistics`; dense layouts, configs with K-smoothing and per-channel V): the keys are then
     quantized with them, as a block of a longer sequence must be (sagecupy/context_parallel.py).
     """
-    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, statistics=statistics)
-    p, cfg = plan.p, plan.cfg
-    o, lse, lse2 = _launch_forward(p, cfg, pre, engine)
-    res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
-                    pre["mu_k"], pre["packed"])
-    o = _checks.wrap(o, p.dtype, pre["like"])
+    o, lse, res = _forward_into(None, q, k, v, inference=False, causal=causal, sm_scale=sm_scale, layout=layout,
+                                config=config, engine=engine, window=window, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                statistics=statistics)
     return (o, lse, res) if return_lse else (o, res)
 
 
@@ -643,12 +639,10 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     residuals, so its pre-pass writes less (on the wgmma engine no plain K codes or scales: they are the backward's).
     ``engine``: see :func:`forward_engine`; ``window`` and packed sequences (``layout="THD"``, ``cu_seqlens_q/k``,
     ``max_seqlen_q/k``), ``statistics``: see :func:`forward`."""
-    plan, pre = _prepass(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, engine=engine,
-                         inference=True, window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, statistics=statistics)
-    p, cfg = plan.p, plan.cfg
-    o, lse, _ = _launch_forward(p, cfg, pre, engine)
-    o = _checks.wrap(o, p.dtype, pre["like"])
+    o, lse, _ = _forward_into(None, q, k, v, inference=True, causal=causal, sm_scale=sm_scale, layout=layout,
+                              config=config, engine=engine, window=window, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                              statistics=statistics)
     return (o, lse) if return_lse else o
 
 
@@ -898,15 +892,14 @@ def backward(residuals: Residuals, do, *, engine=None):
     in ``do``'s form (a CuPy bfloat16 array or a :class:`~sagecupy.adapters.bf16.BF16Array`).
     ``engine``: see :func:`backward_engine`. ``residuals`` are checked against the problem they claim
     (:func:`check_residuals`) before any launch."""
-    backward_engine(engine)  # validate before any work
-    return _launch_backward(residuals, _preprocess_backward(residuals, do, engine), engine)
+    return _backward_into(None, residuals, do, engine=engine)
 
 
 def _backward_into(out, residuals, do, *, engine=None):
-    """:func:`backward` with the kernels writing dQ, dK, dV into ``out`` (three buffers in the raw form of
+    """:func:`backward`, with ``out`` None or three buffers the kernels write dQ, dK, dV into (in the raw form of
     :func:`_forward_into`'s ``o_out``, of q's, k's and v's shapes), for adapters whose framework allocated the
     gradients (the JAX adapter: XLA's buffers, instead of three copies into them)."""
-    backward_engine(engine)
+    backward_engine(engine)  # validate before any work
     return _launch_backward(residuals, _preprocess_backward(residuals, do, engine), engine, out=out)
 
 
