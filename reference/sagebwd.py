@@ -101,8 +101,10 @@ Backward (tiles of ``bwd_block_q`` query rows × ``bwd_block_kv`` keys, aligned 
    (0 where invisible or in a fully masked row). ``P̂, s_P = ψ(P, qmax=p_max,
    unsigned=p_unsigned)``: ``p_bwd_granularity="column"`` one scale per key
    column over the tile's rows, ``"block"`` one per tile.
-   ``dV_j += (P̂ᵀ dÔ_i) · s_P[col] · s_dO[i, d]``. ``dP = dO Vᵀ`` (exact,
-   never quantized), ``dS = P ∘ (dP − δ)``.
+   ``dV_j += (P̂ᵀ dÔ_i) · s_P[col] · s_dO[i, d]``; with ``dv_int8=False``
+   ``dV = P₁₆ᵀ dO`` instead, ``P₁₆`` being P rounded (through fp32) to the
+   inputs' 16-bit type (``dtype``; unrounded when that is not known). ``dP =
+   dO Vᵀ`` (exact, never quantized), ``dS = P ∘ (dP − δ)``.
    dQ: ``X = dS · diag(s_K)``, ``X̂, s_X = ψ(X)`` per query row over the tile's
    columns (``ds_granularity="rowcol"``) or per tile (``"block"``);
    ``dQ_i += sm_scale · (X̂ K̂_j) · s_X``.
@@ -166,7 +168,35 @@ RESIDUAL_KEYS = (
     "sm_scale",      # float
     "layout",        # "HND" | "NHD" (the layout of the caller's arrays)
     "config",        # SageBwdConfig
+    "dtype",         # "float16" | "bfloat16" | None: the inputs' 16-bit type (P's rounding for dv_int8=False)
 )
+
+_DTYPES16 = ("float16", "bfloat16")
+
+
+def _dtype16(dtype, q):
+    """``dtype`` checked, or q's dtype name when it is a 16-bit float (ml_dtypes' bfloat16 included), else None."""
+    if dtype is None:
+        name = getattr(getattr(q, "dtype", None), "name", None)
+        return name if name in _DTYPES16 else None
+    if dtype not in _DTYPES16:
+        raise ValueError(f"dtype={dtype!r} is not supported; supported: 'float16', 'bfloat16', or None (q's dtype "
+                         f"when it is one of those, else no rounding)")
+    return dtype
+
+
+def _round16(x: np.ndarray, dtype) -> np.ndarray:
+    """``x`` rounded to fp32 and then to ``dtype`` (round to nearest even each time, as the kernels' conversions of
+    their fp32 values), as float64; ``dtype=None``: ``x`` unchanged."""
+    if dtype is None:
+        return x
+    x32 = np.asarray(x, dtype=np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return x32.astype(np.float16).astype(np.float64)
+    u = np.ascontiguousarray(x32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isnan(x32), np.nan, r)
 
 
 # Peak bytes per (query row, key) entry, both padded to the config's tiles: one head's working set (the backward's,
@@ -263,11 +293,13 @@ def _forward_head(S, pv_rhs, cfg: SageBwdConfig):
     return o, lse, tile_max, m, l, p_codes, p_weight
 
 
-def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, cfg: SageBwdConfig, delta=None):
+def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, cfg: SageBwdConfig, delta=None,
+                   dtype=None):
     """docs/algorithms.md §4 for one head; returns ``(dq, dk, dv, intermediates)`` (module docstring, Backward).
 
     ``delta``: the rows' ``δ`` when it comes from elsewhere (a key block of a longer sequence takes the δ of the
-    whole row, docs/algorithms.md §9); None computes it from ``o``."""
+    whole row, docs/algorithms.md §9); None computes it from ``o``. ``dtype``: the inputs' 16-bit type, which P
+    is rounded to for ``dV`` when ``cfg.dv_int8`` is False."""
     bq, bkv = cfg.bwd_block_q, cfg.bwd_block_kv
     if delta is None:
         delta = np.sum(do * o, axis=-1)
@@ -275,10 +307,15 @@ def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, 
     row_ok = lse != -np.inf
     lse_safe = np.where(row_ok, lse, 0.0)
     p = np.where(row_ok[:, None], np.exp(S - lse_safe[:, None]), 0.0)   # 0 where S = −inf
-    p_codes, p_scale = _quant(
-        cfg, p, bq, 1 if cfg.p_bwd_granularity == "column" else bkv, qmax=cfg.p_max, unsigned=cfg.p_unsigned
-    )
-    dv = (p_codes * p_scale).T @ (do_codes * do_scale)
+    if cfg.dv_int8:
+        p_codes, p_scale = _quant(
+            cfg, p, bq, 1 if cfg.p_bwd_granularity == "column" else bkv, qmax=cfg.p_max, unsigned=cfg.p_unsigned
+        )
+        dv = (p_codes * p_scale).T @ (do_codes * do_scale)
+    else:  # (P in the inputs' 16-bit type, or itself without quantize: its "codes" are those values, at unit scale)
+        p_codes = _round16(p, dtype) if cfg.quantize else p
+        p_scale = np.ones_like(p_codes)
+        dv = p_codes.T @ do
     dp = do @ v.T
     ds = p * (dp - delta[:, None])
     x = ds * ks[None, :]                                 # fold s_K into dS (dQ path)
@@ -410,7 +447,7 @@ def _v_rows(v_scale: np.ndarray, cfg: SageBwdConfig, Nk: int) -> np.ndarray:
 
 
 def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, return_intermediates=False,
-            window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+            window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dtype=None):
     """SageBwd forward. Returns ``(o, residuals)`` or ``(o, residuals, intermediates)``.
 
     ``o``: float64 in ``layout``. ``residuals``: dict with :data:`RESIDUAL_KEYS`
@@ -427,16 +464,19 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
 
     ``window``: a sliding window (docs/algorithms.md §1.8); tiles are masked, the
     quantization statistics stay those of all the keys. Packed (``layout="THD"``,
-    ``cu_seqlens_q/k``): :func:`_packed_forward`.
+    ``cu_seqlens_q/k``): :func:`_packed_forward`. ``dtype``: the 16-bit type the kernels compute in
+    (``"float16"``, ``"bfloat16"``), which the backward rounds P to where a product keeps 16 bits
+    (``config.dv_int8=False``); None: q's dtype when it is one of those, else P stays unrounded.
     """
     cfg = get_config(config)
+    dtype = _dtype16(dtype, q)
     causal = _check_bool(causal, "causal")
     resolve_window(causal, window)
     return_intermediates = _check_bool(return_intermediates, "return_intermediates")
     packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if packed is not None:
         return _packed_forward(q, k, v, packed, return_intermediates, causal=causal, sm_scale=sm_scale,
-                               config=cfg, window=window)
+                               config=cfg, window=window, dtype=dtype)
     B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, layout)
     _check_memory(B, Hq, Nq, Nk, D, cfg, return_intermediates)
     qi = quantize_inputs(q, k, v, sm_scale=sm_scale, layout=layout, config=cfg)
@@ -479,7 +519,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
         "k_codes": qi["k_codes"], "k_scale": qi["k_scale"],
         "v": vh, "o": o, "lse_internal": lse_int, "lse": lse,
         "mu_k": qi["mu_k"], "mu_q": qi["mu_q"], "bias": qi["bias"],
-        "causal": causal, "window": window, "sm_scale": scale, "layout": layout, "config": cfg,
+        "causal": causal, "window": window, "sm_scale": scale, "layout": layout, "config": cfg, "dtype": dtype,
     }
     out = from_hnd(o, layout)
     if return_intermediates:
@@ -490,7 +530,8 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
 def _check_residuals(residuals) -> None:
     if not isinstance(residuals, dict):
         raise TypeError(f"residuals must be the dict returned by forward(), got {type(residuals).__name__}")
-    missing = [key for key in RESIDUAL_KEYS if key not in residuals and key != "window"]  # (None if absent)
+    optional = ("window", "dtype")  # (None if absent)
+    missing = [key for key in RESIDUAL_KEYS if key not in residuals and key not in optional]
     if missing:
         raise ValueError(f"residuals is missing keys {missing}; pass the dict returned by forward()")
     if not isinstance(residuals["config"], SageBwdConfig):
@@ -549,7 +590,7 @@ def backward(residuals, do, *, return_intermediates=False):
             dq[b, h], dk[b, h], dv[b, h], head = _backward_head(
                 S, residuals["lse_internal"][b, h], residuals["o"][b, h], doh[b, h], residuals["v"][b, g],
                 qc, qs, kc, ks, _rows(residuals["mu_q"][b, h], cfg.block_q, Nq), residuals["mu_k"][b, g],
-                scale, cfg,
+                scale, cfg, dtype=residuals.get("dtype"),
             )
             if return_intermediates:
                 for key, value in head.items():
@@ -564,7 +605,8 @@ def backward(residuals, do, *, return_intermediates=False):
     return grads
 
 
-def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> dict:
+def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAULT, window=None, cu_seqlens_q=None,
+        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dtype=None) -> dict:
     """Forward and backward with every intermediate, as one dict of HND float64 arrays.
 
     The keys shared with :func:`sagecupy.reference.attention.attention_intermediates`
@@ -577,23 +619,23 @@ def run(q, k, v, do, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
 
     Packed (``layout="THD"``): ``"O"``, ``"dQ"`` ``(total_q, Hq, D)``, ``"dK"``,
     ``"dV"`` ``(total_k, Hkv, D)``, ``"lse"``, ``"lse_internal"`` ``(Hq, total_q)``
-    and ``"sequences"``, the list of each sequence's own dict (None if empty).
+    and ``"sequences"``, the list of each sequence's own dict (None if empty). ``dtype``: as :func:`forward`'s.
     """
     packed = packed_sequences(q, k, v, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if packed is not None:
         o, res = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config, window=window,
-                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, dtype=dtype)
         dq, dk, dv = backward(res, do)
         seqs = [None if r is None else run(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], do[None, q0:q1],
                                            causal=causal, sm_scale=sm_scale, layout="NHD", config=config,
-                                           window=window)
+                                           window=window, dtype=dtype)
                 for r, (q0, q1, k0, k1) in zip(res["sequences"], packed[1])]
         return {"O": o, "lse": res["lse"], "lse_internal": res["lse_internal"], "dQ": dq, "dK": dk, "dV": dv,
                 "sequences": seqs}
     B, Hq, _, Nq, Nk, D = check_qkv(q, k, v, layout)
     _check_memory(B, Hq, Nq, Nk, D, get_config(config), True)  # (before the forward: the backward's keep too)
     o, residuals, fwd = forward(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, config=config,
-                                return_intermediates=True, window=window)
+                                return_intermediates=True, window=window, dtype=dtype)
     dq, dk, dv, bwd = backward(residuals, do, return_intermediates=True)
     out = dict(fwd)
     out.update(bwd)

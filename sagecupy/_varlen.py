@@ -63,9 +63,9 @@ def fwd_kernel(T, D, bkv, engine):
     return src, f"{base}_packed<{args}", arch
 
 
-def bwd_names(T, D, engine):
+def bwd_names(T, D, engine, dv_int8=True):
     """The packed backward's (dK/dV, dQ) instantiations (as int8._bwd_names)."""
-    return tuple(f"{n.split('<')[0]}_packed<{n.split('<', 1)[1]}" for n in _i8._bwd_names(T, D, engine))
+    return tuple(f"{n.split('<')[0]}_packed<{n.split('<', 1)[1]}" for n in _i8._bwd_names(T, D, engine, dv_int8))
 
 
 def kernel_names(T, D) -> dict:
@@ -75,7 +75,9 @@ def kernel_names(T, D) -> dict:
         for bkv in _i8._BLOCK_KV:
             src, name, _ = fwd_kernel(T, D, bkv, engine)
             out.setdefault(src, []).append(name)
-        out.setdefault(_i8._BWD_SOURCES[engine][0], []).extend(bwd_names(T, D, engine))
+        lst = out.setdefault(_i8._BWD_SOURCES[engine][0], [])
+        for dv_int8 in (True, False):
+            lst.extend(n for n in bwd_names(T, D, engine, dv_int8) if n not in lst)
     return out
 
 
@@ -87,8 +89,10 @@ def kernel_requests(T, D, engine) -> list:
         src, name, arch = fwd_kernel(T, D, bkv, engine)
         out.append((src, name, None, arch))
     src, arch = _i8._BWD_SOURCES[engine]
-    names = bwd_names(T, D, engine)
-    return out + [(src, n, names, arch) for n in names]
+    for dv_int8 in (True, False):
+        names = bwd_names(T, D, engine, dv_int8)
+        out += [(src, n, names, arch) for n in names]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -557,7 +561,7 @@ def backward_launch_program(r, pre, engine, kernels):
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     p_col = i32(int(cfg.p_bwd_granularity == "column"))
     win = tuple(i32(w) for w in _i8.kernel_window(p))
-    names = bwd_names(T, D, engine)
+    names = bwd_names(T, D, engine, cfg.dv_int8)
     src, arch = _i8._BWD_SOURCES[engine]
     smem, smem_q = _i8._bwd90_smem(D) if engine == "wgmma" else (_i8._bwd_smem(D), 704 * D + 2 * 64 * 4)
     R = Ref

@@ -453,12 +453,14 @@ def load_inputs(path, dtype: str = "fp16", layout: str = "HND") -> dict:
 # ----------------------------------------------------------------------------
 
 
-def _run_reference(fam: Family, config, inputs: dict, causal: bool, want_intermediates: bool) -> dict:
-    """The family's float64 simulator on HND inputs -> dict of HND float64 tensors."""
+def _run_reference(fam: Family, config, inputs: dict, causal: bool, want_intermediates: bool,
+                   dtype: str = "fp16") -> dict:
+    """The family's float64 simulator on HND inputs (values of ``dtype``) -> dict of HND float64 tensors."""
     module = importlib.import_module(fam.reference_module)
     q, k, v, do = (inputs[name] for name in LOAD_KEYS)
     kw = dict(causal=causal, sm_scale=None, layout="HND", config=config)
     if fam.name == "int8":
+        kw["dtype"] = {"fp16": "float16", "bf16": "bfloat16"}[_check_dtype(dtype)]  # (P's rounding, dv_int8=False)
         if not want_intermediates:  # (forward and backward alone hold one head's (N, N) matrices at a time)
             o, residuals = module.forward(q, k, v, **kw)
             grads = module.backward(residuals, do)
@@ -544,14 +546,14 @@ def run_family(backend: str, family_name: str, config, inputs: dict, *, causal: 
     fam = family(family_name)
     config = resolve_config(family_name, config)
     if backend == "reference":
-        tensors = _run_reference(fam, config, inputs, causal, want_intermediates)
+        tensors = _run_reference(fam, config, inputs, causal, want_intermediates, dtype)
         return tensors, {key: SOURCE_REFERENCE for key in tensors}
     if backend != "gpu":
         raise ValueError(f"backend={backend!r} must be resolved to 'reference' or 'gpu' first")
     tensors = _run_gpu(fam, config, inputs, causal, dtype)
     sources = {key: SOURCE_GPU for key in tensors}
     if want_intermediates:
-        simulated = _run_reference(fam, config, inputs, causal, True)
+        simulated = _run_reference(fam, config, inputs, causal, True, dtype)
         for key, value in simulated.items():
             if key not in tensors:
                 tensors[key] = value

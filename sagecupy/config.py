@@ -30,6 +30,10 @@ ds_granularity     ``"rowcol"``: ``dS diag(s_K)`` quantized per query row for
                    dQ and ``diag(s_Q) dS`` per key column for dK (two
                    quantizations); ``"block"``: one scale per backward tile
                    (still of the folded tensors).
+dv_int8            ``True``: ``dV = P^T dO`` as an integer matmul of P^ and
+                   dO^ (the two granularities above); ``False``: in the
+                   inputs' 16-bit type (P rounded to it, dO as given, fp32
+                   accumulation), as ``dP = dO V^T`` always is.
 =================  ==========================================================
 """
 from __future__ import annotations
@@ -66,6 +70,7 @@ class SageBwdConfig:
     p_bwd_granularity: Literal["column", "block"] = "column"
     do_granularity: Literal["channel", "block"] = "channel"
     ds_granularity: Literal["rowcol", "block"] = "rowcol"
+    dv_int8: bool = False
     k_smoothing: bool = True
     q_smoothing: bool = False
     ds_rowsum_correction: bool = False
@@ -80,7 +85,7 @@ class SageBwdConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 16 or value % 16:
                 raise ValueError(f"SageBwdConfig.{field}={value!r} must be a positive multiple of 16")
-        for field in ("p_unsigned", "k_smoothing", "q_smoothing", "ds_rowsum_correction", "quantize"):
+        for field in ("p_unsigned", "dv_int8", "k_smoothing", "q_smoothing", "ds_rowsum_correction", "quantize"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"SageBwdConfig.{field} must be a bool, got {getattr(self, field)!r}")
 
@@ -94,9 +99,10 @@ class SageBwdConfig:
 
 
 #: The published SageBwd: per-block Q, K, V, P (backward), dO, dS; P forward per token on [0, 127]; 64-key
-#: forward tiles (the K and V blocks).
+#: forward tiles (the K and V blocks); dV = P^T dO in INT8 (six of the seven products in INT8).
 PAPER = SageBwdConfig(
     name="paper",
+    dv_int8=True,
     block_kv=64,
     q_granularity="block",
     k_granularity="block",
@@ -108,7 +114,10 @@ PAPER = SageBwdConfig(
 )
 
 #: The project default: the finest granularities integer matmuls allow, with the forward's P quantized per token
-#: over 128-key tiles (``block_kv=128``).
+#: over 128-key tiles (``block_kv=128``), and dV = P^T dO in the inputs' 16-bit type like dP = dO V^T
+#: (``dv_int8=False``): five of the seven products in INT8. That dV is more accurate (relative L2 against exact
+#: attention 0.0093 instead of 0.0122 at sigma = 1) and the backward faster (1.03-1.05x at D = 128, 1.10-1.13x at
+#: D = 64 on an H100), since the int32 -> fp32 fold of each tile's dV product goes (docs/experiments.md, E-I8B-DV16).
 DEFAULT = SageBwdConfig()
 
 #: The default's granularities with the forward's P quantized per token over 64-key tiles: the finer P (O's

@@ -155,7 +155,9 @@ def kernel_names() -> dict:
                 for bkv in _BLOCK_KV:
                     src, name, _ = _fwd_kernel(T, D, bkv, engine)
                     out[src].append(name)
-                out[_BWD_SOURCES[engine][0]] += list(_bwd_names(T, D, engine))
+                for dv_int8 in (True, False):
+                    out[_BWD_SOURCES[engine][0]] += [n for n in _bwd_names(T, D, engine, dv_int8)
+                                                     if n not in out[_BWD_SOURCES[engine][0]]]
             for f, names in _varlen.kernel_names(T, D).items():
                 out.setdefault(f, []).extend(n for n in names if n not in out[f])
     return out
@@ -178,8 +180,10 @@ def kernel_requests(dtype: str, D: int, engine: str) -> list:
         src, name, arch = _fwd_kernel(T, D, bkv, engine)
         out.append((src, name, None, arch))
     src, arch = _BWD_SOURCES[engine]
-    names = _bwd_names(T, D, engine)
-    return out + [(src, n, names, arch) for n in names] + _varlen.kernel_requests(T, D, engine)
+    for dv_int8 in (True, False):
+        names = _bwd_names(T, D, engine, dv_int8)
+        out += [(src, n, names, arch) for n in names]
+    return out + _varlen.kernel_requests(T, D, engine)
 
 
 def forward_engine(engine: str | None = None) -> str:
@@ -206,9 +210,11 @@ def backward_engine(engine: str | None = None) -> str:
     return _layout.pick_engine(engine)
 
 
-def _bwd_names(T, D, engine="mma"):
+def _bwd_names(T, D, engine="mma", dv_int8=True):
+    """(dK/dV kernel, dQ kernel) instantiations; the dK/dV kernel's DV16 argument is ``not dv_int8`` (config)."""
     sfx = "_sm90" if engine == "wgmma" else ""
-    return (f"int8_attn_bwd{sfx}<{T}, {D}>", f"int8_attn_bwd_dq{sfx}<{T}, {D}>")
+    dv16 = "false" if dv_int8 else "true"
+    return (f"int8_attn_bwd{sfx}<{T}, {D}, {dv16}>", f"int8_attn_bwd_dq{sfx}<{T}, {D}>")
 
 
 def _bwd90_smem(D):
@@ -840,7 +846,7 @@ def _backward_launch_program(r, pre, engine, kernels):
     qsb, qsh, qsn = _layout.c_strides(q_shape, layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     win = tuple(i32(w) for w in kernel_mask(p, r.mask))
-    names = _bwd_names(T, D, engine)
+    names = _bwd_names(T, D, engine, cfg.dv_int8)
     src, arch = _BWD_SOURCES[engine]
     if engine == "wgmma":
         smem, smem_q = _bwd90_smem(D)

@@ -36,6 +36,20 @@ __device__ __forceinline__ void quantize_acc_as_a(unsigned (&a)[2][4], const flo
   }
 }
 
+// x (a 16 x 64 accumulator-layout tile) rounded to T, as the A operands a[kk] (k16 chunk kk: columns 16 kk ..
+// 16 kk + 15 in their natural order) of a product that contracts over its 64 columns (dV += P^T dO, config
+// dv_int8=False).
+template <typename T>
+__device__ __forceinline__ void pack_acc_as_a16(unsigned (&a)[4][4], const float (&x)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      a[kk][2 * h] = pack2<T>(x[2 * kk + h][0], x[2 * kk + h][1]);
+      a[kk][2 * h + 1] = pack2<T>(x[2 * kk + h][2], x[2 * kk + h][3]);
+    }
+}
+
 // Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over
 // the whole 64 x 64 tile (the CTA), times 1 / (the code range). Returns the scales and the inverses the codes
 // are rounded with (0 for a max of 0, NaN or Inf: see below). A NaN max gives s = NaN, an Inf max (an infinite dO

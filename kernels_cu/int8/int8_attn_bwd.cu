@@ -7,7 +7,8 @@
 // accumulators into A operands for dV and dK directly:
 //   S^T  = K^ Q^^T                  INT8 (s8 x s8)
 //   P^T  = exp2(S^T - lse2)         fp32;  P^ = psi(P) per key (P_COL) or per tile, on [0, p_max]
-//   dV  += P^^T dO^                 INT8 (u8 x s8), dO^ transposed + mma-permuted (int8_quant.cu)
+//   dV  += P^^T dO^                 INT8 (u8 x s8), dO^ transposed + mma-permuted (int8_quant.cu); or, with DV16
+//                                   (config dv_int8=False), dV += P^T dO in fp16/bf16 (P rounded to it)
 //   dP^T = V dO^T                   fp16/bf16 mma, fp32 accumulation (never quantized)
 //   dS^T = P^T o (dP^T - delta)     fp32
 //   dK  += Y^^T Q^ ,  Y = diag(s_Q) dS quantized per key (DS_ROWCOL) or per tile     INT8
@@ -28,7 +29,7 @@
 
 using namespace sage;
 
-template <typename T, int D, bool PACKED = false>
+template <typename T, int D, bool DV16, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_bwd_impl(
               const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -183,8 +184,12 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
       // P^T = exp2(S^T - lse2[query]), masked to 0; P^ per key (row of P^T) or per tile.
       float p[8][4], pmax[2], s_p[2], inv_p[2];
       bwd_pt_tile(p, pmax, &acc_s[0][0], sk, sQs, sL, q0, t4, need_mask, qv);
-      bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
-      {  // packed as the A operand of dV (k = queries, mma-permuted)
+      if constexpr (DV16) {  // dV += P^T dO in T (P rounded to T; B = dO stored [query][d]: transposed ldmatrix)
+        unsigned pa[4][4];
+        pack_acc_as_a16<T>(pa, p);
+        mma_acc_a64<T, D>(acc_dv, pa, sdO, lane);
+      } else {  // packed as the A operand of dV (k = queries, mma-permuted)
+        bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
         unsigned pa[2][4];
         quantize_acc_as_a(pa, p, inv_p);
         // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
@@ -253,7 +258,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
 }
 
 // dK/dV: grid (nk_pad / 64, Hkv, B), block 128; dynamic shared memory: int8.py _bwd_smem.
-template <typename T, int D>
+template <typename T, int D, bool DV16>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -265,14 +270,14 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
               int left, int right, int shift, int p_col, int ds_rowcol) {
-  int8_attn_bwd_impl<T, D>(qc, qs, qt, kc, ks, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, dot, dos, lse2, delta, dk, ksb,
-                           ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad, nk_pad, p_max, left, right, shift,
-                           p_col, ds_rowcol);
+  int8_attn_bwd_impl<T, D, DV16>(qc, qs, qt, kc, ks, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, dot, dos, lse2, delta,
+                                 dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad, nk_pad, p_max, left,
+                                 right, shift, p_col, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); v, dout, dk, dv (total, H, D)
 // at the given strides; the residuals and the pre-pass buffers in the packed padded layout.
-template <typename T, int D>
+template <typename T, int D, bool DV16>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd_packed(const signed char* __restrict__ qc, const float* __restrict__ qs,
                      const signed char* __restrict__ qt, const signed char* __restrict__ kc,
@@ -283,9 +288,9 @@ int8_attn_bwd_packed(const signed char* __restrict__ qc, const float* __restrict
                      long long vvn, int Hq, int Hkv, float p_max, int left, int right, int p_col, int ds_rowcol,
                      const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
-  int8_attn_bwd_impl<T, D, true>(qc, qs, qt, kc, ks, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, dot, dos, lse2, delta, dk,
-                                 ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, 0,
-                                 p_col, ds_rowcol, meta, S, nbq);
+  int8_attn_bwd_impl<T, D, DV16, true>(qc, qs, qt, kc, ks, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, dot, dos, lse2,
+                                       delta, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left,
+                                       right, 0, p_col, ds_rowcol, meta, S, nbq);
 }
 
 // dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D + 512

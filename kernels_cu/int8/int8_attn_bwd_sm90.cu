@@ -5,7 +5,10 @@
 //   dK/dV kernel, per (head, 64-query tile):
 //     S^T  = K^ Q^^T          m64n64k32 s8.s8      (K^, Q^ shared)
 //     dP^T = V dO^T           m64n64k16 f32.T.T    (V, dO shared: 16-bit, K-major in 128-byte pieces)
-//     dV  += P^^T dO^         m64n64k32 u8.s8      (P^ registers, dO^^T shared), D / 64 products
+//     dV  += P^^T dO^         m64n64k32 u8.s8      (P^ registers, dO^^T shared), D / 64 products; or, with DV16
+//                                                  (config dv_int8=False), dV += P^T dO in T: m64nDk16 f32.T.T,
+//                                                  P rounded to T in registers, dO the dP product's tile read
+//                                                  N-major, accumulated in acc_dv itself (no int32 fold)
 //     dK  += Y^^T Q^          m64n64k32 s8.s8      (Y^ registers, Q^^T shared), D / 64 products
 //   dQ kernel, per 64-key tile:
 //     S = Q^ K^^T, dP = dO V^T as above;  dQ += X^ K^   m64nDk32 s8.s8 (X^ registers, K^^T shared)
@@ -75,7 +78,7 @@ constexpr int BWD90_D64_MIN_CTAS = 3;
 // D = 64 dK/dV: S and dP are issued first after the barrier, the next stage's copy after them: 1.04x on the kernel,
 // 0.98-1.01x at D = 128, which keeps the copy first (docs/experiments.md; bitwise the same).
 
-template <typename T, int D, bool PACKED = false>
+template <typename T, int D, bool DV16, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__ q_img, const char* __restrict__ k_img,
                    const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
@@ -221,78 +224,131 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     if constexpr (D == 128) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
     wgmma_wait<1>();
     fence_regs(acc_s);
-    float p[8][4], pmax[2], s_p[2], inv_p[2];
-    bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, q0, t4, need_mask, qv);
-    bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
-    unsigned pa[2][4];
-    quantize_acc_as_a(pa, p, inv_p);
-    wgmma_wait<0>();
-    fence_regs(acc_dp);
+    if constexpr (DV16) {
+      float p[8][4], pmax[2];
+      bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, q0, t4, need_mask, qv);
+      // dV += P^T dO in T (P rounded to T, fp32 accumulation in acc_dv itself): P^T as the A operand, k = the tile's
+      // 64 queries in their natural order (the dO tile's rows, read N-major).
+      unsigned pa[4][4];
+      pack_acc_as_a16<T>(pa, p);
+      wgmma_fence();
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) bwd_ds_ntile(p[nt], acc_dp + 4 * nt, sDel, nt, t4);
-
-    auto add_dv = [&](const int (&acc)[32], int h) {  // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_dv), pa[kk], desc_mn16<64>(sdO, kk), 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // dP (dV may still run)
+      fence_regs(acc_dp);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int nt = 8 * h + j;
-        const float2 sd = *reinterpret_cast<const float2*>(sDos + nt * 8 + 2 * t4);
+      for (int nt = 0; nt < 8; ++nt) bwd_ds_ntile(p[nt], acc_dp + 4 * nt, sDel, nt, t4);
+      float ymax[2], s_y[2], inv_y[2];
+      bwd_y_tile(p, ymax, sQs, t4);  // Y = diag(s_Q) dS in place of dS^T
+      bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
+      unsigned ya[2][4];
+      quantize_acc_as_a(ya, p, inv_y);
+      int acc_a[32];
+      if constexpr (D == 128) {
+        int acc_b[32];
+        wgmma_fence();
+        issue_a64_n64<false>(acc_a, ya, sQt, 0);  // dK, columns 0..63
+        wgmma_commit();
+        issue_a64_n64<false>(acc_b, ya, sQt, 1);  // dK, columns 64..127
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(acc_a);
+        hold_regs(pa);
+        add_dk(acc_a, 0, s_y);
+        wgmma_wait<0>();
+        fence_regs(acc_b);
+        hold_regs(ya);
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          acc_dv[nt][e] += i2f_small(acc[4 * j + e]) * s_p[e >> 1] * ((e & 1) ? sd.y : sd.x);
+        for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
+        s_y_prev[0] = s_y[0];
+        s_y_prev[1] = s_y[1];
+      } else {
+        wgmma_fence();
+        issue_a64_n64<false>(acc_a, ya, sQt, 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc_a);
+        hold_regs(pa);
+        hold_regs(ya);
+        add_dk(acc_a, 0, s_y);
       }
-    };
-    // Products of 64 columns of D each, two buffers: the first dV product runs while Y^ is formed (dS is
-    // live until then, so the second waits for it); each buffer is re-issued as soon as it is consumed.
-    int acc_a[32], acc_b[32];
-    wgmma_fence();
-    issue_a64_n64<true>(acc_a, pa, sdOt, 0);  // dV, columns 0..63
-    wgmma_commit();
-    float ymax[2], s_y[2], inv_y[2];
-    bwd_y_tile(p, ymax, sQs, t4);  // Y = diag(s_Q) dS in place of dS^T
-    bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
-    unsigned ya[2][4];
-    quantize_acc_as_a(ya, p, inv_y);
-    if constexpr (D == 128) {
-      wgmma_fence();
-      issue_a64_n64<true>(acc_b, pa, sdOt, 1);  // dV, columns 64..127
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_regs(acc_a);
-      add_dv(acc_a, 0);
-      wgmma_fence();
-      issue_a64_n64<false>(acc_a, ya, sQt, 0);  // dK, columns 0..63
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_regs(acc_b);
-      hold_regs(pa);
-      add_dv(acc_b, 1);
-      wgmma_fence();
-      issue_a64_n64<false>(acc_b, ya, sQt, 1);  // dK, columns 64..127
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_regs(acc_a);
-      add_dk(acc_a, 0, s_y);
-      wgmma_wait<0>();
-      fence_regs(acc_b);
-      hold_regs(ya);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
-      s_y_prev[0] = s_y[0];
-      s_y_prev[1] = s_y[1];
     } else {
+      float p[8][4], pmax[2], s_p[2], inv_p[2];
+      bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, q0, t4, need_mask, qv);
+      bwd_group_scale(s_p, inv_p, pmax, P_COL, p_max, inv_p_max, sRed, warp, lane);
+      unsigned pa[2][4];
+      quantize_acc_as_a(pa, p, inv_p);
       wgmma_wait<0>();
-      fence_regs(acc_a);
-      hold_regs(pa);
-      add_dv(acc_a, 0);
+      fence_regs(acc_dp);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) bwd_ds_ntile(p[nt], acc_dp + 4 * nt, sDel, nt, t4);
+
+      auto add_dv = [&](const int (&acc)[32], int h) {  // dV += P^^T dO^ * s_P[key] * s_dO[qtile, d]
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int nt = 8 * h + j;
+          const float2 sd = *reinterpret_cast<const float2*>(sDos + nt * 8 + 2 * t4);
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc_dv[nt][e] += i2f_small(acc[4 * j + e]) * s_p[e >> 1] * ((e & 1) ? sd.y : sd.x);
+        }
+      };
+      // Products of 64 columns of D each, two buffers: the first dV product runs while Y^ is formed (dS is
+      // live until then, so the second waits for it); each buffer is re-issued as soon as it is consumed.
+      int acc_a[32], acc_b[32];
       wgmma_fence();
-      issue_a64_n64<false>(acc_a, ya, sQt, 0);
+      issue_a64_n64<true>(acc_a, pa, sdOt, 0);  // dV, columns 0..63
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc_a);
-      hold_regs(ya);
-      add_dk(acc_a, 0, s_y);
+      float ymax[2], s_y[2], inv_y[2];
+      bwd_y_tile(p, ymax, sQs, t4);  // Y = diag(s_Q) dS in place of dS^T
+      bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
+      unsigned ya[2][4];
+      quantize_acc_as_a(ya, p, inv_y);
+      if constexpr (D == 128) {
+        wgmma_fence();
+        issue_a64_n64<true>(acc_b, pa, sdOt, 1);  // dV, columns 64..127
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(acc_a);
+        add_dv(acc_a, 0);
+        wgmma_fence();
+        issue_a64_n64<false>(acc_a, ya, sQt, 0);  // dK, columns 0..63
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(acc_b);
+        hold_regs(pa);
+        add_dv(acc_b, 1);
+        wgmma_fence();
+        issue_a64_n64<false>(acc_b, ya, sQt, 1);  // dK, columns 64..127
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_regs(acc_a);
+        add_dk(acc_a, 0, s_y);
+        wgmma_wait<0>();
+        fence_regs(acc_b);
+        hold_regs(ya);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
+        s_y_prev[0] = s_y[0];
+        s_y_prev[1] = s_y[1];
+      } else {
+        wgmma_wait<0>();
+        fence_regs(acc_a);
+        hold_regs(pa);
+        add_dv(acc_a, 0);
+        wgmma_fence();
+        issue_a64_n64<false>(acc_a, ya, sQt, 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc_a);
+        hold_regs(ya);
+        add_dk(acc_a, 0, s_y);
+      }
     }
   }
+  if constexpr (DV16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dv));
   if constexpr (D == 128) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
@@ -300,27 +356,27 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   store_acc_rows<T, D>(dk + bk * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DV16>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
                    int left, int right, int shift, int p_col, int ds_rowcol) {
-  int8_attn_bwd_sm90_impl<T, D>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad,
+  int8_attn_bwd_sm90_impl<T, D, DV16>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad,
                                 nk_pad, p_max, left, right, shift, p_col, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); dk, dv (total_k, Hkv, D) at
 // the given strides; the images and key scales in the packed padded layout.
-template <typename T, int D>
+template <typename T, int D, bool DV16>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_sm90_packed(const char* __restrict__ q_img, const char* __restrict__ k_img,
                           const float* __restrict__ ks, T* __restrict__ dk, long long ksh, long long ksn,
                           T* __restrict__ dv, long long vvh, long long vvn, int Hq, int Hkv, float p_max, int left,
                           int right, int p_col, int ds_rowcol, const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first key)
-  int8_attn_bwd_sm90_impl<T, D, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0,
+  int8_attn_bwd_sm90_impl<T, D, DV16, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0,
                                       p_max, left, right, 0, p_col, ds_rowcol, meta, S, nbq);
 }
 

@@ -27,24 +27,6 @@ namespace {
 constexpr int BQ = 64, BKV = 64, THREADS = 128;
 }
 
-// acc (a warp's 16 rows x D, fp32 accumulator tiles) += A (16 x 64: a[kk] the A operand of k16 chunk kk) * B, B a
-// 64 x D tile of T stored [k][d] in shared memory (2 D-byte rows: read with transposed ldmatrix).
-template <typename T, int D>
-__device__ __forceinline__ void mma_acc_a64(float (&acc)[D / 8][4], const unsigned (&a)[4][4], const char* sB,
-                                            int lane) {
-#pragma unroll
-  for (int dp = 0; dp < D / 16; ++dp) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      unsigned b[4];
-      ldsm_x4_trans<2 * D, true>(b, sB, kk * 16, 2 * dp, lane);
-      const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-      mma_f16<T>(acc[2 * dp], a[kk], b0);
-      mma_f16<T>(acc[2 * dp + 1], a[kk], b1);
-    }
-  }
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(THREADS)
 qat_attn_bwd(const T* __restrict__ qt, const T* __restrict__ kt, const T* __restrict__ vt,

@@ -155,8 +155,13 @@ def _literal_backward(res, do, cfg):
                     s = np.where(mask[I, J], s, -np.inf)
                     ok = lse[I] != -np.inf
                     p = np.where(ok[:, None], np.exp(s - np.where(ok, lse[I], 0.0)[:, None]), 0.0)
-                    p_c, p_s = psi(p, 0 if cfg.p_bwd_granularity == "column" else None, qmax=cfg.p_max, unsigned=cfg.p_unsigned)
-                    dv[b, g, J] += (p_c.T.astype(float) @ do_c.astype(float)) * p_s.T * do_s
+                    if cfg.dv_int8:
+                        p_c, p_s = psi(p, 0 if cfg.p_bwd_granularity == "column" else None, qmax=cfg.p_max,
+                                       unsigned=cfg.p_unsigned)
+                        dv[b, g, J] += (p_c.T.astype(float) @ do_c.astype(float)) * p_s.T * do_s
+                    else:  # P rounded through fp32 to the inputs' fp16 (_inputs), dO as given
+                        p16 = p.astype(np.float32).astype(np.float16).astype(float)
+                        dv[b, g, J] += p16.T @ do_i
                     dp = do_i @ res["v"][b, g, J].T
                     ds = p * (dp - delta[:, None])
                     x_c, x_s = psi(ds * ks[b, g, J][None, :], 1 if cfg.ds_granularity == "rowcol" else None)
@@ -175,6 +180,7 @@ LOOP_CONFIGS = {
     "paper": PAPER.replace(**SMALL),
     "default+qsmooth+corr": DEFAULT.replace(q_smoothing=True, ds_rowsum_correction=True, **SMALL),
     "paper-bigbwd": PAPER.replace(block_q=16, block_kv=32, bwd_block_q=32, bwd_block_kv=16, q_smoothing=True),
+    "default-dv16": DEFAULT.replace(dv_int8=False, **SMALL),
     "mixed": DEFAULT.replace(k_granularity="block", v_granularity="block", p_bwd_granularity="block",
                              do_granularity="block", p_unsigned=False, **SMALL),
 }
@@ -208,6 +214,29 @@ def test_paper_and_default_run_and_default_is_more_accurate():
         assert 0 < err["default"][name] < err["paper"][name], (name, err)
     # sanity: quantization error of the order of a few percent, not garbage
     assert err["default"]["O"] < 0.1 and err["paper"]["O"] < 0.2, err
+
+
+@pytest.mark.parametrize("sigma", [1.0, 5.0])
+def test_dv_in_16_bits_leaves_dq_dk_and_is_closer_to_exact(sigma):
+    q, k, v, do = _inputs(1, 2, 1, 200, 230, 32, sigma=sigma, seed=5)
+    _, res8 = sagebwd.forward(q, k, v, causal=True, config=DEFAULT.replace(dv_int8=True))
+    _, res16 = sagebwd.forward(q, k, v, causal=True)  # (the default)
+    assert res16["dtype"] == "float16"  # (q's dtype)
+    g8, g16 = sagebwd.backward(res8, do), sagebwd.backward(res16, do)
+    np.testing.assert_array_equal(g8[0], g16[0])
+    np.testing.assert_array_equal(g8[1], g16[1])
+    oe, lse = attention_forward(q, k, v, causal=True)
+    dv_exact = attention_backward(q, k, v, oe, lse, do, causal=True)[2]
+    assert rel_l2(g16[2], dv_exact) < rel_l2(g8[2], dv_exact)
+    # bf16 rounds P more coarsely than fp16; unrounded P (float64 inputs, dtype unknown) not at all
+    _, res_bf = sagebwd.forward(q, k, v, causal=True, config=DEFAULT.replace(dv_int8=False), dtype="bfloat16")
+    _, res_64 = sagebwd.forward(*(x.astype(np.float64) for x in (q, k, v)), causal=True,
+                                config=DEFAULT.replace(dv_int8=False))
+    assert res_64["dtype"] is None
+    dv_bf, dv_64 = sagebwd.backward(res_bf, do)[2], sagebwd.backward(res_64, do)[2]
+    assert rel_l2(dv_64, g16[2]) < rel_l2(dv_64, dv_bf) < 1e-2
+    with pytest.raises(ValueError, match="dtype"):
+        sagebwd.forward(q, k, v, dtype="float32")
 
 
 def test_public_lse_matches_exact_lse():

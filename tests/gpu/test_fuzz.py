@@ -339,7 +339,7 @@ def run_int8(c):
     (q, k, v, do), (qh, kh, vh, doh), snap = _inputs(c)
     o, lse, res = s8.forward(q, k, v, causal=c.causal, layout=c.layout, config=cfg, return_lse=True, engine=c.engine)
     o_h = t8._to_host(o)
-    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=c.causal, layout=c.layout, config=cfg)
+    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=c.causal, layout=c.layout, config=cfg, dtype=c.dtype)
     o_ex, lse_ex = ref_attn.attention_forward(qh, kh, vh, causal=c.causal, layout=c.layout)
     t8._check("O", o_h, o_sim, o_ex, c.dtype, case)
     _check_int8_lse(lse.get().astype(np.float64), r_sim["lse"], case)

@@ -16,6 +16,8 @@ from sagecupy.config import DEFAULT, PAPER
 
 # The default granularities with P quantized per token over 64-key forward tiles instead of the default 128.
 BKV64 = DEFAULT.replace(name="default-bkv64", block_kv=64)
+# The default's granularities with dV = P^T dO as an integer matmul (P^ per key column, dO^ per channel).
+DV8 = DEFAULT.replace(name="default-dv8", dv_int8=True)
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import metrics
 from sagecupy.reference import sagebwd as ref_sage
@@ -105,7 +107,8 @@ def _run_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype_name, config, backwar
     before = [_raw(x).copy() for x in (q, k, v, do)]
     o, lse, res = s8.forward(q, k, v, causal=causal, layout=layout, config=config, return_lse=True)
     o_h = _to_host(o)
-    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, layout=layout, config=config)
+    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, layout=layout, config=config,
+                                    dtype=dtype_name)
     o_ex, lse_ex = ref_attn.attention_forward(qh, kh, vh, causal=causal, layout=layout)
     _check("O", o_h, o_sim, o_ex, dtype_name, case)
     lse_h = lse.get().astype(np.float64)
@@ -148,6 +151,9 @@ CASES = [
     (1, 2, 2, 1, 17, 128, False, "HND", "float16", BKV64),
     (1, 2, 2, 300, 1000, 128, True, "NHD", "float16", BKV64),
     (1, 1, 1, 4224, 4224, 64, True, "HND", "bfloat16", BKV64),
+    (1, 4, 1, 239, 113, 128, True, "HND", "bfloat16", DV8),
+    (2, 4, 2, 113, 239, 64, False, "NHD", "float16", DV8),
+    (1, 2, 2, 1000, 1000, 128, False, "HND", "float16", DV8),
 ]
 
 
@@ -589,7 +595,9 @@ def test_forward_engines_agree_bitwise(B, Hq, Hkv, Nq, Nk, D, causal, layout, dt
 
 
 BWD_ENGINE_CASES = ENGINE_CASES + [(1, 4, 1, 239, 113, 128, True, "NHD", "bfloat16", PAPER),
-                                   (2, 2, 2, 1000, 300, 64, False, "HND", "float16", PAPER)]
+                                   (2, 2, 2, 1000, 300, 64, False, "HND", "float16", PAPER),
+                                   (1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", DV8),
+                                   (2, 2, 2, 1000, 300, 64, False, "HND", "float16", DV8)]
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", BWD_ENGINE_CASES)

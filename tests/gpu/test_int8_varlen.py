@@ -87,7 +87,8 @@ def _run(lens, Hq, Hkv, D, dtype, causal, window, config, engine, seed=0, check_
     o, lse, res = s8.forward(q, k, v, causal=causal, window=window, config=config, return_lse=True, engine=engine,
                              **packed)
     o_h = _to_host(o)
-    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, window=window, config=config, **host)
+    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, window=window, config=config, dtype=dtype,
+                                    **host)
     o_ex, lse_ex = ref_attn.attention_forward(qh, kh, vh, causal=causal, window=window, **host)
     _check("O", o_h, o_sim, o_ex, dtype, case)
     lse_h = lse.get().astype(np.float64)

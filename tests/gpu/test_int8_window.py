@@ -41,7 +41,8 @@ def _run_window_case(B, Hq, Hkv, Nq, Nk, D, causal, window, layout, dtype_name, 
     o, lse, res = s8.forward(q, k, v, causal=causal, window=window, layout=layout, config=config, return_lse=True,
                              engine=engine)
     o_h = _to_host(o)
-    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, window=window, layout=layout, config=config)
+    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, window=window, layout=layout, config=config,
+                                    dtype=dtype_name)
     o_ex, lse_ex = ref_attn.attention_forward(qh, kh, vh, causal=causal, window=window, layout=layout)
     _check("O", o_h, o_sim, o_ex, dtype_name, case)
     lse_h = lse.get().astype(np.float64)

@@ -291,7 +291,7 @@ def test_int8_ds_beyond_fp16_range_stays_in_fp32(D, engine):
     (q, k, v, do), (qh, kh, vh, doh), case = _big_ds(D, "float16")
     o, lse, res = s8.forward(q, k, v, return_lse=True, engine=engine)
     o_h = t8._to_host(o)
-    o_sim, r_sim = ref_sage.forward(qh, kh, vh)
+    o_sim, r_sim = ref_sage.forward(qh, kh, vh, dtype="float16")
     o_ex, lse_ex = ref_attn.attention_forward(qh, kh, vh)
     t8._check("O", o_h, o_sim, o_ex, "float16", case)
     grads = s8.backward(res, do, engine=engine)

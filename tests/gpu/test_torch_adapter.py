@@ -210,7 +210,7 @@ def test_gradients_vs_float64_references(case):
     q, k, v, do = _inputs(7, B, Hq, Hkv, Nq, Nk, D, layout, dtype)
     o, dq, dk, dv = _through(st.sage_attention, q, k, v, do, causal=causal, layout=layout, config=config)
     qh, kh, vh, doh = (_host(x) for x in (q, k, v, do))
-    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, layout=layout, config=config)
+    o_sim, r_sim = ref_sage.forward(qh, kh, vh, causal=causal, layout=layout, config=config, dtype=name)
     o_ex, lse_ex = ref_attn.attention_forward(qh, kh, vh, causal=causal, layout=layout)
     o_h = _host(o)
     T._check("O", o_h, o_sim, o_ex, name, case)
