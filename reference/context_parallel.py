@@ -449,12 +449,14 @@ def _stand_in(B: int, H: int, D: int) -> np.ndarray:
     return np.zeros((B, H, 1, D))
 
 
-def sagebwd_quantize_q(q, *, sm_scale=None, config=DEFAULT) -> dict:
+def sagebwd_quantize_q(q, *, sm_scale=None, config=DEFAULT, dtype=None) -> dict:
     """A Q shard's SageBwd operands (HND ``(B, Hq, n, D)``; ``sagebwd.quantize_inputs``): ``"q"`` (float64),
-    ``"q_codes"``, ``"q_scale"``, ``"mu_q"``, with ``"sm_scale"`` and ``"config"``. Q has no statistic over the
-    whole sequence (per token, per ``block_q`` rows), so nothing global is needed; its rows must start on a
-    multiple of ``sagebwd_alignment(config)[0]``."""
+    ``"q_codes"``, ``"q_scale"``, ``"mu_q"``, with ``"sm_scale"``, ``"config"`` and ``"dtype"`` (the inputs' 16-bit
+    type, as ``sagebwd.forward``'s: q's own when None). Q has no statistic over the whole sequence (per token, per
+    ``block_q`` rows), so nothing global is needed; its rows must start on a multiple of
+    ``sagebwd_alignment(config)[0]``."""
     cfg = get_config(config)
+    dtype = _sb._dtype16(dtype, q)
     qh = as_float64(q, "q")
     if qh.ndim != 4:
         raise ValueError(f"q must be HND (B, Hq, n, D), got shape {qh.shape}")
@@ -462,7 +464,7 @@ def sagebwd_quantize_q(q, *, sm_scale=None, config=DEFAULT) -> dict:
     stand = _stand_in(B, 1, D)
     qi = _sb.quantize_inputs(qh, stand, stand, sm_scale=sm_scale, config=cfg)
     return {"q": qh, "q_codes": qi["q_codes"], "q_scale": qi["q_scale"], "mu_q": qi["mu_q"],
-            "sm_scale": qi["sm_scale"], "config": cfg}
+            "sm_scale": qi["sm_scale"], "config": cfg, "dtype": dtype}
 
 
 def sagebwd_quantize_kv(k, v, statistics, *, sm_scale=None, config=DEFAULT) -> dict:
@@ -605,7 +607,8 @@ def sagebwd_block_backward(qb, kvb, do, lse_internal, delta, q_pos, k_pos, Nq: i
                             _sb._rows(bias[b, h], cfg.block_q, n), mask)
             dq[b, h], dk[b, h], dv[b, h], head = _sb._backward_head(
                 S, lse64[b, h], None, doh[b, h], kvb["v"][b, g], qc, qs, kc, ks,
-                _sb._rows(qb["mu_q"][b, h], cfg.block_q, n), kvb["mu_k"][b, g], scale, cfg, delta=delta64[b, h])
+                _sb._rows(qb["mu_q"][b, h], cfg.block_q, n), kvb["mu_k"][b, g], scale, cfg, delta=delta64[b, h],
+                dtype=qb.get("dtype"))
             if return_intermediates:
                 _stack(inter, head, b, h, B, Hq)
     grads = (dq, sum_kv_groups(dk, Hkv), sum_kv_groups(dv, Hkv))
@@ -637,7 +640,7 @@ def _ring_pairs(plan: ShardPlan, causal, window):
 
 
 def ring_forward(q, k, v, plan: ShardPlan, *, causal=False, sm_scale=None, window=None, layout="HND", config=None,
-                 statistics="global"):
+                 statistics="global", dtype=None):
     """Ring attention over ``plan.ranks`` ranks, run in one process: ``(o, lse, state)``.
 
     Rank ``r`` keeps its Q shard; the K/V blocks travel round the ring (:func:`_ring_pairs`), and each visible
@@ -655,7 +658,8 @@ def ring_forward(q, k, v, plan: ShardPlan, *, causal=False, sm_scale=None, windo
 
     The plan must not cut a SageBwd tile (``sagebwd_alignment``; build it with ``align_q``/``align_k``).
     ``o`` is in ``layout``, ``lse`` ``(B, Hq, Nq)``; ``state`` is what :func:`ring_backward` needs, plus
-    ``"schedule"`` (the computed pairs) and ``"skipped"`` (the fully masked ones).
+    ``"schedule"`` (the computed pairs) and ``"skipped"`` (the fully masked ones). ``dtype``: as
+    ``sagebwd.forward``'s (q's own when None).
     """
     B, Hq, Hkv, Nq, Nk, D = check_qkv(q, k, v, check_layout(layout))
     resolve_window(causal, window)
@@ -666,6 +670,7 @@ def ring_forward(q, k, v, plan: ShardPlan, *, causal=False, sm_scale=None, windo
     if cfg is None and statistics != "global":
         raise ValueError("exact attention has no statistics: statistics='local' is for a SageBwd config")
     _check_plan(plan, Nq, Nk, *((1, 1) if cfg is None else sagebwd_alignment(cfg)))
+    dtype = _sb._dtype16(dtype, q)
     qh, kh, vh = (as_float64(to_hnd(x, layout), n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     R = plan.ranks
     qspan = {(r, i): c for r in range(R) for i, c in enumerate(plan.q_chunks[r])}
@@ -677,7 +682,7 @@ def ring_forward(q, k, v, plan: ShardPlan, *, causal=False, sm_scale=None, windo
                     for s in range(R)]
         stats = ([reduce_statistics(per_rank)] * R if statistics == "global"
                  else [reduce_statistics([p]) if p["k_count"] else None for p in per_rank])
-        state["qb"] = {key: sagebwd_quantize_q(qh[:, :, a:b], sm_scale=scale, config=cfg)
+        state["qb"] = {key: sagebwd_quantize_q(qh[:, :, a:b], sm_scale=scale, config=cfg, dtype=dtype)
                        for key, (a, b) in qspan.items() if b > a}
         state["kvb"] = {key: sagebwd_quantize_kv(kh[:, :, a:b], vh[:, :, a:b], stats[key[0]], sm_scale=scale,
                                                  config=cfg) for key, (a, b) in kspan.items() if b > a}

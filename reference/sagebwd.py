@@ -552,7 +552,8 @@ def backward(residuals, do, *, return_intermediates=False):
       ``(B, Hq, Nq, D)`` (``"channel"``);
     * ``"P_bwd_codes"``, ``"X_codes"`` (``dS·diag(s_K)``), ``"Y_codes"``
       (``diag(s_Q)·dS``) ``(B, Hq, Nq, Nk)`` int16 and their ``*_scale``
-      ``(B, Hq, Nq, Nk)`` (each tile's scale repeated over the entries it covers).
+      ``(B, Hq, Nq, Nk)`` (each tile's scale repeated over the entries it covers);
+      with ``dv_int8=False`` ``"P_bwd_codes"`` is the 16-bit P (float64) at scale 1.
 
     With ``config.quantize=False`` the codes are float64 values and scales 1.
     Packed residuals (``layout="THD"``): ``do`` ``(total_q, Hq, D)``; ``dq``

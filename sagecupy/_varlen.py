@@ -63,7 +63,7 @@ def fwd_kernel(T, D, bkv, engine):
     return src, f"{base}_packed<{args}", arch
 
 
-def bwd_names(T, D, engine, dv_int8=True):
+def bwd_names(T, D, engine, dv_int8):
     """The packed backward's (dK/dV, dQ) instantiations (as int8._bwd_names)."""
     return tuple(f"{n.split('<')[0]}_packed<{n.split('<', 1)[1]}" for n in _i8._bwd_names(T, D, engine, dv_int8))
 

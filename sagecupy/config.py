@@ -122,7 +122,7 @@ DEFAULT = SageBwdConfig()
 
 #: The default's granularities with the forward's P quantized per token over 64-key tiles: the finer P (O's
 #: relative error ~4% lower at sigma = 1, the same at sigma >= 3) at 1.11-1.19x the forward kernel's time on
-#: the H200 at D = 128 (docs/experiments.md). The default before commit 08ef803.
+#: the H200 at D = 128 (docs/experiments.md). The default before commit 08ef803, but for its 16-bit dV.
 BKV64 = SageBwdConfig(name="bkv64", block_kv=64)
 
 

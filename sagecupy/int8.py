@@ -210,7 +210,7 @@ def backward_engine(engine: str | None = None) -> str:
     return _layout.pick_engine(engine)
 
 
-def _bwd_names(T, D, engine="mma", dv_int8=True):
+def _bwd_names(T, D, engine, dv_int8):
     """(dK/dV kernel, dQ kernel) instantiations; the dK/dV kernel's DV16 argument is ``not dv_int8`` (config)."""
     sfx = "_sm90" if engine == "wgmma" else ""
     dv16 = "false" if dv_int8 else "true"

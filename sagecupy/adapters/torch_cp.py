@@ -70,6 +70,9 @@ from ..reference import attention as _attn
 from ..reference import context_parallel as _ref
 from ..reference import sagebwd as _sb
 
+# The 16-bit input types the reference rounds P to for a 16-bit dV (config dv_int8=False), by torch dtype.
+_DTYPE16 = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
 __all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence", "BlockBackend"]
 
 _LAYOUTS = ("HND", "NHD")
@@ -284,7 +287,8 @@ class ReferenceBackend(BlockBackend):
 
     def _blocks(self, q, k, v, stats):
         L = self.layout
-        qb = _ref.sagebwd_quantize_q(_np64(q, L), sm_scale=self.sm_scale, config=self.cfg)
+        qb = _ref.sagebwd_quantize_q(_np64(q, L), sm_scale=self.sm_scale, config=self.cfg,
+                                     dtype=_DTYPE16.get(q.dtype))
         kvb = _ref.sagebwd_quantize_kv(_np64(k, L), _np64(v, L), stats, sm_scale=self.sm_scale, config=self.cfg)
         return qb, kvb
 
@@ -348,7 +352,7 @@ class _ReferenceCall(torch.autograd.Function):
             o, lse = _attn.attention_forward(qh, kh, vh, **kw)
             ctx.state = (qh, kh, vh, o, lse)
         else:
-            o, res = _sb.forward(qh, kh, vh, config=be.cfg, **kw)
+            o, res = _sb.forward(qh, kh, vh, config=be.cfg, dtype=_DTYPE16.get(q.dtype), **kw)
             lse, ctx.state = res["lse"], res
         ctx.be, ctx.dtypes = be, (q.dtype, k.dtype, v.dtype)
         lse_t = torch.from_numpy(lse).to(be.acc_dtype)

@@ -180,9 +180,9 @@ LOOP_CONFIGS = {
     "paper": PAPER.replace(**SMALL),
     "default+qsmooth+corr": DEFAULT.replace(q_smoothing=True, ds_rowsum_correction=True, **SMALL),
     "paper-bigbwd": PAPER.replace(block_q=16, block_kv=32, bwd_block_q=32, bwd_block_kv=16, q_smoothing=True),
-    "default-dv16": DEFAULT.replace(dv_int8=False, **SMALL),
+    "default-dv8": DEFAULT.replace(dv_int8=True, **SMALL),  # (INT8 dV with per-column P, per-channel dO)
     "mixed": DEFAULT.replace(k_granularity="block", v_granularity="block", p_bwd_granularity="block",
-                             do_granularity="block", p_unsigned=False, **SMALL),
+                             do_granularity="block", p_unsigned=False, dv_int8=True, **SMALL),
 }
 
 

@@ -35,9 +35,10 @@ and the gradients are asserted non-finite instead:
   masked key) or ±Inf, never finite. dK quantizes Y = diag(s_Q) dS per key over a 64-query tile (int8/bwd.cuh,
   bwd_group_scale, a NaN-propagating max): a key whose one non-finite Y is ±Inf gets the scale +Inf / 127 = +Inf
   and the inverse 0, so its codes are integers (the Inf's is the low byte of fma(±Inf, 0, 1.5 * 2^23) = NaN) and
-  that tile adds integer * Inf to dK: ±Inf, or NaN for a zero integer. dQ of the row and dV in the channel stay
-  NaN: the row's last key tile holds keys it does not see (P = 0: 0 * Inf = NaN, so that tile's X scale is NaN), and
-  dO's INT8 block of the channel has the NaN scale.
+  that tile adds integer * Inf to dK: ±Inf, or NaN for a zero integer. dQ of the row stays NaN: the row's last key
+  tile holds keys it does not see (P = 0: 0 * Inf = NaN, so that tile's X scale is NaN). dV in the channel: the
+  default multiplies P rounded to 16 bits by the raw dO (config dv_int8=False), so ±Inf where P > 0 and NaN where
+  P = 0; with an INT8 dV (dv_int8=True) dO's block of the channel has the NaN scale and dV is NaN there.
 
 One documented behaviour the INT8 forward does not have: with a non-finite value in V, rows that see no key get NaN,
 not 0, in that channel (test_int8_nonfinite_v_rows_that_see_no_key; a strict expected failure). Then dS: the INT8
@@ -148,9 +149,10 @@ def _check(family, where, value, out):
     bad = _nan
     if family == "qat" and where == "do" and value != "nan":
         bad = _nonfinite  # (the raw dO in QAT's fp16/bf16 products: ±Inf possible)
-    bad_dk = bad
+    bad_dk = bad_dv = bad
     if family == "int8" and where == "do" and value != "nan":
         bad_dk = _nonfinite  # (an Inf in the raw dO makes dS ±Inf, and a key's dK scale +Inf: module docstring)
+        bad_dv = _nonfinite  # (the default's dV = P^T dO in 16 bits: P * ±Inf = ±Inf: module docstring)
     o, lse = out["O"], out["LSE"]
     grads = "dQ" in out
     # Nothing reaches the other (batch, head) pairs.
@@ -213,7 +215,7 @@ def _check(family, where, value, out):
         dq_rest[H0, I0] = 0.0
         _finite(dq_rest, "dQ of every other row")
         bad_dk(out["dK"][B0, G0, :I0_KEYS], "dK of the keys the poisoned row sees")
-        bad(out["dV"][B0, G0, :I0_KEYS, C0], "dV of the keys the poisoned row sees, in the poisoned channel")
+        bad_dv(out["dV"][B0, G0, :I0_KEYS, C0], "dV of the keys the poisoned row sees, in the poisoned channel")
         _finite(np.delete(out["dV"], C0, axis=-1), "dV in the other channels")
 
 
