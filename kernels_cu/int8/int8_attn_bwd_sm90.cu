@@ -192,6 +192,16 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_dk[8 * h + j][e] += i2f_small(acc[4 * j + e]) * sy[e >> 1];
   };
+  // D = 128: waits for the last dK product (acc_b) and keeps it and its scales for the next iteration's fold.
+  auto keep_last_dk = [&](int (&acc_b)[32], unsigned (&ya)[2][4], const float (&s_y)[2]) {
+    wgmma_wait<0>();
+    fence_regs(acc_b);
+    hold_regs(ya);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
+    s_y_prev[0] = s_y[0];
+    s_y_prev[1] = s_y[1];
+  };
   int cur_t = first_qt;  // query tile of iteration it
   for (int it = 0; it < n_it; ++it) {
     const int q0 = cur_t * BWD_BQ;
@@ -257,13 +267,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
         fence_regs(acc_a);
         hold_regs(pa);
         add_dk(acc_a, 0, s_y);
-        wgmma_wait<0>();
-        fence_regs(acc_b);
-        hold_regs(ya);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
-        s_y_prev[0] = s_y[0];
-        s_y_prev[1] = s_y[1];
+        keep_last_dk(acc_b, ya, s_y);
       } else {
         wgmma_fence();
         issue_a64_n64<false>(acc_a, ya, sQt, 0);
@@ -326,13 +330,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
         wgmma_wait<1>();
         fence_regs(acc_a);
         add_dk(acc_a, 0, s_y);
-        wgmma_wait<0>();
-        fence_regs(acc_b);
-        hold_regs(ya);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(dk_prev[i]) : "r"(acc_b[i]));
-        s_y_prev[0] = s_y[0];
-        s_y_prev[1] = s_y[1];
+        keep_last_dk(acc_b, ya, s_y);
       } else {
         wgmma_wait<0>();
         fence_regs(acc_a);
