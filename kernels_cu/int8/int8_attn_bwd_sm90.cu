@@ -361,8 +361,8 @@ int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_im
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
                    int left, int right, int shift, int p_col, int ds_rowcol) {
-  int8_attn_bwd_sm90_impl<T, D, DV16>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad,
-                                nk_pad, p_max, left, right, shift, p_col, ds_rowcol);
+  int8_attn_bwd_sm90_impl<T, D, DV16>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk,
+                                      nq_pad, nk_pad, p_max, left, right, shift, p_col, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); dk, dv (total_k, Hkv, D) at
@@ -374,8 +374,8 @@ int8_attn_bwd_sm90_packed(const char* __restrict__ q_img, const char* __restrict
                           T* __restrict__ dv, long long vvh, long long vvn, int Hq, int Hkv, float p_max, int left,
                           int right, int p_col, int ds_rowcol, const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first key)
-  int8_attn_bwd_sm90_impl<T, D, DV16, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0,
-                                      p_max, left, right, 0, p_col, ds_rowcol, meta, S, nbq);
+  int8_attn_bwd_sm90_impl<T, D, DV16, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0,
+                                            0, p_max, left, right, 0, p_col, ds_rowcol, meta, S, nbq);
 }
 
 // dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem(D)[1]).
