@@ -259,3 +259,27 @@ def test_e8m0_decode_every_code():
         pytest.skip("this ml_dtypes has no float8_e8m0fnu")
     want = ALL8.view(np.dtype(e8m0)).astype(np.float64)
     assert np.array_equal(F.e8m0_decode(ALL8), want, equal_nan=True)
+
+
+def test_sagebwd_round16_matches_ml_dtypes_through_float32():
+    """reference.sagebwd._round16 (P's rounding for the 16-bit dV): float64 -> float32 -> fp16 / bf16, each round to
+    nearest even, as the kernels' conversions of their fp32 P. ml_dtypes rounds float32 to bf16 the same way, so on
+    float32 values (every midpoint of bf16 neighbours included) the two agree bit for bit; NaN stays NaN."""
+    from sagecupy.reference.sagebwd import _round16
+
+    rng = np.random.default_rng(5)
+    base = rng.random(4096).astype(np.float32)  # P's range [0, 1)
+    lo = np.array(base.astype(md.bfloat16), dtype=np.float32)
+    hi = np.nextafter(lo, np.float32(2)).astype(md.bfloat16).astype(np.float32)
+    mid = ((lo.astype(np.float64) + hi.astype(np.float64)) / 2).astype(np.float32)  # exact in float32: ties
+    x32 = np.concatenate([base, mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(2)),
+                          np.float32([0.0, 1.0, 1e-30, 3e38])])
+    got = _round16(x32.astype(np.float64), "bfloat16")
+    want = x32.astype(md.bfloat16).astype(np.float64)
+    np.testing.assert_array_equal(got, want)
+    with np.errstate(over="ignore"):  # (3e38 overflows fp16 to inf, as in _round16)
+        want16 = x32.astype(np.float16).astype(np.float64)
+    np.testing.assert_array_equal(_round16(x32.astype(np.float64), "float16"), want16)
+    assert np.isnan(_round16(np.array([np.nan]), "bfloat16")).all()
+    x = rng.random(8)
+    assert _round16(x, None) is x
