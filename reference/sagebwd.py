@@ -190,13 +190,10 @@ def _round16(x: np.ndarray, dtype) -> np.ndarray:
     their fp32 values), as float64; ``dtype=None``: ``x`` unchanged."""
     if dtype is None:
         return x
-    x32 = np.asarray(x, dtype=np.float32)
-    if dtype == "float16":
-        with np.errstate(over="ignore"):
-            return x32.astype(np.float16).astype(np.float64)
-    u = np.ascontiguousarray(x32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32).astype(np.float64)
-    return np.where(np.isnan(x32), np.nan, r)
+    from sagecupy.analysis import round_to_dtype
+
+    # (fp32 values are exact in float64, so rounding them from float64 is rounding from fp32)
+    return round_to_dtype(np.asarray(x, dtype=np.float32), "fp16" if dtype == "float16" else "bf16")
 
 
 # Peak bytes per (query row, key) entry, both padded to the config's tiles: one head's working set (the backward's,
