@@ -110,6 +110,8 @@ Backward (tiles of ``bwd_block_q`` query rows × ``bwd_block_kv`` keys, aligned 
    ``dQ_i += sm_scale · (X̂ K̂_j) · s_X``.
    dK: ``Y = diag(s_Q) · dS``, ``Ŷ, s_Y = ψ(Y)`` per key column over the tile's
    rows (``"rowcol"``) or per tile (``"block"``); ``dK_j += (Ŷᵀ Q̂_i) · s_Y``.
+   With ``ds_int8=False``, X and Y are rounded (through fp32) to bf16 instead,
+   at unit scale: ``dQ_i += sm_scale · X₁₆ K̂_j``, ``dK_j += Y₁₆ᵀ Q̂_i``.
 3. ``q_smoothing``: ``dK_j += sm_scale · Σ_i colsum(dS_ij)ᵀ ⊗ μ_Qi`` (computed
    as ``sm_scale · dSᵀ M_Q`` with ``M_Q`` the per-row block means).
    ``ds_rowsum_correction``: ``dQ_i += sm_scale · rowsum(dS_i) · μ_K``.
@@ -316,10 +318,14 @@ def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, 
     dp = do @ v.T
     ds = p * (dp - delta[:, None])
     x = ds * ks[None, :]                                 # fold s_K into dS (dQ path)
-    x_codes, x_scale = _quant(cfg, x, 1 if cfg.ds_granularity == "rowcol" else bq, bkv)
-    dq = sm_scale * ((x_codes * x_scale) @ np.asarray(kc, np.float64))
     y = qs[:, None] * ds                                 # fold s_Q into dS (dK path)
-    y_codes, y_scale = _quant(cfg, y, bq, 1 if cfg.ds_granularity == "rowcol" else bkv)
+    if cfg.ds_int8:
+        x_codes, x_scale = _quant(cfg, x, 1 if cfg.ds_granularity == "rowcol" else bq, bkv)
+        y_codes, y_scale = _quant(cfg, y, bq, 1 if cfg.ds_granularity == "rowcol" else bkv)
+    else:  # (X, Y in bf16, or themselves without quantize: their "codes" are those values, at unit scale)
+        x_codes, y_codes = (_round16(a, "bfloat16") if cfg.quantize else a for a in (x, y))
+        x_scale, y_scale = np.ones_like(x_codes), np.ones_like(y_codes)
+    dq = sm_scale * ((x_codes * x_scale) @ np.asarray(kc, np.float64))
     dk = (y_codes * y_scale).T @ np.asarray(qc, np.float64)
     if cfg.q_smoothing:
         dk = dk + sm_scale * (ds.T @ mu_q_rows)
@@ -550,7 +556,8 @@ def backward(residuals, do, *, return_intermediates=False):
     * ``"P_bwd_codes"``, ``"X_codes"`` (``dS·diag(s_K)``), ``"Y_codes"``
       (``diag(s_Q)·dS``) ``(B, Hq, Nq, Nk)`` int16 and their ``*_scale``
       ``(B, Hq, Nq, Nk)`` (each tile's scale repeated over the entries it covers);
-      with ``dv_int8=False`` ``"P_bwd_codes"`` is the 16-bit P (float64) at scale 1.
+      with ``dv_int8=False`` ``"P_bwd_codes"`` is the 16-bit P (float64) at scale 1, with ``ds_int8=False``
+      ``"X_codes"`` and ``"Y_codes"`` are X and Y in bf16 (float64) at scale 1.
 
     With ``config.quantize=False`` the codes are float64 values and scales 1.
     Packed residuals (``layout="THD"``): ``do`` ``(total_q, Hq, D)``; ``dq``

@@ -48,7 +48,8 @@ def quant_names(T, D):
         f"quant_transpose_perm_packed<{T}, {D}, 2>", f"fwd_v_image_packed<{T}, {D}, 0>",
         f"fwd_v_image_packed<{T}, {D}, 2>", f"quant_transpose_perm_delta_packed<{T}, {D}, 1>",
         f"quant_transpose_perm_delta_packed<{T}, {D}, 2>", f"bwd_do_image_packed<{T}, {D}, 1>",
-        f"bwd_do_image_packed<{T}, {D}, 2>", f"transpose_i8_qk_packed<{D}, true>", f"bwd_qk_images_packed<{T}, {D}>",
+        f"bwd_do_image_packed<{T}, {D}, 2>", f"bwd_do16_image_packed<{T}, {D}>", f"transpose_i8_qk_packed<{D}, true>",
+        f"bwd_qk_images_packed<{T}, {D}, false>", f"bwd_qk_images_packed<{T}, {D}, true>",
     ) + ((f"quant_qkv_packed<{T}, {D}, {rpw}, 0>", f"quant_qkv_packed<{T}, {D}, {rpw}, 2>") if D == 128 else ())
 
 
@@ -63,9 +64,10 @@ def fwd_kernel(T, D, bkv, engine):
     return src, f"{base}_packed<{args}", arch
 
 
-def bwd_names(T, D, engine, dv_int8):
+def bwd_names(T, D, engine, dv_int8, ds_int8):
     """The packed backward's (dK/dV, dQ) instantiations (as int8._bwd_names)."""
-    return tuple(f"{n.split('<')[0]}_packed<{n.split('<', 1)[1]}" for n in _i8._bwd_names(T, D, engine, dv_int8))
+    return tuple(f"{n.split('<')[0]}_packed<{n.split('<', 1)[1]}"
+                 for n in _i8._bwd_names(T, D, engine, dv_int8, ds_int8))
 
 
 def kernel_names(T, D) -> dict:
@@ -76,8 +78,8 @@ def kernel_names(T, D) -> dict:
             src, name, _ = fwd_kernel(T, D, bkv, engine)
             out.setdefault(src, []).append(name)
         lst = out.setdefault(_i8._BWD_SOURCES[engine][0], [])
-        for dv_int8 in (True, False):
-            lst.extend(n for n in bwd_names(T, D, engine, dv_int8) if n not in lst)
+        for dv_int8, ds_int8 in _i8._BWD_MODES:
+            lst.extend(n for n in bwd_names(T, D, engine, dv_int8, ds_int8) if n not in lst)
     return out
 
 
@@ -89,8 +91,8 @@ def kernel_requests(T, D, engine) -> list:
         src, name, arch = fwd_kernel(T, D, bkv, engine)
         out.append((src, name, None, arch))
     src, arch = _i8._BWD_SOURCES[engine]
-    for dv_int8 in (True, False):
-        names = bwd_names(T, D, engine, dv_int8)
+    for dv_int8, ds_int8 in _i8._BWD_MODES:
+        names = bwd_names(T, D, engine, dv_int8, ds_int8)
         out += [(src, n, names, arch) for n in names]
     return out
 
@@ -519,14 +521,16 @@ def backward_plan(r, do, engine, copy):
     mode = 1 if cfg.do_granularity == "channel" else 2
     nb = max(nbq, nbk)
     if engine == "wgmma":
-        qst, kst = _i8.bwd_images(D)
+        qst, kst = _i8.bwd_images(D, cfg.ds_int8)
         q_img = prog.empty("q_img", (Hq * tq_pad // 64, qst), cupy.uint8)
         k_img = prog.empty("k_img", (Hkv * tk_pad // 64, kst), cupy.uint8)
         _, vsh, vsn = _layout.strides(r.v, _layout.PACKED)
-        prog.launch(_qfn(f"bwd_qk_images_packed<{T}, {D}>", T, D), (nb, Hq + Hkv, 1), (256,),
+        ds16 = "false" if cfg.ds_int8 else "true"
+        prog.launch(_qfn(f"bwd_qk_images_packed<{T}, {D}, {ds16}>", T, D), (nb, Hq + Hkv, 1), (256,),
                     (R("q_codes"), R("q_scale"), R("lse2"), q_img, R("k_codes"), R("k_scale"), R("v"), i64(vsh),
                      i64(vsn), k_img, i32(Hq), i32(Hkv)) + tail)
-        prog.launch(_qfn(f"bwd_do_image_packed<{T}, {D}, {mode}>", T, D), (nbq, Hq, 1), (2 * D,),
+        do_name = f"bwd_do_image_packed<{T}, {D}, {mode}>" if cfg.ds_int8 else f"bwd_do16_image_packed<{T}, {D}>"
+        prog.launch(_qfn(do_name, T, D), (nbq, Hq, 1), (2 * D,),
                     (rdo, i64(dsh), i64(dsn), q_img, ro, i64(osh), i64(osn), delta) + tail)
         return Plan(p, cfg, engine, copy, prog)
     do_t = prog.empty("do_t", (Hq * tq_pad // 64, D, 64), cupy.int8)
@@ -561,9 +565,9 @@ def backward_launch_program(r, pre, engine, kernels):
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     p_col = i32(int(cfg.p_bwd_granularity == "column"))
     win = tuple(i32(w) for w in _i8.kernel_window(p))
-    names = bwd_names(T, D, engine, cfg.dv_int8)
+    names = bwd_names(T, D, engine, cfg.dv_int8, cfg.ds_int8)
     src, arch = _i8._BWD_SOURCES[engine]
-    smem, smem_q = _i8._bwd90_smem(D) if engine == "wgmma" else (_i8._bwd_smem(D), 704 * D + 2 * 64 * 4)
+    smem, smem_q = _i8.bwd_smem(D, engine, cfg.ds_int8)
     R = Ref
     tail_k, tail_q = (R("packed"), i32(S), i32(nbq)), (R("packed"), i32(S))
     if "dkdv" in kernels:

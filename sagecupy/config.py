@@ -34,6 +34,14 @@ dv_int8            ``True``: ``dV = P^T dO`` as an integer matmul of P^ and
                    dO^ (the two granularities above); ``False``: in the
                    inputs' 16-bit type (P rounded to it, dO as given, fp32
                    accumulation), as ``dP = dO V^T`` always is.
+ds_int8            ``True``: ``dQ = X^ K^``, ``dK = Y^^T Q^`` as integer
+                   matmuls of the quantized ``X = dS diag(s_K)``, ``Y =
+                   diag(s_Q) dS`` (``ds_granularity``); ``False``: X and Y
+                   rounded to bf16 (fp32's range, 8 significant bits per
+                   element) against the exact INT8 codes of Q and K (integers
+                   of at most 127 in magnitude are exact in bf16), with fp32
+                   accumulation; ``ds_granularity`` then has no effect. The
+                   kernels implement ``ds_int8=False`` with ``dv_int8=False``.
 =================  ==========================================================
 """
 from __future__ import annotations
@@ -71,6 +79,7 @@ class SageBwdConfig:
     do_granularity: Literal["channel", "block"] = "channel"
     ds_granularity: Literal["rowcol", "block"] = "rowcol"
     dv_int8: bool = False
+    ds_int8: bool = False
     k_smoothing: bool = True
     q_smoothing: bool = False
     ds_rowsum_correction: bool = False
@@ -85,7 +94,8 @@ class SageBwdConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 16 or value % 16:
                 raise ValueError(f"SageBwdConfig.{field}={value!r} must be a positive multiple of 16")
-        for field in ("p_unsigned", "dv_int8", "k_smoothing", "q_smoothing", "ds_rowsum_correction", "quantize"):
+        for field in ("p_unsigned", "dv_int8", "ds_int8", "k_smoothing", "q_smoothing", "ds_rowsum_correction",
+                      "quantize"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"SageBwdConfig.{field} must be a bool, got {getattr(self, field)!r}")
 
@@ -99,10 +109,11 @@ class SageBwdConfig:
 
 
 #: The published SageBwd: per-block Q, K, V, P (backward), dO, dS; P forward per token on [0, 127]; 64-key
-#: forward tiles (the K and V blocks); dV = P^T dO in INT8 (six of the seven products in INT8).
+#: forward tiles (the K and V blocks); dV, dQ and dK from INT8 codes (six of the seven products in INT8).
 PAPER = SageBwdConfig(
     name="paper",
     dv_int8=True,
+    ds_int8=True,
     block_kv=64,
     q_granularity="block",
     k_granularity="block",

@@ -61,6 +61,9 @@ def _unsupported_config(cfg: SageBwdConfig) -> str | None:
         return "ds_rowsum_correction=True is not implemented in the GPU kernels yet (reference only)"
     if not cfg.quantize:
         return "quantize=False is a reference-only switch"
+    if cfg.dv_int8 and not cfg.ds_int8:
+        return ("ds_int8=False needs dv_int8=False in the kernels (the bf16 codes of Q take the stage bytes of the "
+                "INT8 dV's operands); use dv_int8=False, or ds_int8=True as well")
     return None
 
 
@@ -103,7 +106,8 @@ def _quant_names(T, D):
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 2>",
         f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
-        f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_qk_images<{T}, {D}>",
+        f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_do16_image<{T}, {D}>",
+        f"bwd_qk_images<{T}, {D}, false>", f"bwd_qk_images<{T}, {D}, true>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
         f"transpose_i8_qk<{D}, true>",
     ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>") if D == 128 else ())
@@ -112,6 +116,8 @@ def _quant_names(T, D):
 _QUANT_SRC = "int8/int8_quant.cu"
 #: The backward's source and compile target per engine.
 _BWD_SOURCES = {"mma": ("int8/int8_attn_bwd.cu", None), "wgmma": ("int8/int8_attn_bwd_sm90.cu", "sm_90a")}
+#: The (dv_int8, ds_int8) pairs the backward kernels implement (SageBwdConfig; _unsupported_config).
+_BWD_MODES = ((True, True), (False, True), (False, False))
 
 
 def kernel_window(p) -> tuple:
@@ -155,8 +161,8 @@ def kernel_names() -> dict:
                 for bkv in _BLOCK_KV:
                     src, name, _ = _fwd_kernel(T, D, bkv, engine)
                     out[src].append(name)
-                for dv_int8 in (True, False):
-                    out[_BWD_SOURCES[engine][0]] += [n for n in _bwd_names(T, D, engine, dv_int8)
+                for dv_int8, ds_int8 in _BWD_MODES:
+                    out[_BWD_SOURCES[engine][0]] += [n for n in _bwd_names(T, D, engine, dv_int8, ds_int8)
                                                      if n not in out[_BWD_SOURCES[engine][0]]]
             for f, names in _varlen.kernel_names(T, D).items():
                 out.setdefault(f, []).extend(n for n in names if n not in out[f])
@@ -180,8 +186,8 @@ def kernel_requests(dtype: str, D: int, engine: str) -> list:
         src, name, arch = _fwd_kernel(T, D, bkv, engine)
         out.append((src, name, None, arch))
     src, arch = _BWD_SOURCES[engine]
-    for dv_int8 in (True, False):
-        names = _bwd_names(T, D, engine, dv_int8)
+    for dv_int8, ds_int8 in _BWD_MODES:
+        names = _bwd_names(T, D, engine, dv_int8, ds_int8)
         out += [(src, n, names, arch) for n in names]
     return out + _varlen.kernel_requests(T, D, engine)
 
@@ -210,19 +216,29 @@ def backward_engine(engine: str | None = None) -> str:
     return _layout.pick_engine(engine)
 
 
-def _bwd_names(T, D, engine, dv_int8):
-    """(dK/dV kernel, dQ kernel) instantiations; the dK/dV kernel's DV16 argument is ``not dv_int8`` (config)."""
+def _bwd_names(T, D, engine, dv_int8, ds_int8):
+    """(dK/dV kernel, dQ kernel) instantiations; their DV16 and DS16 arguments are ``not dv_int8`` and ``not
+    ds_int8`` (config). The dK/dV kernel compiles with the dQ kernel of the same DS16 in one module."""
     sfx = "_sm90" if engine == "wgmma" else ""
-    dv16 = "false" if dv_int8 else "true"
-    return (f"int8_attn_bwd{sfx}<{T}, {D}, {dv16}>", f"int8_attn_bwd_dq{sfx}<{T}, {D}>")
+    dv16, ds16 = ("false" if x else "true" for x in (dv_int8, ds_int8))
+    return (f"int8_attn_bwd{sfx}<{T}, {D}, {dv16}, {ds16}>", f"int8_attn_bwd_dq{sfx}<{T}, {D}, {ds16}>")
 
 
-def _bwd90_smem(D):
+def _bwd90_smem(D, ds_int8=True):
     """Dynamic shared memory of the wgmma backward kernels (BwdSm90 / BwdDqSm90 in int8/int8_attn_bwd_sm90.cu):
     (dK/dV, dQ) bytes, each with 1024 bytes of slack for the 1024-byte alignment wgmma tiles need."""
-    stage = -(-(320 * D + (192 + D) * 4) // 1024) * 1024
-    stage_dq = -(-(256 * D + 256) // 1024) * 1024
+    stage = -(-bwd_images(D)[0] // 1024) * 1024
+    stage_dq = -(-bwd_images(D, ds_int8)[1] // 1024) * 1024
     return 1024 + 192 * D + 2 * stage, 1024 + 192 * D + 2 * stage_dq
+
+
+def bwd_smem(D, engine, ds_int8):
+    """(dK/dV, dQ) dynamic shared memory of the backward kernels on ``engine`` (a resolved one)."""
+    if engine == "wgmma":
+        return _bwd90_smem(D, ds_int8)
+    # dQ: Q^, dO, two stages of K^, K^^T, V, key scales; ds_int8=False: the stages without K^^T, and the bf16 K^
+    # (the same bytes). dK/dV: ds_int8=False adds the bf16 Q^.
+    return _bwd_smem(D) + (0 if ds_int8 else 128 * D), 704 * D + 2 * 64 * 4
 
 
 def _fwd_smem(D, bkv, stages):
@@ -244,8 +260,10 @@ def kernel_constants() -> dict:
     out = []
     for D in _checks.SUPPORTED_HEAD_DIMS:
         kv, dq = _bwd90_smem(D)
-        out += [(f"BwdSm90<{D}>::SMEM", kv), (f"BwdDqSm90<{D}>::SMEM", dq)]
-        out += [(f"BwdImg<{D}>::Q_STAGE", bwd_images(D)[0]), (f"BwdImg<{D}>::K_STAGE", bwd_images(D)[1])]
+        out += [(f"BwdSm90<{D}>::SMEM", kv), (f"BwdDqSm90<{D}>::SMEM", dq),
+                (f"BwdDqSm90<{D}, true>::SMEM", _bwd90_smem(D, False)[1])]
+        out += [(f"BwdImg<{D}>::Q_STAGE", bwd_images(D)[0]), (f"BwdImg<{D}>::K_STAGE", bwd_images(D)[1]),
+                (f"BwdImg<{D}, true>::K_STAGE", bwd_images(D, False)[1])]
     fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
            for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
     fwd += [(f"FwdImg<{D}>::STAGE", fwd_image(D)) for D in _checks.SUPPORTED_HEAD_DIMS]
@@ -664,10 +682,11 @@ def fwd_image(D):
     return 128 * D + 256
 
 
-def bwd_images(D):
-    """Bytes of one query-side and one key-side stage image of the wgmma backward (BwdImg<D> in
-    kernels_cu/int8/bwd_img.cuh): (Q_STAGE, K_STAGE)."""
-    return 320 * D + (192 + D) * 4, 256 * D + 256
+def bwd_images(D, ds_int8=True):
+    """Bytes of one query-side and one key-side stage image of the wgmma backward (BwdImg<D, not ds_int8> in
+    kernels_cu/int8/bwd_img.cuh): (Q_STAGE, K_STAGE). With ds_int8=False the key side holds K's codes as bf16
+    (128 D bytes) in place of their transpose (64 D)."""
+    return 320 * D + (192 + D) * 4, (256 if ds_int8 else 320) * D + 256
 
 
 _BWD_PLANS = Plans()
@@ -776,14 +795,17 @@ def _backward_plan(r, do, engine):
     delta = prog.empty("delta", (B, Hq, nq_pad), f32)
     mode = 1 if cfg.do_granularity == "channel" else 2
     if engine == "wgmma":
-        qst, kst = bwd_images(D)
+        qst, kst = bwd_images(D, cfg.ds_int8)
         q_img = prog.empty("q_img", (B, Hq, nq_pad // 64, qst), cupy.uint8)
         k_img = prog.empty("k_img", (B, Hkv, nk_pad // 64, kst), cupy.uint8)
         vsb, vsh, vsn = _layout.strides(r.v, p.layout)
-        prog.launch(_qfn(f"bwd_qk_images<{T}, {D}>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
+        ds16 = "false" if cfg.ds_int8 else "true"
+        prog.launch(_qfn(f"bwd_qk_images<{T}, {D}, {ds16}>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
                     (Ref("q_codes"), Ref("q_scale"), Ref("lse2"), i32(nq_pad), q_img, Ref("k_codes"), Ref("k_scale"),
                      i32(nk_pad), Ref("v"), i64(vsb), i64(vsh), i64(vsn), i32(p.nk), k_img, i32(Hq), i32(Hkv)))
-        prog.launch(_qfn(f"bwd_do_image<{T}, {D}, {mode}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
+        # (ds_int8=False: dV and dK read no dO codes, so the pass writes dO and delta only)
+        do_name = f"bwd_do_image<{T}, {D}, {mode}>" if cfg.ds_int8 else f"bwd_do16_image<{T}, {D}>"
+        prog.launch(_qfn(do_name, T, D), (nq_pad // 64, Hq, B), (2 * D,),
                     (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), q_img, ro, i64(osb), i64(osh), i64(osn),
                      delta))
         return Plan(p, cfg, engine, copy, prog)
@@ -846,12 +868,9 @@ def _backward_launch_program(r, pre, engine, kernels):
     qsb, qsh, qsn = _layout.c_strides(q_shape, layout)
     ds_rowcol = i32(int(cfg.ds_granularity == "rowcol"))
     win = tuple(i32(w) for w in kernel_mask(p, r.mask))
-    names = _bwd_names(T, D, engine, cfg.dv_int8)
+    names = _bwd_names(T, D, engine, cfg.dv_int8, cfg.ds_int8)
     src, arch = _BWD_SOURCES[engine]
-    if engine == "wgmma":
-        smem, smem_q = _bwd90_smem(D)
-    else:
-        smem, smem_q = _bwd_smem(D), 704 * D + 2 * 64 * 4  # dQ: Q^, dO, two stages of K^, K^^T, V, key scales
+    smem, smem_q = bwd_smem(D, engine, cfg.ds_int8)
     fn = get_function(src, names[0], all_names=names, arch=arch)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem

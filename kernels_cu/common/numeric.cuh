@@ -58,6 +58,20 @@ __device__ __forceinline__ float i2f_small(int x) {
 #endif
 }
 
+// Eight int8 codes (the bytes of lo, then of hi, lowest first) as eight bf16 values in the same order: exact, since
+// an integer of magnitude <= 128 has at most 8 significant bits.
+__device__ __forceinline__ uint4 s8x8_to_bf16(unsigned lo, unsigned hi) {
+  const unsigned w[2] = {lo, hi};
+  unsigned out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned x = w[i / 2] >> (16 * (i % 2));
+    out[i] = pack2<__nv_bfloat16>(i2f_small(static_cast<signed char>(x & 0xffu)),
+                                  i2f_small(static_cast<signed char>((x >> 8) & 0xffu)));
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // The bits of fma(a, b, 1.5 * 2^23): the FMA rounds a * b half-to-even at the integer position, and for
 // |round-half-even(a * b)| < 2^22 the word's low byte is that integer's 8-bit two's-complement code (the
 // constant's low byte is 0), so one FFMA quantizes and pack4_low_bytes gathers the codes without masking.

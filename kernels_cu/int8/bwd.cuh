@@ -7,6 +7,7 @@
 #include "common/mma.cuh"
 #include "common/numeric.cuh"
 #include "common/rows.cuh"
+#include "common/tile.cuh"
 
 namespace sage {
 
@@ -48,6 +49,21 @@ __device__ __forceinline__ void pack_acc_as_a16(unsigned (&a)[4][4], const float
       a[kk][2 * h] = pack2<T>(x[2 * kk + h][0], x[2 * kk + h][1]);
       a[kk][2 * h + 1] = pack2<T>(x[2 * kk + h][2], x[2 * kk + h][3]);
     }
+}
+
+// A 64 x D tile of int8 codes (swizzled D-byte rows, load_tile_async's layout) as bf16 (exact) in a 64 x D tile of
+// swizzled 2 D-byte rows (load_rows_async's, which mma_acc_a64 reads): the mma.sync kernels' dK and dQ operands when
+// ds_int8=False. Every thread of the CTA takes part; the caller synchronizes before and after.
+template <int D>
+__device__ __forceinline__ void codes_as_bf16_tile(char* dst, const char* src, int tid) {
+  constexpr int CPR = D / 16;  // 16-byte chunks of codes per row
+#pragma unroll 2
+  for (int i = tid; i < 64 * CPR; i += BWD_THREADS) {
+    const int r = i / CPR, c = i % CPR;
+    const uint4 w = *reinterpret_cast<const uint4*>(src + swz<D>(r, c));
+    *reinterpret_cast<uint4*>(dst + swz<2 * D>(r, 2 * c)) = s8x8_to_bf16(w.x, w.y);
+    *reinterpret_cast<uint4*>(dst + swz<2 * D>(r, 2 * c + 1)) = s8x8_to_bf16(w.z, w.w);
+  }
 }
 
 // Scale of one quantization group: its max over the thread's row (per row: quad max, DS/P per token) or over

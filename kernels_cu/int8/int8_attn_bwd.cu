@@ -11,13 +11,16 @@
 //                                   (config dv_int8=False), dV += P^T dO in fp16/bf16 (P rounded to it)
 //   dP^T = V dO^T                   fp16/bf16 mma, fp32 accumulation (never quantized)
 //   dS^T = P^T o (dP^T - delta)     fp32
-//   dK  += Y^^T Q^ ,  Y = diag(s_Q) dS quantized per key (DS_ROWCOL) or per tile     INT8
+//   dK  += Y^^T Q^ ,  Y = diag(s_Q) dS quantized per key (DS_ROWCOL) or per tile     INT8; or, with DS16 (config
+//                                   ds_int8=False), dK += Y^T Q^ in bf16 (Y rounded to it, Q^'s codes converted,
+//                                   exactly, into a bf16 tile in shared memory each iteration)
 //
 // int8_attn_bwd_dq (dQ): one CTA = 64 query rows, 4 warps x 16 rows, looping over the KV tiles its rows
 // see in key order (dQ summed in registers). It recomputes S, P, dP, dS of its rows:
 //   S = Q^ K^^T, P = exp2(S - lse2), dP = dO V^T, dS = P o (dP - delta)   (the same operations as above)
 //   dQ += X^ K^ * s_X * sm_scale,  X = dS diag(s_K) quantized per query over the tile's 64 keys
-//         (DS_ROWCOL) or per 64 x 64 tile    INT8; X^ re-packs from accumulators, K^^T is mma-permuted.
+//         (DS_ROWCOL) or per 64 x 64 tile    INT8; X^ re-packs from accumulators, K^^T is mma-permuted. With DS16,
+//         dQ += X K^ * sm_scale in bf16 (X rounded to it, K^'s codes converted to a bf16 tile per key tile).
 // The recomputation costs two of the five products again (S in INT8, dP in fp16/bf16); in exchange the
 // dK/dV kernel carries no dQ state (registers, shared memory, barriers, atomics).
 // Kernel units: qs carries sm_scale * log2(e), so dK is multiplied by ln 2 at the end. The dQ kernel
@@ -29,7 +32,7 @@
 
 using namespace sage;
 
-template <typename T, int D, bool DV16, bool PACKED = false>
+template <typename T, int D, bool DV16, bool DS16, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_bwd_impl(
               const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -55,7 +58,8 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
   // and the query tile's per-channel dO scales.
   char* sBuf = sdO + BWD_BQ * D * 2;
   constexpr int BUF = 2 * D * BWD_BQ + (3 * BWD_BQ + D) * 4;
-  float* sRed = reinterpret_cast<float*>(sBuf + 2 * BUF);  // 4 floats of scratch
+  char* sQ16 = sBuf + 2 * BUF;  // DS16: Q^ as bf16, 64 queries x D (swizzled 2 D-byte rows)
+  float* sRed = reinterpret_cast<float*>(sQ16 + (DS16 ? 2 * BWD_BQ * D : 0));  // 4 floats of scratch
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   int kb = blockIdx.x, b = blockIdx.z;
@@ -160,6 +164,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
       const float* sDel = sL + BWD_BQ;
       const float* sDos = sDel + BWD_BQ;
       if (it + 1 < n_it) load_t(it + 1);  // the other buffer: its readers finished in the last iteration
+      if constexpr (DS16) codes_as_bf16_tile<D>(sQ16, sQ, tid);  // read by dK after the barrier below
       const bool need_mask = PACKED ? q0 < mask_lo || q0 > mask_hi
                                     : win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) ||
                                           (q0 + BWD_BQ > nq);
@@ -229,7 +234,14 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
         for (int j = 0; j < 2; ++j) bwd_ds_ntile(p[2 * np + j], acc[j], sDel, 2 * np + j, t4);
       }
       // dK path: Y = diag(s_Q) dS, quantized per key (row here) or per tile.
-      {
+      if constexpr (DS16) {  // dK += Y^T Q^ in bf16
+        float ymax[2];
+        bwd_y_tile(p, ymax, sQs, t4);
+        unsigned ya[4][4];
+        pack_acc_as_a16<__nv_bfloat16>(ya, p);
+        __syncthreads();  // sQ16 written by every warp
+        mma_acc_a64<__nv_bfloat16, D>(acc_dk, ya, sQ16, lane);
+      } else {
         // Y in place of dS (dS has no other use in this kernel).
         float ymax[2], s_y[2], inv[2];
         bwd_y_tile(p, ymax, sQs, t4);
@@ -258,7 +270,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
 }
 
 // dK/dV: grid (nk_pad / 64, Hkv, B), block 128; dynamic shared memory: int8.py _bwd_smem.
-template <typename T, int D, bool DV16>
+template <typename T, int D, bool DV16, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -270,14 +282,14 @@ int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, 
               T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
               int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
               int left, int right, int shift, int p_col, int ds_rowcol) {
-  int8_attn_bwd_impl<T, D, DV16>(qc, qs, qt, kc, ks, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, dot, dos, lse2, delta,
-                                 dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad, nk_pad, p_max, left,
-                                 right, shift, p_col, ds_rowcol);
+  int8_attn_bwd_impl<T, D, DV16, DS16>(qc, qs, qt, kc, ks, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, dot, dos, lse2, delta,
+                                       dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk, nq_pad, nk_pad, p_max,
+                                       left, right, shift, p_col, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); v, dout, dk, dv (total, H, D)
 // at the given strides; the residuals and the pre-pass buffers in the packed padded layout.
-template <typename T, int D, bool DV16>
+template <typename T, int D, bool DV16, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd_packed(const signed char* __restrict__ qc, const float* __restrict__ qs,
                      const signed char* __restrict__ qt, const signed char* __restrict__ kc,
@@ -288,14 +300,16 @@ int8_attn_bwd_packed(const signed char* __restrict__ qc, const float* __restrict
                      long long vvn, int Hq, int Hkv, float p_max, int left, int right, int p_col, int ds_rowcol,
                      const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
-  int8_attn_bwd_impl<T, D, DV16, true>(qc, qs, qt, kc, ks, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, dot, dos, lse2,
-                                       delta, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max, left,
-                                       right, 0, p_col, ds_rowcol, meta, S, nbq);
+  int8_attn_bwd_impl<T, D, DV16, DS16, true>(qc, qs, qt, kc, ks, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, dot, dos, lse2,
+                                             delta, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0, 0, p_max,
+                                             left, right, 0, p_col, ds_rowcol, meta, S, nbq);
 }
 
 // dQ: see the top of the file. grid (nq_pad / 64, Hq, B), block 128; dynamic shared memory 704 * D + 512
-// bytes (Q^ and dO of the CTA's rows, then two stages of K^, K^^T, V and the key scales).
-template <typename T, int D, bool PACKED = false>
+// bytes: Q^ and dO of the CTA's rows, then two stages of K^, K^^T, V and the key scales; with DS16 the stages
+// hold no K^^T, and the key tile's K^ as bf16 follows them (the same total: it stays within the 99 KB a block may
+// have on sm_86 / sm_89 at D = 128).
+template <typename T, int D, bool DS16, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
                  const signed char* __restrict__ kc, const float* __restrict__ ks, const signed char* __restrict__ ktp,
                  const T* __restrict__ v, long long vsb, long long vsh, long long vsn,
@@ -308,11 +322,13 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
   Window win{left, right};
   static_assert(D <= 128, "i2f_small is exact for |int32| < 2^22 (127 * 127 * D must stay below)");
   extern __shared__ __align__(128) char smem[];
-  constexpr int STAGE = BWD_BKV * D + D * BWD_BKV + BWD_BKV * D * 2 + BWD_BKV * 4;
+  constexpr int KT_BYTES = DS16 ? 0 : D * BWD_BKV;  // K^^T (not read with DS16)
+  constexpr int STAGE = BWD_BKV * D + KT_BYTES + BWD_BKV * D * 2 + BWD_BKV * 4;
   char* sQ = smem;                          // 64 queries x D     int8
   char* sdO = sQ + BWD_BQ * D;              // 64 queries x D     T
-  // 2 x (K^ 64 keys x D int8, K^^T D x 64 keys int8 mma-permuted, V 64 keys x D T, 64 key scales)
+  // 2 x (K^ 64 keys x D int8, K^^T D x 64 keys int8 mma-permuted (not with DS16), V 64 keys x D T, 64 key scales)
   char* sStage = sdO + BWD_BQ * D * 2;
+  char* sK16 = sStage + 2 * STAGE;  // DS16: the key tile's K^ as bf16, 64 keys x D (swizzled 2 D-byte rows)
   __shared__ float sRed[4];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -334,12 +350,14 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
     char* st = sStage + ((tile - tl.first) & 1) * STAGE;
     const int k0 = tile * BWD_BKV;
     load_tile_async<BWD_BKV, D, BWD_THREADS>(st, reinterpret_cast<const char*>(kc + (bhk * nk_pad + k0) * D), D, tid);
-    load_tile_async<D, BWD_BKV, BWD_THREADS>(st + BWD_BKV * D,  // K^^T: tile-major
-                                             reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + k0 * D), BWD_BKV, tid);
-    load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(st + 2 * BWD_BKV * D,
+    if constexpr (!DS16)
+      load_tile_async<D, BWD_BKV, BWD_THREADS>(st + BWD_BKV * D,  // K^^T: tile-major
+                                               reinterpret_cast<const char*>(ktp + bhk * D * nk_pad + k0 * D), BWD_BKV,
+                                               tid);
+    load_rows_async<BWD_BKV, 2 * D, BWD_THREADS>(st + BWD_BKV * D + KT_BYTES,
                                                 reinterpret_cast<const char*>(v + bk * vsb + hk * vsh + k0 * vsn),
                                                 vsn * 2, nk - k0, tid);
-    load_vec_async<BWD_THREADS>(st + 4 * BWD_BKV * D, ks + bhk * nk_pad + k0, BWD_BKV / 4, tid);
+    load_vec_async<BWD_THREADS>(st + 3 * BWD_BKV * D + KT_BYTES, ks + bhk * nk_pad + k0, BWD_BKV / 4, tid);
   };
   load_tile_async<BWD_BQ, D, BWD_THREADS>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   load_rows_async<BWD_BQ, 2 * D, BWD_THREADS>(sdO, reinterpret_cast<const char*>(dout + bq * dsb + h * dsh + q0 * dsn),
@@ -370,9 +388,10 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
     cp_async_commit();
     const char* cK = sStage + ((tile - tl.first) & 1) * STAGE;
     const char* cKt = cK + BWD_BKV * D;
-    const char* cV = cKt + D * BWD_BKV;
+    const char* cV = cKt + KT_BYTES;
     const float* cKs = reinterpret_cast<const float*>(cV + BWD_BKV * D * 2);
     const int k0 = tile * BWD_BKV;
+    if constexpr (DS16) codes_as_bf16_tile<D>(sK16, cK, tid);  // read by dQ after the barrier below
 
     // S = Q^ K^^T (int32), 16 rows x 64 keys per warp.
     int acc_s[8][4];
@@ -401,6 +420,13 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
     // X = dS diag(s_K), quantized per query row over the tile's keys, or per 64 x 64 tile.
     float xmax[2], s_x[2], inv[2];
     bwd_dq_x_tile(p, xmax, skk);
+    if constexpr (DS16) {  // dQ += X K^ in bf16 (sm_scale at the end)
+      unsigned xb[4][4];
+      pack_acc_as_a16<__nv_bfloat16>(xb, p);
+      __syncthreads();  // sK16 written by every warp
+      mma_acc_a64<__nv_bfloat16, D>(acc_dq, xb, sK16, lane);
+      continue;
+    }
     bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
     unsigned xa[2][4];
     quantize_acc_as_a(xa, p, inv);
@@ -418,10 +444,10 @@ __device__ __forceinline__ void int8_attn_bwd_dq_impl(const signed char* __restr
   }
 
   // Epilogue: dQ in the caller's layout and dtype (rows that see no key get 0).
-  store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
+  store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, DS16 ? sm_scale : 1.f);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ qs,
                  const signed char* __restrict__ kc, const float* __restrict__ ks, const signed char* __restrict__ ktp,
@@ -431,12 +457,12 @@ int8_attn_bwd_dq(const signed char* __restrict__ qc, const float* __restrict__ q
                  T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                  int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left, int right,
                  int shift, int ds_rowcol) {
-  int8_attn_bwd_dq_impl<T, D>(qc, qs, kc, ks, ktp, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, lse2, delta, dq, qsb, qsh,
-                              qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad, sm_scale, left, right, shift, ds_rowcol);
+  int8_attn_bwd_dq_impl<T, D, DS16>(qc, qs, kc, ks, ktp, v, vsb, vsh, vsn, dout, dsb, dsh, dsn, lse2, delta, dq, qsb,
+                                    qsh, qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad, sm_scale, left, right, shift, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1).
-template <typename T, int D>
+template <typename T, int D, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd_dq_packed(const signed char* __restrict__ qc, const float* __restrict__ qs,
                         const signed char* __restrict__ kc, const float* __restrict__ ks,
@@ -446,6 +472,7 @@ int8_attn_bwd_dq_packed(const signed char* __restrict__ qc, const float* __restr
                         int Hkv, float sm_scale, int left, int right, int ds_rowcol, const int* __restrict__ meta,
                         int S) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
-  int8_attn_bwd_dq_impl<T, D, true>(qc, qs, kc, ks, ktp, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, lse2, delta, dq, qsn,
-                                    qsh, qsn, Hq, Hkv, 0, 0, 0, 0, sm_scale, left, right, 0, ds_rowcol, meta, S);
+  int8_attn_bwd_dq_impl<T, D, DS16, true>(qc, qs, kc, ks, ktp, v, vsn, vsh, vsn, dout, dsn, dsh, dsn, lse2, delta, dq,
+                                          qsn, qsh, qsn, Hq, Hkv, 0, 0, 0, 0, sm_scale, left, right, 0, ds_rowcol, meta,
+                                          S);
 }

@@ -9,9 +9,13 @@
 //                                                  (config dv_int8=False), dV += P^T dO in T: m64nDk16 f32.T.T,
 //                                                  P rounded to T in registers, dO the dP product's tile read
 //                                                  N-major, accumulated in acc_dv itself (no int32 fold)
-//     dK  += Y^^T Q^          m64n64k32 s8.s8      (Y^ registers, Q^^T shared), D / 64 products
+//     dK  += Y^^T Q^          m64n64k32 s8.s8      (Y^ registers, Q^^T shared), D / 64 products; or, with DS16
+//                                                  (config ds_int8=False, which needs DV16), dK += Y^T Q^ in bf16:
+//                                                  m64nDk16 f32.bf16.bf16, Y rounded to bf16 in registers, Q^'s
+//                                                  codes as bf16 (exact) read N-major, accumulated in acc_dk
 //   dQ kernel, per 64-key tile:
-//     S = Q^ K^^T, dP = dO V^T as above;  dQ += X^ K^   m64nDk32 s8.s8 (X^ registers, K^^T shared)
+//     S = Q^ K^^T, dP = dO V^T as above;  dQ += X^ K^   m64nDk32 s8.s8 (X^ registers, K^^T shared); or, with DS16,
+//                                                  dQ += X K^ in bf16 as dK (K^'s codes as bf16 in the stage)
 // The element-wise steps are int8/bwd.cuh's, shared with the mma.sync kernels: the int32 products
 // are exact either way, so the two engines differ only through the fp32 accumulation order of dP inside
 // the tensor cores. Every wait is unconditional and no accumulator is touched while its product is in
@@ -78,7 +82,7 @@ constexpr int BWD90_D64_MIN_CTAS = 3;
 // D = 64 dK/dV: S and dP are issued first after the barrier, the next stage's copy after them: 1.04x on the kernel,
 // 0.98-1.01x at D = 128, which keeps the copy first (docs/experiments.md; bitwise the same).
 
-template <typename T, int D, bool DV16, bool PACKED = false>
+template <typename T, int D, bool DV16, bool DS16, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__ q_img, const char* __restrict__ k_img,
                    const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
@@ -87,7 +91,8 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
                    int left, int right, int shift, int p_col, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0,
                    int nbq = 0) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
-  using Img = BwdImg<D>;
+  static_assert(DV16 || !DS16, "the bf16 Q^ takes the stage bytes of the INT8 dV's operands");
+  using Img = BwdImg<D, DS16>;
   const bool P_COL = p_col != 0, DS_ROWCOL = ds_rowcol != 0;
   Window win{left, right};
   constexpr bool LOAD_AFTER_S = D == 64;  // (see above)
@@ -231,7 +236,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     float acc_dp[32];
     issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K^ Q^^T, dP^T = V dO^T
     if constexpr (LOAD_AFTER_S) issue_next();  // the next stage's copy is issued while S and dP run
-    if constexpr (D == 128) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
+    if constexpr (D == 128 && !DS16) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
     wgmma_wait<1>();
     fence_regs(acc_s);
     if constexpr (DV16) {
@@ -252,6 +257,20 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
       for (int nt = 0; nt < 8; ++nt) bwd_ds_ntile(p[nt], acc_dp + 4 * nt, sDel, nt, t4);
       float ymax[2], s_y[2], inv_y[2];
       bwd_y_tile(p, ymax, sQs, t4);  // Y = diag(s_Q) dS in place of dS^T
+      if constexpr (DS16) {  // dK += Y^T Q^ in bf16 (k = the tile's queries in order: Q^'s bf16 rows, read N-major)
+        unsigned yb[4][4];
+        pack_acc_as_a16<__nv_bfloat16>(yb, p);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_rs<__nv_bfloat16, true>(reinterpret_cast<float(&)[D / 2]>(acc_dk), yb[kk],
+                                        desc_mn16<64>(st + Img::Q_Q16, kk), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        hold_regs(pa);
+        hold_regs(yb);
+        continue;
+      }
       bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
       unsigned ya[2][4];
       quantize_acc_as_a(ya, p, inv_y);
@@ -347,47 +366,48 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     }
   }
   if constexpr (DV16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dv));
-  if constexpr (D == 128) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
+  if constexpr (DS16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dk));
+  if constexpr (D == 128 && !DS16) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
   store_acc_rows<T, D>(dv + bk * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
   store_acc_rows<T, D>(dk + bk * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
 }
 
-template <typename T, int D, bool DV16>
+template <typename T, int D, bool DV16, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max,
                    int left, int right, int shift, int p_col, int ds_rowcol) {
-  int8_attn_bwd_sm90_impl<T, D, DV16>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk,
-                                      nq_pad, nk_pad, p_max, left, right, shift, p_col, ds_rowcol);
+  int8_attn_bwd_sm90_impl<T, D, DV16, DS16>(q_img, k_img, ks, dk, ksb, ksh, ksn, dv, vvb, vvh, vvn, Hq, Hkv, nq, nk,
+                                            nq_pad, nk_pad, p_max, left, right, shift, p_col, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded k rows / 64, Hkv, 1); dk, dv (total_k, Hkv, D) at
 // the given strides; the images and key scales in the packed padded layout.
-template <typename T, int D, bool DV16>
+template <typename T, int D, bool DV16, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_sm90_packed(const char* __restrict__ q_img, const char* __restrict__ k_img,
                           const float* __restrict__ ks, T* __restrict__ dk, long long ksh, long long ksn,
                           T* __restrict__ dv, long long vvh, long long vvn, int Hq, int Hkv, float p_max, int left,
                           int right, int p_col, int ds_rowcol, const int* __restrict__ meta, int S, int nbq) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first key)
-  int8_attn_bwd_sm90_impl<T, D, DV16, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0, 0,
-                                            0, p_max, left, right, 0, p_col, ds_rowcol, meta, S, nbq);
+  int8_attn_bwd_sm90_impl<T, D, DV16, DS16, true>(q_img, k_img, ks, dk, ksn, ksh, ksn, dv, vvn, vvh, vvn, Hq, Hkv, 0, 0,
+                                                  0, 0, p_max, left, right, 0, p_col, ds_rowcol, meta, S, nbq);
 }
 
-// dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D>::SMEM (host: _bwd90_smem(D)[1]).
-template <int D>
+// dQ: grid (nq_pad / 64, Hq, B), block 128, dynamic shared memory BwdDqSm90<D, DS16>::SMEM (host: _bwd90_smem).
+template <int D, bool DS16 = false>
 struct BwdDqSm90 {
-  // Q^ (64 x D int8), dO (64 x D 16-bit), then two stages of K^ (64 x D), K^^T (D x 64, mma-permuted),
-  // V (64 x D 16-bit) and the 64 key scales.
-  static constexpr int STAGE = (256 * D + 256 + 1023) / 1024 * 1024;
+  // Q^ (64 x D int8), dO (64 x D 16-bit), then two stages of K^ (64 x D), K^^T (D x 64, mma-permuted) or with DS16
+  // K^ in bf16 (64 x D), V (64 x D 16-bit) and the 64 key scales: a key-side image (int8/bwd_img.cuh).
+  static constexpr int STAGE = (BwdImg<D, DS16>::K_STAGE + 1023) / 1024 * 1024;
   static constexpr int SMEM = 1024 + 192 * D + 2 * STAGE;
 };
 
-template <typename T, int D, bool PACKED = false>
+template <typename T, int D, bool DS16, bool PACKED = false>
 __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restrict__ q_img,
                       const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
@@ -395,11 +415,11 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
                       int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left,
                       int right, int shift, int ds_rowcol, const int* __restrict__ meta = nullptr, int S = 0) {
   static_assert(D == 64 || D == 128, "wgmma tiles of 64 columns");
-  using Img = BwdImg<D>;
+  using Img = BwdImg<D, DS16>;
   const bool DS_ROWCOL = ds_rowcol != 0;
   Window win{left, right};
-  constexpr int STAGE = BwdDqSm90<D>::STAGE;
-  static_assert(Img::K_STAGE <= STAGE && Img::K_KS == 256 * D && Img::Q_DO == 64 * D, "images are the stages' layout");
+  constexpr int STAGE = BwdDqSm90<D, DS16>::STAGE;
+  static_assert(Img::K_STAGE <= STAGE && Img::Q_DO == 64 * D, "images are the stages' layout");
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;
@@ -460,7 +480,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   int acc_s[32];
   float acc_dp[32];
   mbar_wait(&full[0], 0);  // Q^, dO, the first tile resident
-  issue_s_dp<T, D>(acc_s, acc_dp, sQ, sStage, sdO, sStage + 128 * D);  // S = Q^ K^^T, dP = dO V^T
+  issue_s_dp<T, D>(acc_s, acc_dp, sQ, sStage, sdO, sStage + Img::K_V);  // S = Q^ K^^T, dP = dO V^T
   wgmma_wait<1>();
   fence_regs(acc_s);
   // Across the loop's back edge only dP is in flight (one commit group): with more, ptxas can no longer
@@ -468,8 +488,8 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   for (int j = 0; j < n_tiles; ++j) {
     const int tile = tl.first + j;
     const char* cK = sStage + (j & 1) * STAGE;
-    const char* cKt = cK + 64 * D;
-    const float* cKs = reinterpret_cast<const float*>(cK + 256 * D);
+    const char* cKt = cK + Img::K_KT;
+    const float* cKs = reinterpret_cast<const float*>(cK + Img::K_KS);
     const int k0 = tile * BWD_BKV;
     const bool need_mask = tl.need_mask(tile) || q0 + BWD_BQ > nq;
     float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
@@ -482,6 +502,31 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
       for (int e = 0; e < 4; ++e) p[nt][e] *= acc_dp[4 * nt + e] - del[e >> 1];  // dS = P o (dP - delta)
     float xmax[2], s_x[2], inv[2];
     bwd_dq_x_tile(p, xmax, skk);  // X = dS diag(s_K)
+    if constexpr (DS16) {  // dQ += X K^ in bf16 (k = the tile's keys in order: K^'s bf16 rows, read N-major)
+      unsigned xb[4][4];
+      pack_acc_as_a16<__nv_bfloat16>(xb, p);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_rs<__nv_bfloat16, true>(reinterpret_cast<float(&)[D / 2]>(acc_dq), xb[kk],
+                                      desc_mn16<64>(cK + Img::K_K16, kk), 1);
+      wgmma_commit();
+      // S and dP of tile j + 1 as below, while dQ(j) runs.
+      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) & 1], ((j + 1) >> 1) & 1);
+      {
+        const char* nK = sStage + ((j + 1) & 1) * STAGE;
+        issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + Img::K_V);
+      }
+      wgmma_wait<1>();  // dQ(j) and S(j + 1) done (dP(j + 1) may still run)
+      hold_regs(xb);
+      fence_regs(acc_s);
+      __syncthreads();  // every warp past dQ(j): its stage is free for tile j + 2
+      if (tid == 0 && j + 2 < n_tiles) {
+        mbar_arrive_expect_tx(&full[j & 1], Img::K_STAGE);
+        load_kv(j + 2);
+      }
+      continue;
+    }
     bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
     unsigned xa[2][4];
     quantize_acc_as_a(xa, p, inv);
@@ -506,7 +551,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
     if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) & 1], ((j + 1) >> 1) & 1);
     {
       const char* nK = sStage + ((j + 1) & 1) * STAGE;
-      issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + 128 * D);
+      issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + Img::K_V);
     }
     wgmma_wait<2>();  // dQ(j) done
     fence_regs(acc_t);
@@ -526,23 +571,25 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   wgmma_wait<0>();  // the last (dropped) S and dP
   fence_regs(acc_s);
   fence_regs(acc_dp);
+  if constexpr (DS16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dq));
 
-  store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, 1.f);
+  // (DS16: X carried no scale to fold per tile, so sm_scale multiplies the sum)
+  store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, DS16 ? sm_scale : 1.f);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
                       int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float sm_scale, int left,
                       int right, int shift, int ds_rowcol) {
-  int8_attn_bwd_dq_sm90_impl<T, D>(q_img, k_img, qs, lse2, delta, dq, qsb, qsh, qsn, Hq, Hkv, nq, nk, nq_pad, nk_pad,
-                                   sm_scale, left, right, shift, ds_rowcol);
+  int8_attn_bwd_dq_sm90_impl<T, D, DS16>(q_img, k_img, qs, lse2, delta, dq, qsb, qsh, qsn, Hq, Hkv, nq, nk, nq_pad,
+                                         nk_pad, sm_scale, left, right, shift, ds_rowcol);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1).
-template <typename T, int D>
+template <typename T, int D, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90_packed(const char* __restrict__ q_img, const char* __restrict__ k_img,
                              const float* __restrict__ qs, const float* __restrict__ lse2,
@@ -550,6 +597,6 @@ int8_attn_bwd_dq_sm90_packed(const char* __restrict__ q_img, const char* __restr
                              int Hkv, float sm_scale, int left, int right, int ds_rowcol,
                              const int* __restrict__ meta, int S) {
   // (the token strides as the batch strides: the impl's batch index is then the sequence's first row)
-  int8_attn_bwd_dq_sm90_impl<T, D, true>(q_img, k_img, qs, lse2, delta, dq, qsn, qsh, qsn, Hq, Hkv, 0, 0, 0, 0,
-                                         sm_scale, left, right, 0, ds_rowcol, meta, S);
+  int8_attn_bwd_dq_sm90_impl<T, D, DS16, true>(q_img, k_img, qs, lse2, delta, dq, qsn, qsh, qsn, Hq, Hkv, 0, 0, 0, 0,
+                                               sm_scale, left, right, 0, ds_rowcol, meta, S);
 }

@@ -490,6 +490,8 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // IMG = 1 (with DELTA; the wgmma backward): out is the query-side stage images (int8/bwd_img.cuh) and the block's
 // dO^^T, its scales, delta (also into `delta`) and dO itself (the caller's values, K128-swizzled) go into its image.
 // IMG = 2 (the wgmma forward's V): out is the K/V stage images (FwdImg) and the V^^T codes go into their VT part.
+// IMG = 3 (with DELTA; the wgmma backward with ds_int8=False, whose dV and dK read no dO codes): as 1 without the
+// codes: dO and delta only, and the dO scales set to zero.
 // The block's rows are first staged in shared memory with row-contiguous loads: per-thread loads of 4 tokens x 8
 // channels read 16 rows x 32 bytes per warp instruction (~2 TB/s; docs/experiments.md).
 template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
@@ -511,7 +513,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   const int hf = tg / 4, t = tg % 4;
   float v[4][8];
   using Img = BwdImg<D>;
-  constexpr int IMG_STAGE = IMG == 1 ? Img::Q_STAGE : FwdImg<D>::STAGE;
+  constexpr int IMG_STAGE = IMG == 1 || IMG == 3 ? Img::Q_STAGE : FwdImg<D>::STAGE;
   char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
                   : nullptr;
   // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
@@ -525,8 +527,8 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     const bool ok = tok < n;
     const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
                        : make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
-    if constexpr (IMG == 1) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
+    if constexpr (IMG != 3) *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
+    if constexpr (IMG == 1 || IMG == 3) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
     if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
       float f[8], g8[8];
       const uint4 uo = ok ? *reinterpret_cast<const uint4*>(o + b * osb + h * osh + tok * osn + 8 * c)
@@ -545,9 +547,13 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
       for (int m = 1; m < CPR; m <<= 1) d += __shfl_xor_sync(0xffffffffu, d, m);
       if (c == 0) {
         delta[bh * n_pad + blk * 64 + r] = d;  // 0 beyond n
-        if constexpr (IMG == 1) reinterpret_cast<float*>(img + Img::Q_DELTA)[r] = d;
+        if constexpr (IMG == 1 || IMG == 3) reinterpret_cast<float*>(img + Img::Q_DELTA)[r] = d;
       }
     }
+  }
+  if constexpr (IMG == 3) {  // no codes: the dO scales zero, so that every byte of the image is written
+    if (threadIdx.x < D / 4) reinterpret_cast<float4*>(img + Img::Q_DOS)[threadIdx.x] = make_float4(0.f, 0.f, 0.f, 0.f);
+    return;
   }
   __syncthreads();
 #pragma unroll
@@ -660,6 +666,17 @@ bwd_do_image(const T* __restrict__ x, long long sb, long long sh, long long sn, 
                                                     blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
+// bwd_do_image for the configs whose backward reads no dO codes (ds_int8=False): dO and delta only (IMG 3).
+template <typename T, int D>
+__global__ void __launch_bounds__(2 * D, 1)
+bwd_do16_image(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad,
+               char* __restrict__ q_img, const T* __restrict__ o, long long osb, long long osh, long long osn,
+               float* __restrict__ delta) {
+  quant_transpose_perm_body<T, D, 1, true, 3>(x, sb, sh, sn, n, n_pad, nullptr, nullptr,
+                                              reinterpret_cast<signed char*>(q_img), 1, o, osb, osh, osn, delta,
+                                              blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
+}
+
 template <int D>
 using CodeWords = unsigned[64][D / 4 + 1];  // a staged block: 32-bit words, one word of row padding
 
@@ -729,15 +746,16 @@ __device__ __forceinline__ void transpose_i8_body(const signed char* __restrict_
 // The wgmma backward's stage images from the forward's residuals (int8/bwd_img.cuh): heads y < Hq fill the
 // query side of q_img (Q^, Q^^T, q scales, lse2; bwd_do_image adds dO's parts), the others k_img (K^, K^^T, V
 // with zero rows beyond nk, key scales). Codes as in transpose_i8_body; the untransposed tile is stored swizzled
-// from the same loads. grid (max(nq_pad, nk_pad) / 64, Hq + Hkv, B), block 256; V's rows 16-byte aligned.
-template <typename T, int D>
+// from the same loads. DS16 (ds_int8=False): the codes as bf16 (Q_Q16, K_K16) in place of the transposed ones.
+// grid (max(nq_pad, nk_pad) / 64, Hq + Hkv, B), block 256; V's rows 16-byte aligned.
+template <typename T, int D, bool DS16>
 __device__ __forceinline__ void bwd_qk_images_body(const signed char* __restrict__ qc, const float* __restrict__ qs,
                                                    const float* __restrict__ lse2, int nq_pad, char* __restrict__ q_img,
                                                    const signed char* __restrict__ kc, const float* __restrict__ ks,
                                                    int nk_pad, const T* __restrict__ v, long long vsb, long long vsh,
                                                    long long vsn, int nk, char* __restrict__ k_img, int Hq, int Hkv,
                                                    int blk, int y, int b) {
-  using Img = BwdImg<D>;
+  using Img = BwdImg<D, DS16>;
   static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
   __shared__ CodeWords<D> tile;
   const bool qside = y < Hq;
@@ -764,6 +782,15 @@ __device__ __forceinline__ void bwd_qk_images_body(const signed char* __restrict
     }
   }
   __syncthreads();
+  if constexpr (DS16) {  // 8 codes (two staged words) per 16-byte chunk of bf16
+#pragma unroll
+    for (int i = 0; i < 8 * D / 256; ++i) {
+      const int idx = threadIdx.x + 256 * i, r = idx / (D / 8), c = idx % (D / 8);
+      *reinterpret_cast<uint4*>(img + (qside ? Img::Q_Q16 : Img::K_K16) + k128_offset(r, c)) =
+          s8x8_to_bf16(tile[r][2 * c], tile[r][2 * c + 1]);
+    }
+    return;
+  }
   const int tg = threadIdx.x % 16, hf = tg / 4, t = tg % 4;
   char* dst_t = img + (qside ? Img::Q_QT : Img::K_KT) + 4 * t;
   transposed_code_units<D, true>(tile, [&](int cq, const unsigned (&o)[4]) {
@@ -773,13 +800,13 @@ __device__ __forceinline__ void bwd_qk_images_body(const signed char* __restrict
   });
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DS16>
 __global__ void __launch_bounds__(256)
 bwd_qk_images(const signed char* __restrict__ qc, const float* __restrict__ qs, const float* __restrict__ lse2,
               int nq_pad, char* __restrict__ q_img, const signed char* __restrict__ kc, const float* __restrict__ ks,
               int nk_pad, const T* __restrict__ v, long long vsb, long long vsh, long long vsn, int nk,
               char* __restrict__ k_img, int Hq, int Hkv) {
-  bwd_qk_images_body<T, D>(qc, qs, lse2, nq_pad, q_img, kc, ks, nk_pad, v, vsb, vsh, vsn, nk, k_img, Hq, Hkv,
+  bwd_qk_images_body<T, D, DS16>(qc, qs, lse2, nq_pad, q_img, kc, ks, nk_pad, v, vsb, vsh, vsn, nk, k_img, Hq, Hkv,
                            blockIdx.x, blockIdx.y, blockIdx.z);
 }
 

@@ -371,6 +371,18 @@ bwd_do_image_packed(const T* __restrict__ x, long long sh, long long sn, char* _
                                  osn, delta, blockIdx.y);
 }
 
+// bwd_do16_image: dO and delta only (ds_int8=False). grid (nbq, Hq, 1), block 2 D.
+template <typename T, int D>
+__global__ void __launch_bounds__(2 * D, 1)
+bwd_do16_image_packed(const T* __restrict__ x, long long sh, long long sn, char* __restrict__ q_img,
+                      const T* __restrict__ o, long long osh, long long osn, float* __restrict__ delta,
+                      const int* __restrict__ meta, int S, int nbq, int nbk) {
+  const PackedRows r = packed_rows(meta, S, nbq, nbk, false, blockIdx.x, 64);
+  if (r.s < 0) return;
+  packed_do_block<T, D, 1, 3>(x, sh, sn, r, gridDim.y, nullptr, reinterpret_cast<signed char*>(q_img), o, osh, osn,
+                              delta, blockIdx.y);
+}
+
 // Q^T and K^T codes, tile-major (mma.sync engine): transpose_i8_qk. grid (max(nbq, nbk), Hq + Hkv, 1), block 256.
 template <int D, bool PERM>
 __global__ void transpose_i8_qk_packed(const signed char* __restrict__ qc, signed char* __restrict__ qt,
@@ -387,25 +399,26 @@ __global__ void transpose_i8_qk_packed(const signed char* __restrict__ qc, signe
 
 // The backward's stage images from the forward's residuals (wgmma engine): bwd_qk_images. grid (max(nbq, nbk),
 // Hq + Hkv, 1), block 256.
-template <typename T, int D>
+template <typename T, int D, bool DS16>
 __global__ void __launch_bounds__(256)
 bwd_qk_images_packed(const signed char* __restrict__ qc, const float* __restrict__ qs, const float* __restrict__ lse2,
                      char* __restrict__ q_img, const signed char* __restrict__ kc, const float* __restrict__ ks,
                      const T* __restrict__ v, long long vsh, long long vsn, char* __restrict__ k_img, int Hq, int Hkv,
                      const int* __restrict__ meta, int S, int nbq, int nbk) {
-  using Img = BwdImg<D>;
+  using Img = BwdImg<D, DS16>;
   const int y = blockIdx.y;
   const bool kside = y >= Hq;
   const PackedRows r = packed_rows(meta, S, nbq, nbk, kside, blockIdx.x, 64);
   if (r.s < 0) return;
   if (!kside) {
     const long long rows = static_cast<long long>(Hq) * r.side.pad0;
-    bwd_qk_images_body<T, D>(qc + rows * D, qs + rows, lse2 + rows, r.side.n_pad, q_img + rows / 64 * Img::Q_STAGE,
-                             nullptr, nullptr, 0, nullptr, 0, 0, 0, 0, nullptr, Hq, Hkv, r.bx, y, 0);
+    bwd_qk_images_body<T, D, DS16>(qc + rows * D, qs + rows, lse2 + rows, r.side.n_pad,
+                                   q_img + rows / 64 * Img::Q_STAGE, nullptr, nullptr, 0, nullptr, 0, 0, 0, 0,
+                                   nullptr, Hq, Hkv, r.bx, y, 0);
   } else {
     const long long rows = static_cast<long long>(Hkv) * r.side.pad0;
-    bwd_qk_images_body<T, D>(nullptr, nullptr, nullptr, 0, nullptr, kc + rows * D, ks + rows, r.side.n_pad,
-                             v + r.side.start * vsn, 0, vsh, vsn, r.side.n, k_img + rows / 64 * Img::K_STAGE, Hq, Hkv,
-                             r.bx, y, 0);
+    bwd_qk_images_body<T, D, DS16>(nullptr, nullptr, nullptr, 0, nullptr, kc + rows * D, ks + rows, r.side.n_pad,
+                                   v + r.side.start * vsn, 0, vsh, vsn, r.side.n, k_img + rows / 64 * Img::K_STAGE,
+                                   Hq, Hkv, r.bx, y, 0);
   }
 }

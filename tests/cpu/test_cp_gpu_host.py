@@ -265,7 +265,7 @@ def test_merge_is_the_reference_merge_in_fp32(numpy_cupy):
 
 
 def test_roundings_are_round_to_nearest_even(numpy_cupy):
-    import ml_dtypes
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # (a test extra, setup.cfg)
 
     from sagecupy import context_parallel as cp
 

@@ -237,6 +237,41 @@ def test_int8_validation_runs_on_replayed_calls(gpu):
         int8.backward(object(), FakeArray(q.shape, q.dtype))
 
 
+@pytest.mark.parametrize("engine", ["wgmma", "mma"])
+def test_int8_backward_kernels_follow_dv_int8_and_ds_int8(gpu, engine):
+    """Each (dv_int8, ds_int8) pair the kernels implement launches its own instantiations (the (DV16, DS16)
+    template arguments are the switches negated; the wgmma dO pre-pass of 16-bit dQ and dK writes no dO codes);
+    an INT8 dV with 16-bit dQ and dK is refused before any launch, naming ds_int8."""
+    from sagecupy import int8
+    from sagecupy.config import DEFAULT
+
+    q, k, v = _inputs(d=64)
+    do = FakeArray(q.shape, q.dtype)
+    sfx = "_sm90" if engine == "wgmma" else ""
+    for (dv8, ds8), (dv16, ds16, do_pass) in {
+        (True, True): ("false", "false", "bwd_do_image<__half, 64, 1>"),
+        (False, True): ("true", "false", "bwd_do_image<__half, 64, 1>"),
+        (False, False): ("true", "true", "bwd_do16_image<__half, 64>"),
+    }.items():
+        config = DEFAULT.replace(dv_int8=dv8, ds_int8=ds8)
+        assert int8._unsupported_config(config) is None and int8.is_supported(q, k, v, config=config) == (True, "")
+        _, res = int8.forward(q, k, v, config=config, engine=engine)
+        start = len(gpu)
+        int8.backward(res, do, engine=engine)
+        pre = ([f"bwd_qk_images<__half, 64, {ds16}>", do_pass] if engine == "wgmma"
+               else ["quant_transpose_perm_delta<__half, 64, 1>", "transpose_i8_qk<64, true>"])
+        assert [x[0] for x in gpu[start:]] == pre + [f"int8_attn_bwd{sfx}<__half, 64, {dv16}, {ds16}>",
+                                                     f"int8_attn_bwd_dq{sfx}<__half, 64, {ds16}>"]
+    refused = DEFAULT.replace(dv_int8=True)  # (ds_int8=False, the default's)
+    why = int8._unsupported_config(refused)
+    assert why and "ds_int8" in why and "dv_int8" in why
+    assert int8.is_supported(q, k, v, config=refused) == (False, why)
+    start = len(gpu)
+    with pytest.raises(ValueError, match="ds_int8=False needs dv_int8=False"):
+        int8.forward(q, k, v, config=refused, engine=engine)
+    assert len(gpu) == start
+
+
 def test_int8_copies_misaligned_inputs_on_every_call(gpu):
     """A misaligned input is copied per call (its strides in the launch are the copy's)."""
     from sagecupy import int8

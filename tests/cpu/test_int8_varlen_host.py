@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from sagecupy.config import DEFAULT
 from test_host_paths import FakeArray, gpu  # noqa: F401  (gpu: the fixture)
 
 S_LENS = ((100, 70), (0, 5), (129, 0), (1, 1))  # (Nq, Nk) per sequence: an empty q, an empty k
@@ -176,14 +177,29 @@ def test_forward_launches(gpu, engine, d):
         assert res.lse2.shape == (4 * tq_pad,) and res.mu_k.shape == (S, 2, d)
 
 
+# Per backward mode: the config, the kernels' (DV16, DS16) template arguments, and the dO pre-pass on the wgmma and
+# the mma.sync engine (16-bit dQ and dK read no dO codes on wgmma; dO's codes are per channel (1) or per block (2),
+# do_granularity).
+BWD_MODES = {
+    "default": ("default", "true", "true", "bwd_do16_image_packed<__half, 128>",
+                "quant_transpose_perm_delta_packed<__half, 128, 1>"),
+    "default-ds8": (DEFAULT.replace(name="default-ds8", ds_int8=True), "true", "false",
+                    "bwd_do_image_packed<__half, 128, 1>", "quant_transpose_perm_delta_packed<__half, 128, 1>"),
+    "paper": ("paper", "false", "false", "bwd_do_image_packed<__half, 128, 2>",
+              "quant_transpose_perm_delta_packed<__half, 128, 2>"),
+}
+
+
+@pytest.mark.parametrize("mode", list(BWD_MODES))
 @pytest.mark.parametrize("engine", ["wgmma", "mma"])
-def test_backward_launches(gpu, engine):
+def test_backward_launches(gpu, engine, mode):
     from sagecupy import _checks, int8
 
+    config, dv16, ds16, do_wgmma, do_mma = BWD_MODES[mode]
     q, k, v, kw = _packed(d=128)
     S = len(S_LENS)
     _, _, nbq, nbk, _ = _checks.packed_bounds(S, TQ, TK)
-    o, res = int8.forward(q, k, v, engine=engine, **kw)
+    o, res = int8.forward(q, k, v, engine=engine, config=config, **kw)
     do = FakeArray(q.shape, q.dtype)
     for _ in range(2):
         start = len(gpu)
@@ -191,9 +207,10 @@ def test_backward_launches(gpu, engine):
         launches = gpu[start:]
         assert dq.shape == (TQ, 4, 128) and dk.shape == dv.shape == (TK, 2, 128)
         sfx = "_sm90" if engine == "wgmma" else ""
-        pre = (["bwd_qk_images_packed", "bwd_do_image_packed"] if engine == "wgmma"
-               else ["quant_transpose_perm_delta_packed", "transpose_i8_qk_packed"])
-        assert _names(launches) == pre + [f"int8_attn_bwd{sfx}_packed", f"int8_attn_bwd_dq{sfx}_packed"]
+        pre = ([f"bwd_qk_images_packed<__half, 128, {ds16}>", do_wgmma] if engine == "wgmma"
+               else [do_mma, "transpose_i8_qk_packed<128, true>"])
+        assert [x[0] for x in launches] == pre + [f"int8_attn_bwd{sfx}_packed<__half, 128, {dv16}, {ds16}>",
+                                                  f"int8_attn_bwd_dq{sfx}_packed<__half, 128, {ds16}>"]
         for launch in launches:
             assert any(x is res.packed for x in launch[3]), launch[0]
         dkdv, dqk = launches[-2:]

@@ -40,6 +40,8 @@ U = 2.0 ** -53  # unit roundoff of float64
 SMALL = DEFAULT.replace(block_q=32, block_kv=16, bwd_block_q=16, bwd_block_kv=32)
 PAPER_SMALL = PAPER.replace(block_q=32, block_kv=32, bwd_block_q=16, bwd_block_kv=16)
 QSMOOTH = SMALL.replace(q_smoothing=True, q_granularity="block", ds_rowsum_correction=True)
+# The default's INT8 dQ and dK (X per query row, Y per key; the default rounds them to bf16 instead).
+SMALL_DS8 = SMALL.replace(ds_int8=True)
 
 # (Nq, Nk, Hq, Hkv): equal lengths, Nq < Nk and Nq > Nk (the first Nq − Nk rows see no key when causal); lengths
 # that do not divide by 2R; GQA with groups of 2 and 3 and MQA.
@@ -248,7 +250,7 @@ def test_given_statistics_equal_to_its_own_change_nothing():
 # ---------------------------------------------------------------- SageBwd: blocks are the single call's tiles
 
 
-@pytest.mark.parametrize("config", [SMALL, PAPER_SMALL], ids=["small", "paper"])
+@pytest.mark.parametrize("config", [SMALL, SMALL_DS8, PAPER_SMALL], ids=["small", "small-ds8", "paper"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sagebwd_blocks_are_the_single_calls_tiles(config, causal):
     Nq, Nk = 70, 150
@@ -336,7 +338,9 @@ def _backward_tol(run, qi, do, config, dL, d_o, dS, n_q, n_k):
     accumulation order, each within γ(n) of ``mag = Σ|a||b|`` over its n terms. Propagation: the ring's
     LSE_internal (``dL``, measured) and O (``d_o``, measured, into δ) move P by the relative ``dL + dS + 2u(1 +
     |S − L|)`` and dS by ``P·(rel_P·|dP − δ| + |Δδ|)``; codes do not move (asserted by the caller), so a tile's
-    dequantized values move by at most its scale's change, ``max|Δ|`` over the tile / qmax per code unit."""
+    dequantized values move by at most its scale's change, ``max|Δ|`` over the tile / qmax per code unit. With
+    ``ds_int8=False`` X's and Y's codes are their bf16 values at scale 1 (no tile scale), so unmoved codes leave
+    dQ's and dK's operands exactly as they were: dS's movement reaches those only through the smoothing terms."""
     B, Hq, Nq, Nk = run["S"].shape
     Hkv, D = qi["k_codes"].shape[1], qi["k_codes"].shape[-1]
     G = Hq // Hkv
@@ -375,12 +379,15 @@ def _backward_tol(run, qi, do, config, dL, d_o, dS, n_q, n_k):
     # (quantized: a code moves by its scale's change, the tile's largest; else each P by its own)
     d_ps = ps * ((_tile_max(rel_p, bq, col) if config.dv_int8 else rel_p) + 2 * U)
     tol_v = tol_v + A.sum_kv_groups(np.matmul(T(d_ps, -1, -2), dos), Hkv)
-    rowcol = config.ds_granularity == "rowcol"
-    d_x = d_ds * ks[..., None, :]
-    d_xs = np.abs(run["X_codes"]) * (_tile_max(d_x, 1 if rowcol else bq, bkv) / 127 + 2 * U * run["X_scale"])
+    if config.ds_int8:
+        rowcol = config.ds_granularity == "rowcol"
+        d_x = d_ds * ks[..., None, :]
+        d_xs = np.abs(run["X_codes"]) * (_tile_max(d_x, 1 if rowcol else bq, bkv) / 127 + 2 * U * run["X_scale"])
+        d_y = qi["q_scale"][..., None] * d_ds
+        d_ys = np.abs(run["Y_codes"]) * (_tile_max(d_y, bq, 1 if rowcol else bkv) / 127 + 2 * U * run["Y_scale"])
+    else:  # X and Y are their bf16 roundings at the exact scale 1: the unmoved codes are the values themselves
+        d_xs = d_ys = np.zeros_like(dSm)
     tol_q = tol_q + scale * np.matmul(d_xs, kc)
-    d_y = qi["q_scale"][..., None] * d_ds
-    d_ys = np.abs(run["Y_codes"]) * (_tile_max(d_y, bq, 1 if rowcol else bkv) / 127 + 2 * U * run["Y_scale"])
     pk = np.matmul(T(d_ys, -1, -2), qc) + (scale * np.matmul(T(d_ds, -1, -2), mu_q) if config.q_smoothing else 0)
     tol_k = tol_k + A.sum_kv_groups(pk, Hkv)
     if config.ds_rowsum_correction:
@@ -392,6 +399,17 @@ def _within(x, ref, tol):
     return bool(np.all(np.abs(x - ref) <= tol))
 
 
+def _assert_codes_unmoved(q, k, v, do, causal, config, state, o, run):
+    """The backward at the ring's LSE and O moves no code of the single call's (the premise of _backward_tol)."""
+    res = sagebwd.forward(q, k, v, causal=causal, config=config)[1]
+    res.update(lse_internal=state["lse_internal"], o=o)
+    moved = sagebwd.backward(res, do, return_intermediates=True)[3]
+    for key in ("P_bwd_codes", "X_codes", "Y_codes", "dO_codes"):
+        if key == "P_bwd_codes" and not config.dv_int8:
+            continue  # (P itself, not codes: it moves with the LSE, within rel_p of _backward_tol)
+        assert np.array_equal(moved[key], run[key]), key
+
+
 def _sagebwd_case(config, Nq, Nk, R, causal, kind, seed, statistics="global"):
     q, k, v, do = _inputs(1, 4, 2, Nq, Nk, seed=seed)
     plan = _plan(kind, Nq, Nk, R, config)
@@ -400,7 +418,7 @@ def _sagebwd_case(config, Nq, Nk, R, causal, kind, seed, statistics="global"):
     return (q, k, v, do), plan, (o, lse, state, grads)
 
 
-SAGE_CONFIGS = {"small": SMALL, "paper": PAPER_SMALL, "qsmooth": QSMOOTH}
+SAGE_CONFIGS = {"small": SMALL, "small-ds8": SMALL_DS8, "paper": PAPER_SMALL, "qsmooth": QSMOOTH}
 SAGE_CASES = [(name, R, kind) for name in SAGE_CONFIGS for R in (1, 2, 3, 4) for kind in ("contiguous", "zigzag")]
 
 
@@ -421,14 +439,7 @@ def test_sagebwd_ring_equals_single_call(name, R, kind, causal, Nq, Nk):
     assert _within(o, run["O"], tol_o), np.max(np.abs(o - run["O"]) / np.maximum(tol_o, 1e-300))
     assert _within(lse[fin], run["lse"][fin], tol_lse)
     assert _within(state["lse_internal"][fin], run["lse_internal"][fin], tol_lse)
-    # The backward at the ring's LSE and O moves no code of the single call's (so the bound's premise holds).
-    res = sagebwd.forward(q, k, v, causal=causal, config=config)[1]
-    res.update(lse_internal=state["lse_internal"], o=o)
-    moved = sagebwd.backward(res, do, return_intermediates=True)[3]
-    for key in ("P_bwd_codes", "X_codes", "Y_codes", "dO_codes"):
-        if key == "P_bwd_codes" and not config.dv_int8:
-            continue  # (P itself, not codes: it moves with the LSE, within rel_p of _backward_tol)
-        assert np.array_equal(moved[key], run[key]), key
+    _assert_codes_unmoved(q, k, v, do, causal, config, state, o, run)
     dL = np.where(fin, np.abs(state["lse_internal"] - np.where(fin, run["lse_internal"], 0.0)), 0.0)
     tols = _backward_tol(run, qi, do, config, dL, np.abs(o - run["O"]), dS, n_q, n_k)
     for what, g, ref, tol in zip(("dQ", "dK", "dV"), grads, (run["dQ"], run["dK"], run["dV"]), tols):
@@ -448,6 +459,7 @@ def test_sagebwd_ring_default_config():
         qi = sagebwd.quantize_inputs(q, k, v, config=DEFAULT)
         tol_o, tol_lse = _forward_tol(run, qi, DEFAULT, 4, 0.0)
         assert _within(o, run["O"], tol_o) and _within(lse, run["lse"], tol_lse)
+        _assert_codes_unmoved(q, k, v, do, causal, DEFAULT, state, o, run)
         dL = np.abs(state["lse_internal"] - run["lse_internal"])
         tols = _backward_tol(run, qi, do, DEFAULT, dL, np.abs(o - run["O"]), 0.0, 4, 4)
         for g, ref, tol in zip(grads, (run["dQ"], run["dK"], run["dV"]), tols):
@@ -475,6 +487,7 @@ def test_local_statistics_are_caught(causal):
     assert np.array_equal(kvb["k_codes"], qi["k_codes"][:, :, a:b])
     assert not np.array_equal(local_kvb["k_codes"], qi["k_codes"][:, :, a:b])
     assert not np.array_equal(local_kvb["v_scale"], qi["v_scale"])
+    _assert_codes_unmoved(q, k, v, do, causal, config, stg, og, run)
     dL = np.abs(stg["lse_internal"] - run["lse_internal"])
     dL = np.where(np.isfinite(dL), dL, 0.0)
     tols = _backward_tol(run, qi, do, config, dL, np.abs(og - run["O"]), 0.0, 8, 8)

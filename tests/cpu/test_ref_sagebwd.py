@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from sagecupy.analysis import round_to_dtype
 from sagecupy.config import DEFAULT, PAPER, SageBwdConfig
 from sagecupy.reference import sagebwd
 from sagecupy.reference.attention import (
@@ -127,7 +128,8 @@ def _literal_forward(qi, cfg, causal):
 
 
 def _literal_backward(res, do, cfg):
-    """docs/algorithms.md §4 as a loop over (bwd_block_q x bwd_block_kv) tiles with psi on each tile."""
+    """docs/algorithms.md §4 as a loop over (bwd_block_q x bwd_block_kv) tiles with psi on each tile (dS's X and Y
+    only with ``ds_int8``; without it they are rounded to bf16 element by element)."""
     qc, qs, kc, ks = res["q_codes"], res["q_scale"], res["k_codes"], res["k_scale"]
     B, Hq, Nq, D = qc.shape
     Hkv, Nk = kc.shape[1:3]
@@ -164,10 +166,17 @@ def _literal_backward(res, do, cfg):
                         dv[b, g, J] += p16.T @ do_i
                     dp = do_i @ res["v"][b, g, J].T
                     ds = p * (dp - delta[:, None])
-                    x_c, x_s = psi(ds * ks[b, g, J][None, :], 1 if cfg.ds_granularity == "rowcol" else None)
-                    dq[b, h, I] += sm * (x_c.astype(float) @ kc[b, g, J].astype(float)) * x_s
-                    y_c, y_s = psi(qs[b, h, I][:, None] * ds, 0 if cfg.ds_granularity == "rowcol" else None)
-                    dk[b, g, J] += (y_c.T.astype(float) @ qc[b, h, I].astype(float)) * y_s.T
+                    x = ds * ks[b, g, J][None, :]
+                    y = qs[b, h, I][:, None] * ds
+                    if cfg.ds_int8:
+                        x_c, x_s = psi(x, 1 if cfg.ds_granularity == "rowcol" else None)
+                        dq[b, h, I] += sm * (x_c.astype(float) @ kc[b, g, J].astype(float)) * x_s
+                        y_c, y_s = psi(y, 0 if cfg.ds_granularity == "rowcol" else None)
+                        dk[b, g, J] += (y_c.T.astype(float) @ qc[b, h, I].astype(float)) * y_s.T
+                    else:  # X and Y rounded through fp32 to bf16 at unit scale, against the exact K and Q codes
+                        x16, y16 = (round_to_dtype(a.astype(np.float32), "bf16") for a in (x, y))
+                        dq[b, h, I] += sm * (x16 @ kc[b, g, J].astype(float))
+                        dk[b, g, J] += y16.T @ qc[b, h, I].astype(float)
                     if cfg.q_smoothing:
                         dk[b, g, J] += sm * ds.T @ mu_q_rows
                     if cfg.ds_rowsum_correction:
@@ -180,9 +189,12 @@ LOOP_CONFIGS = {
     "paper": PAPER.replace(**SMALL),
     "default+qsmooth+corr": DEFAULT.replace(q_smoothing=True, ds_rowsum_correction=True, **SMALL),
     "paper-bigbwd": PAPER.replace(block_q=16, block_kv=32, bwd_block_q=32, bwd_block_kv=16, q_smoothing=True),
-    "default-dv8": DEFAULT.replace(dv_int8=True, **SMALL),  # (INT8 dV with per-column P, per-channel dO)
+    # INT8 dV (per-column P, per-channel dO), dQ and dK (X per query row, Y per key)
+    "default-dv8": DEFAULT.replace(dv_int8=True, ds_int8=True, **SMALL),
+    "default-ds8": DEFAULT.replace(ds_int8=True, **SMALL),  # 16-bit dV, INT8 dQ and dK
+    # INT8 dV with dQ and dK from bf16 X and Y: a combination only the reference implements (the kernels refuse it)
     "mixed": DEFAULT.replace(k_granularity="block", v_granularity="block", p_bwd_granularity="block",
-                             do_granularity="block", p_unsigned=False, dv_int8=True, **SMALL),
+                             do_granularity="block", p_unsigned=False, dv_int8=True, ds_int8=False, **SMALL),
 }
 
 
@@ -237,6 +249,79 @@ def test_dv_in_16_bits_leaves_dq_dk_and_is_closer_to_exact(sigma):
     assert rel_l2(dv_64, g16[2]) < rel_l2(dv_64, dv_bf) < 1e-2
     with pytest.raises(ValueError, match="dtype"):
         sagebwd.forward(q, k, v, dtype="float32")
+
+
+def _x_y(res, inter):
+    """X = dS diag(s_K) and Y = diag(s_Q) dS of the backward's dS, unrounded."""
+    Hq = res["q_scale"].shape[1]
+    ks = res["k_scale"][:, kv_head_index(Hq, res["k_scale"].shape[1])]
+    return inter["dS"] * ks[:, :, None, :], res["q_scale"][..., None] * inter["dS"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ds_in_bf16_is_x_and_y_rounded_at_unit_scale(causal):
+    """ds_int8=False: X's and Y's "codes" are X and Y themselves rounded to bf16 (fp32 bit patterns whose low 16
+    bits are zero, within bf16's relative half-ulp), at scale 1 and with no tile in them, so ds_granularity changes
+    nothing; with ds_int8=True it does (the switch reaches the quantizer)."""
+    cfg = DEFAULT.replace(**SMALL)
+    assert not cfg.ds_int8
+    q, k, v, do = _inputs(1, 4, 2, 45, 37, 16, sigma=2.0, k_mean=1.0, seed=12)
+    ress, grads, inter = {}, {}, {}
+    for gran in ("rowcol", "block"):
+        for ds8 in (False, True):
+            _, res = sagebwd.forward(q, k, v, causal=causal, config=cfg.replace(ds_granularity=gran, ds_int8=ds8))
+            ress[gran, ds8] = res
+            *grads[gran, ds8], inter[gran, ds8] = sagebwd.backward(res, do, return_intermediates=True)
+    it = inter["rowcol", False]
+    x, y = _x_y(ress["rowcol", False], it)
+    for name, exact in (("X", x), ("Y", y)):
+        codes = it[f"{name}_codes"]
+        assert np.all(it[f"{name}_scale"] == 1), name
+        f32 = codes.astype(np.float32)
+        np.testing.assert_array_equal(f32.astype(np.float64), codes)   # fp32 values ...
+        assert not np.any(f32.view(np.uint32) & 0xFFFF), name          # ... with bf16's 8 significant bits
+        # round to nearest: within half a unit in the last place, 2^-8 relative (2^-134 absolute below bf16's
+        # normal range, where its spacing is 2^-133)
+        assert np.all(np.abs(codes - exact) <= 2.0 ** -8 * np.abs(exact) + 2.0 ** -134), name
+        assert np.any(codes != exact), name  # (the rounding happened)
+    for key in ("X_codes", "X_scale", "Y_codes", "Y_scale"):
+        np.testing.assert_array_equal(inter["block", False][key], it[key])
+    for a, b in zip(grads["rowcol", False], grads["block", False]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(grads["rowcol", True][0], grads["block", True][0])  # dQ
+    assert not np.array_equal(grads["rowcol", True][1], grads["block", True][1])  # dK
+    np.testing.assert_array_equal(grads["rowcol", True][2], grads["rowcol", False][2])  # dV: dS plays no part
+
+
+def test_ds_in_bf16_leaves_o_and_dv_and_is_closer_to_exact():
+    """At sigma = 1 dS's own quantization is a visible part of dQ's and dK's error (bf16: 1.0e-2 against INT8 per
+    row / key: 1.6e-2 here); at sigma = 5 the forward's errors dominate and the two agree to ~0.2 %."""
+    q, k, v, do = _inputs(1, 2, 1, 200, 230, 32, sigma=1.0, seed=5)
+    e16 = _errors(q, k, v, do, DEFAULT, causal=True)
+    e8 = _errors(q, k, v, do, DEFAULT.replace(ds_int8=True), causal=True)
+    assert e16["O"] == e8["O"] and e16["dV"] == e8["dV"]
+    assert e16["dQ"] < e8["dQ"] and e16["dK"] < e8["dK"], (e16, e8)
+
+
+def test_ds_in_bf16_matches_ml_dtypes():
+    """The bf16 X and Y are ml_dtypes' round to nearest even of their fp32 values (X and Y are fp32 in the kernels;
+    rounding the float64 ones straight to bf16 would differ where the fp32 step rounds onto a bf16 tie)."""
+    md = pytest.importorskip("ml_dtypes")
+    q, k, v, do = _inputs(1, 2, 1, 64, 80, 32, sigma=3.0, seed=14)
+    _, res = sagebwd.forward(q, k, v, causal=True)
+    *_, it = sagebwd.backward(res, do, return_intermediates=True)
+    for name, exact in zip(("X", "Y"), _x_y(res, it)):
+        want = exact.astype(np.float32).astype(md.bfloat16).astype(np.float64)
+        np.testing.assert_array_equal(it[f"{name}_codes"], want, err_msg=name)
+
+
+def test_loop_configs_cover_every_backward_mode():
+    """The literal loops check each (dv_int8, ds_int8) pair: the three the kernels implement and the one only the
+    reference does."""
+    from sagecupy import int8
+
+    modes = {(c.dv_int8, c.ds_int8) for c in LOOP_CONFIGS.values()}
+    assert modes == set(int8._BWD_MODES) | {(True, False)}
 
 
 def test_public_lse_matches_exact_lse():

@@ -152,6 +152,8 @@ def test_int8_residual_problem_and_config_are_checked(gpu):
         int8.backward(dataclasses.replace(res, config="default"), do)
     with pytest.raises(ValueError, match=r"residuals\.config: q_smoothing=True"):
         int8.backward(dataclasses.replace(res, config=SageBwdConfig(q_smoothing=True)), do)
+    with pytest.raises(ValueError, match=r"residuals\.config: ds_int8=False needs dv_int8=False"):
+        int8.backward(dataclasses.replace(res, config=SageBwdConfig(dv_int8=True)), do)
     with pytest.raises(TypeError, match="residuals must be the Residuals returned by sagecupy.int8.forward"):
         int8.backward(dataclasses.asdict(res), do)
     assert len(gpu) == start

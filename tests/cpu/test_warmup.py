@@ -65,10 +65,11 @@ def _array(shape, dtype):
 
 def _run_calls(family, dtype, d, engine, monkeypatch):
     """Every entry point of ``family`` on inputs of ``dtype`` and head dim ``d`` on ``engine``: each config the
-    kernels implement, causal or not, forward and backward (INT8: dense and packed sequences; NVFP4: with and without
-    the tail split, and on packed operands)."""
+    kernels implement, causal or not, forward and backward (INT8: dense and packed sequences, the named configs and
+    every (dv_int8, ds_int8) pair the kernels accept; NVFP4: with and without the tail split, and on packed
+    operands)."""
     from sagecupy import int8, nvfp4, qat
-    from sagecupy.config import NVFP4Config
+    from sagecupy.config import DEFAULT, NVFP4Config
 
     nq, nk = (400, 1024) if family == "nvfp4" else (128, 128)  # (no padding: the stand-in arrays cannot zero one)
     q, k, v = _array((2, 4, nq, d), dtype), _array((2, 2, nk, d), dtype), _array((2, 2, nk, d), dtype)
@@ -76,9 +77,13 @@ def _run_calls(family, dtype, d, engine, monkeypatch):
     # packed sequences (layout "THD"): 3 sequences whose offsets stay on the (stand-in) device
     packed = dict(layout="THD", cu_seqlens_q=FakeArray((4,), np.int32), cu_seqlens_k=FakeArray((4,), np.int32))
     qp, kp, vp, dop = (_array(shape, dtype) for shape in ((300, 4, d), (200, 2, d), (200, 2, d), (300, 4, d)))
+    # (the pairs come from the config check, not from the list the warm-up compiles from: a pair missing there
+    # must fail here)
+    bwd_modes = [DEFAULT.replace(dv_int8=dv, ds_int8=ds) for dv in (True, False) for ds in (True, False)
+                 if int8._unsupported_config(DEFAULT.replace(dv_int8=dv, ds_int8=ds)) is None]
     for causal in (False, True):
         if family == "int8":
-            for config in ("default", "paper", "bkv64"):
+            for config in ("default", "paper", "bkv64", *bwd_modes):
                 o, res = int8.forward(q, k, v, causal=causal, config=config, engine=engine)
                 int8.backward(res, do, engine=engine)
                 int8.sage_attention(q, k, v, causal=causal, config=config, engine=engine)
@@ -161,12 +166,15 @@ def test_a_failing_module_is_reported_not_raised(built):
 
     built.fail.add("int8/int8_attn_bwd.cu")
     summary = warmup(families="int8", dtypes="float16", head_dims=64, engines="mma")
-    # the dense and the packed backward modules, each with dV in INT8 and in 16 bits (config dv_int8)
-    assert [r.module.filename for r in summary.failures] == ["int8/int8_attn_bwd.cu"] * 4
+    # the dense and the packed backward modules of each (dv_int8, ds_int8) pair the kernels implement: (INT8, INT8),
+    # (16-bit, INT8) and (16-bit, bf16); a module holds the pair's dK/dV kernel (templated on both) with its dQ
+    # kernel (on ds_int8), so no two pairs share one: 2 * 3
+    assert [r.module.filename for r in summary.failures] == ["int8/int8_attn_bwd.cu"] * 6
     error = summary.failures[0].error
     assert "compiling int8/int8_attn_bwd.cu failed" in error and "line 2" in error
-    assert len(summary.compiled) == 6  # the pre-pass modules and the forward instances, dense and packed
-    with pytest.raises(RuntimeError, match="4 of 10 modules failed"):
+    # the pre-pass modules (dense, packed) and the forward instances (64- and 128-key tiles, dense and packed): 2 + 4
+    assert len(summary.compiled) == 6
+    with pytest.raises(RuntimeError, match="6 of 12 modules failed"):
         warmup(families="int8", dtypes="float16", head_dims=64, engines="mma", strict=True)
 
 
@@ -244,7 +252,9 @@ def test_cli_prints_a_line_per_file_and_the_total(built, monkeypatch):
     files = sorted(line.split()[0] for line in lines[:-1])
     assert files == ["int8/int8_attn_bwd.cu", "int8/int8_attn_bwd_sm90.cu", "int8/int8_attn_fwd.cu",
                      "int8/int8_attn_fwd_sm90.cu", "int8/int8_quant.cu", "int8/int8_quant_packed.cu"]
-    assert lines[-1].startswith("warmup: 18 modules ready, 18 new in CuPy's cache, 0 failed, ")
+    # the two pre-pass modules, and on each of the two engines the forward's four (64- and 128-key tiles, dense and
+    # packed) and the backward's six (three (dv_int8, ds_int8) pairs, dense and packed): 2 + 2 * (4 + 6)
+    assert lines[-1].startswith("warmup: 22 modules ready, 22 new in CuPy's cache, 0 failed, ")
     assert lines[-1].endswith(f"cache {os.environ['CUPY_CACHE_DIR']}")
     assert all("__nv_bfloat16, 128" in names[0] or names[0].startswith("transpose") for _, names, _ in built)
     built.fail.add("int8/int8_attn_fwd_sm90.cu")
@@ -268,6 +278,8 @@ def test_jobs_compile_in_spawned_processes_and_report_their_failures(built, monk
     assert summary.jobs == 2 and built == []  # (nothing compiled in this process)
     assert sorted((r.module for r in summary.results), key=str) == sorted(modules, key=str)
     assert all(r.error.startswith(("ModuleNotFoundError", "FileNotFoundError")) for r in summary.failures)
-    assert len(summary.failures) == len(modules) == 10  # dense and packed
-    assert sorted(files) == [("int8/int8_attn_bwd.cu", 4), ("int8/int8_attn_fwd.cu", 4), ("int8/int8_quant.cu", 1),
+    # dense and packed: the pre-pass module, the forward's two (64- and 128-key tiles) and the backward's three
+    # ((dv_int8, ds_int8) pairs) each: 2 * (1 + 2 + 3)
+    assert len(summary.failures) == len(modules) == 12
+    assert sorted(files) == [("int8/int8_attn_bwd.cu", 6), ("int8/int8_attn_fwd.cu", 4), ("int8/int8_quant.cu", 1),
                              ("int8/int8_quant_packed.cu", 1)]

@@ -16,8 +16,11 @@ from sagecupy.config import DEFAULT, PAPER
 
 # The default granularities with P quantized per token over 64-key forward tiles instead of the default 128.
 BKV64 = DEFAULT.replace(name="default-bkv64", block_kv=64)
-# The default's granularities with dV = P^T dO as an integer matmul (P^ per key column, dO^ per channel).
-DV8 = DEFAULT.replace(name="default-dv8", dv_int8=True)
+# The default's granularities with dV = P^T dO, dQ = X^ K^ and dK = Y^^T Q^ as integer matmuls (P^ per key column,
+# dO^ per channel, X^ per query row, Y^ per key).
+DV8 = DEFAULT.replace(name="default-dv8", dv_int8=True, ds_int8=True)
+# The default's 16-bit dV with dQ and dK as integer matmuls.
+DS8 = DEFAULT.replace(name="default-ds8", ds_int8=True)
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import metrics
 from sagecupy.reference import sagebwd as ref_sage
@@ -154,6 +157,9 @@ CASES = [
     (1, 4, 1, 239, 113, 128, True, "HND", "bfloat16", DV8),
     (2, 4, 2, 113, 239, 64, False, "NHD", "float16", DV8),
     (1, 2, 2, 1000, 1000, 128, False, "HND", "float16", DV8),
+    (1, 4, 1, 239, 113, 128, True, "NHD", "bfloat16", DS8),
+    (2, 4, 2, 113, 239, 64, False, "HND", "float16", DS8),
+    (1, 2, 2, 1000, 1000, 64, True, "HND", "bfloat16", DS8),
 ]
 
 
@@ -312,6 +318,8 @@ def test_error_paths():
     ok, why = s8.is_supported(q, q, q, config=PAPER.replace(block_kv=128))  # per-block K/V: 64-key tiles only
     assert not ok and "block_kv" in why
     assert s8.is_supported(q, q, q, config=BKV64) == (True, "")
+    ok, why = s8.is_supported(q, q, q, config=DEFAULT.replace(dv_int8=True))  # 16-bit dQ, dK with an INT8 dV
+    assert not ok and "ds_int8" in why
     assert s8.is_supported(q, q, q) == (True, "")
     ok, why = s8.is_supported(np.zeros((1, 2, 16, 64), np.float16), q, q)  # host arrays: not supported, no raise
     assert not ok and "CUDA" in why
@@ -597,7 +605,9 @@ def test_forward_engines_agree_bitwise(B, Hq, Hkv, Nq, Nk, D, causal, layout, dt
 BWD_ENGINE_CASES = ENGINE_CASES + [(1, 4, 1, 239, 113, 128, True, "NHD", "bfloat16", PAPER),
                                    (2, 2, 2, 1000, 300, 64, False, "HND", "float16", PAPER),
                                    (1, 4, 2, 300, 517, 128, True, "HND", "bfloat16", DV8),
-                                   (2, 2, 2, 1000, 300, 64, False, "HND", "float16", DV8)]
+                                   (2, 2, 2, 1000, 300, 64, False, "HND", "float16", DV8),
+                                   (1, 4, 2, 300, 517, 64, True, "NHD", "float16", DS8),
+                                   (2, 2, 2, 1000, 300, 128, False, "HND", "bfloat16", DS8)]
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", BWD_ENGINE_CASES)

@@ -35,10 +35,12 @@ and the gradients are asserted non-finite instead:
   masked key) or ±Inf, never finite. dK quantizes Y = diag(s_Q) dS per key over a 64-query tile (int8/bwd.cuh,
   bwd_group_scale, a NaN-propagating max): a key whose one non-finite Y is ±Inf gets the scale +Inf / 127 = +Inf
   and the inverse 0, so its codes are integers (the Inf's is the low byte of fma(±Inf, 0, 1.5 * 2^23) = NaN) and
-  that tile adds integer * Inf to dK: ±Inf, or NaN for a zero integer. dQ of the row stays NaN: the row's last key
-  tile holds keys it does not see (P = 0: 0 * Inf = NaN, so that tile's X scale is NaN). dV in the channel: the
-  default multiplies P rounded to 16 bits by the raw dO (config dv_int8=False), so ±Inf where P > 0 and NaN where
-  P = 0; with an INT8 dV (dv_int8=True) dO's block of the channel has the NaN scale and dV is NaN there.
+  that tile adds integer * Inf to dK: ±Inf, or NaN for a zero integer. The default (config ds_int8=False) multiplies
+  Y rounded to bf16 by Q's codes: ±Inf or NaN the same way. dQ of the row stays NaN: the row's last key tile
+  holds keys it does not see (P = 0: 0 * Inf = NaN, so that tile's X, and its X scale with ds_int8=True, is NaN).
+  dV in the channel: the default multiplies P rounded to 16 bits by the raw dO (config dv_int8=False), so ±Inf where
+  P > 0 and NaN where P = 0; with an INT8 dV (dv_int8=True) dO's block of the channel has the NaN scale and dV is
+  NaN there.
 
 One documented behaviour the INT8 forward does not have: with a non-finite value in V, rows that see no key get NaN,
 not 0, in that channel (test_int8_nonfinite_v_rows_that_see_no_key; a strict expected failure). Then dS: the INT8
