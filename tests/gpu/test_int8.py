@@ -444,9 +444,15 @@ def _unk128(x, rows, row_bytes):
     return np.concatenate([_unswizzle(x[..., a * n:(a + 1) * n], rows, 128) for a in range(row_bytes // 128)], -1)
 
 
-def _image_views(pre, res, D):
+def _bf16_values(bits):
+    """uint16 bf16 patterns -> their float32 values."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _image_views(pre, res, D, ds_int8=True):
     """The wgmma pre-pass's stage images (kernels_cu/int8/bwd_img.cuh) decoded into the mma.sync pre-pass's
-    arrays (q_t, k_t, do_t tile-major, do_scale, delta), plus what only the images hold."""
+    arrays (q_t, k_t, do_t tile-major, do_scale, delta), plus what only the images hold. ds_int8=False: the images
+    hold Q's and K's codes as bf16 (q16, k16: float32 values) in place of q_t, do_t and k_t, and V 64 D bytes later."""
     qi, ki = pre["q_img"].get(), pre["k_img"].get()
     B, Hq, ntq, _ = qi.shape
     Hkv, ntk = ki.shape[1], ki.shape[2]
@@ -454,18 +460,23 @@ def _image_views(pre, res, D):
     out = dict(delta=pre["delta"])
     out["q_codes"] = rows(_unswizzle(qi[..., :64 * D], 64, D).view(np.int8), ntq)
     out["k_codes"] = rows(_unswizzle(ki[..., :64 * D], 64, D).view(np.int8), ntk)
-    out["q_t"] = _unswizzle(qi[..., 192 * D:256 * D], D, 64).view(np.int8)
-    out["do_t"] = _unswizzle(qi[..., 256 * D:320 * D], D, 64).view(np.int8)
-    out["k_t"] = _unswizzle(ki[..., 64 * D:128 * D], D, 64).view(np.int8)
+    kv = 128 * D if ds_int8 else 192 * D  # V's offset in the key-side image
+    if ds_int8:
+        out["q_t"] = _unswizzle(qi[..., 192 * D:256 * D], D, 64).view(np.int8)
+        out["do_t"] = _unswizzle(qi[..., 256 * D:320 * D], D, 64).view(np.int8)
+        out["k_t"] = _unswizzle(ki[..., 64 * D:128 * D], D, 64).view(np.int8)
+    else:
+        out["q16"] = rows(_bf16_values(_unk128(qi[..., 192 * D:320 * D], 64, 2 * D).view(np.uint16)), ntq)
+        out["k16"] = rows(_bf16_values(_unk128(ki[..., 64 * D:192 * D], 64, 2 * D).view(np.uint16)), ntk)
     out["do_bits"] = rows(_unk128(qi[..., 64 * D:192 * D], 64, 2 * D).view(np.uint16), ntq)
-    out["v_bits"] = rows(_unk128(ki[..., 128 * D:256 * D], 64, 2 * D).view(np.uint16), ntk)
+    out["v_bits"] = rows(_unk128(ki[..., kv:kv + 128 * D], 64, 2 * D).view(np.uint16), ntk)
     f = 320 * D
     vec = lambda x, a, n: np.ascontiguousarray(x[..., a:a + 4 * n]).view(np.float32)
     out["q_scale"] = vec(qi, f, 64).reshape(B, Hq, -1)
     out["lse2"] = vec(qi, f + 256, 64).reshape(B, Hq, -1)
     out["delta_img"] = vec(qi, f + 512, 64).reshape(B, Hq, -1)
     out["do_scale"] = vec(qi, f + 768, D)
-    out["k_scale"] = vec(ki, 256 * D, 64).reshape(B, Hkv, -1)
+    out["k_scale"] = vec(ki, kv + 128 * D, 64).reshape(B, Hkv, -1)
     return out
 
 
@@ -484,7 +495,8 @@ def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
     kernel sums each 16-byte chunk's 8 products in order, then the row's chunks by a shuffle tree: a different order
     than numpy's, so not bitwise) and 0 on padding rows; Q^T and K^T exactly the forward's codes, transposed
     tile-major and mma-permuted. wgmma: the same read back from the stage images, which also hold Q^, K^, dO, V (zero
-    rows beyond N) and the per-token vectors exactly."""
+    rows beyond N) and the per-token vectors exactly; with ds_int8=False they hold Q's and K's codes as bf16 (exact)
+    instead of Q^T, K^T and dO's codes, and zero dO scales."""
     import sagecupy.int8 as s8
     from sagecupy._loader import device_capability
     from sagecupy.reference.quant import quantize_tiles
@@ -496,7 +508,7 @@ def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
     o, res = s8.forward(q, k, v, layout=layout, config=config)
     pre = s8._preprocess_backward(res, do, engine)
     if engine == "wgmma":
-        got = _image_views(pre, res, D)
+        got = _image_views(pre, res, D, config.ds_int8)
         for name in ("q_codes", "k_codes", "q_scale", "k_scale", "lse2"):
             assert np.array_equal(got[name], getattr(res, name).get()), f"{name} in the stage images differs"
         assert np.array_equal(got["delta_img"], pre["delta"].get()), "delta in the images differs"
@@ -504,6 +516,11 @@ def test_backward_preprocess_matches_reference(config, dtype, shape, engine):
             want = _host_bits(x, layout)
             assert np.array_equal(got[name][:, :, :n], want), f"{name}: the images' copy differs"
             assert not got[name][:, :, n:].any(), f"{name}: rows beyond N must be zero"
+        if not config.ds_int8:  # (no dO codes: the 16-bit dV and the bf16 dK read none)
+            for name, codes in (("q16", res.q_codes), ("k16", res.k_codes)):
+                assert np.array_equal(got[name], codes.get().astype(np.float32)), f"{name} is not the codes in bf16"
+            assert not got["do_scale"].any(), "the dO scales of a ds_int8=False image must be zero"
+            return
     else:
         got = {n: pre[n].get() for n in ("q_t", "k_t", "do_t", "do_scale")}
         got["delta"] = pre["delta"]
