@@ -6,11 +6,13 @@ bitwise against the first variant's. On the GPU machine, from the repository roo
     git archive REV kernels_cu | tar -x -C /tmp/old                               # an earlier commit's kernels
     python3 bench/ab.py --calls int8_bwd --variants ";kernels=/tmp/old/kernels_cu" --timing both
     python3 bench/ab.py --calls nvfp4 --ns 4096,8192,16384,32768 --sdpa flash,cudnn   # beside SDPA, same shapes
+    python3 bench/ab.py --calls int8_bwd --variants "config.ds_int8=true;"        # two INT8 configs
 
 Variants are ';'-separated; a variant is ','-separated tokens: ``NAME=VALUE`` (or ``NAME``) is a kernel define, passed
 to every compile through SAGECUPY_DEFINES; ``kernels=PATH`` compiles the sources of another ``kernels_cu`` folder
-through SAGECUPY_KERNELS_DIR (it must have the file layout the host code expects). The empty variant is the tree's own
-kernels without defines. Host code is not switched: to compare two trees of Python code, run this once per tree
+through SAGECUPY_KERNELS_DIR (it must have the file layout the host code expects); ``config.FIELD=VALUE`` runs the INT8
+calls with the ``default`` config so changed (VALUE true/false, an integer or a word: ``config.ds_int8=true``). The
+empty variant is the tree's own kernels without defines, on the default config. Host code is not switched: to compare two trees of Python code, run this once per tree
 (``PYTHONPATH=TREE python3 bench/ab.py --hash ...``) and compare the printed times and output hashes.
 
 Shapes are the benchmark's (sagecupy.bench: bf16, batch x N = 16K tokens, heads x D = 2048). Calls (--calls):
@@ -45,6 +47,8 @@ def parse_variant(text):
             continue
         if tok.startswith("kernels="):
             kernels = os.path.abspath(os.path.expanduser(tok[len("kernels="):]))
+        elif tok.startswith("config."):
+            continue  # (variant_config)
         elif tok.startswith("SAGECUPY_"):
             raise SystemExit(f"variant token {tok!r}: only kernel defines and kernels=PATH are switched per variant")
         else:
@@ -52,13 +56,38 @@ def parse_variant(text):
     return defines, kernels
 
 
+def variant_config(text):
+    """The INT8 config of one variant's text: DEFAULT with its ``config.FIELD=VALUE`` tokens applied, or None when it
+    has none (the calls' own default). A field SageBwdConfig does not have, or a value it refuses, raises there."""
+    from sagecupy.config import DEFAULT
+
+    changes = {}
+    for tok in (t.strip() for t in (text or "").split(",")):
+        if not tok.startswith("config."):
+            continue
+        field, sep, value = tok[len("config."):].partition("=")
+        if not sep:
+            raise SystemExit(f"variant token {tok!r}: expected config.FIELD=VALUE")
+        low = value.strip().lower()
+        changes[field.strip()] = (low == "true" if low in ("true", "false")
+                                  else int(low) if low.lstrip("-").isdigit() else value.strip())
+    if not changes:
+        return None
+    return DEFAULT.replace(name="+".join(f"{k}={v}" for k, v in changes.items()), **changes)
+
+
+_CONFIG = None  # the INT8 config of the variant set (set_variant)
+
+
 def set_variant(index, text):
     """Puts variant ``index`` (its text) into the environment the loader reads at every launch; ``text=None`` restores
     the tree's own kernels. Each variant also gets the define SAGE_AB_VARIANT=index, which no kernel reads: with any
     define set the loader compiles only the instances a call launches, not a file's whole list (the NVFP4 forward's
     list takes minutes), and each variant keeps a cache entry of its own."""
+    global _CONFIG
     os.environ.pop("SAGECUPY_DEFINES", None)
     os.environ.pop("SAGECUPY_KERNELS_DIR", None)
+    _CONFIG = variant_config(text)
     if text is None:
         return
     defines, kernels = parse_variant(text)
@@ -72,21 +101,24 @@ def make_call(what, q, k, v, do, causal):
     under the variant set at the time, since a define may change what the pre-passes write."""
     from sagecupy import int8, nvfp4, qat
 
+    if _CONFIG is not None and not what.startswith("int8"):
+        raise SystemExit(f"config.FIELD tokens are for the INT8 calls; {what!r} takes none")
+    kw = {} if _CONFIG is None else {"config": _CONFIG}
     if what == "int8_infer":
-        return (lambda: int8.sage_attention(q, k, v, causal=causal),
-                lambda: int8.sage_attention(q, k, v, causal=causal, return_lse=True))
+        return (lambda: int8.sage_attention(q, k, v, causal=causal, **kw),
+                lambda: int8.sage_attention(q, k, v, causal=causal, return_lse=True, **kw))
     if what == "int8_fwd":
-        return (lambda: int8.forward(q, k, v, causal=causal),
-                lambda: int8.forward(q, k, v, causal=causal, return_lse=True)[:2])
+        return (lambda: int8.forward(q, k, v, causal=causal, **kw),
+                lambda: int8.forward(q, k, v, causal=causal, return_lse=True, **kw)[:2])
     if what in ("int8_bwd", "qat_bwd"):
         mod = int8 if what == "int8_bwd" else qat
-        _, res = mod.forward(q, k, v, causal=causal)
+        _, res = mod.forward(q, k, v, causal=causal, **kw)
         return lambda: mod.backward(res, do), lambda: mod.backward(res, do)
     if what in ("int8_fwdbwd", "qat_fwdbwd"):
         mod = int8 if what == "int8_fwdbwd" else qat
 
         def fwdbwd():
-            o, r = mod.forward(q, k, v, causal=causal)
+            o, r = mod.forward(q, k, v, causal=causal, **kw)
             return (o,) + tuple(mod.backward(r, do))
         return fwdbwd, fwdbwd
     if what == "qat_fwd":
@@ -167,6 +199,7 @@ def main(argv=None):
     variants = a.variants.split(";")
     for text in variants:
         parse_variant(text)  # (reject a bad token before any compile)
+        variant_config(text)
     calls = [c for c in a.calls.split(",") if c]
     timings = ("b2b", "sync") if a.timing == "both" else (a.timing,)
     timer = {"b2b": lambda fn: bench.time_ms_b2b(fn), "sync": lambda fn: bench.time_ms(fn)}

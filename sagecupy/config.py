@@ -125,15 +125,17 @@ PAPER = SageBwdConfig(
 )
 
 #: The project default: the finest granularities integer matmuls allow, with the forward's P quantized per token
-#: over 128-key tiles (``block_kv=128``), and dV = P^T dO in the inputs' 16-bit type like dP = dO V^T
-#: (``dv_int8=False``): five of the seven products in INT8. That dV is more accurate (relative L2 against exact
-#: attention 0.0093 instead of 0.0122 at sigma = 1) and the backward faster (1.03-1.05x at D = 128, 1.10-1.13x at
-#: D = 64 on an H100), since the int32 -> fp32 fold of each tile's dV product goes (docs/experiments.md, E-I8B-DV16).
+#: over 128-key tiles (``block_kv=128``); in the backward dV = P^T dO in the inputs' 16-bit type like dP = dO V^T
+#: (``dv_int8=False``), and dQ, dK from dS rounded to bf16 against the INT8 codes of K and Q (``ds_int8=False``).
+#: Each is more accurate than its INT8 form (relative L2 against exact attention at sigma = 1: dV 0.0122 -> 0.0092,
+#: dQ and dK 0.0176 -> 0.0116) and faster, since the per-tile quantizations and int32 -> fp32 folds go: on an H100
+#: the backward 1.03-1.05x (D = 128) and 1.10-1.13x (D = 64) for the 16-bit dV, then 1.09-1.16x and 1.22-1.29x for
+#: the bf16 dQ, dK (docs/experiments.md, E-I8B-DV16, E-I8B-DS16).
 DEFAULT = SageBwdConfig()
 
 #: The default's granularities with the forward's P quantized per token over 64-key tiles: the finer P (O's
 #: relative error ~4% lower at sigma = 1, the same at sigma >= 3) at 1.11-1.19x the forward kernel's time on
-#: the H200 at D = 128 (docs/experiments.md). The default before commit 08ef803, but for its 16-bit dV.
+#: the H200 at D = 128 (docs/experiments.md). The default before commit 08ef803, but for its 16-bit dV, dQ and dK.
 BKV64 = SageBwdConfig(name="bkv64", block_kv=64)
 
 

@@ -105,6 +105,24 @@ def test_ab_variants_set_only_the_loaders_variables(monkeypatch, tmp_path):
     assert set(ab.SDPA_MODE.values()) == {"fwd", "bwd", "fwdbwd"}
 
 
+def test_ab_config_tokens_change_the_int8_config_only():
+    """bench/ab.py: config.FIELD=VALUE tokens give the INT8 calls DEFAULT with those fields (bools, ints, words
+    parsed), are not kernel defines, and a variant without them leaves the calls' own default (None)."""
+    import pytest
+
+    from sagecupy.config import DEFAULT
+
+    ab = _import_bench("ab")
+    assert ab.parse_variant("A=1, config.ds_int8=true") == (["A=1"], None)
+    cfg = ab.variant_config("config.ds_int8=true, config.block_kv=64, config.ds_granularity=block, B")
+    assert cfg == DEFAULT.replace(name=cfg.name, ds_int8=True, block_kv=64, ds_granularity="block")
+    assert ab.variant_config("A=1") is None and ab.variant_config("") is None
+    with pytest.raises(SystemExit, match="config.FIELD=VALUE"):
+        ab.variant_config("config.ds_int8")
+    with pytest.raises(TypeError):
+        ab.variant_config("config.nonexistent=1")
+
+
 def test_cubin_cmp_reads_the_ci_list_and_old_layouts(tmp_path):
     """bench/tools/cubin_cmp.py compares what .ci/compile_kernels.py compiles: every source it lists is a file of the
     checkout's kernels_cu; an old tree is read at the listed path, or at the top of a tree from before the sources
