@@ -207,23 +207,6 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     s_y_prev[0] = s_y[0];
     s_y_prev[1] = s_y[1];
   };
-  // DS16: S and dP of iteration it + 1 are issued at the end of iteration it, so they run on the tensor cores while
-  // this iteration's dV and dK finish and the next iteration's exponentials start, instead of the CTA waiting for dK
-  // and then for S (as the dQ kernel does with its dQ product). Only dP is in flight across the loop's back edge.
-  constexpr bool PREFETCH = DS16;
-  int acc_s[32];
-  float acc_dp[32];
-  if constexpr (PREFETCH) {
-    if (n_it == 0) {  // no query tile: nothing was copied (the outputs are zeros)
-      store_acc_rows<T, D>(dv + bk * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
-      store_acc_rows<T, D>(dk + bk * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 1.f);
-      return;
-    }
-    mbar_wait(&full[0], 0);
-    issue_s_dp<T, D>(acc_s, acc_dp, sK, sStage, sV, sStage + 64 * D);
-    wgmma_wait<1>();
-    fence_regs(acc_s);
-  }
   int cur_t = first_qt;  // query tile of iteration it
   for (int it = 0; it < n_it; ++it) {
     const int q0 = cur_t * BWD_BQ;
@@ -249,15 +232,13 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
     const bool need_mask = PACKED ? q0 < mask_lo || q0 > mask_hi
                                   : win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) || (q0 + BWD_BQ > nq);
 
-    if constexpr (PREFETCH) {
-      issue_next();
-    } else {
-      issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K^ Q^^T, dP^T = V dO^T
-      if constexpr (LOAD_AFTER_S) issue_next();  // the next stage's copy is issued while S and dP run
-      if constexpr (D == 128 && !DS16) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
-      wgmma_wait<1>();
-      fence_regs(acc_s);
-    }
+    int acc_s[32];
+    float acc_dp[32];
+    issue_s_dp<T, D>(acc_s, acc_dp, sK, sQ, sV, sdO);  // S^T = K^ Q^^T, dP^T = V dO^T
+    if constexpr (LOAD_AFTER_S) issue_next();  // the next stage's copy is issued while S and dP run
+    if constexpr (D == 128 && !DS16) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's, see above
+    wgmma_wait<1>();
+    fence_regs(acc_s);
     if constexpr (DV16) {
       float p[8][4], pmax[2];
       bwd_pt_tile(p, pmax, acc_s, sk, sQs, sL, q0, t4, need_mask, qv);
@@ -265,21 +246,13 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
       // 64 queries in their natural order (the dO tile's rows, read N-major).
       unsigned pa[4][4];
       pack_acc_as_a16<T>(pa, p);
-      // PREFETCH: dP, in flight since the last iteration, is waited for before dV is issued: a wait that counted
-      // groups across the loop's back edge (dV issued first, then wait<1>) makes ptxas serialize every wgmma (C7514).
-      if constexpr (PREFETCH) {
-        wgmma_wait<0>();
-        fence_regs(acc_dp);
-      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_dv), pa[kk], desc_mn16<64>(sdO, kk), 1);
       wgmma_commit();
-      if constexpr (!PREFETCH) {
-        wgmma_wait<1>();  // dP (dV may still run)
-        fence_regs(acc_dp);
-      }
+      wgmma_wait<1>();  // dP (dV may still run)
+      fence_regs(acc_dp);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) bwd_ds_ntile(p[nt], acc_dp + 4 * nt, sDel, nt, t4);
       float ymax[2], s_y[2], inv_y[2];
@@ -293,15 +266,9 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
           wgmma_rs<__nv_bfloat16, true>(reinterpret_cast<float(&)[D / 2]>(acc_dk), yb[kk],
                                         desc_mn16<64>(st + Img::Q_Q16, kk), 1);
         wgmma_commit();
-        // S and dP of the next iteration (PREFETCH; on the last one, of whatever the other stage holds: dropped).
-        const int nx = it + 1;
-        if (nx < n_it) mbar_wait(&full[nx & 1], (nx >> 1) & 1);
-        const char* ns = sStage + (nx & 1) * STAGE;
-        issue_s_dp<T, D>(acc_s, acc_dp, sK, ns, sV, ns + 64 * D);
-        wgmma_wait<1>();  // dV, dK and the next S done (the next dP may still run)
+        wgmma_wait<0>();
         hold_regs(pa);
         hold_regs(yb);
-        fence_regs(acc_s);
         continue;
       }
       bwd_group_scale(s_y, inv_y, ymax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
@@ -397,11 +364,6 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
         add_dk(acc_a, 0, s_y);
       }
     }
-  }
-  if constexpr (PREFETCH) {
-    wgmma_wait<0>();  // the last (dropped) S and dP
-    fence_regs(acc_s);
-    fence_regs(acc_dp);
   }
   if constexpr (DV16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dv));
   if constexpr (DS16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dk));
