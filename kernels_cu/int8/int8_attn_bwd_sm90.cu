@@ -75,11 +75,6 @@ struct BwdSm90 {
 // fits 158 registers), instead of two: both kernels together 1.13-1.20x on the H200 (docs/experiments.md; bitwise
 // the same gradients). D = 128 is held to two CTAs by its shared memory anyway.
 constexpr int BWD90_D64_MIN_CTAS = 3;
-// The D = 64 dQ kernel with DS16 (ds_int8=False): CTAs per SM its registers are budgeted for (development switch
-// SAGE_DQ64_DS16_CTAS; its shared memory fits four).
-#ifndef SAGE_DQ64_DS16_CTAS
-#define SAGE_DQ64_DS16_CTAS 3
-#endif
 // D = 128 dK/dV: the last dK product's fold (int32 -> fp32 into acc_dk's columns 64..127) is done in the next
 // iteration, while that iteration's S and dP run on the tensor cores, instead of before its barrier. Each
 // accumulator element still receives the tiles in order: the gradients are bitwise the same. Measured 1.04-1.05x
@@ -583,7 +578,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
 }
 
 template <typename T, int D, bool DS16>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? (DS16 ? SAGE_DQ64_DS16_CTAS : BWD90_D64_MIN_CTAS) : 1)
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
@@ -595,7 +590,7 @@ int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1).
 template <typename T, int D, bool DS16>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? (DS16 ? SAGE_DQ64_DS16_CTAS : BWD90_D64_MIN_CTAS) : 1)
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90_packed(const char* __restrict__ q_img, const char* __restrict__ k_img,
                              const float* __restrict__ qs, const float* __restrict__ lse2,
                              const float* __restrict__ delta, T* __restrict__ dq, long long qsh, long long qsn, int Hq,
