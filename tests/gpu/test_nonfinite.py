@@ -44,8 +44,8 @@ and the gradients are asserted non-finite instead:
 
 One documented behaviour the INT8 forward does not have: with a non-finite value in V, rows that see no key get NaN,
 not 0, in that channel (test_int8_nonfinite_v_rows_that_see_no_key; a strict expected failure). Then dS: the INT8
-backward keeps dS in fp32 and quantizes it with fp32 scales, so a dS far beyond fp16's range gives finite gradients
-equal to the simulator's; QAT rounds dS to the input's 16-bit type for its tensor-core products (as FlashAttention
+backward keeps dS in fp32 and rounds its folded forms to bf16 (fp32's range; INT8 codes with fp32 scales when
+ds_int8=True), so a dS far beyond fp16's range gives finite gradients equal to the simulator's; QAT rounds dS to the input's 16-bit type for its tensor-core products (as FlashAttention
 does), so in fp16 such a dS overflows to ±Inf and dQ and dK come out non-finite (never finite and wrong), and in bf16
 it does not (docs/design.md, Limits).
 """
@@ -286,9 +286,10 @@ def _big_ds(D, dtype):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_int8_ds_beyond_fp16_range_stays_in_fp32(D, engine):
-    """int8/bwd.cuh keeps dS in the fp32 accumulators and quantizes diag(s_Q) dS and dS diag(s_K) with fp32 scales
-    (valid up to FLT_MAX: the reciprocal of max / 16), so fp16 inputs whose dS reaches ~5e5 give finite gradients that
-    match the simulator and exact attention as in test_int8 (test_int8._check, its tolerances)."""
+    """int8/bwd.cuh keeps dS in the fp32 accumulators and rounds diag(s_Q) dS and dS diag(s_K) to bf16, which has
+    fp32's exponent range (the default, ds_int8=False; with ds_int8=True they are quantized with fp32 scales valid up
+    to FLT_MAX), so fp16 inputs whose dS reaches ~5e5 give finite gradients that match the simulator and exact
+    attention as in test_int8 (test_int8._check, its tolerances)."""
     import sagecupy.int8 as s8
     from sagecupy.reference import sagebwd as ref_sage
 
