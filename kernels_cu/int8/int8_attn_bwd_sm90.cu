@@ -61,6 +61,18 @@ __device__ __forceinline__ void issue_a64_n64(int (&acc)[32], const unsigned (&a
   }
 }
 
+// acc (the warpgroup's 64 x D fp32 accumulators) += A * B in T, one commit group (not waited for): A from registers
+// (a[kk]: k16 chunk kk of 64, pack_acc_as_a16), B a 64 x D tile of T stored [k][n] in 128-byte pieces, read N-major.
+// The 16-bit dV (P^T dO), and with DS16 dK (Y^T Q^) and dQ (X K^) in bf16.
+template <typename T, int D>
+__device__ __forceinline__ void issue_a16_k64(float (&acc)[D / 8][4], const unsigned (&a)[4][4], const char* tile) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc), a[kk], desc_mn16<64>(tile, kk), 1);
+  wgmma_commit();
+}
+
 // dK/dV: grid (nk_pad / 64, Hkv, B), block 128, dynamic shared memory BwdSm90<D>::SMEM (host: _bwd90_smem(D)[0]).
 template <int D>
 struct BwdSm90 {
@@ -246,11 +258,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
       // 64 queries in their natural order (the dO tile's rows, read N-major).
       unsigned pa[4][4];
       pack_acc_as_a16<T>(pa, p);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_dv), pa[kk], desc_mn16<64>(sdO, kk), 1);
-      wgmma_commit();
+      issue_a16_k64<T, D>(acc_dv, pa, sdO);
       wgmma_wait<1>();  // dP (dV may still run)
       fence_regs(acc_dp);
 #pragma unroll
@@ -260,12 +268,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
       if constexpr (DS16) {  // dK += Y^T Q^ in bf16 (k = the tile's queries in order: Q^'s bf16 rows, read N-major)
         unsigned yb[4][4];
         pack_acc_as_a16<__nv_bfloat16>(yb, p);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_rs<__nv_bfloat16, true>(reinterpret_cast<float(&)[D / 2]>(acc_dk), yb[kk],
-                                        desc_mn16<64>(st + Img::Q_Q16, kk), 1);
-        wgmma_commit();
+        issue_a16_k64<__nv_bfloat16, D>(acc_dk, yb, st + Img::Q_Q16);
         wgmma_wait<0>();
         hold_regs(pa);
         hold_regs(yb);
@@ -505,12 +508,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
     if constexpr (DS16) {  // dQ += X K^ in bf16 (k = the tile's keys in order: K^'s bf16 rows, read N-major)
       unsigned xb[4][4];
       pack_acc_as_a16<__nv_bfloat16>(xb, p);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_rs<__nv_bfloat16, true>(reinterpret_cast<float(&)[D / 2]>(acc_dq), xb[kk],
-                                      desc_mn16<64>(cK + Img::K_K16, kk), 1);
-      wgmma_commit();
+      issue_a16_k64<__nv_bfloat16, D>(acc_dq, xb, cK + Img::K_K16);
       // S and dP of tile j + 1 as below, while dQ(j) runs.
       if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) & 1], ((j + 1) >> 1) & 1);
       {
