@@ -272,6 +272,24 @@ def test_int8_backward_kernels_follow_dv_int8_and_ds_int8(gpu, engine):
     assert len(gpu) == start
 
 
+def test_int8_mma_kernels_fit_the_smallest_block_shared_memory():
+    """The mma.sync kernels run on every GPU from sm_80 on, and sm_86, sm_89 and sm_120 allow a block 99 KiB of
+    shared memory (static and dynamic): every INT8 forward and backward launch of that engine, under each
+    (dv_int8, ds_int8) pair the kernels implement, asks for at most that, less 64 bytes for the kernels' static
+    scratch (the dQ kernel's 16-byte reduction buffer). The wgmma kernels need sm_90 (227 KiB)."""
+    from sagecupy import int8
+
+    limit = 99 * 1024 - 64
+    for D in (64, 128):
+        for bkv in int8._BLOCK_KV:
+            assert int8._fwd_smem(D, bkv, 2) <= limit, (D, bkv)
+        for dv8, ds8 in int8._BWD_MODES:
+            kv, dq = int8.bwd_smem(D, "mma", ds8)
+            assert kv <= limit and dq <= limit, (D, dv8, ds8, kv, dq)
+        for ds8 in (True, False):
+            kv, dq = int8.bwd_smem(D, "wgmma", ds8)
+            assert kv <= 227 * 1024 and dq <= 227 * 1024, (D, ds8, kv, dq)
+
 def test_int8_copies_misaligned_inputs_on_every_call(gpu):
     """A misaligned input is copied per call (its strides in the launch are the copy's)."""
     from sagecupy import int8
