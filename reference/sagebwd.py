@@ -110,8 +110,10 @@ Backward (tiles of ``bwd_block_q`` query rows × ``bwd_block_kv`` keys, aligned 
    ``dQ_i += sm_scale · (X̂ K̂_j) · s_X``.
    dK: ``Y = diag(s_Q) · dS``, ``Ŷ, s_Y = ψ(Y)`` per key column over the tile's
    rows (``"rowcol"``) or per tile (``"block"``); ``dK_j += (Ŷᵀ Q̂_i) · s_Y``.
-   With ``ds_int8=False``, X and Y are rounded (through fp32) to bf16 instead,
-   at unit scale: ``dQ_i += sm_scale · X₁₆ K̂_j``, ``dK_j += Y₁₆ᵀ Q̂_i``.
+   With ``ds_int8=False``, X and Y are rounded (through fp32) to bf16 instead:
+   ``dQ_i += sm_scale · X₁₆ K̂_j``, ``dK_j += ln 2 · Y'₁₆ᵀ Q̂_i`` with ``Y' =
+   diag(fp32(s_Q · log2 e)) · dS`` (the kernels' base-2 scale of Q), so
+   ``Y_codes`` is ``Y'₁₆`` and ``Y_scale`` is ln 2.
 3. ``q_smoothing``: ``dK_j += sm_scale · Σ_i colsum(dS_ij)ᵀ ⊗ μ_Qi`` (computed
    as ``sm_scale · dSᵀ M_Q`` with ``M_Q`` the per-row block means).
    ``ds_rowsum_correction``: ``dQ_i += sm_scale · rowsum(dS_i) · μ_K``.
@@ -174,6 +176,10 @@ RESIDUAL_KEYS = (
 )
 
 _DTYPES16 = ("float16", "bfloat16")
+# The kernels work in base 2: Q's stored scale is s_Q * log2(e) in float32 (sagecupy/int8.py LOG2E), and dK is
+# multiplied by ln 2 at the end. Wherever a value is rounded on that grid (Y in bf16, ds_int8=False), the simulator
+# rounds the same float32 products.
+_LOG2E = 1.4426950408889634
 
 
 def _dtype16(dtype, q):
@@ -322,9 +328,12 @@ def _backward_head(S, lse, o, do, v, qc, qs, kc, ks, mu_q_rows, mu_k, sm_scale, 
     if cfg.ds_int8:
         x_codes, x_scale = _quant(cfg, x, 1 if cfg.ds_granularity == "rowcol" else bq, bkv)
         y_codes, y_scale = _quant(cfg, y, bq, 1 if cfg.ds_granularity == "rowcol" else bkv)
-    else:  # (X, Y in bf16, or themselves without quantize: their "codes" are those values, at unit scale)
-        x_codes, y_codes = (_round16(a, "bfloat16") if cfg.quantize else a for a in (x, y))
-        x_scale, y_scale = np.ones_like(x_codes), np.ones_like(y_codes)
+    elif cfg.quantize:  # X, Y in bf16: X at unit scale; Y as the kernels round it, log2(e) s_Q dS, at scale ln 2
+        x_codes, x_scale = _round16(x, "bfloat16"), np.ones_like(x)
+        qs2 = (np.asarray(qs, np.float32) * np.float32(_LOG2E)).astype(np.float64)
+        y_codes, y_scale = _round16(qs2[:, None] * ds, "bfloat16"), np.full_like(y, np.log(2.0))
+    else:  # (without quantize: X and Y themselves, at unit scale)
+        x_codes, y_codes, x_scale, y_scale = x, y, np.ones_like(x), np.ones_like(y)
     dq = sm_scale * ((x_codes * x_scale) @ np.asarray(kc, np.float64))
     dk = (y_codes * y_scale).T @ np.asarray(qc, np.float64)
     if cfg.q_smoothing:
@@ -557,7 +566,7 @@ def backward(residuals, do, *, return_intermediates=False):
       (``diag(s_Q)·dS``) ``(B, Hq, Nq, Nk)`` int16 and their ``*_scale``
       ``(B, Hq, Nq, Nk)`` (each tile's scale repeated over the entries it covers);
       with ``dv_int8=False`` ``"P_bwd_codes"`` is the 16-bit P (float64) at scale 1, with ``ds_int8=False``
-      ``"X_codes"`` and ``"Y_codes"`` are X and Y in bf16 (float64) at scale 1.
+      ``"X_codes"`` is X in bf16 at scale 1 and ``"Y_codes"`` log2(e)·Y in bf16 at scale ln 2 (float64).
 
     With ``config.quantize=False`` the codes are float64 values and scales 1.
     Packed residuals (``layout="THD"``): ``do`` ``(total_q, Hq, D)``; ``dq``

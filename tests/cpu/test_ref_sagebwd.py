@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from sagecupy.analysis import round_to_dtype
+from sagecupy.int8 import LOG2E
 from sagecupy.config import DEFAULT, PAPER, SageBwdConfig
 from sagecupy.reference import sagebwd
 from sagecupy.reference.attention import (
@@ -173,10 +174,13 @@ def _literal_backward(res, do, cfg):
                         dq[b, h, I] += sm * (x_c.astype(float) @ kc[b, g, J].astype(float)) * x_s
                         y_c, y_s = psi(y, 0 if cfg.ds_granularity == "rowcol" else None)
                         dk[b, g, J] += (y_c.T.astype(float) @ qc[b, h, I].astype(float)) * y_s.T
-                    else:  # X and Y rounded through fp32 to bf16 at unit scale, against the exact K and Q codes
-                        x16, y16 = (round_to_dtype(a.astype(np.float32), "bf16") for a in (x, y))
+                    else:  # X, and Y on the kernels' base-2 grid (log2 e in Q's float32 scale, ln 2 after),
+                        # rounded through fp32 to bf16, against the exact K and Q codes
+                        qs2 = (np.float32(qs[b, h, I]) * np.float32(LOG2E)).astype(float)
+                        y2 = qs2[:, None] * ds
+                        x16, y16 = (round_to_dtype(a.astype(np.float32), "bf16") for a in (x, y2))
                         dq[b, h, I] += sm * (x16 @ kc[b, g, J].astype(float))
-                        dk[b, g, J] += y16.T @ qc[b, h, I].astype(float)
+                        dk[b, g, J] += np.log(2.0) * (y16.T @ qc[b, h, I].astype(float))
                     if cfg.q_smoothing:
                         dk[b, g, J] += sm * ds.T @ mu_q_rows
                     if cfg.ds_rowsum_correction:
@@ -252,17 +256,20 @@ def test_dv_in_16_bits_leaves_dq_dk_and_is_closer_to_exact(sigma):
 
 
 def _x_y(res, inter):
-    """X = dS diag(s_K) and Y = diag(s_Q) dS of the backward's dS, unrounded."""
+    """X = dS diag(s_K) and Y' = diag(fp32(s_Q log2 e)) dS (the kernels' base-2 Y, ln 2 times Y) of the backward's
+    dS, unrounded."""
     Hq = res["q_scale"].shape[1]
     ks = res["k_scale"][:, kv_head_index(Hq, res["k_scale"].shape[1])]
-    return inter["dS"] * ks[:, :, None, :], res["q_scale"][..., None] * inter["dS"]
+    qs2 = (res["q_scale"].astype(np.float32) * np.float32(LOG2E)).astype(np.float64)
+    return inter["dS"] * ks[:, :, None, :], qs2[..., None] * inter["dS"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_ds_in_bf16_is_x_and_y_rounded_at_unit_scale(causal):
-    """ds_int8=False: X's and Y's "codes" are X and Y themselves rounded to bf16 (fp32 bit patterns whose low 16
-    bits are zero, within bf16's relative half-ulp), at scale 1 and with no tile in them, so ds_granularity changes
-    nothing; with ds_int8=True it does (the switch reaches the quantizer)."""
+    """ds_int8=False: X's "codes" are X rounded to bf16 at scale 1, Y's are Y' = log2(e) Y (the kernels' base-2
+    scale of Q) rounded to bf16 at scale ln 2 (fp32 bit patterns whose low 16 bits are zero, within bf16's relative
+    half-ulp), with no tile in them, so ds_granularity changes nothing; with ds_int8=True it does (the switch reaches
+    the quantizer)."""
     cfg = DEFAULT.replace(**SMALL)
     assert not cfg.ds_int8
     q, k, v, do = _inputs(1, 4, 2, 45, 37, 16, sigma=2.0, k_mean=1.0, seed=12)
@@ -274,9 +281,9 @@ def test_ds_in_bf16_is_x_and_y_rounded_at_unit_scale(causal):
             *grads[gran, ds8], inter[gran, ds8] = sagebwd.backward(res, do, return_intermediates=True)
     it = inter["rowcol", False]
     x, y = _x_y(ress["rowcol", False], it)
-    for name, exact in (("X", x), ("Y", y)):
+    for name, exact, unit in (("X", x, 1.0), ("Y", y, np.log(2.0))):
         codes = it[f"{name}_codes"]
-        assert np.all(it[f"{name}_scale"] == 1), name
+        assert np.all(it[f"{name}_scale"] == unit), name
         f32 = codes.astype(np.float32)
         np.testing.assert_array_equal(f32.astype(np.float64), codes)   # fp32 values ...
         assert not np.any(f32.view(np.uint32) & 0xFFFF), name          # ... with bf16's 8 significant bits
@@ -304,8 +311,9 @@ def test_ds_in_bf16_leaves_o_and_dv_and_is_closer_to_exact():
 
 
 def test_ds_in_bf16_matches_ml_dtypes():
-    """The bf16 X and Y are ml_dtypes' round to nearest even of their fp32 values (X and Y are fp32 in the kernels;
-    rounding the float64 ones straight to bf16 would differ where the fp32 step rounds onto a bf16 tie)."""
+    """The bf16 X and Y' (Y on the kernels' base-2 grid) are ml_dtypes' round to nearest even of their fp32 values
+    (they are fp32 in the kernels; rounding the float64 ones straight to bf16 would differ where the fp32 step rounds
+    onto a bf16 tie)."""
     md = pytest.importorskip("ml_dtypes")
     q, k, v, do = _inputs(1, 2, 1, 64, 80, 32, sigma=3.0, seed=14)
     _, res = sagebwd.forward(q, k, v, causal=True)
