@@ -73,7 +73,8 @@ def variant_config(text):
                                   else int(low) if low.lstrip("-").isdigit() else value.strip())
     if not changes:
         return None
-    return DEFAULT.replace(name="+".join(f"{k}={v}" for k, v in changes.items()), **changes)
+    changes.setdefault("name", "+".join(f"{k}={v}" for k, v in changes.items()))
+    return DEFAULT.replace(**changes)
 
 
 _CONFIG = None  # the INT8 config of the variant set (set_variant)
@@ -197,10 +198,18 @@ def main(argv=None):
     from sagecupy import bench
 
     variants = a.variants.split(";")
-    for text in variants:
-        parse_variant(text)  # (reject a bad token before any compile)
-        variant_config(text)
     calls = [c for c in a.calls.split(",") if c]
+    for text in variants:  # (reject a bad token, or a config the kernels or a call do not take, before any compile)
+        parse_variant(text)
+        cfg = variant_config(text)
+        if cfg is not None:
+            from sagecupy.int8 import _unsupported_config
+
+            why = _unsupported_config(cfg)
+            if why:
+                raise SystemExit(f"variant {text!r}: {why}")
+            if any(not c.startswith("int8") for c in calls):
+                raise SystemExit(f"variant {text!r}: config.FIELD tokens are for the INT8 calls only")
     timings = ("b2b", "sync") if a.timing == "both" else (a.timing,)
     timer = {"b2b": lambda fn: bench.time_ms_b2b(fn), "sync": lambda fn: bench.time_ms(fn)}
     for n in map(int, a.ns.split(",")):

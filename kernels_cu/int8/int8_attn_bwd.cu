@@ -269,7 +269,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
   store_acc_rows<T, D>(dk + bk * ksb + hk * ksh, ksn, acc_dk, key_lo, t4, nk, 0.6931471805599453f);
 }
 
-// dK/dV: grid (nk_pad / 64, Hkv, B), block 128; dynamic shared memory: int8.py _bwd_smem.
+// dK/dV: grid (nk_pad / 64, Hkv, B), block 128; dynamic shared memory: int8.py bwd_smem.
 template <typename T, int D, bool DV16, bool DS16>
 __global__ void __launch_bounds__(BWD_THREADS)
 int8_attn_bwd(const signed char* __restrict__ qc, const float* __restrict__ qs, const signed char* __restrict__ qt,

@@ -17,8 +17,8 @@
 //     S = Q^ K^^T, dP = dO V^T as above;  dQ += X^ K^   m64nDk32 s8.s8 (X^ registers, K^^T shared); or, with DS16,
 //                                                  dQ += X K^ in bf16 as dK (K^'s codes as bf16 in the stage)
 // The element-wise steps are int8/bwd.cuh's, shared with the mma.sync kernels: the int32 products
-// are exact either way, so the two engines differ only through the fp32 accumulation order of dP inside
-// the tensor cores. Every wait is unconditional and no accumulator is touched while its product is in
+// are exact either way, so the two engines differ only through the fp32 accumulation order of the 16-bit products
+// inside the tensor cores (dP, and dV, dK, dQ with DV16 / DS16). Every wait is unconditional and no accumulator is touched while its product is in
 // flight (ptxas would serialize all wgmma otherwise: warning C7514, which CI treats as an error).
 // Operand tiles are double-buffered: each stage is a pre-built image of the tile's operands in global memory
 // (int8/bwd_img.cuh), copied by one thread with one cp.async.bulk whose completion the others wait for on an

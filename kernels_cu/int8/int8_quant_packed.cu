@@ -96,7 +96,7 @@ __device__ __forceinline__ void packed_v_block(const T* __restrict__ v, long lon
 }
 
 // quant_transpose_perm_body's dO pass with delta (MODE 1 or 2) on a packed sequence's 64-row block: IMG 0 into do_t
-// and do_scale (tile-major), 1 into the backward's query-side stage images.
+// and do_scale (tile-major), 1 into the backward's query-side stage images, 3 the same without dO's codes.
 template <typename T, int D, int MODE, int IMG>
 __device__ __forceinline__ void packed_do_block(const T* __restrict__ dout, long long dsh, long long dsn,
                                                 const PackedRows& r, int H, float* __restrict__ scale_out,

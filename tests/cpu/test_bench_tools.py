@@ -121,6 +121,11 @@ def test_ab_config_tokens_change_the_int8_config_only():
         ab.variant_config("config.ds_int8")
     with pytest.raises(TypeError):
         ab.variant_config("config.nonexistent=1")
+    assert ab.variant_config("config.name=mine, config.ds_int8=true").name == "mine"
+    with pytest.raises(SystemExit, match="ds_int8=False needs dv_int8=False"):  # refused before any compile
+        ab.main(["--calls", "int8_bwd", "--variants", "config.dv_int8=true;"])
+    with pytest.raises(SystemExit, match="INT8 calls only"):
+        ab.main(["--calls", "int8_bwd,nvfp4", "--variants", "config.ds_int8=true;"])
 
 
 def test_cubin_cmp_reads_the_ci_list_and_old_layouts(tmp_path):

@@ -630,9 +630,9 @@ BWD_ENGINE_CASES = ENGINE_CASES + [(1, 4, 1, 239, 113, 128, True, "NHD", "bfloat
 @pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,causal,layout,dtype,config", BWD_ENGINE_CASES)
 def test_backward_engines_agree(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config):
     """The wgmma backward (Hopper) and the mma.sync one run the same element-wise float code on exact int32
-    products; only the fp16/bf16 products (dP = dO V^T, and dV = P^T dO in the default's 16-bit dV) are accumulated
+    products; only the fp16/bf16 products (dP = dO V^T, and in the default dV = P^T dO, dK and dQ) are accumulated
     in fp32 by different instructions, whose summation order inside the tensor core may differ (an ulp of dP, of a
-    tile's share of dV). That can move dS by an ulp and, at an
+    tile's share of dV, dK or dQ). That can move dS by an ulp and, at an
     exact rounding tie, one dS code by one step; the bound (relative L2 <= 1e-5 between the engines, 100x
     below the kernel-vs-simulator tolerance) allows that and nothing else: a wrong tile, a wrong scale or a
     layout error shows as >= 1e-3."""
