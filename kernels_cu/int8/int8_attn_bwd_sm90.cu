@@ -505,33 +505,19 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
       for (int e = 0; e < 4; ++e) p[nt][e] *= acc_dp[4 * nt + e] - del[e >> 1];  // dS = P o (dP - delta)
     float xmax[2], s_x[2], inv[2];
     bwd_dq_x_tile(p, xmax, skk);  // X = dS diag(s_K)
-    if constexpr (DS16) {  // dQ += X K^ in bf16 (k = the tile's keys in order: K^'s bf16 rows, read N-major)
-      unsigned xb[4][4];
+    unsigned xb[4][4];  // DS16: X in bf16 (k = the tile's keys in order: K^'s bf16 rows, read N-major)
+    unsigned xa[2][4];  // else: X^'s codes
+    float fx[2];
+    int acc_t[D / 2];
+    if constexpr (DS16) {  // dQ += X K^ in bf16, into acc_dq itself
       pack_acc_as_a16<__nv_bfloat16>(xb, p);
       issue_a16_k64<__nv_bfloat16, D>(acc_dq, xb, cK + Img::K_K16);
-      // S and dP of tile j + 1 as below, while dQ(j) runs.
-      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) & 1], ((j + 1) >> 1) & 1);
-      {
-        const char* nK = sStage + ((j + 1) & 1) * STAGE;
-        issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + Img::K_V);
-      }
-      wgmma_wait<1>();  // dQ(j) and S(j + 1) done (dP(j + 1) may still run)
-      hold_regs(xb);
-      fence_regs(acc_s);
-      __syncthreads();  // every warp past dQ(j): its stage is free for tile j + 2
-      if (tid == 0 && j + 2 < n_tiles) {
-        mbar_arrive_expect_tx(&full[j & 1], Img::K_STAGE);
-        load_kv(j + 2);
-      }
-      continue;
-    }
-    bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
-    unsigned xa[2][4];
-    quantize_acc_as_a(xa, p, inv);
-    const float fx[2] = {s_x[0] * sm_scale, s_x[1] * sm_scale};
-    // dQ += X^ K^ * s_X * sm_scale (B = K^^T, keys mma-permuted like X^'s columns).
-    int acc_t[D / 2];
-    {
+    } else {
+      bwd_group_scale(s_x, inv, xmax, DS_ROWCOL, 127.f, 1.f / 127.f, sRed, warp, lane);
+      quantize_acc_as_a(xa, p, inv);
+      fx[0] = s_x[0] * sm_scale;
+      fx[1] = s_x[1] * sm_scale;
+      // dQ += X^ K^ * s_X * sm_scale (B = K^^T, keys mma-permuted like X^'s columns).
       const unsigned long long d = gmma_desc<64>(cKt);
       wgmma_fence();
       if constexpr (D == 128) {
@@ -544,21 +530,26 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
       wgmma_commit();
     }
     // Tile j + 1 resident (its copy was issued an iteration ago): S and dP of it in flight during the
-    // conversion below. On the last tile they multiply a stale stage (no copy in flight to it); the result is
-    // dropped.
+    // conversion below (DS16: while dQ(j) runs). On the last tile they multiply a stale stage (no copy in flight
+    // to it); the result is dropped.
     if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) & 1], ((j + 1) >> 1) & 1);
     {
       const char* nK = sStage + ((j + 1) & 1) * STAGE;
       issue_s_dp<T, D>(acc_s, acc_dp, sQ, nK, sdO, nK + Img::K_V);
     }
-    wgmma_wait<2>();  // dQ(j) done
-    fence_regs(acc_t);
-    hold_regs(xa);
+    if constexpr (DS16) {
+      wgmma_wait<1>();  // dQ(j) and S(j + 1) done (dP(j + 1) may still run)
+      hold_regs(xb);
+    } else {
+      wgmma_wait<2>();  // dQ(j) done
+      fence_regs(acc_t);
+      hold_regs(xa);
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
+      for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dq[nt][e] += i2f_small(acc_t[4 * nt + e]) * fx[e >> 1];
-    wgmma_wait<1>();  // S(j + 1) done (dP(j + 1) may still run)
+        for (int e = 0; e < 4; ++e) acc_dq[nt][e] += i2f_small(acc_t[4 * nt + e]) * fx[e >> 1];
+      wgmma_wait<1>();  // S(j + 1) done (dP(j + 1) may still run)
+    }
     fence_regs(acc_s);
     __syncthreads();  // every warp past dQ(j): its stage is free for tile j + 2
     if (tid == 0 && j + 2 < n_tiles) {
