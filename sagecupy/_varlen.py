@@ -61,6 +61,8 @@ def fwd_kernel(T, D, bkv, engine):
     """(source, instance, arch) of the packed forward kernel (as int8._fwd_kernel)."""
     src, name, arch = _i8._fwd_kernel(T, D, bkv, engine)
     base, args = name.split("<", 1)
+    if engine == "wgmma":  # the packed kernel has no 16-bit P.V (pv_int8=False) argument
+        args = args.rsplit(",", 1)[0] + ">"
     return src, f"{base}_packed<{args}", arch
 
 

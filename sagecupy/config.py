@@ -80,6 +80,7 @@ class SageBwdConfig:
     ds_granularity: Literal["rowcol", "block"] = "rowcol"
     dv_int8: bool = False
     ds_int8: bool = False
+    pv_int8: bool = True
     k_smoothing: bool = True
     q_smoothing: bool = False
     ds_rowsum_correction: bool = False
@@ -94,7 +95,7 @@ class SageBwdConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 16 or value % 16:
                 raise ValueError(f"SageBwdConfig.{field}={value!r} must be a positive multiple of 16")
-        for field in ("p_unsigned", "dv_int8", "ds_int8", "k_smoothing", "q_smoothing", "ds_rowsum_correction",
+        for field in ("p_unsigned", "dv_int8", "ds_int8", "pv_int8", "k_smoothing", "q_smoothing", "ds_rowsum_correction",
                       "quantize"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"SageBwdConfig.{field} must be a bool, got {getattr(self, field)!r}")

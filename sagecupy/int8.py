@@ -108,7 +108,7 @@ def _quant_names(T, D):
         f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
         f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_do16_image<{T}, {D}>",
         f"bwd_qk_images<{T}, {D}, false>", f"bwd_qk_images<{T}, {D}, true>",
-        f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>",
+        f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>", f"fwd_v16_image<{T}, {D}>",
         f"transpose_i8_qk<{D}, true>",
     ) + ((f"quant_qkv<{T}, {D}, {_QK_RPW}, 0>", f"quant_qkv<{T}, {D}, {_QK_RPW}, 2>") if D == 128 else ())
 
@@ -142,11 +142,12 @@ def kernel_mask(p, mask=None) -> tuple:
     return mask
 
 
-def _fwd_kernel(T, D, bkv, engine):
+def _fwd_kernel(T, D, bkv, engine, pv16=False):
     """(source, instance, arch) of the forward's attention kernel on ``engine`` (a resolved one); each instance
-    compiles in a module of its own."""
+    compiles in a module of its own. ``pv16``: P.V in the inputs' 16-bit type (config ``pv_int8=False``; wgmma)."""
     if engine == "wgmma":
-        return "int8/int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90<{T}, {D}, {_FWD_WARPS}, {bkv}>", "sm_90a"
+        return ("int8/int8_attn_fwd_sm90.cu",
+                f"int8_attn_fwd_sm90<{T}, {D}, {_FWD_WARPS}, {bkv}, {'true' if pv16 else 'false'}>", "sm_90a")
     return "int8/int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {_FWD_WARPS}, {bkv}>", None
 
 
@@ -159,8 +160,9 @@ def kernel_names() -> dict:
             out[_QUANT_SRC] += [n for n in _quant_names(T, D) if n not in out[_QUANT_SRC]]
             for engine in _BWD_SOURCES:  # ("mma", "wgmma")
                 for bkv in _BLOCK_KV:
-                    src, name, _ = _fwd_kernel(T, D, bkv, engine)
-                    out[src].append(name)
+                    for pv16 in ((False, True) if engine == "wgmma" else (False,)):
+                        src, name, _ = _fwd_kernel(T, D, bkv, engine, pv16)
+                        out[src].append(name)
                 for dv_int8, ds_int8 in _BWD_MODES:
                     out[_BWD_SOURCES[engine][0]] += [n for n in _bwd_names(T, D, engine, dv_int8, ds_int8)
                                                      if n not in out[_BWD_SOURCES[engine][0]]]
@@ -183,8 +185,9 @@ def kernel_requests(dtype: str, D: int, engine: str) -> list:
     T = _T[dtype]
     out = quant_requests(T, D)
     for bkv in _BLOCK_KV:
-        src, name, arch = _fwd_kernel(T, D, bkv, engine)
-        out.append((src, name, None, arch))
+        for pv16 in ((False, True) if engine == "wgmma" else (False,)):
+            src, name, arch = _fwd_kernel(T, D, bkv, engine, pv16)
+            out.append((src, name, None, arch))
     src, arch = _BWD_SOURCES[engine]
     for dv_int8, ds_int8 in _BWD_MODES:
         names = _bwd_names(T, D, engine, dv_int8, ds_int8)
@@ -241,16 +244,18 @@ def bwd_smem(D, engine, ds_int8):
     return _bwd_smem(D) + (0 if ds_int8 else 128 * D), 704 * D + 2 * 64 * 4
 
 
-def _fwd_smem(D, bkv, stages):
-    """Dynamic shared memory of a forward CTA: Q, the K/V ring, the key scales of each stage, and alignment
-    of the tiles to 1024 bytes."""
-    return (16 * _FWD_WARPS + 2 * stages * bkv) * D + stages * bkv * 4 + 1024
+def _fwd_smem(D, bkv, stages, pv16=False):
+    """Dynamic shared memory of a forward CTA: Q, the K/V ring (V in 16 bits with ``pv16``), the key scales of each
+    stage, and alignment of the tiles to 1024 bytes."""
+    return (16 * _FWD_WARPS + (3 if pv16 else 2) * stages * bkv) * D + stages * bkv * 4 + 1024
 
 
-def _fwd90_stages(D, bkv):
-    """Stages of the wgmma forward's K/V ring (FwdSm90<D, BKV>::NST): the CTAs per SM the kernel's registers
+def _fwd90_stages(D, bkv, pv16=False):
+    """Stages of the wgmma forward's K/V ring (FwdSm90<D, BKV, PV16>::NST): the CTAs per SM the kernel's registers
     are budgeted for must fit in shared memory (with block_kv=64: three 4-warp CTAs at D=128, four at D=64;
-    with block_kv=128: two)."""
+    with block_kv=128: two). With the 16-bit V (``pv16``) two stages, the next tile loading during a tile."""
+    if pv16:
+        return 2
     return 3 if (D, bkv) == (128, 128) else 4
 
 
@@ -264,8 +269,8 @@ def kernel_constants() -> dict:
                 (f"BwdDqSm90<{D}, true>::SMEM", _bwd90_smem(D, False)[1])]
         out += [(f"BwdImg<{D}>::Q_STAGE", bwd_images(D)[0]), (f"BwdImg<{D}>::K_STAGE", bwd_images(D)[1]),
                 (f"BwdImg<{D}, true>::K_STAGE", bwd_images(D, False)[1])]
-    fwd = [(f"FwdSm90<{D}, {bkv}>::NST", _fwd90_stages(D, bkv))
-           for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV]
+    fwd = [(f"FwdSm90<{D}, {bkv}, {'true' if pv16 else 'false'}>::NST", _fwd90_stages(D, bkv, pv16))
+           for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV for pv16 in (False, True)]
     fwd += [(f"FwdImg<{D}>::STAGE", fwd_image(D)) for D in _checks.SUPPORTED_HEAD_DIMS]
     return {"int8/int8_attn_bwd_sm90.cu": out, "int8/int8_attn_fwd_sm90.cu": fwd}
 
@@ -452,6 +457,10 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
         raise ValueError(f"config: {why}")
     _check_device()
     engine = forward_engine(engine)  # validate before any work
+    pv16 = not cfg.pv_int8
+    if pv16 and engine != "wgmma":
+        raise ValueError(f"config: pv_int8=False (P.V in 16 bits) is implemented on the wgmma engine (sm_90) only; "
+                         f"engine={engine!r}")
     # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T, D = _T[p.dtype], p.head_dim
@@ -462,8 +471,9 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     prog = Program()
     rq, rk, rv = Ref("q"), Ref("k"), Ref("v")
 
-    # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed.
-    v_channel = cfg.v_granularity == "channel"
+    # K's channel mean (K-smoothing) and V's channel scales: one pair of launches when both are needed. With the
+    # 16-bit P.V V is not quantized.
+    v_channel = cfg.v_granularity == "channel" and not pv16
     # Buffers: the backward's residuals (Q^, K^, their scales, mu_K) are arrays of their own in the training forward;
     # everything else (and, in the inference forward, everything) is scratch in one arena (_layout.TMP): one allocation per
     # call instead of up to eight, ~2 us of host time each, one of them before the first launch (a synchronized
@@ -496,14 +506,14 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     kv_img = (prog.empty("kv_img", (B, Hkv, nk_pad // 64, fwd_image(D)), cupy.uint8, arena=_layout.TMP)
               if engine == "wgmma" else None)
     mode = 0 if v_channel else 2  # V's scales: per channel, or per 64-token block (computed by the V pass)
-    if not v_channel:
+    if not v_channel and not pv16:
         v_scale = prog.empty("v_scale", (B, Hkv, nk_pad // 64, D), f32, arena=_layout.TMP)
     qk_args = (rq, i64(qsb), i64(qsh), i64(qsn), i32(nq), i32(nq_pad), f32(p.sm_scale), q_codes, q_scale, f32(LOG2E),
                qmk, rk, i64(ksb), i64(ksh), i64(ksn), i32(nk), i32(nk_pad), k_codes, k_scale, mu_k, i32(Hq), i32(Hkv),
                kv_img)
     # Q, K and V in one launch where V's 64-token blocks take 256 = 2 D threads, as the Q and K rows do (the same
     # bytes as quant_rows_qk then fwd_v_image, one launch fewer; docs/experiments.md)
-    if cfg.q_granularity == "token" and cfg.k_granularity == "token" and kv_img is not None and D == 128:
+    if cfg.q_granularity == "token" and cfg.k_granularity == "token" and kv_img is not None and D == 128 and not pv16:
         prog.launch(_qfn(f"quant_qkv<{T}, {D}, {_QK_RPW}, {mode}>", T, D),
                     (max(nq_pad, nk_pad) // (8 * _QK_RPW), Hq + 2 * Hkv, B), (256,),
                     qk_args + (rv, i64(vsb), i64(vsh), i64(vsn), v_scale, v_scale), pdl=True)
@@ -525,7 +535,11 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     # for 64-key tiles (whole 128-byte lines per copied tile row pair: 1.02x forward kernel on the H200,
     # docs/experiments.md) or (B, Hkv, D, nk_pad) for 128-key tiles.
     tile_major = cfg.block_kv == 64
-    if kv_img is not None:
+    if pv16:  # V as it is, in the 16-bit images the kernel reads through v_t
+        v_t = prog.empty("v_t", (B, Hkv, nk_pad // 64, 128 * D), cupy.uint8, arena=_layout.TMP)
+        prog.launch(_qfn(f"fwd_v16_image<{T}, {D}>", T, D), (nk_pad // 64, Hkv, B), (256,),
+                    (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_t))
+    elif kv_img is not None:
         prog.launch(_qfn(f"fwd_v_image<{T}, {D}, {mode}>", T, D), (nk_pad // 64, Hkv, B), (2 * D,),
                     (rv, i64(vsb), i64(vsh), i64(vsn), i32(nk), i32(nk_pad), v_scale, v_scale, kv_img))
     else:
@@ -600,10 +614,11 @@ def _forward_launch_program(p, cfg, pre, engine, mask=None):
         if mask is not None:
             raise ValueError("a block mask is for dense layouts; packed sequences keep their own")
         return _varlen.forward_launch_program(p, cfg, pre, engine)
-    src, name, arch = _fwd_kernel(T, D, bkv, engine)
+    pv16 = not cfg.pv_int8
+    src, name, arch = _fwd_kernel(T, D, bkv, engine, pv16)
     fn = get_function(src, name, arch=arch)
-    stages = _fwd90_stages(D, bkv) if engine == "wgmma" else 2
-    smem = _fwd_smem(D, bkv, stages)
+    stages = _fwd90_stages(D, bkv, pv16) if engine == "wgmma" else 2
+    smem = _fwd_smem(D, bkv, stages, pv16)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     prog = Program()

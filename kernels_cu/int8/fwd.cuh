@@ -133,6 +133,69 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   return ts;
 }
 
+// fwd_softmax_tile for the 16-bit P.V (SageBwdConfig.pv_int8=False): the same logits, mask, tile max and lazy
+// frame, then P~ = exp2(S - m) in the running frame m itself (<= 2^FWD_RESCALE_SLACK), rounded to T pairwise as the
+// A operand of P.V in T (pa[kk]: keys 16 kk .. 16 kk + 15, bwd.cuh pack_acc_as_a16's layout); the row sums add the
+// unrounded P~. O is accumulated by the tensor cores in the frame: the caller rescales it by alpha before P.V(t).
+template <typename T, int NT>
+__device__ __forceinline__ FwdTileScale fwd_softmax_tile16(const int (&acc_s)[NT][4], FwdRows& rs,
+                                                           unsigned (&pa)[NT / 2][4], const float* ks_tile, int tile,
+                                                           bool need_mask, const int2 (&rk)[2], int t4) {
+  static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
+  float s[NT][4];
+  const unsigned ks_addr = after_barriers(smem_u32(ks_tile) + 8 * t4);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int kt = nt * 8 + 2 * t4, key = tile * (8 * NT) + kt;
+    const float2 sk = lds_f2(ks_addr + 32 * nt);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = i2f_small(acc_s[nt][e]) * ((e & 1) ? sk.y : sk.x);
+      if (need_mask) {
+        const int kk = key + (e & 1);
+        if (kk < rk[e >> 1].x || kk > rk[e >> 1].y) v = -INFINITY;
+      }
+      s[nt][e] = v;
+    }
+  }
+  float mx[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float t[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+    tree_fold(t, FMaxOp());
+    mx[r] = t[0];
+  }
+  FwdTileScale ts;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = quad_max(mx[r]) * rs.sq[r];
+    const float m_new = mx[r] > rs.m[r] + FWD_RESCALE_SLACK ? mx[r] : rs.m[r];
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    ts.alpha[r] = fast_exp2(rs.m[r] - m_use);
+    ts.spv[r] = 1.f;
+    rs.m[r] = m_new;
+    mx[r] = -m_use;
+  }
+  ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
+  float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p[e] = fast_exp2(fmaf(s[nt][e], rs.sq[e >> 1], mx[e >> 1]));
+      lsum[e >> 1][(nt & 1) * 2 + (e & 1)] += p[e];
+    }
+    pa[nt / 2][2 * (nt & 1)] = pack2<T>(p[0], p[1]);
+    pa[nt / 2][2 * (nt & 1) + 1] = pack2<T>(p[2], p[3]);
+  }
+  rs.l[0] = fmaf(rs.l[0], ts.alpha[0], (lsum[0][0] + lsum[0][1]) + (lsum[0][2] + lsum[0][3]));
+  rs.l[1] = fmaf(rs.l[1], ts.alpha[1], (lsum[1][0] + lsum[1][1]) + (lsum[1][2] + lsum[1][3]));
+  return ts;
+}
+
 // O columns 8 nt .. 8 nt + 7 (acc layout): O = alpha * O + (P^ V^) * spv.
 __device__ __forceinline__ void fwd_pv_update(float (&o)[4], const int* pv, const FwdTileScale& ts) {
   if (ts.rescale) {
@@ -359,15 +422,16 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // one head at a time (docs/experiments.md; O bitwise the same). 16 keeps the K/V of fewer heads in flight for large
 // batch x heads.
 constexpr int FWD_CAUSAL_GROUP = 16;
-template <int D, int BKV>
+template <int D, int BKV, bool PV16 = false>
 struct FwdSm90 {
-  static constexpr bool PV_HALVES = D == 128 && BKV == 64;
-  // K/V ring stages: two 4-warp CTAs per SM fit in shared memory (three with PV_HALVES: 75,776 bytes each)
-  static constexpr int NST = (D == 128 && BKV == 128) ? 3 : 4;
+  static constexpr bool PV_HALVES = D == 128 && BKV == 64 && !PV16;
+  // K/V ring stages: two 4-warp CTAs per SM fit in shared memory (three with PV_HALVES: 75,776 bytes each). PV16
+  // (16-bit V, twice the bytes): two stages, tile t+1 loaded while tile t is softmaxed (the loop below).
+  static constexpr int NST = PV16 ? 2 : ((D == 128 && BKV == 128) ? 3 : 4);
   // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
-  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64) ? 4 : 1);
+  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4 : 1);
 };
-template <typename T, int D, int WARPS, int BKV, bool PACKED = false>
+template <typename T, int D, int WARPS, int BKV, bool PACKED = false, bool PV16 = false>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
               const signed char* __restrict__ kc, const float* __restrict__ ks,
               const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -386,8 +450,11 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   using KvImg = FwdImg<D>;
   static_assert(BKV == 64 || BKV == 128, "tiles of 64 or 128 keys");
   constexpr int NI = BKV / 64;
-  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV>::NST, NT = BKV / 8;
-  const bool V_BLOCK = BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
+  constexpr int FWD_BQ = 16 * WARPS, FWD_THREADS = 32 * WARPS, NST = FwdSm90<D, BKV, PV16>::NST, NT = BKV / 8;
+  // PV16 (SageBwdConfig.pv_int8=False): V in the inputs' 16-bit type T, from `vt`: per 64-key tile one image of
+  // 64 x D elements stored [key][channel] in 128-byte pieces (bwd_img.cuh k128_offset), which P.V reads N-major.
+  constexpr int V_TILE = (PV16 ? 2 : 1) * 64 * D;  // bytes of one 64-key V tile in a stage
+  const bool V_BLOCK = !PV16 && BKV == 64 && v_block != 0;  // per-block V: 64-key tiles (host)
   Window win{left, right};
   extern __shared__ __align__(128) char smem_raw[];
   // Tiles aligned to 1024 bytes (8 swizzled rows of 128 B), as wgmma descriptors require.
@@ -396,8 +463,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   char* sQ = smem;                               // FWD_BQ x D
   char* sK = sQ + FWD_BQ * D;                    // NST stages x BKV x D
-  char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV
-  float* sKs = reinterpret_cast<float*>(sV + NST * D * BKV);  // NST stages x BKV key scales
+  char* sV = sK + NST * BKV * D;                 // NST stages x D x BKV (x 2 bytes with PV16)
+  float* sKs = reinterpret_cast<float*>(sV + NST * NI * V_TILE);  // NST stages x BKV key scales
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   QueryBlock qb = query_block<FWD_CAUSAL_GROUP>(FWD_BQ, win.causal_shape(), Hq, Hkv);
   int lse_n = nq;  // the LSE's row length: (B, Hq, nq), packed (Hq, total_q)
@@ -408,6 +475,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     if (!packed_query_seq(meta, S, qb, Hq, Hkv, nq, nk, nq_pad, nk_pad, win, shift, p, s)) return;  // past the last
     lse_n = total_q;
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
+    static_assert(!PACKED || !PV16, "PV16: dense layouts");
     qc += qr * D, qs += qr, o += p.q0 * osn, lse += p.q0, kv_img += kr / 64 * KvImg::STAGE;
     vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence
     if (qmk) qmk += qr;
@@ -422,14 +490,20 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
 
   __shared__ __align__(8) unsigned long long full[NST];  // stage s resident
   const char* gImg = kv_img + bhk * (nk_pad / 64) * static_cast<long long>(KvImg::STAGE);
+  const char* gV16 = PV16 ? reinterpret_cast<const char*>(vt) + bhk * (nk_pad / 64) * static_cast<long long>(V_TILE)
+                          : nullptr;
   auto load_stage = [&](int j) {  // thread 0: tile tl.first + j (its NI images) into stage j % NST
     const int st = j % NST, t = tl.first + j;
-    mbar_arrive_expect_tx(&full[st], NI * KvImg::STAGE);
+    mbar_arrive_expect_tx(&full[st], NI * (PV16 ? 64 * D + V_TILE + 256 : KvImg::STAGE));
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
       const char* src = gImg + (NI * t + i) * static_cast<long long>(KvImg::STAGE);
       bulk_copy_g2s(sK + st * BKV * D + i * 64 * D, src + KvImg::K, 64 * D, &full[st]);
-      bulk_copy_g2s(sV + st * D * BKV + i * 64 * D, src + KvImg::VT, 64 * D, &full[st]);
+      if constexpr (PV16)
+        bulk_copy_g2s(sV + (st * NI + i) * V_TILE, gV16 + (NI * t + i) * static_cast<long long>(V_TILE), V_TILE,
+                      &full[st]);
+      else
+        bulk_copy_g2s(sV + st * D * BKV + i * 64 * D, src + KvImg::VT, 64 * D, &full[st]);
       bulk_copy_g2s(sKs + st * BKV + 64 * i, src + KvImg::KS, 256, &full[st]);
     }
   };
@@ -484,6 +558,40 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     fence_regs(accs);
   }
 
+  if constexpr (PV16) {
+    // O accumulates P~ V in the running frame on the tensor cores (fp32), so there is no P.V accumulator and no
+    // per-tile fold; O is rescaled by alpha in registers when the frame moves, before P.V(t) is issued. Stage of
+    // tile j: j % 2. Tile j+1 is loaded at the top of iteration j (its stage held tile j-1, whose Q.K^T and P.V
+    // every warp has waited for by the barrier) and waited for just before Q.K^T(j+1) is issued, after softmax(j).
+    for (int j = 0; j < n_tiles; ++j) {
+      const int tile = tl.first + j;
+      __syncthreads();
+      if (tid == 0 && j + 1 < n_tiles) load_stage(j + 1);
+      unsigned pa[NT / 2][4];
+      const FwdTileScale ts = fwd_softmax_tile16<T, NT>(acc_s, rs, pa, sKs + (j % NST) * BKV, tile,
+                                                        tl.need_mask(tile), rk, t4);
+      if (ts.rescale) {
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[nt][e] *= ts.alpha[e >> 1];
+      }
+      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
+      wgmma_fence();
+      const char* cV = sV + (j % NST) * NI * V_TILE;
+#pragma unroll
+      for (int kk = 0; kk < NT / 2; ++kk)
+        wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk], desc_mn16<64>(cV + (kk / 4) * V_TILE, kk % 4),
+                          1);
+      wgmma_commit();
+      // Q.K^T(t+1); on the last tile a stale stage (no copy in flight), the result dropped
+      issue_qk((j + 1) % NST);
+      wgmma_wait<0>();
+      fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
+      fence_regs(accs);
+      hold_regs(pa);
+    }
+  } else
   for (int j = 0; j < n_tiles; ++j) {
     const int tile = tl.first + j;
     // Tile j+1 resident and visible to the tensor cores; every warp past P.V(j-1), whose stage the
@@ -548,7 +656,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     }
   }
   cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or rows that see no key) still has Q in flight
-  fwd_epilogue<T, D>(acc_o, rs, V_BLOCK ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * lse_n,
+  fwd_epilogue<T, D>(acc_o, rs, (V_BLOCK || PV16) ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * lse_n,
                      lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
 }
 

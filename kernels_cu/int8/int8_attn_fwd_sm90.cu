@@ -7,10 +7,11 @@
 
 using namespace sage;
 
-// Dynamic shared memory: (16 * WARPS + 2 * NST * BKV) * D + 4 * NST * BKV bytes + 1024 (alignment): a ring of
-// NST = FwdSm90<D, BKV>::NST stages of K, V and the key scales.
-template <typename T, int D, int WARPS, int BKV>
-__global__ void __launch_bounds__(32 * WARPS, FwdSm90<D, BKV>::MIN_CTAS)
+// Dynamic shared memory: (16 * WARPS + (2 or 3 with PV16) * NST * BKV) * D + 4 * NST * BKV bytes + 1024 (alignment):
+// a ring of NST = FwdSm90<D, BKV, PV16>::NST stages of K, V and the key scales.
+// PV16 (SageBwdConfig.pv_int8=False): P.V in T on the 16-bit V images in `vt` (int8/fwd.cuh); vs is not read.
+template <typename T, int D, int WARPS, int BKV, bool PV16>
+__global__ void __launch_bounds__(32 * WARPS, (FwdSm90<D, BKV, PV16>::MIN_CTAS))
 int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__ qs,
                    const signed char* __restrict__ kc, const float* __restrict__ ks,
                    const signed char* __restrict__ vt, const float* __restrict__ vs,
@@ -19,8 +20,9 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
                    float* __restrict__ lse, float* __restrict__ lse2,
                    int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, float p_max, int left, int right,
                    int shift, int v_block, const char* __restrict__ kv_img) {
-  int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                 nk_pad, p_max, left, right, shift, v_block, kv_img);
+  int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV, false, PV16>(qc, qs, kc, ks, vt, vs, qmk, o, osb, osh, osn, lse, lse2, Hq,
+                                                         Hkv, nq, nk, nq_pad, nk_pad, p_max, left, right, shift,
+                                                         v_block, kv_img);
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1); o (total_q, Hq, D) at the given

@@ -677,6 +677,26 @@ bwd_do16_image(const T* __restrict__ x, long long sb, long long sh, long long sn
                                               blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
+// The 16-bit V of the wgmma forward with pv_int8=False (int8/fwd.cuh PV16): per (b, h, 64-key tile) 64 x D elements
+// of V as they are (the caller's layout), stored [key][channel] in 128-byte pieces (bwd_img.cuh k128_offset), keys
+// past n zero (a masked key's P~ is 0, and 0 times a stale value could be NaN). out (B, H, n_pad / 64, 128 D bytes).
+// grid (n_pad / 64, H, B), block 256.
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+fwd_v16_image(const T* __restrict__ v, long long sb, long long sh, long long sn, int n, int n_pad,
+              char* __restrict__ out) {
+  static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
+  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  char* img = out + ((static_cast<long long>(b) * gridDim.y + h) * (n_pad / 64) + blk) * (128 * D);
+#pragma unroll
+  for (int i = 0; i < 8 * D / 256; ++i) {
+    const int idx = threadIdx.x + 256 * i, r = idx / (D / 8), c = idx % (D / 8), tok = blk * 64 + r;
+    const uint4 val = tok < n ? *reinterpret_cast<const uint4*>(v + b * sb + h * sh + tok * sn + 8 * c)
+                              : make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(img + k128_offset(r, c)) = val;
+  }
+}
+
 template <int D>
 using CodeWords = unsigned[64][D / 4 + 1];  // a staged block: 32-bit words, one word of row padding
 
