@@ -133,16 +133,15 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
   return ts;
 }
 
-// fwd_softmax_tile for the 16-bit P.V (SageBwdConfig.pv_int8=False): the same logits, mask, tile max and lazy
-// frame, then P~ = exp2(S - m) in the running frame m itself (<= 2^FWD_RESCALE_SLACK), rounded to T pairwise as the
+// fwd_softmax_tile for the 16-bit P.V (SageBwdConfig.pv_int8=False), in pieces (fwd_frame16, fwd_exp16, fwd_lsum16):
+// the same logits, mask, tile max and lazy frame, then P~ = exp2(S - m) in the running frame m itself (<= 2^FWD_RESCALE_SLACK), rounded to T pairwise as the
 // A operand of P.V in T (pa[kk]: keys 16 kk .. 16 kk + 15, bwd.cuh pack_acc_as_a16's layout); the row sums add the
 // unrounded P~. O is accumulated by the tensor cores in the frame: the caller rescales it by alpha before P.V(t).
-template <typename T, int NT>
-__device__ __forceinline__ FwdTileScale fwd_softmax_tile16(const int (&acc_s)[NT][4], FwdRows& rs,
-                                                           unsigned (&pa)[NT / 2][4], const float* ks_tile, int tile,
-                                                           bool need_mask, const int2 (&rk)[2], int t4) {
+template <int NT>
+__device__ __forceinline__ FwdTileScale fwd_frame16(const int (&acc_s)[NT][4], float (&s)[NT][4], float (&mx)[2],
+                                                    FwdRows& rs, const float* ks_tile, int tile, bool need_mask,
+                                                    const int2 (&rk)[2], int t4) {
   static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
-  float s[NT][4];
   const unsigned ks_addr = after_barriers(smem_u32(ks_tile) + 8 * t4);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -158,7 +157,6 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile16(const int (&acc_s)[NT
       s[nt][e] = v;
     }
   }
-  float mx[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float t[NT];
@@ -179,9 +177,15 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile16(const int (&acc_s)[NT
     mx[r] = -m_use;
   }
   ts.rescale = __any_sync(0xffffffffu, ts.alpha[0] != 1.f || ts.alpha[1] != 1.f);
-  float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
+  return ts;
+}
+
+// P~ of n-tiles NT0 .. NT1 - 1 of the tile (fwd_frame16's logits s and exponent base mx) into pa, their sums into lsum.
+template <typename T, int NT, int NT0, int NT1>
+__device__ __forceinline__ void fwd_exp16(const float (&s)[NT][4], const float (&mx)[2], const FwdRows& rs,
+                                          unsigned (&pa)[NT / 2][4], float (&lsum)[2][4]) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
+  for (int nt = NT0; nt < NT1; ++nt) {
     float p[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -191,9 +195,11 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile16(const int (&acc_s)[NT
     pa[nt / 2][2 * (nt & 1)] = pack2<T>(p[0], p[1]);
     pa[nt / 2][2 * (nt & 1) + 1] = pack2<T>(p[2], p[3]);
   }
+}
+
+__device__ __forceinline__ void fwd_lsum16(FwdRows& rs, const FwdTileScale& ts, const float (&lsum)[2][4]) {
   rs.l[0] = fmaf(rs.l[0], ts.alpha[0], (lsum[0][0] + lsum[0][1]) + (lsum[0][2] + lsum[0][3]));
   rs.l[1] = fmaf(rs.l[1], ts.alpha[1], (lsum[1][0] + lsum[1][1]) + (lsum[1][2] + lsum[1][3]));
-  return ts;
 }
 
 // O columns 8 nt .. 8 nt + 7 (acc layout): O = alpha * O + (P^ V^) * spv.
@@ -568,21 +574,41 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       __syncthreads();
       if (tid == 0 && j + 1 < n_tiles) load_stage(j + 1);
       unsigned pa[NT / 2][4];
-      const FwdTileScale ts = fwd_softmax_tile16<T, NT>(acc_s, rs, pa, sKs + (j % NST) * BKV, tile,
-                                                        tl.need_mask(tile), rk, t4);
+      float sv[NT][4], mx[2];
+      float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
+      const FwdTileScale ts = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + (j % NST) * BKV, tile, tl.need_mask(tile),
+                                              rk, t4);
       if (ts.rescale) {
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_o[nt][e] *= ts.alpha[e >> 1];
       }
+      const char* cV = sV + (j % NST) * NI * V_TILE;
+      auto issue_pv = [&](int kk0, int kk1) {
+#pragma unroll
+        for (int kk = kk0; kk < kk1; ++kk)
+          wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk],
+                            desc_mn16<64>(cV + (kk / 4) * V_TILE, kk % 4), 1);
+      };
+#ifdef SAGE_FWD_PV16_SPLIT
+      // P.V of the first half of the keys runs while the second half's exponentials are computed
+      fwd_exp16<T, NT, 0, NT / 2>(sv, mx, rs, pa, lsum);
+      wgmma_fence();
+      issue_pv(0, NT / 4);
+      wgmma_commit();
+      fwd_exp16<T, NT, NT / 2, NT>(sv, mx, rs, pa, lsum);
+      fwd_lsum16(rs, ts, lsum);
       if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
       wgmma_fence();
-      const char* cV = sV + (j % NST) * NI * V_TILE;
-#pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk)
-        wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk], desc_mn16<64>(cV + (kk / 4) * V_TILE, kk % 4),
-                          1);
+      issue_pv(NT / 4, NT / 2);
+#else
+      fwd_exp16<T, NT, 0, NT>(sv, mx, rs, pa, lsum);
+      fwd_lsum16(rs, ts, lsum);
+      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
+      wgmma_fence();
+      issue_pv(0, NT / 2);
+#endif
       wgmma_commit();
       // Q.K^T(t+1); on the last tile a stale stage (no copy in flight), the result dropped
       issue_qk((j + 1) % NST);
