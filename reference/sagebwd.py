@@ -87,6 +87,14 @@ Forward (per batch ``b``, query head ``h``, kv head ``h // (Hq / Hkv)``)
    matmul ``A · (V̂ ⊙ s_V)``. (A test checks it against a literal tile loop.)
    Fully masked rows (``M = −inf``): ``O = 0``, ``lse = −inf``, no NaN.
 
+   ``config.pv_int8=False`` (P·V in the inputs' 16-bit type): V is not quantized and P̃ is not coded per tile;
+   the kernels keep O in a *lazy frame* ``f_t`` (base-2 logit units, ``S₂ = S · log₂e``): ``f_t = r₂_t`` if
+   ``r₂_t > f_{t−1} + 8`` (:data:`FWD_RESCALE_SLACK`), else ``f_{t−1}`` (``f_{−1} = −inf``), round
+   ``P̃_t = 2^{S₂ − f_t}`` to the 16-bit type and accumulate ``O_t = 2^{f_{t−1} − f_t} O_{t−1} + P̃_t V`` in
+   fp32. The rounding depends on the frame, so the closed form keeps it: the "codes" are the rounded
+   ``2^{S₂ − f_t}`` and ``w_t = 2^{f_t − M₂}``, and ``A · V`` with the unquantized V as above; ``l`` and the
+   LSE are the same as with ``pv_int8=True`` (the kernels sum the unrounded P̃ either way).
+
 5. The public LSE is that of the *unsmoothed* logits ``sm_scale · q_i · k_j``:
    since ``S_ij ≈ sm_scale · q_i · (k_j − μ_K)`` (the Q-smoothing bias restores
    ``q_i`` exactly), ``lse = lse_internal + sm_scale · q_i · μ_K`` with the
@@ -180,6 +188,9 @@ _DTYPES16 = ("float16", "bfloat16")
 # multiplied by ln 2 at the end. Wherever a value is rounded on that grid (Y in bf16, ds_int8=False), the simulator
 # rounds the same float32 products.
 _LOG2E = 1.4426950408889634
+#: How far (base-2 logit units) a tile's max may exceed the running frame before the forward's frame moves (the
+#: kernels' FWD_RESCALE_SLACK); with ``pv_int8=False`` the rounding of P̃ depends on the frame (module docstring).
+FWD_RESCALE_SLACK = 8.0
 
 
 def _dtype16(dtype, q):
@@ -263,7 +274,7 @@ def _logits(qc, qs, kc, ks, bias_rows, mask) -> np.ndarray:
     return np.where(mask, s + bias_rows, -np.inf)
 
 
-def _forward_head(S, pv_rhs, cfg: SageBwdConfig):
+def _forward_head(S, pv_rhs, cfg: SageBwdConfig, dtype=None):
     """The closed form of the online softmax (module docstring, step 4) for one head.
 
     ``S (Nq, Nk)`` logits (``−inf`` = invisible), ``pv_rhs = V̂ ⊙ s_V`` per row
@@ -280,14 +291,27 @@ def _forward_head(S, pv_rhs, cfg: SageBwdConfig):
     tile_max = tiles.max(axis=-1)                       # r_t, −inf for a tile with no visible key
     tile_seen = tile_max != -np.inf
     r_safe = np.where(tile_seen, tile_max, 0.0)         # avoids −inf − (−inf)
-    p_tilde = np.exp(tiles - r_safe[..., None])         # e^{S − r_t} in [0, 1], 0 where invisible
-    p_codes = p_tilde * cfg.p_max
-    if cfg.quantize:
-        p_codes = np.rint(p_codes)                      # P̂ = rint(p_max · e^{S − r_t})
     m = tile_max.max(axis=-1)                           # M, the row max
     row_seen = m != -np.inf
     m_safe = np.where(row_seen, m, 0.0)
-    p_weight = np.where(tile_seen, np.exp(r_safe - m_safe[:, None]), 0.0) / cfg.p_max   # w_t
+    if not cfg.pv_int8:  # the 16-bit P.V: P~ in the lazy frame f_t, rounded to the 16-bit type (module docstring)
+        r2 = tile_max * _LOG2E
+        frame = np.empty_like(r2)
+        f = np.full(Nq, -np.inf)
+        for t in range(T):
+            f = np.where(r2[:, t] > f + FWD_RESCALE_SLACK, r2[:, t], f)
+            frame[:, t] = f
+        f_safe = np.where(frame == -np.inf, 0.0, frame)
+        p_codes = np.exp2(tiles * _LOG2E - f_safe[..., None])   # 0 where invisible
+        if cfg.quantize:
+            p_codes = _round16(p_codes, dtype)
+        p_weight = np.where(frame == -np.inf, 0.0, np.exp2(f_safe - (m_safe * _LOG2E)[:, None]))
+    else:
+        p_tilde = np.exp(tiles - r_safe[..., None])     # e^{S − r_t} in [0, 1], 0 where invisible
+        p_codes = p_tilde * cfg.p_max
+        if cfg.quantize:
+            p_codes = np.rint(p_codes)                  # P̂ = rint(p_max · e^{S − r_t})
+        p_weight = np.where(tile_seen, np.exp(r_safe - m_safe[:, None]), 0.0) / cfg.p_max   # w_t
     a = (p_codes * p_weight[..., None]).reshape(Nq, T * bkv)[:, :Nk]
     o_num = a @ pv_rhs
     l = np.exp(S - m_safe[:, None]).sum(axis=-1)        # unquantized row sum
@@ -470,7 +494,8 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
       (``−inf`` where a row sees no key of tile ``t``);
     * ``"m"``, ``"l"`` ``(B, Hq, Nq)``: the row max ``M`` and ``Σ_j e^{S_j − M}``;
     * ``"P_fwd_codes"`` ``(B, Hq, Nq, Nk)``: ``P̂`` (int16; float64 if not
-      quantizing); ``"P_fwd_weight"`` ``(B, Hq, Nq, T)``: ``w_t = e^{r_t − M}/p_max``,
+      quantizing, or with ``pv_int8=False`` the rounded ``2^{S₂ − f_t}``); ``"P_fwd_weight"``
+      ``(B, Hq, Nq, T)``: ``w_t = e^{r_t − M}/p_max`` (``2^{f_t − M₂}`` with ``pv_int8=False``),
       the online ``s_P`` of tile ``t`` rescaled to the final max;
     * ``"P"`` ``(B, Hq, Nq, Nk)``: ``exp(S − lse_internal)``, the softmax of ``S``.
 
@@ -505,7 +530,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
         inter = {
             "S": np.zeros((B, Hq, Nq, Nk)), "tile_max": np.zeros((B, Hq, Nq, T)),
             "m": np.zeros((B, Hq, Nq)), "l": np.zeros((B, Hq, Nq)),
-            "P_fwd_codes": np.zeros((B, Hq, Nq, Nk), dtype=np.int16 if cfg.quantize else np.float64),
+            "P_fwd_codes": np.zeros((B, Hq, Nq, Nk), dtype=np.int16 if cfg.quantize and cfg.pv_int8 else np.float64),
             "P_fwd_weight": np.zeros((B, Hq, Nq, T)), "P": np.zeros((B, Hq, Nq, Nk)),
         }
     for b in range(B):
@@ -513,8 +538,8 @@ def forward(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=DEFAUL
             g = kv_of[h]
             S = _logits(qi["q_codes"][b, h], qi["q_scale"][b, h], qi["k_codes"][b, g], qi["k_scale"][b, g],
                         _rows(qi["bias"][b, h], cfg.block_q, Nq), mask)
-            pv_rhs = qi["v_codes"][b, g] * _v_rows(qi["v_scale"][b, g], cfg, Nk)
-            o[b, h], lse_int[b, h], tmax, m, l, pc, pw = _forward_head(S, pv_rhs, cfg)
+            pv_rhs = vh[b, g] if not cfg.pv_int8 else qi["v_codes"][b, g] * _v_rows(qi["v_scale"][b, g], cfg, Nk)
+            o[b, h], lse_int[b, h], tmax, m, l, pc, pw = _forward_head(S, pv_rhs, cfg, dtype)
             if return_intermediates:
                 inter["S"][b, h], inter["tile_max"][b, h], inter["m"][b, h], inter["l"][b, h] = S, tmax, m, l
                 inter["P_fwd_codes"][b, h], inter["P_fwd_weight"][b, h] = pc, pw

@@ -313,6 +313,9 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
         raise ValueError(f"config: {why}")
     _i8._check_device()
     engine = _i8.forward_engine(engine)
+    why = _i8._unsupported_pv16(cfg, engine, True)
+    if why:
+        raise ValueError(f"config: {why}")
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T, D = _i8._T[p.dtype], p.head_dim
     S, Hq, Hkv, Tq, Tk = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk

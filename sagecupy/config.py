@@ -42,6 +42,15 @@ ds_int8            ``True``: ``dQ = X^ K^``, ``dK = Y^^T Q^`` as integer
                    of at most 127 in magnitude are exact in bf16), with fp32
                    accumulation; ``ds_granularity`` then has no effect. The
                    kernels implement ``ds_int8=False`` with ``dv_int8=False``.
+pv_int8            ``True``: the forward's ``O = P V`` as an integer matmul of
+                   P^ (per token per ``block_kv`` tile, ``p_unsigned``) and V^
+                   (``v_granularity``); ``False``: V as given and P~ rounded
+                   to the inputs' 16-bit type in the softmax's running frame,
+                   fp32 accumulation (O's error at sigma = 1 about a third
+                   lower; ``block_kv`` then changes no number but where the
+                   frame may move). The kernels implement ``False`` on the
+                   wgmma engine (sm_90) for dense layouts, with
+                   ``v_granularity="channel"``.
 =================  ==========================================================
 """
 from __future__ import annotations

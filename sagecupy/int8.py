@@ -64,6 +64,21 @@ def _unsupported_config(cfg: SageBwdConfig) -> str | None:
     if cfg.dv_int8 and not cfg.ds_int8:
         return ("ds_int8=False needs dv_int8=False in the kernels (the bf16 codes of Q take the stage bytes of the "
                 "INT8 dV's operands); use dv_int8=False, or ds_int8=True as well")
+    if not cfg.pv_int8 and cfg.v_granularity != "channel":
+        return (f"pv_int8=False leaves V unquantized, so v_granularity={cfg.v_granularity!r} would not be applied; "
+                f"use v_granularity='channel' (the default) with it")
+    return None
+
+
+def _unsupported_pv16(cfg: SageBwdConfig, engine: str, packed: bool) -> str | None:
+    """Why the forward kernels cannot run ``cfg.pv_int8=False`` on ``engine`` (resolved) with this layout, or None."""
+    if cfg.pv_int8:
+        return None
+    if engine != "wgmma":
+        return (f"pv_int8=False (P.V in 16 bits) is implemented on the wgmma engine (sm_90) only, not on "
+                f"engine={engine!r}; use pv_int8=True (the default)")
+    if packed:
+        return "pv_int8=False (P.V in 16 bits) is implemented for dense layouts only, not layout='THD'"
     return None
 
 
@@ -82,9 +97,11 @@ def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=N
             _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
         cfg = get_config(config)
         _check_device()
+        why = _unsupported_config(cfg) or _unsupported_pv16(
+            cfg, forward_engine(None), _varlen.is_packed(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                         max_seqlen_k))
     except Exception as exc:  # the contract is (False, reason), whatever is wrong
         return False, str(exc)
-    why = _unsupported_config(cfg)
     return (False, why) if why else (True, "")
 
 
@@ -458,9 +475,9 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     _check_device()
     engine = forward_engine(engine)  # validate before any work
     pv16 = not cfg.pv_int8
-    if pv16 and engine != "wgmma":
-        raise ValueError(f"config: pv_int8=False (P.V in 16 bits) is implemented on the wgmma engine (sm_90) only; "
-                         f"engine={engine!r}")
+    why = _unsupported_pv16(cfg, engine, False)
+    if why:
+        raise ValueError(f"config: {why}")
     # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
     T, D = _T[p.dtype], p.head_dim

@@ -21,6 +21,9 @@ BKV64 = DEFAULT.replace(name="default-bkv64", block_kv=64)
 DV8 = DEFAULT.replace(name="default-dv8", dv_int8=True, ds_int8=True)
 # The default's 16-bit dV with dQ and dK as integer matmuls.
 DS8 = DEFAULT.replace(name="default-ds8", ds_int8=True)
+# P.V in the inputs' 16-bit type (config pv_int8=False): the wgmma engine only; block_kv moves only the frame's steps
+PV16 = DEFAULT.replace(name="default-pv16", pv_int8=False)
+PV16_64 = DEFAULT.replace(name="default-pv16-bkv64", pv_int8=False, block_kv=64)
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import metrics
 from sagecupy.reference import sagebwd as ref_sage
@@ -160,6 +163,15 @@ CASES = [
     (1, 4, 1, 239, 113, 128, True, "NHD", "bfloat16", DS8),
     (2, 4, 2, 113, 239, 64, False, "HND", "float16", DS8),
     (1, 2, 2, 1000, 1000, 64, True, "HND", "bfloat16", DS8),
+    (1, 2, 2, 128, 128, 128, False, "HND", "float16", PV16),
+    (2, 4, 2, 113, 239, 64, False, "NHD", "bfloat16", PV16),
+    (1, 4, 1, 239, 113, 128, True, "HND", "bfloat16", PV16),
+    (1, 2, 2, 1, 17, 128, False, "NHD", "float16", PV16),
+    (1, 2, 2, 17, 1, 64, True, "HND", "float16", PV16),
+    (1, 2, 2, 300, 1000, 128, True, "NHD", "bfloat16", PV16),
+    (1, 1, 1, 4224, 4224, 64, True, "HND", "float16", PV16),
+    (1, 4, 1, 239, 113, 128, True, "NHD", "float16", PV16_64),
+    (1, 3, 3, 1000, 300, 64, False, "HND", "bfloat16", PV16_64),
 ]
 
 
@@ -167,7 +179,55 @@ CASES = [
                          ids=[f"{c[3]}x{c[4]}-d{c[5]}-{'causal' if c[6] else 'full'}-{c[7]}-{c[8]}-{c[9].name}-gqa{c[1]//c[2]}"
                               for c in CASES])
 def test_forward_backward_vs_references(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config):
+    if not config.pv_int8:
+        _need_pv16()
     _run_case(B, Hq, Hkv, Nq, Nk, D, causal, layout, dtype, config)
+
+
+def _need_pv16():
+    from sagecupy.int8 import forward_engine
+
+    if forward_engine(None) != "wgmma":
+        pytest.skip("pv_int8=False runs on the wgmma engine (sm_90) only")
+
+
+@pytest.mark.parametrize("config", [PV16, PV16_64], ids=lambda c: c.name)
+def test_pv16_sigma_sweep_beats_int8_pv(config):
+    """O of pv_int8=False against exact attention: no worse than the INT8 P.V's at any sigma (fewer roundings of P
+    and none of V), and the LSE the same to the bit (both sum the same unrounded P~)."""
+    import sagecupy.int8 as s8
+
+    _need_pv16()
+    for sigma in (1.0, 3.0, 8.0):
+        (q, k, v, _), (qh, kh, vh, _) = _inputs(5, 1, 4, 4, 1024, 1024, 128, "HND", "bfloat16", sigma)
+        o_ex, _ = ref_attn.attention_forward(qh, kh, vh)
+        o8, lse8, _ = s8.forward(q, k, v, config=config.replace(pv_int8=True), return_lse=True)
+        o16, lse16, _ = s8.forward(q, k, v, config=config, return_lse=True)
+        e8, e16 = metrics.rel_l2(_to_host(o8), o_ex), metrics.rel_l2(_to_host(o16), o_ex)
+        assert e16 <= e8, (sigma, e8, e16)
+        assert bool((lse8 == lse16).all()), sigma
+
+
+def test_pv16_refusals():
+    """pv_int8=False names what it needs where the kernels do not implement it."""
+    import sagecupy.int8 as s8
+
+    (q, k, v, _), _ = _inputs(0, 1, 2, 2, 128, 128, 64, "HND", "float16")
+    with pytest.raises(ValueError, match="pv_int8=False.*wgmma"):
+        s8.forward(q, k, v, config=PV16, engine="mma")
+    with pytest.raises(ValueError, match="v_granularity"):
+        s8.forward(q, k, v, config=PV16.replace(v_granularity="block", block_kv=64))
+    ok, why = s8.is_supported(q, k, v, config=PV16.replace(v_granularity="block", block_kv=64))
+    assert not ok and "v_granularity" in why
+    _need_pv16()
+    cp = _cupy()
+    qp, kp, vp = (_to_dev(np.random.default_rng(1).normal(size=(200, 2, 64)), "float16") for _ in range(3))
+    cu = cp.asarray([0, 77, 200], dtype=cp.int32)
+    packed = dict(layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu, config=PV16)
+    with pytest.raises(ValueError, match="pv_int8=False.*dense layouts"):
+        s8.forward(qp, kp, vp, **packed)
+    ok, why = s8.is_supported(qp, kp, vp, **packed)
+    assert not ok and "dense layouts" in why
 
 
 @pytest.mark.parametrize("sigma", [1.0, 8.0])
