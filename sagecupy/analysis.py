@@ -91,16 +91,17 @@ DTYPES = ("fp16", "bf16")
 #: Named configs per family (``--config``): SageBwd's presets, and the NVFP4 / QAT variants the accuracy
 #: tables compare (two-level P and K-smoothing on or off).
 FAMILY_CONFIGS = {
-    "int8": ("default", "paper", "bkv64"),
+    "int8": ("default", "paper", "bkv64", "pv16"),
     "nvfp4": ("default", "single-level-p", "no-smoothing", "plain"),
     "qat": ("default",),
 }
-CONFIG_NAMES = ("default", "paper", "bkv64", "single-level-p", "no-smoothing", "plain")
+CONFIG_NAMES = ("default", "paper", "bkv64", "pv16", "single-level-p", "no-smoothing", "plain")
 #: What each named config is, for ``--config``'s help (keys of :data:`FAMILY_CONFIGS`).
 CONFIG_HELP = {
     ("int8", "default"): "the finest granularities",
     ("int8", "paper"): "the published SageBwd granularities",
     ("int8", "bkv64"): "default with 64-key forward tiles",
+    ("int8", "pv16"): "default with the forward's P.V in 16 bits",
     ("nvfp4", "default"): "two-level P, K-smoothing",
     ("nvfp4", "single-level-p"): "two-level P off",
     ("nvfp4", "no-smoothing"): "K-smoothing off",

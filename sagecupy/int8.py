@@ -18,7 +18,8 @@ Conventions (as in the reference, ``sagecupy.reference.sagebwd``):
   ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``; ``causal=True`` is ``window=(-1, 0)``. The kernels visit only
   the tiles inside the window; K's smoothing mean and V's scales stay those of all the keys.
 * ``sm_scale=None`` means ``1/sqrt(D)``; the LSE is float32, natural log, of the *unsmoothed* logits.
-* Granularities come from a :class:`~sagecupy.config.SageBwdConfig` (``"default"``, ``"paper"`` or ``"bkv64"``).
+* Granularities come from a :class:`~sagecupy.config.SageBwdConfig` (``"default"``, ``"paper"``, ``"bkv64"`` or
+  ``"pv16"``).
   The kernels implement ``block_q=128, bwd_block_q=64, bwd_block_kv=64`` and ``block_kv`` 64 or 128 (the
   forward's P tile; 128, the default, with per-token K and per-channel V only).
 * Inputs are never modified.

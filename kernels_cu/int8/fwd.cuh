@@ -591,24 +591,11 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
           wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk],
                             desc_mn16<64>(cV + (kk / 4) * V_TILE, kk % 4), 1);
       };
-#ifdef SAGE_FWD_PV16_SPLIT
-      // P.V of the first half of the keys runs while the second half's exponentials are computed
-      fwd_exp16<T, NT, 0, NT / 2>(sv, mx, rs, pa, lsum);
-      wgmma_fence();
-      issue_pv(0, NT / 4);
-      wgmma_commit();
-      fwd_exp16<T, NT, NT / 2, NT>(sv, mx, rs, pa, lsum);
-      fwd_lsum16(rs, ts, lsum);
-      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
-      wgmma_fence();
-      issue_pv(NT / 4, NT / 2);
-#else
       fwd_exp16<T, NT, 0, NT>(sv, mx, rs, pa, lsum);
       fwd_lsum16(rs, ts, lsum);
       if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
       wgmma_fence();
       issue_pv(0, NT / 2);
-#endif
       wgmma_commit();
       // Q.K^T(t+1); on the last tile a stale stage (no copy in flight), the result dropped
       issue_qk((j + 1) % NST);

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from sagecupy.config import DEFAULT, PAPER
+
+PV16 = DEFAULT.replace(name="default-pv16", pv_int8=False)  # P.V in the inputs' 16-bit type (the wgmma engine)
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import sagebwd as ref_sage
 from test_int8 import BKV64, _check, _inputs, _raw, _to_host
@@ -101,6 +103,12 @@ CASES = [
     ((0, -1), False, 1, 2, 2, 129, 129, 64, "NHD", "float16", DEFAULT),
     ((0, -1), False, 1, 4, 2, 200, 333, 128, "HND", "bfloat16", BKV64),
     ((0, -1), False, 1, 2, 2, 17, 1, 128, "HND", "float16", DEFAULT),
+    ((1, 0), False, 1, 2, 2, 129, 129, 128, "HND", "bfloat16", PV16),
+    ((17, 0), True, 1, 4, 2, 200, 333, 64, "NHD", "float16", PV16),
+    ((127, 0), False, 1, 2, 2, 257, 257, 128, "HND", "float16", PV16),
+    ((300, 0), True, 1, 2, 1, 1000, 1000, 64, "HND", "bfloat16", PV16),
+    ((5, 5), False, 1, 2, 2, 333, 200, 128, "NHD", "bfloat16", PV16),
+    ((100, -1), False, 1, 2, 2, 1000, 1000, 128, "HND", "float16", PV16),
 ]
 
 
@@ -114,6 +122,8 @@ def _case_id(c):
 @pytest.mark.parametrize("window,causal,B,Hq,Hkv,Nq,Nk,D,layout,dtype,config", CASES, ids=[_case_id(c) for c in CASES])
 def test_window_forward_backward_vs_references(window, causal, B, Hq, Hkv, Nq, Nk, D, layout, dtype, config, engine):
     _engine_or_skip(engine)
+    if not config.pv_int8 and engine != "wgmma":
+        pytest.skip("pv_int8=False runs on the wgmma engine only")
     _run_window_case(B, Hq, Hkv, Nq, Nk, D, causal, window, layout, dtype, config, engine)
 
 
