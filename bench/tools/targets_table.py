@@ -7,6 +7,7 @@ CuPy call's ms over the adapter's (1.0: no overhead). Several files (one per dty
     python3 bench/run_bench.py --families int8 --ds 64,128 --baselines sdpa,cudnn-fp8 --adapters --out bf16.jsonl
     python3 bench/run_bench.py --families int8 --ds 64,128 --baselines sdpa --adapters --dtype float16 --out fp16.jsonl
     python bench/tools/targets_table.py bf16.jsonl fp16.jsonl
+    python bench/tools/targets_table.py --config pv16 run.jsonl     # another INT8 config of the same run
 """
 import sys
 
@@ -17,13 +18,13 @@ SDPA, FP8 = "sdpa-default", "cudnn-fp8"
 ADAPTER_IMPLS = ("sagecupy-int8-torch", "sagecupy-int8-jax")
 
 
-def _index(rows):
-    """(impl, mode, scope, D, N, causal, dtype) -> ms, INT8 rows of the default config only."""
+def _index(rows, config="default"):
+    """(impl, mode, scope, D, N, causal, dtype) -> ms, INT8 rows of `config` only."""
     out = {}
     for r in rows:
         if "ms" not in r or not r.get("impl"):
             continue
-        if str(r["impl"]).startswith(OURS) and r.get("config", "default") != "default":
+        if str(r["impl"]).startswith(OURS) and r.get("config", "default") != config:
             continue
         # cuDNN FP8 is timed from bf16 inputs whatever the run's dtype (its kernel rows say float8_e4m3fn)
         dt = "*" if r["impl"] == FP8 else r.get("dtype", "bfloat16")
@@ -62,12 +63,13 @@ def _fmt(rs, target):
     return f"{lo:.2f} | {hi:.2f} | ≥ {target:.2f} | {'met' if lo >= target else 'not met'} (lowest: D={where})"
 
 
-def main(paths):
+def main(paths, config="default"):
     rows = [r for p in paths for r in load(p)]
-    ix = _index(rows)
+    ix = _index(rows, config)
     dtypes = sorted({k[6] for k in ix if k[0] == OURS})
     gpus = sorted({r["gpu"] for r in rows if r.get("type") == "env" and r.get("gpu")})
-    print(f"GPU: {', '.join(gpus) or 'unknown'}; dtypes: {', '.join(dtypes)}; files: {', '.join(paths)}")
+    print(f"GPU: {', '.join(gpus) or 'unknown'}; INT8 config: {config}; dtypes: {', '.join(dtypes)}; "
+          f"files: {', '.join(paths)}")
     big = lambda D, N: D == 128 and N >= 4096  # noqa: E731
     d64 = lambda D, N: D == 64 and N >= 4096  # noqa: E731
     short = lambda D, N: N <= 2048  # noqa: E731
@@ -97,4 +99,10 @@ if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 else 2)
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    config = "default"
+    if args[0] == "--config":
+        if len(args) < 3:
+            sys.exit("targets_table.py: --config NAME needs a name and at least one file")
+        config, args = args[1], args[2:]
+    main(args, config)
