@@ -433,15 +433,7 @@ struct FwdSm90 {
   static constexpr bool PV_HALVES = D == 128 && BKV == 64 && !PV16;
   // K/V ring stages: two 4-warp CTAs per SM fit in shared memory (three with PV_HALVES: 75,776 bytes each). PV16
   // (16-bit V, twice the bytes): two stages, tile t+1 loaded while tile t is softmaxed (the loop below).
-  static constexpr int NST = PV16 ? (BKV == 64 ? 4 : 2) : ((D == 128 && BKV == 128) ? 3 : 4);
-#ifdef SAGE_FWD_PV16_PIPE
-  // PV16 with 64-key tiles: Q.K^T(t+1) into a second S buffer during softmax(t), P.V(t) waited for in iteration t+1
-  static constexpr bool PIPE = PV16 && BKV == 64;
-#else
-  static constexpr bool PIPE = false;
-#endif
-  // Tiles loaded ahead of the one being softmaxed: the ring less the stages in use
-  static constexpr int PREF = PV16 ? (PIPE ? 2 : 1) : NST - 1;
+  static constexpr int NST = PV16 ? 2 : ((D == 128 && BKV == 128) ? 3 : 4);
   // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
   static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4 : 1);
 };
@@ -528,13 +520,12 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   }
   __syncthreads();
   grid_dep_wait();  // the pre-pass's outputs (a launch with SAGECUPY_PDL may start before the pre-pass ends)
-  // Prologue: Q (one cp.async group), the range's tiles 0 .. PREF-1 (bulk copies).
-  constexpr int PREF = FwdSm90<D, BKV, PV16>::PREF;
+  // Prologue: Q (one cp.async group), the range's tiles 0 .. NST-2 (bulk copies).
   load_tile_async<FWD_BQ, D, FWD_THREADS, true>(sQ, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0) * D), D, tid);
   cp_async_commit();
   if (tid == 0) {
 #pragma unroll
-    for (int j = 0; j < PREF; ++j)
+    for (int j = 0; j < NST - 1; ++j)
       if (j < n_tiles) load_stage(j);
   }
   const float inv_p_max = 1.f / p_max;
@@ -573,60 +564,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     fence_regs(accs);
   }
 
-  if constexpr (FwdSm90<D, BKV, PV16>::PIPE) {
-    // Iteration j starts with P~(j) in pa_cur (softmaxed in iteration j-1) and nothing in flight: Q.K^T(j+1) is
-    // issued into S, O rescaled for tile j, P.V(j) issued; once Q.K^T(j+1) is done, softmax(j+1) runs while P.V(j)
-    // does, into the other P buffer; P.V(j) is waited for at the end. Tile j+2 is loaded at the top of iteration j
-    // into the stage of tile j-2 (done with in iteration j-1; the barrier).
-    unsigned pa0[NT / 2][4], pa1[NT / 2][4];
-    FwdTileScale ts_cur;
-    auto softmax = [&](int j, unsigned(&pa)[NT / 2][4]) {
-      const int tile = tl.first + j;
-      float sv[NT][4], mx[2];
-      float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
-      ts_cur = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + (j % NST) * BKV, tile, tl.need_mask(tile), rk, t4);
-      fwd_exp16<T, NT, 0, NT>(sv, mx, rs, pa, lsum);
-      fwd_lsum16(rs, ts_cur, lsum);
-    };
-    auto issue_qk_first = [&](int stage) {  // S written only (no wgmma input): see wgmma_m64n64k32_ss_s8_first
-      const unsigned long long dk = gmma_desc<D>(sK + stage * BKV * D);
-      wgmma_m64n64k32_ss_s8_first(accs, dq, dk);
-#pragma unroll
-      for (int kstep = 1; kstep < D / 32; ++kstep)
-        wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), 1);
-      wgmma_commit();
-    };
-    auto step = [&](int j, unsigned(&pa)[NT / 2][4], unsigned(&pa_next)[NT / 2][4]) {
-      __syncthreads();
-      if (tid == 0 && j + PREF < n_tiles) load_stage(j + PREF);
-      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
-      wgmma_fence();
-      issue_qk_first((j + 1) % NST);  // (after the last tile: a stale stage, no copy in flight; dropped)
-      if (ts_cur.rescale) {
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_o[nt][e] *= ts_cur.alpha[e >> 1];
-      }
-      wgmma_fence();
-      const char* cV = sV + (j % NST) * V_TILE;
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk], desc_mn16<64>(cV, kk), 1);
-      wgmma_commit();
-      wgmma_wait<1>();  // Q.K^T(j+1) done; P.V(j) runs on during softmax(j+1)
-      fence_regs(accs);
-      if (j + 1 < n_tiles) softmax(j + 1, pa_next);
-      wgmma_wait<0>();
-      fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
-      hold_regs(pa);
-    };
-    if (n_tiles > 0) softmax(0, pa0);
-    for (int j = 0; j < n_tiles; j += 2) {
-      step(j, pa0, pa1);
-      if (j + 1 < n_tiles) step(j + 1, pa1, pa0);
-    }
-  } else if constexpr (PV16) {
+  if constexpr (PV16) {
     // O accumulates P~ V in the running frame on the tensor cores (fp32), so there is no P.V accumulator and no
     // per-tile fold; O is rescaled by alpha in registers when the frame moves, before P.V(t) is issued. Stage of
     // tile j: j % 2. Tile j+1 is loaded at the top of iteration j (its stage held tile j-1, whose Q.K^T and P.V
@@ -634,7 +572,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     for (int j = 0; j < n_tiles; ++j) {
       const int tile = tl.first + j;
       __syncthreads();
-      if (tid == 0 && j + PREF < n_tiles) load_stage(j + PREF);
+      if (tid == 0 && j + 1 < n_tiles) load_stage(j + 1);
       unsigned pa[NT / 2][4];
       float sv[NT][4], mx[2];
       float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
@@ -673,7 +611,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     // prefetch below overwrites.
     if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
     __syncthreads();
-    if (tid == 0 && j + PREF < n_tiles) load_stage(j + PREF);
+    if (tid == 0 && j + NST - 1 < n_tiles) load_stage(j + NST - 1);
 
     unsigned pa[NT / 4][4];
     const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (j % NST) * BKV,
