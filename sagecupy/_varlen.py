@@ -48,7 +48,8 @@ def quant_names(T, D):
         f"quant_transpose_perm_packed<{T}, {D}, 2>", f"fwd_v_image_packed<{T}, {D}, 0>",
         f"fwd_v_image_packed<{T}, {D}, 2>", f"quant_transpose_perm_delta_packed<{T}, {D}, 1>",
         f"quant_transpose_perm_delta_packed<{T}, {D}, 2>", f"bwd_do_image_packed<{T}, {D}, 1>",
-        f"bwd_do_image_packed<{T}, {D}, 2>", f"bwd_do16_image_packed<{T}, {D}>", f"transpose_i8_qk_packed<{D}, true>",
+        f"bwd_do_image_packed<{T}, {D}, 2>", f"bwd_do16_image_packed<{T}, {D}>", f"bwd_delta_packed<{T}, {D}>",
+        f"transpose_i8_qk_packed<{D}, true>",
         f"bwd_qk_images_packed<{T}, {D}, false>", f"bwd_qk_images_packed<{T}, {D}, true>",
     ) + ((f"quant_qkv_packed<{T}, {D}, {rpw}, 0>", f"quant_qkv_packed<{T}, {D}, {rpw}, 2>") if D == 128 else ())
 
@@ -538,14 +539,20 @@ def backward_plan(r, do, engine, copy):
         prog.launch(_qfn(do_name, T, D), (nbq, Hq, 1), (2 * D,),
                     (rdo, i64(dsh), i64(dsn), q_img, ro, i64(osh), i64(osn), delta) + tail)
         return Plan(p, cfg, engine, copy, prog)
-    do_t = prog.empty("do_t", (Hq * tq_pad // 64, D, 64), cupy.int8)
-    do_scale = prog.empty("do_scale", (Hq * tq_pad // 64, D), f32)
-    prog.launch(_qfn(f"quant_transpose_perm_delta_packed<{T}, {D}, {mode}>", T, D), (nbq, Hq, 1), (2 * D,),
-                (rdo, i64(dsh), i64(dsn), do_scale, do_t, ro, i64(osh), i64(osn), delta) + tail)
-    q_t = prog.empty("q_t", (Hq * tq_pad // 64, D, 64), cupy.int8)
-    k_t = prog.empty("k_t", (Hkv * tk_pad // 64, D, 64), cupy.int8)
-    prog.launch(_qfn(f"transpose_i8_qk_packed<{D}, true>", T, D), (nb, Hq + Hkv, 1), (256,),
-                (R("q_codes"), q_t, R("k_codes"), k_t, i32(Hq), i32(Hkv)) + tail)
+    # (as int8._backward_plan: the 16-bit dV, dK and dQ read no dO codes and no transposed Q or K)
+    if cfg.dv_int8:
+        do_t = prog.empty("do_t", (Hq * tq_pad // 64, D, 64), cupy.int8)
+        do_scale = prog.empty("do_scale", (Hq * tq_pad // 64, D), f32)
+        prog.launch(_qfn(f"quant_transpose_perm_delta_packed<{T}, {D}, {mode}>", T, D), (nbq, Hq, 1), (2 * D,),
+                    (rdo, i64(dsh), i64(dsn), do_scale, do_t, ro, i64(osh), i64(osn), delta) + tail)
+    else:
+        prog.launch(_qfn(f"bwd_delta_packed<{T}, {D}>", T, D), (nbq, Hq, 1), (2 * D,),
+                    (rdo, i64(dsh), i64(dsn), ro, i64(osh), i64(osn), delta) + tail)
+    if cfg.ds_int8:
+        q_t = prog.empty("q_t", (Hq * tq_pad // 64, D, 64), cupy.int8)
+        k_t = prog.empty("k_t", (Hkv * tk_pad // 64, D, 64), cupy.int8)
+        prog.launch(_qfn(f"transpose_i8_qk_packed<{D}, true>", T, D), (nb, Hq + Hkv, 1), (256,),
+                    (R("q_codes"), q_t, R("k_codes"), k_t, i32(Hq), i32(Hkv)) + tail)
     return Plan(p, cfg, engine, copy, prog)
 
 
@@ -582,8 +589,9 @@ def backward_launch_program(r, pre, engine, kernels):
         if engine == "wgmma":
             args = (R("q_img"), R("k_img"), R("k_scale"))
         else:
-            args = (R("q_codes"), R("q_scale"), R("q_t"), R("k_codes"), R("k_scale"), R("v"), i64(vsh), i64(vsn),
-                    R("do"), i64(dsh), i64(dsn), R("do_t"), R("do_scale"), R("lse2"), R("delta"))
+            args = (R("q_codes"), R("q_scale"), R("q_t") if cfg.ds_int8 else None, R("k_codes"), R("k_scale"), R("v"),
+                    i64(vsh), i64(vsn), R("do"), i64(dsh), i64(dsn), R("do_t") if cfg.dv_int8 else None,
+                    R("do_scale") if cfg.dv_int8 else None, R("lse2"), R("delta"))
         prog.launch(fn, (nbk, Hkv, 1), (128,),
                     args + (dk, i64(ksh), i64(ksn), dv, i64(ksh), i64(ksn), i32(Hq), i32(Hkv), f32(cfg.p_max), *win,
                             p_col, ds_rowcol) + tail_k, shared_mem=smem)
@@ -594,7 +602,8 @@ def backward_launch_program(r, pre, engine, kernels):
         if engine == "wgmma":
             args = (R("q_img"), R("k_img"), R("q_scale"), R("lse2"), R("delta"))
         else:
-            args = (R("q_codes"), R("q_scale"), R("k_codes"), R("k_scale"), R("k_t"), R("v"), i64(vsh), i64(vsn),
+            args = (R("q_codes"), R("q_scale"), R("k_codes"), R("k_scale"), R("k_t") if cfg.ds_int8 else None, R("v"),
+                    i64(vsh), i64(vsn),
                     R("do"), i64(dsh), i64(dsn), R("lse2"), R("delta"))
         prog.launch(fq, (nbq, Hq, 1), (128,),
                     args + (dq, i64(qsh), i64(qsn), i32(Hq), i32(Hkv), f32(p.sm_scale), *win, ds_rowcol) + tail_q,

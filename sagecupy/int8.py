@@ -124,7 +124,7 @@ def _quant_names(T, D):
         f"quant_rows<{T}, {D}, 4, false>", f"quant_rows<{T}, {D}, 8, true>", f"quant_rows<{T}, {D}, 16, true>",
         f"quant_transpose_perm<{T}, {D}, 0>", f"quant_transpose_perm<{T}, {D}, 2>",
         f"quant_transpose_perm_delta<{T}, {D}, 1>", f"quant_transpose_perm_delta<{T}, {D}, 2>",
-        f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_do16_image<{T}, {D}>",
+        f"bwd_do_image<{T}, {D}, 1>", f"bwd_do_image<{T}, {D}, 2>", f"bwd_do16_image<{T}, {D}>", f"bwd_delta<{T}, {D}>",
         f"bwd_qk_images<{T}, {D}, false>", f"bwd_qk_images<{T}, {D}, true>",
         f"fwd_v_image<{T}, {D}, 0>", f"fwd_v_image<{T}, {D}, 2>", f"fwd_v16_image<{T}, {D}>",
         f"transpose_i8_qk<{D}, true>",
@@ -258,8 +258,8 @@ def bwd_smem(D, engine, ds_int8):
     if engine == "wgmma":
         return _bwd90_smem(D, ds_int8)
     # dQ: Q^, dO, two stages of K^, K^^T, V, key scales; ds_int8=False: the stages without K^^T, and the bf16 K^
-    # (the same bytes). dK/dV: ds_int8=False adds the bf16 Q^.
-    return _bwd_smem(D) + (0 if ds_int8 else 128 * D), 704 * D + 2 * 64 * 4
+    # (the same bytes). dK/dV: ds_int8=False puts the bf16 Q^ over the Q^^T and dO^^T it does not read.
+    return _bwd_smem(D), 704 * D + 2 * 64 * 4
 
 
 def _fwd_smem(D, bkv, stages, pv16=False):
@@ -786,7 +786,8 @@ def _bwd_key(r, do, engine):
 
 
 def _preprocess_backward(residuals, do, engine=None):
-    """Validation, delta = rowsum(dO * O), INT8 dO^T, transposed (mma-permuted) Q and K codes. On the wgmma engine
+    """Validation, delta = rowsum(dO * O), INT8 dO^T (INT8 dV only), transposed (mma-permuted) Q and K codes (INT8 dK and
+    dQ only). On the wgmma engine
     they go, with Q^, K^, dO, V and the per-token vectors, into per-tile stage images (kernels_cu/int8/bwd_img.cuh)
     that the kernels copy with one bulk copy per stage; with ds_int8=False the images hold Q's and K's codes as bf16
     instead of their transposes, and no dO codes. Recorded once per call signature (sagecupy/_program.py),
@@ -845,16 +846,22 @@ def _backward_plan(r, do, engine):
         return Plan(p, cfg, engine, copy, prog)
     # dO^T, Q^T and K^T codes tile-major, (B, H, n_pad / 64, D, 64): the backward kernels copy 64-token tiles of
     # D rows x 64 bytes, which then read whole 128-byte lines (as V^T in the forward). delta = rowsum(dO * O) in
-    # the same pass over dO.
-    do_t = prog.empty("do_t", (B, Hq, nq_pad // 64, D, 64), cupy.int8)
-    do_scale = prog.empty("do_scale", (B, Hq, nq_pad // 64, D), f32)
-    prog.launch(_qfn(f"quant_transpose_perm_delta<{T}, {D}, {mode}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
-                (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale, do_t,
-                 ro, i64(osb), i64(osh), i64(osn), delta))
-    q_t = prog.empty("q_t", (B, Hq, nq_pad // 64, D, 64), cupy.int8)
-    k_t = prog.empty("k_t", (B, Hkv, nk_pad // 64, D, 64), cupy.int8)
-    prog.launch(_qfn(f"transpose_i8_qk<{D}, true>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
-                (Ref("q_codes"), i32(nq_pad), q_t, Ref("k_codes"), i32(nk_pad), k_t, i32(Hq), i32(Hkv)))
+    # the same pass over dO. The INT8 dV alone reads dO's codes, the INT8 dK alone Q^T and the INT8 dQ alone K^T:
+    # the 16-bit forms (dv_int8=False, ds_int8=False) skip them (delta alone, no transposes).
+    if cfg.dv_int8:
+        do_t = prog.empty("do_t", (B, Hq, nq_pad // 64, D, 64), cupy.int8)
+        do_scale = prog.empty("do_scale", (B, Hq, nq_pad // 64, D), f32)
+        prog.launch(_qfn(f"quant_transpose_perm_delta<{T}, {D}, {mode}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
+                    (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), do_scale, do_t,
+                     ro, i64(osb), i64(osh), i64(osn), delta))
+    else:
+        prog.launch(_qfn(f"bwd_delta<{T}, {D}>", T, D), (nq_pad // 64, Hq, B), (2 * D,),
+                    (rdo, i64(dsb), i64(dsh), i64(dsn), i32(nq), i32(nq_pad), ro, i64(osb), i64(osh), i64(osn), delta))
+    if cfg.ds_int8:
+        q_t = prog.empty("q_t", (B, Hq, nq_pad // 64, D, 64), cupy.int8)
+        k_t = prog.empty("k_t", (B, Hkv, nk_pad // 64, D, 64), cupy.int8)
+        prog.launch(_qfn(f"transpose_i8_qk<{D}, true>", T, D), (max(nq_pad, nk_pad) // 64, Hq + Hkv, B), (256,),
+                    (Ref("q_codes"), i32(nq_pad), q_t, Ref("k_codes"), i32(nk_pad), k_t, i32(Hq), i32(Hkv)))
     return Plan(p, cfg, engine, copy, prog)
 
 
@@ -918,9 +925,9 @@ def _backward_launch_program(r, pre, engine, kernels):
                     shared_mem=smem)
     elif "dkdv" in kernels:
         prog.launch(fn, (nk_pad // 64, Hkv, B), (128,),
-                    (R("q_codes"), R("q_scale"), R("q_t"), R("k_codes"), R("k_scale"),
+                    (R("q_codes"), R("q_scale"), R("q_t") if cfg.ds_int8 else None, R("k_codes"), R("k_scale"),
                      R("v"), i64(vsb), i64(vsh), i64(vsn), R("do"), i64(dsb), i64(dsh), i64(dsn),
-                     R("do_t"), R("do_scale"), R("lse2"), R("delta"),
+                     R("do_t") if cfg.dv_int8 else None, R("do_scale") if cfg.dv_int8 else None, R("lse2"), R("delta"),
                      dk, i64(ksb_), i64(ksh_), i64(ksn_), dv, i64(vvb), i64(vvh), i64(vvn),
                      i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(cfg.p_max),
                      *win, i32(int(cfg.p_bwd_granularity == "column")), ds_rowcol),
@@ -937,7 +944,7 @@ def _backward_launch_program(r, pre, engine, kernels):
                     shared_mem=smem_q)
     elif "dq" in kernels:
         prog.launch(fq, (nq_pad // 64, Hq, B), (128,),
-                    (R("q_codes"), R("q_scale"), R("k_codes"), R("k_scale"), R("k_t"),
+                    (R("q_codes"), R("q_scale"), R("k_codes"), R("k_scale"), R("k_t") if cfg.ds_int8 else None,
                      R("v"), i64(vsb), i64(vsh), i64(vsn), R("do"), i64(dsb), i64(dsh), i64(dsn), R("lse2"),
                      R("delta"), dq, i64(qsb), i64(qsh), i64(qsn),
                      i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad), f32(p.sm_scale),

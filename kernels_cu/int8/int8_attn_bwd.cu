@@ -56,10 +56,13 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
   // Two buffers (iteration parity) of what the end of an iteration reads, so the next one's loads can be
   // in flight meanwhile: Q^^T, dO^^T (D x 64 queries, int8, mma-permuted), per-query q scale, lse2, delta,
   // and the query tile's per-channel dO scales.
+  // DV16 reads no dO^^T nor dO scales, DS16 no Q^^T: those are not loaded, and with DS16 (which the host pairs with
+  // DV16) Q^ as bf16 (64 queries x D, swizzled 2 D-byte rows) takes the current buffer's Q^^T and dO^^T bytes, so the
+  // CTA needs no more shared memory than the INT8 dK's (two CTAs per SM at D = 64 on GPUs with 100 KB per SM).
   char* sBuf = sdO + BWD_BQ * D * 2;
   constexpr int BUF = 2 * D * BWD_BQ + (3 * BWD_BQ + D) * 4;
-  char* sQ16 = sBuf + 2 * BUF;  // DS16: Q^ as bf16, 64 queries x D (swizzled 2 D-byte rows)
-  float* sRed = reinterpret_cast<float*>(sQ16 + (DS16 ? 2 * BWD_BQ * D : 0));  // 4 floats of scratch
+  static_assert(!DS16 || DV16, "the bf16 Q^ takes dO^^T's bytes too");
+  float* sRed = reinterpret_cast<float*>(sBuf + 2 * BUF);  // 4 floats of scratch
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   int kb = blockIdx.x, b = blockIdx.z;
@@ -124,17 +127,20 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
     char* buf = sBuf + (it & 1) * BUF;
     float* fb = reinterpret_cast<float*>(buf + 2 * D * BWD_BQ);
     // Q^^T and dO^^T are tile-major (each 64-query block's D x 64 bytes contiguous: int8_quant.cu)
-    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf, reinterpret_cast<const char*>(qt + qrow * D + bhh * D * nq_pad + qq0 * D),
-                                            BWD_BQ,
-                                            tid);
-    load_tile_async<D, BWD_BQ, BWD_THREADS>(buf + D * BWD_BQ,
-                                            reinterpret_cast<const char*>(dot + qrow * D + bhh * D * nq_pad + qq0 * D), BWD_BQ,
-                                            tid);
+    if constexpr (!DS16)
+      load_tile_async<D, BWD_BQ, BWD_THREADS>(buf,
+                                              reinterpret_cast<const char*>(qt + qrow * D + bhh * D * nq_pad + qq0 * D),
+                                              BWD_BQ, tid);
+    if constexpr (!DV16)
+      load_tile_async<D, BWD_BQ, BWD_THREADS>(buf + D * BWD_BQ,
+                                              reinterpret_cast<const char*>(dot + qrow * D + bhh * D * nq_pad + qq0 * D),
+                                              BWD_BQ, tid);
     load_vec_async<BWD_THREADS>(fb, qs + qrow + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
     load_vec_async<BWD_THREADS>(fb + BWD_BQ, lse2 + qrow + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
     load_vec_async<BWD_THREADS>(fb + 2 * BWD_BQ, delta + qrow + bhh * nq_pad + qq0, BWD_BQ / 4, tid);
-    load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + qrow / BWD_BQ * D + (bhh * (nq_pad / BWD_BQ) + qtile) * D,
-                                D / 4, tid);
+    if constexpr (!DV16)
+      load_vec_async<BWD_THREADS>(fb + 3 * BWD_BQ, dos + qrow / BWD_BQ * D + (bhh * (nq_pad / BWD_BQ) + qtile) * D,
+                                  D / 4, tid);
   };
   if (n_it > 0) {
     load_q_do(0);
@@ -164,6 +170,7 @@ __device__ __forceinline__ void int8_attn_bwd_impl(
       const float* sDel = sL + BWD_BQ;
       const float* sDos = sDel + BWD_BQ;
       if (it + 1 < n_it) load_t(it + 1);  // the other buffer: its readers finished in the last iteration
+      char* sQ16 = sBuf + (it & 1) * BUF;  // DS16: over this buffer's (unloaded) Q^^T and dO^^T
       if constexpr (DS16) codes_as_bf16_tile<D>(sQ16, sQ, tid);  // read by dK after the barrier below
       const bool need_mask = PACKED ? q0 < mask_lo || q0 > mask_hi
                                     : win.crosses(q0, BWD_BQ, k0, BWD_BKV, shift) || (k0 + BWD_BKV > nk) ||

@@ -492,6 +492,7 @@ quant_rows_qk(const T* __restrict__ q, long long qsb, long long qsh, long long q
 // IMG = 2 (the wgmma forward's V): out is the K/V stage images (FwdImg) and the V^^T codes go into their VT part.
 // IMG = 3 (with DELTA; the wgmma backward with ds_int8=False, whose dV and dK read no dO codes): as 1 without the
 // codes: dO and delta only, and the dO scales set to zero.
+// IMG = 4 (with DELTA; the mma.sync backward with dv_int8=False, which reads no dO codes): delta only.
 // The block's rows are first staged in shared memory with row-contiguous loads: per-thread loads of 4 tokens x 8
 // channels read 16 rows x 32 bytes per warp instruction (~2 TB/s; docs/experiments.md).
 template <typename T, int D, int MODE, bool DELTA, int IMG = 0>
@@ -514,7 +515,8 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
   float v[4][8];
   using Img = BwdImg<D>;
   constexpr int IMG_STAGE = IMG == 1 || IMG == 3 ? Img::Q_STAGE : FwdImg<D>::STAGE;
-  char* img = IMG ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
+  char* img = (IMG >= 1 && IMG <= 3)
+                  ? reinterpret_cast<char*>(out) + (bh * (n_pad / 64) + blk) * static_cast<long long>(IMG_STAGE)
                   : nullptr;
   // The block's 64 rows staged as they lie (16-byte chunks, consecutive threads along a row: each warp load reads
   // 512 contiguous bytes at D = 128), then each thread's 4 tokens x 8 channels read back from shared memory. Rows
@@ -527,7 +529,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     const bool ok = tok < n;
     const uint4 u = ok ? *reinterpret_cast<const uint4*>(x + b * sb + h * sh + tok * sn + 8 * c)
                        : make_uint4(0u, 0u, 0u, 0u);
-    if constexpr (IMG != 3) *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
+    if constexpr (IMG != 3 && IMG != 4) *reinterpret_cast<uint4*>(stile + r * RS + 16 * c) = u;
     if constexpr (IMG == 1 || IMG == 3) *reinterpret_cast<uint4*>(img + Img::Q_DO + k128_offset(r, c)) = u;
     if constexpr (DELTA) {  // delta of row r: this lane's 8 products, then the row's CPR lanes (consecutive)
       float f[8], g8[8];
@@ -555,6 +557,7 @@ __device__ __forceinline__ void quant_transpose_perm_body(const T* __restrict__ 
     if (threadIdx.x < D / 4) reinterpret_cast<float4*>(img + Img::Q_DOS)[threadIdx.x] = make_float4(0.f, 0.f, 0.f, 0.f);
     return;
   }
+  if constexpr (IMG == 4) return;
   __syncthreads();
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -695,6 +698,16 @@ fwd_v16_image(const T* __restrict__ v, long long sb, long long sh, long long sn,
                               : make_uint4(0u, 0u, 0u, 0u);
     *reinterpret_cast<uint4*>(img + k128_offset(r, c)) = val;
   }
+}
+
+// The mma.sync backward's dO pass for the configs whose dV reads no dO codes (dv_int8=False): delta = rowsum(dO * O)
+// alone, by quant_transpose_perm_delta's code (the same sums, bit for bit). grid (n_pad / 64, H, B), block 2 * D.
+template <typename T, int D>
+__global__ void __launch_bounds__(2 * D, 1)
+bwd_delta(const T* __restrict__ x, long long sb, long long sh, long long sn, int n, int n_pad, const T* __restrict__ o,
+          long long osb, long long osh, long long osn, float* __restrict__ delta) {
+  quant_transpose_perm_body<T, D, 1, true, 4>(x, sb, sh, sn, n, n_pad, nullptr, nullptr, nullptr, 1, o, osb, osh, osn,
+                                              delta, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
 template <int D>

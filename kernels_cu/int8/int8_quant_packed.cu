@@ -96,7 +96,8 @@ __device__ __forceinline__ void packed_v_block(const T* __restrict__ v, long lon
 }
 
 // quant_transpose_perm_body's dO pass with delta (MODE 1 or 2) on a packed sequence's 64-row block: IMG 0 into do_t
-// and do_scale (tile-major), 1 into the backward's query-side stage images, 3 the same without dO's codes.
+// and do_scale (tile-major), 1 into the backward's query-side stage images, 3 the same without dO's codes, 4 delta
+// alone.
 template <typename T, int D, int MODE, int IMG>
 __device__ __forceinline__ void packed_do_block(const T* __restrict__ dout, long long dsh, long long dsn,
                                                 const PackedRows& r, int H, float* __restrict__ scale_out,
@@ -105,7 +106,8 @@ __device__ __forceinline__ void packed_do_block(const T* __restrict__ dout, long
   const long long rows = static_cast<long long>(H) * r.side.pad0;
   quant_transpose_perm_body<T, D, MODE, true, IMG>(
       dout + r.side.start * dsn, 0, dsh, dsn, r.side.n, r.side.n_pad, nullptr,
-      IMG ? nullptr : scale_out + rows / 64 * D, out + (IMG ? rows / 64 * BwdImg<D>::Q_STAGE : rows * D), 1,
+      IMG ? nullptr : scale_out + rows / 64 * D,
+      IMG == 4 ? nullptr : out + (IMG ? rows / 64 * BwdImg<D>::Q_STAGE : rows * D), 1,
       o + r.side.start * osn, 0, osh, osn, delta + rows, r.bx, h, 0, H);
 }
 
@@ -381,6 +383,16 @@ bwd_do16_image_packed(const T* __restrict__ x, long long sh, long long sn, char*
   if (r.s < 0) return;
   packed_do_block<T, D, 1, 3>(x, sh, sn, r, gridDim.y, nullptr, reinterpret_cast<signed char*>(q_img), o, osh, osn,
                               delta, blockIdx.y);
+}
+
+// delta alone (mma.sync engine, dv_int8=False): bwd_delta. grid (nbq, Hq, 1), block 2 D.
+template <typename T, int D>
+__global__ void __launch_bounds__(2 * D, 1)
+bwd_delta_packed(const T* __restrict__ x, long long sh, long long sn, const T* __restrict__ o, long long osh,
+                 long long osn, float* __restrict__ delta, const int* __restrict__ meta, int S, int nbq, int nbk) {
+  const PackedRows r = packed_rows(meta, S, nbq, nbk, false, blockIdx.x, 64);
+  if (r.s < 0) return;
+  packed_do_block<T, D, 1, 4>(x, sh, sn, r, gridDim.y, nullptr, nullptr, o, osh, osn, delta, blockIdx.y);
 }
 
 // Q^T and K^T codes, tile-major (mma.sync engine): transpose_i8_qk. grid (max(nbq, nbk), Hq + Hkv, 1), block 256.

@@ -157,12 +157,13 @@ def test_int8_replay_launches_what_the_first_call_launched(gpu, layout, engine):
     assert b1 != b2  # each call its own scratch arena
     assert [_summary(x, names, b1) for x in first] == [_summary(x, names, b2) for x in second]
     # forward: the K/V statistics (partials, reduction); Q/K, then V (merged on the wgmma engine at D = 128: one
-    # launch); the attention kernel. Backward: 2 pre-passes, 2 kernels.
+    # launch); the attention kernel. Backward: 2 pre-passes (mma.sync, the default's 16-bit dV, dK, dQ: delta alone),
+    # 2 kernels.
     quant = ["quant_qkv"] if engine == "wgmma" else ["quant_rows_qk", "quant_transpose_perm"]
     fwd = ["column_partial_kv", "column_finish_kv"] + quant
     assert [x[0].split("<")[0] for x in first[:len(fwd) + 1]] == fwd + ["int8_attn_fwd_sm90" if engine == "wgmma"
                                                                           else "int8_attn_fwd"]
-    assert len(first) == len(fwd) + 5
+    assert len(first) == len(fwd) + (5 if engine == "wgmma" else 4)
     # every call its own outputs
     for a, b in zip(out1, out2):
         assert a is not b
@@ -240,7 +241,8 @@ def test_int8_validation_runs_on_replayed_calls(gpu):
 @pytest.mark.parametrize("engine", ["wgmma", "mma"])
 def test_int8_backward_kernels_follow_dv_int8_and_ds_int8(gpu, engine):
     """Each (dv_int8, ds_int8) pair the kernels implement launches its own instantiations (the (DV16, DS16)
-    template arguments are the switches negated; the wgmma dO pre-pass of 16-bit dQ and dK writes no dO codes);
+    template arguments are the switches negated; the dO pre-pass of a 16-bit dV writes no dO codes, and the mma.sync
+    engine transposes Q and K for INT8 dK and dQ only);
     an INT8 dV with 16-bit dQ and dK is refused before any launch, naming ds_int8."""
     from sagecupy import int8
     from sagecupy.config import DEFAULT
@@ -258,8 +260,10 @@ def test_int8_backward_kernels_follow_dv_int8_and_ds_int8(gpu, engine):
         _, res = int8.forward(q, k, v, config=config, engine=engine)
         start = len(gpu)
         int8.backward(res, do, engine=engine)
+        # mma.sync: dO's codes for an INT8 dV only (else delta alone), Q's and K's transposes for INT8 dK and dQ only
         pre = ([f"bwd_qk_images<__half, 64, {ds16}>", do_pass] if engine == "wgmma"
-               else ["quant_transpose_perm_delta<__half, 64, 1>", "transpose_i8_qk<64, true>"])
+               else (["quant_transpose_perm_delta<__half, 64, 1>"] if dv8 else ["bwd_delta<__half, 64>"])
+               + (["transpose_i8_qk<64, true>"] if ds8 else []))
         assert [x[0] for x in gpu[start:]] == pre + [f"int8_attn_bwd{sfx}<__half, 64, {dv16}, {ds16}>",
                                                      f"int8_attn_bwd_dq{sfx}<__half, 64, {ds16}>"]
     refused = DEFAULT.replace(dv_int8=True)  # (ds_int8=False, the default's)
@@ -528,3 +532,14 @@ def test_qat_launches(gpu, engine, monkeypatch):
                                        f"qat_attn_bwd_dq{sfx}<__half, 128>"]
         assert gpu[0][3][0] is do and gpu[0][3][4] is res.o_prime
         assert gpu[1][1:3] == ((2, 2, 2), (128,)) and gpu[2][1:3] == ((2, 4, 2), (128,))
+
+
+def test_int8_mma_backward_at_d64_fits_two_ctas_per_sm_on_100kb_gpus():
+    """sm_86, sm_89 and sm_120 have 100 KiB of shared memory per SM (1 KiB of it reserved per block): the mma.sync
+    backward kernels at D = 64 must fit two CTAs per SM under every (dv_int8, ds_int8) pair, the default's bf16 Q
+    tile included (it takes the bytes of the transposed codes the 16-bit products do not read)."""
+    from sagecupy import int8
+
+    for _, ds_int8 in int8._BWD_MODES:
+        for smem in int8.bwd_smem(64, "mma", ds_int8):
+            assert 2 * (smem + 1024) <= 100 * 1024, (ds_int8, smem)

@@ -180,13 +180,15 @@ def test_forward_launches(gpu, engine, d):
 # Per backward mode: the config, the kernels' (DV16, DS16) template arguments, and the dO pre-pass on the wgmma and
 # the mma.sync engine (16-bit dQ and dK read no dO codes on wgmma; dO's codes are per channel (1) or per block (2),
 # do_granularity).
+# mode: config, DV16, DS16, the wgmma pre-passes' dO pass, the mma.sync pre-passes (dO's codes for an INT8 dV only,
+# else delta alone; Q's and K's transposes for INT8 dK and dQ only)
 BWD_MODES = {
-    "default": ("default", "true", "true", "bwd_do16_image_packed<__half, 128>",
-                "quant_transpose_perm_delta_packed<__half, 128, 1>"),
+    "default": ("default", "true", "true", "bwd_do16_image_packed<__half, 128>", ["bwd_delta_packed<__half, 128>"]),
     "default-ds8": (DEFAULT.replace(name="default-ds8", ds_int8=True), "true", "false",
-                    "bwd_do_image_packed<__half, 128, 1>", "quant_transpose_perm_delta_packed<__half, 128, 1>"),
+                    "bwd_do_image_packed<__half, 128, 1>",
+                    ["bwd_delta_packed<__half, 128>", "transpose_i8_qk_packed<128, true>"]),
     "paper": ("paper", "false", "false", "bwd_do_image_packed<__half, 128, 2>",
-              "quant_transpose_perm_delta_packed<__half, 128, 2>"),
+              ["quant_transpose_perm_delta_packed<__half, 128, 2>", "transpose_i8_qk_packed<128, true>"]),
 }
 
 
@@ -208,7 +210,7 @@ def test_backward_launches(gpu, engine, mode):
         assert dq.shape == (TQ, 4, 128) and dk.shape == dv.shape == (TK, 2, 128)
         sfx = "_sm90" if engine == "wgmma" else ""
         pre = ([f"bwd_qk_images_packed<__half, 128, {ds16}>", do_wgmma] if engine == "wgmma"
-               else [do_mma, "transpose_i8_qk_packed<128, true>"])
+               else do_mma)
         assert [x[0] for x in launches] == pre + [f"int8_attn_bwd{sfx}_packed<__half, 128, {dv16}, {ds16}>",
                                                   f"int8_attn_bwd_dq{sfx}_packed<__half, 128, {ds16}>"]
         for launch in launches:
