@@ -51,6 +51,7 @@ def quant_names(T, D):
         f"bwd_do_image_packed<{T}, {D}, 2>", f"bwd_do16_image_packed<{T}, {D}>", f"bwd_delta_packed<{T}, {D}>",
         f"transpose_i8_qk_packed<{D}, true>",
         f"bwd_qk_images_packed<{T}, {D}, false>", f"bwd_qk_images_packed<{T}, {D}, true>",
+        f"fwd_v16_image_packed<{T}, {D}>",
     ) + ((f"quant_qkv_packed<{T}, {D}, {rpw}, 0>", f"quant_qkv_packed<{T}, {D}, {rpw}, 2>") if D == 128 else ())
 
 
@@ -58,12 +59,10 @@ def _qfn(name, T, D):
     return _i8.get_function(_SRC, name, all_names=quant_names(T, D))
 
 
-def fwd_kernel(T, D, bkv, engine):
+def fwd_kernel(T, D, bkv, engine, pv16=False):
     """(source, instance, arch) of the packed forward kernel (as int8._fwd_kernel)."""
-    src, name, arch = _i8._fwd_kernel(T, D, bkv, engine)
+    src, name, arch = _i8._fwd_kernel(T, D, bkv, engine, pv16)
     base, args = name.split("<", 1)
-    if engine == "wgmma":  # the packed kernel has no 16-bit P.V (pv_int8=False) argument
-        args = args.rsplit(",", 1)[0] + ">"
     return src, f"{base}_packed<{args}", arch
 
 
@@ -78,8 +77,9 @@ def kernel_names(T, D) -> dict:
     out = {_SRC: list(quant_names(T, D))}
     for engine in ("mma", "wgmma"):
         for bkv in _i8._BLOCK_KV:
-            src, name, _ = fwd_kernel(T, D, bkv, engine)
-            out.setdefault(src, []).append(name)
+            for pv16 in ((False, True) if engine == "wgmma" else (False,)):
+                src, name, _ = fwd_kernel(T, D, bkv, engine, pv16)
+                out.setdefault(src, []).append(name)
         lst = out.setdefault(_i8._BWD_SOURCES[engine][0], [])
         for dv_int8, ds_int8 in _i8._BWD_MODES:
             lst.extend(n for n in bwd_names(T, D, engine, dv_int8, ds_int8) if n not in lst)
@@ -91,8 +91,9 @@ def kernel_requests(T, D, engine) -> list:
     names = quant_names(T, D)
     out = [(_SRC, n, names, None) for n in names]
     for bkv in _i8._BLOCK_KV:
-        src, name, arch = fwd_kernel(T, D, bkv, engine)
-        out.append((src, name, None, arch))
+        for pv16 in ((False, True) if engine == "wgmma" else (False,)):
+            src, name, arch = fwd_kernel(T, D, bkv, engine, pv16)
+            out.append((src, name, None, arch))
     src, arch = _i8._BWD_SOURCES[engine]
     for dv_int8, ds_int8 in _i8._BWD_MODES:
         names = bwd_names(T, D, engine, dv_int8, ds_int8)
@@ -314,7 +315,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
         raise ValueError(f"config: {why}")
     _i8._check_device()
     engine = _i8.forward_engine(engine)
-    why = _i8._unsupported_pv16(cfg, engine, True)
+    why = _i8._unsupported_pv16(cfg, engine)
     if why:
         raise ValueError(f"config: {why}")
     copy = tuple(_layout.needs_copy(_checks.raw(x), True) for x in (q, k, v))
@@ -329,7 +330,8 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     meta = record_meta(prog, p, _cu_stride(cu_seqlens_q), _cu_stride(cu_seqlens_k), arena=res)
     tail = (meta, i32(S), i32(nbq), i32(nbk))
 
-    v_channel = cfg.v_granularity == "channel"
+    pv16 = not cfg.pv_int8  # (int8._forward_plan: V is not quantized)
+    v_channel = cfg.v_granularity == "channel" and not pv16
     if cfg.k_smoothing and v_channel:  # K's mean and V's channel scales, per (sequence, kv head), in one pair
         part_k = prog.empty("part_k", (Hkv * nchk, D), cupy.float64, arena=_layout.TMP)
         part_v = prog.empty("part_v", (Hkv * nchk, D), cupy.float32, arena=_layout.TMP)
@@ -356,12 +358,12 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
             tails += [(k_codes, Hkv * Tk), (k_scale, Hkv * Tk)]
         prog.call((), _clear_tails(tuple(n for _, n in tails)), tuple(b for b, _ in tails))
     mode = 0 if v_channel else 2
-    if not v_channel:
+    if not v_channel and not pv16:
         v_scale = prog.empty("v_scale", (Hkv * tk_pad // 64, D), f32, arena=_layout.TMP)
     qk_args = (rq, i64(qsh), i64(qsn), f32(p.sm_scale), q_codes, q_scale, f32(_i8.LOG2E), qmk, rk, i64(ksh), i64(ksn),
                k_codes, k_scale, mu_k, i32(Hq), i32(Hkv), kv_img)
     nb = max(nbq, nbk)
-    if cfg.q_granularity == "token" and cfg.k_granularity == "token" and kv_img is not None and D == 128:
+    if cfg.q_granularity == "token" and cfg.k_granularity == "token" and kv_img is not None and D == 128 and not pv16:
         prog.launch(_qfn(f"quant_qkv_packed<{T}, {D}, {_i8._QK_RPW}, {mode}>", T, D), (nb, Hq + 2 * Hkv, 1), (256,),
                     qk_args + (rv, i64(vsh), i64(vsn), v_scale, v_scale) + tail, pdl=True)
         return Plan(p, cfg, engine, copy, prog)
@@ -377,7 +379,11 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
         prog.launch(_qfn(f"quant_rows_packed<{T}, {D}, {rpw}, {grouped}>", T, D), (tk_pad // (8 * rpw), Hkv, 1),
                     (256,), (rk, i64(ksh), i64(ksn), mu_k, i32(1), f32(1.0), k_codes, k_scale, f32(1.0), None, i32(1),
                              f32(0.0), None, kv_img, i32(1)) + tail)
-    if kv_img is not None:
+    if pv16:  # V as it is, in the 16-bit images the kernel reads through v_t
+        v_t = prog.empty("v_t", (Hkv * tk_pad // 64, 128 * D), cupy.uint8, arena=_layout.TMP)
+        prog.launch(_qfn(f"fwd_v16_image_packed<{T}, {D}>", T, D), (nbk, Hkv, 1), (256,), (rv, i64(vsh), i64(vsn), v_t)
+                    + tail)
+    elif kv_img is not None:
         prog.launch(_qfn(f"fwd_v_image_packed<{T}, {D}, {mode}>", T, D), (nbk, Hkv, 1), (2 * D,),
                     (rv, i64(vsh), i64(vsn), v_scale, v_scale, kv_img) + tail)
     else:
@@ -453,10 +459,10 @@ def forward_launch_program(p, cfg, pre, engine):
     S, Hq, Hkv, Tq = p.batch, p.heads_q, p.heads_kv, p.nq
     tq_pad, _, nbq, _, _ = _checks.packed_bounds(S, Tq, p.nk)
     i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    w, bkv = _i8._FWD_WARPS, cfg.block_kv
-    src, name, arch = fwd_kernel(T, D, bkv, engine)
+    w, bkv, pv16 = _i8._FWD_WARPS, cfg.block_kv, not cfg.pv_int8
+    src, name, arch = fwd_kernel(T, D, bkv, engine, pv16)
     fn = _i8.get_function(src, name, arch=arch)  # (int8's name: the tests' stand-in replaces it there)
-    smem = _i8._fwd_smem(D, bkv, _i8._fwd90_stages(D, bkv) if engine == "wgmma" else 2)
+    smem = _i8._fwd_smem(D, bkv, _i8._fwd90_stages(D, bkv, pv16) if engine == "wgmma" else 2, pv16)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     prog = Program()
@@ -475,7 +481,7 @@ def forward_launch_program(p, cfg, pre, engine):
               i32(int(cfg.v_granularity == "block")))
     tail = (Ref("packed"), i32(S), i32(Tq))
     if engine == "wgmma":
-        args = (arg("q_codes"), arg("q_scale"), arg("v_scale"), arg("qmk")) + common + (arg("kv_img"),) + tail
+        args = (arg("q_codes"), arg("q_scale"), arg("v_scale"), arg("qmk")) + common + (arg("kv_img"), arg("v_t")) + tail
     else:
         args = (arg("q_codes"), arg("q_scale"), arg("k_codes"), arg("k_scale"), arg("v_t"), arg("v_scale"),
                 arg("qmk")) + common + tail

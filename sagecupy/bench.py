@@ -76,7 +76,7 @@ def bench_int8(D, N, causal, *, config=None, dtype="bfloat16", warmup=3, rep=10,
         row("fwd", "kernel", time_ms(lambda: int8._launch_forward(p, cfg, pre), warmup, rep))
         # Both engines explicitly, for comparison in the same run ("kernel" is the automatic choice), where the
         # config runs on both (pv_int8=False: the wgmma engine only).
-        if int8._unsupported_pv16(cfg, "mma", False) is None:
+        if int8._unsupported_pv16(cfg, "mma") is None:
             pre_m = int8._preprocess_forward(q, k, v, causal=causal, sm_scale=None, layout="HND", config=config,
                                              engine="mma")[2]  # each engine's own pre-pass outputs
             row("fwd", "kernel-mma", time_ms(lambda: int8._launch_forward(p, cfg, pre_m, "mma"), warmup, rep))

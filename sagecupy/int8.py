@@ -71,16 +71,12 @@ def _unsupported_config(cfg: SageBwdConfig) -> str | None:
     return None
 
 
-def _unsupported_pv16(cfg: SageBwdConfig, engine: str, packed: bool) -> str | None:
-    """Why the forward kernels cannot run ``cfg.pv_int8=False`` on ``engine`` (resolved) with this layout, or None."""
-    if cfg.pv_int8:
+def _unsupported_pv16(cfg: SageBwdConfig, engine: str) -> str | None:
+    """Why the forward kernels cannot run ``cfg.pv_int8=False`` on ``engine`` (resolved), or None."""
+    if cfg.pv_int8 or engine == "wgmma":
         return None
-    if engine != "wgmma":
-        return (f"pv_int8=False (P.V in 16 bits) is implemented on the wgmma engine (sm_90) only, not on "
-                f"engine={engine!r}; use pv_int8=True (the default)")
-    if packed:
-        return "pv_int8=False (P.V in 16 bits) is implemented for dense layouts only, not layout='THD'"
-    return None
+    return (f"pv_int8=False (P.V in 16 bits) is implemented on the wgmma engine (sm_90) only, not on "
+            f"engine={engine!r}; use pv_int8=True (the default)")
 
 
 def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, window=None, cu_seqlens_q=None,
@@ -98,9 +94,7 @@ def is_supported(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=N
             _checks.check_attention_args(q, k, v, causal=causal, sm_scale=sm_scale, layout=layout, window=window)
         cfg = get_config(config)
         _check_device()
-        why = _unsupported_config(cfg) or _unsupported_pv16(
-            cfg, forward_engine(None), _varlen.is_packed(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                         max_seqlen_k))
+        why = _unsupported_config(cfg) or _unsupported_pv16(cfg, forward_engine(None))
     except Exception as exc:  # the contract is (False, reason), whatever is wrong
         return False, str(exc)
     return (False, why) if why else (True, "")
@@ -476,7 +470,7 @@ def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inferenc
     _check_device()
     engine = forward_engine(engine)  # validate before any work
     pv16 = not cfg.pv_int8
-    why = _unsupported_pv16(cfg, engine, False)
+    why = _unsupported_pv16(cfg, engine)
     if why:
         raise ValueError(f"config: {why}")
     # the pre-passes read rows with 16-byte loads: strided or misaligned inputs are copied (per call)

@@ -481,8 +481,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     if (!packed_query_seq(meta, S, qb, Hq, Hkv, nq, nk, nq_pad, nk_pad, win, shift, p, s)) return;  // past the last
     lse_n = total_q;
     const long long qr = static_cast<long long>(Hq) * p.qp, kr = static_cast<long long>(Hkv) * p.kp;
-    static_assert(!PACKED || !PV16, "PV16: dense layouts");
     qc += qr * D, qs += qr, o += p.q0 * osn, lse += p.q0, kv_img += kr / 64 * KvImg::STAGE;
+    if constexpr (PV16) vt += kr / 64 * V_TILE;
     vs += V_BLOCK ? kr / 64 * D : static_cast<long long>(s) * Hkv * D;  // per 64-key block, or per sequence
     if (qmk) qmk += qr;
     if (lse2) lse2 += qr;

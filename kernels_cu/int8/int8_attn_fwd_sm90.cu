@@ -26,16 +26,19 @@ int8_attn_fwd_sm90(const signed char* __restrict__ qc, const float* __restrict__
 }
 
 // Packed sequences (layout "THD", int8/packed.cuh): grid (padded q rows / 64, Hq, 1); o (total_q, Hq, D) at the given
-// strides, lse (Hq, total_q); the pre-pass buffers in the packed padded layout.
-template <typename T, int D, int WARPS, int BKV>
-__global__ void __launch_bounds__(32 * WARPS, FwdSm90<D, BKV>::MIN_CTAS)
+// strides, lse (Hq, total_q); the pre-pass buffers in the packed padded layout. PV16: the 16-bit V images in v16
+// (the packed padded layout's 64-key blocks); null otherwise.
+template <typename T, int D, int WARPS, int BKV, bool PV16>
+__global__ void __launch_bounds__(32 * WARPS, (FwdSm90<D, BKV, PV16>::MIN_CTAS))
 int8_attn_fwd_sm90_packed(const signed char* __restrict__ qc, const float* __restrict__ qs,
                           const float* __restrict__ vs, const float* __restrict__ qmk,
                           T* __restrict__ o, long long osh, long long osn,
                           float* __restrict__ lse, float* __restrict__ lse2,
                           int Hq, int Hkv, float p_max, int left, int right, int v_block,
-                          const char* __restrict__ kv_img, const int* __restrict__ meta, int S, int total_q) {
-  int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV, true>(qc, qs, nullptr, nullptr, nullptr, vs, qmk, o, 0, osh, osn, lse,
-                                                   lse2, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, 0, v_block, kv_img,
-                                                   meta, S, total_q);
+                          const char* __restrict__ kv_img, const char* __restrict__ v16, const int* __restrict__ meta,
+                          int S, int total_q) {
+  int8_attn_fwd_wgmma_impl<T, D, WARPS, BKV, true, PV16>(qc, qs, nullptr, nullptr,
+                                                         reinterpret_cast<const signed char*>(v16), vs, qmk, o, 0, osh,
+                                                         osn, lse, lse2, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, 0,
+                                                         v_block, kv_img, meta, S, total_q);
 }

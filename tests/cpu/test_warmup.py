@@ -90,11 +90,13 @@ def _run_calls(family, dtype, d, engine, monkeypatch):
                 o, res = int8.forward(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
                 int8.backward(res, dop, engine=engine)
                 int8.sage_attention(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
-            for bkv in (64, 128):  # the 16-bit P.V (wgmma, dense layouts only)
+            for bkv in (64, 128):  # the 16-bit P.V (wgmma only)
                 config = DEFAULT.replace(pv_int8=False, block_kv=bkv)
-                if int8._unsupported_pv16(config, int8.forward_engine(engine), False) is None:
+                if int8._unsupported_pv16(config, int8.forward_engine(engine)) is None:
                     o, res = int8.forward(q, k, v, causal=causal, config=config, engine=engine)
                     int8.sage_attention(q, k, v, causal=causal, config=config, engine=engine)
+                    o, res = int8.forward(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
+                    int8.sage_attention(qp, kp, vp, causal=causal, config=config, engine=engine, **packed)
         elif family == "qat":
             o, res = qat.forward(q, k, v, causal=causal, engine=engine)
             qat.backward(res, do, engine=engine)
@@ -259,15 +261,15 @@ def test_cli_prints_a_line_per_file_and_the_total(built, monkeypatch):
                      "int8/int8_attn_fwd_sm90.cu", "int8/int8_quant.cu", "int8/int8_quant_packed.cu"]
     # the two pre-pass modules, and on each of the two engines the forward's four (64- and 128-key tiles, dense and
     # packed) and the backward's six (three (dv_int8, ds_int8) pairs, dense and packed), and on the wgmma engine the
-    # 16-bit P.V forward's two (64- and 128-key tiles, dense): 2 + 2 * (4 + 6) + 2
-    assert lines[-1].startswith("warmup: 24 modules ready, 24 new in CuPy's cache, 0 failed, ")
+    # 16-bit P.V forward's four (64- and 128-key tiles, dense and packed): 2 + 2 * (4 + 6) + 4
+    assert lines[-1].startswith("warmup: 26 modules ready, 26 new in CuPy's cache, 0 failed, ")
     assert lines[-1].endswith(f"cache {os.environ['CUPY_CACHE_DIR']}")
     assert all("__nv_bfloat16, 128" in names[0] or names[0].startswith("transpose") for _, names, _ in built)
     built.fail.add("int8/int8_attn_fwd_sm90.cu")
     result = CliRunner().invoke(cli.main, ["warmup", "--families", "int8", "--d", "64", "--engines", "wgmma"])
     assert result.exit_code == 1
-    assert "int8/int8_attn_fwd_sm90.cu" in result.stdout and "12 FAILED" in result.stdout  # dense (two P.V forms) and packed
-    assert "    line 2" in result.stdout and ", 12 failed, " in result.stdout.splitlines()[-1]
+    assert "int8/int8_attn_fwd_sm90.cu" in result.stdout and "16 FAILED" in result.stdout  # two P.V forms
+    assert "    line 2" in result.stdout and ", 16 failed, " in result.stdout.splitlines()[-1]
 
 
 def test_jobs_compile_in_spawned_processes_and_report_their_failures(built, monkeypatch, tmp_path):

@@ -219,15 +219,6 @@ def test_pv16_refusals():
         s8.forward(q, k, v, config=PV16.replace(v_granularity="block", block_kv=64))
     ok, why = s8.is_supported(q, k, v, config=PV16.replace(v_granularity="block", block_kv=64))
     assert not ok and "v_granularity" in why
-    _need_pv16()
-    cp = _cupy()
-    qp, kp, vp = (_to_dev(np.random.default_rng(1).normal(size=(200, 2, 64)), "float16") for _ in range(3))
-    cu = cp.asarray([0, 77, 200], dtype=cp.int32)
-    packed = dict(layout="THD", cu_seqlens_q=cu, cu_seqlens_k=cu, config=PV16)
-    with pytest.raises(ValueError, match="pv_int8=False.*dense layouts"):
-        s8.forward(qp, kp, vp, **packed)
-    ok, why = s8.is_supported(qp, kp, vp, **packed)
-    assert not ok and "dense layouts" in why
 
 
 @pytest.mark.parametrize("sigma", [1.0, 8.0])

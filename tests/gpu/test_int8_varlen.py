@@ -22,7 +22,7 @@ import pytest
 from sagecupy.config import DEFAULT, PAPER
 from sagecupy.reference import attention as ref_attn
 from sagecupy.reference import sagebwd as ref_sage
-from test_int8 import BKV64, _check, _raw, _to_dev, _to_host, poison_new_buffers
+from test_int8 import BKV64, PV16, PV16_64, _check, _raw, _to_dev, _to_host, poison_new_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -134,6 +134,9 @@ CASES = [
     (EMPTY, 2, 2, 128, "float16", True, None, PAPER),
     (DOCS[:4] + EMPTY[:2], 4, 2, 64, "bfloat16", False, (40, -1), PAPER),
     ([(333, 333)], 4, 4, 128, "float16", False, None, DEFAULT),  # one sequence: the dense call's shape
+    (DOCS, 4, 2, 128, "bfloat16", True, None, PV16),  # (the 16-bit P.V: the wgmma engine only)
+    (EMPTY, 2, 2, 64, "float16", False, (17, 0), PV16_64),
+    (UNEQUAL, 2, 1, 128, "float16", True, (5, 5), PV16),
 ]
 
 
@@ -148,6 +151,8 @@ def _case_id(c):
 @pytest.mark.parametrize("lens,Hq,Hkv,D,dtype,causal,window,config", CASES, ids=[_case_id(c) for c in CASES])
 def test_packed_vs_references(lens, Hq, Hkv, D, dtype, causal, window, config, engine):
     _engine_or_skip(engine)
+    if not config.pv_int8 and engine != "wgmma":
+        pytest.skip("pv_int8=False runs on the wgmma engine only")
     _run(lens, Hq, Hkv, D, dtype, causal, window, config, engine)
 
 
@@ -164,6 +169,9 @@ EQUAL_CASES = [
     (EMPTY, 2, 1, 64, "bfloat16", True, (5, 0), PAPER),
     (UNEQUAL, 4, 2, 64, "float16", True, None, DEFAULT),
     (UNEQUAL, 2, 2, 128, "bfloat16", False, (40, 3), BKV64),
+    (DOCS, 4, 2, 64, "bfloat16", True, None, PV16),
+    (EMPTY, 2, 1, 128, "float16", False, (5, 0), PV16_64),
+    (UNEQUAL, 4, 2, 128, "bfloat16", True, None, PV16),
 ]
 
 
@@ -174,6 +182,8 @@ def test_packed_equals_separate_calls(lens, Hq, Hkv, D, dtype, causal, window, c
     import sagecupy.int8 as s8
 
     _engine_or_skip(engine)
+    if not config.pv_int8 and engine != "wgmma":
+        pytest.skip("pv_int8=False runs on the wgmma engine only")
     cp = _cupy()
     (q, k, v, do), (qh, kh, vh, doh) = _packed_inputs(1, lens, Hq, Hkv, D, dtype)
     cq, ck = _offsets(lens)
