@@ -49,7 +49,7 @@ pv_int8            ``True``: the forward's ``O = P V`` as an integer matmul of
                    fp32 accumulation (O's error at sigma = 1 about a third
                    lower; ``block_kv`` then changes no number but where the
                    frame may move). The kernels implement ``False`` on the
-                   wgmma engine (sm_90) for dense layouts, with
+                   wgmma engine (sm_90), dense and packed, with
                    ``v_granularity="channel"``.
 =================  ==========================================================
 """
@@ -152,7 +152,7 @@ BKV64 = SageBwdConfig(name="bkv64", block_kv=64)
 #: is rounded to fp16/bf16 in the softmax's running frame; O's relative error against exact attention at sigma = 1
 #: about a third lower (0.0146 -> 0.0093 on an H100, D = 128), the LSE and the backward unchanged. On an H100 the
 #: forward is 1.07-1.17x the default's at D = 64 and 0.86-1.00x at D = 128, where its P.V takes twice the tensor-core
-#: time (docs/experiments.md, E-I8F-PV16). The wgmma engine (sm_90), dense layouts.
+#: time (docs/experiments.md, E-I8F-PV16). The wgmma engine (sm_90), dense and packed layouts.
 PV16 = SageBwdConfig(name="pv16", pv_int8=False)
 
 
