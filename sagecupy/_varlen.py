@@ -481,7 +481,8 @@ def forward_launch_program(p, cfg, pre, engine):
               i32(int(cfg.v_granularity == "block")))
     tail = (Ref("packed"), i32(S), i32(Tq))
     if engine == "wgmma":
-        args = (arg("q_codes"), arg("q_scale"), arg("v_scale"), arg("qmk")) + common + (arg("kv_img"), arg("v_t")) + tail
+        args = ((arg("q_codes"), arg("q_scale"), arg("v_scale"), arg("qmk")) + common + (arg("kv_img"), arg("v_t"))
+                + tail)
     else:
         args = (arg("q_codes"), arg("q_scale"), arg("k_codes"), arg("k_scale"), arg("v_t"), arg("v_scale"),
                 arg("qmk")) + common + tail

@@ -104,8 +104,8 @@ class SageBwdConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 16 or value % 16:
                 raise ValueError(f"SageBwdConfig.{field}={value!r} must be a positive multiple of 16")
-        for field in ("p_unsigned", "dv_int8", "ds_int8", "pv_int8", "k_smoothing", "q_smoothing", "ds_rowsum_correction",
-                      "quantize"):
+        for field in ("p_unsigned", "dv_int8", "ds_int8", "pv_int8", "k_smoothing", "q_smoothing",
+                      "ds_rowsum_correction", "quantize"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"SageBwdConfig.{field} must be a bool, got {getattr(self, field)!r}")
 

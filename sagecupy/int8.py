@@ -780,8 +780,8 @@ def _bwd_key(r, do, engine):
 
 
 def _preprocess_backward(residuals, do, engine=None):
-    """Validation, delta = rowsum(dO * O), INT8 dO^T (INT8 dV only), transposed (mma-permuted) Q and K codes (INT8 dK and
-    dQ only). On the wgmma engine
+    """Validation, delta = rowsum(dO * O), INT8 dO^T (INT8 dV only), transposed (mma-permuted) Q and K codes (INT8 dK
+    and dQ only). On the wgmma engine
     they go, with Q^, K^, dO, V and the per-token vectors, into per-tile stage images (kernels_cu/int8/bwd_img.cuh)
     that the kernels copy with one bulk copy per stage; with ds_int8=False the images hold Q's and K's codes as bf16
     instead of their transposes, and no dO codes. Recorded once per call signature (sagecupy/_program.py),
