@@ -51,13 +51,13 @@ struct FwdTileScale {
 // (shared memory); vs_blk: V's scale of this 64-key block (per-block V, BKV = 64 only) or null;
 // need_mask: mask keys outside rk[r] (Window::keys of this thread's rows r_lo + 8 r);
 // inv_p_max = 1 / p_max. Maxima and sums are trees (short dependency chains).
+// The tile's logits s (dequantized by the key scales, masked to -inf) and this thread's maxima of its two rows (before
+// the quad's max), for both forms of P.V (fwd_softmax_tile, fwd_frame16).
 template <int NT>
-__device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][4], FwdRows& rs,
-                                                         unsigned (&pa)[NT / 4][4], const float* ks_tile,
-                                                         const float* __restrict__ vs_blk, int tile, bool need_mask,
-                                                         const int2 (&rk)[2], int t4, float p_max, float inv_p_max) {
+__device__ __forceinline__ void fwd_tile_logits(const int (&acc_s)[NT][4], float (&s)[NT][4], float (&mx)[2],
+                                                const float* ks_tile, int tile, bool need_mask, const int2 (&rk)[2],
+                                                int t4) {
   static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
-  float s[NT][4];
   // This thread's key scales: columns 8 nt + 2 t4, 8 nt + 2 t4 + 1 of the tile, one 8-byte shared load each at an
   // immediate offset from one address (in the build CuPy runs, ks_tile[kt] took two address instructions per
   // load). The loads are plain asm (the compiler schedules them: volatile ones measured the forward kernel 10%
@@ -78,7 +78,6 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
       s[nt][e] = v;
     }
   }
-  float mx[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float t[NT];
@@ -87,6 +86,15 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
     tree_fold(t, FMaxOp());
     mx[r] = t[0];
   }
+}
+
+template <int NT>
+__device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][4], FwdRows& rs,
+                                                         unsigned (&pa)[NT / 4][4], const float* ks_tile,
+                                                         const float* __restrict__ vs_blk, int tile, bool need_mask,
+                                                         const int2 (&rk)[2], int t4, float p_max, float inv_p_max) {
+  float s[NT][4], mx[2];
+  fwd_tile_logits<NT>(acc_s, s, mx, ks_tile, tile, need_mask, rk, t4);
   FwdTileScale ts;
   float factor[2];
 #pragma unroll
@@ -141,30 +149,7 @@ template <int NT>
 __device__ __forceinline__ FwdTileScale fwd_frame16(const int (&acc_s)[NT][4], float (&s)[NT][4], float (&mx)[2],
                                                     FwdRows& rs, const float* ks_tile, int tile, bool need_mask,
                                                     const int2 (&rk)[2], int t4) {
-  static_assert(NT == 8 || NT == 16, "tiles of 64 or 128 keys");
-  const unsigned ks_addr = after_barriers(smem_u32(ks_tile) + 8 * t4);
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int kt = nt * 8 + 2 * t4, key = tile * (8 * NT) + kt;
-    const float2 sk = lds_f2(ks_addr + 32 * nt);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v = i2f_small(acc_s[nt][e]) * ((e & 1) ? sk.y : sk.x);
-      if (need_mask) {
-        const int kk = key + (e & 1);
-        if (kk < rk[e >> 1].x || kk > rk[e >> 1].y) v = -INFINITY;
-      }
-      s[nt][e] = v;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float t[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
-    tree_fold(t, FMaxOp());
-    mx[r] = t[0];
-  }
+  fwd_tile_logits<NT>(acc_s, s, mx, ks_tile, tile, need_mask, rk, t4);
   FwdTileScale ts;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
