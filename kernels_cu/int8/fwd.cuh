@@ -142,9 +142,10 @@ __device__ __forceinline__ FwdTileScale fwd_softmax_tile(const int (&acc_s)[NT][
 }
 
 // fwd_softmax_tile for the 16-bit P.V (SageBwdConfig.pv_int8=False), in pieces (fwd_frame16, fwd_exp16, fwd_lsum16):
-// the same logits, mask, tile max and lazy frame, then P~ = exp2(S - m) in the running frame m itself (<= 2^FWD_RESCALE_SLACK), rounded to T pairwise as the
-// A operand of P.V in T (pa[kk]: keys 16 kk .. 16 kk + 15, bwd.cuh pack_acc_as_a16's layout); the row sums add the
-// unrounded P~. O is accumulated by the tensor cores in the frame: the caller rescales it by alpha before P.V(t).
+// the same logits, mask, tile max and lazy frame, then P~ = exp2(S - m) in the running frame m itself
+// (<= 2^FWD_RESCALE_SLACK), rounded to T pairwise as the A operand of P.V in T (pa[kk]: keys 16 kk .. 16 kk + 15,
+// bwd.cuh pack_acc_as_a16's layout); the row sums add the unrounded P~. O is accumulated by the tensor cores in the
+// frame: the caller rescales it by alpha before P.V(t).
 template <int NT>
 __device__ __forceinline__ FwdTileScale fwd_frame16(const int (&acc_s)[NT][4], float (&s)[NT][4], float (&mx)[2],
                                                     FwdRows& rs, const float* ks_tile, int tile, bool need_mask,
@@ -569,18 +570,15 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc_o[nt][e] *= ts.alpha[e >> 1];
       }
-      const char* cV = sV + (j % NST) * NI * V_TILE;
-      auto issue_pv = [&](int kk0, int kk1) {
-#pragma unroll
-        for (int kk = kk0; kk < kk1; ++kk)
-          wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk],
-                            desc_mn16<64>(cV + (kk / 4) * V_TILE, kk % 4), 1);
-      };
       fwd_exp16<T, NT, 0, NT>(sv, mx, rs, pa, lsum);
       fwd_lsum16(rs, ts, lsum);
       if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
       wgmma_fence();
-      issue_pv(0, NT / 2);
+      const char* cV = sV + (j % NST) * NI * V_TILE;
+#pragma unroll
+      for (int kk = 0; kk < NT / 2; ++kk)  // k-steps of 16 keys: image kk / 4, its k-step kk % 4
+        wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk],
+                          desc_mn16<64>(cV + (kk / 4) * V_TILE, kk % 4), 1);
       wgmma_commit();
       // Q.K^T(t+1); on the last tile a stale stage (no copy in flight), the result dropped
       issue_qk((j + 1) % NST);
@@ -654,8 +652,9 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     }
   }
   cp_async_wait<0>();  // a CTA that visits no tile (rows past nq, or rows that see no key) still has Q in flight
-  fwd_epilogue<T, D>(acc_o, rs, (V_BLOCK || PV16) ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn, lse + bh * lse_n,
-                     lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
+  fwd_epilogue<T, D>(acc_o, rs, (V_BLOCK || PV16) ? nullptr : vs + bhk * D, o + b * osb + h * osh, osn,
+                     lse + bh * lse_n, lse2 ? lse2 + bh * nq_pad : nullptr, qmk ? qmk + bh * nq_pad : nullptr, r_lo,
+                     t4, nq, nq_pad);
 }
 
 }  // namespace sage
