@@ -680,6 +680,20 @@ bwd_do16_image(const T* __restrict__ x, long long sb, long long sh, long long sn
                                               blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y);
 }
 
+// Tokens tok0 .. tok0 + 63 of a 16-bit [token][channel] tensor (token t at src + t * sn; those from n on zero) as one
+// 64 x D block stored in 128-byte pieces (bwd_img.cuh k128_offset) at img, by the CTA's 256 threads: V in the backward's
+// key-side images and in the 16-bit P.V forward's V images.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows_k128(char* img, const T* __restrict__ src, long long sn, int tok0, int n) {
+  static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
+#pragma unroll
+  for (int i = 0; i < 8 * D / 256; ++i) {
+    const int idx = threadIdx.x + 256 * i, r = idx / (D / 8), c = idx % (D / 8), tok = tok0 + r;
+    const uint4 val = tok < n ? *reinterpret_cast<const uint4*>(src + tok * sn + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(img + k128_offset(r, c)) = val;
+  }
+}
+
 // The 16-bit V of the wgmma forward with pv_int8=False (int8/fwd.cuh PV16): per (b, h, 64-key tile) 64 x D elements
 // of V as they are (the caller's layout), stored [key][channel] in 128-byte pieces (bwd_img.cuh k128_offset), keys
 // past n zero (a masked key's P~ is 0, and 0 times a stale value could be NaN). out (B, H, n_pad / 64, 128 D bytes).
@@ -688,16 +702,9 @@ template <typename T, int D>
 __global__ void __launch_bounds__(256)
 fwd_v16_image(const T* __restrict__ v, long long sb, long long sh, long long sn, int n, int n_pad,
               char* __restrict__ out) {
-  static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
   const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   char* img = out + ((static_cast<long long>(b) * gridDim.y + h) * (n_pad / 64) + blk) * (128 * D);
-#pragma unroll
-  for (int i = 0; i < 8 * D / 256; ++i) {
-    const int idx = threadIdx.x + 256 * i, r = idx / (D / 8), c = idx % (D / 8), tok = blk * 64 + r;
-    const uint4 val = tok < n ? *reinterpret_cast<const uint4*>(v + b * sb + h * sh + tok * sn + 8 * c)
-                              : make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(img + k128_offset(r, c)) = val;
-  }
+  store_rows_k128<T, D>(img, v + b * sb + h * sh, sn, blk * 64, n);
 }
 
 // The mma.sync backward's dO pass for the configs whose dV reads no dO codes (dv_int8=False): delta = rowsum(dO * O)
@@ -805,15 +812,8 @@ __device__ __forceinline__ void bwd_qk_images_body(const signed char* __restrict
     reinterpret_cast<float4*>(img + (qside ? (threadIdx.x < 16 ? Img::Q_QS : Img::Q_LSE) : Img::K_KS))[j] =
         reinterpret_cast<const float4*>(vec + bh * n_pad + blk * 64)[j];
   }
-  if (!qside) {  // V (16-bit, the caller's layout) as the dQ stage's K128 operand
-#pragma unroll
-    for (int i = 0; i < 8 * D / 256; ++i) {
-      const int idx = threadIdx.x + 256 * i, r = idx / (D / 8), c = idx % (D / 8), tok = blk * 64 + r;
-      const uint4 val = tok < nk ? *reinterpret_cast<const uint4*>(v + b * vsb + hk * vsh + tok * vsn + 8 * c)
-                                 : make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(img + Img::K_V + k128_offset(r, c)) = val;
-    }
-  }
+  if (!qside)  // V (16-bit, the caller's layout) as the dQ stage's K128 operand
+    store_rows_k128<T, D>(img + Img::K_V, v + b * vsb + hk * vsh, vsn, blk * 64, nk);
   __syncthreads();
   if constexpr (DS16) {  // 8 codes (two staged words) per 16-byte chunk of bf16
 #pragma unroll

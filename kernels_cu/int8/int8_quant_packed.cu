@@ -354,20 +354,12 @@ template <typename T, int D>
 __global__ void __launch_bounds__(256)
 fwd_v16_image_packed(const T* __restrict__ v, long long vsh, long long vsn, char* __restrict__ out,
                      const int* __restrict__ meta, int S, int nbq, int nbk) {
-  static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
   const PackedRows r = packed_rows(meta, S, nbq, nbk, true, blockIdx.x, 64);
   if (r.s < 0) return;
   const int h = blockIdx.y, H = gridDim.y;
   const long long blocks = (static_cast<long long>(H) * r.side.pad0 + static_cast<long long>(h) * r.side.n_pad) / 64;
-  char* img = out + (blocks + r.bx) * (128 * D);
-  const T* src = v + static_cast<long long>(r.side.start) * vsn + h * vsh;
-#pragma unroll
-  for (int i = 0; i < 8 * D / 256; ++i) {
-    const int idx = threadIdx.x + 256 * i, row = idx / (D / 8), c = idx % (D / 8), tok = r.bx * 64 + row;
-    const uint4 val = tok < r.side.n ? *reinterpret_cast<const uint4*>(src + tok * vsn + 8 * c)
-                                     : make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(img + k128_offset(row, c)) = val;
-  }
+  store_rows_k128<T, D>(out + (blocks + r.bx) * (128 * D), v + static_cast<long long>(r.side.start) * vsn + h * vsh,
+                        vsn, r.bx * 64, r.side.n);
 }
 
 // ---- the backward's pre-passes ----
