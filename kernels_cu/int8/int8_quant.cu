@@ -681,8 +681,8 @@ bwd_do16_image(const T* __restrict__ x, long long sb, long long sh, long long sn
 }
 
 // Tokens tok0 .. tok0 + 63 of a 16-bit [token][channel] tensor (token t at src + t * sn; those from n on zero) as one
-// 64 x D block stored in 128-byte pieces (bwd_img.cuh k128_offset) at img, by the CTA's 256 threads: V in the backward's
-// key-side images and in the 16-bit P.V forward's V images.
+// 64 x D block stored in 128-byte pieces (bwd_img.cuh k128_offset) at img, by the CTA's 256 threads: V in the
+// backward's key-side images and in the 16-bit P.V forward's V images.
 template <typename T, int D>
 __device__ __forceinline__ void store_rows_k128(char* img, const T* __restrict__ src, long long sn, int tok0, int n) {
   static_assert((8 * D) % 256 == 0, "whole passes of 256 threads");
