@@ -11,7 +11,8 @@ bitwise against the first variant's. On the GPU machine, from the repository roo
 Variants are ';'-separated; a variant is ','-separated tokens: ``NAME=VALUE`` (or ``NAME``) is a kernel define, passed
 to every compile through SAGECUPY_DEFINES; ``kernels=PATH`` compiles the sources of another ``kernels_cu`` folder
 through SAGECUPY_KERNELS_DIR (it must have the file layout the host code expects); ``config.FIELD=VALUE`` runs the INT8
-calls with the ``default`` config so changed (VALUE true/false, an integer or a word: ``config.ds_int8=true``). The
+calls with the ``default`` config so changed (VALUE true/false, an integer or a word: ``config.ds_int8=true``);
+``env.NAME=VALUE`` sets a host development switch (docs/design.md) for the variant, e.g. ``env.SAGECUPY_FWD_WS=0``. The
 empty variant is the tree's own kernels without defines, on the default config. Host code is not switched: to compare two trees of Python code, run this once per tree
 (``PYTHONPATH=TREE python3 bench/ab.py --hash ...``) and compare the printed times and output hashes.
 
@@ -47,8 +48,8 @@ def parse_variant(text):
             continue
         if tok.startswith("kernels="):
             kernels = os.path.abspath(os.path.expanduser(tok[len("kernels="):]))
-        elif tok.startswith("config."):
-            continue  # (variant_config)
+        elif tok.startswith(("config.", "env.")):
+            continue  # (variant_config, variant_env)
         elif tok.startswith("SAGECUPY_"):
             raise SystemExit(f"variant token {tok!r}: only kernel defines and kernels=PATH are switched per variant")
         else:
@@ -77,7 +78,21 @@ def variant_config(text):
     return DEFAULT.replace(**changes)
 
 
+def variant_env(text):
+    """{NAME: VALUE} of one variant's ``env.NAME=VALUE`` tokens: host-side development switches (docs/design.md),
+    which the launch programs' keys include, so variants of one process record programs of their own."""
+    out = {}
+    for tok in (t.strip() for t in (text or "").split(",")):
+        if tok.startswith("env."):
+            name, sep, value = tok[len("env."):].partition("=")
+            if not sep or not name.startswith("SAGECUPY_"):
+                raise SystemExit(f"variant token {tok!r}: expected env.SAGECUPY_NAME=VALUE")
+            out[name] = value
+    return out
+
+
 _CONFIG = None  # the INT8 config of the variant set (set_variant)
+_ENV_SET = []  # the environment variables the variant set put there
 
 
 def set_variant(index, text):
@@ -88,9 +103,14 @@ def set_variant(index, text):
     global _CONFIG
     os.environ.pop("SAGECUPY_DEFINES", None)
     os.environ.pop("SAGECUPY_KERNELS_DIR", None)
+    while _ENV_SET:
+        os.environ.pop(_ENV_SET.pop(), None)
     _CONFIG = variant_config(text)
     if text is None:
         return
+    for name, value in variant_env(text).items():
+        os.environ[name] = value
+        _ENV_SET.append(name)
     defines, kernels = parse_variant(text)
     os.environ["SAGECUPY_DEFINES"] = ",".join([f"SAGE_AB_VARIANT={index}"] + defines)
     if kernels:

@@ -657,4 +657,171 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
                      t4, nq, nq_pad);
 }
 
+
+// ---- Warp-specialized wgmma forward for the 16-bit P.V (sm_90a; SageBwdConfig.pv_int8=False, 64-key tiles) ----
+// Warpgroup 0 is the producer: one thread copies each key tile's K^ and key scales (FwdImg) and its 16-bit V image
+// into an NST-stage ring (full / empty mbarriers), then the warpgroup gives its registers to the consumers
+// (setmaxnreg). Warpgroups 1 .. NC each own 64 query rows (BQ = 64 NC per CTA, one CTA per SM) and run the PV16 loop
+// of int8_attn_fwd_wgmma_impl over the tiles their own rows see: softmax(t), P.V(t) and Q.K^T(t+1) issued, both
+// waited for, stage t released. Three consumer warpgroups put three warps on each scheduler where two 4-warp CTAs
+// put two, and the consumers drift apart within the ring, so one's softmax runs beside another's products. A
+// consumer's rows, tiles, masks and float operations are those of the 64-row kernel: O and LSE bitwise its.
+template <int D, int BKV, int NC>
+struct FwdWs {
+  static constexpr int BQ = 64 * NC, THREADS = 128 * (NC + 1), NST = 4, NI = BKV / 64;
+  static constexpr int K_BYTES = BKV * D, V_TILE = 2 * 64 * D, V_BYTES = NI * V_TILE, KS_BYTES = 4 * BKV;
+  // Registers per thread after setmaxnreg: the producer's, and the consumers' share of the launch's allocation
+  // (65536 / THREADS, in multiples of 8) that the producer gives back.
+  static constexpr int PREG = 32, LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+  static constexpr int CREG = (LAUNCH_REGS * THREADS - 128 * PREG) / (128 * NC) / 8 * 8;
+  // Q (BQ x D), the ring (NST x (K^, V, key scales)), 2 NST mbarriers; 1024 bytes for the tiles' alignment.
+  static constexpr int SMEM = BQ * D + NST * (K_BYTES + V_BYTES + KS_BYTES) + 2 * NST * 8 + 1024;
+};
+template <typename T, int D, int BKV, int NC>
+__device__ __forceinline__ void int8_attn_fwd_ws_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
+              const char* __restrict__ kv_img, const char* __restrict__ v16, const float* __restrict__ qmk,
+              T* __restrict__ o, long long osb, long long osh, long long osn,
+              float* __restrict__ lse, float* __restrict__ lse2,
+              int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, int left, int right, int shift) {
+  using S = FwdWs<D, BKV, NC>;
+  using KvImg = FwdImg<D>;
+  static_assert(D == 64 || D == 128, "wgmma N = D");
+  static_assert(BKV == 64, "64-key tiles (the consumers' registers)");
+  constexpr int NST = S::NST, NI = S::NI, NT = BKV / 8, BQ = S::BQ;
+  const Window win{left, right};
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  char* sQ = smem;                                                     // NC x 64 rows x D
+  char* sK = sQ + BQ * D;                                              // NST x BKV x D
+  char* sV = sK + NST * S::K_BYTES;                                    // NST x NI x (64 x D of T)
+  float* sKs = reinterpret_cast<float*>(sV + NST * S::V_BYTES);        // NST x BKV key scales
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(sKs + NST * BKV);  // stage s resident
+  unsigned long long* empty = full + NST;  // every active consumer thread is done with stage s
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const QueryBlock qb = query_block<FWD_CAUSAL_GROUP>(BQ, win.causal_shape(), Hq, Hkv);
+  const int q0 = qb.q0, h = qb.h, b = qb.b;
+  const long long bh = qb.bh, bhk = qb.bhk;
+  const KeyRange kr = key_range<BKV>(q0, BQ, nq, nk, win, shift);  // the union of the consumers' tiles
+  const int ntl = max(0, kr.n - kr.first);
+  // Consumers whose rows lie inside the padded rows (nq_pad is a multiple of 128, BQ need not divide it); the others
+  // exit at once, and the empty barriers count only these.
+  const int nwg = min(NC, (nq_pad - q0) / 64);
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < NST; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, 128 * nwg);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  grid_dep_wait();  // the pre-pass's outputs (a launch with SAGECUPY_PDL may start before the pre-pass ends)
+
+  if (warp < 4) {  // ---- producer ----
+    setmaxnreg_dec<S::PREG>();
+    if (tid == 0) {
+      const char* gImg = kv_img + bhk * (nk_pad / 64) * static_cast<long long>(KvImg::STAGE);
+      const char* gV16 = v16 + bhk * (nk_pad / 64) * static_cast<long long>(S::V_TILE);
+      for (int j = 0; j < ntl; ++j) {  // tile kr.first + j into stage j % NST
+        const int st = j % NST, t = kr.first + j;
+        if (j >= NST) mbar_wait(empty + st, ((j / NST) - 1) & 1);
+        mbar_arrive_expect_tx(full + st, NI * (64 * D + S::V_TILE + 256));
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+          const char* src = gImg + (NI * t + i) * static_cast<long long>(KvImg::STAGE);
+          bulk_copy_g2s(sK + st * S::K_BYTES + i * 64 * D, src + KvImg::K, 64 * D, full + st);
+          bulk_copy_g2s(sV + st * S::V_BYTES + i * S::V_TILE, gV16 + (NI * t + i) * static_cast<long long>(S::V_TILE),
+                        S::V_TILE, full + st);
+          bulk_copy_g2s(sKs + st * BKV + 64 * i, src + KvImg::KS, 256, full + st);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  setmaxnreg_inc<S::CREG>();
+  const int cg = warp / 4 - 1;
+  if (cg >= nwg) return;
+  const int q0w = q0 + 64 * cg;
+  char* sQw = sQ + cg * 64 * D;
+  load_tile_async<64, D, 128, true>(sQw, reinterpret_cast<const char*>(qc + (bh * nq_pad + q0w) * D), D,
+                                    tid - 128 * (cg + 1));
+  cp_async_commit();
+  // This warpgroup's tiles: positions ja .. jb - 1 of the CTA's range (those of a 64-row CTA's range); it releases
+  // the stages of the others in order too, after the stage's tile has landed (so that no arrival counts toward an
+  // earlier phase of the same stage).
+  const KeyRange kw = key_range<BKV>(q0w, 64, nq, nk, win, shift);
+  const int ja = kw.n > kw.first ? min(max(kw.first - kr.first, 0), ntl) : 0;
+  const int jb = kw.n > kw.first ? max(ja, min(kw.n - kr.first, ntl)) : 0;
+  const int r_lo = q0w + (warp % 4) * 16 + g;  // this thread's two rows: r_lo, r_lo + 8
+  const int2 rk[2] = {win.keys(r_lo, shift, nk), win.keys(r_lo + 8, shift, nk)};
+  FwdRows rs = fwd_rows_init(qs + bh * nq_pad, r_lo);
+  float acc_o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  int acc_s[NT][4];
+  int(&accs)[4 * NT] = reinterpret_cast<int(&)[4 * NT]>(acc_s);
+  const unsigned long long dq = gmma_desc<D>(sQw);
+  auto issue_qk = [&](int stage) {
+    const unsigned long long dk = gmma_desc<D>(sK + stage * S::K_BYTES);
+#pragma unroll
+    for (int kstep = 0; kstep < D / 32; ++kstep)
+      wgmma_m64n64k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), kstep);
+    wgmma_commit();
+  };
+  for (int j = 0; j < ja; ++j) {
+    mbar_wait(full + j % NST, (j / NST) & 1);
+    mbar_arrive(empty + j % NST);
+  }
+  cp_async_wait<0>();  // Q
+  fence_proxy_async();  // this warpgroup's cp.async writes -> the tensor cores' reads
+  named_bar_sync(1 + cg, 128);
+  if (jb > ja) {
+    mbar_wait(full + ja % NST, (ja / NST) & 1);
+    wgmma_fence();
+    issue_qk(ja % NST);
+    wgmma_wait<0>();
+    fence_regs(accs);
+  }
+  for (int j = ja; j < jb; ++j) {
+    const int tile = kr.first + j, st = j % NST;
+    unsigned pa[NT / 2][4];
+    float sv[NT][4], mx[2];
+    float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
+    const FwdTileScale ts = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + st * BKV, tile, kw.need_mask(tile), rk, t4);
+    if (ts.rescale) {
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[nt][e] *= ts.alpha[e >> 1];
+    }
+    fwd_exp16<T, NT, 0, NT>(sv, mx, rs, pa, lsum);
+    fwd_lsum16(rs, ts, lsum);
+    // Q.K^T of the next tile; after the last one Q.K^T of this stage again (resident until released below), the
+    // result dropped: every issue unconditional (ptxas serializes the wgmma of a loop whose pipeline branches).
+    const int jn = j + 1 < jb ? j + 1 : j;
+    if (j + 1 < jb) mbar_wait(full + jn % NST, (jn / NST) & 1);
+    wgmma_fence();
+    const char* cV = sV + st * S::V_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk)  // k-steps of 16 keys: image kk / 4, its k-step kk % 4
+      wgmma_rs<T, true>(reinterpret_cast<float(&)[D / 2]>(acc_o), pa[kk],
+                        desc_mn16<64>(cV + (kk / 4) * S::V_TILE, kk % 4), 1);
+    wgmma_commit();
+    issue_qk(jn % NST);
+    wgmma_wait<0>();
+    fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
+    fence_regs(accs);
+    hold_regs(pa);
+    mbar_arrive(empty + st);
+  }
+  fwd_epilogue<T, D>(acc_o, rs, nullptr, o + b * osb + h * osh, osn, lse + bh * nq, lse2 ? lse2 + bh * nq_pad : nullptr,
+                     qmk ? qmk + bh * nq_pad : nullptr, r_lo, t4, nq, nq_pad);
+  for (int j = jb; j < ntl; ++j) {
+    mbar_wait(full + j % NST, (j / NST) & 1);
+    mbar_arrive(empty + j % NST);
+  }
+}
+
 }  // namespace sage
