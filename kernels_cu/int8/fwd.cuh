@@ -789,7 +789,13 @@ __device__ __forceinline__ void int8_attn_fwd_ws_impl(const signed char* __restr
     unsigned pa[NT / 2][4];
     float sv[NT][4], mx[2];
     float lsum[2][4] = {{-0.f, -0.f, -0.f, -0.f}, {-0.f, -0.f, -0.f, -0.f}};
-    const FwdTileScale ts = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + st * BKV, tile, kw.need_mask(tile), rk, t4);
+    // The mask's test as a branch around two bodies, one without it (folded into every logit's select instead, it
+    // cost 5 instructions per logit of every tile)
+    FwdTileScale ts;
+    if (kw.need_mask(tile))
+      ts = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + st * BKV, tile, true, rk, t4);
+    else
+      ts = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + st * BKV, tile, false, rk, t4);
     if (ts.rescale) {
 #pragma unroll
       for (int nt = 0; nt < D / 8; ++nt)
