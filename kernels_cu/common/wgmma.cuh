@@ -228,6 +228,10 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrive at barrier `id` without waiting (its `threads` count the arrivals and the waiting threads together).
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // ---- 16-bit products with A in registers: P^ x V^ (fp4_attn_fwd_sm90.cu), P^T x dO, dS^T x Q~ and dS x K~
 // (qat_attn_bwd_sm90.cu) ----

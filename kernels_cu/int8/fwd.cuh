@@ -666,6 +666,9 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
 // waited for, stage t released. Three consumer warpgroups put three warps on each scheduler where two 4-warp CTAs
 // put two, and the consumers drift apart within the ring, so one's softmax runs beside another's products. A
 // consumer's rows, tiles, masks and float operations are those of the 64-row kernel: O and LSE bitwise its.
+#ifndef SAGE_FWD_WS_PP
+#define SAGE_FWD_WS_PP 0
+#endif
 template <int D, int BKV, int NC>
 struct FwdWs {
   static constexpr int BQ = 64 * NC, THREADS = 128 * (NC + 1), NST = 4, NI = BKV / 64;
@@ -752,8 +755,14 @@ __device__ __forceinline__ void int8_attn_fwd_ws_impl(const signed char* __restr
   // the stages of the others in order too, after the stage's tile has landed (so that no arrival counts toward an
   // earlier phase of the same stage).
   const KeyRange kw = key_range<BKV>(q0w, 64, nq, nk, win, shift);
+#if SAGE_FWD_WS_PP
+  // Ping-pong: every consumer runs the CTA's whole range (tiles outside its rows' range fully masked), and the
+  // consumers issue their products in turn (named barriers 4 + c), so that their softmax phases alternate.
+  const int ja = 0, jb = ntl;
+#else
   const int ja = kw.n > kw.first ? min(max(kw.first - kr.first, 0), ntl) : 0;
   const int jb = kw.n > kw.first ? max(ja, min(kw.n - kr.first, ntl)) : 0;
+#endif
   const int r_lo = q0w + (warp % 4) * 16 + g;  // this thread's two rows: r_lo, r_lo + 8
   const int2 rk[2] = {win.keys(r_lo, shift, nk), win.keys(r_lo + 8, shift, nk)};
   FwdRows rs = fwd_rows_init(qs + bh * nq_pad, r_lo);
@@ -777,6 +786,9 @@ __device__ __forceinline__ void int8_attn_fwd_ws_impl(const signed char* __restr
   cp_async_wait<0>();  // Q
   fence_proxy_async();  // this warpgroup's cp.async writes -> the tensor cores' reads
   named_bar_sync(1 + cg, 128);
+#if SAGE_FWD_WS_PP
+  if (nwg > 1 && cg == nwg - 1 && jb > ja) named_bar_arrive(4, 256);  // the first turn: consumer 0's
+#endif
   if (jb > ja) {
     mbar_wait(full + ja % NST, (ja / NST) & 1);
     wgmma_fence();
@@ -792,7 +804,11 @@ __device__ __forceinline__ void int8_attn_fwd_ws_impl(const signed char* __restr
     // The mask's test as a branch around two bodies, one without it (folded into every logit's select instead, it
     // cost 5 instructions per logit of every tile)
     FwdTileScale ts;
+#if SAGE_FWD_WS_PP
+    if (kw.need_mask(tile) || tile < kw.first || tile >= kw.n)
+#else
     if (kw.need_mask(tile))
+#endif
       ts = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + st * BKV, tile, true, rk, t4);
     else
       ts = fwd_frame16<NT>(acc_s, sv, mx, rs, sKs + st * BKV, tile, false, rk, t4);
@@ -808,6 +824,9 @@ __device__ __forceinline__ void int8_attn_fwd_ws_impl(const signed char* __restr
     // result dropped: every issue unconditional (ptxas serializes the wgmma of a loop whose pipeline branches).
     const int jn = j + 1 < jb ? j + 1 : j;
     if (j + 1 < jb) mbar_wait(full + jn % NST, (jn / NST) & 1);
+#if SAGE_FWD_WS_PP
+    if (nwg > 1) named_bar_sync(4 + cg, 256);
+#endif
     wgmma_fence();
     const char* cV = sV + st * S::V_BYTES;
 #pragma unroll
@@ -816,6 +835,9 @@ __device__ __forceinline__ void int8_attn_fwd_ws_impl(const signed char* __restr
                         desc_mn16<64>(cV + (kk / 4) * S::V_TILE, kk % 4), 1);
     wgmma_commit();
     issue_qk(jn % NST);
+#if SAGE_FWD_WS_PP
+    if (nwg > 1 && !(cg == nwg - 1 && j + 1 == jb)) named_bar_arrive(4 + (cg + 1 == nwg ? 0 : cg + 1), 256);
+#endif
     wgmma_wait<0>();
     fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
     fence_regs(accs);
