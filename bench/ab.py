@@ -12,7 +12,7 @@ Variants are ';'-separated; a variant is ','-separated tokens: ``NAME=VALUE`` (o
 to every compile through SAGECUPY_DEFINES; ``kernels=PATH`` compiles the sources of another ``kernels_cu`` folder
 through SAGECUPY_KERNELS_DIR (it must have the file layout the host code expects); ``config.FIELD=VALUE`` runs the INT8
 calls with the ``default`` config so changed (VALUE true/false, an integer or a word: ``config.ds_int8=true``);
-``env.NAME=VALUE`` sets a host development switch (docs/design.md) for the variant, e.g. ``env.SAGECUPY_FWD_WS=0``. The
+``env.NAME=VALUE`` sets a host development switch (docs/design.md) for the variant, e.g. ``env.SAGECUPY_PDL=0``. The
 empty variant is the tree's own kernels without defines, on the default config. Host code is not switched: to compare two trees of Python code, run this once per tree
 (``PYTHONPATH=TREE python3 bench/ab.py --hash ...``) and compare the printed times and output hashes.
 

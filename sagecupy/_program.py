@@ -37,7 +37,7 @@ ARENA_ALIGN = 256
 #: part of every program's key, so that changing one between calls takes effect as it did before programs. A new
 #: ``SAGECUPY_*`` switch read by the package must be added here (``tests/cpu/test_program.py`` checks the package's
 #: sources for names missing from this list and from ``NOT_KERNEL_CHOOSING``).
-_ENV_VARS = ("SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR", "SAGECUPY_PDL", "SAGECUPY_FWD_WS")
+_ENV_VARS = ("SAGECUPY_DEFINES", "SAGECUPY_KERNELS_DIR", "SAGECUPY_PDL")
 #: Variables the package reads that do not change which kernels run or how (debug output only).
 NOT_KERNEL_CHOOSING = ("SAGECUPY_DEBUG", "SAGECUPY_JIT_DEBUG", "SAGECUPY_LAUNCH")
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from . import _checks, _layout
 
 from ._loader import device_capability, get_function
-from ._program import Plan, Plans, Program, Ref, env_key, env_switch, scale_key, signature
+from ._program import Plan, Plans, Program, Ref, env_key, scale_key, signature
 from .config import SageBwdConfig, get_config
 
 __all__ = ["forward", "backward", "sage_attention", "is_supported", "Residuals", "check_residuals"]
@@ -44,9 +44,6 @@ _BLOCK_KV = (64, 128)  # forward key tiles the kernels implement (SageBwdConfig.
 # and four at D=64. 8-warp CTAs measured 3-7% slower on the mma.sync kernel and 1.05x (D=128, 128-key tiles) to 1.4x
 # (D=64) slower on the wgmma one (docs/experiments.md, E-I8F-WARPS).
 _FWD_WARPS = 4
-# The 16-bit P.V forward on 64-key tiles (pv_int8=False, block_kv=64) runs warp-specialized on the wgmma engine: a
-# producer warpgroup and this many consumer warpgroups of 64 query rows (int8/fwd.cuh int8_attn_fwd_ws_impl).
-_FWD_WS_NC = 3
 _T = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
@@ -166,23 +163,6 @@ def _fwd_kernel(T, D, bkv, engine, pv16=False):
     return "int8/int8_attn_fwd.cu", f"int8_attn_fwd<{T}, {D}, {_FWD_WARPS}, {bkv}>", None
 
 
-def _fwd_ws(engine, bkv, pv16):
-    """Whether the forward runs the warp-specialized kernel (:data:`_FWD_WS_NC`). SAGECUPY_FWD_WS=0 (a development aid,
-    for A/B timings) runs the 4-warp kernel instead."""
-    return engine == "wgmma" and pv16 and bkv == 64 and env_switch("SAGECUPY_FWD_WS", "1")
-
-
-def _fwd_ws_kernel(T, D):
-    """(source, instance, arch) of the warp-specialized forward."""
-    return "int8/int8_attn_fwd_sm90.cu", f"int8_attn_fwd_sm90_ws<{T}, {D}, 64, {_FWD_WS_NC}>", "sm_90a"
-
-
-def _fwd_ws_smem(D, nc=_FWD_WS_NC, bkv=64, stages=4):
-    """Dynamic shared memory of the warp-specialized forward (FwdWs<D, BKV, NC>::SMEM): Q's 64 nc rows, a ring of K,
-    the 16-bit V and the key scales, 2 ``stages`` mbarriers, 1024 bytes of alignment."""
-    return 64 * nc * D + stages * (bkv * D + 2 * bkv * D + 4 * bkv) + 16 * stages + 1024
-
-
 def kernel_names() -> dict:
     """Every template instantiation this module launches, per source file (CI compiles them all)."""
     out = {f: [] for f in (_QUANT_SRC, "int8/int8_attn_fwd.cu", "int8/int8_attn_fwd_sm90.cu",
@@ -195,9 +175,6 @@ def kernel_names() -> dict:
                     for pv16 in ((False, True) if engine == "wgmma" else (False,)):
                         src, name, _ = _fwd_kernel(T, D, bkv, engine, pv16)
                         out[src].append(name)
-                if engine == "wgmma":
-                    src, name, _ = _fwd_ws_kernel(T, D)
-                    out[src].append(name)
                 for dv_int8, ds_int8 in _BWD_MODES:
                     out[_BWD_SOURCES[engine][0]] += [n for n in _bwd_names(T, D, engine, dv_int8, ds_int8)
                                                      if n not in out[_BWD_SOURCES[engine][0]]]
@@ -221,8 +198,7 @@ def kernel_requests(dtype: str, D: int, engine: str) -> list:
     out = quant_requests(T, D)
     for bkv in _BLOCK_KV:
         for pv16 in ((False, True) if engine == "wgmma" else (False,)):
-            src, name, arch = _fwd_ws_kernel(T, D) if _fwd_ws(engine, bkv, pv16) else _fwd_kernel(T, D, bkv, engine,
-                                                                                                   pv16)
+            src, name, arch = _fwd_kernel(T, D, bkv, engine, pv16)
             out.append((src, name, None, arch))
     src, arch = _BWD_SOURCES[engine]
     for dv_int8, ds_int8 in _BWD_MODES:
@@ -308,7 +284,6 @@ def kernel_constants() -> dict:
     fwd = [(f"FwdSm90<{D}, {bkv}, {'true' if pv16 else 'false'}>::NST", _fwd90_stages(D, bkv, pv16))
            for D in _checks.SUPPORTED_HEAD_DIMS for bkv in _BLOCK_KV for pv16 in (False, True)]
     fwd += [(f"FwdImg<{D}>::STAGE", fwd_image(D)) for D in _checks.SUPPORTED_HEAD_DIMS]
-    fwd += [(f"FwdWs<{D}, 64, {_FWD_WS_NC}>::SMEM", _fwd_ws_smem(D)) for D in _checks.SUPPORTED_HEAD_DIMS]
     return {"int8/int8_attn_bwd_sm90.cu": out, "int8/int8_attn_fwd_sm90.cu": fwd}
 
 
@@ -652,8 +627,6 @@ def _forward_launch_program(p, cfg, pre, engine, mask=None):
             raise ValueError("a block mask is for dense layouts; packed sequences keep their own")
         return _varlen.forward_launch_program(p, cfg, pre, engine)
     pv16 = not cfg.pv_int8
-    if _fwd_ws(engine, bkv, pv16):
-        return _forward_ws_program(p, pre, mask)
     src, name, arch = _fwd_kernel(T, D, bkv, engine, pv16)
     fn = get_function(src, name, arch=arch)
     stages = _fwd90_stages(D, bkv, pv16) if engine == "wgmma" else 2
@@ -679,34 +652,6 @@ def _forward_launch_program(p, cfg, pre, engine, mask=None):
                  *(i32(w) for w in kernel_mask(p, mask)), i32(int(cfg.v_granularity == "block")))
                 + ((arg("kv_img"),) if engine == "wgmma" else ()),
                 shared_mem=smem, pdl=engine == "wgmma")
-    return prog
-
-
-def _forward_ws_program(p, pre, mask):
-    """The launch of the warp-specialized forward (:func:`_fwd_ws`) on a dense layout."""
-    import cupy
-
-    T, D = _T[p.dtype], p.head_dim
-    B, Hq, Hkv, nq, nk, layout = p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.layout
-    nq_pad, nk_pad = _layout.roundup(nq, _FWD_BQ), _layout.roundup(nk, _FWD_BKV)
-    i32, i64, f32 = cupy.int32, cupy.int64, cupy.float32
-    src, name, arch = _fwd_ws_kernel(T, D)
-    fn = get_function(src, name, arch=arch)
-    smem = _fwd_ws_smem(D)
-    fn.max_dynamic_shared_size_bytes = smem
-    prog = Program()
-    o_shape = _layout.layout_shape((B, Hq, nq, D), layout)
-    o = prog.empty("o", o_shape, _layout.bits_dtype(p.dtype))
-    osb, osh, osn = _layout.c_strides(o_shape, layout)
-    lse = prog.empty("lse", (B, Hq, nq), f32)
-    lse2 = prog.empty("lse2", (B, Hq, nq_pad), f32)
-    qmk = Ref("qmk") if pre["qmk"] is not None else None
-    bq = 64 * _FWD_WS_NC
-    prog.launch(fn, (-(-nq_pad // bq), Hq, B), (128 * (_FWD_WS_NC + 1),),
-                (Ref("q_codes"), Ref("q_scale"), Ref("kv_img"), Ref("v_t"), qmk, o, i64(osb), i64(osh), i64(osn),
-                 lse, lse2, i32(Hq), i32(Hkv), i32(nq), i32(nk), i32(nq_pad), i32(nk_pad),
-                 *(i32(w) for w in kernel_mask(p, mask))),
-                shared_mem=smem, pdl=True)
     return prog
 
 

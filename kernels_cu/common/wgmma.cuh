@@ -210,29 +210,6 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
                : "memory");
 }
 
-// ---- warp specialization: register hand-over between warpgroups (setmaxnreg) and warpgroup-wide barriers ----
-
-// Lower / raise the calling warpgroup's registers per thread to N (a multiple of 8 in 24 .. 256); every warp of the
-// warpgroup executes it. ptxas allocates the code after it within N (docs/experiments.md E-WG-SETMAXNREG).
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg: a multiple of 8 in 24 .. 256");
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg: a multiple of 8 in 24 .. 256");
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-// Barrier `id` (1 .. 15; 0 is __syncthreads') over `threads` threads (a multiple of 32), e.g. one warpgroup.
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// Arrive at barrier `id` without waiting (its `threads` count the arrivals and the waiting threads together).
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // ---- 16-bit products with A in registers: P^ x V^ (fp4_attn_fwd_sm90.cu), P^T x dO, dS^T x Q~ and dS x K~
 // (qat_attn_bwd_sm90.cu) ----
 

@@ -42,17 +42,3 @@ int8_attn_fwd_sm90_packed(const signed char* __restrict__ qc, const float* __res
                                                          osn, lse, lse2, Hq, Hkv, 0, 0, 0, 0, p_max, left, right, 0,
                                                          v_block, kv_img, meta, S, total_q);
 }
-
-// Warp-specialized form of the 16-bit P.V forward (int8/fwd.cuh int8_attn_fwd_ws_impl): grid (ceil(nq_pad / (64 NC)),
-// Hq, B), block FwdWs<D, BKV, NC>::THREADS, dynamic shared memory FwdWs<D, BKV, NC>::SMEM. v16: the 16-bit V images
-// (the pre-pass's `v_t` with pv_int8=False); the other arguments as int8_attn_fwd_sm90's.
-template <typename T, int D, int BKV, int NC>
-__global__ void __launch_bounds__(FwdWs<D, BKV, NC>::THREADS, 1)
-int8_attn_fwd_sm90_ws(const signed char* __restrict__ qc, const float* __restrict__ qs,
-                      const char* __restrict__ kv_img, const char* __restrict__ v16, const float* __restrict__ qmk,
-                      T* __restrict__ o, long long osb, long long osh, long long osn,
-                      float* __restrict__ lse, float* __restrict__ lse2,
-                      int Hq, int Hkv, int nq, int nk, int nq_pad, int nk_pad, int left, int right, int shift) {
-  int8_attn_fwd_ws_impl<T, D, BKV, NC>(qc, qs, kv_img, v16, qmk, o, osb, osh, osn, lse, lse2, Hq, Hkv, nq, nk, nq_pad,
-                                       nk_pad, left, right, shift);
-}
