@@ -45,25 +45,6 @@ __device__ __forceinline__ QueryBlock query_block(int rows, bool causal, int Hq,
   return qb;
 }
 
-// The dK/dV kernels' key block (grid (n_blocks, Hkv, B), x = the 64-key block): with G > 1 and a causal work shape
-// the grid is dispatched in groups of G (batch, kv head) pairs, each group's blocks heaviest first across its G heads
-// (block 0, the one every query row sees, of the G heads, then block 1, ...), as query_block<G> does for the
-// forward; a bijection of the grid, so the results do not change.
-template <int G>
-__device__ __forceinline__ void key_block(int& kb, int& h, int& b, bool causal) {
-  kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  if (G > 1 && causal) {
-    const int nblk = gridDim.x, bh_count = gridDim.y * gridDim.z;
-    const int lin = blockIdx.x + nblk * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int g = lin / (G * nblk), r = lin - g * G * nblk;
-    const int gs = min(G, bh_count - g * G);  // the last group may be smaller
-    kb = r / gs;
-    const int bh = g * G + r % gs;
-    h = bh % gridDim.y;
-    b = bh / gridDim.y;
-  }
-}
-
 // Which TILE-key tiles (64 unless said) rows q0 .. q0 + bq - 1 visit, and from which one on they need the
 // mask. A block of padding rows only (q0 >= nq: the row padding is a multiple of 128, blocks may be 64)
 // visits none.

@@ -87,11 +87,6 @@ struct BwdSm90 {
 // fits 158 registers), instead of two: both kernels together 1.13-1.20x on the H200 (docs/experiments.md; bitwise
 // the same gradients). D = 128 is held to two CTAs by its shared memory anyway.
 constexpr int BWD90_D64_MIN_CTAS = 3;
-// Causal dK/dV grids dispatched heaviest first across groups of this many (batch, kv head) pairs (common/rows.cuh
-// key_block); 1: head by head.
-#ifndef SAGE_BWD_CAUSAL_GROUP
-#define SAGE_BWD_CAUSAL_GROUP 1
-#endif
 // D = 128 dK/dV: the last dK product's fold (int32 -> fp32 into acc_dk's columns 64..127) is done in the next
 // iteration, while that iteration's S and dP run on the tensor cores, instead of before its barrier. Each
 // accumulator element still receives the tiles in order: the gradients are bitwise the same. Measured 1.04-1.05x
@@ -124,9 +119,9 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  int kb, hk, b;
-  key_block<PACKED ? 1 : SAGE_BWD_CAUSAL_GROUP>(kb, hk, b, win.causal_shape());
+  int kb = blockIdx.x, b = blockIdx.z;
   int bk = b;  // the caller's dk, dv: batch b, or (packed) the sequence's first key
+  const int hk = blockIdx.y;
   if constexpr (PACKED) {  // grid x: the 64-key blocks of the padded k axis (int8/packed.cuh)
     const int s = packed_seq_of(meta, S, nbq, gridDim.x, true, static_cast<long long>(kb) * BWD_BKV);
     if (s < 0) return;  // past the last sequence
