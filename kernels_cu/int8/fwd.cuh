@@ -414,6 +414,12 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // one head at a time (docs/experiments.md; O bitwise the same). 16 keeps the K/V of fewer heads in flight for large
 // batch x heads.
 constexpr int FWD_CAUSAL_GROUP = 16;
+#ifndef SAGE_FWD_D64_CTAS
+#define SAGE_FWD_D64_CTAS 1
+#endif
+#ifndef SAGE_FWD_D64_PV16_CTAS
+#define SAGE_FWD_D64_PV16_CTAS 1
+#endif
 template <int D, int BKV, bool PV16 = false>
 struct FwdSm90 {
   static constexpr bool PV_HALVES = D == 128 && BKV == 64 && !PV16;
@@ -421,7 +427,9 @@ struct FwdSm90 {
   // (16-bit V, twice the bytes): two stages, tile t+1 loaded while tile t is softmaxed (the loop below).
   static constexpr int NST = PV16 ? 2 : ((D == 128 && BKV == 128) ? 3 : 4);
   // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
-  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4 : 1);
+  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4
+                                                  : (D == 64 && BKV == 128) ? (PV16 ? SAGE_FWD_D64_PV16_CTAS
+                                                                                    : SAGE_FWD_D64_CTAS) : 1);
 };
 template <typename T, int D, int WARPS, int BKV, bool PACKED = false, bool PV16 = false>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
