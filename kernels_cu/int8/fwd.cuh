@@ -397,8 +397,9 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 //   wait for P.V(t) and fold it into O (float) while Q.K^T(t+1) runs; wait for Q.K^T(t+1).
 // P.V(t) is retired in the iteration that issued it, so no instruction ever writes a register a wgmma in
 // flight reads (its A operand: P^), and nothing is in flight across the loop's back edge (ptxas
-// serializes every wgmma otherwise: warning C7514, which CI fails on). The CTAs an SM holds (three at D = 128,
-// four at D = 64: MIN_CTAS below) fill each other's tensor-core gaps. The float operations on O keep the
+// serializes every wgmma otherwise: warning C7514, which CI fails on). The CTAs an SM holds (MIN_CTAS below: with
+// 64-key tiles three at D = 128 and four at D = 64, with 128-key tiles two and three) fill each other's tensor-core
+// gaps. The float operations on O keep the
 // mma.sync kernel's order, so the two engines agree bit for bit.
 // K/V: a ring of NST tiles, each copied from the pre-pass's per-64-key stage images by thread 0 with bulk copies (tile
 // t+NST-1 loads while t+1 is read by Q.K^T(t+1) and t by P.V(t)).
@@ -414,22 +415,19 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // one head at a time (docs/experiments.md; O bitwise the same). 16 keeps the K/V of fewer heads in flight for large
 // batch x heads.
 constexpr int FWD_CAUSAL_GROUP = 16;
-#ifndef SAGE_FWD_D64_CTAS
-#define SAGE_FWD_D64_CTAS 1
-#endif
-#ifndef SAGE_FWD_D64_PV16_CTAS
-#define SAGE_FWD_D64_PV16_CTAS 1
-#endif
 template <int D, int BKV, bool PV16 = false>
 struct FwdSm90 {
   static constexpr bool PV_HALVES = D == 128 && BKV == 64 && !PV16;
-  // K/V ring stages: two 4-warp CTAs per SM fit in shared memory (three with PV_HALVES: 75,776 bytes each). PV16
-  // (16-bit V, twice the bytes): two stages, tile t+1 loaded while tile t is softmaxed (the loop below).
+  // K/V ring stages: the CTAs MIN_CTAS budgets for fit in shared memory (three with PV_HALVES: 75,776 bytes each;
+  // three at D = 64 with 128-key tiles: 72,704). PV16 (16-bit V, twice the bytes): two stages, tile t+1 loaded while
+  // tile t is softmaxed (the loop below).
   static constexpr int NST = PV16 ? 2 : ((D == 128 && BKV == 128) ? 3 : 4);
   // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
+  // D = 64 with 128-key tiles and the INT8 P.V: three (168 registers instead of 238, no spills; the 4-stage ring's
+  // 72,704 bytes fit three times): 1.12-1.14x on the whole forward call, bitwise the same O (docs/experiments.md
+  // E-I8F-OCC64B). The 16-bit P.V needs 154 registers, three CTAs already.
   static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4
-                                                  : (D == 64 && BKV == 128) ? (PV16 ? SAGE_FWD_D64_PV16_CTAS
-                                                                                    : SAGE_FWD_D64_CTAS) : 1);
+                                                  : (D == 64 && BKV == 128 && !PV16) ? 3 : 1);
 };
 template <typename T, int D, int WARPS, int BKV, bool PACKED = false, bool PV16 = false>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
