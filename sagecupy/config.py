@@ -151,8 +151,8 @@ BKV64 = SageBwdConfig(name="bkv64", block_kv=64)
 #: The default with the forward's O = P V in the inputs' 16-bit type (``pv_int8=False``): V is not quantized and P~
 #: is rounded to fp16/bf16 in the softmax's running frame; O's relative error against exact attention at sigma = 1
 #: about a third lower (0.0146 -> 0.0093 on an H100, D = 128), the LSE and the backward unchanged. On an H100 the
-#: forward is 1.07-1.17x the default's at D = 64 and 0.86-1.00x at D = 128, where its P.V takes twice the tensor-core
-#: time (docs/experiments.md, E-I8F-PV16). The wgmma engine (sm_90), dense and packed layouts.
+#: forward is 0.94-1.04x the default's at D = 64 (docs/experiments.md, E-I8F-OCC64B) and 0.86-1.00x at D = 128, where
+#: its P.V takes twice the tensor-core time (E-I8F-PV16). The wgmma engine (sm_90), dense and packed layouts.
 PV16 = SageBwdConfig(name="pv16", pv_int8=False)
 
 
