@@ -14,7 +14,6 @@
 --d: 128 (default) or 64; --dtype: float16 (default) or bfloat16.
 """
 import argparse
-import sys
 
 
 def run(S, D=128, dtype="float16"):
@@ -113,4 +112,3 @@ if __name__ == "__main__":
         summarize(a.sum, a.table)
     else:
         run(a.S, a.d, a.dtype)
-    sys.exit(0)

@@ -399,8 +399,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // flight reads (its A operand: P^), and nothing is in flight across the loop's back edge (ptxas
 // serializes every wgmma otherwise: warning C7514, which CI fails on). The CTAs an SM holds (MIN_CTAS below: with
 // 64-key tiles three at D = 128 and four at D = 64, with 128-key tiles two and three) fill each other's tensor-core
-// gaps. The float operations on O keep the
-// mma.sync kernel's order, so the two engines agree bit for bit.
+// gaps. The float operations on O keep the mma.sync kernel's order, so the two engines agree bit for bit.
 // K/V: a ring of NST tiles, each copied from the pre-pass's per-64-key stage images by thread 0 with bulk copies (tile
 // t+NST-1 loads while t+1 is read by Q.K^T(t+1) and t by P.V(t)).
 // PV_HALVES (D = 128, BKV = 64): P.V(t) as two m64n64 products into one
