@@ -37,15 +37,20 @@ using namespace sage;
 #ifndef SAGE_BWD_PROBE_DIV
 #define SAGE_BWD_PROBE_DIV 1
 #endif
-// EXPERIMENT: dense dK/dV CTAs in clusters of two (adjacent 64-key blocks of one head), each stage's query-side image
-// copied half by each CTA and multicast to both: half the L2 -> SM bytes per score.
+// EXPERIMENT: dense dK/dV CTAs (bit 1) and dQ CTAs (bit 2) in clusters of two (adjacent 64-key / 64-query blocks of
+// one head), each stage's image copied half by each CTA and multicast to both: half the L2 -> SM bytes per score.
 #ifndef SAGE_BWD_CLUSTER
 #define SAGE_BWD_CLUSTER 0
 #endif
-#if SAGE_BWD_CLUSTER
+#if SAGE_BWD_CLUSTER & 1
 #define SAGE_BWD_CLUSTER_ATTR __cluster_dims__(2, 1, 1)
 #else
 #define SAGE_BWD_CLUSTER_ATTR
+#endif
+#if SAGE_BWD_CLUSTER & 2
+#define SAGE_BWD_DQ_CLUSTER_ATTR __cluster_dims__(2, 1, 1)
+#else
+#define SAGE_BWD_DQ_CLUSTER_ATTR
 #endif
 
 // 64 x 64 S (s8.s8, D / 32 k-steps) and dP (16-bit, D / 16 k-steps) issued as two commit groups.
@@ -154,7 +159,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
   const float inv_p_max = 1.f / p_max;
-  constexpr bool CL = SAGE_BWD_CLUSTER != 0 && !PACKED;
+  constexpr bool CL = (SAGE_BWD_CLUSTER & 1) != 0 && !PACKED;
   const unsigned crank = CL ? cluster_rank() : 0u;
   const int k0_pair = CL ? (kb & ~1) * BWD_BKV : k0;  // the cluster's first key
   if (k0_pair >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
@@ -488,6 +493,9 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   char* sStage = sdO + BWD_BQ * D * 2;
   __shared__ float sRed[4];
   __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
+  __shared__ __align__(8) unsigned long long empty[2];  // (CL) the other CTA is done with stage s
+  constexpr bool CL = (SAGE_BWD_CLUSTER & 2) != 0 && !PACKED;
+  const unsigned crank = CL ? cluster_rank() : 0u;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
@@ -502,7 +510,10 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   }
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
-  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win, shift);
+  const KeyRange own = key_range(q0, BWD_BQ, nq, nk, win, shift);
+  // (CL: both CTAs walk the union of their key tiles, the pair's 128 rows' tiles; a tile outside this CTA's own
+  // range is computed fully masked, adding zeros)
+  const KeyRange tl = CL ? key_range(q0 & ~(2 * BWD_BQ - 1), 2 * BWD_BQ, nq, nk, win, shift) : own;
   const int n_tiles = max(0, tl.n - tl.first);  // key tiles tl.first + j, j = 0 .. n_tiles - 1
 
   // The j-th key tile's stage is its key-side image (int8/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0
@@ -511,19 +522,32 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   if (tid == 0) {
     mbar_init(&full[0], 1);
     mbar_init(&full[1], 1);
+    if constexpr (CL) {
+      mbar_init(&empty[0], 1);
+      mbar_init(&empty[1], 1);
+    }
     fence_mbar_init();
   }
-  __syncthreads();
+  if constexpr (CL)
+    cluster_sync();  // both CTAs' barriers initialized before either copies into the other
+  else
+    __syncthreads();
   auto load_kv = [&](int j) {  // thread 0, after its mbar_arrive_expect_tx
-    bulk_copy_g2s(sStage + (j & 1) * STAGE, k_img + (bhk * (nk_pad / BWD_BKV) + tl.first + j) * Img::K_STAGE,
-                  Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16, &full[j & 1]);
+    const char* src = k_img + (bhk * (nk_pad / BWD_BKV) + tl.first + j) * Img::K_STAGE;
+    if constexpr (CL) {  // this CTA's half of the image, into both CTAs' stage
+      constexpr unsigned H0 = Img::K_STAGE / 32 * 16;
+      const unsigned off = crank ? H0 : 0u, len = crank ? Img::K_STAGE - H0 : H0;
+      bulk_copy_g2s_mc(sStage + (j & 1) * STAGE + off, src + off, len, &full[j & 1], 3);
+    } else {
+      bulk_copy_g2s(sStage + (j & 1) * STAGE, src, Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16, &full[j & 1]);
+    }
   };
   if (tid == 0) {
-    mbar_arrive_expect_tx(&full[0], 192 * D + (n_tiles > 0 ? Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16 : 0));
+    mbar_arrive_expect_tx(&full[0], 192 * D + (n_tiles > 0 ? (CL ? Img::K_STAGE : Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16) : 0));
     bulk_copy_g2s(sQ, q_img + (bh * (nq_pad / BWD_BQ) + q0 / BWD_BQ) * Img::Q_STAGE, 192 * D, &full[0]);
     if (n_tiles > 0) load_kv(0);
     if (n_tiles > 1) {
-      mbar_arrive_expect_tx(&full[1], Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16);
+      mbar_arrive_expect_tx(&full[1], CL ? Img::K_STAGE : Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16);
       load_kv(1);
     }
   }
@@ -552,7 +576,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
     const char* cKt = cK + Img::K_KT;
     const float* cKs = reinterpret_cast<const float*>(cK + Img::K_KS);
     const int k0 = tile * BWD_BKV;
-    const bool need_mask = tl.need_mask(tile) || q0 + BWD_BQ > nq;
+    const bool need_mask = own.need_mask(tile) || q0 + BWD_BQ > nq || (CL && (tile < own.first || tile >= own.n));
     float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
     bwd_dq_p_tile(p, skk, acc_s, cKs, sq, lse_r, k0, t4, need_mask, rk);
     wgmma_wait<0>();
@@ -611,7 +635,11 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
     fence_regs(acc_s);
     __syncthreads();  // every warp past dQ(j): its stage is free for tile j + 2
     if (tid == 0 && j + 2 < n_tiles) {
-      mbar_arrive_expect_tx(&full[j & 1], Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16);
+      if constexpr (CL) {  // and the other CTA's too
+        mbar_arrive_cluster(&empty[j & 1], crank ^ 1u);
+        mbar_wait_cluster(&empty[j & 1], (j >> 1) & 1);
+      }
+      mbar_arrive_expect_tx(&full[j & 1], CL ? Img::K_STAGE : Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16);
       load_kv(j + 2);
     }
   }
@@ -619,13 +647,14 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   fence_regs(acc_s);
   fence_regs(acc_dp);
   if constexpr (DS16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dq));
+  if constexpr (CL) cluster_sync();  // no copy or arrival of the other CTA still to come into this one's shared memory
 
   // (DS16: X carried no scale to fold per tile, so sm_scale multiplies the sum)
   store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, DS16 ? sm_scale : 1.f);
 }
 
 template <typename T, int D, bool DS16>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1) SAGE_BWD_DQ_CLUSTER_ATTR
 int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
