@@ -210,45 +210,6 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsign
                : "memory");
 }
 
-// ---- thread-block clusters: CTAs of one cluster share stages by multicast bulk copies ----
-
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster: arrive, then wait for all (release / acquire at cluster scope).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// Arrive on the mbarrier at `bar`'s offset in CTA `rank` of the cluster (release at cluster scope).
-__device__ __forceinline__ void mbar_arrive_cluster(void* bar, unsigned rank) {
-  asm volatile(
-      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_u32(bar)),
-      "r"(rank)
-      : "memory");
-}
-// Wait (acquire at cluster scope: the arrivals came from another CTA) until the phase of parity `parity` completed.
-__device__ __forceinline__ void mbar_wait_cluster(void* bar, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-// bulk_copy_g2s into the same offset of every CTA in `mask` (bit r: cluster rank r), completing on the mbarrier at
-// `bar`'s offset in each of them.
-__device__ __forceinline__ void bulk_copy_g2s_mc(void* dst, const void* src, unsigned bytes, void* bar,
-                                                 unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
-      "%4;\n" ::"r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "h"(mask)
-      : "memory");
-}
-
 // ---- 16-bit products with A in registers: P^ x V^ (fp4_attn_fwd_sm90.cu), P^T x dO, dS^T x Q~ and dS x K~
 // (qat_attn_bwd_sm90.cu) ----
 

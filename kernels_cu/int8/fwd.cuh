@@ -491,10 +491,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
                           : nullptr;
   auto load_stage = [&](int j) {  // thread 0: tile tl.first + j (its NI images) into stage j % NST
     const int st = j % NST, t = tl.first + j;
-#ifndef SAGE_FWD_PROBE_NOV
-#define SAGE_FWD_PROBE_NOV 0
-#endif
-    mbar_arrive_expect_tx(&full[st], NI * (PV16 ? 64 * D + V_TILE + 256 : KvImg::STAGE - SAGE_FWD_PROBE_NOV * 64 * D));
+    mbar_arrive_expect_tx(&full[st], NI * (PV16 ? 64 * D + V_TILE + 256 : KvImg::STAGE));
 #pragma unroll
     for (int i = 0; i < NI; ++i) {
       const char* src = gImg + (NI * t + i) * static_cast<long long>(KvImg::STAGE);
@@ -502,7 +499,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       if constexpr (PV16)
         bulk_copy_g2s(sV + (st * NI + i) * V_TILE, gV16 + (NI * t + i) * static_cast<long long>(V_TILE), V_TILE,
                       &full[st]);
-      else if (!SAGE_FWD_PROBE_NOV)
+      else
         bulk_copy_g2s(sV + st * D * BKV + i * 64 * D, src + KvImg::VT, 64 * D, &full[st]);
       bulk_copy_g2s(sKs + st * BKV + 64 * i, src + KvImg::KS, 256, &full[st]);
     }

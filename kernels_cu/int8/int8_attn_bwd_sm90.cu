@@ -32,27 +32,6 @@
 
 using namespace sage;
 
-// PROBE (development only, wrong results): load 1/SAGE_BWD_PROBE_DIV of each stage image, to bound what fewer bytes
-// from L2 per score would buy.
-#ifndef SAGE_BWD_PROBE_DIV
-#define SAGE_BWD_PROBE_DIV 1
-#endif
-// EXPERIMENT: dense dK/dV CTAs (bit 1) and dQ CTAs (bit 2) in clusters of two (adjacent 64-key / 64-query blocks of
-// one head), each stage's image copied half by each CTA and multicast to both: half the L2 -> SM bytes per score.
-#ifndef SAGE_BWD_CLUSTER
-#define SAGE_BWD_CLUSTER 0
-#endif
-#if SAGE_BWD_CLUSTER & 1
-#define SAGE_BWD_CLUSTER_ATTR __cluster_dims__(2, 1, 1)
-#else
-#define SAGE_BWD_CLUSTER_ATTR
-#endif
-#if SAGE_BWD_CLUSTER & 2
-#define SAGE_BWD_DQ_CLUSTER_ATTR __cluster_dims__(2, 1, 1)
-#else
-#define SAGE_BWD_DQ_CLUSTER_ATTR
-#endif
-
 // 64 x 64 S (s8.s8, D / 32 k-steps) and dP (16-bit, D / 16 k-steps) issued as two commit groups.
 template <typename T, int D>
 __device__ __forceinline__ void issue_s_dp(int (&acc_s)[32], float (&acc_dp)[32], const char* sA8, const char* sB8,
@@ -138,7 +117,6 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   char* sStage = sV + BWD_BKV * D * 2;
   __shared__ float sRed[4];
   __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
-  __shared__ __align__(8) unsigned long long empty[2];  // (CL) the other CTA is done with stage s
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   int kb = blockIdx.x, b = blockIdx.z;
@@ -159,11 +137,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   const long long bhk = static_cast<long long>(b) * Hkv + hk;
   const int k0 = kb * BWD_BKV;
   const float inv_p_max = 1.f / p_max;
-  constexpr bool CL = (SAGE_BWD_CLUSTER & 1) != 0 && !PACKED;
-  const unsigned crank = CL ? cluster_rank() : 0u;
-  const int k0_pair = CL ? (kb & ~1) * BWD_BKV : k0;  // the cluster's first key
-  if (k0_pair >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
-  const bool idle = CL && k0 >= nk;  // (CL) the pair's second CTA past the keys: loads its half, computes nothing
+  if (k0 >= nk) return;  // a block of padding keys only (nk_pad is a multiple of 128): no key, no output
 
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys (accumulator rows): key_lo, key_lo + 8
   const int2 qv[2] = {win.rows(key_lo, shift, nq, nk), win.rows(key_lo + 8, shift, nq, nk)};  // rows that see them
@@ -174,12 +148,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dv[i][e] = acc_dk[i][e] = 0.f;
 
-  const QueryTiles own = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group, shift);  // (head in group, query tile) pairs
-  // (CL: both CTAs walk the union of their tiles, the pair's 128 keys' tiles, in the same order)
-  const QueryTiles qtl = CL ? query_tiles(k0_pair, 2 * BWD_BKV, BWD_BQ, nq, nk, win, group, shift) : own;
-  // (kept in shared memory, out of the loop's registers)
-  __shared__ int s_own[2];
-  if (CL && tid == 0) s_own[0] = own.first, s_own[1] = idle || own.per_head == 0 ? own.first : own.n;
+  const QueryTiles qtl = query_tiles(k0, BWD_BKV, BWD_BQ, nq, nk, win, group, shift);  // (head in group, query tile) pairs
   const int first_qt = qtl.first, n_qt = qtl.n, n_it_q = qtl.per_head, n_it = qtl.iters;
   // Stage it is the image of its (query head, query tile) (int8/bwd_img.cuh: Q^, dO, Q^^T, dO^^T, the per-query
   // vectors over the whole padded tile, the tile's dO scales), copied by thread 0 with one bulk copy; its
@@ -187,16 +156,9 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   if (tid == 0) {
     mbar_init(&full[0], 1);
     mbar_init(&full[1], 1);
-    if constexpr (CL) {
-      mbar_init(&empty[0], 1);
-      mbar_init(&empty[1], 1);
-    }
     fence_mbar_init();
   }
-  if constexpr (CL)
-    cluster_sync();  // both CTAs' barriers initialized before either copies into the other
-  else
-    __syncthreads();
+  __syncthreads();
   // Packed: what the loop reads of the sequence, which the dense build reads from its parameters, kept out of the
   // registers the loop holds (at D = 128 the kernel is at 255): thread 0's image base and tile count in shared memory
   // (re-read at each copy), and the mask test as two bounds on the query tile's first row (the dense test below:
@@ -220,14 +182,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
       qtiles = *reinterpret_cast<const volatile int*>(&s_qtiles);
     }
     const long long tile = (static_cast<long long>(b) * Hq + ld_h) * qtiles + ld_t;
-    if constexpr (CL) {  // this CTA's half of the image, into both CTAs' stage
-      constexpr unsigned H0 = Img::Q_STAGE / 32 * 16;
-      const unsigned off = crank ? H0 : 0u, len = crank ? Img::Q_STAGE - H0 : H0;
-      bulk_copy_g2s_mc(sStage + (it & 1) * STAGE + off, qi + tile * Img::Q_STAGE + off, len, &full[it & 1], 3);
-    } else {
-      bulk_copy_g2s(sStage + (it & 1) * STAGE, qi + tile * Img::Q_STAGE, Img::Q_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16,
-                    &full[it & 1]);
-    }
+    bulk_copy_g2s(sStage + (it & 1) * STAGE, qi + tile * Img::Q_STAGE, Img::Q_STAGE, &full[it & 1]);
     if (++ld_t == n_qt) {
       ld_t = first_qt;
       ++ld_h;
@@ -235,12 +190,9 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   };
   if (tid == 0 && n_it > 0) {  // (no query tile: nothing is copied, the outputs are zeros)
     const char* kimg = k_img + (bhk * (nk_pad / BWD_BKV) + kb) * Img::K_STAGE;
-    mbar_arrive_expect_tx(&full[0], (CL ? Img::Q_STAGE : Img::Q_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16) +
-                                         (idle ? 0 : 192 * D));
-    if (!idle) {
-      bulk_copy_g2s(sK, kimg + Img::K_K, 64 * D, &full[0]);
-      bulk_copy_g2s(sV, kimg + Img::K_V, 128 * D, &full[0]);
-    }
+    mbar_arrive_expect_tx(&full[0], Img::Q_STAGE + 192 * D);
+    bulk_copy_g2s(sK, kimg + Img::K_K, 64 * D, &full[0]);
+    bulk_copy_g2s(sV, kimg + Img::K_V, 128 * D, &full[0]);
     load_stage(0);
   }
 
@@ -270,27 +222,16 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   int cur_t = first_qt;  // query tile of iteration it
   for (int it = 0; it < n_it; ++it) {
     const int q0 = cur_t * BWD_BQ;
-    const bool mine = !CL || (cur_t >= *reinterpret_cast<const volatile int*>(&s_own[0]) &&
-                              cur_t < *reinterpret_cast<const volatile int*>(&s_own[1]));
     cur_t = cur_t + 1 == n_qt ? first_qt : cur_t + 1;
     mbar_wait(&full[it & 1], (it >> 1) & 1);  // stage it resident (visible to this thread and its wgmma)
     __syncthreads();                          // every warp is done with stage it - 1, refilled next
-    // (CL) stage it + 1 reuses the buffer of it - 1, which this CTA is done with: tell the other one
-    if (CL && tid == 0 && it >= 1 && it + 1 < n_it) mbar_arrive_cluster(&empty[(it + 1) & 1], crank ^ 1u);
     auto issue_next = [&]() {
       if (tid == 0 && it + 1 < n_it) {
-        if constexpr (CL)
-          if (it >= 1) mbar_wait_cluster(&empty[(it + 1) & 1], ((it - 1) >> 1) & 1);
-        mbar_arrive_expect_tx(&full[(it + 1) & 1],
-                              CL ? Img::Q_STAGE : Img::Q_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16);
+        mbar_arrive_expect_tx(&full[(it + 1) & 1], Img::Q_STAGE);
         load_stage(it + 1);
       }
     };
     if constexpr (!LOAD_AFTER_S) issue_next();
-    if (CL && !mine) {  // a tile only the other CTA's keys see
-      if constexpr (LOAD_AFTER_S) issue_next();
-      continue;
-    }
     const char* st = sStage + (it & 1) * STAGE;
     const char* sQ = st;
     const char* sdO = st + 64 * D;
@@ -430,10 +371,6 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
   if constexpr (DV16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dv));
   if constexpr (DS16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dk));
   if constexpr (D == 128 && !DS16) add_dk(dk_prev, 1, s_y_prev);  // the last iteration's
-  if constexpr (CL) {
-    cluster_sync();  // no copy or arrival of the other CTA still to come into this one's shared memory
-    if (idle) return;
-  }
 
   // Epilogue: dV, dK (x ln 2: Q^ carried log2 e) in the caller's layout.
   store_acc_rows<T, D>(dv + bk * vvb + hk * vvh, vvn, acc_dv, key_lo, t4, nk, 1.f);
@@ -441,7 +378,7 @@ __device__ __forceinline__ void int8_attn_bwd_sm90_impl(const char* __restrict__
 }
 
 template <typename T, int D, bool DV16, bool DS16>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1) SAGE_BWD_CLUSTER_ATTR
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ ks,
                    T* __restrict__ dk, long long ksb, long long ksh, long long ksn,
                    T* __restrict__ dv, long long vvb, long long vvh, long long vvn,
@@ -493,9 +430,6 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   char* sStage = sdO + BWD_BQ * D * 2;
   __shared__ float sRed[4];
   __shared__ __align__(8) unsigned long long full[2];  // stage s resident (bulk copies complete)
-  __shared__ __align__(8) unsigned long long empty[2];  // (CL) the other CTA is done with stage s
-  constexpr bool CL = (SAGE_BWD_CLUSTER & 2) != 0 && !PACKED;
-  const unsigned crank = CL ? cluster_rank() : 0u;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   QueryBlock qb = query_block(BWD_BQ, win.causal_shape(), Hq, Hkv);
@@ -510,10 +444,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   }
   const int q0 = qb.q0, h = qb.h, b = qb.b, hk = h / (Hq / Hkv);
   const long long bh = qb.bh, bhk = qb.bhk;
-  const KeyRange own = key_range(q0, BWD_BQ, nq, nk, win, shift);
-  // (CL: both CTAs walk the union of their key tiles, the pair's 128 rows' tiles; a tile outside this CTA's own
-  // range is computed fully masked, adding zeros)
-  const KeyRange tl = CL ? key_range(q0 & ~(2 * BWD_BQ - 1), 2 * BWD_BQ, nq, nk, win, shift) : own;
+  const KeyRange tl = key_range(q0, BWD_BQ, nq, nk, win, shift);
   const int n_tiles = max(0, tl.n - tl.first);  // key tiles tl.first + j, j = 0 .. n_tiles - 1
 
   // The j-th key tile's stage is its key-side image (int8/bwd_img.cuh: K^, K^^T, V, key scales), copied by thread 0
@@ -522,32 +453,19 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   if (tid == 0) {
     mbar_init(&full[0], 1);
     mbar_init(&full[1], 1);
-    if constexpr (CL) {
-      mbar_init(&empty[0], 1);
-      mbar_init(&empty[1], 1);
-    }
     fence_mbar_init();
   }
-  if constexpr (CL)
-    cluster_sync();  // both CTAs' barriers initialized before either copies into the other
-  else
-    __syncthreads();
+  __syncthreads();
   auto load_kv = [&](int j) {  // thread 0, after its mbar_arrive_expect_tx
-    const char* src = k_img + (bhk * (nk_pad / BWD_BKV) + tl.first + j) * Img::K_STAGE;
-    if constexpr (CL) {  // this CTA's half of the image, into both CTAs' stage
-      constexpr unsigned H0 = Img::K_STAGE / 32 * 16;
-      const unsigned off = crank ? H0 : 0u, len = crank ? Img::K_STAGE - H0 : H0;
-      bulk_copy_g2s_mc(sStage + (j & 1) * STAGE + off, src + off, len, &full[j & 1], 3);
-    } else {
-      bulk_copy_g2s(sStage + (j & 1) * STAGE, src, Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16, &full[j & 1]);
-    }
+    bulk_copy_g2s(sStage + (j & 1) * STAGE, k_img + (bhk * (nk_pad / BWD_BKV) + tl.first + j) * Img::K_STAGE,
+                  Img::K_STAGE, &full[j & 1]);
   };
   if (tid == 0) {
-    mbar_arrive_expect_tx(&full[0], 192 * D + (n_tiles > 0 ? (CL ? Img::K_STAGE : Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16) : 0));
+    mbar_arrive_expect_tx(&full[0], 192 * D + (n_tiles > 0 ? Img::K_STAGE : 0));
     bulk_copy_g2s(sQ, q_img + (bh * (nq_pad / BWD_BQ) + q0 / BWD_BQ) * Img::Q_STAGE, 192 * D, &full[0]);
     if (n_tiles > 0) load_kv(0);
     if (n_tiles > 1) {
-      mbar_arrive_expect_tx(&full[1], CL ? Img::K_STAGE : Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16);
+      mbar_arrive_expect_tx(&full[1], Img::K_STAGE);
       load_kv(1);
     }
   }
@@ -576,7 +494,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
     const char* cKt = cK + Img::K_KT;
     const float* cKs = reinterpret_cast<const float*>(cK + Img::K_KS);
     const int k0 = tile * BWD_BKV;
-    const bool need_mask = own.need_mask(tile) || q0 + BWD_BQ > nq || (CL && (tile < own.first || tile >= own.n));
+    const bool need_mask = tl.need_mask(tile) || q0 + BWD_BQ > nq;
     float p[8][4], skk[8][2];  // skk: s_K of this thread's keys
     bwd_dq_p_tile(p, skk, acc_s, cKs, sq, lse_r, k0, t4, need_mask, rk);
     wgmma_wait<0>();
@@ -635,11 +553,7 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
     fence_regs(acc_s);
     __syncthreads();  // every warp past dQ(j): its stage is free for tile j + 2
     if (tid == 0 && j + 2 < n_tiles) {
-      if constexpr (CL) {  // and the other CTA's too
-        mbar_arrive_cluster(&empty[j & 1], crank ^ 1u);
-        mbar_wait_cluster(&empty[j & 1], (j >> 1) & 1);
-      }
-      mbar_arrive_expect_tx(&full[j & 1], CL ? Img::K_STAGE : Img::K_STAGE / SAGE_BWD_PROBE_DIV / 16 * 16);
+      mbar_arrive_expect_tx(&full[j & 1], Img::K_STAGE);
       load_kv(j + 2);
     }
   }
@@ -647,14 +561,13 @@ __device__ __forceinline__ void int8_attn_bwd_dq_sm90_impl(const char* __restric
   fence_regs(acc_s);
   fence_regs(acc_dp);
   if constexpr (DS16) fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_dq));
-  if constexpr (CL) cluster_sync();  // no copy or arrival of the other CTA still to come into this one's shared memory
 
   // (DS16: X carried no scale to fold per tile, so sm_scale multiplies the sum)
   store_acc_rows<T, D>(dq + bq * qsb + h * qsh, qsn, acc_dq, r_lo, t4, nq, DS16 ? sm_scale : 1.f);
 }
 
 template <typename T, int D, bool DS16>
-__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1) SAGE_BWD_DQ_CLUSTER_ATTR
+__global__ void __launch_bounds__(BWD_THREADS, D == 64 ? BWD90_D64_MIN_CTAS : 1)
 int8_attn_bwd_dq_sm90(const char* __restrict__ q_img, const char* __restrict__ k_img, const float* __restrict__ qs,
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       T* __restrict__ dq, long long qsb, long long qsh, long long qsn,
