@@ -40,9 +40,14 @@ multiple of 2N chunks of sagecupy's tile alignment; ``--pack`` is refused.
 Throughput is tokens per second over the steps after ``--timing-warmup`` (CUDA events around every step; the first
 steps, compilation and the kernels' first compilation are left out). ``--compare`` trains both from the same
 initialization on the same batches and prints the ratio of their tokens/s and the relative difference of their
-final losses (the speed target: sagecupy at least 1.15x SDPA's tokens/s, final loss within 1%).
+final losses (the speed target: sagecupy at least 1.15x SDPA's tokens/s, final loss within 1%). Two runs that differ
+only in their attention's rounding drift apart as training amplifies the difference, so one seed's loss difference
+can be far from what the attention costs: ``--seeds N`` repeats the comparison for seeds ``--seed`` ..
+``--seed + N - 1`` and judges the loss target on the mean paired difference, with a 95% confidence interval
+(Student's t over the seeds): met when the interval lies within 1%, not met when it lies outside, else not resolved.
 
     python examples/train_gpt.py --compare --steps 300 --out gpt.json          # the default config, both
+    python examples/train_gpt.py --compare --steps 300 --seeds 5               # five paired runs, pooled
     python examples/train_gpt.py --attn sagecupy --preset small --steps 100    # a quick run
     python examples/train_gpt.py --compare --compile --seq 16384               # torch.compile, longer sequences
     python examples/train_gpt.py --compare --pack --steps 300                  # document masking, both
@@ -632,6 +637,72 @@ def format_summary(sdpa: dict, sage: dict, s: dict) -> str:
     ])
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1.96 beyond the table)
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def _interval(values: list) -> tuple:
+    """(mean, low, high): the mean of ``values`` and its two-sided 95% confidence interval (Student's t)."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1))
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def _verdict(low: float, high: float) -> str:
+    """The loss target on a confidence interval of a relative difference."""
+    if -TARGET_LOSS_REL <= low and high <= TARGET_LOSS_REL:
+        return "met"
+    if high < -TARGET_LOSS_REL or low > TARGET_LOSS_REL:
+        return "not met"
+    return "not resolved"
+
+
+def pooled_summary(per_seed: list) -> dict:
+    """compare_summary's results of two or more seeds pooled: the tokens/s ratio's mean and range, and per loss the
+    mean paired relative difference with its 95% interval. The loss target is met when both intervals lie within
+    TARGET_LOSS_REL, not met when either lies outside it, else not resolved by this many seeds."""
+    if len(per_seed) < 2:
+        raise ValueError("pooled_summary needs two seeds or more")
+    ratios = [s["tokens_per_s_ratio"] for s in per_seed if s["tokens_per_s_ratio"] is not None]
+    out = dict(seeds=len(per_seed), target_speedup=TARGET_SPEEDUP, target_loss_rel=TARGET_LOSS_REL,
+               tokens_per_s_ratio=sum(ratios) / len(ratios) if ratios else None,
+               tokens_per_s_ratio_range=[min(ratios), max(ratios)] if ratios else None)
+    out["speed_target_met"] = out["tokens_per_s_ratio"] is not None and out["tokens_per_s_ratio"] >= TARGET_SPEEDUP
+    verdicts = []
+    for key in ("train_loss_rel_diff", "val_loss_rel_diff"):
+        mean, low, high = _interval([s[key] for s in per_seed])
+        out[key] = mean
+        out[key + "_interval95"] = [low, high]
+        verdicts.append(_verdict(low, high))
+    out["loss_target"] = ("not met" if "not met" in verdicts else
+                          "met" if verdicts == ["met", "met"] else "not resolved")
+    return out
+
+
+def format_pooled(per_seed: list, seeds: list, p: dict) -> str:
+    """One line per seed, then pooled_summary's result."""
+    lines = []
+    for seed, s in zip(seeds, per_seed):
+        ratio = f"{s['tokens_per_s_ratio']:.3f}x" if s["tokens_per_s_ratio"] is not None else "-"
+        lines.append(f"seed {seed:<5d} tokens/s ratio {ratio}  train loss {s['train_loss_rel_diff']:+.2%}  "
+                     f"val loss {s['val_loss_rel_diff']:+.2%}")
+    if p["tokens_per_s_ratio"] is not None:
+        lo, hi = p["tokens_per_s_ratio_range"]
+        speed = f"{p['tokens_per_s_ratio']:.3f}x ({lo:.3f}-{hi:.3f})"
+    else:
+        speed = "-"
+    lines.append(f"{p['seeds']} seeds    tokens/s ratio {speed} (target >= {TARGET_SPEEDUP:.2f}x: "
+                 f"{'met' if p['speed_target_met'] else 'not met'})")
+    for name, key in (("train loss", "train_loss_rel_diff"), ("val loss", "val_loss_rel_diff")):
+        lo, hi = p[key + "_interval95"]
+        lines.append(f"{name:<14s} mean {p[key]:+.2%}, 95% interval {lo:+.2%} .. {hi:+.2%}")
+    lines[-1] += f" (target within {TARGET_LOSS_REL:.0%} for both: {p['loss_target']})"
+    return "\n".join(lines)
+
+
 def environment(device="cuda") -> dict:
     """GPU, versions and commit (sagecupy's own header where it can be built), never raising."""
     import platform
@@ -725,6 +796,9 @@ def build_parser():
     ap.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay of the matrices")
     ap.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient norm clip (0: none)")
     ap.add_argument("--seed", type=int, default=d.seed, help="seed of the initialization and of the batch order")
+    ap.add_argument("--seeds", type=_positive, default=1,
+                    help="with --compare: compare for this many seeds from --seed on and judge the loss target on "
+                         "the mean paired difference and its 95%% interval")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--timing-warmup", type=_non_negative, default=d.timing_warmup,
                     help="first steps left out of tokens/s (compilation, the kernels' first build, clocks)")
@@ -813,6 +887,10 @@ def main(argv=None):
     if cfg.pack and "sagecupy" in attns and cfg.entry != "op":
         ap.error("--pack runs sagecupy through sage_attention (--entry op): the drop-in SDPA takes no document "
                  "offsets")
+    if a.seeds > 1 and not a.compare:
+        ap.error("--seeds N compares over N seeds: it needs --compare")
+    if a.seeds > 1 and a.context_parallel is not None:
+        ap.error("--seeds is not supported with --context-parallel")
     if a.context_parallel is not None:
         # this module's names as a namespace: it runs as __main__ or is loaded by path, under no importable name
         return _gpt_cp().main(argparse.Namespace(**globals()), ap, a, cfg)
@@ -827,19 +905,30 @@ def main(argv=None):
           f"model: {cfg.layers} x (d_model {cfg.d_model}, {cfg.heads} heads x {cfg.d_head}), seq {cfg.seq}, "
           f"batch {cfg.batch}" + (f", packed documents ({cfg.batch * cfg.seq} tokens per step)" if cfg.pack else ""),
           flush=True)
-    runs = []
-    for attn in attns:
-        runs.append(train(cfg, attn, device="cuda", data=data))
-        r = runs[-1]
-        rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
-        print(f"{attn}: {rate} tokens/s over {r['timed_steps']} steps, final train loss {r['final_train_loss']:.4f}, "
-              f"val loss {r['val_loss']:.4f}", flush=True)
-        _release("cuda")
+    runs, seeds, per_seed = [], [cfg.seed + i for i in range(a.seeds)], []
+    for seed in seeds:
+        seed_cfg = dataclasses.replace(cfg, seed=seed)
+        pair = []
+        for attn in attns:
+            r = train(seed_cfg, attn, device="cuda", data=data)
+            r["seed"] = seed
+            pair.append(r)
+            rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
+            print(f"{attn}{f' (seed {seed})' if a.seeds > 1 else ''}: {rate} tokens/s over {r['timed_steps']} steps, "
+                  f"final train loss {r['final_train_loss']:.4f}, val loss {r['val_loss']:.4f}", flush=True)
+            _release("cuda")
+        runs += pair
+        if a.compare:
+            per_seed.append(compare_summary(pair[0], pair[1]))
     result = dict(config=dataclasses.asdict(cfg), data_bytes=dict(train=len(data[0]), validation=len(data[1])),
                   environment=environment("cuda"), runs=runs)
-    if a.compare:
-        result["compare"] = compare_summary(runs[0], runs[1])
+    if a.compare and a.seeds == 1:
+        result["compare"] = per_seed[0]
         print(format_summary(runs[0], runs[1], result["compare"]))
+    elif a.compare:
+        result["compare"] = pooled_summary(per_seed)
+        result["compare_per_seed"] = [dict(seed=seed, **s) for seed, s in zip(seeds, per_seed)]
+        print(format_pooled(per_seed, seeds, result["compare"]))
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -65,6 +65,9 @@ def test_presets_and_overrides(tg):
     (["--d-head", "32"], "--d-head 32: sagecupy's kernels take head dimensions 64 and 128"),
     (["--compare", "--d-head", "96"], "--d-head 96"),
     (["--min-lr-ratio", "2"], "--min-lr-ratio"),
+    (["--seeds", "0"], "not a positive integer"),
+    (["--seeds", "3"], "--seeds N compares over N seeds: it needs --compare"),
+    (["--compare", "--seeds", "2", "--context-parallel", "2"], "--seeds is not supported with --context-parallel"),
 ])
 def test_malformed_command_lines_are_usage_errors(tg, capsys, argv, text):
     with pytest.raises(SystemExit) as exc:
@@ -187,6 +190,63 @@ def test_compare_runs_both_from_one_config_and_writes_json(tg, capsys, monkeypat
     assert [r["attn"] for r in result["runs"]] == ["sdpa", "sagecupy"]
     assert result["compare"]["tokens_per_s_ratio"] == pytest.approx(1.25)
     assert result["config"]["seq"] == 1024 and result["environment"] == {"gpu": "Fake GPU"}
+
+
+def test_pooled_summary_intervals_and_verdicts(tg):
+    def per(train, val, ratio=1.2):
+        return dict(tokens_per_s_ratio=ratio, train_loss_rel_diff=train, val_loss_rel_diff=val)
+
+    # mean 0.002, sample sd 0.001, 3 seeds: half width t(2) * 0.001 / sqrt(3)
+    p = tg.pooled_summary([per(0.001, 0.0), per(0.002, 0.0), per(0.003, 0.0, 1.1)])
+    half = 4.303 * 0.001 / math.sqrt(3)
+    assert p["seeds"] == 3 and p["train_loss_rel_diff"] == pytest.approx(0.002)
+    assert p["train_loss_rel_diff_interval95"] == pytest.approx([0.002 - half, 0.002 + half])
+    assert p["val_loss_rel_diff_interval95"] == pytest.approx([0.0, 0.0])
+    assert p["tokens_per_s_ratio"] == pytest.approx((1.2 + 1.2 + 1.1) / 3)
+    assert p["tokens_per_s_ratio_range"] == pytest.approx([1.1, 1.2]) and p["speed_target_met"]  # mean 1.167
+    assert not tg.pooled_summary([per(0.0, 0.0, 1.1), per(0.0, 0.0, 1.19)])["speed_target_met"]  # mean 1.145
+    assert p["loss_target"] == "met"  # 0.002 + 0.0025 < 0.01
+    # an interval across the 1 % edge is not resolved, one beyond it is not met (either loss decides)
+    assert tg.pooled_summary([per(0.0, 0.0), per(0.03, 0.0)])["loss_target"] == "not resolved"
+    assert tg.pooled_summary([per(0.05, 0.0), per(0.051, 0.0)])["loss_target"] == "not met"
+    assert tg.pooled_summary([per(0.0, -0.05), per(0.0, -0.051)])["loss_target"] == "not met"
+    # beyond the t table: 1.96
+    p = tg.pooled_summary([per(0.001 * (i % 2), 0.0) for i in range(40)])
+    sd = math.sqrt(sum((0.001 * (i % 2) - 0.0005) ** 2 for i in range(40)) / 39)
+    assert p["train_loss_rel_diff_interval95"][1] == pytest.approx(0.0005 + 1.96 * sd / math.sqrt(40))
+    with pytest.raises(ValueError, match="two seeds or more"):
+        tg.pooled_summary([per(0.0, 0.0)])
+    text = tg.format_pooled([per(0.0, 0.0), per(0.03, 0.0)], [7, 8], tg.pooled_summary([per(0.0, 0.0),
+                                                                                         per(0.03, 0.0)]))
+    lines = text.splitlines()
+    assert lines[0].startswith("seed 7") and lines[1].startswith("seed 8") and "+3.00%" in lines[1]
+    assert lines[2].startswith("2 seeds") and "1.200x (1.200-1.200)" in lines[2] and lines[2].endswith(": met)")
+    assert "mean +1.50%" in lines[3] and lines[-1].endswith("(target within 1% for both: not resolved)")
+
+
+def test_compare_over_seeds_pairs_each_seed_and_pools(tg, capsys, monkeypatch, tmp_path):
+    seen = []
+
+    def fake_train(cfg, attn, *, device, data, log=print):
+        seen.append((attn, cfg.seed))
+        return _record(attn, 1000.0 if attn == "sdpa" else 1100.0 + cfg.seed, 2.0, 2.5 + 0.01 * (attn != "sdpa"))
+
+    monkeypatch.setattr(tg, "_check_machine", lambda ap, attns: None)
+    monkeypatch.setattr(tg, "train", fake_train)
+    monkeypatch.setattr(tg, "_release", lambda device: None)
+    monkeypatch.setattr(tg, "environment", lambda device: {"gpu": "Fake GPU"})
+    out = tmp_path / "gpt.json"
+    assert tg.main(["--compare", "--preset", "small", "--steps", "3", "--seed", "5", "--seeds", "3",
+                    "--out", str(out)]) == 0
+    assert seen == [("sdpa", 5), ("sagecupy", 5), ("sdpa", 6), ("sagecupy", 6), ("sdpa", 7), ("sagecupy", 7)]
+    text = capsys.readouterr().out
+    assert "sagecupy (seed 6):" in text and "3 seeds    tokens/s ratio 1.106x (1.105-1.107)" in text
+    result = json.loads(out.read_text())
+    assert [(r["attn"], r["seed"]) for r in result["runs"]] == seen
+    assert result["config"]["seed"] == 5
+    assert [c["seed"] for c in result["compare_per_seed"]] == [5, 6, 7]
+    assert result["compare"]["seeds"] == 3 and result["compare"]["val_loss_rel_diff"] == pytest.approx(0.004)
+    assert result["compare"]["loss_target"] == "met"  # the same +0.4 % for every seed: a zero-width interval
 
 
 # -- the model on the CPU -----------------------------------------------------------------------------------------
