@@ -2,7 +2,8 @@
 the same process): the smallest and largest ratio over each row's shapes, the target, and whether the smallest meets
 it. Ratios are the baseline's ms over sagecupy's INT8 `default` call, end to end (quantization included); cuDNN FP8
 is shown with its bf16 -> FP8 casts and amax (`e2e`) and on FP8 operands alone (`kernel`); the adapter rows are the
-CuPy call's ms over the adapter's (1.0: no overhead). Several files (one per dtype) may be given.
+CuPy call's ms over the adapter's (1.0: no overhead). Several files (one per dtype) may be given; files that
+time the same shape are refused (give them in separate calls).
 
     python3 bench/run_bench.py --families int8 --ds 64,128 --baselines sdpa,cudnn-fp8 --adapters --out bf16.jsonl
     python3 bench/run_bench.py --families int8 --ds 64,128 --baselines sdpa --adapters --dtype float16 --out fp16.jsonl
@@ -64,8 +65,16 @@ def _fmt(rs, target):
 
 
 def main(paths, config="default"):
-    rows = [r for p in paths for r in load(p)]
-    ix = _index(rows, config)
+    rows, ix = [], {}
+    for path in paths:  # one index per file, merged: a shape timed in two files would otherwise keep the last silently
+        file_rows = load(path)
+        for key, ms in _index(file_rows, config).items():
+            if key in ix:
+                impl, mode, scope, D, N, c, dt = key
+                sys.exit(f"targets_table.py: {path} times {impl} {mode} {scope} D={D} N={N} causal={c} {dt} again; "
+                         f"give runs over the same shapes in separate calls")
+            ix[key] = ms
+        rows += file_rows
     dtypes = sorted({k[6] for k in ix if k[0] == OURS})
     gpus = sorted({r["gpu"] for r in rows if r.get("type") == "env" and r.get("gpu")})
     print(f"GPU: {', '.join(gpus) or 'unknown'}; INT8 config: {config}; dtypes: {', '.join(dtypes)}; "
