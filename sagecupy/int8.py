@@ -698,6 +698,24 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (o, lse) if return_lse else o
 
 
+def _inference(q, k, v, plan=None, **kw):
+    """The inference forward for adapters that replay its plan themselves: ``(o, lse, plan)``, ``o`` raw (bfloat16
+    as its uint16 bits). ``plan=None``: :func:`sage_attention` on CuPy arrays q, k, v (validated, the plan looked up
+    or recorded), keyword arguments as it takes them. Else ``plan`` is one this function returned for inputs of the
+    same signature and keyword arguments, of a dense layout whose inputs needed no copy (``not any(plan.copy)``), and
+    q, k, v are the device addresses (ints) of such inputs: the plan is replayed on them, on the current device and
+    stream, with no argument checks or plan lookup; the caller keys its plans by everything the lookup keys by
+    (sagecupy/adapters/torch_ops.py). The same launches, so the same bits."""
+    if plan is None:
+        plan, pre = _prepass(q, k, v, inference=True, **kw)
+    else:
+        ns = plan.prog.run({"q": q, "k": k, "v": v})
+        pre = {n: ns.get(n) for n in _PRE_NAMES}
+        pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
+    o, lse, _ = _launch_forward(plan.p, plan.cfg, pre, kw.get("engine"))
+    return o, lse, plan
+
+
 def _bwd_smem(D):
     """Dynamic shared memory of the dK/dV kernel: K^, V, Q^, dO tiles; two buffers of Q^^T, dO^^T, the
     per-query q scale, lse2, delta and the query tile's dO scales; 4 floats of scratch."""

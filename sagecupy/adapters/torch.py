@@ -276,6 +276,16 @@ def _scale(sm_scale):
         raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}") from None
 
 
+def _config_arg(config):
+    """``config`` as the INT8 ops' string argument: ``""`` for None and a preset's name as it is (checked to name
+    one), which the family resolves as the CuPy call does; a config object encoded field by field. Only objects are
+    encoded: that costs host time on every call, which a name does not need."""
+    if config is None:
+        return ""
+    get_config(config)  # ValueError naming config: an unknown name, or not a config at all
+    return config if isinstance(config, str) else _encode_config(config)
+
+
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -297,10 +307,11 @@ def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=Fal
     with the arguments they always took): through PyTorch's dispatcher, or their bodies directly where
     :func:`_dispatcher_free` allows. A call that needs no gradient (grad mode off, or no input requires grad) runs
     the inference op, which keeps no residuals."""
-    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(get_config(config)), *window, *packed)
+    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _config_arg(config), *window, *packed)
     eager = _dispatcher_free(q, k, v, *packed[:2])
     if not _needs_grad(q, k, v):
-        o, lse = torch_ops._sage_infer(*args) if eager else torch.ops.sagecupy.sage_attention_infer(*args)
+        # (eager: q, k, v were checked by the caller, sage_attention)
+        o, lse = torch_ops.sage_infer_on(q.device, *args) if eager else torch.ops.sagecupy.sage_attention_infer(*args)
     else:
         # (saved-tensor hooks see only what save_for_backward saves: the ops' residual tensors, not a ctx attribute)
         eager = eager and not _saved_tensor_hooks()

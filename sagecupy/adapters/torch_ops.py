@@ -22,6 +22,8 @@ import typing
 import torch
 
 from .. import _checks, _layout
+from .._program import Plans as _Plans
+from .._program import env_key as _env_key
 from ..config import NVFP4Config, QATConfig, SageBwdConfig, get_config
 
 if not hasattr(torch.library, "custom_op"):
@@ -96,12 +98,14 @@ def _as_cupy(tensor, name="tensor"):
     strides = tensor.stride()
     extent = (1 + sum((n - 1) * st for n, st in zip(tensor.shape, strides))) * size  # bytes up to the last element
     mem = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent, tensor, tensor.get_device())
-    arr = cupy.ndarray(tuple(tensor.shape), raw, cupy.cuda.MemoryPointer(mem, 0), tuple(st * size for st in strides))
-    if tensor.dtype == torch.bfloat16:
-        from .bf16 import from_bits
+    wrap = False
+    if tensor.dtype == torch.bfloat16:  # the form from_bits gives, built at once: one array instead of two
+        from .bf16 import BF16Array, native_dtype
 
-        return from_bits(arr)
-    return arr
+        native = native_dtype()
+        raw, wrap = (native, False) if native is not None else (raw, True)
+    arr = cupy.ndarray(tuple(tensor.shape), raw, cupy.cuda.MemoryPointer(mem, 0), tuple(st * size for st in strides))
+    return BF16Array(arr) if wrap else arr
 
 
 def _as_torch(x):
@@ -129,9 +133,26 @@ def on_torch_stream(device):
 
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
-    with cupy.cuda.Device(index), _checks.external_stream(stream.cuda_stream, index):
+    with cupy.cuda.Device(index), _cupy_stream(index):
         yield
+
+
+# PyTorch's current stream as its raw handle (what torch.cuda.current_stream(i).cuda_stream gives, without building a
+# Stream object), where this PyTorch has the function; and the CuPy stream objects over such handles, kept by handle
+# and device. A CuPy external stream only names the handle, so one object serves every call on that stream.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_STREAMS = {}
+
+
+def _cupy_stream(index):
+    ptr = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+    key = (ptr, index)
+    s = _STREAMS.get(key)
+    if s is None:
+        if len(_STREAMS) >= 64:  # streams come and go (a pool of side streams): keep the table bounded
+            _STREAMS.clear()
+        s = _STREAMS[key] = _checks.external_stream(ptr, index)
+    return s
 
 
 def _check_inputs(*named):
@@ -409,15 +430,56 @@ def _sage_infer(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.
                 max_seqlen_q: int = -1, max_seqlen_k: int = -1) -> tuple[Tensor, Tensor]:
     """INT8 SageBwd inference forward (:func:`sagecupy.int8.sage_attention`: no residuals; o bitwise the forward
     op's), for calls that need no gradient: (o, lse)."""
+    return sage_infer_on(_check_inputs(("q", q), ("k", k), ("v", v)), q, k, v, causal, sm_scale, layout, config,
+                         window_left, window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def sage_infer_on(device, q, k, v, causal, sm_scale, layout, config, window_left=-1, window_right=-1,
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+    """:func:`_sage_infer`'s body, for callers that checked q, k, v already (``device``: the device
+    :func:`_check_inputs` returned for them)."""
     from .. import int8 as s8
 
-    device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
         kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        o, lse = s8.sage_attention(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
-                                   sm_scale=sm_scale, layout=layout, config=_decode_config(config), return_lse=True,
-                                   window=_window(window_left, window_right), **kw)
-        return _as_torch(o), _as_torch(lse)
+        key = None if kw else _infer_key(q, k, v, causal, sm_scale, layout, config, window_left, window_right)
+        plan = None if key is None else _INFER_PLANS.get(key)
+        if plan is not None:  # replayed from the plan of an earlier call with the same key
+            o, lse, _ = s8._inference(q.data_ptr(), k.data_ptr(), v.data_ptr(), plan)
+            return _raw_as_torch(o, q.dtype), _as_torch(lse)
+        o, lse, plan = s8._inference(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
+                                     sm_scale=sm_scale, layout=layout, config=_decode_config(config),
+                                     window=_window(window_left, window_right), **kw)
+        if key is not None and not any(plan.copy) and q.numel() and k.numel() and v.numel():
+            _INFER_PLANS.put(key, plan)
+        return _raw_as_torch(o, q.dtype), _as_torch(lse)
+
+
+# The inference forward's plans (sagecupy/_program.py) by what a call on torch tensors looks like: the key holds
+# everything int8's own plan lookup keys by (the inputs' dtype, shapes, strides and 16-byte alignment, the options as
+# the op received them, the device and the kernel-choosing environment), read from tensor metadata. A hit replays the
+# plan on the tensors' addresses: no CuPy views of q, k and v and no lookup by their signatures, which together cost
+# more host time than the rest of the adapter (docs/experiments.md, E-ADAPT-DIRECT). Only dense calls whose inputs
+# the pre-pass reads as they are (no copy) are kept.
+_INFER_PLANS = _Plans(cap=64)
+
+
+def _infer_key(q, k, v, causal, sm_scale, layout, config, window_left, window_right):
+    """A dense inference call's key in :data:`_INFER_PLANS` (inside :func:`on_torch_stream`, whose device
+    :func:`~sagecupy._program.env_key` reads)."""
+    return (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() & 15,
+            k.data_ptr() & 15, v.data_ptr() & 15, causal, sm_scale, layout, config, window_left, window_right,
+            _env_key())
+
+
+def _raw_as_torch(x, dtype):
+    """A raw kernel output (fp16, or bfloat16's uint16 bits) as a tensor of ``dtype``, inside :func:`on_torch_stream`
+    (as :func:`_as_torch`)."""
+    import cupy
+
+    if dtype == torch.bfloat16:
+        return torch.utils.dlpack.from_dlpack(x.view(cupy.int16).__dlpack__(stream=-1)).view(torch.bfloat16)
+    return torch.utils.dlpack.from_dlpack(x.__dlpack__(stream=-1))
 
 
 _sage_infer_op = _custom_op("sagecupy::sage_attention_infer")(_sage_infer)

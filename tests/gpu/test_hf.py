@@ -87,7 +87,7 @@ def kernel_calls(monkeypatch):
     import sagecupy.int8 as s8
 
     calls = []
-    for name in ("forward", "sage_attention", "backward"):
+    for name in ("forward", "_inference", "backward"):
         real = getattr(s8, name)
         monkeypatch.setattr(s8, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     return calls
@@ -124,7 +124,7 @@ def test_logits_match_sdpa(head_dim, kernel_calls):
         with torch.no_grad():
             outs[name] = (model(ids).logits, seen)
     assert st.fallback_counts() == {}
-    assert kernel_calls == ["sage_attention"] * 2  # the inference op, once per layer
+    assert kernel_calls == ["_inference"] * 2  # the inference op, once per layer
     for layer, (a, b) in enumerate(zip(outs["sage"][1], outs["sdpa"][1])):
         err = _err(a, b)
         assert err <= ATTENTION_BOUND, f"layer {layer} attention output: rel_l2 {err:.3e}"
@@ -176,7 +176,7 @@ def test_generation_prefill_and_decode(kernel_calls):
                             pad_token_id=0)
     assert out.shape == (2, 46) and torch.equal(out[:, :40], ids)
     assert st.fallback_counts() == {}
-    assert kernel_calls.count("sage_attention") == 2 * 6  # prefill + 5 decoding steps, 2 layers
+    assert kernel_calls.count("_inference") == 2 * 6  # prefill + 5 decoding steps, 2 layers
 
 
 def test_padding_falls_back_to_sdpa():

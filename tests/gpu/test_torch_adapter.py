@@ -146,20 +146,21 @@ def test_gradients_equal_direct_calls_bitwise(path, case):
 
 
 def test_calls_without_gradient_run_the_inference_op(monkeypatch):
-    """Under no_grad, or with no input requiring grad, sage_attention runs int8.sage_attention (no residuals), whose
-    output is bitwise the training forward's; with grad it runs int8.forward."""
+    """Under no_grad, or with no input requiring grad, sage_attention runs the inference forward (int8._inference,
+    int8.sage_attention's: no residuals), whose output is bitwise the training forward's; with grad it runs
+    int8.forward."""
     import sagecupy.int8 as s8
 
     q, k, v, _ = _inputs(5, 1, 4, 2, 90, 130, 128, "HND", torch.bfloat16)
     calls = []
-    for name in ("forward", "sage_attention"):
+    for name in ("forward", "_inference"):
         real = getattr(s8, name)
         monkeypatch.setattr(s8, name, functools.partial(lambda real, name, *a, **kw: calls.append(name) or
                                                         real(*a, **kw), real, name))
     with torch.no_grad():
         o_no_grad = st.sage_attention(q.detach().requires_grad_(), k, v, causal=True)
     o_plain = st.sage_attention(q.detach(), k, v, causal=True)
-    assert calls == ["sage_attention", "sage_attention"]
+    assert calls == ["_inference", "_inference"]
     o_grad = st.sage_attention(q.detach().requires_grad_(), k, v, causal=True)
     assert calls[2:] == ["forward"] and o_grad.requires_grad and not o_plain.requires_grad
     _assert_same_bits([o_no_grad, o_plain], [o_grad.detach()] * 2, "no grad", names=("O (no_grad)", "O (plain)"))
@@ -622,6 +623,40 @@ def test_return_lse_is_the_forwards(grad):
     if grad:
         o.backward(do)  # the LSE output does not get in the way of the backward
         assert q.grad is not None
+
+
+def test_inference_replays_its_plan_on_new_tensors():
+    """The inference call keeps its plan by tensor metadata and replays it on the next tensors of the same shapes,
+    strides and alignment (sagecupy/adapters/torch_ops.py, _INFER_PLANS): O and the LSE stay the direct call's, bit
+    for bit, over new data, a strided view (copied by the pre-pass, so not kept), a misaligned view and a new config."""
+    import sagecupy.int8 as s8
+    from sagecupy.adapters import torch_ops
+
+    def check(q, k, v, case, **kw):
+        o, lse = st.sage_attention(q, k, v, return_lse=True, **kw)
+        cq, ck, cv = (T._to_dev(_host(x), "bfloat16") for x in (q, k, v))
+        o_ref, lse_ref = s8.sage_attention(cq, ck, cv, return_lse=True, **kw)
+        _assert_same_bits([o], [o_ref], case, names=("O",))
+        assert np.array_equal(_host_f32(lse), _host_f32(lse_ref), equal_nan=True), case
+
+    torch_ops._INFER_PLANS.clear()
+    shape = (2, 4, 2, 150, 90, 128, "HND", torch.bfloat16)
+    for seed in (61, 62, 63):  # the first call records, the next ones replay
+        q, k, v, _ = _inputs(seed, *shape)
+        check(q, k, v, f"seed {seed}", causal=True)
+    assert len(torch_ops._INFER_PLANS) == 1
+    q, k, v, _ = _inputs(64, *shape)
+    check(q, k, v, "not causal")  # a new key
+    check(q, k, v, "paper", causal=True, config="paper")
+    assert len(torch_ops._INFER_PLANS) == 3
+    wide = torch.zeros(2, 4, 150, 129, device="cuda", dtype=torch.bfloat16)
+    # rows of 129 elements: q as a view at an odd element offset is misaligned, and the pre-pass copies it
+    for seed in (65, 66):
+        wide[..., 1:] = _inputs(seed, *shape)[0]
+        check(wide[..., 1:], k, v, f"misaligned q {seed}", causal=True)
+    assert len(torch_ops._INFER_PLANS) == 3
+    check(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, "column-major q", causal=True)
+    assert len(torch_ops._INFER_PLANS) == 3
 
 
 def test_nvfp4_op_is_the_direct_call():
