@@ -363,13 +363,29 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
+#: CuPy stream objects over other frameworks' streams, by (handle, device): such an object only names the handle, so
+#: one serves every call on that stream, and building it took ~5 us of host time per call (docs/experiments.md,
+#: E-ADAPT-DIRECT). Cleared when full: streams come and go (a pool of side streams).
+_EXTERNAL_STREAMS = {}
+
+
 def external_stream(ptr: int, device_id: int):
     """A CuPy stream object for a stream another framework owns (PyTorch's, XLA's), for ``with`` blocks:
     ``cupy.cuda.Stream.from_external`` on CuPy versions that have it (ExternalStream is deprecated there),
-    else ``cupy.cuda.ExternalStream``. The caller keeps the stream alive and makes ``device_id`` current."""
+    else ``cupy.cuda.ExternalStream``; the same object for the same handle and device. The caller keeps the stream
+    alive and makes ``device_id`` current."""
+    key = (ptr, device_id)
+    stream = _EXTERNAL_STREAMS.get(key)
+    if stream is not None:
+        return stream
     import cupy
 
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
-        return from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, device_id)
+        stream = from_external(_StreamHandle(ptr))
+    else:
+        stream = cupy.cuda.ExternalStream(ptr, device_id)
+    if len(_EXTERNAL_STREAMS) >= 64:
+        _EXTERNAL_STREAMS.clear()
+    _EXTERNAL_STREAMS[key] = stream
+    return stream

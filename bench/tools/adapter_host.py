@@ -3,6 +3,7 @@
     python3 bench/tools/adapter_host.py pieces    # B = 1, H = 1, N = 128, D = 128: per call, the GPU keeping up
     python3 bench/tools/adapter_host.py profile   # B = 16, H = 16, N = 1K, causal: synchronized calls and a cProfile
     python3 bench/tools/adapter_host.py e2e [TAG] # the adapter against the CuPy call, forward and forward+backward
+    python3 bench/tools/adapter_host.py sync [TAG] # host us per call, and synchronized forwards (median of 80)
 
 ``e2e`` prints one line per dtype and shape, prefixed by TAG (to compare two checkouts, run it once with each on
 PYTHONPATH): at B = H = 1, N = 128 the host microseconds per call (median of 5 runs of 100 calls); at B = 16, N = 1K
@@ -11,6 +12,11 @@ to back (``b2b``), as the benchmark times them. Gradients are taken with ``torch
 takes them: ``.backward()`` would add each call's gradients into the leaves' ``.grad``, three element-wise kernels
 over Q, K and V that the CuPy call does not run (the figures of `c7664fe` and `4256f91` include them; the last column,
 ``.backward()`` into ``.grad``, shows what they cost).
+
+``sync`` prints, per dtype, the host microseconds per call at B = H = 1, N = 128 (the GPU keeping up; median of 5
+runs) of the inference call, the training forward and the forward+backward through CuPy and through the adapter, then
+the synchronized inference forward at B = 16, N = 1K and B = 4, N = 4K (H = 16, D = 128, causal; median of 80 calls,
+each followed by a synchronize) through both, with the ratio CuPy ms / adapter ms.
 
 ``pieces`` times whole calls (CuPy, ``sagecupy.torch``, the ``torch.ops`` op, its Python body, the plain
 ``SageAttentionFunction``) and the adapter's pieces (``to_cupy``, ``from_cupy``, ``on_torch_stream``, argument checks,
@@ -73,6 +79,9 @@ def pieces():
         cases += [("cupy fwd+bwd", cupy_fb), ("torch fwd+bwd (st)", torch_fb), ("Function fwd+bwd", function_fb),
                   ("to_cupy", lambda: ops.to_cupy(q)), ("from_cupy", lambda: ops.from_cupy(qc)),
                   ("on_torch_stream", stream),
+                  ("_as_cupy", lambda: ops._as_cupy(q, "q")), ("_as_torch", lambda: ops._as_torch(qc)),
+                  ("torch.cuda.current_stream", lambda: torch.cuda.current_stream(q.device.index)),
+                  ("_dispatcher_free", lambda: st._dispatcher_free(q, k, v)),
                   ("_check_inputs", lambda: ops._check_inputs(("q", q), ("k", k), ("v", v))),
                   ("encode_config", lambda: ops._encode_config(get_config(None))),
                   ("decode_config", lambda: ops._decode_config(cfg)),
@@ -152,6 +161,58 @@ def e2e(tag=""):
             print(tag, str(dt)[6:], f"B={B} N={N} causal=1 |", " | ".join(row), flush=True)
 
 
+def sync(tag=""):
+    def host_us(f, n=1500):
+        for _ in range(50):
+            f()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(n // 5):
+                f()
+            ts.append((time.perf_counter() - t) / (n // 5) * 1e6)
+            torch.cuda.synchronize()
+        return sorted(ts)[2]
+
+    for dt in (torch.bfloat16, torch.float16):
+        q, k, v, do = (torch.randn(1, 1, 128, 128, device="cuda", dtype=dt) for _ in range(4))
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        qc, kc, vc, dc = (ops.to_cupy(x) for x in (q, k, v, do))
+
+        def cupy_fb():
+            o, res = s8.forward(qc, kc, vc, causal=True)
+            s8.backward(res, dc)
+
+        cases = [("cupy infer", lambda: s8.sage_attention(qc, kc, vc, causal=True)),
+                 ("torch infer", lambda: st.sage_attention(q, k, v, causal=True)),
+                 ("cupy fwd(train)", lambda: s8.forward(qc, kc, vc, causal=True)),
+                 ("torch fwd(grad)", lambda: st.sage_attention(qg, kg, vg, causal=True)),
+                 ("cupy fwdbwd", cupy_fb),
+                 ("torch fwdbwd", lambda: torch.autograd.grad(st.sage_attention(qg, kg, vg, causal=True),
+                                                              (qg, kg, vg), do))]
+        print(tag, str(dt)[6:], " | ".join(f"{n} {host_us(f):.0f}us" for n, f in cases), flush=True)
+    for B, N in ((16, 1024), (4, 4096)):
+        for dt in (torch.bfloat16, torch.float16):
+            q, k, v = (torch.randn(B, 16, N, 128, device="cuda", dtype=dt) for _ in range(3))
+            qc, kc, vc = (ops.to_cupy(x) for x in (q, k, v))
+            row = []
+            for name, f in (("cupy", lambda: s8.sage_attention(qc, kc, vc, causal=True)),
+                            ("torch", lambda: st.sage_attention(q, k, v, causal=True))):
+                for _ in range(10):
+                    f()
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(80):
+                    t = time.perf_counter()
+                    f()
+                    torch.cuda.synchronize()
+                    ts.append(time.perf_counter() - t)
+                row.append((name, sorted(ts)[40] * 1e3))
+            print(tag, str(dt)[6:], f"B={B} N={N} causal fwd sync ms: " + " ".join(f"{n} {t:.3f}" for n, t in row)
+                  + f" ratio {row[0][1] / row[1][1]:.3f}", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "pieces"
-    {"pieces": pieces, "profile": profile, "e2e": e2e}[mode](*sys.argv[2:])
+    {"pieces": pieces, "profile": profile, "e2e": e2e, "sync": sync}[mode](*sys.argv[2:])

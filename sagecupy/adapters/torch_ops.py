@@ -138,21 +138,13 @@ def on_torch_stream(device):
 
 
 # PyTorch's current stream as its raw handle (what torch.cuda.current_stream(i).cuda_stream gives, without building a
-# Stream object), where this PyTorch has the function; and the CuPy stream objects over such handles, kept by handle
-# and device. A CuPy external stream only names the handle, so one object serves every call on that stream.
+# Stream object), where this PyTorch has the function.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_STREAMS = {}
 
 
 def _cupy_stream(index):
     ptr = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
-    key = (ptr, index)
-    s = _STREAMS.get(key)
-    if s is None:
-        if len(_STREAMS) >= 64:  # streams come and go (a pool of side streams): keep the table bounded
-            _STREAMS.clear()
-        s = _STREAMS[key] = _checks.external_stream(ptr, index)
-    return s
+    return _checks.external_stream(ptr, index)
 
 
 def _check_inputs(*named):
