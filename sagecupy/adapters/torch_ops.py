@@ -84,9 +84,9 @@ _RAW_DTYPES = {torch.float16: "float16", torch.bfloat16: "uint16", torch.float32
                torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
 
 
-def _as_cupy(tensor, name="tensor", raw=False):
+def _as_cupy(tensor, name="tensor", bits=False):
     """:func:`to_cupy`'s array without DLPack, for use inside :func:`on_torch_stream` only: a CuPy array over the
-    tensor's memory with its shape and strides (bfloat16 as :func:`to_cupy` gives it; with ``raw``, as its uint16
+    tensor's memory with its shape and strides (bfloat16 as :func:`to_cupy` gives it; with ``bits``, as its uint16
     bits, the form the kernels take), the tensor as the memory's owner, so the array keeps it alive."""
     import cupy
 
@@ -99,7 +99,7 @@ def _as_cupy(tensor, name="tensor", raw=False):
     extent = (1 + sum((n - 1) * st for n, st in zip(tensor.shape, strides))) * size  # bytes up to the last element
     mem = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent, tensor, tensor.get_device())
     wrap = False
-    if tensor.dtype == torch.bfloat16 and not raw:  # the form from_bits gives, built at once: one array, not two
+    if tensor.dtype == torch.bfloat16 and not bits:  # the form from_bits gives, built at once: one array, not two
         from .bf16 import BF16Array, native_dtype
 
         native = native_dtype()
@@ -390,7 +390,7 @@ def _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left
     key = None if kw else _plan_key(False, q, k, v, causal, sm_scale, layout, config, window_left, window_right)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:
-        o, lse, res, _ = s8._training(q.data_ptr(), k.data_ptr(), _as_cupy(v, "v", raw=True), plan)
+        o, lse, res, _ = s8._training(q.data_ptr(), k.data_ptr(), _as_cupy(v, "v", bits=True), plan)
         return o, lse, res
     o, lse, res, plan = s8._training(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
                                      sm_scale=sm_scale, layout=layout, config=_decode_config(config),
