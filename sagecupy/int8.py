@@ -698,17 +698,6 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (o, lse) if return_lse else o
 
 
-def _replayed(q, k, v, plan, inference, kw):
-    """``(plan, pre)`` of the forward's pre-pass: :func:`_prepass` (``plan`` None), or ``plan`` replayed on the inputs
-    an adapter hands over (:func:`_inference`)."""
-    if plan is None:
-        return _prepass(q, k, v, inference=inference, **kw)
-    ns = plan.prog.run({"q": q, "k": k, "v": v})
-    pre = {n: ns.get(n) for n in _PRE_NAMES}
-    pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
-    return plan, pre
-
-
 def _inference(q, k, v, plan=None, **kw):
     """The inference forward for adapters that replay its plan themselves: ``(o, lse, plan)``, ``o`` raw (bfloat16
     as its uint16 bits). ``plan=None``: :func:`sage_attention` on CuPy arrays q, k, v (validated, the plan looked up
@@ -717,21 +706,14 @@ def _inference(q, k, v, plan=None, **kw):
     q, k, v are the device addresses (ints) of such inputs: the plan is replayed on them, on the current device and
     stream, with no argument checks or plan lookup; the caller keys its plans by everything the lookup keys by
     (sagecupy/adapters/torch_ops.py). The same launches, so the same bits."""
-    plan, pre = _replayed(q, k, v, plan, True, kw)
+    if plan is None:
+        plan, pre = _prepass(q, k, v, inference=True, **kw)
+    else:
+        ns = plan.prog.run({"q": q, "k": k, "v": v})
+        pre = {n: ns.get(n) for n in _PRE_NAMES}
+        pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
     o, lse, _ = _launch_forward(plan.p, plan.cfg, pre, kw.get("engine"))
     return o, lse, plan
-
-
-def _training(q, k, v, plan=None, **kw):
-    """:func:`_inference` for the training forward (:func:`forward`): ``(o, lse, residuals, plan)``, ``o`` raw. With
-    a plan, q and k are addresses and v is the raw CuPy array of the input (bfloat16's uint16 bits, as the pre-pass
-    takes it), which the residuals keep for the backward, as :func:`forward`'s keep theirs."""
-    plan, pre = _replayed(q, k, v, plan, False, kw)
-    p, cfg = plan.p, plan.cfg
-    o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"))
-    res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
-                    pre["mu_k"], pre["packed"])
-    return o, lse, res, plan
 
 
 def _bwd_smem(D):
