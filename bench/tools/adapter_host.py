@@ -4,6 +4,7 @@
     python3 bench/tools/adapter_host.py profile   # B = 16, H = 16, N = 1K, causal: synchronized calls and a cProfile
     python3 bench/tools/adapter_host.py e2e [TAG] # the adapter against the CuPy call, forward and forward+backward
     python3 bench/tools/adapter_host.py sync [TAG] # host us per call, and synchronized forwards (median of 80)
+    python3 bench/tools/adapter_host.py engine    # the backward's host time: autograd's share, the adapter's body
 
 ``e2e`` prints one line per dtype and shape, prefixed by TAG (to compare two checkouts, run it once with each on
 PYTHONPATH): at B = H = 1, N = 128 the host microseconds per call (median of 5 runs of 100 calls); at B = 16, N = 1K
@@ -17,6 +18,11 @@ over Q, K and V that the CuPy call does not run (the figures of `c7664fe` and `4
 runs) of the inference call, the training forward and the forward+backward through CuPy and through the adapter, then
 the synchronized inference forward at B = 16, N = 1K and B = 4, N = 4K (H = 16, D = 128, causal; median of 80 calls,
 each followed by a synchronize) through both, with the ratio CuPy ms / adapter ms.
+
+``engine`` splits a backward's host time (B = H = 1, N = 128, D = 128, causal; us per call, the GPU keeping up):
+``torch.autograd.grad`` through a kept graph of a trivial ``autograd.Function`` with three inputs (autograd's own
+cost) and of ``sagecupy.torch.sage_attention``; the adapter's backward body (dO's view, ``int8.backward``, the
+gradients' exchange) called on the main thread; ``int8.backward`` alone on CuPy arrays; and the forwards likewise.
 
 ``pieces`` times whole calls (CuPy, ``sagecupy.torch``, the ``torch.ops`` op, its Python body, the plain
 ``SageAttentionFunction``) and the adapter's pieces (``to_cupy``, ``from_cupy``, ``on_torch_stream``, argument checks,
@@ -213,6 +219,55 @@ def sync(tag=""):
                   + f" ratio {row[0][1] / row[1][1]:.3f}", flush=True)
 
 
+class _Ident3(torch.autograd.Function):
+    """A trivial three-input Function: what autograd costs around a backward that does nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g, g
+
+
+def engine():
+    def host_us(f, n=600):
+        for _ in range(30):
+            f()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(n // 5):
+                f()
+            ts.append((time.perf_counter() - t) / (n // 5) * 1e6)
+            torch.cuda.synchronize()
+        return sorted(ts)[2]
+
+    for dt in (torch.bfloat16, torch.float16):
+        q, k, v, do = (torch.randn(1, 1, 128, 128, device="cuda", dtype=dt) for _ in range(4))
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        qc, kc, vc, dc = (ops.to_cupy(x) for x in (q, k, v, do))
+        out_i = _Ident3.apply(qg, kg, vg)
+        out_s = st.sage_attention(qg, kg, vg, causal=True)
+        _, res = s8.forward(qc, kc, vc, causal=True)
+
+        def body():  # backward_from_ctx's work, on this thread
+            with ops.on_torch_stream(q.device):
+                g = s8.backward(res, ops._as_cupy(do.contiguous(), "do"))
+                return [ops._as_torch(x) for x in g]
+
+        cases = [("ident3 bwd (engine)", lambda: torch.autograd.grad(out_i, (qg, kg, vg), do, retain_graph=True)),
+                 ("sage bwd (engine+body)", lambda: torch.autograd.grad(out_s, (qg, kg, vg), do, retain_graph=True)),
+                 ("bwd body on main thread", body),
+                 ("cupy s8.backward", lambda: s8.backward(res, dc)),
+                 ("ident3 fwd", lambda: _Ident3.apply(qg, kg, vg)),
+                 ("sage fwd(grad)", lambda: st.sage_attention(qg, kg, vg, causal=True)),
+                 ("cupy s8.forward", lambda: s8.forward(qc, kc, vc, causal=True))]
+        print(str(dt)[6:], " | ".join(f"{n} {host_us(f):.0f}us" for n, f in cases), flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "pieces"
-    {"pieces": pieces, "profile": profile, "e2e": e2e, "sync": sync}[mode](*sys.argv[2:])
+    {"pieces": pieces, "profile": profile, "e2e": e2e, "sync": sync, "engine": engine}[mode](*sys.argv[2:])
