@@ -450,9 +450,9 @@ def sage_infer_on(device, q, k, v, causal, sm_scale, layout, config, window_left
 # The inference forward's plans (sagecupy/_program.py) by what a call on torch tensors looks like: the key holds
 # everything int8's own plan lookup keys by (the inputs' dtype, shapes, strides and 16-byte alignment, the options as
 # the op received them, the device and the kernel-choosing environment), read from tensor metadata. A hit replays the
-# plan on the tensors' addresses: no CuPy views of q, k and v and no lookup by their signatures, which together cost
-# more host time than the rest of the adapter (docs/experiments.md, E-ADAPT-DIRECT). Only dense calls whose inputs
-# the pre-pass reads as they are (no copy) are kept.
+# plan on the tensors' addresses: no CuPy views of q, k and v and no lookup by their signatures, about half of the
+# adapter's host time per inference call (docs/experiments.md, E-ADAPT-DIRECT). Only dense calls whose inputs the
+# pre-pass reads as they are (no copy) are kept.
 _INFER_PLANS = _Plans(cap=64)
 
 
