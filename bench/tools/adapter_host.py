@@ -167,20 +167,22 @@ def e2e(tag=""):
             print(tag, str(dt)[6:], f"B={B} N={N} causal=1 |", " | ".join(row), flush=True)
 
 
-def sync(tag=""):
-    def host_us(f, n=1500):
-        for _ in range(50):
+def host_us(f, n, warmup):
+    """Host microseconds per call of ``f``, the GPU keeping up: the median of 5 runs of n / 5 calls."""
+    for _ in range(warmup):
+        f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n // 5):
             f()
+        ts.append((time.perf_counter() - t) / (n // 5) * 1e6)
         torch.cuda.synchronize()
-        ts = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(n // 5):
-                f()
-            ts.append((time.perf_counter() - t) / (n // 5) * 1e6)
-            torch.cuda.synchronize()
-        return sorted(ts)[2]
+    return sorted(ts)[2]
 
+
+def sync(tag=""):
     for dt in (torch.bfloat16, torch.float16):
         q, k, v, do = (torch.randn(1, 1, 128, 128, device="cuda", dtype=dt) for _ in range(4))
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
@@ -197,7 +199,7 @@ def sync(tag=""):
                  ("cupy fwdbwd", cupy_fb),
                  ("torch fwdbwd", lambda: torch.autograd.grad(st.sage_attention(qg, kg, vg, causal=True),
                                                               (qg, kg, vg), do))]
-        print(tag, str(dt)[6:], " | ".join(f"{n} {host_us(f):.0f}us" for n, f in cases), flush=True)
+        print(tag, str(dt)[6:], " | ".join(f"{n} {host_us(f, 1500, 50):.0f}us" for n, f in cases), flush=True)
     for B, N in ((16, 1024), (4, 4096)):
         for dt in (torch.bfloat16, torch.float16):
             q, k, v = (torch.randn(B, 16, N, 128, device="cuda", dtype=dt) for _ in range(3))
@@ -232,19 +234,6 @@ class _Ident3(torch.autograd.Function):
 
 
 def engine():
-    def host_us(f, n=600):
-        for _ in range(30):
-            f()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(n // 5):
-                f()
-            ts.append((time.perf_counter() - t) / (n // 5) * 1e6)
-            torch.cuda.synchronize()
-        return sorted(ts)[2]
-
     for dt in (torch.bfloat16, torch.float16):
         q, k, v, do = (torch.randn(1, 1, 128, 128, device="cuda", dtype=dt) for _ in range(4))
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
@@ -265,7 +254,7 @@ def engine():
                  ("ident3 fwd", lambda: _Ident3.apply(qg, kg, vg)),
                  ("sage fwd(grad)", lambda: st.sage_attention(qg, kg, vg, causal=True)),
                  ("cupy s8.forward", lambda: s8.forward(qc, kc, vc, causal=True))]
-        print(str(dt)[6:], " | ".join(f"{n} {host_us(f):.0f}us" for n, f in cases), flush=True)
+        print(str(dt)[6:], " | ".join(f"{n} {host_us(f, 600, 30):.0f}us" for n, f in cases), flush=True)
 
 
 if __name__ == "__main__":
