@@ -295,10 +295,7 @@ def prepass(q, k, v, *, causal, sm_scale, layout, config, engine, inference, win
                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
     ns = _layout.input_ns(plan, layout, q=q, k=k, v=v)
     ns["cu_q"], ns["cu_k"] = _cu_device(plan.p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    ns = plan.prog.run(ns)
-    pre = {n: ns.get(n) for n in _i8._PRE_NAMES}
-    pre[_layout.TMP], pre["engine"], pre["plan"], pre["like"] = ns.get(_layout.TMP), plan.engine, plan, q
-    return plan, pre
+    return plan, _i8._run_prepass(plan, ns, q)
 
 
 def _forward_plan(q, k, v, *, causal, sm_scale, layout, config, engine, inference, window, cu_seqlens_q,

@@ -416,11 +416,17 @@ def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inferenc
     ns = _layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v)
     if statistics is not None:
         ns.update(statistics)
+    return plan, _run_prepass(plan, ns, q)
+
+
+def _run_prepass(plan, ns, like):
+    """Replay ``plan``'s pre-pass program into ``ns`` (the per-call inputs by name): the pre-pass state the attention
+    launch takes (``like``: the input whose bf16 form, CuPy bfloat16 or BF16Array, the output takes; None for callers
+    that take the raw output)."""
     ns = plan.prog.run(ns)
     pre = {n: ns.get(n) for n in _PRE_NAMES}
-    pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
-    pre["like"] = q  # the input whose bf16 form (CuPy bfloat16 or BF16Array) the output takes
-    return plan, pre
+    pre[_layout.TMP], pre["engine"], pre["plan"], pre["like"] = ns.get(_layout.TMP), plan.engine, plan, like
+    return pre
 
 
 def _stats_key(statistics):
@@ -709,9 +715,7 @@ def _inference(q, k, v, plan=None, **kw):
     if plan is None:
         plan, pre = _prepass(q, k, v, inference=True, **kw)
     else:
-        ns = plan.prog.run({"q": q, "k": k, "v": v})
-        pre = {n: ns.get(n) for n in _PRE_NAMES}
-        pre[_layout.TMP], pre["engine"], pre["plan"] = ns.get(_layout.TMP), plan.engine, plan
+        pre = _run_prepass(plan, {"q": q, "k": k, "v": v}, None)
     o, lse, _ = _launch_forward(plan.p, plan.cfg, pre, kw.get("engine"))
     return o, lse, plan
 

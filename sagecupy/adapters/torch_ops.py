@@ -112,14 +112,11 @@ def _as_torch(x):
     """:func:`from_cupy`'s tensor for use inside :func:`on_torch_stream` only: the array's DLPack capsule asked for with
     ``stream=-1`` (the array API's "no synchronization") and without ``max_version``, so the unversioned capsule every
     supported PyTorch reads."""
-    import cupy
-
     from .bf16 import bits_of, is_bf16
 
     if is_bf16(x):
-        capsule = bits_of(x).view(cupy.int16).__dlpack__(stream=-1)
-        return torch.utils.dlpack.from_dlpack(capsule).view(torch.bfloat16)
-    return torch.utils.dlpack.from_dlpack(x.__dlpack__(stream=-1))
+        return _raw_as_torch(bits_of(x), torch.bfloat16)
+    return _raw_as_torch(x, None)
 
 
 @contextlib.contextmanager
@@ -465,8 +462,9 @@ def _infer_key(q, k, v, causal, sm_scale, layout, config, window_left, window_ri
 
 
 def _raw_as_torch(x, dtype):
-    """A raw kernel output (fp16, or bfloat16's uint16 bits) as a tensor of ``dtype``, inside :func:`on_torch_stream`
-    (as :func:`_as_torch`)."""
+    """A raw CuPy array as a tensor, inside :func:`on_torch_stream`: bfloat16's uint16 bits as ``torch.bfloat16``
+    (``dtype``), any other array (``dtype`` another value) with its own dtype; the capsule as :func:`_as_torch`
+    describes."""
     import cupy
 
     if dtype == torch.bfloat16:
