@@ -704,19 +704,20 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (o, lse) if return_lse else o
 
 
-def _inference(q, k, v, plan=None, **kw):
+def _inference(q, k, v, plan=None, o_out=None, **kw):
     """The inference forward for adapters that replay its plan themselves: ``(o, lse, plan)``, ``o`` raw (bfloat16
     as its uint16 bits). ``plan=None``: :func:`sage_attention` on CuPy arrays q, k, v (validated, the plan looked up
     or recorded), keyword arguments as it takes them. Else ``plan`` is one this function returned for inputs of the
     same signature and keyword arguments, of a dense layout whose inputs needed no copy (``not any(plan.copy)``), and
     q, k, v are the device addresses (ints) of such inputs: the plan is replayed on them, on the current device and
     stream, with no argument checks or plan lookup; the caller keys its plans by everything the lookup keys by
-    (sagecupy/adapters/torch_ops.py). The same launches, so the same bits."""
+    (sagecupy/adapters/torch_ops.py, sagecupy/adapters/jax.py). The same launches, so the same bits. ``o_out``: as
+    for :func:`_forward_into`."""
     if plan is None:
         plan, pre = _prepass(q, k, v, inference=True, **kw)
     else:
         pre = _run_prepass(plan, {"q": q, "k": k, "v": v}, None)
-    o, lse, _ = _launch_forward(plan.p, plan.cfg, pre, kw.get("engine"))
+    o, lse, _ = _launch_forward(plan.p, plan.cfg, pre, kw.get("engine"), o_out=o_out)
     return o, lse, plan
 
 

@@ -142,23 +142,53 @@ def test_forward_in_jit_equals_eager_and_direct(dtype):
 
 
 def test_plain_call_runs_the_inference_forward(monkeypatch):
-    """Outside a vjp the forward callback runs the inference forward (no residuals), inside one the training
-    forward: int8._forward_into, which writes O into XLA's buffer, with inference=True and False."""
+    """Outside a vjp the forward callback runs the inference forward (no residuals: int8._inference), inside one the
+    training forward (int8._forward_into with inference=False); both write O into XLA's buffer."""
     q, k, v, do = _inputs(4, 1, 2, 2, 70, 90, 64, "HND", "bfloat16")
     calls = []
-    real = s8._forward_into
+    real, real_inference = s8._forward_into, s8._inference
 
     def spy(*a, inference, **kw):
         calls.append("sage_attention" if inference else "forward")
         return real(*a, inference=inference, **kw)
 
+    def spy_inference(*a, **kw):
+        calls.append("sage_attention")
+        return real_inference(*a, **kw)
+
     monkeypatch.setattr(s8, "_forward_into", spy)
+    monkeypatch.setattr(s8, "_inference", spy_inference)
     f = functools.partial(sj.sage_attention, causal=True)
     o_plain = jax.jit(f)(q, k, v).block_until_ready()
     assert calls == ["sage_attention"]
     o_vjp, _ = _vjp(f)(q, k, v, do)
     assert calls[1:] == ["forward"]
     _assert_bitwise("O (plain vs vjp)", o_plain, o_vjp, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_inference_replays_its_plan_on_new_buffers(monkeypatch, dtype):
+    """The inference callback records its plan on the first call and replays it on the buffers' addresses after
+    (int8._inference given ints and the plan); every call's O and LSE are bitwise the direct call's on its own data,
+    also with new data in new buffers and with the op rebuilt."""
+    calls = []
+    real = s8._inference
+
+    def spy(q, k, v, plan=None, **kw):
+        calls.append(plan is not None and all(type(x) is int for x in (q, k, v)))
+        return real(q, k, v, plan, **kw)
+
+    monkeypatch.setattr(s8, "_inference", spy)
+    sj._int8_forward_callback.cache_clear()  # no plan from an earlier test with the same problem
+    sj._int8_op.cache_clear()
+    f = jax.jit(functools.partial(sj.sage_attention, causal=True, return_lse=True))
+    for seed in (0, 1, 2):
+        q, k, v, _ = _inputs(seed, 2, 4, 2, 190, 210, 128, "HND", dtype)
+        o, lse = f(q, k, v)
+        o_d, lse_d = s8.sage_attention(*(_to_cupy(x) for x in (q, k, v)), causal=True, return_lse=True)
+        _assert_bitwise("O", o, o_d, dict(seed=seed, dtype=dtype))
+        np.testing.assert_array_equal(np.asarray(lse), lse_d.get())
+    assert calls == [False, True, True], calls
 
 
 @pytest.mark.parametrize("dtype,Nk", [("float16", 64), ("bfloat16", 50), ("float16", 300)])
