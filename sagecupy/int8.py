@@ -704,6 +704,14 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (o, lse) if return_lse else o
 
 
+def _replayed(q, k, v, plan, inference, kw):
+    """``(plan, pre)`` of the forward's pre-pass: :func:`_prepass` (``plan`` None), or ``plan`` replayed on the inputs
+    an adapter hands over (:func:`_inference`, :func:`_training`)."""
+    if plan is None:
+        return _prepass(q, k, v, inference=inference, **kw)
+    return plan, _run_prepass(plan, {"q": q, "k": k, "v": v}, None)
+
+
 def _inference(q, k, v, plan=None, o_out=None, **kw):
     """The inference forward for adapters that replay its plan themselves: ``(o, lse, plan)``, ``o`` raw (bfloat16
     as its uint16 bits). ``plan=None``: :func:`sage_attention` on CuPy arrays q, k, v (validated, the plan looked up
@@ -713,12 +721,21 @@ def _inference(q, k, v, plan=None, o_out=None, **kw):
     stream, with no argument checks or plan lookup; the caller keys its plans by everything the lookup keys by
     (sagecupy/adapters/torch_ops.py, sagecupy/adapters/jax.py). The same launches, so the same bits. ``o_out``: as
     for :func:`_forward_into`."""
-    if plan is None:
-        plan, pre = _prepass(q, k, v, inference=True, **kw)
-    else:
-        pre = _run_prepass(plan, {"q": q, "k": k, "v": v}, None)
+    plan, pre = _replayed(q, k, v, plan, True, kw)
     o, lse, _ = _launch_forward(plan.p, plan.cfg, pre, kw.get("engine"), o_out=o_out)
     return o, lse, plan
+
+
+def _training(q, k, v, plan=None, **kw):
+    """:func:`_inference` for the training forward (:func:`forward`): ``(o, lse, residuals, plan)``, ``o`` raw. With
+    a plan, q and k are addresses and v is the raw CuPy array of the input (bfloat16's uint16 bits, as the pre-pass
+    takes it), which the residuals keep for the backward, as :func:`forward`'s keep theirs."""
+    plan, pre = _replayed(q, k, v, plan, False, kw)
+    p, cfg = plan.p, plan.cfg
+    o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"))
+    res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
+                    pre["mu_k"], pre["packed"])
+    return o, lse, res, plan
 
 
 def _bwd_smem(D):

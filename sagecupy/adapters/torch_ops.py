@@ -84,10 +84,10 @@ _RAW_DTYPES = {torch.float16: "float16", torch.bfloat16: "uint16", torch.float32
                torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
 
 
-def _as_cupy(tensor, name="tensor"):
+def _as_cupy(tensor, name="tensor", bits=False):
     """:func:`to_cupy`'s array without DLPack, for use inside :func:`on_torch_stream` only: a CuPy array over the
-    tensor's memory with its shape and strides (bfloat16 as :func:`to_cupy` gives it), the tensor as the memory's
-    owner, so the array keeps it alive."""
+    tensor's memory with its shape and strides (bfloat16 as :func:`to_cupy` gives it; with ``bits``, as its uint16
+    bits, the form the kernels take), the tensor as the memory's owner, so the array keeps it alive."""
     import cupy
 
     _require_cuda_tensor(tensor, name)
@@ -99,7 +99,7 @@ def _as_cupy(tensor, name="tensor"):
     extent = (1 + sum((n - 1) * st for n, st in zip(tensor.shape, strides))) * size  # bytes up to the last element
     mem = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent, tensor, tensor.get_device())
     wrap = False
-    if tensor.dtype == torch.bfloat16:  # the form from_bits gives, built at once: one array instead of two
+    if tensor.dtype == torch.bfloat16 and not bits:  # the form from_bits gives, built at once: one array, not two
         from .bf16 import BF16Array, native_dtype
 
         native = native_dtype()
@@ -379,13 +379,21 @@ def _lse_shape(q_shape, layout):
 def _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right, cu_seqlens_q,
                   cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """:func:`sagecupy.int8.forward` on the forward op's arguments, under the caller's ``on_torch_stream(device)``:
-    CuPy ``(o, lse, residuals)``."""
+    CuPy ``(o, lse, residuals)``, ``o`` raw (:func:`_raw_as_torch`). A dense call replays the plan of an earlier
+    call with the same key (:data:`_PLANS`) on q's and k's addresses and a raw view of v, which the residuals keep."""
     from .. import int8 as s8
 
     kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return s8.forward(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal, sm_scale=sm_scale,
-                      layout=layout, config=_decode_config(config), return_lse=True,
-                      window=_window(window_left, window_right), **kw)
+    key = None if kw else _plan_key(False, q, k, v, causal, sm_scale, layout, config, window_left, window_right)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None:
+        o, lse, res, _ = s8._training(q.data_ptr(), k.data_ptr(), _as_cupy(v, "v", bits=True), plan)
+        return o, lse, res
+    o, lse, res, plan = s8._training(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
+                                     sm_scale=sm_scale, layout=layout, config=_decode_config(config),
+                                     window=_window(window_left, window_right), **kw)
+    _keep_plan(key, plan, q, k, v)
+    return o, lse, res
 
 
 def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
@@ -407,7 +415,7 @@ def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Op
                 raise RuntimeError(f"sagecupy.int8.Residuals.{field} has shape {got}, the adapter expected {shape}: "
                                    f"sagecupy.torch is out of date with sagecupy.int8")
         table = torch.empty(0, dtype=torch.int32, device=device) if saved[-1] is None else _as_torch(saved[-1])
-        return (*(_as_torch(x) for x in (o, lse, *saved[:-1])), table)
+        return (_raw_as_torch(o, q.dtype), *(_as_torch(x) for x in (lse, *saved[:-1])), table)
 
 
 _sage_fwd_op = _custom_op("sagecupy::sage_attention_fwd")(_sage_fwd)
@@ -431,34 +439,39 @@ def sage_infer_on(device, q, k, v, causal, sm_scale, layout, config, window_left
 
     with on_torch_stream(device):
         kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        key = None if kw else _infer_key(q, k, v, causal, sm_scale, layout, config, window_left, window_right)
-        plan = None if key is None else _INFER_PLANS.get(key)
+        key = None if kw else _plan_key(True, q, k, v, causal, sm_scale, layout, config, window_left, window_right)
+        plan = None if key is None else _PLANS.get(key)
         if plan is not None:  # replayed from the plan of an earlier call with the same key
             o, lse, _ = s8._inference(q.data_ptr(), k.data_ptr(), v.data_ptr(), plan)
             return _raw_as_torch(o, q.dtype), _as_torch(lse)
         o, lse, plan = s8._inference(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
                                      sm_scale=sm_scale, layout=layout, config=_decode_config(config),
                                      window=_window(window_left, window_right), **kw)
-        if key is not None and not any(plan.copy) and q.numel() and k.numel() and v.numel():
-            _INFER_PLANS.put(key, plan)
+        _keep_plan(key, plan, q, k, v)
         return _raw_as_torch(o, q.dtype), _as_torch(lse)
 
 
-# The inference forward's plans (sagecupy/_program.py) by what a call on torch tensors looks like: the key holds
-# everything int8's own plan lookup keys by (the inputs' dtype, shapes, strides and 16-byte alignment, the options as
-# the op received them, the device and the kernel-choosing environment), read from tensor metadata. A hit replays the
-# plan on the tensors' addresses: no CuPy views of q, k and v and no lookup by their signatures, about half of the
-# adapter's host time per inference call (docs/experiments.md, E-ADAPT-DIRECT). Only dense calls whose inputs the
-# pre-pass reads as they are (no copy) are kept.
-_INFER_PLANS = _Plans(cap=64)
+# The forward's plans (sagecupy/_program.py: the pre-pass of the inference or the training forward) by what a call
+# on torch tensors looks like: the key holds everything int8's own plan lookup keys by (the inputs' dtype, shapes,
+# strides and 16-byte alignment, the options as the op received them, the device and the kernel-choosing
+# environment), read from tensor metadata. A hit replays the plan on the tensors' addresses: no CuPy views of q and k
+# (and of v only the raw one the residuals keep), no lookup by their signatures (docs/experiments.md,
+# E-ADAPT-DIRECT). Only dense calls whose inputs the pre-pass reads as they are (no copy) are kept.
+_PLANS = _Plans(cap=64)
 
 
-def _infer_key(q, k, v, causal, sm_scale, layout, config, window_left, window_right):
-    """A dense inference call's key in :data:`_INFER_PLANS` (inside :func:`on_torch_stream`, whose device
+def _plan_key(inference, q, k, v, causal, sm_scale, layout, config, window_left, window_right):
+    """A dense call's key in :data:`_PLANS` (inside :func:`on_torch_stream`, whose device
     :func:`~sagecupy._program.env_key` reads)."""
-    return (q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() & 15,
+    return (inference, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() & 15,
             k.data_ptr() & 15, v.data_ptr() & 15, causal, sm_scale, layout, config, window_left, window_right,
             _env_key())
+
+
+def _keep_plan(key, plan, q, k, v):
+    """Keep ``plan`` under ``key`` (None: a packed call) when it can be replayed on addresses: no input copied."""
+    if key is not None and not any(plan.copy) and q.numel() and k.numel() and v.numel():
+        _PLANS.put(key, plan)
 
 
 def _raw_as_torch(x, dtype):
@@ -590,7 +603,7 @@ class SageEagerFunction(torch.autograd.Function):
         with on_torch_stream(device):
             o, lse, res = _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right,
                                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-            o, lse = _as_torch(o), _as_torch(lse)
+            o, lse = _raw_as_torch(o, q.dtype), _as_torch(lse)
         ctx.res, ctx.device = res, device
         ctx.set_materialize_grads(False)  # no zero gradient built for the LSE, which takes none
         ctx.save_for_backward(v, o)

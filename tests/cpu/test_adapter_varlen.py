@@ -148,8 +148,12 @@ def kernels(torch_mods, monkeypatch):
     def inference(q, k, v, plan=None, **kw):  # the adapter's inference entry point: as sage_attention, no plan
         return (*sage_attention(q, k, v, return_lse=True, **kw), None)
 
+    def training(q, k, v, plan=None, **kw):  # and its training forward's: as forward
+        return (*forward(q, k, v, return_lse=True, **kw), None)
+
     monkeypatch.setattr(s8, "_inference", inference)
-    monkeypatch.setattr(ops, "_infer_key", lambda *args: None)  # no plans kept by tensor metadata
+    monkeypatch.setattr(s8, "_training", training)
+    monkeypatch.setattr(ops, "_plan_key", lambda *args: None)  # no plans kept by tensor metadata
     monkeypatch.setattr(ops, "_raw_as_torch", lambda x, dtype: torch.from_numpy(np.ascontiguousarray(x)))
     monkeypatch.setattr(s8, "backward", backward)
     return calls

@@ -87,7 +87,7 @@ def kernel_calls(monkeypatch):
     import sagecupy.int8 as s8
 
     calls = []
-    for name in ("forward", "_inference", "backward"):
+    for name in ("_training", "_inference", "backward"):
         real = getattr(s8, name)
         monkeypatch.setattr(s8, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     return calls
@@ -156,7 +156,7 @@ def test_training_step_matches_sdpa(head_dim, kernel_calls):
     loss_ref, grads_ref = _train_step(sdpa, ids)
     loss, grads = _train_step(sage, ids)
     assert st.fallback_counts() == {}
-    assert kernel_calls.count("forward") == 2 and kernel_calls.count("backward") == 2
+    assert kernel_calls.count("_training") == 2 and kernel_calls.count("backward") == 2
     assert abs(loss.item() - loss_ref.item()) <= 1e-2 * abs(loss_ref.item())
     errs = {name: _err(grads[name], g) for name, g in grads_ref.items() if g.float().norm() > 0}
     worst = max(errs, key=errs.get)
@@ -213,7 +213,7 @@ def test_compiled_training_step(kernel_calls):
     loss = compiled(ids, labels=ids).loss
     loss.backward()
     assert st.fallback_counts() == {}
-    assert kernel_calls.count("forward") >= 4 and kernel_calls.count("backward") >= 4  # eager 2 + compiled 2
+    assert kernel_calls.count("_training") >= 4 and kernel_calls.count("backward") >= 4  # eager 2 + compiled 2
     assert abs(loss.item() - loss_eager.item()) <= 1e-2 * abs(loss_eager.item())
     for name, p in sage.named_parameters():
         if grads_ref[name].float().norm() > 0:

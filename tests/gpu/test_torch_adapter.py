@@ -147,13 +147,13 @@ def test_gradients_equal_direct_calls_bitwise(path, case):
 
 def test_calls_without_gradient_run_the_inference_op(monkeypatch):
     """Under no_grad, or with no input requiring grad, sage_attention runs the inference forward (int8._inference,
-    int8.sage_attention's: no residuals), whose output is bitwise the training forward's; with grad it runs
-    int8.forward."""
+    int8.sage_attention's: no residuals), whose output is bitwise the training forward's; with grad it runs the
+    training forward (int8._training, int8.forward's)."""
     import sagecupy.int8 as s8
 
     q, k, v, _ = _inputs(5, 1, 4, 2, 90, 130, 128, "HND", torch.bfloat16)
     calls = []
-    for name in ("forward", "_inference"):
+    for name in ("_training", "_inference"):
         real = getattr(s8, name)
         monkeypatch.setattr(s8, name, functools.partial(lambda real, name, *a, **kw: calls.append(name) or
                                                         real(*a, **kw), real, name))
@@ -162,7 +162,7 @@ def test_calls_without_gradient_run_the_inference_op(monkeypatch):
     o_plain = st.sage_attention(q.detach(), k, v, causal=True)
     assert calls == ["_inference", "_inference"]
     o_grad = st.sage_attention(q.detach().requires_grad_(), k, v, causal=True)
-    assert calls[2:] == ["forward"] and o_grad.requires_grad and not o_plain.requires_grad
+    assert calls[2:] == ["_training"] and o_grad.requires_grad and not o_plain.requires_grad
     _assert_same_bits([o_no_grad, o_plain], [o_grad.detach()] * 2, "no grad", names=("O (no_grad)", "O (plain)"))
 
 
@@ -627,7 +627,7 @@ def test_return_lse_is_the_forwards(grad):
 
 def test_inference_replays_its_plan_on_new_tensors():
     """The inference call keeps its plan by tensor metadata and replays it on the next tensors of the same shapes,
-    strides and alignment (sagecupy/adapters/torch_ops.py, _INFER_PLANS): O and the LSE stay the direct call's, bit
+    strides and alignment (sagecupy/adapters/torch_ops.py, _PLANS): O and the LSE stay the direct call's, bit
     for bit, over new data, a strided view (copied by the pre-pass, so not kept), a misaligned view and a new config."""
     import sagecupy.int8 as s8
     from sagecupy.adapters import torch_ops
@@ -639,24 +639,49 @@ def test_inference_replays_its_plan_on_new_tensors():
         _assert_same_bits([o], [o_ref], case, names=("O",))
         assert np.array_equal(_host_f32(lse), _host_f32(lse_ref), equal_nan=True), case
 
-    torch_ops._INFER_PLANS.clear()
+    torch_ops._PLANS.clear()
     shape = (2, 4, 2, 150, 90, 128, "HND", torch.bfloat16)
     for seed in (61, 62, 63):  # the first call records, the next ones replay
         q, k, v, _ = _inputs(seed, *shape)
         check(q, k, v, f"seed {seed}", causal=True)
-    assert len(torch_ops._INFER_PLANS) == 1
+    assert len(torch_ops._PLANS) == 1
     q, k, v, _ = _inputs(64, *shape)
     check(q, k, v, "not causal")  # a new key
     check(q, k, v, "paper", causal=True, config="paper")
-    assert len(torch_ops._INFER_PLANS) == 3
+    assert len(torch_ops._PLANS) == 3
     wide = torch.zeros(2, 4, 150, 129, device="cuda", dtype=torch.bfloat16)
     # rows of 129 elements: q as a view at an odd element offset is misaligned, and the pre-pass copies it
     for seed in (65, 66):
         wide[..., 1:] = _inputs(seed, *shape)[0]
         check(wide[..., 1:], k, v, f"misaligned q {seed}", causal=True)
-    assert len(torch_ops._INFER_PLANS) == 3
+    assert len(torch_ops._PLANS) == 3
     check(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, "column-major q", causal=True)
-    assert len(torch_ops._INFER_PLANS) == 3
+    assert len(torch_ops._PLANS) == 3
+
+
+def test_training_forward_replays_its_plan_on_new_tensors():
+    """The training forward keeps its plan as the inference call does: O and the gradients stay the direct calls'
+    (int8.forward, int8.backward), bit for bit, over new data on the recorded plan, and for an input the pre-pass
+    copies (a column-major v)."""
+    import sagecupy.int8 as s8
+    from sagecupy.adapters import torch_ops
+
+    def check(q, k, v, do, case):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        o = st.sage_attention(q, k, v, causal=True)
+        o.backward(do)
+        cq, ck, cv, cdo = (T._to_dev(_host(x), "bfloat16") for x in (q, k, v, do))
+        o_ref, res = s8.forward(cq, ck, cv, causal=True)
+        _assert_same_bits([o, q.grad, k.grad, v.grad], [o_ref, *s8.backward(res, cdo)], case)
+
+    torch_ops._PLANS.clear()
+    shape = (2, 4, 2, 150, 90, 128, "HND", torch.bfloat16)
+    for seed in (71, 72, 73):  # the first call records, the next ones replay
+        check(*_inputs(seed, *shape), f"seed {seed}")
+    assert len(torch_ops._PLANS) == 1
+    q, k, v, do = _inputs(74, *shape)
+    check(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), do, "column-major v")
+    assert len(torch_ops._PLANS) == 1
 
 
 def test_nvfp4_op_is_the_direct_call():
