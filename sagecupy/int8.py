@@ -900,20 +900,30 @@ def _backward_plan(r, do, engine):
     return Plan(p, cfg, engine, copy, prog)
 
 
+def _backward_program(r, pre, engine=None, kernels=("dkdv", "dq")):
+    """The launch program of :func:`_launch_backward`, recorded once per (pre-pass plan, engine, kernels)."""
+    return pre["plan"].launch_program(  # V's and dO's strides are in the mma.sync kernels' launches: in the key
+        r.problem, r.config,
+        lambda: (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), r.mask, env_key()),
+        lambda: _backward_launch_program(r, pre, engine, kernels))
+
+
+def _run_backward(r, pre, prog, given=None):
+    """Run the launch program ``prog`` on the residuals and the pre-pass state ``pre``: the raw namespace."""
+    ns = {n: getattr(r, n) for n in _RES_NAMES}
+    ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)
+    if given:
+        ns.update((n, b) for n, b in given.items() if b is not None)
+    return prog.run(ns)
+
+
 def _launch_backward(r, pre, engine=None, kernels=("dkdv", "dq"), out=None):
     """The two backward kernels alone (dK/dV, then dQ), after :func:`_preprocess_backward`. No atomics: the
     gradients are bitwise repeatable. ``kernels`` (benchmarks): launch only some of them; the gradients of
     a kernel not launched are left uninitialized. Recorded once per (pre-pass plan, engine, kernels). ``out``:
     buffers the kernels write dQ, dK, dV into (:func:`_backward_into`)."""
-    prog = pre["plan"].launch_program(  # V's and dO's strides are in the mma.sync kernels' launches: in the key
-        r.problem, r.config,
-        lambda: (engine, "dkdv" in kernels, "dq" in kernels, signature(r.v), signature(pre["do"]), r.mask, env_key()),
-        lambda: _backward_launch_program(r, pre, engine, kernels))
-    ns = {n: getattr(r, n) for n in _RES_NAMES}
-    ns.update((n, pre[n]) for n in _BPRE_NAMES if n in pre)
     given = dict(zip(("dq", "dk", "dv"), out or (None,) * 3))
-    ns.update((n, b) for n, b in given.items() if b is not None)
-    prog.run(ns)
+    ns = _run_backward(r, pre, _backward_program(r, pre, engine, kernels), given)
     _check_written(ns, given)
     dt, like = r.problem.dtype, pre.get("like")
     return tuple(_checks.wrap(ns[n], dt, like) for n in ("dq", "dk", "dv"))
@@ -994,6 +1004,26 @@ def backward(residuals: Residuals, do, *, engine=None):
     ``engine``: see :func:`backward_engine`. ``residuals`` are checked against the problem they claim
     (:func:`check_residuals`) before any launch."""
     return _backward_into(None, residuals, do, engine=engine)
+
+
+def _backward_replay(r, do, replay=None):
+    """The backward for adapters that replay its programs themselves: ``(dq, dk, dv, replay)``, the gradients raw
+    (bfloat16 as its uint16 bits). ``replay=None``: :func:`backward` on the residuals ``r`` and the CuPy array ``do``
+    (validated, the programs looked up or recorded); ``replay`` is then None where ``do`` needed a copy, else the
+    pre-pass plan and the launch program. Else ``replay`` is such a pair from an earlier call on residuals of the same
+    forward plan (so of the same metadata) and a ``do`` of the same signature, now its raw array: both programs run
+    again with no checks or lookups (sagecupy/adapters/torch_ops.py). The same launches, so the same bits."""
+    if replay is None:
+        pre = _preprocess_backward(r, do)
+        plan, prog = pre["plan"], _backward_program(r, pre)
+    else:
+        plan, prog = replay
+        ns = {n: getattr(r, n) for n in _RES_NAMES}
+        ns["do"] = do
+        plan.prog.run(ns)
+        pre = {n: ns[n] for n in _BPRE_NAMES if n in ns}
+    ns = _run_backward(r, pre, prog)
+    return ns["dq"], ns["dk"], ns["dv"], (None if any(plan.copy) else (plan, prog))
 
 
 def _backward_into(out, residuals, do, *, engine=None):

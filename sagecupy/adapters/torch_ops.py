@@ -379,8 +379,9 @@ def _lse_shape(q_shape, layout):
 def _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right, cu_seqlens_q,
                   cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """:func:`sagecupy.int8.forward` on the forward op's arguments, under the caller's ``on_torch_stream(device)``:
-    CuPy ``(o, lse, residuals)``, ``o`` raw (:func:`_raw_as_torch`). A dense call replays the plan of an earlier
-    call with the same key (:data:`_PLANS`) on q's and k's addresses and a raw view of v, which the residuals keep."""
+    CuPy ``(o, lse, residuals, key)``, ``o`` raw (:func:`_raw_as_torch`). A dense call replays the plan of an earlier
+    call with the same key (:data:`_PLANS`) on q's and k's addresses and a raw view of v, which the residuals keep.
+    ``key``: the plan's key where the plan is kept (the residuals' metadata is then the key's alone), else None."""
     from .. import int8 as s8
 
     kw = _packed_kwargs(device, layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -388,12 +389,37 @@ def _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:
         o, lse, res, _ = s8._training(q.data_ptr(), k.data_ptr(), _as_cupy(v, "v", bits=True), plan)
-        return o, lse, res
+        return o, lse, res, key
     o, lse, res, plan = s8._training(_as_cupy(q, "q"), _as_cupy(k, "k"), _as_cupy(v, "v"), causal=causal,
                                      sm_scale=sm_scale, layout=layout, config=_decode_config(config),
                                      window=_window(window_left, window_right), **kw)
-    _keep_plan(key, plan, q, k, v)
-    return o, lse, res
+    return o, lse, res, _keep_plan(key, plan, q, k, v)
+
+
+def _int8_backward(ctx, do):
+    """``(dq, dk, dv)`` of :func:`sagecupy.int8.backward` on ``ctx.res``, the residuals of :func:`_int8_forward`, as
+    tensors. Where the forward's plan was kept (``ctx.key``), the backward's programs are kept too, under that key and
+    dO's metadata (:data:`_BWD_REPLAYS`), and replayed on dO's raw view from then on: no argument checks and no
+    lookups by the residuals' signatures (docs/experiments.md, E-ADAPT-DIRECT)."""
+    from .. import int8 as s8
+
+    _check_inputs(("do", do))
+    do = do.contiguous()
+    with on_torch_stream(ctx.device):
+        key = ctx.key and (ctx.key, do.dtype, do.shape, do.stride(), do.data_ptr() & 15, do.get_device(), _env_key())
+        replay = key and _BWD_REPLAYS.get(key)
+        if replay:
+            grads = s8._backward_replay(ctx.res, _as_cupy(do, "do", bits=True), replay)
+        else:
+            grads = s8._backward_replay(ctx.res, _as_cupy(do, "do"))
+            if key and grads[3] is not None:
+                _BWD_REPLAYS.put(key, grads[3])
+        dq, dk, dv = (_raw_as_torch(g, do.dtype) for g in grads[:3])
+    release_unless_retained(ctx, "res")
+    return dq, dk, dv
+
+
+_BWD_REPLAYS = _Plans(cap=64)
 
 
 def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Optional[float], layout: str,
@@ -405,8 +431,8 @@ def _sage_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: typing.Op
     residuals (``packed``, the table of sequence offsets, is empty for the dense layouts)."""
     device = _check_inputs(("q", q), ("k", k), ("v", v))
     with on_torch_stream(device):
-        o, lse, res = _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right,
-                                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        o, lse, res, _ = _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left,
+                                       window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         saved = [getattr(res, f) for f in _INT8_RESIDUAL_FIELDS]
         want = _int8_residual_shapes(q.shape, k.shape, layout, cu_seqlens_q)
         for field, x, shape in zip(_INT8_RESIDUAL_FIELDS, saved, want):
@@ -469,9 +495,12 @@ def _plan_key(inference, q, k, v, causal, sm_scale, layout, config, window_left,
 
 
 def _keep_plan(key, plan, q, k, v):
-    """Keep ``plan`` under ``key`` (None: a packed call) when it can be replayed on addresses: no input copied."""
+    """Keep ``plan`` under ``key`` (None: a packed call) when it can be replayed on addresses: no input copied.
+    Returns ``key`` if kept, else None."""
     if key is not None and not any(plan.copy) and q.numel() and k.numel() and v.numel():
         _PLANS.put(key, plan)
+        return key
+    return None
 
 
 def _raw_as_torch(x, dtype):
@@ -601,10 +630,10 @@ class SageEagerFunction(torch.autograd.Function):
                 cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
         device = q.device
         with on_torch_stream(device):
-            o, lse, res = _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left, window_right,
-                                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            o, lse, res, key = _int8_forward(device, q, k, v, causal, sm_scale, layout, config, window_left,
+                                             window_right, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             o, lse = _raw_as_torch(o, q.dtype), _as_torch(lse)
-        ctx.res, ctx.device = res, device
+        ctx.res, ctx.device, ctx.key = res, device, key
         ctx.set_materialize_grads(False)  # no zero gradient built for the LSE, which takes none
         ctx.save_for_backward(v, o)
         ctx.mark_non_differentiable(lse)  # the backward kernels take dO only
@@ -613,13 +642,11 @@ class SageEagerFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # (the backward kernels have no derivative: an error, not zeros)
     def backward(ctx, do, _lse_grad):
-        from .. import int8 as s8
-
         ctx.saved_tensors  # noqa: B018 -- raises if v or o was modified in place, or the graph was freed
         if do is None:
             release_unless_retained(ctx, "res")
             return (None,) * 13
-        return backward_from_ctx(ctx, s8, do) + (None,) * 10
+        return _int8_backward(ctx, do) + (None,) * 10
 
 
 @_custom_op("sagecupy::qat_attention_fwd")

@@ -660,9 +660,10 @@ def test_inference_replays_its_plan_on_new_tensors():
 
 
 def test_training_forward_replays_its_plan_on_new_tensors():
-    """The training forward keeps its plan as the inference call does: O and the gradients stay the direct calls'
-    (int8.forward, int8.backward), bit for bit, over new data on the recorded plan, and for an input the pre-pass
-    copies (a column-major v)."""
+    """The training forward keeps its plan as the inference call does, and the backward its programs under the
+    forward's key and dO's metadata: O and the gradients stay the direct calls' (int8.forward, int8.backward), bit
+    for bit, over new data on the recorded plans, for an input the pre-pass copies (a column-major v: neither plan
+    kept) and for a dO the backward's pre-pass copies (misaligned: its programs not kept)."""
     import sagecupy.int8 as s8
     from sagecupy.adapters import torch_ops
 
@@ -675,13 +676,20 @@ def test_training_forward_replays_its_plan_on_new_tensors():
         _assert_same_bits([o, q.grad, k.grad, v.grad], [o_ref, *s8.backward(res, cdo)], case)
 
     torch_ops._PLANS.clear()
+    torch_ops._BWD_REPLAYS.clear()
     shape = (2, 4, 2, 150, 90, 128, "HND", torch.bfloat16)
     for seed in (71, 72, 73):  # the first call records, the next ones replay
         check(*_inputs(seed, *shape), f"seed {seed}")
-    assert len(torch_ops._PLANS) == 1
+    assert len(torch_ops._PLANS) == 1 and len(torch_ops._BWD_REPLAYS) == 1
     q, k, v, do = _inputs(74, *shape)
     check(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), do, "column-major v")
-    assert len(torch_ops._PLANS) == 1
+    assert len(torch_ops._PLANS) == 1 and len(torch_ops._BWD_REPLAYS) == 1
+    for seed in (75, 76):  # a contiguous dO 2 bytes past an aligned address: a new key, and copied
+        flat = torch.empty(do.numel() + 1, device="cuda", dtype=do.dtype)
+        misaligned = flat[1:].view(do.shape)
+        misaligned.copy_(_inputs(seed, *shape)[3])
+        check(q, k, v, misaligned, f"misaligned dO {seed}")
+    assert len(torch_ops._PLANS) == 1 and len(torch_ops._BWD_REPLAYS) == 1
 
 
 def test_nvfp4_op_is_the_direct_call():
