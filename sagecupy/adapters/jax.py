@@ -171,12 +171,20 @@ def _kernel_input(arr, dtype: str):
 
 
 def _write(buf, src, name, dev):
-    """Copy a kernel result (raw CuPy array) into the XLA output buffer ``buf``, on the current stream."""
-    dst = _view(buf, dev)
-    if dst.shape != src.shape or dst.dtype != src.dtype:
+    """Copy a kernel result (raw CuPy array) into the XLA output buffer ``buf``, on the current stream: one
+    device-to-device copy for a C-contiguous result (the residuals, the LSE), which costs less host time than an
+    element-wise kernel; an element-wise copy otherwise."""
+    import cupy
+
+    shape, dtype = tuple(int(s) for s in buf.shape), np.dtype(buf.dtype)
+    if shape != src.shape or dtype != src.dtype:
         raise RuntimeError(f"sagecupy.jax: {name}: the kernels returned {src.dtype} {tuple(src.shape)} but XLA "
-                           f"expects {dst.dtype} {tuple(dst.shape)}")
-    dst[...] = src
+                           f"expects {dtype} {shape}")
+    if not src.flags.c_contiguous:
+        _view(buf, dev)[...] = src
+    elif src.nbytes:
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(_ptr(buf), src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr)
 
 
 # --------------------------------------------------------------------------------------------------
