@@ -726,13 +726,14 @@ def _inference(q, k, v, plan=None, o_out=None, **kw):
     return o, lse, plan
 
 
-def _training(q, k, v, plan=None, **kw):
+def _training(q, k, v, plan=None, o_out=None, **kw):
     """:func:`_inference` for the training forward (:func:`forward`): ``(o, lse, residuals, plan)``, ``o`` raw. With
     a plan, q and k are addresses and v is the raw CuPy array of the input (bfloat16's uint16 bits, as the pre-pass
-    takes it), which the residuals keep for the backward, as :func:`forward`'s keep theirs."""
+    takes it), which the residuals keep for the backward, as :func:`forward`'s keep theirs; or v's address, for a
+    caller that rebuilds the residuals' v itself (the JAX adapter)."""
     plan, pre = _replayed(q, k, v, plan, False, kw)
     p, cfg = plan.p, plan.cfg
-    o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"))
+    o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"), o_out=o_out)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"], pre["packed"])
     return o, lse, res, plan

@@ -306,41 +306,42 @@ def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool, l
     kernels only), ``max_seqlen`` is ``(max_seqlen_q, max_seqlen_k)``. Cached per problem so that eager calls reuse
     one compiled XLA program."""
 
-    # The inference forward's plans by what can still differ between calls of this problem: the device, the 16-byte
-    # alignment of the buffers' addresses and the kernel-choosing environment (env_key); the rest of int8's own
-    # lookup key (shapes, dtypes, strides, options) is this callback's problem and config. A hit replays the plan on
-    # the buffers' addresses, without CuPy views of q, k, v or the lookup (docs/experiments.md, E-ADAPT-DIRECT).
+    # The forward's plans by what can still differ between calls of this problem: the device, the 16-byte alignment
+    # of the buffers' addresses and the kernel-choosing environment (env_key); the rest of int8's own lookup key
+    # (shapes, dtypes, strides, options) is this callback's problem and config. A hit replays the plan on the buffers'
+    # addresses, without CuPy views of q, k, v or the lookup (docs/experiments.md, E-ADAPT-DIRECT). Dense layouts only.
     plans = Plans(cap=16)
-    replayable = not keep and p.layout != _layout.PACKED and p.batch * p.nq * p.nk > 0
+    replayable = p.layout != _layout.PACKED and p.batch * p.nq * p.nk > 0
 
     def callback(ctx, out, q, k, v, *offsets):
         with _on_xla_stream(ctx, q) as dev:
             o_buf = _view(out["o"], dev)
+            plan = None
             if replayable:
                 ptrs = tuple(_ptr(b) for b in (q, k, v))
                 key = (ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, env_key())
                 plan = plans.get(key)
-                if plan is not None:
-                    lse_arr = int8._inference(*ptrs, plan, o_out=o_buf)[1]
-                    if lse:
-                        _write(out["lse"], lse_arr, "lse", dev)
-                    return
-            qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
-            kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg, window=p.window)
-            if offsets:
-                kw.update(cu_seqlens_q=_view(offsets[0], dev), cu_seqlens_k=_view(offsets[1], dev),
-                          max_seqlen_q=max_seqlen[0], max_seqlen_k=max_seqlen[1])
-            # The kernel writes O into XLA's buffer. Outside a vjp (keep False) this is the inference forward (no
-            # residuals; o bitwise int8.forward's).
-            if replayable:
-                _, lse_arr, plan = int8._inference(qc, kc, vc, o_out=o_buf, **kw)
-                if not any(plan.copy):  # (an input the pre-pass copies is read through its view: not replayable)
-                    plans.put(key, plan)
+            if plan is not None:
+                # (with keep, the residuals' v is an address: the backward rebuilds v from its own buffer)
+                _, lse_arr, *res = (int8._training if keep else int8._inference)(*ptrs, plan, o_out=o_buf)
+                saved = {n: getattr(res[0], n) for n in out if n not in ("o", "lse")} if keep else {}
             else:
-                _, lse_arr, res = int8._forward_into(o_buf, qc, kc, vc, inference=not keep, **kw)
-            if keep:
-                for name, arr in _int8_saved(res, p, cfg).items():
-                    _write(out[name], arr, name, dev)
+                qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
+                kw = dict(causal=p.causal, sm_scale=p.sm_scale, layout=p.layout, config=cfg, window=p.window)
+                if offsets:
+                    kw.update(cu_seqlens_q=_view(offsets[0], dev), cu_seqlens_k=_view(offsets[1], dev),
+                              max_seqlen_q=max_seqlen[0], max_seqlen_k=max_seqlen[1])
+                # The kernel writes O into XLA's buffer. Outside a vjp (keep False) this is the inference forward (no
+                # residuals; o bitwise int8.forward's).
+                if replayable:
+                    _, lse_arr, *res = (int8._training if keep else int8._inference)(qc, kc, vc, o_out=o_buf, **kw)
+                    if not any(res[-1].copy):  # (the pre-pass copies an input it cannot read as it is: not replayed)
+                        plans.put(key, res[-1])
+                else:
+                    _, lse_arr, *res = int8._forward_into(o_buf, qc, kc, vc, inference=not keep, **kw)
+                saved = _int8_saved(res[0], p, cfg) if keep else {}
+            for name, arr in saved.items():
+                _write(out[name], arr, name, dev)
             if lse:
                 _write(out["lse"], lse_arr, "lse", dev)
 

@@ -143,21 +143,19 @@ def test_forward_in_jit_equals_eager_and_direct(dtype):
 
 def test_plain_call_runs_the_inference_forward(monkeypatch):
     """Outside a vjp the forward callback runs the inference forward (no residuals: int8._inference), inside one the
-    training forward (int8._forward_into with inference=False); both write O into XLA's buffer."""
+    training forward (int8._training); both write O into XLA's buffer."""
     q, k, v, do = _inputs(4, 1, 2, 2, 70, 90, 64, "HND", "bfloat16")
     calls = []
-    real, real_inference = s8._forward_into, s8._inference
 
-    def spy(*a, inference, **kw):
-        calls.append("sage_attention" if inference else "forward")
-        return real(*a, inference=inference, **kw)
+    def spy(name, real):
+        def wrapped(*a, **kw):
+            calls.append(name)
+            return real(*a, **kw)
 
-    def spy_inference(*a, **kw):
-        calls.append("sage_attention")
-        return real_inference(*a, **kw)
+        return wrapped
 
-    monkeypatch.setattr(s8, "_forward_into", spy)
-    monkeypatch.setattr(s8, "_inference", spy_inference)
+    monkeypatch.setattr(s8, "_inference", spy("sage_attention", s8._inference))
+    monkeypatch.setattr(s8, "_training", spy("forward", s8._training))
     f = functools.partial(sj.sage_attention, causal=True)
     o_plain = jax.jit(f)(q, k, v).block_until_ready()
     assert calls == ["sage_attention"]
@@ -191,6 +189,32 @@ def test_inference_replays_its_plan_on_new_buffers(monkeypatch, dtype):
     assert calls == [False, True, True], calls
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_training_forward_replays_its_plan_on_new_buffers(monkeypatch, dtype):
+    """Inside a vjp the forward callback records its plan on the first call and replays it on the buffers'
+    addresses after (int8._training given ints and the plan); O and the gradients stay bitwise the direct calls' on
+    each call's own data."""
+    calls = []
+    real = s8._training
+
+    def spy(q, k, v, plan=None, **kw):
+        calls.append(plan is not None and all(type(x) is int for x in (q, k, v)))
+        return real(q, k, v, plan, **kw)
+
+    monkeypatch.setattr(s8, "_training", spy)
+    sj._int8_forward_callback.cache_clear()  # no plan from an earlier test with the same problem
+    sj._int8_op.cache_clear()
+    run = jax.jit(_vjp(functools.partial(sj.sage_attention, causal=True)))
+    for seed in (3, 4, 5):
+        q, k, v, do = _inputs(seed, 2, 4, 2, 190, 210, 128, "HND", dtype)
+        o, grads = run(q, k, v, do)
+        o_d, grads_d = _direct(q, k, v, do, causal=True)
+        case = dict(seed=seed, dtype=dtype)
+        _assert_bitwise("O", o, o_d, case)
+        _assert_grads(grads, grads_d, case)
+    assert calls == [False, True, True], calls
+
+
 @pytest.mark.parametrize("dtype,Nk", [("float16", 64), ("bfloat16", 50), ("float16", 300)])
 def test_jit_grad_equals_eager_grad(dtype, Nk):
     q, k, v, _ = _inputs(2, 2, 4, 2, 96, Nk, 64, "NHD", dtype)
@@ -211,7 +235,7 @@ def test_kernels_run_on_xla_stream(monkeypatch):
     import cupy
 
     seen = {"xla": [], "fwd": [], "bwd": []}
-    real_ptr, real_fwd, real_bwd = sj._stream_ptr, s8._forward_into, s8._backward_into
+    real_ptr, real_fwd, real_bwd = sj._stream_ptr, s8._training, s8._backward_into
 
     def spy_ptr(ctx):
         seen["xla"].append(real_ptr(ctx))
@@ -225,7 +249,7 @@ def test_kernels_run_on_xla_stream(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(sj, "_stream_ptr", spy_ptr)
-    monkeypatch.setattr(s8, "_forward_into", spy("fwd", real_fwd))  # the adapter's entry points into int8
+    monkeypatch.setattr(s8, "_training", spy("fwd", real_fwd))  # the adapter's entry points into int8
     monkeypatch.setattr(s8, "_backward_into", spy("bwd", real_bwd))
     q, k, v, do = _inputs(4, 1, 2, 2, 130, 70, 64, "HND", "float16")
     o, grads = jax.jit(_vjp(sj.sage_attention))(q, k, v, do)
