@@ -370,8 +370,8 @@ class Plans(dict):
         self.cap = cap
 
     def put(self, key, plan):
-        while len(self) >= self.cap:
-            del self[next(iter(self))]
+        while len(self) >= self.cap:  # (pop with a default: a thread beside this one may evict the same entry)
+            self.pop(next(iter(self), None), None)
         self[key] = plan
         return plan
 

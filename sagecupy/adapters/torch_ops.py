@@ -489,9 +489,9 @@ _PLANS = _Plans(cap=64)
 def _plan_key(inference, q, k, v, causal, sm_scale, layout, config, window_left, window_right):
     """A dense call's key in :data:`_PLANS` (inside :func:`on_torch_stream`, whose device
     :func:`~sagecupy._program.env_key` reads)."""
-    return (inference, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.data_ptr() & 15,
-            k.data_ptr() & 15, v.data_ptr() & 15, causal, sm_scale, layout, config, window_left, window_right,
-            _env_key())
+    return (inference, q.dtype, k.dtype, v.dtype, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, causal, sm_scale, layout, config, window_left,
+            window_right, _env_key())
 
 
 def _keep_plan(key, plan, q, k, v):

@@ -667,19 +667,39 @@ def test_training_forward_replays_its_plan_on_new_tensors():
     import sagecupy.int8 as s8
     from sagecupy.adapters import torch_ops
 
-    def check(q, k, v, do, case):
+    replayed = []  # per call of int8._training / int8._backward_replay: whether it replayed
+    real_training, real_backward = s8._training, s8._backward_replay
+
+    def training(q, k, v, plan=None, **kw):
+        replayed.append(("fwd", plan is not None and type(q) is int))
+        return real_training(q, k, v, plan, **kw)
+
+    def backward_replay(r, do, replay=None):
+        replayed.append(("bwd", replay is not None))
+        return real_backward(r, do, replay)
+
+    def check(q, k, v, do, case, twice=False):
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
         o = st.sage_attention(q, k, v, causal=True)
-        o.backward(do)
+        o.backward(do, retain_graph=twice)
         cq, ck, cv, cdo = (T._to_dev(_host(x), "bfloat16") for x in (q, k, v, do))
         o_ref, res = s8.forward(cq, ck, cv, causal=True)
-        _assert_same_bits([o, q.grad, k.grad, v.grad], [o_ref, *s8.backward(res, cdo)], case)
+        want = [o_ref, *s8.backward(res, cdo)]
+        _assert_same_bits([o, q.grad, k.grad, v.grad], want, case)
+        if twice:  # a second backward through the retained graph: the same replay, the same gradients
+            _assert_same_bits(torch.autograd.grad(o, (q, k, v), do), want[1:], case + " (second backward)",
+                              names=("dQ", "dK", "dV"))
 
-    torch_ops._PLANS.clear()
-    torch_ops._BWD_REPLAYS.clear()
-    shape = (2, 4, 2, 150, 90, 128, "HND", torch.bfloat16)
-    for seed in (71, 72, 73):  # the first call records, the next ones replay
-        check(*_inputs(seed, *shape), f"seed {seed}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(s8, "_training", training)
+        mp.setattr(s8, "_backward_replay", backward_replay)
+        torch_ops._PLANS.clear()
+        torch_ops._BWD_REPLAYS.clear()
+        shape = (2, 4, 2, 150, 90, 128, "HND", torch.bfloat16)
+        for seed in (71, 72, 73):  # the first call records, the next ones replay
+            check(*_inputs(seed, *shape), f"seed {seed}", twice=seed == 73)
+    assert replayed == [("fwd", False), ("bwd", False), ("fwd", True), ("bwd", True), ("fwd", True), ("bwd", True),
+                        ("bwd", True)], replayed
     assert len(torch_ops._PLANS) == 1 and len(torch_ops._BWD_REPLAYS) == 1
     q, k, v, do = _inputs(74, *shape)
     check(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), do, "column-major v")
@@ -690,6 +710,28 @@ def test_training_forward_replays_its_plan_on_new_tensors():
         misaligned.copy_(_inputs(seed, *shape)[3])
         check(q, k, v, misaligned, f"misaligned dO {seed}")
     assert len(torch_ops._PLANS) == 1 and len(torch_ops._BWD_REPLAYS) == 1
+
+
+def test_inference_and_training_plans_are_kept_apart():
+    """A call without gradient and a call with one on the same tensors key two plans (the inference pre-pass keeps
+    no plain K codes, which the backward reads): each replays its own, and the gradients stay the direct call's."""
+    import sagecupy.int8 as s8
+    from sagecupy.adapters import torch_ops
+
+    torch_ops._PLANS.clear()
+    shape = (1, 4, 4, 200, 200, 64, "HND", torch.float16)
+    for seed in (81, 82):
+        q, k, v, do = _inputs(seed, *shape)
+        with torch.no_grad():
+            o_plain = st.sage_attention(q, k, v, causal=True)
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        o = st.sage_attention(qg, kg, vg, causal=True)
+        o.backward(do)
+        cq, ck, cv, cdo = (T._to_dev(_host(x), "float16") for x in (q, k, v, do))
+        o_ref, res = s8.forward(cq, ck, cv, causal=True)
+        _assert_same_bits([o_plain, o, qg.grad, kg.grad, vg.grad], [o_ref, o_ref, *s8.backward(res, cdo)],
+                          f"seed {seed}", names=("O (no grad)", "O", "dQ", "dK", "dV"))
+    assert len(torch_ops._PLANS) == 2
 
 
 def test_nvfp4_op_is_the_direct_call():
