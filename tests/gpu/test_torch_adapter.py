@@ -378,13 +378,14 @@ def _busy():
 
 
 def _spy_on_launch_streams(monkeypatch):
-    """Record CuPy's current stream at every attention kernel launch."""
+    """Record CuPy's current stream at every attention kernel launch (_run_backward: the backward kernels, replayed
+    or not)."""
     import cupy
 
     import sagecupy.int8 as s8
 
     seen = []
-    for name in ("_launch_forward", "_launch_backward"):
+    for name in ("_launch_forward", "_run_backward"):
         real = getattr(s8, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -430,7 +431,7 @@ def test_side_stream_producer_no_sync(monkeypatch):
     got = (o.detach(), q.grad, k.grad, v.grad)
     _assert_same_bits(got, want, "side stream")
     assert pending, "the call synchronized with the producer's stream (it was idle when the call returned)"
-    assert seen == [("_launch_forward", side.cuda_stream), ("_launch_backward", side.cuda_stream)], seen
+    assert seen == [("_launch_forward", side.cuda_stream), ("_run_backward", side.cuda_stream)], seen
     assert cupy.cuda.get_current_stream().ptr == cupy_stream_before, "CuPy's current stream was not restored"
 
 
