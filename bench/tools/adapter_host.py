@@ -5,6 +5,7 @@
     python3 bench/tools/adapter_host.py e2e [TAG] # the adapter against the CuPy call, forward and forward+backward
     python3 bench/tools/adapter_host.py sync [TAG] # host us per call, and synchronized forwards (median of 80)
     python3 bench/tools/adapter_host.py engine    # the backward's host time: autograd's share, the adapter's body
+    python3 bench/tools/adapter_host.py split     # host time inside each of the adapter's functions, fwd+bwd
 
 ``e2e`` prints one line per dtype and shape, prefixed by TAG (to compare two checkouts, run it once with each on
 PYTHONPATH): at B = H = 1, N = 128 the host microseconds per call (median of 5 runs of 100 calls); at B = 16, N = 1K
@@ -23,6 +24,9 @@ each followed by a synchronize) through both, with the ratio CuPy ms / adapter m
 ``torch.autograd.grad`` through a kept graph of a trivial ``autograd.Function`` with three inputs (autograd's own
 cost) and of ``sagecupy.torch.sage_attention``; the adapter's backward body (dO's view, ``int8.backward``, the
 gradients' exchange) called on the main thread; ``int8.backward`` alone on CuPy arrays; and the forwards likewise.
+
+``split`` times the functions of the adapter's forward+backward, each wrapped by a timer (B = H = 1, N = 128,
+D = 128, causal; µs per forward+backward, nested times inside their callers').
 
 ``pieces`` times whole calls (CuPy, ``sagecupy.torch``, the ``torch.ops`` op, its Python body, the plain
 ``SageAttentionFunction``) and the adapter's pieces (``to_cupy``, ``from_cupy``, ``on_torch_stream``, argument checks,
@@ -257,6 +261,60 @@ def engine():
         print(str(dt)[6:], " | ".join(f"{n} {host_us(f, 600, 30):.0f}us" for n, f in cases), flush=True)
 
 
+def split():
+    """Wall time inside the adapter's functions per forward+backward (B = H = 1, N = 128, D = 128, causal), each
+    wrapped by a timer (nested times are inside their callers'): one unwrapped run, then two wrapped runs."""
+    import collections
+
+    from sagecupy.adapters import torch as tad
+
+    inside = collections.defaultdict(float)
+
+    def wrap(obj, name, label, static=False):
+        f = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                inside[label] += time.perf_counter() - t
+
+        setattr(obj, name, staticmethod(timed) if static else timed)
+
+    def run(tag, n=400):
+        for dt in (torch.bfloat16, torch.float16):
+            q, k, v, do = (torch.randn(1, 1, 128, 128, device="cuda", dtype=dt) for _ in range(4))
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+            def fb():
+                return torch.autograd.grad(st.sage_attention(qg, kg, vg, causal=True), (qg, kg, vg), do)
+
+            for _ in range(30):
+                fb()
+            torch.cuda.synchronize()
+            inside.clear()
+            t = time.perf_counter()
+            for _ in range(n):
+                fb()
+            total = (time.perf_counter() - t) / n * 1e6
+            torch.cuda.synchronize()
+            print(tag, str(dt)[6:], f"fwdbwd {total:.0f}us |",
+                  " | ".join(f"{k} {v / n * 1e6:.1f}" for k, v in inside.items()), flush=True)
+
+    run("plain")
+    wrap(tad, "sage_attention", "st.sage_attention")
+    wrap(ops.SageEagerFunction, "forward", "Function.forward", static=True)
+    wrap(ops.SageEagerFunction, "backward", "Function.backward", static=True)
+    for name in ("_int8_forward", "_int8_backward", "_as_cupy", "_as_torch", "_raw_as_torch"):
+        wrap(ops, name, name)
+    for name in ("_training", "_launch_forward", "_backward_replay", "_run_backward"):
+        wrap(s8, name, "int8." + name)
+    run("wrapped")
+    run("wrapped")
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "pieces"
-    {"pieces": pieces, "profile": profile, "e2e": e2e, "sync": sync, "engine": engine}[mode](*sys.argv[2:])
+    {"pieces": pieces, "profile": profile, "e2e": e2e, "sync": sync, "engine": engine, "split": split}[mode](
+        *sys.argv[2:])
