@@ -172,8 +172,8 @@ def _kernel_input(arr, dtype: str):
 
 def _write(buf, src, name, dev):
     """Copy a kernel result (raw CuPy array) into the XLA output buffer ``buf``, on the current stream: one
-    device-to-device copy for a C-contiguous result (the residuals, the LSE), which costs less host time than an
-    element-wise kernel; an element-wise copy otherwise."""
+    device-to-device copy for a C-contiguous result (the residuals, the LSE), with no element-wise kernel to
+    dispatch; an element-wise copy otherwise."""
     import cupy
 
     shape, dtype = tuple(int(s) for s in buf.shape), np.dtype(buf.dtype)
@@ -309,7 +309,7 @@ def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool, l
     # The forward's plans by what can still differ between calls of this problem: the device, the 16-byte alignment
     # of the buffers' addresses and the kernel-choosing environment (env_key); the rest of int8's own lookup key
     # (shapes, dtypes, strides, options) is this callback's problem and config. A hit replays the plan on the buffers'
-    # addresses, without CuPy views of q, k, v or the lookup (docs/experiments.md, E-ADAPT-DIRECT). Dense layouts only.
+    # addresses, without CuPy views of q, k, v or the lookup (docs/experiments.md, E-ADAPT-TRAIN). Dense layouts only.
     plans = Plans(cap=16)
     replayable = p.layout != _layout.PACKED and p.batch * p.nq * p.nk > 0
 

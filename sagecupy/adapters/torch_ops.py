@@ -400,7 +400,7 @@ def _int8_backward(ctx, do):
     """``(dq, dk, dv)`` of :func:`sagecupy.int8.backward` on ``ctx.res``, the residuals of :func:`_int8_forward`, as
     tensors. Where the forward's plan was kept (``ctx.key``), the backward's programs are kept too, under that key and
     dO's metadata (:data:`_BWD_REPLAYS`), and replayed on dO's raw view from then on: no argument checks and no
-    lookups by the residuals' signatures (docs/experiments.md, E-ADAPT-DIRECT)."""
+    lookups by the residuals' signatures (docs/experiments.md, E-ADAPT-TRAIN)."""
     from .. import int8 as s8
 
     _check_inputs(("do", do))
@@ -481,8 +481,8 @@ def sage_infer_on(device, q, k, v, causal, sm_scale, layout, config, window_left
 # on torch tensors looks like: the key holds everything int8's own plan lookup keys by (the inputs' dtype, shapes,
 # strides and 16-byte alignment, the options as the op received them, the device and the kernel-choosing
 # environment), read from tensor metadata. A hit replays the plan on the tensors' addresses: no CuPy views of q and k
-# (and of v only the raw one the residuals keep), no lookup by their signatures (docs/experiments.md,
-# E-ADAPT-DIRECT). Only dense calls whose inputs the pre-pass reads as they are (no copy) are kept.
+# (and of v only the raw one the residuals keep), no lookup by their signatures (docs/experiments.md, E-ADAPT-DIRECT
+# and E-ADAPT-TRAIN). Only dense calls whose inputs the pre-pass reads as they are (no copy) are kept.
 _PLANS = _Plans(cap=64)
 
 
