@@ -164,21 +164,28 @@ def test_plain_call_runs_the_inference_forward(monkeypatch):
     _assert_bitwise("O (plain vs vjp)", o_plain, o_vjp, "bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_inference_replays_its_plan_on_new_buffers(monkeypatch, dtype):
-    """The inference callback records its plan on the first call and replays it on the buffers' addresses after
-    (int8._inference given ints and the plan); every call's O and LSE are bitwise the direct call's on its own data,
-    also with new data in new buffers and with the op rebuilt."""
+def _spy_on_replays(monkeypatch, name):
+    """Record, per call of int8's ``name`` (the forward callback's entry point), whether it replayed a plan on
+    addresses; the callbacks' caches are cleared first, so that no plan from an earlier test is kept."""
     calls = []
-    real = s8._inference
+    real = getattr(s8, name)
 
     def spy(q, k, v, plan=None, **kw):
         calls.append(plan is not None and all(type(x) is int for x in (q, k, v)))
         return real(q, k, v, plan, **kw)
 
-    monkeypatch.setattr(s8, "_inference", spy)
-    sj._int8_forward_callback.cache_clear()  # no plan from an earlier test with the same problem
+    monkeypatch.setattr(s8, name, spy)
+    sj._int8_forward_callback.cache_clear()
     sj._int8_op.cache_clear()
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_inference_replays_its_plan_on_new_buffers(monkeypatch, dtype):
+    """The inference callback records its plan on the first call and replays it on the buffers' addresses after
+    (int8._inference given ints and the plan); every call's O and LSE are bitwise the direct call's on its own
+    data."""
+    calls = _spy_on_replays(monkeypatch, "_inference")
     f = jax.jit(functools.partial(sj.sage_attention, causal=True, return_lse=True))
     for seed in (0, 1, 2):
         q, k, v, _ = _inputs(seed, 2, 4, 2, 190, 210, 128, "HND", dtype)
@@ -194,16 +201,7 @@ def test_training_forward_replays_its_plan_on_new_buffers(monkeypatch, dtype):
     """Inside a vjp the forward callback records its plan on the first call and replays it on the buffers'
     addresses after (int8._training given ints and the plan); O and the gradients stay bitwise the direct calls' on
     each call's own data."""
-    calls = []
-    real = s8._training
-
-    def spy(q, k, v, plan=None, **kw):
-        calls.append(plan is not None and all(type(x) is int for x in (q, k, v)))
-        return real(q, k, v, plan, **kw)
-
-    monkeypatch.setattr(s8, "_training", spy)
-    sj._int8_forward_callback.cache_clear()  # no plan from an earlier test with the same problem
-    sj._int8_op.cache_clear()
+    calls = _spy_on_replays(monkeypatch, "_training")
     run = jax.jit(_vjp(functools.partial(sj.sage_attention, causal=True)))
     for seed in (3, 4, 5):
         q, k, v, do = _inputs(seed, 2, 4, 2, 190, 210, 128, "HND", dtype)
