@@ -19,6 +19,7 @@ import pytest
 from sagecupy import _checks, _varlen
 from sagecupy.reference import attention as A
 
+from test_adapter_window import install_stand_ins
 from test_adapter_window import jax_traced  # noqa: F401 (a fixture: the callbacks' Problems at trace time)
 
 # (q length, k length) per sequence: an empty sequence, sequences across the 128-row blocks, Nq != Nk
@@ -142,22 +143,8 @@ def kernels(torch_mods, monkeypatch):
                                      sm_scale=p.sm_scale, window=p.window, **kw)
         return tuple(g.astype(np.float16) for g in grads)
 
-    monkeypatch.setattr(s8, "forward", forward)
-    monkeypatch.setattr(s8, "sage_attention", sage_attention)
-
-    def inference(q, k, v, plan=None, **kw):  # the adapter's inference entry point: as sage_attention, no plan
-        return (*sage_attention(q, k, v, return_lse=True, **kw), None)
-
-    def training(q, k, v, plan=None, **kw):  # and its training forward's: as forward
-        return (*forward(q, k, v, return_lse=True, **kw), None)
-
-    monkeypatch.setattr(s8, "_inference", inference)
-    monkeypatch.setattr(s8, "_training", training)
-    monkeypatch.setattr(ops, "_plan_key", lambda *args: None)  # no plans kept by tensor metadata
-    monkeypatch.setattr(ops, "_raw_as_torch", lambda x, dtype: torch.from_numpy(np.ascontiguousarray(x)))
-    monkeypatch.setattr(s8, "backward", backward)
-    # the eager backward's entry point: as backward, with nothing to replay
-    monkeypatch.setattr(s8, "_backward_replay", lambda res, do, replay=None: (*backward(res, do), None))
+    install_stand_ins(monkeypatch, s8, ops, forward, sage_attention, backward,
+                      lambda x: torch.from_numpy(np.ascontiguousarray(x)))
     return calls
 
 

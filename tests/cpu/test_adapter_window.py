@@ -51,6 +51,22 @@ def torch_mods():
     return torch, st, torch_ops
 
 
+def install_stand_ins(monkeypatch, s8, ops, forward, sage_attention, backward, raw_as_torch):
+    """Put the stand-ins ``forward``, ``sage_attention`` and ``backward`` in place of int8's entry points, and of the
+    adapter's replaying ones (no plan is kept by tensor metadata, so they only ever take the checked path);
+    ``raw_as_torch(x)`` turns a stand-in's array into a tensor (also test_adapter_varlen's)."""
+    monkeypatch.setattr(s8, "forward", forward)
+    monkeypatch.setattr(s8, "sage_attention", sage_attention)
+    monkeypatch.setattr(s8, "backward", backward)
+    monkeypatch.setattr(s8, "_inference", lambda q, k, v, plan=None, **kw: (
+        *sage_attention(q, k, v, return_lse=True, **kw), None))
+    monkeypatch.setattr(s8, "_training", lambda q, k, v, plan=None, **kw: (
+        *forward(q, k, v, return_lse=True, **kw), None))
+    monkeypatch.setattr(s8, "_backward_replay", lambda res, do, replay=None: (*backward(res, do), None))
+    monkeypatch.setattr(ops, "_plan_key", lambda *args: None)
+    monkeypatch.setattr(ops, "_raw_as_torch", lambda x, dtype: raw_as_torch(x))
+
+
 @pytest.fixture
 def kernels(torch_mods, monkeypatch):
     """CPU stand-ins for the GPU side of the INT8 ops; returns the list of ``(entry point, Problem)`` they got."""
@@ -114,22 +130,7 @@ def kernels(torch_mods, monkeypatch):
                                      sm_scale=p.sm_scale, layout=p.layout, window=p.window)
         return tuple(g.astype(np.float16) for g in grads)
 
-    monkeypatch.setattr(s8, "forward", forward)
-    monkeypatch.setattr(s8, "sage_attention", sage_attention)
-
-    def inference(q, k, v, plan=None, **kw):  # the adapter's inference entry point: as sage_attention, no plan
-        return (*sage_attention(q, k, v, return_lse=True, **kw), None)
-
-    def training(q, k, v, plan=None, **kw):  # and its training forward's: as forward
-        return (*forward(q, k, v, return_lse=True, **kw), None)
-
-    monkeypatch.setattr(s8, "_inference", inference)
-    monkeypatch.setattr(s8, "_training", training)
-    monkeypatch.setattr(ops, "_plan_key", lambda *args: None)  # no plans kept by tensor metadata
-    monkeypatch.setattr(ops, "_raw_as_torch", lambda x, dtype: from_host(x))
-    monkeypatch.setattr(s8, "backward", backward)
-    # the eager backward's entry point: as backward, with nothing to replay
-    monkeypatch.setattr(s8, "_backward_replay", lambda res, do, replay=None: (*backward(res, do), None))
+    install_stand_ins(monkeypatch, s8, ops, forward, sage_attention, backward, from_host)
     return calls
 
 
