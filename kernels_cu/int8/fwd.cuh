@@ -417,15 +417,20 @@ constexpr int FWD_CAUSAL_GROUP = 16;
 template <int D, int BKV, bool PV16 = false>
 struct FwdSm90 {
   static constexpr bool PV_HALVES = D == 128 && BKV == 64 && !PV16;
-  // K/V ring stages: the CTAs MIN_CTAS budgets for fit in shared memory (three with PV_HALVES: 75,776 bytes each;
-  // three at D = 64 with 128-key tiles: 72,704). PV16 (16-bit V, twice the bytes): two stages, tile t+1 loaded while
-  // tile t is softmaxed (the loop below).
-  static constexpr int NST = PV16 ? 2 : ((D == 128 && BKV == 128) ? 3 : 4);
+  // D = 128 with 128-key tiles and the INT8 P.V: S, P.V's int32 accumulator and O would take 192 registers at once
+  // in the pipelined loop, so its CTA ran alone on each scheduler's half (two CTAs per SM, 253 registers). SERIAL runs
+  // P.V(t) in the registers that held S(t) and Q.K^T(t+1) in those that held P.V(t), each waited for in turn: 64
+  // registers fewer, three CTAs per SM, whose softmax stretches fill each other's tensor-core waits.
+  static constexpr bool SERIAL = D == 128 && BKV == 128 && !PV16;
+  // K/V ring stages: the CTAs MIN_CTAS budgets for fit in shared memory (three with PV_HALVES or SERIAL: 75,776 bytes
+  // each; three at D = 64 with 128-key tiles: 72,704). PV16 (16-bit V, twice the bytes) and SERIAL: two stages, tile
+  // t+1 loaded while tile t is softmaxed (the loops below).
+  static constexpr int NST = (PV16 || SERIAL) ? 2 : 4;
   // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
   // D = 64 with 128-key tiles and the INT8 P.V: three (168 registers instead of 238, no spills; the 4-stage ring's
   // 72,704 bytes fit three times): 1.12-1.14x on the whole forward call, bitwise the same O (docs/experiments.md
   // E-I8F-OCC64B). The 16-bit P.V needs 154 registers, three CTAs already.
-  static constexpr int MIN_CTAS = PV_HALVES ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4
+  static constexpr int MIN_CTAS = (PV_HALVES || SERIAL) ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4
                                                   : (D == 64 && BKV == 128 && !PV16) ? 3 : 1);
 };
 template <typename T, int D, int WARPS, int BKV, bool PACKED = false, bool PV16 = false>
@@ -529,7 +534,8 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
   for (int i = 0; i < D / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
   constexpr bool PV_HALVES = FwdSm90<D, BKV>::PV_HALVES;
   int acc_s[NT][4];  // S of the tile being softmaxed; then Q.K^T of the next one, in flight
-  int acc_pv[PV_HALVES ? D / 4 : D / 2];  // P.V of this tile (of half its columns with PV_HALVES)
+  // P.V of this tile (of half its columns with PV_HALVES; SERIAL: acc_s holds it)
+  int acc_pv[FwdSm90<D, BKV>::SERIAL ? 1 : PV_HALVES ? D / 4 : D / 2];
   int(&accs)[4 * NT] = reinterpret_cast<int(&)[4 * NT]>(acc_s);
   const unsigned long long dq = gmma_desc<D>(sQ + (warp / 4) * 64 * D);
   auto issue_qk = [&](int stage) {
@@ -591,6 +597,42 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       fence_regs(reinterpret_cast<float(&)[D / 2]>(acc_o));
       fence_regs(accs);
       hold_regs(pa);
+    }
+  } else if constexpr (FwdSm90<D, BKV>::SERIAL) {
+    // One accumulator: S(t) -> softmax(t) -> P.V(t) in the same registers -> fold into O -> Q.K^T(t+1) in them again.
+    // Stage of tile j: j % 2; tile j+1 is loaded at the top of iteration j (its stage held tile j-1, whose P.V every
+    // warp has waited for by the barrier) and waited for after the fold, before Q.K^T(j+1).
+    static_assert(NST == 2 && D == 128 && BKV == 128, "the serial loop's ring and products");
+    for (int j = 0; j < n_tiles; ++j) {
+      const int tile = tl.first + j;
+      __syncthreads();
+      if (tid == 0 && j + 1 < n_tiles) load_stage(j + 1);
+      unsigned pa[NT / 4][4];
+      const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (j % NST) * BKV, nullptr, tile,
+                                                   tl.need_mask(tile), rk, t4, p_max, inv_p_max);
+      wgmma_fence();
+      const char* cV = sV + (j % NST) * D * BKV;
+      wgmma_m64n128k32_rs_u8s8_first(accs, pa[0], gmma_desc<64>(cV));
+#pragma unroll
+      for (int kstep = 1; kstep < BKV / 32; ++kstep)  // k-steps 2 i, 2 i + 1 read image i's V^^T
+        wgmma_m64n128k32_rs_u8s8(accs, pa[kstep], gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D),
+                                                                     32 * (kstep % 2)), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(accs);
+      hold_regs(pa);
+      fwd_pv_update_all<D>(acc_o, accs, ts);
+      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
+      wgmma_fence();
+      // Q.K^T(t+1); on the last tile a stale stage (no copy in flight), the result dropped
+      const unsigned long long dk = gmma_desc<D>(sK + ((j + 1) % NST) * BKV * D);
+      wgmma_m64n128k32_ss_s8_first(accs, dq, dk);
+#pragma unroll
+      for (int kstep = 1; kstep < D / 32; ++kstep)
+        wgmma_m64n128k32_ss_s8(accs, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(accs);
     }
   } else
   for (int j = 0; j < n_tiles; ++j) {
