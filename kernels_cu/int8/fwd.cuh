@@ -398,7 +398,7 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 // P.V(t) is retired in the iteration that issued it, so no instruction ever writes a register a wgmma in
 // flight reads (its A operand: P^), and nothing is in flight across the loop's back edge (ptxas
 // serializes every wgmma otherwise: warning C7514, which CI fails on). The CTAs an SM holds (MIN_CTAS below: with
-// 64-key tiles three at D = 128 and four at D = 64, with 128-key tiles two and three) fill each other's tensor-core
+// 64-key tiles three at D = 128 and four at D = 64, with 128-key tiles three) fill each other's tensor-core
 // gaps. The float operations on O keep the mma.sync kernel's order, so the two engines agree bit for bit.
 // K/V: a ring of NST tiles, each copied from the pre-pass's per-64-key stage images by thread 0 with bulk copies (tile
 // t+NST-1 loads while t+1 is read by Q.K^T(t+1) and t by P.V(t)).
@@ -420,7 +420,8 @@ struct FwdSm90 {
   // D = 128 with 128-key tiles and the INT8 P.V: S, P.V's int32 accumulator and O would take 192 registers at once
   // in the pipelined loop, so its CTA ran alone on each scheduler's half (two CTAs per SM, 253 registers). SERIAL runs
   // P.V(t) in the registers that held S(t) and Q.K^T(t+1) in those that held P.V(t), each waited for in turn: 64
-  // registers fewer, three CTAs per SM, whose softmax stretches fill each other's tensor-core waits.
+  // registers fewer, three CTAs per SM, whose softmax stretches fill each other's tensor-core waits: 1.06-1.10x on the
+  // whole forward call, bitwise the same O (docs/experiments.md E-I8F-OCC128).
   static constexpr bool SERIAL = D == 128 && BKV == 128 && !PV16;
   // K/V ring stages: the CTAs MIN_CTAS budgets for fit in shared memory (three with PV_HALVES or SERIAL: 75,776 bytes
   // each; three at D = 64 with 128-key tiles: 72,704). PV16 (16-bit V, twice the bytes) and SERIAL: two stages, tile
