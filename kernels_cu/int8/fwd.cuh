@@ -611,58 +611,6 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       unsigned pa[NT / 4][4];
       const FwdTileScale ts = fwd_softmax_tile<NT>(acc_s, rs, pa, sKs + (j % NST) * BKV, nullptr, tile,
                                                    tl.need_mask(tile), rk, t4, p_max, inv_p_max);
-#if defined(SAGE_FWD_SERIAL_HALVES) && SAGE_FWD_SERIAL_HALVES
-      // P.V(t) as two 64-column products in the accumulator's halves; the first half folded while the second runs,
-      // the second while Q.K^T(t+1)'s first 64 keys run (in the first half's registers)
-      int(&h0)[32] = *reinterpret_cast<int(*)[32]>(&accs[0]);
-      int(&h1)[32] = *reinterpret_cast<int(*)[32]>(&accs[32]);
-      wgmma_fence();
-      {
-        const char* cV = sV + (j % NST) * D * BKV;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int(&acc)[32] = h ? h1 : h0;
-#pragma unroll
-          for (int kstep = 0; kstep < BKV / 32; ++kstep) {
-            const unsigned long long dv =
-                gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D + h * 64 * 64), 32 * (kstep % 2));
-            if (kstep == 0)
-              wgmma_m64n64k32_rs_u8s8_first(acc, pa[0], dv);
-            else
-              wgmma_m64n64k32_rs_u8s8(acc, pa[kstep], dv, 1);
-          }
-          wgmma_commit();
-        }
-      }
-      wgmma_wait<1>();
-      fence_regs(h0);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) fwd_pv_update(acc_o[c], h0 + 4 * c, ts);
-      if (j + 1 < n_tiles) mbar_wait(&full[(j + 1) % NST], ((j + 1) / NST) & 1);
-      const unsigned long long dk = gmma_desc<D>(sK + ((j + 1) % NST) * BKV * D);
-      wgmma_fence();
-      wgmma_m64n64k32_ss_s8_first(h0, dq, dk);
-#pragma unroll
-      for (int kstep = 1; kstep < D / 32; ++kstep)
-        wgmma_m64n64k32_ss_s8(h0, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk, 32 * kstep), 1);
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_regs(h1);
-      hold_regs(pa);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) fwd_pv_update(acc_o[8 + c], h1 + 4 * c, ts);
-      wgmma_fence();
-      {
-        const unsigned long long dk1 = gmma_desc<D>(sK + ((j + 1) % NST) * BKV * D + 64 * D);
-        wgmma_m64n64k32_ss_s8_first(h1, dq, dk1);
-#pragma unroll
-        for (int kstep = 1; kstep < D / 32; ++kstep)
-          wgmma_m64n64k32_ss_s8(h1, gmma_desc_advance(dq, 32 * kstep), gmma_desc_advance(dk1, 32 * kstep), 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(accs);
-#else
       wgmma_fence();
       const char* cV = sV + (j % NST) * D * BKV;
       wgmma_m64n128k32_rs_u8s8_first(accs, pa[0], gmma_desc<64>(cV));
@@ -686,7 +634,6 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(accs);
-#endif
     }
   } else
   for (int j = 0; j < n_tiles; ++j) {
