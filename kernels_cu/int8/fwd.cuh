@@ -392,7 +392,8 @@ __device__ __forceinline__ void int8_attn_fwd_impl(const signed char* __restrict
 
 // ---- wgmma forward (sm_90a) ----
 // Q.K^T as wgmma m64nBKVk32 s8.s8 per warpgroup (Q and K through shared-memory descriptors), P.V as
-// wgmma m64nDk32 u8.s8 (P^ from registers, V^T from shared memory). Per tile t, inside the warpgroup:
+// wgmma m64nDk32 u8.s8 (P^ from registers, V^T from shared memory). Per tile t, inside the warpgroup (FwdSm90::SERIAL
+// below runs the products one after the other instead):
 //   softmax(t) -> P^ codes; issue P.V(t), then Q.K^T(t+1);
 //   wait for P.V(t) and fold it into O (float) while Q.K^T(t+1) runs; wait for Q.K^T(t+1).
 // P.V(t) is retired in the iteration that issued it, so no instruction ever writes a register a wgmma in
