@@ -3,7 +3,7 @@
     python bench/run_bench.py [--quick] [--memory] [--out FILE.jsonl] [--configs default,paper] [--families int8,nvfp4,qat]
         [--ds 128] [--ns 8192,32768] [--baselines sdpa,cudnn-fp8,flash] [--adapters [torch,jax]]
         [--dtype bfloat16|float16] [--packed [8,32]] [--windows [1024,4096]] [--varlen-baselines cudnn,sdpa-docs,...]
-        [--no-dense]
+        [--no-dense] [--rounds 3]
 
 (--adapters adds the INT8 rows through sagecupy.torch and sagecupy.jax, each with its ratio to the CuPy call in
 the table's last column, `x cupy`.)
@@ -43,6 +43,10 @@ def main(argv=None):
     ap.add_argument("--configs", default="default")
     ap.add_argument("--families", default="int8,nvfp4,qat", help="kernel families to time: int8,nvfp4,qat")
     ap.add_argument("--rep", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the whole sweep this many times, one round after another, and report each row's "
+                         "median over the rounds (with its min and max in the JSON lines' merged form: "
+                         "sagecupy._bench_common.median_rows) [default: 1]")
     ap.add_argument("--memory", action="store_true", help="also measure peak memory of fwd+bwd at N=32K, D=128")
     ap.add_argument("--baselines", default=",".join(bench.DEFAULT_BASELINES),
                     help="baselines timed beside, comma-separated: sdpa (PyTorch's default SDPA, cuDNN bf16 on "
@@ -74,6 +78,8 @@ def main(argv=None):
                          "none. One that cannot run here is skipped with a line saying why")
     ap.add_argument("--no-dense", action="store_true", help="leave the dense sweep out (with --packed/--windows)")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds: a whole number >= 1 is needed, got {a.rounds}")
     try:
         baselines = bench.parse_baselines(a.baselines)
         adapters = bench.parse_adapters(a.adapters)
@@ -91,11 +97,12 @@ def main(argv=None):
     if not a.no_dense:
         rows += bench.run_suite(cases, configs=tuple(a.configs.split(",")), out=out,
                                 baselines=baselines, adapters=adapters,
-                                rep=a.rep, dtype=a.dtype, families=tuple(a.families.split(",")), log=log)
+                                rep=a.rep, dtype=a.dtype, families=tuple(a.families.split(",")), log=log,
+                                rounds=a.rounds)
     if varlen_cases:
         rows += bench.run_varlen_suite(varlen_cases, configs=tuple(a.configs.split(",")), out=out,
                                        baselines=varlen_baselines, rep=a.rep, dtype=a.dtype,
-                                       families=tuple(a.families.split(",")), log=log)
+                                       families=tuple(a.families.split(",")), log=log, rounds=a.rounds)
     if a.memory:
         mem = bench.peak_memory(dtype=a.dtype)
         rows += mem

@@ -301,3 +301,51 @@ def case_name(case) -> str:
     """``packed D=128 N=16384 S=8`` / ``window D=128 N=16384 W=1024``: a case in progress lines and tables."""
     tail = f"S={case['S']}" if case["kind"] == "packed" else f"W={case['W']}"
     return f"{case['kind']} D={case['D']} N={case['N']} {tail}"
+
+
+#: Fields of a timed row that vary between the rounds of one sweep (``run_suite(..., rounds=R)``); every other field
+#: names what was timed.
+_ROUND_FIELDS = ("ms", "tops", "round", "rounds", "ms_min", "ms_max")
+
+
+def median_rows(rows) -> list:
+    """Rows timed in several rounds of one sweep (``round`` fields; ``run_suite(..., rounds=R)``) as one row each: the
+    median ``ms`` and ``tops`` over the rounds, with ``rounds`` (how many), ``ms_min`` and ``ms_max``, in the order
+    of each row's first round. Rows without ``ms`` (skip, error, memory) and rows of a single round pass unchanged.
+
+    A slow stretch of one round (a clock dip, another process on the host) moves the median of three rounds less than
+    it moves a single run; ``ms_min`` and ``ms_max`` show how far the rounds spread."""
+    groups, order, out = {}, [], []
+    for r in rows:
+        if "ms" not in r or "round" not in r:
+            order.append(("row", len(out)))
+            out.append(r)
+            continue
+        key = tuple(sorted((k, _json_key(v)) for k, v in r.items() if k not in _ROUND_FIELDS))
+        if key not in groups:
+            groups[key] = []
+            order.append(("group", key))
+        groups[key].append(r)
+    merged = []
+    for kind, ref in order:
+        if kind == "row":
+            merged.append(out[ref])
+            continue
+        rs = groups[ref]
+        row = {k: v for k, v in rs[0].items() if k not in _ROUND_FIELDS}
+        ms = [r["ms"] for r in rs]
+        row["ms"] = statistics.median(ms)
+        if all("tops" in r for r in rs):
+            row["tops"] = statistics.median(r["tops"] for r in rs)
+        row.update(rounds=len(rs), ms_min=min(ms), ms_max=max(ms))
+        merged.append(row)
+    return merged
+
+
+def _json_key(v):
+    """A hashable stand-in for a JSON value (lists, e.g. a window, become tuples)."""
+    if isinstance(v, list):
+        return tuple(_json_key(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _json_key(x)) for k, x in v.items()))
+    return v

@@ -54,7 +54,7 @@ __all__ = ["flops", "time_ms", "time_ms_b2b", "bench_int8", "bench_fp4", "defaul
 # The shared pieces keep their public names here (sagecupy.bench.flops, .time_ms, .BASELINES, ...).
 from ._bench_common import (ADAPTERS, BASELINES, DEFAULT_BASELINES, DEFAULT_VARLEN_BASELINES, VARLEN_BASELINES,
                             _config_name, _inputs, _shape, case_fields, case_name, case_shape, default_cases, flops,
-                            packed_cases, pair_flops, parse_adapters, parse_baselines, parse_int_list,
+                            median_rows, packed_cases, pair_flops, parse_adapters, parse_baselines, parse_int_list,
                             parse_varlen_baselines, time_ms, time_ms_b2b, window_cases, DEFAULT_PACKED,
                             DEFAULT_WINDOWS)
 
@@ -186,7 +186,7 @@ def _runnable(names, reason, impls, field):
 
 
 def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=None, warmup=3, rep=10, log=None,
-              families=("int8",), dtype="bfloat16", progress=None, adapters=()):
+              families=("int8",), dtype="bfloat16", progress=None, adapters=(), rounds=1):
     """Every case for every family (int8 with each config, nvfp4, qat) and baseline; JSON lines to ``out`` (a
     file object) as they come. ``dtype``: ``"bfloat16"`` or ``"float16"`` inputs; ``progress(case)`` is called
     after each case's rows.
@@ -197,7 +197,13 @@ def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=N
 
     ``adapters``: names of ``ADAPTERS`` (none by default): their rows follow each config's INT8 rows, with the
     same config; skipped and failing adapters are treated as baselines are.
+
+    ``rounds``: how many times the whole sweep runs, one case after another, each round after the last (a slow
+    stretch of the machine then falls on one round's rows, not on every row of one case). With more than one, each
+    row carries its ``round`` (0, 1, ...); :func:`median_rows` (which :func:`format_rows` and the bench/tools tables
+    apply) keeps the median.
     """
+    rounds = _check_rounds(rounds)  # before anything is timed
     from . import bench_frameworks as fw  # PyTorch, JAX and cuDNN are imported only when a run uses them
 
     rows = []
@@ -207,22 +213,35 @@ def run_suite(cases, *, configs=("default",), baselines=DEFAULT_BASELINES, out=N
     active_adapters, skipped_adapters = _runnable(parse_adapters(adapters), fw._adapter_reason, ADAPTERS, "adapter")
     skipped += skipped_adapters
     emit(skipped)
-    for D, N, causal in cases:
-        batch = []
-        for cfg in configs if "int8" in families or active_adapters else ():
-            if "int8" in families:
-                batch += bench_int8(D, N, causal, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
-            for ad in active_adapters:
-                batch += fw._bench_adapter(ad, D, N, causal, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
-        for fam in ("nvfp4", "qat"):
-            if fam in families:
-                batch += bench_fp4(D, N, causal, family=fam, dtype=dtype, warmup=warmup, rep=rep)
-        for be in active:
-            batch += fw._bench_baseline(be, D, N, causal, warmup=warmup, rep=rep, dtype=dtype)
-        emit(batch)
-        if progress is not None:
-            progress((D, N, causal))
+    for rnd in range(rounds):
+        for D, N, causal in cases:
+            batch = []
+            for cfg in configs if "int8" in families or active_adapters else ():
+                if "int8" in families:
+                    batch += bench_int8(D, N, causal, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
+                for ad in active_adapters:
+                    batch += fw._bench_adapter(ad, D, N, causal, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
+            for fam in ("nvfp4", "qat"):
+                if fam in families:
+                    batch += bench_fp4(D, N, causal, family=fam, dtype=dtype, warmup=warmup, rep=rep)
+            for be in active:
+                batch += fw._bench_baseline(be, D, N, causal, warmup=warmup, rep=rep, dtype=dtype)
+            emit(_tag_round(batch, rnd, rounds))
+            if progress is not None:
+                progress((D, N, causal))
     return rows
+
+
+def _check_rounds(rounds) -> int:
+    """``rounds`` as an int >= 1, else ValueError naming it."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds: a whole number >= 1 is needed, got {rounds!r}")
+    return rounds
+
+
+def _tag_round(batch, rnd, rounds):
+    """The batch's rows with ``round=rnd`` where the sweep runs more than one round (else as they are)."""
+    return batch if rounds == 1 else [dict(r, round=rnd) for r in batch]
 
 
 def _varlen_inputs(case, shape, dtype):
@@ -278,12 +297,13 @@ def bench_int8_varlen(case, *, config=None, dtype="bfloat16", warmup=3, rep=10, 
 
 
 def run_varlen_suite(cases, *, configs=("default",), baselines=DEFAULT_VARLEN_BASELINES, out=None, warmup=3,
-                     rep=10, log=None, families=("int8",), dtype="bfloat16", progress=None):
+                     rep=10, log=None, families=("int8",), dtype="bfloat16", progress=None, rounds=1):
     """Every packed or window case (:func:`packed_cases`, :func:`window_cases`) for INT8 with each config (where
     ``families`` has int8) and each baseline of ``VARLEN_BASELINES`` (``baselines``: names, a comma-separated string
     or an iterable); JSON lines to ``out`` as they come, ``progress(case)`` after each case. As in
     :func:`run_suite`, a baseline that cannot run here gives one ``skip`` row saying why and is not timed, one that
-    fails on a case an ``error`` row; neither stops the sweep."""
+    fails on a case an ``error`` row; neither stops the sweep. ``rounds``: as :func:`run_suite` takes it."""
+    rounds = _check_rounds(rounds)  # before anything is timed
     from . import bench_frameworks as fw  # PyTorch and cuDNN are imported only when a run uses them
 
     rows = []
@@ -291,16 +311,17 @@ def run_varlen_suite(cases, *, configs=("default",), baselines=DEFAULT_VARLEN_BA
 
     active, skipped = _runnable(parse_varlen_baselines(baselines), fw._varlen_reason, VARLEN_BASELINES, "baseline")
     emit(skipped)
-    for case in cases:
-        batch = []
-        if "int8" in families:
-            for cfg in configs:
-                batch += bench_int8_varlen(case, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
-        for be in active:
-            batch += fw.bench_varlen_baseline(be, case, warmup=warmup, rep=rep, dtype=dtype)
-        emit(batch)
-        if progress is not None:
-            progress(case)
+    for rnd in range(rounds):
+        for case in cases:
+            batch = []
+            if "int8" in families:
+                for cfg in configs:
+                    batch += bench_int8_varlen(case, config=cfg, dtype=dtype, warmup=warmup, rep=rep)
+            for be in active:
+                batch += fw.bench_varlen_baseline(be, case, warmup=warmup, rep=rep, dtype=dtype)
+            emit(_tag_round(batch, rnd, rounds))
+            if progress is not None:
+                progress(case)
     return rows
 
 
@@ -396,7 +417,8 @@ def format_rows(rows) -> str:
     scope, case and dtype: 1.00 is no cost over the CuPy call, 0.97 a 3% slower call through the framework.
 
     Rows of the packed and window cases (a ``case`` field, or a baseline of theirs) follow in a table of their own,
-    :func:`format_varlen_rows`."""
+    :func:`format_varlen_rows`. Rows of several rounds are shown once, with their median (:func:`median_rows`)."""
+    rows = median_rows(rows)
     vimpls = set(VARLEN_BASELINES.values())
     varlen = [r for r in rows if r.get("case") or r.get("impl") in vimpls]
     if varlen:
@@ -460,7 +482,8 @@ def format_varlen_rows(rows) -> str:
     row ms): ``x cudnn`` cuDNN's bf16 SDPA (ragged THD, or its diagonal band), ``x docs`` SDPA once per document,
     ``x varlen`` PyTorch's varlen attention, ``x flex`` FlexAttention; ``-`` where the run has no such row. A cuDNN
     row timed causal because its window was declined is marked ``(causal)``; skipped baselines, notes and errors get
-    a line each."""
+    a line each. Rows of several rounds are shown once, with their median (:func:`median_rows`)."""
+    rows = median_rows(rows)
     base = {(r["impl"],) + _varlen_key(r): r["ms"] for r in rows
             if "ms" in r and not str(r["impl"]).startswith("sagecupy-")}
     w = max([22] + [len(str(r.get("impl", ""))) + 1 for r in rows])

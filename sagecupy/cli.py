@@ -615,6 +615,9 @@ def _case_name(case) -> str:
                    "[default: sdpa,cudnn-fp8,flash]")
 @click.option("--memory/--no-memory", default=False, help="also peak memory of fwd+bwd at N=32K, D=128")
 @click.option("--rep", type=click.IntRange(1), default=10, show_default=True, help="timed runs (median)")
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
+              help="run the whole sweep this many times, one round after another; the table shows each row's median "
+                   "over the rounds (the JSON lines keep every round's row, with its 'round')")
 @click.option("--out", "out", type=click.Path(dir_okay=False, writable=True), default=None,
               help="also write JSON lines to FILE as the rows come (environment header first; what `sagecupy plot` "
                    "reads)")
@@ -643,7 +646,7 @@ def _case_name(case) -> str:
                    "[default: all]")
 @click.option("--dense/--no-dense", default=True, show_default=True,
               help="the dense sweep (--no-dense: only --packed/--windows)")
-def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype, d, n, causal, packed, windows,
+def bench_cmd(quick, configs, baselines, memory, rep, rounds, out, families, fmt, dtype, d, n, causal, packed, windows,
               varlen_baselines, dense):
     """Speed of the kernels (fwd, bwd, fwd+bwd; kernel-only and end-to-end) beside SDPA, with ratios.
 
@@ -683,16 +686,16 @@ def bench_cmd(quick, configs, baselines, memory, rep, out, families, fmt, dtype,
     try:
         if fh:
             fh.write(json.dumps(_json_safe(env)) + "\n")
-        names = [_case_name(c) for c in cases] + [bench.case_name(c) for c in varlen_cases]
+        names = ([_case_name(c) for c in cases] * rounds) + ([bench.case_name(c) for c in varlen_cases] * rounds)
         with _library_errors(), _progress(names, "bench") as step:
             rows = []
             if cases:
                 rows += bench.run_suite(cases, configs=cfgs, baselines=bases, out=fh, rep=rep, families=fams,
-                                        dtype=_BENCH_DTYPES[dtype], progress=lambda case: step(1))
+                                        dtype=_BENCH_DTYPES[dtype], progress=lambda case: step(1), rounds=rounds)
             if varlen_cases:
                 rows += bench.run_varlen_suite(varlen_cases, configs=cfgs, baselines=vbases, out=fh, rep=rep,
                                                families=fams, dtype=_BENCH_DTYPES[dtype],
-                                               progress=lambda case: step(1))
+                                               progress=lambda case: step(1), rounds=rounds)
             if memory:
                 mem = bench.peak_memory(dtype=_BENCH_DTYPES[dtype])
                 rows += mem

@@ -7,10 +7,15 @@ A family absent from a file (e.g. a run with --families int8,qat) prints "–" i
 """
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # sagecupy from this checkout when not installed
+from sagecupy._bench_common import median_rows  # noqa: E402
 
 
 def load(path):
-    return [json.loads(line) for line in open(path) if line.strip().startswith("{")]
+    """The JSON rows of a benchmark file, the rounds of a run with ``--rounds`` merged into their median."""
+    return median_rows([json.loads(line) for line in open(path) if line.strip().startswith("{")])
 
 
 def pick(rows, **kw):

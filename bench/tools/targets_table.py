@@ -77,8 +77,9 @@ def main(paths, config="default"):
         rows += file_rows
     dtypes = sorted({k[6] for k in ix if k[0] == OURS})
     gpus = sorted({r["gpu"] for r in rows if r.get("type") == "env" and r.get("gpu")})
+    rounds = sorted({r["rounds"] for r in rows if "rounds" in r})  # load() keeps the median of a --rounds run
     print(f"GPU: {', '.join(gpus) or 'unknown'}; INT8 config: {config}; dtypes: {', '.join(dtypes)}; "
-          f"files: {', '.join(paths)}")
+          f"files: {', '.join(paths)}" + (f"; medians over {'/'.join(map(str, rounds))} rounds" if rounds else ""))
     big = lambda D, N: D == 128 and N >= 4096  # noqa: E731
     d64 = lambda D, N: D == 64 and N >= 4096  # noqa: E731
     short = lambda D, N: N <= 2048  # noqa: E731

@@ -513,3 +513,72 @@ def test_clear_destroys_each_cached_handle_once(monkeypatch):
         assert mod._CACHE == {} and pair.handle is None and pair._fwd is None
         pair.close()  # a second close destroys nothing
     assert destroyed == ["handle of sagecupy._cudnn_fp8", "handle of sagecupy._cudnn_varlen"]
+
+
+# -- rounds ------------------------------------------------------------------------------------------------------
+def test_run_suite_rounds_run_the_whole_sweep_again_and_tag_each_row(monkeypatch):
+    """rounds=2: every case once, then every case again (not each case twice in a row), each row with its round."""
+    monkeypatch.setattr(fw, "baseline_unavailable", lambda name: None)
+    calls = []
+    monkeypatch.setattr(fw, "bench_sdpa", lambda D, N, c, be, **kw: calls.append((D, N, c)) or [
+        _row("sdpa-default", "fwd", "e2e", float(len(calls)), D=D, N=N, causal=c)])
+    cases = [(64, 4096, False), (128, 4096, True)]
+    rows = bench.run_suite(cases, baselines="sdpa", families=(), rounds=2)
+    assert calls == cases + cases
+    assert [(r["D"], r["round"], r["ms"]) for r in rows] == [(64, 0, 1.0), (128, 0, 2.0), (64, 1, 3.0), (128, 1, 4.0)]
+    one = bench.run_suite(cases[:1], baselines="sdpa", families=())
+    assert "round" not in one[0]  # a single round's rows are as they always were
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_run_suite_rounds_must_be_a_whole_number_of_at_least_one(bad):
+    with pytest.raises(ValueError, match="rounds"):
+        bench.run_suite([], baselines="", rounds=bad)
+    with pytest.raises(ValueError, match="rounds"):
+        bench.run_varlen_suite([], baselines="", rounds=bad)
+
+
+def test_median_rows_merges_the_rounds_of_each_row():
+    from sagecupy._bench_common import median_rows
+
+    skip = dict(impl="sdpa-flash", mode="skip", baseline="flash", reason="test")
+    rows = [skip]
+    for rnd, (a, b) in enumerate([(1.0, 5.0), (3.0, 4.0), (2.0, 9.0)]):
+        rows += [dict(_row("sagecupy-int8", "fwd", "e2e", a, tops=10 * a), round=rnd),
+                 dict(_row("sagecupy-int8", "fwd", "e2e", b, causal=True, window=[4096, 0]), round=rnd)]
+    err = dict(impl="cudnn-fp8", mode="error", D=128, N=4096, causal=False, error="x", round=1)
+    rows.insert(2, err)  # between the first round's two rows
+    got = median_rows(rows)
+    assert got[0] is skip and got[2] is err  # rows without times pass, in their place
+    full, causal = got[1], got[3]
+    assert (full["ms"], full["tops"], full["rounds"], full["ms_min"], full["ms_max"]) == (2.0, 20.0, 3, 1.0, 3.0)
+    assert (causal["ms"], causal["ms_min"], causal["ms_max"], causal["window"]) == (5.0, 4.0, 9.0, [4096, 0])
+    assert "round" not in full and len(got) == 4
+    plain = [_row("sagecupy-int8", "fwd", "e2e", 1.0)]
+    assert median_rows(plain) == plain  # rows of a single round are left as they are
+    assert median_rows(got) == got      # and merged rows stay merged
+
+
+def test_format_rows_shows_the_median_of_the_rounds():
+    rows = [dict(r, round=i) for i, pair in enumerate([(1.0, 2.0), (1.0, 4.0), (1.0, 3.0)])
+            for r in (_row("sdpa-default", "fwd", "e2e", pair[0]), _row("sagecupy-int8", "fwd", "e2e", pair[1]))]
+    lines = _table(rows)
+    ours = [line for line in lines if line.startswith("sagecupy-int8")]
+    assert len(ours) == 1 and _ratios(ours[0])[0] == "0.33"  # 1.0 / median(2, 4, 3)
+
+
+def test_table_tools_load_the_median_of_the_rounds(tmp_path):
+    import json
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[2] / "bench" / "tools")
+    sys.path.insert(0, tools)
+    try:
+        import fp4_table
+    finally:
+        sys.path.remove(tools)
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(dict(_row("sagecupy-int8", "fwd", "e2e", ms), round=i)) + "\n"
+                            for i, ms in enumerate((2.0, 8.0, 3.0))))
+    rows = fp4_table.load(path)
+    assert len(rows) == 1 and rows[0]["ms"] == 3.0 and rows[0]["rounds"] == 3

@@ -158,14 +158,14 @@ def test_run_bench_varlen_options(monkeypatch, capsys):
     mod = _run_bench()
     seen = {}
     monkeypatch.setattr(bench, "run_suite", lambda cases, **kw: seen.setdefault("dense", list(cases)) and [])
-    monkeypatch.setattr(bench, "run_varlen_suite",
-                        lambda cases, **kw: seen.update(varlen=list(cases), baselines=kw["baselines"]) or [])
+    monkeypatch.setattr(bench, "run_varlen_suite", lambda cases, **kw: seen.update(
+        varlen=list(cases), baselines=kw["baselines"], rounds=kw["rounds"]) or [])
     mod.main(["--no-dense", "--packed", "--windows", "4096", "--ds", "64", "--ns", "16384",
-              "--varlen-baselines", "cudnn"])
-    assert "dense" not in seen and seen["baselines"] == ("cudnn",)
+              "--varlen-baselines", "cudnn", "--rounds", "2"])
+    assert "dense" not in seen and seen["baselines"] == ("cudnn",) and seen["rounds"] == 2
     assert [common.case_name(c) for c in seen["varlen"]] == ["packed D=64 N=16384 S=8", "packed D=64 N=16384 S=32",
                                                              "window D=64 N=16384 W=4096"]
-    for bad in (["--packed", "8,zero"], ["--varlen-baselines", "nope"], ["--windows", "0"]):
+    for bad in (["--packed", "8,zero"], ["--varlen-baselines", "nope"], ["--windows", "0"], ["--rounds", "0"]):
         with pytest.raises(SystemExit) as exc:
             mod.main(bad)
         assert exc.value.code == 2
@@ -176,14 +176,14 @@ def test_run_bench_varlen_options(monkeypatch, capsys):
 def fake_suites(monkeypatch):
     seen = {}
 
-    def run_suite(cases, *, configs, baselines, out, rep, families, dtype, progress):
-        seen["dense"] = list(cases)
+    def run_suite(cases, *, configs, baselines, out, rep, families, dtype, progress, rounds):
+        seen.update(dense=list(cases), rounds=rounds)
         for c in cases:
             progress(c)
         return []
 
-    def run_varlen_suite(cases, *, configs, baselines, out, rep, families, dtype, progress):
-        seen.update(varlen=list(cases), baselines=baselines)
+    def run_varlen_suite(cases, *, configs, baselines, out, rep, families, dtype, progress, rounds):
+        seen.update(varlen=list(cases), baselines=baselines, varlen_rounds=rounds)
         rows = []
         for c in cases:
             rows.append(dict(impl=f"sagecupy-int8-{c['kind']}", config="default", mode="fwd", scope="e2e",

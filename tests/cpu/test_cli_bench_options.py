@@ -24,13 +24,15 @@ def fake_suite(monkeypatch):
     """A usable "GPU" and a run_suite that records its arguments and returns one row per case."""
     seen = {}
 
-    def run_suite(cases, *, configs, baselines, out, rep, families, dtype, progress):
-        seen.update(cases=list(cases), dtype=dtype, families=families)
+    def run_suite(cases, *, configs, baselines, out, rep, families, dtype, progress, rounds):
+        seen.update(cases=list(cases), dtype=dtype, families=families, rounds=rounds)
         rows = [dict(impl="sdpa-flash", mode="skip", baseline="flash", reason="test")]
-        for d, n, causal in cases:
-            rows.append(dict(impl="sagecupy-int8", config="default", mode="fwd", scope="e2e", D=d, N=n, B=1, H=16,
-                             causal=causal, dtype=dtype, ms=1.0, tops=100.0))
-            progress((d, n, causal))
+        for rnd in range(rounds):
+            for d, n, causal in cases:
+                row = dict(impl="sagecupy-int8", config="default", mode="fwd", scope="e2e", D=d, N=n, B=1, H=16,
+                           causal=causal, dtype=dtype, ms=1.0 + rnd, tops=100.0)
+                rows.append(row if rounds == 1 else dict(row, round=rnd))
+                progress((d, n, causal))
         return rows
 
     monkeypatch.setattr("sagecupy.cli.gpu_status", lambda: (True, "Fake GPU (sm_90)"))
@@ -71,8 +73,24 @@ def test_bench_out_file_keeps_json_lines(fake_suite, tmp_path):
     assert first["type"] == "env"  # the rows themselves go to the file from run_suite (faked here)
 
 
+def test_bench_rounds_show_one_median_row_and_count_progress(fake_suite):
+    """--rounds R: run_suite gets R, the progress counts every case of every round, and the table shows each row once
+    with its median over the rounds (the fake times round r at 1 + r ms: the median of 1, 2, 3 is 2)."""
+    r = CliRunner().invoke(main, ["bench", "--n", "2048", "--d", "64", "--causal", "--rounds", "3"])
+    assert r.exit_code == 0, r.output
+    assert fake_suite["rounds"] == 3
+    progress = [line for line in r.stderr.splitlines() if line.startswith("sagecupy: D=")]
+    assert len(progress) == 3 and "(3/3," in progress[-1]
+    ours = [line for line in r.stdout.splitlines() if line.startswith("sagecupy-int8")]
+    assert len(ours) == 1 and ours[0].split()[7] == "2.000"
+    r = CliRunner().invoke(main, ["bench", "--n", "2048", "--d", "64", "--causal", "--rounds", "3", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in r.stdout.splitlines()][2:]
+    assert [x["round"] for x in rows] == [0, 1, 2]  # the raw rows, every round's
+
+
 def test_bench_bad_options_are_usage_errors(monkeypatch):
     monkeypatch.setattr("sagecupy.cli.gpu_status", lambda: (False, "no CUDA device"))
-    for args in (["--d", "96"], ["--dtype", "fp32"], ["--n", "0"], ["--format", "xml"]):
+    for args in (["--d", "96"], ["--dtype", "fp32"], ["--n", "0"], ["--format", "xml"], ["--rounds", "0"]):
         r = CliRunner().invoke(main, ["bench", *args])
         assert r.exit_code == 2 and "needs a CUDA device" not in r.output, (args, r.output)
