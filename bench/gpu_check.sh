@@ -21,7 +21,8 @@
 #              the table is bench/tools/sweep_table.py's (× SDPA flash; `--vs sdpa` on $OUT/bench.jsonl gives
 #              PyTorch's default SDPA), the run's every row in $OUT/bench_table.txt.
 #   accuracy   the GPU σ-sweeps behind the README's accuracy tables (INT8 default and paper, NVFP4's four
-#              configs, QAT), run side by side; a table of relative L2 errors.
+#              configs, QAT) and the baselines' on the same inputs (bench/accuracy_baselines.py: cuDNN FP8,
+#              PyTorch's SDPA), run side by side; a table of relative L2 errors.
 #   examples   the training examples (examples/recall*.py, 300 steps each); loss curves as JSON in $OUT.
 #
 #   --families int8,nvfp4,qat   families benchmarked (default all three)
@@ -31,6 +32,9 @@
 #   --budget S                  seconds for the whole call (default 570)
 #   --bench-time S              seconds kept for the benchmark in `all` (default 240)
 #   --fuzz N                    fuzz cases per family for `fuzz` (default 3400)
+#   --wheels DIR                install the wheels in DIR first (no index, no dependencies) into $OUT/site, on
+#                               PYTHONPATH: e.g. nvidia-cudnn-frontend, for the cuDNN FP8 baseline on a machine
+#                               without a package index
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
@@ -38,6 +42,7 @@ what=all
 case ${1:-} in all|tests|fuzz|bench|accuracy|examples) what=$1; shift ;; esac
 OUT=${OUT:-/tmp/sagecupy_out}
 kexpr=""; files="tests/gpu"; families="int8,nvfp4,qat"; configs="default"; shards=12; budget=570; bench_time=240; full=0; fuzz_n=3400
+wheels=""
 while [ $# -gt 0 ]; do
   case $1 in
     --k) kexpr=$2; shift 2 ;;
@@ -50,6 +55,7 @@ while [ $# -gt 0 ]; do
     --full) full=1; shift ;;
     --fuzz) fuzz_n=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --wheels) wheels=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -59,6 +65,11 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 left() { echo $((budget - (SECONDS - t0) - ${1:-0})); }  # seconds left, less a reserve
 
 python3 -m pip install -e . --no-deps --no-build-isolation -q >"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$OUT/site" "$wheels"/*.whl \
+    >>"$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+  export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 sagecupy info 2>&1 | grep -E "cupy|torch|gpu|cuda" | head -8
 
 status=0
@@ -114,6 +125,9 @@ if [ "$what" = accuracy ]; then
     timeout "$(left 10)" sagecupy accuracy --backend gpu --family "$1" --config "$2" --format json \
       --out "$OUT/acc_$1_$2.jsonl" 2>"$OUT/acc_$1_$2.err" &
   done
+  # the baselines on the same inputs: cuDNN FP8 (needs nvidia-cudnn-frontend) and PyTorch's SDPA
+  timeout "$(left 10)" python3 bench/accuracy_baselines.py --out "$OUT/acc_baselines.jsonl" \
+    >"$OUT/acc_baselines.txt" 2>"$OUT/acc_baselines.err" &
   wait
 fi
 
@@ -140,11 +154,12 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "acc_*.jsonl"))):
     name = os.path.basename(path)[4:-6].replace("_", " ", 1)
     rows = [json.loads(l) for l in open(path) if l.strip()]
     by = {}
-    for r in rows:
+    for r in rows:  # acc_baselines.jsonl holds one sweep per baseline (its impl)
         if r.get("type") != "env" and "sigma" in r:
-            by.setdefault(r["sigma"], {})[r["tensor"]] = r["rel_l2"]
-    for s, t in sorted(by.items()):
-        print(f"| {name} | {s:g} | " + " | ".join(f"{t[x]:.4f}" if x in t else "–" for x in ("O", "dQ", "dK", "dV")) + " |")
+            who = r["impl"] if "impl" in r else name
+            by.setdefault((who, r["sigma"]), {})[r["tensor"]] = r["rel_l2"]
+    for (who, s), t in sorted(by.items()):
+        print(f"| {who} | {s:g} | " + " | ".join(f"{t[x]:.4f}" if x in t else "–" for x in ("O", "dQ", "dK", "dV")) + " |")
 PY
 fi
 exit $status
