@@ -5,7 +5,7 @@
 # (default 570), for machines that cut a command at 10 minutes. Logs and JSON lines go to $OUT (or --out DIR;
 # default /tmp/sagecupy_out).
 #
-#   bash bench/gpu_check.sh [all|tests|fuzz|bench|accuracy|examples] [options]
+#   bash bench/gpu_check.sh [all|tests|fuzz|bench|targets|accuracy|examples] [options]
 #
 #   all        (the default) tests, then bench. Kernel compiles dominate a fresh machine's first run; if shards
 #              are cut for time, run `tests` and `bench` as two calls on the same machine (CuPy's disk cache keeps
@@ -20,6 +20,8 @@
 #              which may need more than one call's time: narrow --families);
 #              the table is bench/tools/sweep_table.py's (× SDPA flash; `--vs sdpa` on $OUT/bench.jsonl gives
 #              PyTorch's default SDPA), the run's every row in $OUT/bench_table.txt.
+#   targets    the INT8 speed targets' sweep (D 64/128, N 4K...32K, causal and not, bf16) against PyTorch's default
+#              SDPA and cuDNN FP8 (--wheels for its frontend), --rounds times; bench/tools/targets_table.py's table.
 #   accuracy   the GPU σ-sweeps behind the README's accuracy tables (INT8 default and paper, NVFP4's four
 #              configs, QAT) and the baselines' on the same inputs (bench/accuracy_baselines.py: cuDNN FP8,
 #              PyTorch's SDPA), run side by side; a table of relative L2 errors.
@@ -32,6 +34,7 @@
 #   --budget S                  seconds for the whole call (default 570)
 #   --bench-time S              seconds kept for the benchmark in `all` (default 240)
 #   --fuzz N                    fuzz cases per family for `fuzz` (default 3400)
+#   --rounds R                  sweeps of `bench` and `targets`, each row's median kept (default 1)
 #   --wheels DIR                install the wheels in DIR first (no index, no dependencies) into $OUT/site, on
 #                               PYTHONPATH: e.g. nvidia-cudnn-frontend, for the cuDNN FP8 baseline on a machine
 #                               without a package index
@@ -39,10 +42,10 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 t0=$SECONDS
 what=all
-case ${1:-} in all|tests|fuzz|bench|accuracy|examples) what=$1; shift ;; esac
+case ${1:-} in all|tests|fuzz|bench|targets|accuracy|examples) what=$1; shift ;; esac
 OUT=${OUT:-/tmp/sagecupy_out}
 kexpr=""; files="tests/gpu"; families="int8,nvfp4,qat"; configs="default"; shards=12; budget=570; bench_time=240; full=0; fuzz_n=3400
-wheels=""
+wheels=""; rounds=1
 while [ $# -gt 0 ]; do
   case $1 in
     --k) kexpr=$2; shift 2 ;;
@@ -56,6 +59,7 @@ while [ $# -gt 0 ]; do
     --fuzz) fuzz_n=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --wheels) wheels=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -110,11 +114,24 @@ fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then
   quick=--quick; [ "$full" = 1 ] && quick=
-  echo "== benchmark: python3 bench/run_bench.py $quick --memory --families $families --configs $configs"
+  echo "== benchmark: python3 bench/run_bench.py $quick --memory --families $families --configs $configs" \
+    "--rounds $rounds"
   timeout "$(left 10)" python3 bench/run_bench.py $quick --memory --families "$families" --configs "$configs" \
-    --out "$OUT/bench.jsonl" >"$OUT/bench_table.txt" 2>"$OUT/bench.err"
+    --rounds "$rounds" --out "$OUT/bench.jsonl" >"$OUT/bench_table.txt" 2>"$OUT/bench.err"
   rc=$?
   if [ $rc != 0 ]; then echo "run_bench.py: exit status $rc (124: out of time)"; tail -5 "$OUT/bench.err"; status=1; fi
+fi
+
+if [ "$what" = targets ]; then
+  echo "== targets: python3 bench/run_bench.py --families int8 --ds 128,64 --ns 4096,8192,16384,32768" \
+    "--baselines sdpa,cudnn-fp8 --rounds $rounds"
+  timeout "$(left 10)" python3 bench/run_bench.py --families int8 --ds 128,64 --ns 4096,8192,16384,32768 \
+    --baselines sdpa,cudnn-fp8 --rounds "$rounds" --out "$OUT/targets.jsonl" >"$OUT/targets_rows.txt" \
+    2>"$OUT/targets.err"
+  rc=$?
+  if [ $rc != 0 ]; then
+    echo "run_bench.py: exit status $rc (124: out of time)"; tail -5 "$OUT/targets.err"; status=1
+  fi
 fi
 
 if [ "$what" = accuracy ]; then
@@ -144,6 +161,9 @@ echo "== summary ($((SECONDS - t0)) s; files in $OUT)"
 [ "$what" = all ] || [ "$what" = tests ] && grep "^# total" "$OUT/tests_summary.txt"
 if [ "$what" = all ] || [ "$what" = bench ]; then
   [ -s "$OUT/bench.jsonl" ] && (cd bench/tools && python3 sweep_table.py "$OUT/bench.jsonl")
+fi
+if [ "$what" = targets ] && [ -s "$OUT/targets.jsonl" ]; then
+  python3 bench/tools/targets_table.py "$OUT/targets.jsonl"
 fi
 if [ "$what" = accuracy ]; then
   python3 - "$OUT" <<'PY'
