@@ -71,7 +71,7 @@ def main(argv=None):
                 print(f"{name} sigma={sigma:g}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             for t in analysis.ACCURACY_TENSORS:
-                m = compare(got[t].float().cpu().numpy().astype(np.float64), exact[t])
+                m = compare(got[t].detach().float().cpu().numpy().astype(np.float64), exact[t])
                 rows.append(dict(type="accuracy", impl=name, sigma=sigma, tensor=t, dtype=a.dtype, causal=a.causal,
                                  n=a.n, heads=a.heads, **m))
     if a.out:
