@@ -315,31 +315,28 @@ def median_rows(rows) -> list:
 
     A slow stretch of one round (a clock dip, another process on the host) moves the median of three rounds less than
     it moves a single run; ``ms_min`` and ``ms_max`` show how far the rounds spread."""
-    groups, order, out = {}, [], []
+    groups, order = {}, []  # order: each pass-through row itself, or the key of a group where its first round was
     for r in rows:
         if "ms" not in r or "round" not in r:
-            order.append(("row", len(out)))
-            out.append(r)
+            order.append(r)
             continue
         key = tuple(sorted((k, _json_key(v)) for k, v in r.items() if k not in _ROUND_FIELDS))
         if key not in groups:
             groups[key] = []
-            order.append(("group", key))
+            order.append(key)
         groups[key].append(r)
-    merged = []
-    for kind, ref in order:
-        if kind == "row":
-            merged.append(out[ref])
-            continue
-        rs = groups[ref]
-        row = {k: v for k, v in rs[0].items() if k not in _ROUND_FIELDS}
-        ms = [r["ms"] for r in rs]
-        row["ms"] = statistics.median(ms)
-        if all("tops" in r for r in rs):
-            row["tops"] = statistics.median(r["tops"] for r in rs)
-        row.update(rounds=len(rs), ms_min=min(ms), ms_max=max(ms))
-        merged.append(row)
-    return merged
+    return [x if isinstance(x, dict) else _median_row(groups[x]) for x in order]
+
+
+def _median_row(rs):
+    """One row of a group of rounds (:func:`median_rows`)."""
+    row = {k: v for k, v in rs[0].items() if k not in _ROUND_FIELDS}
+    ms = [r["ms"] for r in rs]
+    row["ms"] = statistics.median(ms)
+    if all("tops" in r for r in rs):
+        row["tops"] = statistics.median(r["tops"] for r in rs)
+    row.update(rounds=len(rs), ms_min=min(ms), ms_max=max(ms))
+    return row
 
 
 def _json_key(v):
