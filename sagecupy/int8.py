@@ -265,9 +265,9 @@ def _fwd_smem(D, bkv, stages, pv16=False):
 def _fwd90_stages(D, bkv, pv16=False):
     """Stages of the wgmma forward's K/V ring (FwdSm90<D, BKV, PV16>::NST): the CTAs per SM the kernel's registers
     are budgeted for must fit in shared memory (with block_kv=64: three 4-warp CTAs at D=128, four at D=64;
-    with block_kv=128: three). With the 16-bit V (``pv16``), and at D=128 with 128-key tiles, two stages, the next
-    tile loading during a tile."""
-    if pv16 or (D, bkv) == (128, 128):
+    with block_kv=128: three at D=128, four at D=64). With the 16-bit V (``pv16``), and with 128-key tiles (the
+    serial loop), two stages, the next tile loading during a tile."""
+    if pv16 or bkv == 128:
         return 2
     return 4
 

@@ -422,18 +422,19 @@ struct FwdSm90 {
   // in the pipelined loop, so its CTA ran alone on each scheduler's half (two CTAs per SM, 253 registers). SERIAL runs
   // P.V(t) in the registers that held S(t) and Q.K^T(t+1) in those that held P.V(t), each waited for in turn: 64
   // registers fewer, three CTAs per SM, whose softmax stretches fill each other's tensor-core waits: 1.06-1.10x on the
-  // whole forward call, bitwise the same O (docs/experiments.md E-I8F-OCC128).
-  static constexpr bool SERIAL = D == 128 && BKV == 128 && !PV16;
-  // K/V ring stages: the CTAs MIN_CTAS budgets for fit in shared memory (three with PV_HALVES or SERIAL: 75,776 bytes
-  // each; three at D = 64 with 128-key tiles: 72,704). PV16 (16-bit V, twice the bytes) and SERIAL: two stages, tile
-  // t+1 loaded while tile t is softmaxed (the loops below).
+  // whole forward call, bitwise the same O (docs/experiments.md E-I8F-OCC128). At D = 64 the same loop (P.V in the
+  // first 32 of S's registers) fits 128 registers with 16 bytes of spills: four CTAs per SM instead of the pipelined
+  // loop's three, 1.04-1.05x on the whole forward call, bitwise the same O (E-I8F-SERIAL64).
+  static constexpr bool SERIAL = BKV == 128 && !PV16;
+  // K/V ring stages: the CTAs MIN_CTAS budgets for fit in shared memory (three with PV_HALVES or SERIAL at D = 128:
+  // 75,776 bytes each; four with SERIAL at D = 64: 38,912). PV16 (16-bit V, twice the bytes) and SERIAL: two stages,
+  // tile t+1 loaded while tile t is softmaxed (the loops below).
   static constexpr int NST = (PV16 || SERIAL) ? 2 : 4;
-  // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__)
-  // D = 64 with 128-key tiles and the INT8 P.V: three (168 registers instead of 238, no spills; the 4-stage ring's
-  // 72,704 bytes fit three times): 1.12-1.14x on the whole forward call, bitwise the same O (docs/experiments.md
-  // E-I8F-OCC64B). The 16-bit P.V needs 154 registers, three CTAs already.
-  static constexpr int MIN_CTAS = (PV_HALVES || SERIAL) ? 3 : ((D == 64 && BKV == 64 && !PV16) ? 4
-                                                  : (D == 64 && BKV == 128 && !PV16) ? 3 : 1);
+  // CTAs per SM the registers of a 4-warp CTA are budgeted for (__launch_bounds__): SERIAL at D = 64 four (above),
+  // at D = 128 three. D = 64 with 64-key tiles and the INT8 P.V: four (E-I8F-OCC64). The 16-bit P.V needs 154
+  // registers, three CTAs already.
+  static constexpr int MIN_CTAS = (SERIAL && D == 64) ? 4 : (PV_HALVES || SERIAL) ? 3
+                                  : (D == 64 && BKV == 64 && !PV16) ? 4 : 1;
 };
 template <typename T, int D, int WARPS, int BKV, bool PACKED = false, bool PV16 = false>
 __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __restrict__ qc, const float* __restrict__ qs,
@@ -604,7 +605,7 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
     // One accumulator: S(t) -> softmax(t) -> P.V(t) in the same registers -> fold into O -> Q.K^T(t+1) in them again.
     // Stage of tile j: j % 2; tile j+1 is loaded at the top of iteration j (its stage held tile j-1, whose P.V every
     // warp has waited for by the barrier) and waited for after the fold, before Q.K^T(j+1).
-    static_assert(NST == 2 && D == 128 && BKV == 128, "the serial loop's ring and products");
+    static_assert(NST == 2 && BKV == 128, "the serial loop's ring and products");
     for (int j = 0; j < n_tiles; ++j) {
       const int tile = tl.first + j;
       __syncthreads();
@@ -614,11 +615,20 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
                                                    tl.need_mask(tile), rk, t4, p_max, inv_p_max);
       wgmma_fence();
       const char* cV = sV + (j % NST) * D * BKV;
-      wgmma_m64n128k32_rs_u8s8_first(accs, pa[0], gmma_desc<64>(cV));
+      if constexpr (D == 128) {
+        wgmma_m64n128k32_rs_u8s8_first(accs, pa[0], gmma_desc<64>(cV));
 #pragma unroll
-      for (int kstep = 1; kstep < BKV / 32; ++kstep)  // k-steps 2 i, 2 i + 1 read image i's V^^T
-        wgmma_m64n128k32_rs_u8s8(accs, pa[kstep], gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D),
-                                                                     32 * (kstep % 2)), 1);
+        for (int kstep = 1; kstep < BKV / 32; ++kstep)  // k-steps 2 i, 2 i + 1 read image i's V^^T
+          wgmma_m64n128k32_rs_u8s8(accs, pa[kstep], gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D),
+                                                                       32 * (kstep % 2)), 1);
+      } else {  // D = 64: P.V in the first 32 of S's registers
+        int(&pv)[32] = *reinterpret_cast<int(*)[32]>(&accs[0]);
+        wgmma_m64n64k32_rs_u8s8_first(pv, pa[0], gmma_desc<64>(cV));
+#pragma unroll
+        for (int kstep = 1; kstep < BKV / 32; ++kstep)
+          wgmma_m64n64k32_rs_u8s8(pv, pa[kstep], gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D),
+                                                                    32 * (kstep % 2)), 1);
+      }
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(accs);
