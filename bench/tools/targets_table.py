@@ -9,6 +9,7 @@ time the same shape are refused (give them in separate calls).
     python3 bench/run_bench.py --families int8 --ds 64,128 --baselines sdpa --adapters --dtype float16 --out fp16.jsonl
     python bench/tools/targets_table.py bf16.jsonl fp16.jsonl
     python bench/tools/targets_table.py --config pv16 run.jsonl     # another INT8 config of the same run
+    python bench/tools/targets_table.py --shapes bf16.jsonl         # the ratios shape by shape (the README's table)
 """
 import sys
 
@@ -64,7 +65,25 @@ def _fmt(rs, target):
     return f"{lo:.2f} | {hi:.2f} | ≥ {target:.2f} | {'met' if lo >= target else 'not met'} (lowest: D={where})"
 
 
-def main(paths, config="default"):
+def shapes_table(ix):
+    """One line per (D, causal, N) of the INT8 e2e rows: forward and forward+backward against both baselines."""
+    cols = (("fwd", SDPA, None), ("fwd", FP8, "*"), ("fwdbwd", SDPA, None), ("fwdbwd", FP8, "*"))
+    keys = sorted({(k[3], k[5], k[4], k[6]) for k in ix if k[0] == OURS and k[2] == "e2e"},
+                  key=lambda k: (-k[0], k[1], k[2], k[3]))
+    multi = len({k[3] for k in keys}) > 1
+    print("| D | causal | N |" + (" dtype |" if multi else "") + " fwd × SDPA (cuDNN bf16) | fwd × cuDNN FP8 |"
+          " fwd+bwd × SDPA (cuDNN bf16) | fwd+bwd × cuDNN FP8 |")
+    print("|---:|:---:|---:|" + ("---|" if multi else "") + "---:|---:|---:|---:|")
+    for D, c, N, dt in keys:
+        cells = []
+        for mode, base, bdt in cols:
+            mine, b = ix.get((OURS, mode, "e2e", D, N, c, dt)), ix.get((base, mode, "e2e", D, N, c, bdt or dt))
+            cells.append(f"{b / mine:.2f}" if mine and b else "–")
+        print(f"| {D} | {'yes' if c else 'no'} | {N // 1024}K |" + (f" {dt} |" if multi else "")
+              + "".join(f" {x} |" for x in cells))
+
+
+def main(paths, config="default", shapes=False):
     rows, ix = [], {}
     for path in paths:  # one index per file, merged: a shape timed in two files would otherwise keep the last silently
         file_rows = load(path)
@@ -99,6 +118,9 @@ def main(paths, config="default"):
         for mode in ("fwd", "fwdbwd"):
             table.append((f"{impl.rsplit('-', 1)[1]} adapter {mode}: CuPy ms / adapter ms",
                           _adapter_ratios(ix, impl, mode), 0.97))
+    if shapes:
+        shapes_table(ix)
+        return
     print("| target | lowest | highest | target | status |")
     print("|---|---:|---:|---:|---|")
     for name, rs, target in table:
@@ -110,9 +132,13 @@ if __name__ == "__main__":
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 else 2)
     args = sys.argv[1:]
-    config = "default"
+    config, shapes = "default", False
+    if args[0] == "--shapes":
+        shapes, args = True, args[1:]
     if args[0] == "--config":
         if len(args) < 3:
             sys.exit("targets_table.py: --config NAME needs a name and at least one file")
         config, args = args[1], args[2:]
-    main(args, config)
+    if not args:
+        sys.exit("targets_table.py: no file given")
+    main(args, config, shapes)

@@ -163,3 +163,39 @@ def test_sweep_table_against_another_baseline(tmp_path):
     assert "INT8 fwd × sdpa" in out.splitlines()[0]
     line = next(x for x in out.splitlines() if x.startswith("| 128 | no | 4K |"))
     assert [c.strip() for c in line.strip("|").split("|")][3] == "0.80 / –"
+
+
+def _targets_rows():
+    rows = []
+    for causal in (False, True):
+        kw = dict(D=128, N=4096, causal=causal)
+        rows += [_row("sagecupy-int8", "fwd", "e2e", 1.0, config="default", **kw),
+                 _row("sagecupy-int8", "fwdbwd", "e2e", 4.0, config="default", **kw),
+                 _row("sdpa-default", "fwd", "e2e", 1.6, **kw),
+                 _row("sdpa-default", "fwdbwd", "e2e", 5.0 if causal else 6.0, **kw)]
+        fp8 = [_row("cudnn-fp8", "fwd", "e2e", 0.9, **kw), _row("cudnn-fp8", "fwd", "kernel", 0.5, **kw)]
+        rows += [dict(r, dtype="float8_e4m3fn" if r["scope"] == "kernel" else "bfloat16") for r in fp8]
+    return rows
+
+
+def test_targets_table_lowest_ratio_decides(tmp_path):
+    out = _run("targets_table.py", _targets_rows(), tmp_path)
+    lines = {x.split("|")[1].strip(): [c.strip() for c in x.strip("|").split("|")] for x in out.splitlines()
+             if x.startswith("| fwd")}
+    assert lines["fwd, D=128, N ≥ 4K, × cuDNN bf16 (SDPA default)"][1:4] == ["1.60", "1.60", "≥ 1.50"]
+    assert lines["fwd, D=128, N ≥ 4K, × cuDNN bf16 (SDPA default)"][4].startswith("met")
+    # fwd+bwd: 1.25 causal, 1.50 not causal; the lowest (causal) is below 1.35
+    assert lines["fwd+bwd, D=128, N ≥ 4K, × cuDNN bf16"][1:3] == ["1.25", "1.50"]
+    assert lines["fwd+bwd, D=128, N ≥ 4K, × cuDNN bf16"][4] == "not met (lowest: D=128/4K causal bfloat16)"
+    assert lines["fwd, D=128, N ≥ 4K, × cuDNN FP8 kernel alone"][1] == "0.50"
+    assert lines["fwd+bwd, D=128, N ≥ 4K, × cuDNN FP8 with casts"][4] == "not timed"
+
+
+def test_targets_table_shapes(tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"type": "env"}] + _targets_rows()) + "\n")
+    out = subprocess.run([sys.executable, str(TOOLS / "targets_table.py"), "--shapes", str(path)],
+                         capture_output=True, text=True, cwd=TOOLS, check=True).stdout
+    body = [x for x in out.splitlines() if x.startswith("| 128")]
+    # fwd × SDPA, fwd × FP8 (with casts), fwd+bwd × SDPA, fwd+bwd × FP8 (not timed: a dash)
+    assert body == ["| 128 | no | 4K | 1.60 | 0.90 | 1.50 | – |", "| 128 | yes | 4K | 1.60 | 0.90 | 1.25 | – |"]
