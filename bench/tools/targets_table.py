@@ -133,12 +133,13 @@ if __name__ == "__main__":
         sys.exit(0 if len(sys.argv) > 1 else 2)
     args = sys.argv[1:]
     config, shapes = "default", False
-    if args[0] == "--shapes":
-        shapes, args = True, args[1:]
-    if args[0] == "--config":
-        if len(args) < 3:
-            sys.exit("targets_table.py: --config NAME needs a name and at least one file")
-        config, args = args[1], args[2:]
+    while args and args[0] in ("--shapes", "--config"):  # the options, in either order, before the files
+        if args[0] == "--shapes":
+            shapes, args = True, args[1:]
+        elif len(args) < 2:
+            sys.exit("targets_table.py: --config NAME needs a name")
+        else:
+            config, args = args[1], args[2:]
     if not args:
         sys.exit("targets_table.py: no file given")
     main(args, config, shapes)
