@@ -686,17 +686,14 @@ __device__ __forceinline__ void int8_attn_fwd_wgmma_impl(const signed char* __re
 #pragma unroll
       for (int j = 0; j < 8; ++j) fwd_pv_update(acc_o[8 + j], acc_pv + 4 * j, ts);
     } else {
+    // D = 64 with 64-key tiles: D = 128 takes PV_HALVES (64-key tiles) or SERIAL (128), as 128-key tiles at D = 64 do
+    static_assert(D == 64 && BKV == 64, "the pipelined loop's P.V products");
     wgmma_fence();
-    {  // P.V(t): k-steps 2 i, 2 i + 1 read image i's V^^T
+    {  // P.V(t): the two k-steps of the tile's one V^^T image
       const char* cV = sV + (j % NST) * D * BKV;
 #pragma unroll
-      for (int kstep = 0; kstep < BKV / 32; ++kstep) {
-        const unsigned long long dv = gmma_desc_advance(gmma_desc<64>(cV + (kstep / 2) * 64 * D), 32 * (kstep % 2));
-        if constexpr (D == 128)
-          wgmma_m64n128k32_rs_u8s8(acc_pv, pa[kstep], dv, kstep);
-        else
-          wgmma_m64n64k32_rs_u8s8(acc_pv, pa[kstep], dv, kstep);
-      }
+      for (int kstep = 0; kstep < BKV / 32; ++kstep)
+        wgmma_m64n64k32_rs_u8s8(acc_pv, pa[kstep], gmma_desc_advance(gmma_desc<64>(cV), 32 * kstep), kstep);
       wgmma_commit();
     }
     // Q.K^T(t+1). On the last tile it multiplies a stale stage (no bulk copy is in flight then: the last tile's
