@@ -398,11 +398,9 @@ def _window_key(window):
 
 
 def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inference=False, window=None,
-             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, statistics=None, given=None):
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, statistics=None):
     """:func:`_preprocess_forward` for the public calls: (plan, pre), scratch buffers as addresses (ints; the arena
-    array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched).
-    ``given``: None, or residual buffers by name that the pre-pass writes into (:func:`_training`'s ``res_out``;
-    dense layouts)."""
+    array that holds them is ``pre[_layout.TMP]``, which the caller keeps until the attention kernel is launched)."""
     if _varlen.is_packed(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         if statistics is not None:
             raise ValueError("statistics= is for dense layouts; packed sequences take each sequence's own")
@@ -418,8 +416,6 @@ def _prepass(q, k, v, *, causal, sm_scale, layout, config, engine=None, inferenc
     ns = _layout.input_ns(plan, plan.p.layout, q=q, k=k, v=v)
     if statistics is not None:
         ns.update(statistics)
-    if given:
-        ns.update(given)
     return plan, _run_prepass(plan, ns, q)
 
 
@@ -583,18 +579,17 @@ def v_t_channels(v_t):
     return v_t.transpose(0, 1, 3, 2, 4).reshape(B, H, D, nblk * w)
 
 
-def _launch_forward(p, cfg, pre, engine=None, mask=None, o_out=None, lse2_out=None):
+def _launch_forward(p, cfg, pre, engine=None, mask=None, o_out=None):
     """The attention kernel alone (after :func:`_preprocess_forward`): (o, lse, lse2). The launch program is
     recorded once per (pre-pass plan, engine, mask, :func:`~sagecupy._program.env_key`); ``mask``: see
-    :func:`kernel_mask` (dense layouts only). ``o_out``: a buffer the kernel writes O into (:func:`_forward_into`);
-    ``lse2_out``: one for the base-2 LSE the backward reads (:func:`_training`'s ``res_out``)."""
+    :func:`kernel_mask` (dense layouts only). ``o_out``: a buffer the kernel writes O into (:func:`_forward_into`)."""
     prog = pre["plan"].launch_program(p, cfg, lambda: (engine, mask, env_key()),
                                       lambda: _forward_launch_program(p, cfg, pre, engine, mask))
     ns = {n: pre[n] for n in _PRE_NAMES}
-    given = {"o": o_out, "lse2": lse2_out}
-    ns.update((n, b) for n, b in given.items() if b is not None)
+    if o_out is not None:
+        ns["o"] = o_out
     prog.run(ns)
-    _check_written(ns, given)
+    _check_written(ns, {"o": o_out})
     return ns["o"], ns["lse"], ns["lse2"]
 
 
@@ -709,13 +704,12 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", return
     return (o, lse) if return_lse else o
 
 
-def _replayed(q, k, v, plan, inference, kw, given=None):
+def _replayed(q, k, v, plan, inference, kw):
     """``(plan, pre)`` of the forward's pre-pass: :func:`_prepass` (``plan`` None), or ``plan`` replayed on the inputs
-    an adapter hands over (:func:`_inference`, :func:`_training`). ``given``: residual buffers by name for the
-    pre-pass to write into."""
+    an adapter hands over (:func:`_inference`, :func:`_training`)."""
     if plan is None:
-        return _prepass(q, k, v, inference=inference, given=given, **kw)
-    return plan, _run_prepass(plan, {"q": q, "k": k, "v": v, **(given or {})}, None)
+        return _prepass(q, k, v, inference=inference, **kw)
+    return plan, _run_prepass(plan, {"q": q, "k": k, "v": v}, None)
 
 
 def _inference(q, k, v, plan=None, o_out=None, **kw):
@@ -732,36 +726,14 @@ def _inference(q, k, v, plan=None, o_out=None, **kw):
     return o, lse, plan
 
 
-#: The residuals :func:`_training` can write into its caller's buffers (``res_out``): the pre-pass's, then lse2.
-RES_OUT = ("q_codes", "q_scale", "k_codes", "k_scale", "mu_k", "lse2")
-
-
-def _training(q, k, v, plan=None, o_out=None, res_out=None, **kw):
+def _training(q, k, v, plan=None, o_out=None, **kw):
     """:func:`_inference` for the training forward (:func:`forward`): ``(o, lse, residuals, plan)``, ``o`` raw. With
     a plan, q and k are addresses and v is the raw CuPy array of the input (bfloat16's uint16 bits, as the pre-pass
     takes it), which the residuals keep for the backward, as :func:`forward`'s keep theirs; or v's address, for a
-    caller that rebuilds the residuals' v itself (the JAX adapter). ``res_out``: None, or a dict of buffers for some
-    of :data:`RES_OUT` (C-contiguous CuPy arrays of the residuals' shapes and dtypes, dense layouts, no
-    ``statistics``), which the pre-pass and the kernel write instead of arrays of their own, so that a framework
-    that allocated them (the JAX adapter: XLA's output buffers) needs no copy; the residuals are then over them."""
-    given = None
-    if res_out:
-        extra = set(res_out) - set(RES_OUT)
-        if extra:
-            raise ValueError(f"res_out: {sorted(extra)} are not residuals the training forward writes; it takes "
-                             f"{', '.join(RES_OUT)}")
-        if kw.get("statistics") is not None or (plan is not None and plan.p.layout == _layout.PACKED) or (
-                plan is None and _varlen.is_packed(kw.get("layout", "HND"), kw.get("cu_seqlens_q"),
-                                                   kw.get("cu_seqlens_k"), kw.get("max_seqlen_q"),
-                                                   kw.get("max_seqlen_k"))):
-            raise ValueError("res_out is for dense layouts without statistics=")
-        given = {n: b for n, b in res_out.items() if n != "lse2"}
-    plan, pre = _replayed(q, k, v, plan, False, kw, given)
-    if given:
-        _check_written(pre, given)
+    caller that rebuilds the residuals' v itself (the JAX adapter)."""
+    plan, pre = _replayed(q, k, v, plan, False, kw)
     p, cfg = plan.p, plan.cfg
-    o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"), o_out=o_out,
-                                   lse2_out=res_out.get("lse2") if res_out else None)
+    o, lse, lse2 = _launch_forward(p, cfg, pre, kw.get("engine"), o_out=o_out)
     res = Residuals(p, cfg, pre["q_codes"], pre["q_scale"], pre["k_codes"], pre["k_scale"], pre["v"], o, lse2,
                     pre["mu_k"], pre["packed"])
     return o, lse, res, plan

@@ -321,16 +321,9 @@ def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool, l
                 ptrs = tuple(_ptr(b) for b in (q, k, v))
                 key = (ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, env_key())
                 plan = plans.get(key)
-            # Dense layouts: the pre-pass and the kernel write the residuals into XLA's buffers themselves (no
-            # device-to-device copy of the codes after the kernel; docs/experiments.md, E-ADAPT-JAXRES).
-            res_out = ({n: _view(out[n], dev) for n in int8.RES_OUT if n in out}
-                       if keep and replayable else None)
             if plan is not None:
                 # (with keep, the residuals' v is an address: the backward rebuilds v from its own buffer)
-                if keep:
-                    _, lse_arr, *res = int8._training(*ptrs, plan, o_out=o_buf, res_out=res_out)
-                else:
-                    _, lse_arr, *res = int8._inference(*ptrs, plan, o_out=o_buf)
+                _, lse_arr, *res = (int8._training if keep else int8._inference)(*ptrs, plan, o_out=o_buf)
                 saved = {n: getattr(res[0], n) for n in out if n not in ("o", "lse")} if keep else {}
             else:
                 qc, kc, vc = (_kernel_input(_view(b, dev), p.dtype) for b in (q, k, v))
@@ -341,18 +334,14 @@ def _int8_forward_callback(p: _checks.Problem, cfg: SageBwdConfig, keep: bool, l
                 # The kernel writes O into XLA's buffer. Outside a vjp (keep False) this is the inference forward (no
                 # residuals; o bitwise int8.forward's).
                 if replayable:
-                    if keep:
-                        _, lse_arr, *res = int8._training(qc, kc, vc, o_out=o_buf, res_out=res_out, **kw)
-                    else:
-                        _, lse_arr, *res = int8._inference(qc, kc, vc, o_out=o_buf, **kw)
+                    _, lse_arr, *res = (int8._training if keep else int8._inference)(qc, kc, vc, o_out=o_buf, **kw)
                     if not any(res[-1].copy):  # (the pre-pass copies an input it cannot read as it is: not replayed)
                         plans.put(key, res[-1])
                 else:
                     _, lse_arr, *res = int8._forward_into(o_buf, qc, kc, vc, inference=not keep, **kw)
                 saved = _int8_saved(res[0], p, cfg) if keep else {}
             for name, arr in saved.items():
-                if res_out is None or arr is not res_out.get(name):  # (else written in place)
-                    _write(out[name], arr, name, dev)
+                _write(out[name], arr, name, dev)
             if lse:
                 _write(out["lse"], lse_arr, "lse", dev)
 

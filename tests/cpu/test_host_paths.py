@@ -238,56 +238,6 @@ def test_int8_validation_runs_on_replayed_calls(gpu):
         int8.backward(object(), FakeArray(q.shape, q.dtype))
 
 
-def _residual_buffers(nq=100, nk=70, d=128):
-    """Buffers for every residual int8._training can write in place (res_out), for _inputs()'s problem."""
-    from sagecupy import _layout, int8
-
-    nq_pad, nk_pad = _layout.roundup(nq, int8._FWD_BQ), _layout.roundup(nk, int8._FWD_BKV)
-    return {"q_codes": FakeArray((2, 4, nq_pad, d), np.int8), "q_scale": FakeArray((2, 4, nq_pad), np.float32),
-            "k_codes": FakeArray((2, 2, nk_pad, d), np.int8), "k_scale": FakeArray((2, 2, nk_pad), np.float32),
-            "mu_k": FakeArray((2, 2, d), np.float32), "lse2": FakeArray((2, 4, nq_pad), np.float32)}
-
-
-@pytest.mark.parametrize("engine", ["wgmma", "mma"])
-def test_int8_training_writes_residuals_into_given_buffers(gpu, engine):
-    """int8._training(res_out=...) (the JAX adapter's forward): the pre-pass and the kernel write the residuals into
-    the caller's buffers, on the first call and on a replay of its plan, and the residuals are those buffers; the
-    launches are otherwise the plain training forward's."""
-    from sagecupy import int8
-
-    int8._FWD_PLANS.clear()  # (plans recorded by earlier tests launch through their fixtures' kernels)
-    q, k, v = _inputs()
-    kw = dict(causal=True, sm_scale=None, layout="HND", config=None, engine=engine)  # as the adapters pass them
-    plan, runs = None, []
-    for _ in range(2):
-        given, start = _residual_buffers(), len(gpu)
-        args = (q, k, v) if plan is None else (q.data.ptr, k.data.ptr, v, plan)
-        _, _, res, plan = int8._training(*args, res_out=given, **kw)
-        launched = gpu[start:]
-        for name, buf in given.items():
-            assert getattr(res, name) is buf, name
-            assert any(a is buf for x in launched for a in x[3]), name
-        runs.append([x[0] for x in launched])
-    start = len(gpu)
-    int8._training(q, k, v, **kw)
-    assert runs[0] == runs[1] == [x[0] for x in gpu[start:]]
-
-
-def test_int8_training_res_out_is_checked(gpu):
-    from sagecupy import int8
-
-    q, k, v = _inputs()
-    kw = dict(causal=True, sm_scale=None, layout="HND", config=None)
-    with pytest.raises(ValueError, match="res_out: \\['v'\\]"):
-        int8._training(q, k, v, res_out={"v": v}, **kw)
-    with pytest.raises(ValueError, match="dense layouts"):
-        int8._training(q, k, v, res_out=_residual_buffers(), **{**kw, "layout": "THD"})
-    bad = _residual_buffers()
-    bad["q_codes"] = FakeArray((2, 4, 100, 128), np.int8)  # unpadded rows
-    with pytest.raises(ValueError, match="q_codes"):
-        int8._training(q, k, v, res_out=bad, **kw)
-
-
 @pytest.mark.parametrize("engine", ["wgmma", "mma"])
 def test_int8_backward_kernels_follow_dv_int8_and_ds_int8(gpu, engine):
     """Each (dv_int8, ds_int8) pair the kernels implement launches its own instantiations (the (DV16, DS16)
