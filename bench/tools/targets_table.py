@@ -99,6 +99,9 @@ def main(paths, config="default", shapes=False):
     rounds = sorted({r["rounds"] for r in rows if "rounds" in r})  # load() keeps the median of a --rounds run
     print(f"GPU: {', '.join(gpus) or 'unknown'}; INT8 config: {config}; dtypes: {', '.join(dtypes)}; "
           f"files: {', '.join(paths)}" + (f"; medians over {'/'.join(map(str, rounds))} rounds" if rounds else ""))
+    if shapes:
+        shapes_table(ix)
+        return
     big = lambda D, N: D == 128 and N >= 4096  # noqa: E731
     d64 = lambda D, N: D == 64 and N >= 4096  # noqa: E731
     short = lambda D, N: N <= 2048  # noqa: E731
@@ -118,9 +121,6 @@ def main(paths, config="default", shapes=False):
         for mode in ("fwd", "fwdbwd"):
             table.append((f"{impl.rsplit('-', 1)[1]} adapter {mode}: CuPy ms / adapter ms",
                           _adapter_ratios(ix, impl, mode), 0.97))
-    if shapes:
-        shapes_table(ix)
-        return
     print("| target | lowest | highest | target | status |")
     print("|---|---:|---:|---:|---|")
     for name, rs, target in table:

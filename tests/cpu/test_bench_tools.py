@@ -16,10 +16,11 @@ def _row(impl, mode, scope, ms, D=128, N=4096, causal=False, config=None):
     return r
 
 
-def _run(tool, rows, tmp_path, *args):
+def _run(tool, rows, tmp_path, *args, opts=()):
+    """The tool's stdout on a file of ``rows``: ``opts`` go before the file (targets_table.py), ``args`` after it."""
     path = tmp_path / "run.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [{"type": "env"}] + rows) + "\n")
-    out = subprocess.run([sys.executable, str(TOOLS / tool), str(path), *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(TOOLS / tool), *opts, str(path), *args], capture_output=True, text=True,
                          cwd=TOOLS, check=True)
     return out.stdout
 
@@ -192,10 +193,7 @@ def test_targets_table_lowest_ratio_decides(tmp_path):
 
 
 def test_targets_table_shapes(tmp_path):
-    path = tmp_path / "run.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"type": "env"}] + _targets_rows()) + "\n")
-    out = subprocess.run([sys.executable, str(TOOLS / "targets_table.py"), "--shapes", str(path)],
-                         capture_output=True, text=True, cwd=TOOLS, check=True).stdout
+    out = _run("targets_table.py", _targets_rows(), tmp_path, opts=("--shapes",))
     body = [x for x in out.splitlines() if x.startswith("| 128")]
     # fwd × SDPA, fwd × FP8 (with casts), fwd+bwd × SDPA, fwd+bwd × FP8 (not timed: a dash)
     assert body == ["| 128 | no | 4K | 1.60 | 0.90 | 1.50 | – |", "| 128 | yes | 4K | 1.60 | 0.90 | 1.25 | – |"]
