@@ -104,16 +104,48 @@ def check_dims(shape, name: str, labels) -> None:
                              f"dimension must be at least 1")
 
 
+# The kernels take sm_scale as a float32 and fold sm_scale * log2(e) into their exp2 arguments: both must be finite
+# normal float32 numbers, or the kernel would compute with inf or 0 (a float64 check alone lets 1e39 or 1e-46 by).
+_F32 = _np.finfo(_np.float32)
+_SM_SCALE_MIN, _SM_SCALE_MAX = float(_F32.tiny), float(_F32.max) / 2  # / 2: log2(e) < 2 with rounding room
+SM_SCALE_RANGE = (f"finite and > 0, within [{_SM_SCALE_MIN:.4g}, {_SM_SCALE_MAX:.4g}] (the kernels take it and its "
+                  f"product with log2(e) as normal float32 numbers)")
+
+
+def sm_scale_out_of_range(value: float) -> bool:
+    return not (math.isfinite(value) and _SM_SCALE_MIN <= value <= _SM_SCALE_MAX)
+
+
+def is_bool(value) -> bool:
+    """A Python or NumPy bool (an int such as 0 or 1 is not: it would also equal a bool as a cache key)."""
+    return isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
+def scale_arg(sm_scale):
+    """An adapter's ``sm_scale`` as a Python float (None stays None; its range is checked by the family, through
+    :func:`check_sm_scale`). TypeError for a bool or a string, which ``float()`` would turn into 1.0 or parse, and
+    for anything ``float()`` refuses (a traced JAX value among them)."""
+    if sm_scale is None:
+        return None
+    if is_bool(sm_scale) or isinstance(sm_scale, (str, bytes)):
+        raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}")
+    try:
+        return float(sm_scale)
+    except (TypeError, ValueError):  # a traced JAX value raises a TypeError subclass too
+        raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}") from None
+
+
 def check_sm_scale(sm_scale, head_dim: int) -> float:
     """``sm_scale`` as a float (None: ``1/sqrt(head_dim)``). TypeError unless a real number (bool excluded);
-    ValueError unless finite and > 0 (the kernels fold it into exp2 arguments and quantization scales)."""
+    ValueError unless finite, > 0 and within :data:`SM_SCALE_RANGE` (the kernels take it as a float32 and fold it
+    into exp2 arguments and quantization scales)."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_" or not isinstance(sm_scale, numbers.Real):
+    if is_bool(sm_scale) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}")
     value = float(sm_scale)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"sm_scale={value} must be finite and > 0")
+    if sm_scale_out_of_range(value):
+        raise ValueError(f"sm_scale={value} must be {SM_SCALE_RANGE}")
     return value
 
 
@@ -265,10 +297,12 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
-def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPORTED_HEAD_DIMS) -> None:
+def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPORTED_HEAD_DIMS,
+                  layouts=_LAYOUTS + ("THD",)) -> None:
     """Validate a :class:`Problem` that did not come from :func:`check_attention_args` (one carried in a
-    ``Residuals``): field types, sizes, GQA, dtype, layout, ``sm_scale`` and :func:`check_limits`. ``name``
-    prefixes every message (e.g. ``"residuals.problem"``)."""
+    ``Residuals``): field types, sizes, GQA, dtype, layout (one of ``layouts``: a family without packed sequences
+    passes the dense ones, since its kernels would index a THD problem's buffers with dense strides), ``sm_scale``
+    and :func:`check_limits`. ``name`` prefixes every message (e.g. ``"residuals.problem"``)."""
     if not isinstance(p, Problem):
         raise TypeError(f"{name} must be a sagecupy._checks.Problem, got {type(p).__name__}")
     packed = p.layout == "THD"  # batch: the sequences; nq, nk: the totals, which may be 0
@@ -284,8 +318,8 @@ def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPOR
         raise ValueError(f"{name}: heads_q={p.heads_q} must be a multiple of heads_kv={p.heads_kv}")
     if p.dtype not in dtypes:
         raise ValueError(f"{name}.dtype={p.dtype!r} is not supported; supported: {dtypes}")
-    if not isinstance(p.layout, str) or p.layout not in _LAYOUTS + ("THD",):
-        raise ValueError(f"{name}.layout={p.layout!r} is not supported; supported: {_LAYOUTS + ('THD',)}")
+    if not isinstance(p.layout, str) or p.layout not in layouts:
+        raise ValueError(f"{name}.layout={p.layout!r} is not supported; supported: {layouts}")
     if not isinstance(p.causal, bool):
         raise TypeError(f"{name}.causal must be a bool, got {p.causal!r}")
     w = p.window
@@ -294,8 +328,8 @@ def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPOR
             raise ValueError(f"{name}.window={w!r} must be None or a pair (left, right) of ints >= -1 (-1: unbounded)")
         if p.causal and w[1] != 0:
             raise ValueError(f"{name}: causal=True contradicts window={w!r} (causal means right = 0)")
-    if not isinstance(p.sm_scale, float) or not math.isfinite(p.sm_scale) or p.sm_scale <= 0:
-        raise ValueError(f"{name}.sm_scale={p.sm_scale!r} must be a finite float > 0")
+    if not isinstance(p.sm_scale, float) or sm_scale_out_of_range(p.sm_scale):
+        raise ValueError(f"{name}.sm_scale={p.sm_scale!r} must be a float, {SM_SCALE_RANGE}")
     if packed:
         check_packed_limits(p.batch, p.heads_q, p.heads_kv, p.nq, p.nk, p.head_dim, what=f"{name}: ")
     else:

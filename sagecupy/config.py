@@ -208,5 +208,8 @@ def get_config(name_or_config=None) -> SageBwdConfig:
         return name_or_config
     if isinstance(name_or_config, str) and name_or_config in _NAMED:
         return _NAMED[name_or_config]
+    if not isinstance(name_or_config, str):  # another family's config, or not a config: the wrong type
+        raise TypeError(f"config={name_or_config!r} is not supported; supported: 'default', 'paper', 'bkv64', "
+                        f"'pv16' or a SageBwdConfig")
     raise ValueError(f"config={name_or_config!r} is not supported; supported: 'default', 'paper', 'bkv64', 'pv16' "
                      f"or a SageBwdConfig")

@@ -430,11 +430,12 @@ def _run_prepass(plan, ns, like):
 
 
 def _stats_key(statistics):
-    """``statistics`` in a plan's key: None, or the signature of each array (their values are per-call inputs)."""
+    """``statistics`` in a plan's key: None, or the signature of each array and its device (their values are per-call
+    inputs; the device, because a replayed plan skips :func:`check_statistics`, which refuses another device's)."""
     if statistics is None:
         return None
     try:
-        return tuple(sorted((n, signature(x)) for n, x in statistics.items()))
+        return tuple(sorted((n, signature(x), x.data.device_id) for n, x in statistics.items()))
     except AttributeError:
         raise TypeError(f"statistics must be None or a dict {{'mu_k': ..., 'v_scale': ...}} of float32 CuPy arrays "
                         f"of shape (B, Hkv, D), got {type(statistics).__name__}") from None

@@ -299,7 +299,7 @@ def check_residuals(res) -> None:
 
     if not isinstance(res, Residuals):
         raise TypeError(f"residuals must be the Residuals returned by sagecupy.qat.forward, got {type(res).__name__}")
-    _checks.check_problem(res.problem, "residuals.problem")
+    _checks.check_problem(res.problem, "residuals.problem", layouts=("HND", "NHD"))  # QAT takes no packed sequences
     if not isinstance(res.config, QATConfig):
         raise TypeError(f"residuals.config must be a QATConfig, got {type(res.config).__name__}")
     why = _unsupported_config(res.config)

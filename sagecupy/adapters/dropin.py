@@ -11,9 +11,10 @@ is tested without PyTorch.
 """
 from __future__ import annotations
 
-import math
 import threading
 import warnings
+
+from .. import _checks
 
 __all__ = ["FAMILIES", "FALLBACKS", "HEAD_DIMS", "SageFallbackWarning", "FallbackLog", "check_options",
            "hf_causal_needs_no_mask", "unsupported_reason"]
@@ -88,8 +89,8 @@ def unsupported_reason(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     if is_causal and Nq != Nk:
         return ("is_causal with Nq != Nk (PyTorch's causal mask is top-left aligned, the kernels' bottom-right; "
                 "they agree only when Nq == Nk)")
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        return "scale is not a positive finite number"
+    if scale is not None and _checks.sm_scale_out_of_range(scale):
+        return f"scale={scale!r} is not {_checks.SM_SCALE_RANGE}"
     if family == "nvfp4" and grad_needed:
         return "family nvfp4 is inference-only and a gradient is required"
     return None

@@ -221,12 +221,15 @@ def _hashable(name, value, supported):
 
 
 def _scale(sm_scale):
-    if sm_scale is None:
-        return None
-    try:
-        return float(sm_scale)
-    except (TypeError, ValueError):  # a traced value raises a TypeError subclass too
-        raise TypeError(f"sm_scale must be a Python float or None, got {sm_scale!r}") from None
+    return _checks.scale_arg(sm_scale)
+
+
+def _causal(causal):
+    """``causal`` checked before it keys a cached op: ``0 == False`` as a key, so an int would find (or leave
+    behind) the op built for a bool, and the trace-time check inside it would then refuse a later valid call."""
+    if not _checks.is_bool(causal):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return bool(causal)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -535,7 +538,7 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     the LSE is ``(Hq, total_q)``. The dense layouts take none of these four arguments (ValueError naming it).
     """
     _buffer_callback()
-    causal = _hashable("causal", causal, "True, False")
+    causal = _causal(causal)
     layout = _hashable("layout", layout, "'HND', 'NHD', 'THD'")
     config = _hashable("config", config, "None, 'default', 'paper' or a SageBwdConfig")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -597,11 +600,16 @@ def _dense_options(who, causal, layout):
     if isinstance(layout, str) and layout == _layout.PACKED:
         raise ValueError(f"layout='THD' (packed variable-length sequences) is not supported by {who}: only "
                          f"sage_attention (INT8) takes packed sequences; {who} takes 'HND' or 'NHD'")
-    return _hashable("causal", causal, "True, False"), _hashable("layout", layout, "'HND', 'NHD'")
+    return _causal(causal), _hashable("layout", layout, "'HND', 'NHD'")
 
 
 @functools.lru_cache(maxsize=None)
 def _qat_op(causal, sm_scale, layout, config):
+    qat = _qat()  # the config checked here, before tracing, as _int8_op checks its own (not first in the callback)
+    why = qat._unsupported_config(qat._get_config(config))
+    if why:
+        raise ValueError(f"config: {why}")
+
     def forward_call(q, k, v):
         p = _problem(q, k, v, causal, sm_scale, layout)
         spec = jax.ShapeDtypeStruct(q.shape, _exchange_dtype(p))
@@ -657,7 +665,13 @@ def _nvfp4_callback(p: _checks.Problem, config):
 @functools.lru_cache(maxsize=None)
 def _nvfp4_op(causal, sm_scale, layout, config):
     """A custom_vjp whose backward refuses: NVFP4 has no backward, and a zero gradient (what stop_gradient would
-    give) would silently train nothing."""
+    give) would silently train nothing. The config is checked here, before tracing, as :func:`_int8_op` checks its
+    own."""
+    from .. import nvfp4
+
+    why = nvfp4._unsupported_config(nvfp4._get_config(config))
+    if why:
+        raise ValueError(f"config: {why}")
 
     def forward_call(q, k, v):
         p = _problem(q, k, v, causal, sm_scale, layout)

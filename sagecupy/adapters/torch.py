@@ -268,12 +268,7 @@ def _compiling():
 
 def _scale(sm_scale):
     """``sm_scale`` as the ops' ``float?`` argument (its value is checked by the family)."""
-    if sm_scale is None:
-        return None
-    try:
-        return float(sm_scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"sm_scale must be a float or None, got {sm_scale!r}") from None
+    return _checks.scale_arg(sm_scale)
 
 
 def _config_arg(config):
@@ -282,7 +277,7 @@ def _config_arg(config):
     encoded: that costs host time on every call, which a name does not need."""
     if config is None:
         return ""
-    get_config(config)  # ValueError naming config: an unknown name, or not a config at all
+    get_config(config)  # names config: ValueError for an unknown name, TypeError for what is not a SageBwdConfig
     return config if isinstance(config, str) else _encode_config(config)
 
 

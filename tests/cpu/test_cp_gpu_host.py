@@ -118,6 +118,21 @@ def test_bad_statistics_are_refused_before_any_launch(gpu, stats, exc, words):
     assert gpu == []
 
 
+def test_statistics_on_another_device_are_refused_after_a_recorded_call(gpu):
+    """The recorded plan is keyed by the statistics' devices too: a replay skips check_statistics."""
+    from sagecupy import int8
+
+    q, k, v = _inputs()
+    for call in (int8.forward, int8.sage_attention):
+        call(q, k, v, statistics=_stats())  # recorded
+        elsewhere = _stats()
+        elsewhere["mu_k"].data.device_id = 1
+        start = len(gpu)
+        with pytest.raises(ValueError, match=r"statistics\['mu_k'\].*device"):
+            call(q, k, v, statistics=elsewhere)
+        assert len(gpu) == start
+
+
 @pytest.mark.parametrize("config,words", [("paper", "v_granularity"),
                                           (dict(k_smoothing=False), "k_smoothing")])
 def test_statistics_need_a_config_with_exactly_these_two(gpu, config, words):

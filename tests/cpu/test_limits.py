@@ -104,6 +104,10 @@ def test_zero_size_dimensions_in_nhd_are_named_in_its_order(gpu):
     (float("inf"), ValueError, r"sm_scale=inf must be finite and > 0"),
     (0.0, ValueError, r"sm_scale=0.0 must be finite and > 0"),
     (-0.125, ValueError, r"sm_scale=-0.125 must be finite and > 0"),
+    # finite in float64 but not a normal float32 (the kernels' type), or whose product with log2(e) overflows it
+    (1e39, ValueError, r"sm_scale=1e\+39 must be finite and > 0, within"),
+    (1e-46, ValueError, r"sm_scale=1e-46 must be finite and > 0, within"),
+    (3e38, ValueError, r"sm_scale=3e\+38 must be finite and > 0, within"),
     (True, TypeError, r"sm_scale must be a float or None, got True"),
     ("0.125", TypeError, r"sm_scale must be a float or None, got '0.125'"),
     (1j, TypeError, r"sm_scale must be a float or None"),
@@ -120,7 +124,7 @@ def test_good_sm_scales_pass(gpu):
     from sagecupy import int8
 
     q, k, v = _qkv()
-    for s in (None, 0.125, 2, np.float32(0.5), np.float64(1e-3)):
+    for s in (None, 0.125, 2, np.float32(0.5), np.float64(1e-3), 1e-37, 1e38):
         int8.forward(q, k, v, sm_scale=s)
         assert int8.is_supported(q, k, v, sm_scale=s) == (True, "")
 
@@ -148,6 +152,22 @@ def test_ints_and_bools_of_configs_are_type_checked(gpu):
             qat.fake_quantize(q, n_pad=n_pad)
     with pytest.raises(TypeError, match="causal must be a bool"):
         nvfp4.attention(q, k, v, causal=1)
+
+
+def test_another_familys_config_is_a_type_error_in_each_family(gpu):
+    """Each family names config with TypeError for an object of the wrong class (an unknown preset name: ValueError)."""
+    from sagecupy import int8, nvfp4, qat
+    from sagecupy.config import DEFAULT, NVFP4Config, QATConfig
+
+    q, k, v = _qkv()
+    start = len(gpu)
+    for fn, cfg in ((int8.forward, QATConfig()), (int8.sage_attention, NVFP4Config()), (int8.forward, {}),
+                    (qat.forward, DEFAULT), (nvfp4.attention, QATConfig())):
+        with pytest.raises(TypeError, match="config"):
+            fn(q, k, v, config=cfg)
+    with pytest.raises(ValueError, match="config='fast' is not supported"):
+        int8.forward(q, k, v, config="fast")
+    assert len(gpu) == start
 
 
 def _packed(B=1, Hq=2, Hkv=1, nq=128, nk=128, D=128):

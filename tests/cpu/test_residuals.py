@@ -236,6 +236,10 @@ def test_qat_residual_problem_and_config_are_checked(gpu):
                        (QATConfig(two_level_p=False), "two_level_p=False is reference-only")):
         with pytest.raises(ValueError, match=rf"residuals\.config: {words}"):
             qat.backward(dataclasses.replace(res, config=cfg), do)
+    # QAT takes no packed sequences: a THD problem would make its kernels index dense buffers with packed strides
+    with pytest.raises(ValueError, match=r"residuals\.problem\.layout='THD' is not supported; supported: "
+                                         r"\('HND', 'NHD'\)"):
+        qat.backward(dataclasses.replace(res, problem=dataclasses.replace(res.problem, layout="THD")), do)
     # bf16: the operands are bf16 bits (uint16); fp16 operands of the same shape are refused
     bf = dataclasses.replace(res, problem=dataclasses.replace(res.problem, dtype="bfloat16"))
     with pytest.raises(TypeError, match=r"residuals\.q_t\.dtype=float16 must be uint16"):

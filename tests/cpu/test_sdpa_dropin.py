@@ -62,6 +62,8 @@ CASES = [
     ("empty", dict(Nk=0), {}, "empty"),
     ("scale", {}, dict(scale=-1.0), "scale"),
     ("scale nan", {}, dict(scale=float("nan")), "scale"),
+    ("scale beyond float32", {}, dict(scale=1e39), "scale=1e+39"),  # the kernels take it as a float32
+    ("scale subnormal", {}, dict(scale=1e-40), "scale=1e-40"),
     ("nvfp4 grad", {}, dict(family="nvfp4", grad_needed=True), "inference-only"),
 ]
 
