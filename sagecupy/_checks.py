@@ -121,6 +121,13 @@ def is_bool(value) -> bool:
     return isinstance(value, bool) or type(value).__name__ == "bool_"
 
 
+def check_causal(causal) -> bool:
+    """``causal`` as a bool; TypeError unless a Python or NumPy bool."""
+    if not is_bool(causal):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return bool(causal)
+
+
 def scale_arg(sm_scale):
     """An adapter's ``sm_scale`` as a Python float (None stays None; its range is checked by the family, through
     :func:`check_sm_scale`). TypeError for a bool or a string, which ``float()`` would turn into 1.0 or parse, and
@@ -261,8 +268,7 @@ def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16"
     (:func:`check_limits`) included. ``window``: see :func:`check_window`."""
     if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise ValueError(f"layout={layout!r} is not supported; supported: {_LAYOUTS}")
-    if not isinstance(causal, (bool,)) and type(causal).__name__ != "bool_":
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_causal(causal)
     window = check_window(window, causal)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
@@ -294,7 +300,7 @@ def check_attention_args(q, k, v, *, causal, sm_scale, layout, dtypes=("float16"
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and type(x).__name__ != "bool_"
+    return isinstance(x, numbers.Integral) and not is_bool(x)
 
 
 def check_problem(p, name: str, dtypes=("float16", "bfloat16"), head_dims=SUPPORTED_HEAD_DIMS,

@@ -168,8 +168,7 @@ def check_args(q, k, v, *, causal, sm_scale, layout, window, cu_seqlens_q, cu_se
                max_seqlen_k) -> _checks.Problem:
     """Validate a packed call (arrays with .shape/.dtype; the offsets' metadata, and their values where they are on
     the host): the :class:`~sagecupy._checks.Problem` (``batch`` = S, ``nq``/``nk`` the totals)."""
-    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    _checks.check_causal(causal)
     window = _checks.check_window(window, causal)
     dtypes = ("float16", "bfloat16")
     for name, x in (("q", q), ("k", k), ("v", v)):

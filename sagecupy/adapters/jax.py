@@ -220,18 +220,6 @@ def _hashable(name, value, supported):
     return value
 
 
-def _scale(sm_scale):
-    return _checks.scale_arg(sm_scale)
-
-
-def _causal(causal):
-    """``causal`` checked before it keys a cached op: ``0 == False`` as a key, so an int would find (or leave
-    behind) the op built for a bool, and the trace-time check inside it would then refuse a later valid call."""
-    if not _checks.is_bool(causal):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    return bool(causal)
-
-
 # --------------------------------------------------------------------------------------------------
 # INT8 SageBwd
 # --------------------------------------------------------------------------------------------------
@@ -438,9 +426,7 @@ def _window(window, causal):
     ValueError naming ``window`` (and ``causal`` where they contradict), as :func:`sagecupy.int8.forward` raises."""
     if window is None:
         return None
-    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    return _checks.check_window(window, bool(causal))
+    return _checks.check_window(window, causal)  # (causal: already checked by the caller)
 
 
 _PACKED_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
@@ -538,7 +524,9 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     the LSE is ``(Hq, total_q)``. The dense layouts take none of these four arguments (ValueError naming it).
     """
     _buffer_callback()
-    causal = _causal(causal)
+    # causal is checked before it keys the cached op: 0 == False as a key, so an int would find (or leave behind)
+    # the op built for a bool, and the trace-time check inside it would then refuse a later valid call
+    causal = _checks.check_causal(causal)
     layout = _hashable("layout", layout, "'HND', 'NHD', 'THD'")
     config = _hashable("config", config, "None, 'default', 'paper' or a SageBwdConfig")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -548,8 +536,8 @@ def sage_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config
     # The maxima are checked (above, and against NumPy offsets); the kernels do not read them, so they stay out of the
     # op's and the callback's caches: a training loop whose longest document changes every step reuses one program.
     max_seqlen = (None, None) if offsets else None
-    out = _int8_op(causal, _scale(sm_scale), layout, config, _window(window, causal), bool(return_lse),
-                   max_seqlen)(q, k, v, offsets)
+    out = _int8_op(causal, _checks.scale_arg(sm_scale), layout, config, _window(window, causal),
+                   bool(return_lse), max_seqlen)(q, k, v, offsets)
     if return_lse:
         o, lse = out
         return o, jax.lax.stop_gradient(lse)  # the backward kernels take dO only
@@ -600,7 +588,8 @@ def _dense_options(who, causal, layout):
     if isinstance(layout, str) and layout == _layout.PACKED:
         raise ValueError(f"layout='THD' (packed variable-length sequences) is not supported by {who}: only "
                          f"sage_attention (INT8) takes packed sequences; {who} takes 'HND' or 'NHD'")
-    return _causal(causal), _hashable("layout", layout, "'HND', 'NHD'")
+    # causal checked before it keys the cached op, as in sage_attention
+    return _checks.check_causal(causal), _hashable("layout", layout, "'HND', 'NHD'")
 
 
 @functools.lru_cache(maxsize=None)
@@ -644,7 +633,7 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
     _qat()
     causal, layout = _dense_options("qat_attention", causal, layout)
     config = _hashable("config", config, "None or a QATConfig")
-    return _qat_op(causal, _scale(sm_scale), layout, config)(q, k, v)
+    return _qat_op(causal, _checks.scale_arg(sm_scale), layout, config)(q, k, v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -705,5 +694,5 @@ def nvfp4_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", confi
     config = _hashable("config", config, "None or an NVFP4Config")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-    o, lse = _nvfp4_op(causal, _scale(sm_scale), layout, config)(q, k, v)
+    o, lse = _nvfp4_op(causal, _checks.scale_arg(sm_scale), layout, config)(q, k, v)
     return (o, lse) if return_lse else o

@@ -125,8 +125,7 @@ _PACKED_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 
 def _check_options(causal, layout, who=None):
     """``who``: the entry point's name where it takes the dense layouts only (packed sequences are INT8's)."""
-    if not isinstance(causal, bool) and type(causal).__name__ != "bool_":
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    _checks.check_causal(causal)
     if who is not None and isinstance(layout, str) and layout == _PACKED:
         raise ValueError(f"layout='THD' (packed variable-length sequences) is not supported by {who}: only "
                          f"sage_attention (INT8) takes packed sequences; {who} takes {_LAYOUTS}")
@@ -139,7 +138,7 @@ def _max_seqlen(value, name):
     symbolic stays symbolic: the sign is a guard, and only the error message reads the value)."""
     if value is None:
         return -1
-    if not isinstance(value, torch.SymInt) and (isinstance(value, bool) or type(value).__name__ == "bool_"
+    if not isinstance(value, torch.SymInt) and (_checks.is_bool(value)
                                                 or not isinstance(value, numbers.Integral)):
         raise ValueError(f"{name}={value!r} must be a non-negative integer (a host int, as FlashAttention takes it) "
                          f"or None")
@@ -266,11 +265,6 @@ def _compiling():
     return torch.compiler.is_compiling()
 
 
-def _scale(sm_scale):
-    """``sm_scale`` as the ops' ``float?`` argument (its value is checked by the family)."""
-    return _checks.scale_arg(sm_scale)
-
-
 def _config_arg(config):
     """``config`` as the INT8 ops' string argument: ``""`` for None and a preset's name as it is (checked to name
     one), which the family resolves as the CuPy call does; a config object encoded field by field. Only objects are
@@ -302,7 +296,7 @@ def _sage_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=Fal
     with the arguments they always took): through PyTorch's dispatcher, or their bodies directly where
     :func:`_dispatcher_free` allows. A call that needs no gradient (grad mode off, or no input requires grad) runs
     the inference op, which keeps no residuals."""
-    args = (q, k, v, bool(causal), _scale(sm_scale), layout, _config_arg(config), *window, *packed)
+    args = (q, k, v, bool(causal), _checks.scale_arg(sm_scale), layout, _config_arg(config), *window, *packed)
     eager = _dispatcher_free(q, k, v, *packed[:2])
     if not _needs_grad(q, k, v):
         # (eager: q, k, v were checked by the caller, sage_attention)
@@ -399,7 +393,7 @@ def _qat_attention_op(q, k, v, causal, sm_scale, layout, config, return_lse=Fals
     """The custom-op path of :func:`qat_attention` (what it runs under torch.compile)."""
     if config is not None and not isinstance(config, QATConfig):
         raise TypeError(f"config must be a QATConfig or None, got {type(config).__name__}")
-    o, lse = torch.ops.sagecupy.qat_attention_fwd(q, k, v, bool(causal), _scale(sm_scale), layout,
+    o, lse = torch.ops.sagecupy.qat_attention_fwd(q, k, v, bool(causal), _checks.scale_arg(sm_scale), layout,
                                                   _encode_config(config))
     return (o, lse) if return_lse else o
 
@@ -424,7 +418,8 @@ def qat_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=
 def _nvfp4_attention_op(q, k, v, causal, sm_scale, layout, config):
     if config is not None and not isinstance(config, NVFP4Config):
         raise TypeError(f"config must be an NVFP4Config or None, got {type(config).__name__}")
-    return torch.ops.sagecupy.nvfp4_attention(q, k, v, bool(causal), _scale(sm_scale), layout, _encode_config(config))
+    return torch.ops.sagecupy.nvfp4_attention(q, k, v, bool(causal), _checks.scale_arg(sm_scale), layout,
+                                              _encode_config(config))
 
 
 def nvfp4_attention(q, k, v, *, causal=False, sm_scale=None, layout="HND", config=None, return_lse=False):
